@@ -1,0 +1,242 @@
+# moerpc - root Makefile. Builds everything into $(BUILD) (build/ by default).
+#
+#   make                  libraries, binaries (build/bin) and tests
+#   make test             unit + fuzz-corpus replay + integration tests
+#   make demo             model + two servers + verify + bench-rpc (see deploy/demo.sh)
+#   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
+#   make HAVE_AVX512=0 HAVE_AMX=0 HAVE_HWLOC=0 HAVE_CUDA=0   the "have-not" build
+#   make fuzz             libFuzzer targets (clang) in build/fuzz
+#
+# Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
+
+SANITIZER ?=
+ifeq ($(SANITIZER),)
+BUILD ?= build
+else
+BUILD ?= build/san-$(SANITIZER)
+endif
+
+CC      ?= gcc
+CLANG   ?= clang
+NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+PROTOC_C ?= protoc-c
+
+HAVE_HWLOC  ?= 1
+HAVE_NUMA   ?= 1
+HAVE_AVX2   ?= 1
+HAVE_AVX512 ?= 1
+HAVE_AMX    ?= 1
+HAVE_CUDA   ?= $(if $(NVCC),1,0)
+
+STD   = -std=gnu11
+WARN  = -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes -Wvla -Werror=implicit-function-declaration
+OPT  ?= -O2 -g
+DEFS  = -DMR_HAVE_HWLOC=$(HAVE_HWLOC) -DMR_HAVE_NUMA=$(HAVE_NUMA) -DMR_HAVE_AVX2=$(HAVE_AVX2) \
+        -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_AMX=$(HAVE_AMX) -DMR_HAVE_CUDA=$(HAVE_CUDA)
+INC   = -I. -I$(BUILD)/gen -I$(BUILD)/gen/proto
+
+ifeq ($(SANITIZER),address)
+SAN = -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
+else ifeq ($(SANITIZER),undefined)
+SAN = -fsanitize=undefined -fno-sanitize-recover=undefined
+else ifeq ($(SANITIZER),thread)
+SAN = -fsanitize=thread
+else
+SAN =
+endif
+
+CFLAGS  = $(STD) $(WARN) $(OPT) $(DEFS) $(INC) $(SAN) -fPIC -pthread -MMD -MP $(EXTRA_CFLAGS)
+LDFLAGS = $(SAN) -pthread $(EXTRA_LDFLAGS)
+
+# Per-ISA flags: only the files of that ISA get them (STYLE.md 11).
+ISA_AVX2   = -mavx2 -mfma -mf16c
+ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mfma -mf16c
+ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-int8 -mamx-bf16
+
+GRPC_LIBS = -lgrpc -lgpr
+EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm
+ifeq ($(HAVE_HWLOC),1)
+EXT_LIBS += -lhwloc
+endif
+ifeq ($(HAVE_NUMA),1)
+EXT_LIBS += -lnuma
+endif
+
+# ---- sources ---------------------------------------------------------------------------
+GEN_PB_C   = $(BUILD)/gen/proto/moe.pb-c.c
+GEN_PB_H   = $(BUILD)/gen/proto/moe.pb-c.h
+
+MR_SRC  = $(wildcard common/*.c)
+PR_SRC  = $(wildcard proto/*.c)
+KN_SRC  = $(wildcard kernels/*.c) $(wildcard kernels/x86/*_ref.c)
+ifeq ($(HAVE_AVX2),1)
+KN_SRC += $(wildcard kernels/x86/*_avx2.c)
+endif
+ifeq ($(HAVE_AVX512),1)
+KN_SRC += $(wildcard kernels/x86/*_avx512.c)
+endif
+ifeq ($(HAVE_AMX),1)
+KN_SRC += $(wildcard kernels/x86/*_amx.c)
+endif
+ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
+GC_SRC  = $(filter-out gpu_client/main.c,$(wildcard gpu_client/*.c))
+PL_SRC  = $(filter-out placement/main.c,$(wildcard placement/*.c))
+
+obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
+
+MR_OBJ = $(call obj,$(MR_SRC))
+PR_OBJ = $(call obj,$(PR_SRC)) $(BUILD)/obj/gen/moe.pb-c.o
+KN_OBJ = $(call obj,$(KN_SRC))
+ES_OBJ = $(call obj,$(ES_SRC))
+GC_OBJ = $(call obj,$(GC_SRC))
+PL_OBJ = $(call obj,$(PL_SRC))
+
+LIB_MR = $(BUILD)/lib/libmr.a
+LIB_PR = $(BUILD)/lib/libpr.a
+LIB_KN = $(BUILD)/lib/libkn.a
+LIB_ES = $(BUILD)/lib/libes.a
+LIB_GC = $(BUILD)/lib/libmoerpc-client.a
+SO_GC  = $(BUILD)/lib/libmoerpc-client.so
+LIB_PL = $(BUILD)/lib/libpl.a
+LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_PL) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+
+BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
+       $(BUILD)/bin/moerpc-bench-kernels
+BINS += $(if $(wildcard placement/main.c),$(BUILD)/bin/moerpc-place)
+
+UNIT_SRC   = $(wildcard tests/unit/test_*.c)
+UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
+FUZZ_SRC   = $(wildcard tests/fuzz/fuzz_*.c)
+REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
+FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
+ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
+ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
+TEST_HELPERS = $(BUILD)/tests/tcp_pingpong $(ITEST_BINS)
+
+CUDA_SRC = $(wildcard kernels/cuda/*.cu)
+ifeq ($(HAVE_CUDA),1)
+CUDA_OBJ = $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
+LIB_KN_CUDA = $(if $(CUDA_SRC),$(BUILD)/lib/libkn_cuda.a)
+CUDA_TESTS = $(if $(CUDA_SRC),$(BUILD)/tests/cuda_link_check)
+endif
+
+.PHONY: all test test-unit test-fuzz test-integration demo fuzz clean help bench
+all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS) $(LIB_KN_CUDA) $(CUDA_TESTS)
+
+help:
+	@sed -n '1,12p' Makefile
+
+# ---- generated protobuf-c code ---------------------------------------------------------
+$(GEN_PB_C) $(GEN_PB_H): proto/moe.proto
+	@mkdir -p $(BUILD)/gen/proto
+	$(PROTOC_C) --c_out=$(BUILD)/gen/proto -Iproto proto/moe.proto
+
+$(BUILD)/obj/gen/moe.pb-c.o: $(GEN_PB_C)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -w -c $< -o $@
+
+# Every object may include pr.h -> moe.pb-c.h, so generate it first.
+$(BUILD)/obj/%.o: %.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_AVX2) -c $< -o $@
+$(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
+$(BUILD)/obj/kernels/x86/%_amx.o: kernels/x86/%_amx.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $(ISA_AMX) -c $< -o $@
+
+$(BUILD)/obj/%.cu.o: %.cu
+	@mkdir -p $(dir $@)
+	$(NVCC) -O2 -std=c++17 -Xcompiler -fPIC -I. -arch=sm_90 -c $< -o $@
+
+# ---- libraries --------------------------------------------------------------------------
+define mklib
+	@mkdir -p $(dir $@)
+	@rm -f $@
+	ar rcs $@ $^
+endef
+$(LIB_MR): $(MR_OBJ) ; $(mklib)
+$(LIB_PR): $(PR_OBJ) ; $(mklib)
+$(LIB_KN): $(KN_OBJ) ; $(mklib)
+$(LIB_ES): $(ES_OBJ) ; $(mklib)
+$(LIB_GC): $(GC_OBJ) ; $(mklib)
+$(LIB_PL): $(PL_OBJ) ; $(mklib)
+$(LIB_KN_CUDA): $(CUDA_OBJ) ; $(mklib)
+
+$(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -shared -o $@ $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR) $(LDFLAGS) $(EXT_LIBS)
+
+# ---- binaries ---------------------------------------------------------------------------
+$(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-client: $(BUILD)/obj/gpu_client/main.o $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+# ---- tests ------------------------------------------------------------------------------
+$(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
+$(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
+# Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
+# libFuzzer binary (clang, make fuzz).
+$(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/replay_main.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) $(INC) -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB_C)
+	@mkdir -p $(dir $@)
+	$(CLANG) $(FUZZ_CFLAGS) -o $@ $< $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c %_amx.c,$(KN_SRC)) \
+	    $(ES_SRC) $(GEN_PB_C) -DMR_FUZZ_NO_ISA=1 $(EXT_LIBS) -lpthread
+fuzz: $(FUZZ_BINS)
+
+$(BUILD)/tests/tcp_pingpong: $(BUILD)/obj/tests/integration/tcp_pingpong.o $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+$(BUILD)/tests/cuda_link_check: tests/unit/cuda_link_check.c $(LIB_KN_CUDA)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -o $@ $< $(LIB_KN_CUDA) -L/usr/local/cuda/lib64 -lcudart -lcublas -lstdc++ $(LDFLAGS)
+
+test: all
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) tests/run.sh
+
+test-unit: all
+	@BUILD=$(BUILD) tests/run.sh unit
+test-integration: all
+	@BUILD=$(BUILD) tests/run.sh integration
+
+demo:
+	@deploy/demo.sh
+
+bench: all
+	@BUILD=$(BUILD) tests/bench/run.sh
+
+clean:
+	rm -rf build
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

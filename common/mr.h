@@ -1,0 +1,346 @@
+/*
+ * mr.h - moerpc common runtime: the one public header of common/.
+ *
+ * Everything here is shared by the server, the client, the kernels and the tools:
+ *   - one error space (MR_E* codes) and an error record that names the field and limit,
+ *   - logging (mr_log), assertions (MR_ASSERT),
+ *   - arenas for per-request scratch,
+ *   - dtypes and conversion (bf16/f16/f32),
+ *   - id sets ("0-7,12" / "all"),
+ *   - safetensors reader (mmap) and writer, HF config.json reader,
+ *   - cluster file (JSON) reader,
+ *   - model fingerprint.
+ *
+ * Threads: every function is safe to call from any thread on distinct objects; a reader
+ * object (mr_st, mr_model_config, mr_cluster) is immutable after open and may be shared
+ * read-only between threads.
+ */
+#ifndef MR_H
+#define MR_H
+
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---------------------------------------------------------------------------------------
+ * Errors. Functions return int: 0 ok, a negative MR_E* code on failure.
+ * X(name, value, message)
+ */
+#define MR_ERRNO_MAP(X)                                                              \
+  X(EINVAL, -1, "invalid argument")                                                  \
+  X(ENOMEM, -2, "out of memory")                                                     \
+  X(EIO, -3, "I/O error")                                                            \
+  X(EFORMAT, -4, "malformed file or message")                                        \
+  X(ERANGE, -5, "value out of range")                                                \
+  X(ENOTFOUND, -6, "not found")                                                      \
+  X(EPROTO, -7, "protocol error")                                                    \
+  X(ETIMEDOUT, -8, "deadline exceeded")                                              \
+  X(EUNAVAIL, -9, "peer unavailable")                                                \
+  X(EPRECOND, -10, "failed precondition")                                            \
+  X(EEXHAUSTED, -11, "resource exhausted")                                           \
+  X(ECANCELED, -12, "canceled")                                                      \
+  X(EMISMATCH, -13, "mismatch between peers or files")                               \
+  X(ENOTSUP, -14, "not supported")                                                   \
+  X(EINTERNAL, -15, "internal error")
+
+enum mr_errno {
+  MR_OK = 0,
+#define MR__ERR_ENUM(name, val, msg) MR_##name = val,
+  MR_ERRNO_MAP(MR__ERR_ENUM)
+#undef MR__ERR_ENUM
+};
+
+/* Returns a static message for code (never NULL; "unknown error" for unknown codes). */
+const char *mr_strerror(int code);
+/* Returns the static symbolic name ("MR_EINVAL"), or "MR_E?" for unknown codes. */
+const char *mr_err_name(int code);
+
+/*
+ * An error record: the code plus a message that names the offending field and the limit,
+ * e.g. "model/config.json: num_experts = 0, must be in 1..65536".
+ * Callers may pass NULL wherever an mr_err * is taken; the message is then dropped.
+ */
+typedef struct mr_err {
+  int code;
+  char msg[512];
+} mr_err;
+
+/* Sets e (if not NULL) to code and the printf-formatted message; returns code, so that
+ * callers write `return mr_err_set(e, MR_EFORMAT, "...", ...);`. */
+int mr_err_set(mr_err *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Prepends "prefix: " to e->msg (if e is not NULL); returns e->code (or code if e is NULL). */
+int mr_err_prefix(mr_err *e, int code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* Clears e. */
+void mr_err_clear(mr_err *e);
+
+/* ---------------------------------------------------------------------------------------
+ * Logging. One line per event: "2026-11-30T06:10:00.123Z INFO  server: message".
+ * mr_log checks the level before formatting anything. Output goes to stderr.
+ * The level comes from mr_log_set_level() or the env MOERPC_LOG=error|warn|info|debug.
+ */
+enum mr_log_level { MR_LOG_ERROR = 0, MR_LOG_WARN = 1, MR_LOG_INFO = 2, MR_LOG_DEBUG = 3 };
+extern int mr__log_level; /* read by the macro; set through mr_log_set_level */
+void mr_log_set_level(int level);
+/* Parses "error".."debug" (or 0..3); returns MR_EINVAL if unknown. */
+int mr_log_parse_level(const char *s, int *level);
+/* Sets the component name printed on every line ("server", "client", ...). Not thread-safe:
+ * call once at start-up. */
+void mr_log_set_component(const char *name);
+void mr__log(int level, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+#define mr_log(level, ...)                                                           \
+  do {                                                                               \
+    if ((level) <= mr__log_level) mr__log((level), __FILE__, __LINE__, __VA_ARGS__); \
+  } while (0)
+/* Rate-limited warning for peer input: at most `per_sec` lines per second per call site;
+ * the suppressed count is reported on the next line that gets through. */
+#define mr_log_ratelimited(level, per_sec, ...)                                      \
+  do {                                                                               \
+    static struct mr_ratelimit mr__rl_;                                              \
+    if ((level) <= mr__log_level && mr_ratelimit_pass(&mr__rl_, (per_sec)))          \
+      mr__log((level), __FILE__, __LINE__, __VA_ARGS__);                             \
+  } while (0)
+struct mr_ratelimit {
+  int64_t window_start_ms; /* start of the current 1 s window */
+  int count;               /* lines in the window */
+  int suppressed;          /* lines dropped since the last one printed */
+};
+bool mr_ratelimit_pass(struct mr_ratelimit *rl, int per_sec);
+
+/* Our own bugs abort loudly with file:line; input from outside never reaches an assert. */
+#define MR_ASSERT(cond)                                                              \
+  do {                                                                               \
+    if (!(cond)) mr__assert_fail(#cond, __FILE__, __LINE__);                         \
+  } while (0)
+void mr__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+
+/* Monotonic clock in nanoseconds / microseconds. */
+uint64_t mr_now_ns(void);
+static inline uint64_t mr_now_us(void) { return mr_now_ns() / 1000u; }
+
+/* ---------------------------------------------------------------------------------------
+ * Allocation. All heap allocation in the project goes through these, so that tests can
+ * fail the n-th allocation (mr_alloc_fail_after). They return NULL on failure.
+ */
+void *mr_malloc(size_t n);
+void *mr_calloc(size_t n, size_t size);
+void *mr_realloc(void *p, size_t n);
+/* 64-byte (cache line) or larger power-of-two alignment; free with mr_free_aligned. */
+void *mr_malloc_aligned(size_t n, size_t align);
+void mr_free(void *p);
+void mr_free_aligned(void *p);
+char *mr_strdup(const char *s);
+/* Fault injection: the n-th allocation from now (1-based) and every one after fail;
+ * n = 0 turns injection off. For tests only; not thread-safe against concurrent setting. */
+void mr_alloc_fail_after(long n);
+
+/* ---------------------------------------------------------------------------------------
+ * Arena: bump allocator for per-request scratch. Reset after each reply; grows by chaining
+ * blocks when a request needs more than its capacity (growth is logged at DEBUG).
+ */
+typedef struct mr_arena_block mr_arena_block;
+typedef struct mr_arena {
+  mr_arena_block *head; /* current block (owned) */
+  size_t block_size;    /* default size of new blocks, bytes */
+  size_t used_peak;     /* most bytes in use since init, for metrics */
+  size_t used;          /* bytes in use now */
+} mr_arena;
+/* Initialises a caller-owned arena; the first block (block_size bytes) is allocated lazily. */
+void mr_arena_init(mr_arena *a, size_t block_size);
+/* Returns align-aligned (power of two, <= 4096) memory that lives until the next reset or
+ * close, or NULL if out of memory. */
+void *mr_arena_alloc(mr_arena *a, size_t n, size_t align);
+/* Frees everything allocated since init; keeps the largest block for reuse. */
+void mr_arena_reset(mr_arena *a);
+/* Releases all memory. The arena may be re-initialised afterwards. */
+void mr_arena_close(mr_arena *a);
+
+/* ---------------------------------------------------------------------------------------
+ * DTypes. The numbering equals the wire enum moerpc.v1.DType.
+ */
+typedef enum mr_dtype {
+  MR_DTYPE_UNSPECIFIED = 0,
+  MR_DTYPE_F32 = 1,
+  MR_DTYPE_F16 = 2,
+  MR_DTYPE_BF16 = 3,
+} mr_dtype;
+/* Bytes per element, 0 for an unknown dtype. */
+size_t mr_dtype_size(mr_dtype dt);
+/* "f32" / "f16" / "bf16" / "?" */
+const char *mr_dtype_name(mr_dtype dt);
+/* Parses "f32|fp32|float32", "f16|fp16|float16", "bf16|bfloat16"; MR_EINVAL otherwise. */
+int mr_dtype_parse(const char *s, mr_dtype *out);
+
+static inline float mr_bf16_to_f32(uint16_t h) {
+  union { uint32_t u; float f; } v;
+  v.u = (uint32_t)h << 16;
+  return v.f;
+}
+/* Round to nearest even; NaN stays NaN (quiet). */
+static inline uint16_t mr_f32_to_bf16(float f) {
+  union { uint32_t u; float f; } v;
+  v.f = f;
+  if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+  uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);
+  return (uint16_t)((v.u + rounding) >> 16);
+}
+float mr_f16_to_f32(uint16_t h);
+uint16_t mr_f32_to_f16(float f); /* round to nearest even, overflow to inf */
+/* Converts n elements of src (dtype dt, little-endian) to f32. */
+void mr_convert_to_f32(float *dst, const void *src, mr_dtype dt, size_t n);
+/* Converts n f32 elements to dtype dt at dst. */
+void mr_convert_from_f32(void *dst, mr_dtype dt, const float *src, size_t n);
+
+/* ---------------------------------------------------------------------------------------
+ * Id sets: "all", "", or a comma list of ids and inclusive ranges, "0-7,12,20-23".
+ */
+typedef struct mr_idset {
+  uint32_t limit; /* ids are < limit */
+  uint64_t *bits; /* (limit + 63) / 64 words, owned */
+} mr_idset;
+/* Parses spec into a new set of ids < limit. Errors name `what` (e.g. "--experts"), the bad
+ * token and the limit. The caller frees with mr_idset_close. */
+int mr_idset_parse(mr_idset *s, const char *spec, uint32_t limit, const char *what, mr_err *e);
+int mr_idset_init(mr_idset *s, uint32_t limit); /* empty set */
+void mr_idset_close(mr_idset *s);
+static inline bool mr_idset_has(const mr_idset *s, uint32_t id) {
+  return id < s->limit && (s->bits[id >> 6] >> (id & 63)) & 1u;
+}
+void mr_idset_add(mr_idset *s, uint32_t id); /* id must be < limit */
+uint32_t mr_idset_count(const mr_idset *s);
+/* Writes the canonical spec ("0-7,12") into buf; returns the length it needed. */
+size_t mr_idset_format(const mr_idset *s, char *buf, size_t len);
+
+/* ---------------------------------------------------------------------------------------
+ * Safetensors reader. Opens one file, a directory with model.safetensors, or a directory
+ * with model.safetensors.index.json (sharded); every shard is mmap'ed read-only and its
+ * header is bounds-checked (header length, JSON, dtype, shape, offsets inside the file,
+ * no overlap, nbytes = prod(shape) * dtype size). Unknown dtypes are kept and reported
+ * as MR_DTYPE_UNSPECIFIED with dtype_name set, so that models with e.g. I64 buffers open;
+ * asking for their data as a float tensor is an error.
+ */
+#define MR_ST_MAX_DIMS 8
+typedef struct mr_st_tensor {
+  const char *name;      /* owned by the mr_st */
+  mr_dtype dtype;        /* MR_DTYPE_UNSPECIFIED for other dtypes */
+  const char *dtype_name;/* as written in the file, e.g. "BF16" */
+  uint32_t ndim;
+  uint64_t shape[MR_ST_MAX_DIMS];
+  uint64_t nbytes;
+  const void *data;      /* inside the mmap, valid until mr_st_close */
+  const char *file;      /* path of the shard holding it */
+} mr_st_tensor;
+typedef struct mr_st mr_st;
+/* Opens path (file or directory). On failure returns a negative code with e naming the
+ * file and the field. The caller owns *out and frees it with mr_st_close. */
+int mr_st_open(mr_st **out, const char *path, mr_err *e);
+void mr_st_close(mr_st *st); /* NULL is a no-op */
+/* Returns the tensor called name, or NULL. */
+const mr_st_tensor *mr_st_find(const mr_st *st, const char *name);
+size_t mr_st_count(const mr_st *st);
+const mr_st_tensor *mr_st_at(const mr_st *st, size_t i);
+/* Finds name and checks its dtype is a float dtype and its shape equals shape[0..ndim);
+ * errors name the file, tensor and both shapes. */
+int mr_st_expect(const mr_st *st, const char *name, uint32_t ndim, const uint64_t *shape,
+                 const mr_st_tensor **out, mr_err *e);
+/* Parses one safetensors file image held in memory (len bytes); used by mr_st_open and by
+ * the fuzzer. On success *out lists the tensors with data pointing into buf. */
+int mr_st_parse_buffer(mr_st **out, const void *buf, size_t len, const char *label, mr_err *e);
+
+/* Safetensors writer: collects tensors, then writes one file. Data is copied at add time. */
+typedef struct mr_st_writer mr_st_writer;
+int mr_st_writer_new(mr_st_writer **out);
+int mr_st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
+                     const uint64_t *shape, const void *data);
+/* Writes the file atomically (tmp + rename); e names the path on failure. */
+int mr_st_writer_write(mr_st_writer *w, const char *path, mr_err *e);
+void mr_st_writer_free(mr_st_writer *w);
+
+/* ---------------------------------------------------------------------------------------
+ * HF config.json reader (Qwen3-MoE, Mixtral, DeepSeek-V3 families).
+ */
+typedef enum mr_arch {
+  MR_ARCH_UNKNOWN = 0,
+  MR_ARCH_QWEN3_MOE,  /* Qwen3MoeForCausalLM (also Qwen2MoeForCausalLM) */
+  MR_ARCH_MIXTRAL,    /* MixtralForCausalLM */
+  MR_ARCH_DEEPSEEK_V3 /* DeepseekV3ForCausalLM (also DeepseekV2ForCausalLM) */
+} mr_arch;
+typedef enum mr_proj { MR_PROJ_GATE = 0, MR_PROJ_UP = 1, MR_PROJ_DOWN = 2 } mr_proj;
+#define MR_MAX_LAYERS 1024
+typedef struct mr_model_config {
+  mr_arch arch;
+  char arch_name[64];          /* "Qwen3MoeForCausalLM" */
+  uint32_t hidden_size;        /* H */
+  uint32_t moe_intermediate;   /* I of one routed expert */
+  uint32_t num_experts;        /* routed experts per MoE layer */
+  uint32_t top_k;              /* num_experts_per_tok */
+  uint32_t num_layers;         /* num_hidden_layers */
+  uint32_t vocab_size;
+  uint32_t num_heads, num_kv_heads, head_dim;
+  uint32_t dense_intermediate; /* intermediate_size of dense MLP layers (0 if none) */
+  bool norm_topk_prob;
+  float routed_scaling_factor; /* 1.0 unless the config says otherwise */
+  float rms_norm_eps;
+  uint8_t is_moe[MR_MAX_LAYERS]; /* 1 if layer l has routed experts */
+} mr_model_config;
+/* Reads config.json at path (a file, or a directory containing config.json). Validates
+ * ranges (hidden 1..65536, experts 1..65536, top_k 1..num_experts, layers 1..MR_MAX_LAYERS)
+ * and names the field and the limit on error. */
+int mr_config_load(mr_model_config *cfg, const char *path, mr_err *e);
+/* Same, from a JSON text of len bytes; label names it in errors. Used by the fuzzer. */
+int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const char *label,
+                    mr_err *e);
+static inline bool mr_config_is_moe_layer(const mr_model_config *c, uint32_t l) {
+  return l < c->num_layers && c->is_moe[l];
+}
+uint32_t mr_config_num_moe_layers(const mr_model_config *c);
+/* Writes the checkpoint key of one routed expert's projection for cfg's architecture into
+ * buf, e.g. "model.layers.3.mlp.experts.17.gate_proj.weight"; returns snprintf's result. */
+int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expert, mr_proj p,
+                         char *buf, size_t len);
+
+/* Fingerprint of a model: 16 hex chars over config.json and every shard's header and a
+ * sample of its data, identical on every server that opens the same files. */
+int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], mr_err *e);
+
+/* ---------------------------------------------------------------------------------------
+ * Cluster file (JSON):
+ * {
+ *   "model": "/path/to/model",            optional: the client loads local experts from it
+ *   "deadline_ms": 5000,                  optional: per-request deadline (default 5000)
+ *   "servers": [ {"name": "s0", "address": "127.0.0.1:50051"}, ... ],
+ *   "local": {"layers": "all", "experts": "0-3"}   optional: experts the client computes
+ * }
+ */
+#define MR_CLUSTER_MAX_SERVERS 256
+typedef struct mr_cluster_server {
+  char name[64];
+  char address[256]; /* host:port, passed to gRPC as "ipv4:" / "ipv6:" / dns target */
+} mr_cluster_server;
+typedef struct mr_cluster_file {
+  char model[1024];        /* "" if absent */
+  uint32_t deadline_ms;
+  uint32_t n_servers;
+  mr_cluster_server servers[MR_CLUSTER_MAX_SERVERS];
+  char local_layers[256];  /* id-set spec, "" if no local experts */
+  char local_experts[1024];
+} mr_cluster_file;
+/* Reads and validates a cluster file (servers 1..MR_CLUSTER_MAX_SERVERS, unique names and
+ * addresses, deadline 1..600000 ms). */
+int mr_cluster_load(mr_cluster_file *c, const char *path, mr_err *e);
+int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const char *label,
+                     mr_err *e);
+
+/* Reads a whole file into a NUL-terminated heap buffer (caller frees with mr_free);
+ * refuses files over max_bytes. */
+int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MR_H */

@@ -1,0 +1,136 @@
+/*
+ * kn.h - CPU MoE kernels: the one public header of kernels/.
+ *
+ * One call computes, for one MoE layer and T tokens,
+ *
+ *     out[t] = sum_{j < k, id[t,j] >= 0} w[t,j] * expert_{id[t,j]}(x[t])
+ *     expert(x) = down( silu(gate(x)) * up(x) )          (no scaling factor inside)
+ *
+ * over the experts a kn_layer holds. Three objects:
+ *
+ *   kn_engine  the compute context: which ISA each format runs on (chosen once from cpuid,
+ *              XCR0 and the AMX permission, or forced with MOERPC_ISA=ref|avx2|avx512|amx),
+ *              and the worker pool (threads pinned per NUMA node).
+ *   kn_layer   the packed weights of the experts one process owns for one layer, in the
+ *              format it was created with (bf16/f16/f32 as stored, or int8/int4 quantized at
+ *              load). Each expert is split along the intermediate dimension into one slice
+ *              per NUMA node of the engine; slice n lives on node n.
+ *   kn_moe_args  one request: T tokens, k slots each.
+ *
+ * Data flow of kn_moe_forward: group (token, slot) pairs by expert (counting sort), then
+ * per expert and per node slice: gate/up GEMM over the tokens of that expert, silu(g) * u,
+ * down GEMM, scaled by the slot weight and accumulated into the node's fp32 partial
+ * output; finally the node partials are summed in fp32 into out.
+ *
+ * Weight layout on input (HF nn.Linear): gate, up: [I, H] row-major; down: [H, I].
+ *
+ * Threads: a kn_engine runs one kn_moe_forward at a time (calls are serialised by the
+ * caller, e.g. the server's compute thread); a kn_layer is read-only after loading and
+ * may be shared by engines.
+ */
+#ifndef KN_H
+#define KN_H
+
+#include "../common/mr.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum kn_format {
+  KN_FMT_F32 = 0, /* as stored, fp32 */
+  KN_FMT_F16,     /* as stored, fp16 */
+  KN_FMT_BF16,    /* as stored, bf16 */
+  KN_FMT_INT8,    /* symmetric, one fp32 scale per output row */
+  KN_FMT_INT4,    /* symmetric, group-wise along K (group 32, 64 or 128) */
+  KN_FMT_COUNT
+} kn_format;
+/* "f32", "f16", "bf16", "int8", "int4" */
+const char *kn_format_name(kn_format f);
+/* Parses the names above; MR_EINVAL otherwise. */
+int kn_format_parse(const char *s, kn_format *out);
+/* Writes the wire name of a format ("bf16", "int8", "int4-g64") into buf. */
+void kn_format_wire_name(kn_format f, uint32_t group, char *buf, size_t len);
+
+typedef enum kn_isa {
+  KN_ISA_REF = 0, /* scalar reference kn_ref, always available */
+  KN_ISA_AVX2,    /* AVX2 + FMA */
+  KN_ISA_AVX512,  /* AVX-512 F/BW/VL (+ BF16, VNNI when present) */
+  KN_ISA_AMX,     /* AMX tiles (bf16, int8) for many tokens per expert */
+  KN_ISA_COUNT
+} kn_isa;
+const char *kn_isa_name(kn_isa isa);
+int kn_isa_parse(const char *s, kn_isa *out);
+/* The best ISA this CPU and OS support (cpuid + XCR0 + AMX permission). */
+kn_isa kn_isa_detect(void);
+
+typedef struct kn_engine_opts {
+  kn_isa isa;           /* KN_ISA_COUNT = auto (best detected; MOERPC_ISA overrides) */
+  uint32_t threads;     /* worker threads in total, 0 = one per core of the used nodes */
+  const char *numa;     /* "auto", a node count "2", or a node list "0,1"; NULL = auto */
+  uint32_t force_split; /* >0: pretend to have this many NUMA nodes (tests on 1-node hosts) */
+} kn_engine_opts;
+typedef struct kn_engine kn_engine;
+/* Creates an engine (starts its worker threads). The caller frees it with kn_engine_free.
+ * Errors name the option and the limit (e.g. a forced ISA the CPU lacks). */
+int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e);
+void kn_engine_free(kn_engine *eng); /* NULL is a no-op; joins the workers */
+/* The ISA that format f runs on in this engine (REF when no fast path exists for it). */
+kn_isa kn_engine_isa(const kn_engine *eng, kn_format f);
+uint32_t kn_engine_threads(const kn_engine *eng);
+uint32_t kn_engine_nodes(const kn_engine *eng); /* number of weight slices per expert */
+
+typedef struct kn_layer_desc {
+  uint32_t hidden;      /* H, 1..65536 */
+  uint32_t inter;       /* I of one expert, 1..65536 */
+  uint32_t num_experts; /* E: ids are < E, 1..65536 */
+  kn_format format;
+  uint32_t group;       /* INT4 group size along K: 32, 64 or 128; ignored otherwise */
+} kn_layer_desc;
+typedef struct kn_layer kn_layer;
+/* Creates an empty layer for eng (slices per node of eng). Shape/format pairs the packed
+ * layout cannot hold are refused here with the field and the limit. Caller frees. */
+int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err *e);
+void kn_layer_free(kn_layer *L); /* NULL is a no-op */
+/* Packs (copies, converts or quantizes) one expert's weights into the layer. gate/up are
+ * [I, H], down is [H, I], all of dtype src (f32/f16/bf16). The inputs are not kept. */
+int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
+                         const void *down, mr_dtype src, mr_err *e);
+bool kn_layer_has_expert(const kn_layer *L, uint32_t expert);
+const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
+/* Bytes of packed weights held (for load progress and metrics). */
+uint64_t kn_layer_bytes(const kn_layer *L);
+/* Bytes of weights one expert occupies in this layer's format. */
+uint64_t kn_layer_expert_bytes(const kn_layer *L);
+
+typedef struct kn_moe_args {
+  uint32_t n_tokens;     /* T */
+  uint32_t top_k;        /* k */
+  const int32_t *ids;    /* [T * k]; -1 = empty slot */
+  const float *weights;  /* [T * k] */
+  const void *x;         /* [T, H] of x_dtype */
+  mr_dtype x_dtype;
+  float *out;            /* [T, H] fp32, overwritten */
+} kn_moe_args;
+/* Computes one layer (see top of file). Every non-empty id must be held by L: ids that are
+ * not are refused with MR_EPRECOND, ids >= E with MR_ERANGE, before anything is computed.
+ * scratch: per-request scratch, reset by the caller after the call (may be NULL: the
+ * engine then uses its own). Runs on the engine's workers; returns when done. */
+int kn_moe_forward(kn_engine *eng, const kn_layer *L, const kn_moe_args *a, mr_arena *scratch,
+                   mr_err *e);
+
+/* The scalar reference for one layer, single-threaded, fp32 math over the stored weights
+ * (dequantized for int8/int4). Same contract as kn_moe_forward. */
+int kn_ref_moe_forward(const kn_layer *L, const kn_moe_args *a, mr_err *e);
+
+/* The textbook expert on fp32 weights, for tests: y[H] = down(silu(gate x) * up x). */
+void kn_ref_expert_f32(const float *gate, const float *up, const float *down, uint32_t H,
+                       uint32_t I, const float *x, float *y);
+
+/* Relative L2 error ||y - ref|| / ||ref|| (0 when both are zero). */
+double kn_rel_l2(const float *y, const float *ref, size_t n);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KN_H */

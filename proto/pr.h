@@ -1,0 +1,137 @@
+/*
+ * pr.h - thin C glue over protobuf-c for the moerpc wire (proto/moe.proto): the one public
+ * header of proto/.
+ *
+ * Framing of ForwardRequest / ForwardReply (byte layout, proto3 wire format):
+ *
+ *   +--------------------------------------+------+-------------+------------------------+
+ *   | header: every field but 15, packed   | 0x7a | varint(len) | payload: len bytes     |
+ *   | by protobuf-c with the bytes field   | tag  | 1..10 bytes | (hidden / output)      |
+ *   | left empty (so proto3 omits it)      | 15|2 |             | referenced, not copied |
+ *   +--------------------------------------+------+-------------+------------------------+
+ *
+ * Send: the header + tag + varint go in one small slice; the payload is a second slice that
+ * references the caller's memory (grpc_slice_new_with_user_data), so it is never copied
+ * in user space. A standard protobuf decoder reads the result as one message.
+ *
+ * Receive: gRPC hands a message as several slices. pr_split walks the top-level fields of
+ * the message across the slice boundaries without joining them: every field other than 15
+ * is copied into a small contiguous header buffer (then unpacked by protobuf-c), and field
+ * 15 is kept as a list of views into the slices (pr_payload), gathered once by the consumer
+ * straight into where it is needed. Any field order is accepted; if field 15 occurs more
+ * than once the last occurrence wins (protobuf semantics for scalar bytes). Every length
+ * is bounds-checked before use; malformed input is MR_EFORMAT with the offset and field.
+ */
+#ifndef PR_H
+#define PR_H
+
+#include <grpc/grpc.h>
+
+#include "../common/mr.h"
+#include "moe.pb-c.h" /* generated from moe.proto at build time (build/gen/) */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PR_PROTOCOL_MAJOR 1
+#define PR_PROTOCOL_MINOR 0
+#define PR_PAYLOAD_FIELD 15
+#define PR_METHOD_HELLO "/moerpc.v1.ExpertService/Hello"
+#define PR_METHOD_FORWARD "/moerpc.v1.ExpertService/Forward"
+#define PR_METHOD_STATS "/moerpc.v1.ExpertService/Stats"
+#define PR_METHOD_HEALTH_CHECK "/grpc.health.v1.Health/Check"
+/* Largest header (all fields but the payload) accepted: ids + weights of max_tokens*top_k
+ * slots fit easily (16 MiB). */
+#define PR_MAX_HEADER_BYTES (16u << 20)
+
+/* A read-only view of bytes. */
+typedef struct pr_seg {
+  const uint8_t *p;
+  size_t len;
+} pr_seg;
+
+/* The payload (field 15) of a received message: views into the received slices. */
+typedef struct pr_payload {
+  pr_seg *segs;  /* n views, owned by the pr_split */
+  size_t n;
+  size_t len;    /* total bytes */
+  bool present;  /* field 15 occurred */
+} pr_payload;
+
+/* A received message split into header bytes and payload views. */
+typedef struct pr_split {
+  uint8_t *hdr;  /* contiguous copy of all fields but 15, owned */
+  size_t hdr_len;
+  pr_payload payload;
+  size_t cap_hdr, cap_segs; /* internal */
+} pr_split;
+
+/* Splits the message made of in[0..n) (concatenated) into header and payload views.
+ * The views stay valid as long as the input memory does. The caller releases the split
+ * with pr_split_free (it may be reused: a second pr_split call reuses its buffers).
+ * Errors: MR_EFORMAT (bad varint, truncated field, bad wire type, header over
+ * PR_MAX_HEADER_BYTES) naming the byte offset and field number; MR_ENOMEM. */
+int pr_split_message(pr_split *s, const pr_seg *in, size_t n, mr_err *e);
+void pr_split_free(pr_split *s);
+/* Copies the payload into dst (which holds at least s->payload.len bytes). */
+void pr_payload_gather(const pr_payload *p, void *dst);
+
+/* Decodes a ForwardRequest / ForwardReply from segments: *hdr gets the protobuf-c message
+ * (its hidden/output field empty; free with the matching __free_unpacked(hdr, NULL)) and
+ * split holds the payload views. No semantic validation (that is the server's). */
+int pr_forward_request_decode(const pr_seg *in, size_t n, pr_split *split,
+                              Moerpc__V1__ForwardRequest **hdr, mr_err *e);
+int pr_forward_reply_decode(const pr_seg *in, size_t n, pr_split *split,
+                            Moerpc__V1__ForwardReply **hdr, mr_err *e);
+
+/* Writes into out (at least 11 bytes) the tag of field 15 (0x7a) and varint(len); returns
+ * the bytes written. */
+size_t pr_payload_prefix(uint8_t *out, uint64_t len);
+
+/* ---- gRPC byte buffers -------------------------------------------------------------- */
+
+/* Lists the slices of a received raw, uncompressed byte buffer as views into segs
+ * (heap array, caller frees with mr_free). A compressed buffer is first read through
+ * grpc_byte_buffer_reader into one slice held in *hold (caller unrefs it with
+ * grpc_slice_unref; it is grpc_empty_slice() otherwise). */
+int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, grpc_slice *hold, mr_err *e);
+
+/* Encodes msg (whose payload field must be empty) followed by payload[0..len) as field 15.
+ * The payload is referenced, not copied: release(owner) is called once gRPC drops its
+ * last reference, which can be after the SEND_MESSAGE completes. release may be NULL when
+ * the memory outlives the call (static). len 0 sends no field 15. Returns NULL on ENOMEM. */
+grpc_byte_buffer *pr_encode_with_payload(const ProtobufCMessage *msg, const void *payload,
+                                         size_t len, void (*release)(void *owner), void *owner);
+/* Encodes a small message into one slice (copying). NULL on ENOMEM. */
+grpc_byte_buffer *pr_encode(const ProtobufCMessage *msg);
+/* Decodes a small message from bb with protobuf-c (joins slices). *out is freed with
+ * protobuf_c_message_free_unpacked(*out, NULL). MR_EFORMAT names the message type. */
+int pr_decode(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *d, size_t max_bytes,
+              ProtobufCMessage **out, mr_err *e);
+
+/* ---- Health ------------------------------------------------------------------------- */
+/* grpc.health.v1 HealthCheckResponse.ServingStatus values. */
+enum { PR_HEALTH_UNKNOWN = 0, PR_HEALTH_SERVING = 1, PR_HEALTH_NOT_SERVING = 2 };
+/* Encodes a HealthCheckResponse{status} (hand-framed: one varint field). */
+grpc_byte_buffer *pr_health_response_encode(int status);
+/* Decodes a HealthCheckResponse; MR_EFORMAT on malformed input. */
+int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e);
+/* Encodes a HealthCheckRequest{service} (service may be "" for the whole server). */
+grpc_byte_buffer *pr_health_request_encode(const char *service);
+
+/* ---- gRPC helpers shared by server and client ---------------------------------------- */
+/* Fills args[0..3) with max send/receive message length = max_bytes (and returns 2 + 1
+ * for a keepalive arg); args_out must have room for 4 grpc_arg. */
+size_t pr_channel_args(grpc_arg *args_out, int max_bytes);
+/* Converts an MR_E* code to the gRPC status of DESIGN.md section 4 and back. */
+grpc_status_code pr_status_from_mr(int code);
+int pr_mr_from_status(grpc_status_code st);
+/* Converts a "host:port" address to a gRPC target ("ipv4:1.2.3.4:5", "ipv6:[::1]:5",
+ * else "dns:///host:port"). */
+void pr_target_from_address(const char *address, char *buf, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* PR_H */

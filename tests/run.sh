@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# tests/run.sh - runs the moerpc test suite: unit tests, fuzz-corpus replay, integration.
+#   tests/run.sh [unit|fuzz|integration|all] [filter]
+# Each test binary runs its cases in forked processes with a timeout (tests/unit/mt.h);
+# each binary or script also runs under an outer timeout here. The last line is the total,
+# "N passed, N failed". Logs of failures are printed; all logs stay in $BUILD/test-logs.
+set -u
+BUILD=${BUILD:-build}
+what=${1:-all}
+filter=${2:-}
+export MOERPC_BIN="$PWD/$BUILD/bin"
+export MOERPC_BUILD="$PWD/$BUILD"
+export MOERPC_SRC="$PWD"
+logs="$BUILD/test-logs"
+mkdir -p "$logs"
+passed=0; failed=0; failed_names=()
+
+count_from_log() { # adds "N passed, N failed" of a binary's last line, else 1 case
+  local log=$1 rc=$2 name=$3
+  local line
+  line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+  if [ -n "$line" ]; then
+    local p f
+    p=$(sed -E 's/.* ([0-9]+) passed.*/\1/' <<<"$line")
+    f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
+    passed=$((passed + p)); failed=$((failed + f))
+    if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then failed=$((failed + 1)); fi
+  elif [ "$rc" -eq 0 ]; then
+    passed=$((passed + 1))
+  else
+    failed=$((failed + 1))
+  fi
+  if [ "$rc" -ne 0 ]; then failed_names+=("$name"); fi
+}
+
+run_one() { # name timeout_s cmd...
+  local name=$1 tmo=$2; shift 2
+  [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && return 0
+  local log="$logs/$name.log"
+  local t0=$(date +%s.%N)
+  timeout --kill-after=10 "$tmo" "$@" >"$log" 2>&1
+  local rc=$?
+  local dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+  if [ $rc -eq 0 ]; then
+    echo "ok   $name (${dt}s)"
+  else
+    [ $rc -eq 124 ] && echo "  (timed out after ${tmo}s)" >>"$log"
+    echo "FAIL $name (rc=$rc, ${dt}s) -- last lines of $log:"
+    tail -n 40 "$log" | sed 's/^/    /'
+  fi
+  count_from_log "$log" $rc "$name"
+}
+
+if [ "$what" = all ] || [ "$what" = unit ]; then
+  for t in "$BUILD"/tests/test_*; do
+    [ -x "$t" ] || continue
+    run_one "unit/$(basename "$t")" 600 "$t"
+  done
+fi
+
+if [ "$what" = all ] || [ "$what" = fuzz ]; then
+  for r in "$BUILD"/tests/replay_fuzz_*; do
+    [ -x "$r" ] || continue
+    n=$(basename "$r"); n=${n#replay_fuzz_}
+    corpus="tests/fuzz/corpus/$n"
+    run_one "fuzz-replay/$n" 300 "$r" "$corpus"
+  done
+fi
+
+if [ "$what" = all ] || [ "$what" = integration ]; then
+  for t in "$BUILD"/tests/itest_*; do
+    [ -x "$t" ] || continue
+    run_one "integration/$(basename "$t")" 900 "$t"
+  done
+  for s in tests/integration/*.sh; do
+    [ -f "$s" ] || continue
+    run_one "integration/$(basename "$s" .sh)" 900 bash "$s"
+  done
+fi
+
+echo
+if [ ${#failed_names[@]} -gt 0 ]; then echo "failed: ${failed_names[*]}"; fi
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]

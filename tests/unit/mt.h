@@ -1,0 +1,150 @@
+/*
+ * mt.h - the tiny unit-test harness of moerpc (header only).
+ *
+ *   MT_TEST(name) { MT_EQ_INT(a, b); MT_NEAR(x, y, tol); MT_TRUE(c); ... }
+ *   MT_MAIN()     -- at the end of the file
+ *
+ * Each test runs in its own forked process with a timeout (MT_TIMEOUT_S, default 60 s,
+ * env MT_TIMEOUT), like libuv's runner: a crash or a hang fails that test alone. Asserts
+ * print both values and file:line. `./test_x name` runs one test in-process (for gdb).
+ * The last line is "<binary>: N passed, N failed".
+ */
+#ifndef MT_H
+#define MT_H
+
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef void (*mt_fn)(void);
+struct mt_case {
+  const char *name;
+  mt_fn fn;
+};
+#define MT_MAX_CASES 256
+static struct mt_case mt__cases[MT_MAX_CASES];
+static int mt__ncases;
+static int mt__failed_here;
+
+#define MT_TEST(name)                                                                  \
+  static void mt_test_##name(void);                                                    \
+  __attribute__((constructor)) static void mt_reg_##name(void) {                       \
+    if (mt__ncases < MT_MAX_CASES) mt__cases[mt__ncases++] = (struct mt_case){#name, mt_test_##name}; \
+  }                                                                                    \
+  static void mt_test_##name(void)
+
+#define MT__FAIL(...)                                                                  \
+  do {                                                                                 \
+    fprintf(stderr, "  %s:%d: ", __FILE__, __LINE__);                                  \
+    fprintf(stderr, __VA_ARGS__);                                                      \
+    fprintf(stderr, "\n");                                                             \
+    mt__failed_here = 1;                                                               \
+    exit(1);                                                                           \
+  } while (0)
+
+#define MT_TRUE(c)                                                                     \
+  do { if (!(c)) MT__FAIL("expected true: %s", #c); } while (0)
+#define MT_FALSE(c)                                                                    \
+  do { if (c) MT__FAIL("expected false: %s", #c); } while (0)
+#define MT_EQ_INT(a, b)                                                                \
+  do {                                                                                 \
+    long long mt_a_ = (long long)(a), mt_b_ = (long long)(b);                          \
+    if (mt_a_ != mt_b_) MT__FAIL("%s == %s: %lld != %lld", #a, #b, mt_a_, mt_b_);      \
+  } while (0)
+#define MT_NE_INT(a, b)                                                                \
+  do {                                                                                 \
+    long long mt_a_ = (long long)(a), mt_b_ = (long long)(b);                          \
+    if (mt_a_ == mt_b_) MT__FAIL("%s != %s: both %lld", #a, #b, mt_a_);                \
+  } while (0)
+#define MT_EQ_U64(a, b)                                                                \
+  do {                                                                                 \
+    unsigned long long mt_a_ = (unsigned long long)(a), mt_b_ = (unsigned long long)(b); \
+    if (mt_a_ != mt_b_) MT__FAIL("%s == %s: %llu != %llu", #a, #b, mt_a_, mt_b_);      \
+  } while (0)
+#define MT_LE(a, b)                                                                    \
+  do {                                                                                 \
+    double mt_a_ = (double)(a), mt_b_ = (double)(b);                                   \
+    if (!(mt_a_ <= mt_b_)) MT__FAIL("%s <= %s: %g > %g", #a, #b, mt_a_, mt_b_);        \
+  } while (0)
+#define MT_NEAR(a, b, tol)                                                             \
+  do {                                                                                 \
+    double mt_a_ = (double)(a), mt_b_ = (double)(b), mt_t_ = (double)(tol);            \
+    if (!(fabs(mt_a_ - mt_b_) <= mt_t_))                                               \
+      MT__FAIL("%s ~ %s: %.9g vs %.9g (|diff| %.3g > tol %.3g)", #a, #b, mt_a_, mt_b_, \
+               fabs(mt_a_ - mt_b_), mt_t_);                                            \
+  } while (0)
+#define MT_EQ_STR(a, b)                                                                \
+  do {                                                                                 \
+    const char *mt_a_ = (a), *mt_b_ = (b);                                             \
+    if (!mt_a_ || !mt_b_ || strcmp(mt_a_, mt_b_) != 0)                                 \
+      MT__FAIL("%s == %s: \"%s\" != \"%s\"", #a, #b, mt_a_ ? mt_a_ : "(null)",         \
+               mt_b_ ? mt_b_ : "(null)");                                              \
+  } while (0)
+#define MT_CONTAINS(hay, needle)                                                       \
+  do {                                                                                 \
+    const char *mt_h_ = (hay), *mt_n_ = (needle);                                      \
+    if (!mt_h_ || !strstr(mt_h_, mt_n_))                                               \
+      MT__FAIL("%s contains \"%s\": got \"%s\"", #hay, mt_n_, mt_h_ ? mt_h_ : "(null)"); \
+  } while (0)
+/* For int-returning calls: expect ok (0), printing the mr_err message if any. */
+#define MT_OK(call, errp)                                                              \
+  do {                                                                                 \
+    int mt_rc_ = (call);                                                               \
+    if (mt_rc_ != 0) MT__FAIL("%s failed: %d %s", #call, mt_rc_, (errp) ? (errp)->msg : ""); \
+  } while (0)
+
+static int mt__run_one(const struct mt_case *c, int timeout_s) {
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0) { perror("fork"); return 1; }
+  if (pid == 0) {
+    alarm((unsigned)timeout_s);
+    c->fn();
+    fflush(NULL);
+    _exit(0);
+  }
+  int st = 0;
+  while (waitpid(pid, &st, 0) < 0) {}
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return 0;
+  if (WIFSIGNALED(st))
+    fprintf(stderr, "  %s: killed by signal %d%s\n", c->name, WTERMSIG(st),
+            WTERMSIG(st) == SIGALRM ? " (timeout)" : "");
+  return 1;
+}
+
+static int mt__main(int argc, char **argv) {
+  int timeout_s = getenv("MT_TIMEOUT") ? atoi(getenv("MT_TIMEOUT")) : 60;
+  const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
+  if (argc > 1) { /* run the named tests in-process */
+    for (int a = 1; a < argc; a++) {
+      int found = 0;
+      for (int i = 0; i < mt__ncases; i++)
+        if (strcmp(mt__cases[i].name, argv[a]) == 0) { found = 1; mt__cases[i].fn(); }
+      if (!found) { fprintf(stderr, "%s: no test named %s\n", prog, argv[a]); return 2; }
+    }
+    printf("%s: ok\n", prog);
+    return 0;
+  }
+  int passed = 0, failed = 0;
+  for (int i = 0; i < mt__ncases; i++) {
+    if (mt__run_one(&mt__cases[i], timeout_s) == 0) {
+      passed++;
+      printf("ok   %s.%s\n", prog, mt__cases[i].name);
+    } else {
+      failed++;
+      printf("FAIL %s.%s\n", prog, mt__cases[i].name);
+    }
+    fflush(stdout);
+  }
+  printf("%s: %d passed, %d failed\n", prog, passed, failed);
+  return failed ? 1 : 0;
+}
+#define MT_MAIN()                                                                      \
+  int main(int argc, char **argv) { return mt__main(argc, argv); }
+
+#endif /* MT_H */
