@@ -111,7 +111,7 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(BUILD)/tests/tcp_pingpong $(ITEST_BINS)
+TEST_HELPERS = $(BUILD)/tests/tcp_pingpong $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
 
 CUDA_SRC = $(wildcard kernels/cuda/*.cu)
 ifeq ($(HAVE_CUDA),1)
@@ -215,6 +215,11 @@ $(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB
 fuzz: $(FUZZ_BINS)
 
 $(BUILD)/tests/tcp_pingpong: $(BUILD)/obj/tests/integration/tcp_pingpong.o $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+# The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
+$(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 

@@ -95,7 +95,8 @@ static int mt__failed_here;
 #define MT_OK(call, errp)                                                              \
   do {                                                                                 \
     int mt_rc_ = (call);                                                               \
-    if (mt_rc_ != 0) MT__FAIL("%s failed: %d %s", #call, mt_rc_, (errp) ? (errp)->msg : ""); \
+    const mr_err *mt_e_ = (errp);                                                      \
+    if (mt_rc_ != 0) MT__FAIL("%s failed: %d %s", #call, mt_rc_, mt_e_ ? mt_e_->msg : ""); \
   } while (0)
 
 static int mt__run_one(const struct mt_case *c, int timeout_s) {
