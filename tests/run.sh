@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/run.sh - runs the moerpc test suite: unit tests, fuzz-corpus replay, integration.
-#   tests/run.sh [unit|fuzz|integration|all] [filter]
+#   tests/run.sh [unit|fuzz|integration|conformance|all] [filter]
 # Each test binary runs its cases in forked processes with a timeout (tests/unit/mt.h);
 # each binary or script also runs under an outer timeout here. The last line is the total,
 # "N passed, N failed". Logs of failures are printed; all logs stay in $BUILD/test-logs.
@@ -18,11 +18,11 @@ passed=0; failed=0; failed_names=()
 count_from_log() { # adds "N passed, N failed" of a binary's last line, else 1 case
   local log=$1 rc=$2 name=$3
   local line
-  line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+  line=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
   if [ -n "$line" ]; then
     local p f
-    p=$(sed -E 's/.* ([0-9]+) passed.*/\1/' <<<"$line")
-    f=$(sed -E 's/.* ([0-9]+) failed.*/\1/' <<<"$line")
+    p=${line%% passed*}
+    f=${line#*passed, }; f=${f%% failed*}
     passed=$((passed + p)); failed=$((failed + f))
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then failed=$((failed + 1)); fi
   elif [ "$rc" -eq 0 ]; then
@@ -37,6 +37,7 @@ run_one() { # name timeout_s cmd...
   local name=$1 tmo=$2; shift 2
   [ -n "$filter" ] && [[ "$name" != *"$filter"* ]] && return 0
   local log="$logs/$name.log"
+  mkdir -p "$(dirname "$log")"
   local t0=$(date +%s.%N)
   timeout --kill-after=10 "$tmo" "$@" >"$log" 2>&1
   local rc=$?
@@ -76,6 +77,10 @@ if [ "$what" = all ] || [ "$what" = integration ]; then
     [ -f "$s" ] || continue
     run_one "integration/$(basename "$s" .sh)" 900 bash "$s"
   done
+fi
+
+if [ "$what" = all ] || [ "$what" = conformance ]; then
+  run_one "conformance/kn_ref_torch" 900 bash tests/conformance/run.sh
 fi
 
 echo
