@@ -59,7 +59,8 @@ typedef struct pr_payload {
   bool present;  /* field 15 occurred */
 } pr_payload;
 
-/* A received message split into header bytes and payload views. */
+/* A received message split into header bytes and payload views. Zero-initialise it
+ * (pr_split s = {0};) before the first pr_split_message. */
 typedef struct pr_split {
   uint8_t *hdr;  /* contiguous copy of all fields but 15, owned */
   size_t hdr_len;
@@ -92,9 +93,10 @@ size_t pr_payload_prefix(uint8_t *out, uint64_t len);
 /* ---- gRPC byte buffers -------------------------------------------------------------- */
 
 /* Lists the slices of a received raw, uncompressed byte buffer as views into segs
- * (heap array, caller frees with mr_free). A compressed buffer is first read through
- * grpc_byte_buffer_reader into one slice held in *hold (caller unrefs it with
- * grpc_slice_unref; it is grpc_empty_slice() otherwise). */
+ * (heap array, caller frees with mr_free). A compressed buffer (possible only if gRPC's
+ * per-message decompression is turned off; 1.51's reader does not decompress) is refused
+ * with MR_ENOTSUP. *hold is always grpc_empty_slice() (kept for a future transport that
+ * has to join slices); the caller unrefs it. */
 int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, grpc_slice *hold, mr_err *e);
 
 /* Encodes msg (whose payload field must be empty) followed by payload[0..len) as field 15.
