@@ -15,14 +15,15 @@ logs="$BUILD/test-logs"
 mkdir -p "$logs"
 passed=0; failed=0; failed_names=()
 
-count_from_log() { # adds "N passed, N failed" of a binary's last line, else 1 case
+count_from_log() { # adds every "N passed, N failed" line of the log (else 1 case)
   local log=$1 rc=$2 name=$3
-  local line
-  line=$(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
-  if [ -n "$line" ]; then
-    local p f
-    p=${line%% passed*}
-    f=${line#*passed, }; f=${f%% failed*}
+  local p=0 f=0 any=0 line
+  while IFS= read -r line; do
+    local lp=${line%% passed*} lf=${line#*passed, }
+    lf=${lf%% failed*}
+    p=$((p + lp)); f=$((f + lf)); any=1
+  done < <(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log")
+  if [ $any = 1 ]; then
     passed=$((passed + p)); failed=$((failed + f))
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then failed=$((failed + 1)); fi
   elif [ "$rc" -eq 0 ]; then

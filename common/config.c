@@ -1,0 +1,353 @@
+/*
+ * common/config.c - reader of a Hugging Face config.json for the MoE families we serve.
+ *
+ * What each family calls things (transformers' configuration_*.py):
+ *
+ *   field of mr_model_config | Qwen3-MoE / Qwen2-MoE      | Mixtral            | DeepSeek-V3 / V2
+ *   -------------------------+----------------------------+--------------------+-----------------------
+ *   num_experts              | num_experts                | num_local_experts  | n_routed_experts
+ *   moe_intermediate         | moe_intermediate_size      | intermediate_size  | moe_intermediate_size
+ *   dense_intermediate       | intermediate_size          | 0 (no dense MLPs)  | intermediate_size
+ *   top_k                    | num_experts_per_tok        | num_experts_per_tok| num_experts_per_tok
+ *   is_moe[l]                | l not in mlp_only_layers   | every layer        | l >= first_k_dense_replace
+ *                            | && (l+1) % decoder_sparse_ |                    | && l % moe_layer_freq == 0
+ *                            |    step == 0               |                    |
+ *   norm_topk_prob           | norm_topk_prob (def false) | true (always)      | norm_topk_prob
+ *   routed_scaling_factor    | 1                          | 1                  | routed_scaling_factor
+ *
+ * Every value is validated here, once, with a message naming the file, the field, the
+ * value and the limit; nothing downstream re-checks ranges.
+ */
+#include "common/internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+/* Limits beyond every released model by a wide margin, but small enough that products of
+ * them (H * I * 2 bytes per projection) cannot overflow 64 bits anywhere downstream. */
+#define CFG_MAX_HIDDEN 65536u
+#define CFG_MAX_EXPERTS 65536u
+#define CFG_MAX_INTER (1u << 20)
+#define CFG_MAX_VOCAB (1u << 24)
+#define CFG_MAX_HEADS 4096u
+#define CFG_MAX_HEAD_DIM 4096u
+
+typedef struct cfg_ctx {
+  const cJSON *root;
+  const char *label;
+  mr_err *e;
+} cfg_ctx;
+
+static const cJSON *cfg_get(const cfg_ctx *c, const char *key) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(c->root, key);
+  /* transformers writes absent optional values as null; treat them as absent. */
+  return cJSON_IsNull(v) ? NULL : v;
+}
+
+/* Reads an unsigned integer field in lo..hi; absent -> *out = def, or an error if required. */
+static int cfg_u32(const cfg_ctx *c, const char *key, bool required, uint32_t def, uint32_t lo,
+                   uint32_t hi, uint32_t *out) {
+  const cJSON *v = cfg_get(c, key);
+  if (!v) {
+    if (required)
+      return mr_err_set(c->e, MR_EFORMAT, "%s: required field %s is missing (must be %u..%u)",
+                        c->label, key, lo, hi);
+    *out = def;
+    return 0;
+  }
+  uint64_t x;
+  int rc = mr__json_u64(v, c->label, key, lo, hi, &x, c->e);
+  if (rc) return rc;
+  *out = (uint32_t)x;
+  return 0;
+}
+
+static int cfg_bool(const cfg_ctx *c, const char *key, bool def, bool *out) {
+  const cJSON *v = cfg_get(c, key);
+  if (!v) {
+    *out = def;
+    return 0;
+  }
+  if (!cJSON_IsBool(v)) {
+    char desc[96];
+    mr__json_describe(v, desc, sizeof desc);
+    return mr_err_set(c->e, MR_EFORMAT, "%s: %s = %s, must be true or false", c->label, key,
+                      desc);
+  }
+  *out = cJSON_IsTrue(v);
+  return 0;
+}
+
+/* Reads a float field in (lo, hi] (lo exclusive, as for epsilons and scales). */
+static int cfg_float(const cfg_ctx *c, const char *key, float def, double lo, double hi,
+                     float *out) {
+  const cJSON *v = cfg_get(c, key);
+  if (!v) {
+    *out = def;
+    return 0;
+  }
+  if (!cJSON_IsNumber(v)) {
+    char desc[96];
+    mr__json_describe(v, desc, sizeof desc);
+    return mr_err_set(c->e, MR_EFORMAT, "%s: %s = %s, must be a number in (%g, %g]", c->label,
+                      key, desc, lo, hi);
+  }
+  double d = v->valuedouble;
+  /* The check is on the float we keep: 1e-86 is > 0 as a double but 0 as a float. */
+  float f = (float)d;
+  if (!isfinite(d) || !(d > lo) || !(d <= hi) || !(f > (float)lo) || !isfinite(f))
+    return mr_err_set(c->e, MR_ERANGE,
+                      "%s: %s = %g, must be a number in (%g, %g] that a 32-bit float holds",
+                      c->label, key, d, lo, hi);
+  *out = f;
+  return 0;
+}
+
+static const struct cfg_arch {
+  const char *name;       /* architectures[0] */
+  const char *model_type; /* fallback when architectures is absent */
+  mr_arch arch;
+} cfg_archs[] = {
+    {"Qwen3MoeForCausalLM", "qwen3_moe", MR_ARCH_QWEN3_MOE},
+    {"Qwen2MoeForCausalLM", "qwen2_moe", MR_ARCH_QWEN3_MOE},
+    {"MixtralForCausalLM", "mixtral", MR_ARCH_MIXTRAL},
+    {"DeepseekV3ForCausalLM", "deepseek_v3", MR_ARCH_DEEPSEEK_V3},
+    {"DeepseekV2ForCausalLM", "deepseek_v2", MR_ARCH_DEEPSEEK_V3},
+};
+
+static int cfg_arch(const cfg_ctx *c, mr_model_config *cfg) {
+  const char *name = NULL;
+  const cJSON *archs = cfg_get(c, "architectures");
+  if (archs) {
+    const cJSON *a0 = cJSON_IsArray(archs) ? cJSON_GetArrayItem(archs, 0) : NULL;
+    if (!cJSON_IsString(a0)) {
+      char desc[96];
+      mr__json_describe(cJSON_IsArray(archs) ? a0 : archs, desc, sizeof desc);
+      return mr_err_set(c->e, MR_EFORMAT,
+                        "%s: architectures[0] = %s, must be a string such as "
+                        "\"Qwen3MoeForCausalLM\"",
+                        c->label, desc);
+    }
+    name = a0->valuestring;
+    for (size_t i = 0; i < sizeof cfg_archs / sizeof cfg_archs[0]; i++)
+      if (strcmp(name, cfg_archs[i].name) == 0) {
+        cfg->arch = cfg_archs[i].arch;
+        snprintf(cfg->arch_name, sizeof cfg->arch_name, "%s", cfg_archs[i].name);
+        return 0;
+      }
+  } else {
+    const cJSON *mt = cfg_get(c, "model_type");
+    if (cJSON_IsString(mt)) {
+      name = mt->valuestring;
+      for (size_t i = 0; i < sizeof cfg_archs / sizeof cfg_archs[0]; i++)
+        if (strcmp(name, cfg_archs[i].model_type) == 0) {
+          cfg->arch = cfg_archs[i].arch;
+          snprintf(cfg->arch_name, sizeof cfg->arch_name, "%s", cfg_archs[i].name);
+          return 0;
+        }
+    }
+  }
+  if (!name)
+    return mr_err_set(c->e, MR_EFORMAT,
+                      "%s: required field architectures is missing (and no model_type)", c->label);
+  return mr_err_set(c->e, MR_ENOTSUP,
+                    "%s: architecture \"%.64s\" is not supported (supported: Qwen3MoeForCausalLM, "
+                    "Qwen2MoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, "
+                    "DeepseekV2ForCausalLM)",
+                    c->label, name);
+}
+
+/* Fields every family shares. */
+static int cfg_common(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_u32(c, "hidden_size", true, 0, 1, CFG_MAX_HIDDEN, &cfg->hidden_size))) return rc;
+  if ((rc = cfg_u32(c, "num_hidden_layers", true, 0, 1, MR_MAX_LAYERS, &cfg->num_layers)))
+    return rc;
+  if ((rc = cfg_u32(c, "vocab_size", true, 0, 1, CFG_MAX_VOCAB, &cfg->vocab_size))) return rc;
+  if ((rc = cfg_u32(c, "num_attention_heads", true, 0, 1, CFG_MAX_HEADS, &cfg->num_heads)))
+    return rc;
+  if ((rc = cfg_u32(c, "num_key_value_heads", false, cfg->num_heads, 1, cfg->num_heads,
+                    &cfg->num_kv_heads)))
+    return rc;
+  if (cfg->num_heads % cfg->num_kv_heads != 0)
+    return mr_err_set(c->e, MR_ERANGE,
+                      "%s: num_attention_heads = %u is not a multiple of num_key_value_heads = %u",
+                      c->label, cfg->num_heads, cfg->num_kv_heads);
+
+  /* head_dim: explicit if present; DeepSeek's MLA query heads are qk_nope + qk_rope wide;
+   * otherwise hidden / heads, which must then divide evenly. */
+  uint32_t def_hd = 0;
+  if (cfg->arch == MR_ARCH_DEEPSEEK_V3) {
+    uint32_t nope = 0, rope = 0;
+    int r1 = cfg_u32(c, "qk_nope_head_dim", false, 0, 0, CFG_MAX_HEAD_DIM, &nope);
+    int r2 = r1 ? r1 : cfg_u32(c, "qk_rope_head_dim", false, 0, 0, CFG_MAX_HEAD_DIM, &rope);
+    if (r2) return r2;
+    if (nope + rope > 0) def_hd = nope + rope;
+  }
+  if (!def_hd) {
+    if (!cfg_get(c, "head_dim") && cfg->hidden_size % cfg->num_heads != 0)
+      return mr_err_set(c->e, MR_EFORMAT,
+                        "%s: head_dim is missing and hidden_size = %u is not a multiple of "
+                        "num_attention_heads = %u",
+                        c->label, cfg->hidden_size, cfg->num_heads);
+    def_hd = cfg->hidden_size / cfg->num_heads;
+  }
+  if ((rc = cfg_u32(c, "head_dim", false, def_hd, 1, CFG_MAX_HEAD_DIM, &cfg->head_dim)))
+    return rc;
+  if (cfg->head_dim == 0 || cfg->head_dim > CFG_MAX_HEAD_DIM)
+    return mr_err_set(c->e, MR_ERANGE, "%s: head_dim = %u (derived), must be in 1..%u", c->label,
+                      cfg->head_dim, CFG_MAX_HEAD_DIM);
+  float def_eps = cfg->arch == MR_ARCH_MIXTRAL ? 1e-5f : 1e-6f;
+  if ((rc = cfg_float(c, "rms_norm_eps", def_eps, 0.0, 1.0, &cfg->rms_norm_eps))) return rc;
+  return 0;
+}
+
+static int cfg_experts(const cfg_ctx *c, mr_model_config *cfg, const char *experts_key,
+                       const char *inter_key) {
+  int rc;
+  if ((rc = cfg_u32(c, experts_key, true, 0, 1, CFG_MAX_EXPERTS, &cfg->num_experts))) return rc;
+  if ((rc = cfg_u32(c, "num_experts_per_tok", true, 0, 1, cfg->num_experts, &cfg->top_k)))
+    return rc;
+  if ((rc = cfg_u32(c, inter_key, true, 0, 1, CFG_MAX_INTER, &cfg->moe_intermediate))) return rc;
+  return 0;
+}
+
+static int cfg_qwen(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_experts(c, cfg, "num_experts", "moe_intermediate_size"))) return rc;
+  if ((rc = cfg_u32(c, "intermediate_size", false, 0, 0, CFG_MAX_INTER,
+                    &cfg->dense_intermediate)))
+    return rc;
+  if ((rc = cfg_bool(c, "norm_topk_prob", false, &cfg->norm_topk_prob))) return rc;
+  uint32_t step;
+  if ((rc = cfg_u32(c, "decoder_sparse_step", false, 1, 1, MR_MAX_LAYERS, &step))) return rc;
+  uint8_t dense[MR_MAX_LAYERS] = {0};
+  const cJSON *only = cfg_get(c, "mlp_only_layers");
+  if (only) {
+    if (!cJSON_IsArray(only)) {
+      char desc[96];
+      mr__json_describe(only, desc, sizeof desc);
+      return mr_err_set(c->e, MR_EFORMAT, "%s: mlp_only_layers = %s, must be an array of layer ids",
+                        c->label, desc);
+    }
+    int i = 0;
+    for (const cJSON *x = only->child; x; x = x->next, i++) {
+      char field[48];
+      snprintf(field, sizeof field, "mlp_only_layers[%d]", i);
+      uint64_t l;
+      if ((rc = mr__json_u64(x, c->label, field, 0, cfg->num_layers - 1, &l, c->e))) return rc;
+      dense[l] = 1;
+    }
+  }
+  for (uint32_t l = 0; l < cfg->num_layers; l++)
+    cfg->is_moe[l] = !dense[l] && (l + 1) % step == 0;
+  return 0;
+}
+
+static int cfg_mixtral(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_experts(c, cfg, "num_local_experts", "intermediate_size"))) return rc;
+  /* Mixtral always renormalises the top-k softmax weights and has no dense MLP layers. */
+  cfg->norm_topk_prob = true;
+  cfg->dense_intermediate = 0;
+  for (uint32_t l = 0; l < cfg->num_layers; l++) cfg->is_moe[l] = 1;
+  return 0;
+}
+
+static int cfg_deepseek(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_experts(c, cfg, "n_routed_experts", "moe_intermediate_size"))) return rc;
+  if ((rc = cfg_u32(c, "intermediate_size", false, 0, 0, CFG_MAX_INTER,
+                    &cfg->dense_intermediate)))
+    return rc;
+  /* V3's configuration default is true, V2's false. */
+  bool def_norm = strcmp(cfg->arch_name, "DeepseekV3ForCausalLM") == 0;
+  if ((rc = cfg_bool(c, "norm_topk_prob", def_norm, &cfg->norm_topk_prob))) return rc;
+  if ((rc = cfg_float(c, "routed_scaling_factor", 1.0f, 0.0, 1000.0,
+                      &cfg->routed_scaling_factor)))
+    return rc;
+  uint32_t first_dense, freq;
+  if ((rc = cfg_u32(c, "first_k_dense_replace", false, 0, 0, cfg->num_layers, &first_dense)))
+    return rc;
+  if ((rc = cfg_u32(c, "moe_layer_freq", false, 1, 1, MR_MAX_LAYERS, &freq))) return rc;
+  for (uint32_t l = 0; l < cfg->num_layers; l++)
+    cfg->is_moe[l] = l >= first_dense && l % freq == 0;
+  return 0;
+}
+
+int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const char *label,
+                    mr_err *e) {
+  memset(cfg, 0, sizeof *cfg);
+  if (!label) label = "config.json";
+  cJSON *root = NULL;
+  int rc = mr__json_parse(json, len, label, &root, e);
+  if (rc) return rc;
+  if (!cJSON_IsObject(root)) {
+    char desc[96];
+    mr__json_describe(root, desc, sizeof desc);
+    rc = mr_err_set(e, MR_EFORMAT, "%s: top level is %s, must be a JSON object", label, desc);
+    goto out_free_root;
+  }
+  cfg_ctx c = {.root = root, .label = label, .e = e};
+  cfg->routed_scaling_factor = 1.0f;
+  if ((rc = cfg_arch(&c, cfg))) goto out_free_root;
+  if ((rc = cfg_common(&c, cfg))) goto out_free_root;
+  switch (cfg->arch) {
+  case MR_ARCH_QWEN3_MOE: rc = cfg_qwen(&c, cfg); break;
+  case MR_ARCH_MIXTRAL: rc = cfg_mixtral(&c, cfg); break;
+  case MR_ARCH_DEEPSEEK_V3: rc = cfg_deepseek(&c, cfg); break;
+  default: MR_ASSERT(!"cfg_arch returned an unknown arch");
+  }
+  if (rc) goto out_free_root;
+  if (mr_config_num_moe_layers(cfg) == 0) {
+    rc = mr_err_set(e, MR_EFORMAT,
+                    "%s: no layer of the %u has routed experts (check decoder_sparse_step, "
+                    "mlp_only_layers, first_k_dense_replace, moe_layer_freq)",
+                    label, cfg->num_layers);
+    goto out_free_root;
+  }
+out_free_root:
+  cJSON_Delete(root);
+  if (rc) {
+    memset(cfg, 0, sizeof *cfg);
+  }
+  return rc;
+}
+
+int mr_config_load(mr_model_config *cfg, const char *path, mr_err *e) {
+  char p[4096];
+  char *text = NULL;
+  size_t len = 0;
+  memset(cfg, 0, sizeof *cfg);
+  /* A directory means its config.json, as HF's from_pretrained does. */
+  struct stat sb;
+  if (stat(path, &sb) == 0 && S_ISDIR(sb.st_mode)) {
+    if (mr__path_join(p, sizeof p, path, "config.json") != 0)
+      return mr_err_set(e, MR_ERANGE, "%s: path too long", path);
+    path = p;
+  }
+  int rc = mr_file_read(path, MR__JSON_MAX_BYTES, &text, &len, e);
+  if (rc) return rc;
+  rc = mr_config_parse(cfg, text, len, path, e);
+  mr_free(text);
+  return rc;
+}
+
+uint32_t mr_config_num_moe_layers(const mr_model_config *c) {
+  uint32_t n = 0;
+  for (uint32_t l = 0; l < c->num_layers && l < MR_MAX_LAYERS; l++) n += c->is_moe[l] ? 1 : 0;
+  return n;
+}
+
+int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expert, mr_proj p,
+                         char *buf, size_t len) {
+  static const char *const hf[] = {"gate_proj", "up_proj", "down_proj"};
+  static const char *const mixtral[] = {"w1", "w3", "w2"};
+  MR_ASSERT(p == MR_PROJ_GATE || p == MR_PROJ_UP || p == MR_PROJ_DOWN);
+  if (c->arch == MR_ARCH_MIXTRAL)
+    return snprintf(buf, len, "model.layers.%u.block_sparse_moe.experts.%u.%s.weight", layer,
+                    expert, mixtral[p]);
+  return snprintf(buf, len, "model.layers.%u.mlp.experts.%u.%s.weight", layer, expert, hf[p]);
+}

@@ -1,0 +1,262 @@
+/*
+ * test_cluster.c - cluster file reader and mr_file_read: good files, defaults, and each
+ * kind of bad field (checking the code AND that the message names the field and limit).
+ */
+#include "common/internal.h"
+#include "tests/unit/mt.h"
+
+#include <sys/stat.h>
+
+static mr_cluster_file cf; /* ~84 KiB: static rather than on the stack */
+
+static int parse(const char *json, mr_err *e) {
+  mr_err_clear(e);
+  return mr_cluster_parse(&cf, json, strlen(json), "c.json", e);
+}
+
+MT_TEST(full_file) {
+  mr_err e;
+  MT_OK(parse("{\"model\": \"/models/q3\", \"deadline_ms\": 250,\n"
+              " \"servers\": [{\"name\": \"s0\", \"address\": \"127.0.0.1:50051\"},\n"
+              "             {\"name\": \"gpu-box_2.a\", \"address\": \"[::1]:50052\"},\n"
+              "             {\"name\": \"s2\", \"address\": \"node-7.example:1\"},\n"
+              "             {\"name\": \"s3\", \"address\": \"[fe80::1:2]:65535\"}],\n"
+              " \"local\": {\"layers\": \"0-3,7\", \"experts\": \"0-3\"}}",
+              &e),
+        &e);
+  MT_EQ_STR(cf.model, "/models/q3");
+  MT_EQ_INT(cf.deadline_ms, 250);
+  MT_EQ_INT(cf.n_servers, 4);
+  MT_EQ_STR(cf.servers[0].name, "s0");
+  MT_EQ_STR(cf.servers[0].address, "127.0.0.1:50051");
+  MT_EQ_STR(cf.servers[1].name, "gpu-box_2.a");
+  MT_EQ_STR(cf.servers[1].address, "[::1]:50052");
+  MT_EQ_STR(cf.servers[3].address, "[fe80::1:2]:65535");
+  MT_EQ_STR(cf.local_layers, "0-3,7");
+  MT_EQ_STR(cf.local_experts, "0-3");
+}
+
+MT_TEST(defaults) {
+  mr_err e;
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"localhost:9\"}]}", &e), &e);
+  MT_EQ_STR(cf.model, "");
+  MT_EQ_INT(cf.deadline_ms, 5000);
+  MT_EQ_INT(cf.n_servers, 1);
+  MT_EQ_STR(cf.local_layers, "");
+  MT_EQ_STR(cf.local_experts, "");
+  /* Experts without layers mean every layer. */
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"h:9\"}],\"local\":{\"experts\":\"1\"}}",
+              &e),
+        &e);
+  MT_EQ_STR(cf.local_layers, "all");
+  MT_EQ_STR(cf.local_experts, "1");
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"h:9\"}],\"local\":{}}", &e), &e);
+  MT_EQ_STR(cf.local_layers, "");
+}
+
+MT_TEST(servers_errors) {
+  mr_err e;
+  MT_EQ_INT(parse("{}", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "c.json: required field servers is missing");
+  MT_EQ_INT(parse("{\"servers\": []}", &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "servers has 0 entries, must have 1..256");
+  MT_EQ_INT(parse("{\"servers\": {\"name\":\"a\"}}", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "servers = an object, must be an array");
+  MT_EQ_INT(parse("{\"servers\": [\"127.0.0.1:1\"]}", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "servers[0] = \"127.0.0.1:1\", must be an object");
+  MT_EQ_INT(parse("{\"servers\": [{\"address\":\"h:1\"}]}", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "servers[0].name = (missing), must be a string");
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a\",\"address\":\"h:1\"},{\"name\":7,"
+                  "\"address\":\"h:2\"}]}",
+                  &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "servers[1].name = 7");
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"\",\"address\":\"h:1\"}]}", &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "servers[0].name is empty");
+  char buf[512];
+  snprintf(buf, sizeof buf, "{\"servers\": [{\"name\":\"%064d\",\"address\":\"h:1\"}]}", 0);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "servers[0].name is 64 characters long, at most 63");
+  snprintf(buf, sizeof buf, "{\"servers\": [{\"name\":\"%063d\",\"address\":\"h:1\"}]}", 0);
+  MT_OK(parse(buf, &e), &e);
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a b\",\"address\":\"h:1\"}]}", &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "servers[0].name = \"a b\", character ' ' is not allowed");
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a\",\"address\":\"h:1\",\"port\":1}]}", &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "unknown key \"port\" in servers[0]");
+}
+
+MT_TEST(address_errors) {
+  struct {
+    const char *addr;
+    int code;
+    const char *msg;
+  } cases[] = {
+      {"127.0.0.1", MR_EINVAL, "must be host:port"},
+      {":50051", MR_EINVAL, "must be host:port"},
+      {"h:0", MR_ERANGE, "port must be a number in 1..65535"},
+      {"h:65536", MR_ERANGE, "port must be a number in 1..65535"},
+      {"h:", MR_ERANGE, "port must be a number in 1..65535"},
+      {"h:12a", MR_EINVAL, "port must be a number in 1..65535"},
+      {"h:-1", MR_EINVAL, "port must be a number in 1..65535"},
+      {"h:9999999999", MR_EINVAL, "port must be a number"},
+      {"::1:50051", MR_EINVAL, "IPv6 addresses go in brackets"},
+      {"[::1]50051", MR_EINVAL, "must be written [addr]:port"},
+      {"[]:1", MR_EINVAL, "must be written [addr]:port"},
+      {"[::g]:1", MR_EINVAL, "character 'g' is not allowed in an IPv6 address"},
+      {"ho st:1", MR_EINVAL, "character ' ' is not allowed in a host name"},
+      {"http://h:1", MR_EINVAL, "character ':' is not allowed"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char buf[256];
+    mr_err e;
+    snprintf(buf, sizeof buf, "{\"servers\": [{\"name\":\"a\",\"address\":\"%s\"}]}",
+             cases[i].addr);
+    int rc = parse(buf, &e);
+    if (rc != cases[i].code) fprintf(stderr, "address %s\n", cases[i].addr);
+    MT_EQ_INT(rc, cases[i].code);
+    MT_CONTAINS(e.msg, "servers[0].address");
+    MT_CONTAINS(e.msg, cases[i].addr);
+    MT_CONTAINS(e.msg, cases[i].msg);
+  }
+}
+
+MT_TEST(duplicates) {
+  mr_err e;
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a\",\"address\":\"h:1\"},"
+                  "{\"name\":\"a\",\"address\":\"h:2\"}]}",
+                  &e),
+            MR_EINVAL);
+  MT_CONTAINS(e.msg, "servers[1].name = \"a\" is also servers[0].name");
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a\",\"address\":\"H:1\"},"
+                  "{\"name\":\"b\",\"address\":\"h:2\"},{\"name\":\"c\",\"address\":\"h:1\"}]}",
+                  &e),
+            MR_EINVAL);
+  MT_CONTAINS(e.msg, "servers[2].address = \"h:1\" is also servers[0].address");
+  /* Duplicate JSON keys are typos too. */
+  MT_EQ_INT(parse("{\"servers\": [{\"name\":\"a\",\"address\":\"h:1\"}], \"deadline_ms\": 1,"
+                  " \"deadline_ms\": 2}",
+                  &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "key \"deadline_ms\" appears twice");
+}
+
+static void many_servers(char *buf, size_t len, int n) {
+  size_t o = (size_t)snprintf(buf, len, "{\"servers\": [");
+  for (int i = 0; i < n; i++)
+    o += (size_t)snprintf(buf + o, len - o, "%s{\"name\":\"s%d\",\"address\":\"h:%d\"}",
+                          i ? "," : "", i, i + 1);
+  snprintf(buf + o, len - o, "]}");
+}
+
+MT_TEST(too_many_servers) {
+  static char buf[64 * 1024];
+  mr_err e;
+  many_servers(buf, sizeof buf, 257);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "servers has 257 entries, must have 1..256");
+  many_servers(buf, sizeof buf, 256);
+  MT_OK(parse(buf, &e), &e);
+  MT_EQ_INT(cf.n_servers, 256);
+  MT_EQ_STR(cf.servers[255].address, "h:256");
+}
+
+MT_TEST(top_level_errors) {
+  mr_err e;
+  const char *srv = "\"servers\":[{\"name\":\"a\",\"address\":\"h:1\"}]";
+  char buf[512];
+  snprintf(buf, sizeof buf, "{%s, \"deadline_msec\": 100}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "c.json: unknown key \"deadline_msec\" in the top level");
+  MT_CONTAINS(e.msg, "\"deadline_ms\""); /* lists the allowed keys */
+  snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": 0}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "deadline_ms = 0, must be an integer in 1..600000");
+  snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": 600001}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "deadline_ms = 600001");
+  snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": 600000}", srv);
+  MT_OK(parse(buf, &e), &e);
+  MT_EQ_INT(cf.deadline_ms, 600000);
+  snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": \"5s\"}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "deadline_ms = \"5s\"");
+  snprintf(buf, sizeof buf, "{%s, \"model\": 3}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "model = 3, must be a string");
+  snprintf(buf, sizeof buf, "{%s, \"model\": \"\"}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "model is empty");
+  MT_EQ_INT(parse("[]", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "top level is an array, must be a JSON object");
+  MT_EQ_INT(parse("{\"servers\": [", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "c.json: invalid JSON at byte 12 (line 1)");
+  MT_EQ_INT(parse("{\n\n  ]", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "line 3");
+  MT_EQ_INT(cf.n_servers, 0); /* cleared on failure */
+}
+
+MT_TEST(local_errors) {
+  mr_err e;
+  const char *srv = "\"servers\":[{\"name\":\"a\",\"address\":\"h:1\"}]";
+  char buf[512];
+  snprintf(buf, sizeof buf, "{%s, \"local\": \"0-3\"}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "local = \"0-3\", must be an object");
+  snprintf(buf, sizeof buf, "{%s, \"local\": {\"experts\": \"0-x\"}}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "c.json: local.experts: bad token \"0-x\"");
+  snprintf(buf, sizeof buf, "{%s, \"local\": {\"layers\": \"5-2\", \"experts\": \"1\"}}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "local.layers: range \"5-2\" is reversed");
+  snprintf(buf, sizeof buf, "{%s, \"local\": {\"layers\": \"1024\", \"experts\": \"1\"}}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "local.layers: id 1024");
+  snprintf(buf, sizeof buf, "{%s, \"local\": {\"experts\": [1,2]}}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "local.experts = an array, must be a string");
+  snprintf(buf, sizeof buf, "{%s, \"local\": {\"expert\": \"1\"}}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "unknown key \"expert\" in local");
+}
+
+MT_TEST(load_and_file_read) {
+  char dir[] = "/tmp/mr-test-cl-XXXXXX";
+  MT_TRUE(mkdtemp(dir) != NULL);
+  char path[256];
+  snprintf(path, sizeof path, "%s/cluster.json", dir);
+  FILE *f = fopen(path, "w");
+  MT_TRUE(f != NULL);
+  fputs("{\"servers\":[{\"name\":\"a\",\"address\":\"127.0.0.1:7000\"}]}\n", f);
+  fclose(f);
+  mr_err e = {0};
+  int rc_ok = mr_cluster_load(&cf, path, &e);
+  uint32_t n = cf.n_servers;
+  char *text = NULL;
+  size_t len = 0;
+  int rc_small = mr_file_read(path, 10, &text, &len, &e);
+  char msg_small[512];
+  snprintf(msg_small, sizeof msg_small, "%s", e.msg);
+  int rc_dir = mr_file_read(dir, 1 << 20, &text, &len, &e);
+  char msg_dir[512];
+  snprintf(msg_dir, sizeof msg_dir, "%s", e.msg);
+  int rc_read = mr_file_read(path, 1 << 20, &text, &len, &e);
+  unlink(path);
+  int rc_missing = mr_cluster_load(&cf, path, &e);
+  rmdir(dir);
+  MT_EQ_INT(rc_ok, 0);
+  MT_EQ_INT(n, 1);
+  MT_EQ_INT(rc_small, MR_ERANGE);
+  MT_CONTAINS(msg_small, "exceeds the limit of 10 bytes");
+  MT_EQ_INT(rc_dir, MR_EINVAL);
+  MT_CONTAINS(msg_dir, "not a regular file");
+  MT_EQ_INT(rc_read, 0);
+  MT_EQ_U64(len, strlen(text));
+  MT_EQ_INT(text[len], '\0');
+  MT_CONTAINS(text, "127.0.0.1:7000");
+  mr_free(text);
+  MT_EQ_INT(rc_missing, MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "cluster.json");
+}
+
+MT_MAIN()

@@ -1,0 +1,374 @@
+/*
+ * test_config.c - HF config.json reader: the three families with configs shaped like the
+ * released models, the MoE-layer rules, and each kind of bad field (checking the code AND
+ * that the message names the field and the limit).
+ */
+#include "common/internal.h"
+#include "tests/unit/mt.h"
+
+#include <pthread.h>
+#include <sys/stat.h>
+
+static int parse(mr_model_config *c, const char *json, mr_err *e) {
+  mr_err_clear(e);
+  return mr_config_parse(c, json, strlen(json), "m/config.json", e);
+}
+
+/* Qwen3-30B-A3B's config.json (fields that matter, values as released). */
+static const char *qwen3_30b =
+    "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"model_type\": \"qwen3_moe\","
+    " \"attention_bias\": false, \"bos_token_id\": 151643, \"decoder_sparse_step\": 1,"
+    " \"eos_token_id\": 151645, \"head_dim\": 128, \"hidden_act\": \"silu\","
+    " \"hidden_size\": 2048, \"intermediate_size\": 6144, \"max_position_embeddings\": 40960,"
+    " \"max_window_layers\": 48, \"mlp_only_layers\": [], \"moe_intermediate_size\": 768,"
+    " \"norm_topk_prob\": true, \"num_attention_heads\": 32, \"num_experts\": 128,"
+    " \"num_experts_per_tok\": 8, \"num_hidden_layers\": 48, \"num_key_value_heads\": 4,"
+    " \"rms_norm_eps\": 1e-06, \"rope_scaling\": null, \"rope_theta\": 1000000.0,"
+    " \"sliding_window\": null, \"tie_word_embeddings\": false, \"torch_dtype\": \"bfloat16\","
+    " \"vocab_size\": 151936}";
+
+MT_TEST(qwen3_moe) {
+  mr_model_config c;
+  mr_err e;
+  MT_OK(parse(&c, qwen3_30b, &e), &e);
+  MT_EQ_INT(c.arch, MR_ARCH_QWEN3_MOE);
+  MT_EQ_STR(c.arch_name, "Qwen3MoeForCausalLM");
+  MT_EQ_INT(c.hidden_size, 2048);
+  MT_EQ_INT(c.moe_intermediate, 768);
+  MT_EQ_INT(c.dense_intermediate, 6144);
+  MT_EQ_INT(c.num_experts, 128);
+  MT_EQ_INT(c.top_k, 8);
+  MT_EQ_INT(c.num_layers, 48);
+  MT_EQ_INT(c.vocab_size, 151936);
+  MT_EQ_INT(c.num_heads, 32);
+  MT_EQ_INT(c.num_kv_heads, 4);
+  MT_EQ_INT(c.head_dim, 128);
+  MT_TRUE(c.norm_topk_prob);
+  MT_NEAR(c.routed_scaling_factor, 1.0, 0);
+  MT_NEAR(c.rms_norm_eps, 1e-6, 1e-12);
+  MT_EQ_INT(mr_config_num_moe_layers(&c), 48);
+  MT_TRUE(mr_config_is_moe_layer(&c, 0));
+  MT_TRUE(mr_config_is_moe_layer(&c, 47));
+  MT_FALSE(mr_config_is_moe_layer(&c, 48));
+  char key[128];
+  int n = mr_config_expert_key(&c, 3, 17, MR_PROJ_GATE, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.3.mlp.experts.17.gate_proj.weight");
+  MT_EQ_INT(n, (int)strlen(key));
+  mr_config_expert_key(&c, 47, 127, MR_PROJ_DOWN, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.47.mlp.experts.127.down_proj.weight");
+  mr_config_expert_key(&c, 0, 0, MR_PROJ_UP, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.0.mlp.experts.0.up_proj.weight");
+  /* snprintf semantics when the buffer is short. */
+  char tiny[8];
+  MT_EQ_INT(mr_config_expert_key(&c, 0, 0, MR_PROJ_UP, tiny, sizeof tiny), (int)strlen(key));
+  MT_EQ_STR(tiny, "model.l");
+}
+
+MT_TEST(qwen2_moe_sparse_step_and_mlp_only) {
+  mr_model_config c;
+  mr_err e;
+  /* Layer l is MoE iff l not in mlp_only_layers and (l+1) % step == 0. */
+  MT_OK(parse(&c,
+              "{\"architectures\":[\"Qwen2MoeForCausalLM\"],\"hidden_size\":64,"
+              "\"num_hidden_layers\":8,\"vocab_size\":100,\"num_attention_heads\":4,"
+              "\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
+              "\"decoder_sparse_step\":2,\"mlp_only_layers\":[3,4]}",
+              &e),
+        &e);
+  uint8_t want[8] = {0, 1, 0, 0, 0, 1, 0, 1};
+  for (uint32_t l = 0; l < 8; l++) MT_EQ_INT(mr_config_is_moe_layer(&c, l), want[l]);
+  MT_EQ_INT(mr_config_num_moe_layers(&c), 3);
+  /* Defaults: kv heads = heads, head_dim = hidden / heads, norm_topk_prob false. */
+  MT_EQ_INT(c.num_kv_heads, 4);
+  MT_EQ_INT(c.head_dim, 16);
+  MT_FALSE(c.norm_topk_prob);
+  MT_EQ_INT(c.dense_intermediate, 0);
+}
+
+MT_TEST(mixtral) {
+  mr_model_config c;
+  mr_err e;
+  /* Mixtral-8x7B-v0.1 */
+  MT_OK(parse(&c,
+              "{\"architectures\":[\"MixtralForCausalLM\"],\"hidden_size\":4096,"
+              "\"intermediate_size\":14336,\"num_attention_heads\":32,\"num_hidden_layers\":32,"
+              "\"num_key_value_heads\":8,\"num_local_experts\":8,\"num_experts_per_tok\":2,"
+              "\"rms_norm_eps\":1e-05,\"vocab_size\":32000,\"model_type\":\"mixtral\"}",
+              &e),
+        &e);
+  MT_EQ_INT(c.arch, MR_ARCH_MIXTRAL);
+  MT_EQ_INT(c.num_experts, 8);
+  MT_EQ_INT(c.top_k, 2);
+  MT_EQ_INT(c.moe_intermediate, 14336);
+  MT_EQ_INT(c.dense_intermediate, 0);
+  MT_EQ_INT(c.head_dim, 128);
+  MT_TRUE(c.norm_topk_prob);
+  MT_EQ_INT(mr_config_num_moe_layers(&c), 32);
+  char key[128];
+  mr_config_expert_key(&c, 5, 7, MR_PROJ_GATE, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.5.block_sparse_moe.experts.7.w1.weight");
+  mr_config_expert_key(&c, 5, 7, MR_PROJ_UP, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.5.block_sparse_moe.experts.7.w3.weight");
+  mr_config_expert_key(&c, 5, 7, MR_PROJ_DOWN, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.5.block_sparse_moe.experts.7.w2.weight");
+}
+
+/* DeepSeek-V3's config.json (the fields that matter). */
+static const char *deepseek_v3 =
+    "{\"architectures\":[\"DeepseekV3ForCausalLM\"],\"model_type\":\"deepseek_v3\","
+    "\"first_k_dense_replace\":3,\"hidden_size\":7168,\"intermediate_size\":18432,"
+    "\"kv_lora_rank\":512,\"moe_intermediate_size\":2048,\"moe_layer_freq\":1,"
+    "\"n_group\":8,\"n_routed_experts\":256,\"n_shared_experts\":1,\"norm_topk_prob\":true,"
+    "\"num_attention_heads\":128,\"num_experts_per_tok\":8,\"num_hidden_layers\":61,"
+    "\"num_key_value_heads\":128,\"q_lora_rank\":1536,\"qk_nope_head_dim\":128,"
+    "\"qk_rope_head_dim\":64,\"rms_norm_eps\":1e-06,\"routed_scaling_factor\":2.5,"
+    "\"scoring_func\":\"sigmoid\",\"topk_group\":4,\"topk_method\":\"noaux_tc\","
+    "\"v_head_dim\":128,\"vocab_size\":129280}";
+
+MT_TEST(deepseek_v3) {
+  mr_model_config c;
+  mr_err e;
+  MT_OK(parse(&c, deepseek_v3, &e), &e);
+  MT_EQ_INT(c.arch, MR_ARCH_DEEPSEEK_V3);
+  MT_EQ_INT(c.num_experts, 256);
+  MT_EQ_INT(c.top_k, 8);
+  MT_EQ_INT(c.moe_intermediate, 2048);
+  MT_EQ_INT(c.dense_intermediate, 18432);
+  MT_EQ_INT(c.num_layers, 61);
+  MT_EQ_INT(c.head_dim, 192); /* qk_nope + qk_rope */
+  MT_NEAR(c.routed_scaling_factor, 2.5, 0);
+  MT_TRUE(c.norm_topk_prob);
+  MT_FALSE(mr_config_is_moe_layer(&c, 2));
+  MT_TRUE(mr_config_is_moe_layer(&c, 3));
+  MT_TRUE(mr_config_is_moe_layer(&c, 60));
+  MT_EQ_INT(mr_config_num_moe_layers(&c), 58);
+  char key[128];
+  mr_config_expert_key(&c, 3, 255, MR_PROJ_UP, key, sizeof key);
+  MT_EQ_STR(key, "model.layers.3.mlp.experts.255.up_proj.weight");
+}
+
+MT_TEST(deepseek_v2_layer_freq_and_defaults) {
+  mr_model_config c;
+  mr_err e;
+  /* l is MoE iff l >= first_k_dense_replace && l % moe_layer_freq == 0. */
+  MT_OK(parse(&c,
+              "{\"architectures\":[\"DeepseekV2ForCausalLM\"],\"hidden_size\":64,"
+              "\"num_hidden_layers\":7,\"vocab_size\":10,\"num_attention_heads\":4,"
+              "\"n_routed_experts\":16,\"num_experts_per_tok\":6,\"moe_intermediate_size\":8,"
+              "\"first_k_dense_replace\":1,\"moe_layer_freq\":2,\"head_dim\":32}",
+              &e),
+        &e);
+  uint8_t want[7] = {0, 0, 1, 0, 1, 0, 1};
+  for (uint32_t l = 0; l < 7; l++) MT_EQ_INT(mr_config_is_moe_layer(&c, l), want[l]);
+  MT_FALSE(c.norm_topk_prob); /* V2 default */
+  MT_NEAR(c.routed_scaling_factor, 1.0, 0);
+  MT_EQ_INT(c.head_dim, 32);
+}
+
+MT_TEST(model_type_fallback_and_nulls) {
+  mr_model_config c;
+  mr_err e;
+  /* No architectures: model_type decides. Nulls count as absent for optional fields. */
+  MT_OK(parse(&c,
+              "{\"model_type\":\"qwen3_moe\",\"hidden_size\":64,\"num_hidden_layers\":2,"
+              "\"vocab_size\":10,\"num_attention_heads\":4,\"num_key_value_heads\":null,"
+              "\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32,"
+              "\"head_dim\":null,\"mlp_only_layers\":null}",
+              &e),
+        &e);
+  MT_EQ_INT(c.arch, MR_ARCH_QWEN3_MOE);
+  MT_EQ_STR(c.arch_name, "Qwen3MoeForCausalLM");
+  MT_EQ_INT(c.num_kv_heads, 4);
+  MT_EQ_INT(c.head_dim, 16);
+}
+
+/* Replaces the first occurrence of `from` in qwen3_30b by `to` and parses the result. */
+static int parse_edit(const char *from, const char *to, mr_model_config *c, mr_err *e) {
+  static char buf[8192];
+  const char *p = strstr(qwen3_30b, from);
+  MT_TRUE(p != NULL);
+  snprintf(buf, sizeof buf, "%.*s%s%s", (int)(p - qwen3_30b), qwen3_30b, to, p + strlen(from));
+  return parse(c, buf, e);
+}
+
+MT_TEST(missing_required_fields) {
+  mr_model_config c;
+  mr_err e;
+  const char *fields[] = {"\"hidden_size\"", "\"num_hidden_layers\"", "\"vocab_size\"",
+                          "\"num_attention_heads\"", "\"num_experts\"", "\"num_experts_per_tok\"",
+                          "\"moe_intermediate_size\""};
+  for (size_t i = 0; i < sizeof fields / sizeof fields[0]; i++) {
+    char renamed[64];
+    snprintf(renamed, sizeof renamed, "\"x_%s", fields[i] + 1);
+    MT_EQ_INT(parse_edit(fields[i], renamed, &c, &e), MR_EFORMAT);
+    char want[80];
+    snprintf(want, sizeof want, "required field %.*s is missing", (int)strlen(fields[i]) - 2,
+             fields[i] + 1);
+    MT_CONTAINS(e.msg, want);
+    MT_CONTAINS(e.msg, "m/config.json");
+    MT_EQ_INT(c.hidden_size, 0); /* cfg cleared on failure */
+  }
+}
+
+MT_TEST(wrong_types) {
+  mr_model_config c;
+  mr_err e;
+  MT_EQ_INT(parse_edit("\"hidden_size\": 2048", "\"hidden_size\": \"2048\"", &c, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "m/config.json: hidden_size = \"2048\", must be an integer in 1..65536");
+  MT_EQ_INT(parse_edit("\"hidden_size\": 2048", "\"hidden_size\": 2048.5", &c, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "hidden_size = 2048.5");
+  MT_EQ_INT(parse_edit("\"num_experts\": 128", "\"num_experts\": [128]", &c, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "num_experts = an array");
+  MT_EQ_INT(parse_edit("\"norm_topk_prob\": true", "\"norm_topk_prob\": \"yes\"", &c, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "norm_topk_prob = \"yes\", must be true or false");
+  MT_EQ_INT(parse_edit("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": \"1e-6\"", &c, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "rms_norm_eps");
+  MT_EQ_INT(parse_edit("\"mlp_only_layers\": []", "\"mlp_only_layers\": {}", &c, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "mlp_only_layers = an object");
+  MT_EQ_INT(parse_edit("\"mlp_only_layers\": []", "\"mlp_only_layers\": [\"1\"]", &c, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "mlp_only_layers[0]");
+  MT_EQ_INT(parse_edit("[\"Qwen3MoeForCausalLM\"]", "\"Qwen3MoeForCausalLM\"", &c, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "architectures[0]");
+  MT_EQ_INT(parse_edit("[\"Qwen3MoeForCausalLM\"]", "[]", &c, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "architectures[0] = (missing)");
+}
+
+MT_TEST(ranges) {
+  mr_model_config c;
+  mr_err e;
+  MT_EQ_INT(parse_edit("\"num_experts\": 128", "\"num_experts\": 0", &c, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_experts = 0, must be an integer in 1..65536");
+  MT_EQ_INT(parse_edit("\"num_experts\": 128", "\"num_experts\": 65537", &c, &e), MR_ERANGE);
+  MT_EQ_INT(parse_edit("\"num_experts_per_tok\": 8", "\"num_experts_per_tok\": 129", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_experts_per_tok = 129, must be an integer in 1..128");
+  MT_EQ_INT(parse_edit("\"num_hidden_layers\": 48", "\"num_hidden_layers\": 1025", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_hidden_layers = 1025, must be an integer in 1..1024");
+  MT_EQ_INT(parse_edit("\"hidden_size\": 2048", "\"hidden_size\": -1", &c, &e), MR_ERANGE);
+  MT_EQ_INT(parse_edit("\"hidden_size\": 2048", "\"hidden_size\": 1e300", &c, &e), MR_ERANGE);
+  MT_EQ_INT(parse_edit("\"num_key_value_heads\": 4", "\"num_key_value_heads\": 5", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_attention_heads = 32 is not a multiple of num_key_value_heads = 5");
+  MT_EQ_INT(parse_edit("\"num_key_value_heads\": 4", "\"num_key_value_heads\": 64", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_key_value_heads = 64, must be an integer in 1..32");
+  MT_EQ_INT(parse_edit("\"decoder_sparse_step\": 1", "\"decoder_sparse_step\": 0", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "decoder_sparse_step = 0");
+  MT_EQ_INT(parse_edit("\"mlp_only_layers\": []", "\"mlp_only_layers\": [48]", &c, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "mlp_only_layers[0] = 48, must be an integer in 0..47");
+  MT_EQ_INT(parse_edit("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": -1e-06", &c, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "rms_norm_eps = -1e-06");
+  /* Found by fuzz_config: positive as a double, zero as the float we keep. */
+  MT_EQ_INT(parse_edit("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": 1e-86", &c, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "rms_norm_eps = 1e-86");
+  MT_EQ_INT(parse_edit("\"head_dim\": 128", "\"head_dim\": 0", &c, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "head_dim = 0");
+  /* head_dim absent and hidden not divisible by heads */
+  MT_EQ_INT(parse_edit("\"head_dim\": 128", "\"head_dimx\": 128", &c, &e), MR_OK);
+  MT_EQ_INT(c.head_dim, 64);
+  MT_EQ_INT(parse(&c,
+                  "{\"architectures\":[\"Qwen3MoeForCausalLM\"],\"hidden_size\":100,"
+                  "\"num_hidden_layers\":2,\"vocab_size\":10,\"num_attention_heads\":3,"
+                  "\"num_experts\":4,\"num_experts_per_tok\":2,\"moe_intermediate_size\":32}",
+                  &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "head_dim is missing and hidden_size = 100");
+}
+
+MT_TEST(deepseek_ranges) {
+  mr_model_config c;
+  mr_err e;
+  char buf[4096];
+  const char *p = strstr(deepseek_v3, "\"routed_scaling_factor\":2.5");
+  snprintf(buf, sizeof buf, "%.*s\"routed_scaling_factor\":0%s", (int)(p - deepseek_v3),
+           deepseek_v3, p + strlen("\"routed_scaling_factor\":2.5"));
+  MT_EQ_INT(parse(&c, buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "routed_scaling_factor = 0, must be a number in (0, 1000]");
+  p = strstr(deepseek_v3, "\"first_k_dense_replace\":3");
+  snprintf(buf, sizeof buf, "%.*s\"first_k_dense_replace\":62%s", (int)(p - deepseek_v3),
+           deepseek_v3, p + strlen("\"first_k_dense_replace\":3"));
+  MT_EQ_INT(parse(&c, buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "first_k_dense_replace = 62, must be an integer in 0..61");
+  /* All layers dense: no MoE layer at all is an error. */
+  snprintf(buf, sizeof buf, "%.*s\"first_k_dense_replace\":61%s", (int)(p - deepseek_v3),
+           deepseek_v3, p + strlen("\"first_k_dense_replace\":3"));
+  MT_EQ_INT(parse(&c, buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "no layer of the 61 has routed experts");
+  p = strstr(deepseek_v3, "\"n_routed_experts\":256");
+  snprintf(buf, sizeof buf, "%.*s\"n_routed_experts\":null%s", (int)(p - deepseek_v3),
+           deepseek_v3, p + strlen("\"n_routed_experts\":256"));
+  MT_EQ_INT(parse(&c, buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "required field n_routed_experts is missing");
+}
+
+MT_TEST(unsupported_and_malformed) {
+  mr_model_config c;
+  mr_err e;
+  MT_EQ_INT(parse_edit("Qwen3MoeForCausalLM", "LlamaForCausalLM", &c, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "architecture \"LlamaForCausalLM\" is not supported");
+  MT_EQ_INT(parse(&c, "{\"hidden_size\": 1}", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "architectures is missing");
+  MT_EQ_INT(parse(&c, "{\"hidden_size\": 1,", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "m/config.json: invalid JSON");
+  MT_EQ_INT(parse(&c, "[1]", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "must be a JSON object");
+  MT_EQ_INT(parse(&c, "", &e), MR_EFORMAT);
+  MT_EQ_INT(mr_config_parse(&c, "{}", 2, NULL, NULL), MR_EFORMAT); /* NULL label and err */
+}
+
+MT_TEST(load_file_and_dir) {
+  char dir[] = "/tmp/mr-test-cfg-XXXXXX";
+  MT_TRUE(mkdtemp(dir) != NULL);
+  char path[256];
+  snprintf(path, sizeof path, "%s/config.json", dir);
+  FILE *f = fopen(path, "w");
+  MT_TRUE(f != NULL);
+  fputs(qwen3_30b, f);
+  fclose(f);
+  mr_model_config c;
+  mr_err e = {0};
+  int rc1 = mr_config_load(&c, dir, &e);
+  int rc2 = mr_config_load(&c, path, &e);
+  unlink(path);
+  int rc3 = mr_config_load(&c, dir, &e);
+  rmdir(dir);
+  MT_EQ_INT(rc1, 0);
+  MT_EQ_INT(rc2, 0);
+  MT_EQ_INT(c.num_experts, 0); /* cleared by the failed load */
+  MT_EQ_INT(rc3, MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "config.json");
+}
+
+/* mr.h: readers may be called from any thread. Run under `make SANITIZER=thread` this
+ * also proves that no shared state is touched without a lock (cJSON's global error
+ * pointer is the one to watch). */
+static void *parse_many(void *arg) {
+  long bad = 0;
+  for (int i = 0; i < 300; i++) {
+    mr_model_config c;
+    mr_err e;
+    const char *json = (i + (long)(intptr_t)arg) % 2 ? qwen3_30b : "{\"hidden_size\": 1,";
+    int rc = mr_config_parse(&c, json, strlen(json), "t", &e);
+    if (json == qwen3_30b ? (rc != 0 || c.num_experts != 128) : rc != MR_EFORMAT) bad++;
+  }
+  return (void *)(intptr_t)bad;
+}
+
+MT_TEST(concurrent_parse) {
+  pthread_t th[4];
+  for (long i = 0; i < 4; i++) MT_EQ_INT(pthread_create(&th[i], NULL, parse_many, (void *)i), 0);
+  for (int i = 0; i < 4; i++) {
+    void *bad;
+    pthread_join(th[i], &bad);
+    MT_EQ_INT((intptr_t)bad, 0);
+  }
+}
+
+MT_MAIN()

@@ -1,0 +1,888 @@
+/*
+ * test_safetensors.c - the safetensors reader and writer, and the model fingerprint:
+ * round trips, each kind of malformed file (checking the code AND that the message names
+ * the file/tensor/field), sharded models, and allocation failure at every step.
+ */
+#include "common/internal.h"
+#include "tests/unit/mt.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+
+/* ---- temp dir helpers (each test runs in its own process; atexit cleans up even when an
+ * assert fails, since MT__FAIL exits) ------------------------------------------------- */
+
+static char tdir[256];
+
+static void tdir_cleanup(void) {
+  if (!tdir[0]) return;
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", tdir);
+  if (system(cmd) != 0) fprintf(stderr, "cleanup of %s failed\n", tdir);
+  tdir[0] = '\0';
+}
+
+static const char *tdir_make(void) {
+  snprintf(tdir, sizeof tdir, "/tmp/mr-test-st-XXXXXX");
+  MT_TRUE(mkdtemp(tdir) != NULL);
+  atexit(tdir_cleanup);
+  return tdir;
+}
+
+static const char *tpath(const char *name) {
+  static char p[4][512];
+  static int k;
+  k = (k + 1) % 4;
+  snprintf(p[k], sizeof p[k], "%s/%s", tdir, name);
+  return p[k];
+}
+
+static void write_bytes(const char *path, const void *buf, size_t n) {
+  FILE *f = fopen(path, "wb");
+  MT_TRUE(f != NULL);
+  MT_EQ_U64(fwrite(buf, 1, n, f), n);
+  MT_EQ_INT(fclose(f), 0);
+}
+
+/* Builds a safetensors image: u64 header length, header text, then data_len bytes where
+ * byte i = i & 0xff. Caller frees. */
+static uint8_t *make_image(const char *header, uint64_t declared_len, size_t data_len,
+                           size_t *total) {
+  size_t hl = strlen(header);
+  *total = 8 + hl + data_len;
+  uint8_t *b = malloc(*total);
+  MT_TRUE(b != NULL);
+  for (int i = 0; i < 8; i++) b[i] = (uint8_t)(declared_len >> (8 * i));
+  memcpy(b + 8, header, hl);
+  for (size_t i = 0; i < data_len; i++) b[8 + hl + i] = (uint8_t)i;
+  return b;
+}
+
+/* Parses header + data_len bytes from memory; returns the code and fills e. */
+static int parse_hdr(const char *header, size_t data_len, mr_err *e) {
+  size_t n;
+  uint8_t *b = make_image(header, strlen(header), data_len, &n);
+  mr_st *st = NULL;
+  mr_err_clear(e);
+  int rc = mr_st_parse_buffer(&st, b, n, "mem.safetensors", e);
+  if (rc == 0) MT_TRUE(st != NULL);
+  else MT_TRUE(st == NULL);
+  mr_st_close(st);
+  free(b);
+  return rc;
+}
+
+static void write_st(const char *path, const char *header, size_t data_len) {
+  size_t n;
+  uint8_t *b = make_image(header, strlen(header), data_len, &n);
+  write_bytes(path, b, n);
+  free(b);
+}
+
+/* ---- reader: good files --------------------------------------------------------------- */
+
+MT_TEST(parse_good_buffer) {
+  const char *h =
+      "{\"__metadata__\":{\"format\":\"pt\"},"
+      "\"b\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[16,28]},"
+      "\"a\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[0,16]},"
+      "\"ids\":{\"dtype\":\"I64\",\"shape\":[1],\"data_offsets\":[28,36]},"
+      "\"empty\":{\"dtype\":\"F16\",\"shape\":[0,5],\"data_offsets\":[36,36]},"
+      "\"scalar\":{\"dtype\":\"F16\",\"shape\":[],\"data_offsets\":[36,38]}}";
+  size_t n;
+  uint8_t *b = make_image(h, strlen(h), 38, &n);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_parse_buffer(&st, b, n, "mem", &e), &e);
+  MT_EQ_U64(mr_st_count(st), 5);
+  /* Sorted by name. */
+  MT_EQ_STR(mr_st_at(st, 0)->name, "a");
+  MT_EQ_STR(mr_st_at(st, 1)->name, "b");
+  MT_TRUE(mr_st_at(st, 5) == NULL);
+  const mr_st_tensor *t = mr_st_find(st, "b");
+  MT_TRUE(t != NULL);
+  MT_EQ_INT(t->dtype, MR_DTYPE_BF16);
+  MT_EQ_STR(t->dtype_name, "BF16");
+  MT_EQ_INT(t->ndim, 2);
+  MT_EQ_U64(t->shape[0], 2);
+  MT_EQ_U64(t->shape[1], 3);
+  MT_EQ_U64(t->nbytes, 12);
+  MT_TRUE((const uint8_t *)t->data == b + 8 + strlen(h) + 16);
+  MT_EQ_INT(((const uint8_t *)t->data)[0], 16);
+  t = mr_st_find(st, "ids");
+  MT_EQ_INT(t->dtype, MR_DTYPE_UNSPECIFIED);
+  MT_EQ_STR(t->dtype_name, "I64");
+  MT_EQ_U64(mr_st_find(st, "empty")->nbytes, 0);
+  MT_EQ_INT(mr_st_find(st, "scalar")->ndim, 0);
+  MT_EQ_U64(mr_st_find(st, "scalar")->nbytes, 2);
+  MT_TRUE(mr_st_find(st, "c") == NULL);
+  MT_TRUE(mr_st_find(st, "") == NULL);
+  mr_st_close(st);
+  free(b);
+}
+
+MT_TEST(parse_allows_trailing_spaces_and_gaps) {
+  mr_err e;
+  /* HF pads the header with spaces; gaps between tensors are tolerated. */
+  MT_OK(parse_hdr("{\"a\":{\"dtype\":\"U8\",\"shape\":[2],\"data_offsets\":[4,6]}}      ", 8,
+                  &e),
+        &e);
+  MT_OK(parse_hdr("{}", 0, &e), &e);
+}
+
+/* ---- reader: malformed files ---------------------------------------------------------- */
+
+MT_TEST(truncated_file) {
+  uint8_t b[5] = {1, 0, 0, 0, 0};
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_parse_buffer(&st, b, sizeof b, "short.safetensors", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "short.safetensors");
+  MT_CONTAINS(e.msg, "5 bytes");
+  MT_EQ_INT(mr_st_parse_buffer(&st, b, 0, "empty.safetensors", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "0 bytes");
+}
+
+MT_TEST(header_length_past_eof) {
+  const char *h = "{}";
+  size_t n;
+  uint8_t *b = make_image(h, 1000, 0, &n);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_parse_buffer(&st, b, n, "x.safetensors", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "header length = 1000");
+  MT_CONTAINS(e.msg, "past the end");
+  free(b);
+  b = make_image(h, (uint64_t)1 << 40, 0, &n);
+  MT_EQ_INT(mr_st_parse_buffer(&st, b, n, "x.safetensors", &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "exceeds the limit");
+  free(b);
+  b = make_image(h, UINT64_MAX, 0, &n);
+  MT_EQ_INT(mr_st_parse_buffer(&st, b, n, "x.safetensors", &e), MR_EFORMAT);
+  free(b);
+}
+
+MT_TEST(bad_json) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"a\":{\"dtype\":", 0, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "mem.safetensors: header");
+  MT_CONTAINS(e.msg, "invalid JSON");
+  MT_EQ_INT(parse_hdr("", 0, &e), MR_EFORMAT);
+  MT_EQ_INT(parse_hdr("{} x", 0, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "trailing data");
+  MT_EQ_INT(parse_hdr("[1,2]", 0, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "must be a JSON object");
+  MT_EQ_INT(parse_hdr("{\"a\":5}", 0, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"a\"");
+  MT_EQ_INT(parse_hdr("{\"__metadata__\":{\"format\":1}}", 0, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "__metadata__");
+}
+
+MT_TEST(bad_dtype) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"Q4_K\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"w\"");
+  MT_CONTAINS(e.msg, "dtype = \"Q4_K\"");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":7,\"shape\":[2],\"data_offsets\":[0,2]}}", 2, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "dtype = 7");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"shape\":[2],\"data_offsets\":[0,2]}}", 2, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "dtype = (missing)");
+}
+
+MT_TEST(bad_shape) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[-1],\"data_offsets\":[0,0]}}", 0, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "tensor \"w\": shape[0] = -1");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[1.5],\"data_offsets\":[0,0]}}", 0, &e),
+            MR_ERANGE);
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[\"2\"],\"data_offsets\":[0,2]}}", 2, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "shape[0]");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":3,\"data_offsets\":[0,3]}}", 3, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "shape = 3");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[1,1,1,1,1,1,1,1,1],"
+                      "\"data_offsets\":[0,1]}}",
+                      1, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "9 dimensions");
+  /* 2^40 * 2^40 elements overflow 64 bits. */
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776,1099511627776],"
+                      "\"data_offsets\":[0,0]}}",
+                      0, &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "overflows");
+  /* 2^62 elements of 4 bytes overflow too (in the byte count). */
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"F32\",\"shape\":[2147483648,2147483648],"
+                      "\"data_offsets\":[0,0]}}",
+                      0, &e),
+            MR_ERANGE);
+  /* Beyond 2^53 a double is not exact: refused rather than misread. */
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[18014398509481985],"
+                      "\"data_offsets\":[0,0]}}",
+                      0, &e),
+            MR_ERANGE);
+  /* A zero dimension makes the tensor empty whatever the others. */
+  MT_OK(parse_hdr("{\"w\":{\"dtype\":\"F32\",\"shape\":[0,4503599627370496,4503599627370496],"
+                  "\"data_offsets\":[0,0]}}",
+                  0, &e),
+        &e);
+}
+
+MT_TEST(shape_offset_mismatch) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[0,10]}}", 12,
+                      &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"w\"");
+  MT_CONTAINS(e.msg, "[0, 10] hold 10 bytes");
+  MT_CONTAINS(e.msg, "needs 12");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[0]}}", 4, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "data_offsets");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"BF16\",\"shape\":[2],\"data_offsets\":[4,0]}}", 4, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "begin > end");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"F4\",\"shape\":[3],\"data_offsets\":[0,2]}}", 4, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "whole number of bytes");
+}
+
+MT_TEST(offsets_past_eof) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"F32\",\"shape\":[4],\"data_offsets\":[8,24]}}", 16, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"w\"");
+  MT_CONTAINS(e.msg, "[8, 24] run past the end of the data region (16 bytes)");
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"U8\",\"shape\":[0],"
+                      "\"data_offsets\":[1000000,1000000]}}",
+                      16, &e),
+            MR_EFORMAT);
+}
+
+MT_TEST(overlapping_tensors) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                      "\"b\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[4,12]}}",
+                      12, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "overlaps");
+  MT_CONTAINS(e.msg, "\"a\"");
+  MT_CONTAINS(e.msg, "\"b\"");
+  /* Same range twice. */
+  MT_EQ_INT(parse_hdr("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                      "\"b\":{\"dtype\":\"U8\",\"shape\":[8],\"data_offsets\":[0,8]}}",
+                      8, &e),
+            MR_EFORMAT);
+  /* Touching is fine, and an empty tensor inside another owns no bytes. */
+  MT_OK(parse_hdr("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+                  "\"z\":{\"dtype\":\"F32\",\"shape\":[0],\"data_offsets\":[4,4]},"
+                  "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[8,12]}}",
+                  12, &e),
+        &e);
+}
+
+MT_TEST(duplicate_name_in_header) {
+  mr_err e;
+  MT_EQ_INT(parse_hdr("{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]},"
+                      "\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[1,2]}}",
+                      2, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"a\" appears twice");
+}
+
+/* ---- files, directories and shards --------------------------------------------------- */
+
+MT_TEST(open_file_and_dir) {
+  tdir_make();
+  write_st(tpath("model.safetensors"),
+           "{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", 8);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, tdir, &e), &e);
+  MT_EQ_U64(mr_st_count(st), 1);
+  MT_CONTAINS(mr_st_find(st, "x")->file, "model.safetensors");
+  mr_st_close(st);
+  MT_OK(mr_st_open(&st, tpath("model.safetensors"), &e), &e);
+  mr_st_close(st);
+
+  MT_EQ_INT(mr_st_open(&st, tpath("nope"), &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "nope");
+  MT_TRUE(st == NULL);
+  mkdir(tpath("emptydir"), 0755);
+  MT_EQ_INT(mr_st_open(&st, tpath("emptydir"), &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "neither model.safetensors.index.json nor model.safetensors");
+  write_bytes(tpath("tiny.safetensors"), "\x02\0\0", 3);
+  MT_EQ_INT(mr_st_open(&st, tpath("tiny.safetensors"), &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tiny.safetensors");
+  write_bytes(tpath("zero.safetensors"), "", 0);
+  MT_EQ_INT(mr_st_open(&st, tpath("zero.safetensors"), &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "zero.safetensors");
+}
+
+static void write_index(const char *body) { write_bytes(tpath("model.safetensors.index.json"), body, strlen(body)); }
+
+static void make_two_shards(void) {
+  write_st(tpath("model-00001-of-00002.safetensors"),
+           "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+           "\"b\":{\"dtype\":\"BF16\",\"shape\":[2,2],\"data_offsets\":[8,16]}}",
+           16);
+  write_st(tpath("model-00002-of-00002.safetensors"),
+           "{\"c\":{\"dtype\":\"F16\",\"shape\":[3],\"data_offsets\":[0,6]}}", 6);
+}
+
+MT_TEST(sharded_good) {
+  tdir_make();
+  make_two_shards();
+  write_index("{\"metadata\":{\"total_size\":22},\"weight_map\":{"
+              "\"c\":\"model-00002-of-00002.safetensors\","
+              "\"a\":\"model-00001-of-00002.safetensors\","
+              "\"b\":\"model-00001-of-00002.safetensors\"}}");
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, tdir, &e), &e);
+  MT_EQ_U64(mr_st_count(st), 3);
+  MT_CONTAINS(mr_st_find(st, "c")->file, "model-00002-of-00002.safetensors");
+  MT_CONTAINS(mr_st_find(st, "a")->file, "model-00001-of-00002.safetensors");
+  MT_EQ_U64(mr__st_shard_count(st), 2);
+  mr__st_shard_view v;
+  mr__st_shard_get(st, 0, &v);
+  MT_EQ_STR(v.base, "model-00001-of-00002.safetensors");
+  MT_EQ_U64(v.data_len, 16);
+  /* The index wins over a stale model.safetensors next to it. */
+  const uint64_t shp[1] = {3};
+  const mr_st_tensor *t = NULL;
+  MT_OK(mr_st_expect(st, "c", 1, shp, &t, &e), &e);
+  MT_EQ_INT(t->dtype, MR_DTYPE_F16);
+  mr_st_close(st);
+}
+
+MT_TEST(sharded_missing_shard) {
+  tdir_make();
+  make_two_shards();
+  write_index("{\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\","
+              "\"x\":\"model-00003-of-00002.safetensors\"}}");
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "model.safetensors.index.json");
+  MT_CONTAINS(e.msg, "model-00003-of-00002.safetensors");
+}
+
+MT_TEST(sharded_index_errors) {
+  tdir_make();
+  make_two_shards();
+  mr_st *st = NULL;
+  mr_err e = {0};
+  /* A tensor the named shard does not have. */
+  write_index("{\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\","
+              "\"zz\":\"model-00002-of-00002.safetensors\"}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "\"zz\"");
+  MT_CONTAINS(e.msg, "model-00002-of-00002.safetensors");
+  /* A tensor in the other shard than the index says. */
+  write_index("{\"weight_map\":{\"a\":\"model-00002-of-00002.safetensors\","
+              "\"c\":\"model-00002-of-00002.safetensors\"}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_ENOTFOUND);
+  write_index("{\"weight_map\":{\"a\":\"model-00002-of-00002.safetensors\","
+              "\"c\":\"model-00001-of-00002.safetensors\"}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "weight_map puts tensor \"a\" in shard \"model-00002-of-00002.safetensors\", but it is in \"model-00001-of-00002.safetensors\"");
+  /* Paths out of the directory. */
+  write_index("{\"weight_map\":{\"a\":\"../model-00001-of-00002.safetensors\"}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "weight_map[\"a\"]");
+  write_index("{\"weight_map\":{\"a\":\"/etc/passwd\"}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  /* Structure. */
+  write_index("{\"weight_map\":[]}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "weight_map = an array");
+  write_index("{\"weight_map\":{}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "weight_map is empty");
+  write_index("{\"weight_map\":{\"a\":5}}");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  write_index("{\"weight_map\"");
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "invalid JSON");
+  MT_TRUE(st == NULL);
+}
+
+MT_TEST(sharded_duplicate_across_shards) {
+  tdir_make();
+  write_st(tpath("s1.safetensors"), "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+           1);
+  write_st(tpath("s2.safetensors"), "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+           1);
+  write_index("{\"weight_map\":{\"a\":\"s1.safetensors\",\"b\":\"s2.safetensors\"}}");
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "duplicate tensor \"a\"");
+  MT_CONTAINS(e.msg, "s1.safetensors");
+  MT_CONTAINS(e.msg, "s2.safetensors");
+}
+
+MT_TEST(sharded_bad_shard_header) {
+  tdir_make();
+  write_st(tpath("s1.safetensors"), "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}",
+           1);
+  write_st(tpath("s2.safetensors"), "{\"b\":{\"dtype\":\"U8\",\"shape\":[4],\"data_offsets\":[0,4]}}",
+           1);
+  write_index("{\"weight_map\":{\"a\":\"s1.safetensors\",\"b\":\"s2.safetensors\"}}");
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_open(&st, tdir, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "s2.safetensors");
+  MT_CONTAINS(e.msg, "tensor \"b\"");
+}
+
+/* ---- mr_st_expect ----------------------------------------------------------------------- */
+
+MT_TEST(expect) {
+  const char *h = "{\"w\":{\"dtype\":\"BF16\",\"shape\":[4,2],\"data_offsets\":[0,16]},"
+                  "\"i\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[16,24]}}";
+  size_t n;
+  uint8_t *b = make_image(h, strlen(h), 24, &n);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_parse_buffer(&st, b, n, "m.safetensors", &e), &e);
+  const mr_st_tensor *t = NULL;
+  uint64_t ok[2] = {4, 2}, bad[2] = {2, 4}, bad3[3] = {4, 2, 1};
+  MT_OK(mr_st_expect(st, "w", 2, ok, &t, &e), &e);
+  MT_TRUE(t == mr_st_find(st, "w"));
+  MT_EQ_INT(mr_st_expect(st, "w", 2, bad, &t, &e), MR_EMISMATCH);
+  MT_TRUE(t == NULL);
+  MT_CONTAINS(e.msg, "m.safetensors: tensor \"w\": shape = [4, 2], expected [2, 4]");
+  MT_EQ_INT(mr_st_expect(st, "w", 3, bad3, NULL, &e), MR_EMISMATCH);
+  MT_CONTAINS(e.msg, "expected [4, 2, 1]");
+  MT_EQ_INT(mr_st_expect(st, "model.layers.0.mlp.gate.weight", 2, ok, &t, &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "\"model.layers.0.mlp.gate.weight\" not found");
+  uint64_t two[1] = {2};
+  MT_EQ_INT(mr_st_expect(st, "i", 1, two, &t, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "dtype = I32");
+  MT_EQ_INT(mr_st_expect(st, "w", 2, ok, NULL, NULL), 0); /* NULL out and err are allowed */
+  mr_st_close(st);
+  free(b);
+}
+
+/* ---- writer ------------------------------------------------------------------------- */
+
+MT_TEST(writer_roundtrip) {
+  tdir_make();
+  mr_st_writer *w = NULL;
+  MT_OK(mr_st_writer_new(&w), (mr_err *)NULL);
+  float f32[6] = {1, -2, 3.5f, 4, 5, 6};
+  uint16_t bf[3] = {0x3f80, 0xc000, 0x4040};
+  uint16_t h16[5] = {1, 2, 3, 4, 5};
+  float scalar = 42;
+  uint64_t s23[2] = {2, 3}, s3[1] = {3}, s5[1] = {5}, s0[2] = {0, 7};
+  MT_OK(mr_st_writer_add(w, "z.f32", MR_DTYPE_F32, 2, s23, f32), (mr_err *)NULL);
+  MT_OK(mr_st_writer_add(w, "a.bf16", MR_DTYPE_BF16, 1, s3, bf), (mr_err *)NULL);
+  MT_OK(mr_st_writer_add(w, "m.f16 \"quoted\"\\", MR_DTYPE_F16, 1, s5, h16), (mr_err *)NULL);
+  MT_OK(mr_st_writer_add(w, "scalar", MR_DTYPE_F32, 0, NULL, &scalar), (mr_err *)NULL);
+  MT_OK(mr_st_writer_add(w, "empty", MR_DTYPE_F32, 2, s0, f32), (mr_err *)NULL);
+  /* Refusals. */
+  MT_EQ_INT(mr_st_writer_add(w, "a.bf16", MR_DTYPE_BF16, 1, s3, bf), MR_EINVAL);
+  MT_EQ_INT(mr_st_writer_add(w, "__metadata__", MR_DTYPE_BF16, 1, s3, bf), MR_EINVAL);
+  MT_EQ_INT(mr_st_writer_add(w, "q", MR_DTYPE_UNSPECIFIED, 1, s3, bf), MR_EINVAL);
+  MT_EQ_INT(mr_st_writer_add(w, "q", MR_DTYPE_F32, MR_ST_MAX_DIMS + 1, s3, bf), MR_EINVAL);
+  MT_EQ_INT(mr_st_writer_add(w, "q", MR_DTYPE_F32, 1, s3, NULL), MR_EINVAL);
+  mr_err e = {0};
+  MT_OK(mr_st_writer_write(w, tpath("out.safetensors"), &e), &e);
+  uint64_t predicted = mr__st_writer_file_size(w);
+  mr_st_writer_free(w);
+
+  struct stat sb;
+  MT_EQ_INT(stat(tpath("out.safetensors"), &sb), 0);
+  MT_EQ_U64((uint64_t)sb.st_size, predicted);
+  /* No temp file left behind. */
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "ls '%s' | grep -q tmp", tdir);
+  MT_TRUE(system(cmd) != 0);
+
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath("out.safetensors"), &e), &e);
+  MT_EQ_U64(mr_st_count(st), 5);
+  mr__st_shard_view v;
+  mr__st_shard_get(st, 0, &v);
+  MT_EQ_U64((8 + v.header_len) % 8, 0); /* data region 8-aligned */
+  MT_EQ_INT(v.header[v.header_len - 1] == ' ' || v.header[v.header_len - 1] == '}', 1);
+  const mr_st_tensor *t = mr_st_find(st, "z.f32");
+  MT_EQ_INT(t->dtype, MR_DTYPE_F32);
+  MT_EQ_U64(t->shape[1], 3);
+  MT_EQ_INT(memcmp(t->data, f32, sizeof f32), 0);
+  MT_EQ_U64((uintptr_t)t->data % 4, 0);
+  t = mr_st_find(st, "a.bf16");
+  MT_EQ_INT(memcmp(t->data, bf, sizeof bf), 0);
+  t = mr_st_find(st, "m.f16 \"quoted\"\\");
+  MT_TRUE(t != NULL);
+  MT_EQ_INT(memcmp(t->data, h16, sizeof h16), 0);
+  t = mr_st_find(st, "scalar");
+  MT_EQ_INT(t->ndim, 0);
+  MT_NEAR(*(const float *)t->data, 42.0, 0);
+  MT_EQ_U64(mr_st_find(st, "empty")->nbytes, 0);
+  mr_st_close(st);
+}
+
+MT_TEST(writer_overwrites_atomically_and_reports_bad_path) {
+  tdir_make();
+  mr_st_writer *w = NULL;
+  MT_OK(mr_st_writer_new(&w), (mr_err *)NULL);
+  uint8_t d[4] = {1, 2, 3, 4};
+  uint64_t s2[1] = {2};
+  MT_OK(mr_st_writer_add(w, "t", MR_DTYPE_BF16, 1, s2, d), (mr_err *)NULL);
+  mr_err e = {0};
+  MT_OK(mr_st_writer_write(w, tpath("f.safetensors"), &e), &e);
+  MT_OK(mr_st_writer_write(w, tpath("f.safetensors"), &e), &e);
+  MT_EQ_INT(mr_st_writer_write(w, tpath("no/such/dir/f.safetensors"), &e), MR_EIO);
+  MT_CONTAINS(e.msg, "no/such/dir/f.safetensors");
+  mr_st_writer_free(w);
+  mr_st_writer_free(NULL);
+}
+
+typedef struct fill_ctx {
+  size_t calls;
+  uint64_t next[2];
+} fill_ctx;
+
+static int fill_pattern(void *ctx, size_t index, uint64_t offset, size_t n, void *dst) {
+  fill_ctx *c = ctx;
+  MT_TRUE(index < 2);
+  MT_EQ_U64(offset, c->next[index]);
+  MT_LE(n, MR__ST_FILL_CHUNK);
+  for (size_t i = 0; i < n; i++) ((uint8_t *)dst)[i] = (uint8_t)((offset + i) * 7 + index);
+  c->next[index] = offset + n;
+  c->calls++;
+  return 0;
+}
+
+static int fill_fail(void *ctx, size_t index, uint64_t offset, size_t n, void *dst) {
+  return offset > 0 ? MR_EIO : fill_pattern(ctx, index, offset, n, dst);
+}
+
+MT_TEST(writer_lazy_fill) {
+  tdir_make();
+  mr_st_writer *w = NULL;
+  MT_OK(mr_st_writer_new(&w), (mr_err *)NULL);
+  /* 3M bf16 elements: 6 MB, more than one 4 MiB chunk. */
+  uint64_t big[2] = {1536, 2048}, small[1] = {5};
+  MT_OK(mr__st_writer_add_lazy(w, "big", MR_DTYPE_BF16, 2, big), (mr_err *)NULL);
+  MT_OK(mr__st_writer_add_lazy(w, "small", MR_DTYPE_F32, 1, small), (mr_err *)NULL);
+  MT_EQ_U64(mr__st_writer_count(w), 2);
+  mr_err e = {0};
+  MT_EQ_INT(mr_st_writer_write(w, tpath("x.safetensors"), &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "no data");
+  fill_ctx c = {0};
+  MT_OK(mr__st_writer_write_fill(w, tpath("x.safetensors"), fill_pattern, &c, &e), &e);
+  MT_TRUE(c.calls >= 3);
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath("x.safetensors"), &e), &e);
+  const mr_st_tensor *t = mr_st_find(st, "big");
+  MT_EQ_U64(t->nbytes, 1536ull * 2048 * 2);
+  const uint8_t *p = t->data;
+  for (uint64_t i = 0; i < t->nbytes; i += 4099) MT_EQ_INT(p[i], (uint8_t)(i * 7));
+  p = mr_st_find(st, "small")->data;
+  for (uint64_t i = 0; i < 20; i++) MT_EQ_INT(p[i], (uint8_t)(i * 7 + 1));
+  mr_st_close(st);
+  /* A failing fill aborts the write and leaves no file. */
+  fill_ctx c2 = {0};
+  MT_EQ_INT(mr__st_writer_write_fill(w, tpath("y.safetensors"), fill_fail, &c2, &e), MR_EIO);
+  MT_CONTAINS(e.msg, "filling tensor");
+  struct stat sb;
+  MT_TRUE(stat(tpath("y.safetensors"), &sb) != 0);
+  mr_st_writer_free(w);
+}
+
+MT_TEST(many_tensors_lookup) {
+  /* Real models have ~100k tensors; lookups must stay fast and exact. */
+  enum { N = 100000 };
+  mr_st_writer *w = NULL;
+  MT_OK(mr_st_writer_new(&w), (mr_err *)NULL);
+  uint64_t s1[1] = {1};
+  for (uint32_t i = 0; i < N; i++) {
+    char name[64];
+    uint16_t v = (uint16_t)i;
+    snprintf(name, sizeof name, "model.layers.%u.mlp.experts.%u.up_proj.weight", i / 128, i % 128);
+    MT_OK(mr_st_writer_add(w, name, MR_DTYPE_BF16, 1, s1, &v), (mr_err *)NULL);
+  }
+  tdir_make();
+  mr_err e = {0};
+  MT_OK(mr_st_writer_write(w, tpath("many.safetensors"), &e), &e);
+  mr_st_writer_free(w);
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath("many.safetensors"), &e), &e);
+  MT_EQ_U64(mr_st_count(st), N);
+  uint64_t t0 = mr_now_ns();
+  for (uint32_t i = 0; i < N; i++) {
+    char name[64];
+    snprintf(name, sizeof name, "model.layers.%u.mlp.experts.%u.up_proj.weight", i / 128, i % 128);
+    const mr_st_tensor *t = mr_st_find(st, name);
+    MT_TRUE(t != NULL);
+    MT_EQ_INT(*(const uint16_t *)t->data, (uint16_t)i);
+  }
+  double ms = (double)(mr_now_ns() - t0) / 1e6;
+  MT_LE(ms, 2000); /* ~20 ms expected; a linear scan would take minutes */
+  MT_TRUE(mr_st_find(st, "model.layers.9999.mlp.experts.0.up_proj.weight") == NULL);
+  mr_st_close(st);
+}
+
+/* ---- allocation failure --------------------------------------------------------------- */
+
+MT_TEST(alloc_failure_every_step) {
+  tdir_make();
+  make_two_shards();
+  write_index("{\"weight_map\":{\"a\":\"model-00001-of-00002.safetensors\","
+              "\"b\":\"model-00001-of-00002.safetensors\","
+              "\"c\":\"model-00002-of-00002.safetensors\"}}");
+  /* Fail the n-th allocation for growing n until the open succeeds: each failure must be a
+   * clean MR_ENOMEM (no crash, no leak under ASan) and success must eventually come. */
+  int succeeded_at = 0;
+  for (long n = 1; n < 200 && !succeeded_at; n++) {
+    mr_st *st = NULL;
+    mr_err e = {0};
+    mr_alloc_fail_after(n);
+    int rc = mr_st_open(&st, tdir, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) {
+      MT_EQ_U64(mr_st_count(st), 3);
+      succeeded_at = (int)n;
+    } else {
+      MT_EQ_INT(rc, MR_ENOMEM);
+      MT_TRUE(st == NULL);
+    }
+    mr_st_close(st);
+  }
+  MT_TRUE(succeeded_at > 1);
+  /* The writer too. */
+  for (long n = 1; n < 100; n++) {
+    mr_st_writer *w = NULL;
+    uint64_t s[1] = {2};
+    uint16_t d[2] = {1, 2};
+    mr_err e = {0};
+    mr_alloc_fail_after(n);
+    int rc = mr_st_writer_new(&w);
+    if (!rc) rc = mr_st_writer_add(w, "a", MR_DTYPE_BF16, 1, s, d);
+    if (!rc) rc = mr_st_writer_write(w, tpath("w.safetensors"), &e);
+    mr_alloc_fail_after(0);
+    mr_st_writer_free(w);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+  }
+}
+
+/* ---- fingerprint ----------------------------------------------------------------------- */
+
+static void write_fp_model(const char *path, const uint16_t *data, uint64_t n) {
+  mr_st_writer *w = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_writer_new(&w), (mr_err *)NULL);
+  MT_OK(mr_st_writer_add(w, "w", MR_DTYPE_BF16, 1, &n, data), (mr_err *)NULL);
+  MT_OK(mr_st_writer_write(w, path, &e), &e);
+  mr_st_writer_free(w);
+}
+
+MT_TEST(fingerprint) {
+  tdir_make();
+  mkdir(tpath("m1"), 0755);
+  mkdir(tpath("m2"), 0755);
+  enum { N = 20000 }; /* 40000 bytes: more than the 2 x 4 KiB sampled */
+  static uint16_t data[N];
+  for (int i = 0; i < N; i++) data[i] = (uint16_t)(i * 31);
+  mr_err e = {0};
+  write_fp_model(tpath("m1/model.safetensors"), data, N);
+  write_fp_model(tpath("m2/model.safetensors"), data, N);
+  write_bytes(tpath("m1/config.json"), "{\"a\":1}", 7);
+  write_bytes(tpath("m2/config.json"), "{\"a\":1}", 7);
+
+  char f1[17], f2[17], f3[17];
+  MT_OK(mr_model_fingerprint(tpath("m1"), NULL, f1, &e), &e);
+  MT_EQ_INT(strlen(f1), 16);
+  for (int i = 0; i < 16; i++) MT_TRUE(strchr("0123456789abcdef", f1[i]) != NULL);
+  /* Same files at another path: same fingerprint; with an already open mr_st too, and
+   * given the file instead of the directory. */
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath("m2"), &e), &e);
+  MT_OK(mr_model_fingerprint(tpath("m2"), st, f2, &e), &e);
+  mr_st_close(st);
+  MT_EQ_STR(f1, f2);
+  MT_OK(mr_model_fingerprint(tpath("m2/model.safetensors"), NULL, f2, &e), &e);
+  MT_EQ_STR(f1, f2);
+  /* A different config changes it. */
+  write_bytes(tpath("m2/config.json"), "{\"a\":2}", 7);
+  MT_OK(mr_model_fingerprint(tpath("m2"), NULL, f3, &e), &e);
+  MT_TRUE(strcmp(f1, f3) != 0);
+  write_bytes(tpath("m2/config.json"), "{\"a\":1}", 7);
+  /* So does a weight in the sampled head or tail of the data ... */
+  data[3] ^= 1;
+  write_fp_model(tpath("m2/model.safetensors"), data, N);
+  MT_OK(mr_model_fingerprint(tpath("m2"), NULL, f3, &e), &e);
+  MT_TRUE(strcmp(f1, f3) != 0);
+  data[3] ^= 1;
+  data[N - 1] ^= 1;
+  write_fp_model(tpath("m2/model.safetensors"), data, N);
+  MT_OK(mr_model_fingerprint(tpath("m2"), NULL, f3, &e), &e);
+  MT_TRUE(strcmp(f1, f3) != 0);
+  data[N - 1] ^= 1;
+  /* ... but, by design, not one in the middle, which is not read. */
+  data[N / 2] ^= 1;
+  write_fp_model(tpath("m2/model.safetensors"), data, N);
+  MT_OK(mr_model_fingerprint(tpath("m2"), NULL, f3, &e), &e);
+  MT_EQ_STR(f1, f3);
+  data[N / 2] ^= 1;
+  /* A missing config.json is allowed and hashes as empty (differs from "{a:1}"). */
+  unlink(tpath("m2/config.json"));
+  MT_OK(mr_model_fingerprint(tpath("m2"), NULL, f3, &e), &e);
+  MT_TRUE(strcmp(f1, f3) != 0);
+  /* A missing model is an error naming it. */
+  MT_EQ_INT(mr_model_fingerprint(tpath("m9"), NULL, f3, &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "m9");
+}
+
+/* ---- moerpc-mkmodel end to end: its output must open, match its config and shard ------ */
+
+/* The mkmodel binary next to this test: $MOERPC_BIN (set by tests/run.sh), else
+ * <dir of this binary>/../bin. */
+static const char *mkmodel_path(void) {
+  static char p[1024];
+  const char *bin = getenv("MOERPC_BIN");
+  if (bin) {
+    snprintf(p, sizeof p, "%s/moerpc-mkmodel", bin);
+    return p;
+  }
+  char self[900];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  MT_TRUE(n > 0);
+  self[n] = '\0';
+  char *slash = strrchr(self, '/');
+  MT_TRUE(slash != NULL);
+  *slash = '\0';
+  snprintf(p, sizeof p, "%s/../bin/moerpc-mkmodel", self);
+  return p;
+}
+
+static int run_cmd(const char *fmt, const char *a, const char *b) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, fmt, a, b);
+  int st = system(cmd);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void check_model(const char *dir, uint32_t L, uint32_t E, uint32_t H, uint32_t I) {
+  mr_model_config c;
+  mr_err e = {0};
+  MT_OK(mr_config_load(&c, dir, &e), &e);
+  MT_EQ_INT(c.arch, MR_ARCH_QWEN3_MOE);
+  MT_EQ_INT(c.num_layers, L);
+  MT_EQ_INT(c.num_experts, E);
+  MT_EQ_INT(c.hidden_size, H);
+  MT_EQ_INT(c.moe_intermediate, I);
+  MT_EQ_INT(mr_config_num_moe_layers(&c), L);
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, dir, &e), &e);
+  MT_EQ_U64(mr_st_count(st), 3 + L * (9 + 3 * E));
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; x < E; x++)
+      for (int p = 0; p < 3; p++) {
+        char key[128];
+        mr_config_expert_key(&c, l, x, (mr_proj)p, key, sizeof key);
+        uint64_t shape[2] = {p == MR_PROJ_DOWN ? H : I, p == MR_PROJ_DOWN ? I : H};
+        const mr_st_tensor *t = NULL;
+        MT_OK(mr_st_expect(st, key, 2, shape, &t, &e), &e);
+        MT_EQ_INT(t->dtype, MR_DTYPE_BF16);
+      }
+  uint64_t router[2] = {E, H};
+  char key[64];
+  snprintf(key, sizeof key, "model.layers.%u.mlp.gate.weight", L - 1);
+  MT_OK(mr_st_expect(st, key, 2, router, NULL, &e), &e);
+  mr_st_close(st);
+}
+
+MT_TEST(mkmodel_output_opens_and_matches_config) {
+  tdir_make();
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  MT_EQ_INT(run_cmd("%s --out %s/one --seed 5 --layers 3 --experts 8 --topk 2 --hidden 128 "
+                    "--inter 64 --vocab 2048 2>/dev/null",
+                    mk, tdir),
+            0);
+  MT_EQ_INT(run_cmd("%s --out %s/sharded --seed 5 --shard-mb 1 --layers 3 --experts 8 --topk 2 "
+                    "--hidden 128 --inter 64 --vocab 2048 2>/dev/null",
+                    mk, tdir),
+            0);
+  check_model(tpath("one"), 3, 8, 128, 64);
+  check_model(tpath("sharded"), 3, 8, 128, 64);
+  struct stat sb;
+  MT_EQ_INT(stat(tpath("sharded/model.safetensors.index.json"), &sb), 0);
+  MT_EQ_INT(stat(tpath("sharded/model-00002-of-00003.safetensors"), &sb), 0);
+  /* Same seed and shape: same bytes, whatever the sharding. */
+  mr_st *a = NULL, *b = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&a, tpath("one"), &e), &e);
+  MT_OK(mr_st_open(&b, tpath("sharded"), &e), &e);
+  for (size_t i = 0; i < mr_st_count(a); i++) {
+    const mr_st_tensor *x = mr_st_at(a, i), *y = mr_st_find(b, x->name);
+    MT_TRUE(y != NULL);
+    MT_EQ_U64(x->nbytes, y->nbytes);
+    MT_EQ_INT(memcmp(x->data, y->data, x->nbytes), 0);
+  }
+  mr_st_close(a);
+  mr_st_close(b);
+  /* Same flags twice: same fingerprint (deterministic); another seed: another one. */
+  char f1[17], f2[17];
+  MT_EQ_INT(run_cmd("%s --out %s/again --seed 5 --layers 3 --experts 8 --topk 2 --hidden 128 "
+                    "--inter 64 --vocab 2048 2>/dev/null",
+                    mk, tdir),
+            0);
+  MT_OK(mr_model_fingerprint(tpath("one"), NULL, f1, &e), &e);
+  MT_OK(mr_model_fingerprint(tpath("again"), NULL, f2, &e), &e);
+  MT_EQ_STR(f1, f2);
+  MT_EQ_INT(run_cmd("%s --out %s/again --seed 6 --layers 3 --experts 8 --topk 2 --hidden 128 "
+                    "--inter 64 --vocab 2048 2>/dev/null",
+                    mk, tdir),
+            0);
+  MT_OK(mr_model_fingerprint(tpath("again"), NULL, f2, &e), &e);
+  MT_TRUE(strcmp(f1, f2) != 0);
+}
+
+MT_TEST(mkmodel_rejects_bad_flags) {
+  tdir_make();
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  struct {
+    const char *args, *msg;
+  } cases[] = {
+      {"--experts 0", "--experts = \"0\", must be an integer in 1..65536"},
+      {"--layers 1025", "--layers = \"1025\", must be an integer in 1..1024"},
+      {"--hidden 12x", "--hidden = \"12x\""},
+      {"--hidden -4", "--hidden = \"-4\""},
+      {"--topk 17", "--topk = 17, must be in 1..--experts (16)"},
+      {"--kv-heads 3", "--kv-heads = 3, must divide --heads (4)"},
+      {"--seed 18446744073709551616", "--seed = \"18446744073709551616\""},
+      {"--shard-mb 1048577", "--shard-mb = \"1048577\", must be an integer in 0..1048576"},
+      {"--bogus 1", "unknown argument \"--bogus\""},
+      {"--vocab", "--vocab needs a value"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char cmd[1024], out[512] = {0};
+    snprintf(cmd, sizeof cmd, "%s --out %s/bad %s 2>&1", mk, tdir, cases[i].args);
+    FILE *p = popen(cmd, "r");
+    MT_TRUE(p != NULL);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    int st = pclose(p);
+    MT_EQ_INT(WEXITSTATUS(st), 2);
+    MT_CONTAINS(out, cases[i].msg);
+  }
+  /* --out is required, and nothing is written on a usage error. */
+  MT_EQ_INT(run_cmd("%s --layers 2 %s 2>/dev/null", mk, ""), 2);
+  struct stat sb;
+  MT_TRUE(stat(tpath("bad"), &sb) != 0);
+  MT_EQ_INT(run_cmd("%s --help %s >/dev/null", mk, ""), 0);
+}
+
+MT_MAIN()
