@@ -1,0 +1,258 @@
+/*
+ * gc_fanout.c - the pure parts of the client: the owner map, the split of one layer call
+ * by owner, the gather and scatter-add of rows, the coverage check and format names.
+ * No gRPC, no threads, no I/O: everything here is unit-tested in test_gc_fanout.c.
+ *
+ * The split of one call, T = 4 tokens, k = 2, experts 0-3 on server 0, 4-7 on server 1,
+ * expert 8 local:
+ *
+ *   token  ids      ->  part s0 (rows 0,1,3)   part s1 (rows 1,2)   part local (row 3)
+ *     0    [0, 2]        [0, 2]
+ *     1    [1, 5]        [1,-1]                 [-1, 5]
+ *     2    [6,-1]                               [ 6,-1]
+ *     3    [8, 3]        [-1,3]                                      [8,-1]
+ *
+ * Each part carries only its tokens (rows, in increasing token order) and only its slots;
+ * slot positions are kept, so a token's weights stay where the router put them.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define GC__LAST_NONE UINT32_MAX
+
+int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n_servers,
+                   uint32_t layer, uint32_t T, uint32_t k, const int32_t *ids,
+                   const float *weights, mr_arena *a, mr_err *e) {
+  const uint32_t n_targets = n_servers + 1; /* servers, then the local target */
+
+  memset(p, 0, sizeof *p);
+  p->n_tokens = T;
+  p->top_k = k;
+
+  uint32_t *count = mr_arena_alloc(a, n_targets * sizeof *count, 8);
+  uint32_t *last = mr_arena_alloc(a, n_targets * sizeof *last, 8);
+  int32_t *part_of = mr_arena_alloc(a, n_targets * sizeof *part_of, 8);
+  if (!count || !last || !part_of)
+    return mr_err_set(e, MR_ENOMEM, "layer %u: split of %u tokens: out of memory", layer, T);
+  memset(count, 0, n_targets * sizeof *count);
+  for (uint32_t i = 0; i < n_targets; i++) last[i] = GC__LAST_NONE;
+
+  /* Pass 1: validate every slot and count the tokens of each target. */
+  for (uint32_t t = 0; t < T; t++) {
+    for (uint32_t j = 0; j < k; j++) {
+      size_t i = (size_t)t * k + j;
+      int32_t id = ids[i];
+      if (id == -1) continue;
+      if (id < -1 || (uint32_t)id >= E)
+        return mr_err_set(e, MR_ERANGE,
+                          "layer %u: ids[%zu] (token %u, slot %u) = %d, must be -1 or < "
+                          "num_experts %u",
+                          layer, i, t, j, id, E);
+      int32_t o = owner_row[id];
+      if (o == GC_OWNER_NONE)
+        return mr_err_set(e, MR_EPRECOND,
+                          "layer %u expert %d (ids[%zu], token %u) is owned by no server and "
+                          "not local",
+                          layer, id, i, t);
+      uint32_t tg = o == GC_OWNER_LOCAL ? n_servers : (uint32_t)o;
+      MR_ASSERT(tg < n_targets); /* the owner map only holds indices we built */
+      if (last[tg] != t) {
+        last[tg] = t;
+        count[tg]++;
+      }
+    }
+  }
+
+  for (uint32_t tg = 0; tg < n_targets; tg++) {
+    part_of[tg] = count[tg] ? (int32_t)p->n_parts++ : -1;
+    last[tg] = GC__LAST_NONE;
+  }
+  if (p->n_parts == 0) return 0; /* every slot empty: nothing to send or compute */
+
+  p->parts = mr_arena_alloc(a, p->n_parts * sizeof *p->parts, 8);
+  if (!p->parts)
+    return mr_err_set(e, MR_ENOMEM, "layer %u: split of %u tokens: out of memory", layer, T);
+  for (uint32_t tg = 0; tg < n_targets; tg++) {
+    if (part_of[tg] < 0) continue;
+    gc__part *pt = &p->parts[part_of[tg]];
+    size_t n = count[tg];
+    pt->target = tg == n_servers ? GC_OWNER_LOCAL : (int32_t)tg;
+    pt->n_tokens = 0; /* filled in pass 2 */
+    pt->rows = mr_arena_alloc(a, n * sizeof *pt->rows, 64);
+    pt->ids = mr_arena_alloc(a, n * k * sizeof *pt->ids, 64);
+    pt->weights = mr_arena_alloc(a, n * k * sizeof *pt->weights, 64);
+    if (!pt->rows || !pt->ids || !pt->weights)
+      return mr_err_set(e, MR_ENOMEM, "layer %u: split of %u tokens: out of memory", layer, T);
+  }
+
+  /* Pass 2: a token's first slot for a target opens a row of all-empty slots in that
+   * target's part; each owned slot then lands in its own position. */
+  for (uint32_t t = 0; t < T; t++) {
+    for (uint32_t j = 0; j < k; j++) {
+      size_t i = (size_t)t * k + j;
+      int32_t id = ids[i];
+      if (id == -1) continue;
+      int32_t o = owner_row[id];
+      uint32_t tg = o == GC_OWNER_LOCAL ? n_servers : (uint32_t)o;
+      gc__part *pt = &p->parts[part_of[tg]];
+      if (last[tg] != t) {
+        last[tg] = t;
+        uint32_t r = pt->n_tokens++;
+        pt->rows[r] = t;
+        for (uint32_t jj = 0; jj < k; jj++) {
+          pt->ids[(size_t)r * k + jj] = -1;
+          pt->weights[(size_t)r * k + jj] = 0.0f;
+        }
+      }
+      size_t r = pt->n_tokens - 1;
+      pt->ids[r * k + j] = id;
+      pt->weights[r * k + j] = weights[i];
+    }
+  }
+  for (uint32_t tg = 0; tg < n_targets; tg++)
+    if (part_of[tg] >= 0) MR_ASSERT(p->parts[part_of[tg]].n_tokens == count[tg]);
+  return 0;
+}
+
+void gc__gather_rows(void *dst, const void *src, const uint32_t *rows, uint32_t n,
+                     size_t row_bytes) {
+  uint8_t *d = dst;
+  const uint8_t *s = src;
+  /* Runs of consecutive rows (common: a server owning most tokens) go in one memcpy. */
+  uint32_t i = 0;
+  while (i < n) {
+    uint32_t j = i + 1;
+    while (j < n && rows[j] == rows[j - 1] + 1) j++;
+    memcpy(d + (size_t)i * row_bytes, s + (size_t)rows[i] * row_bytes, (size_t)(j - i) * row_bytes);
+    i = j;
+  }
+}
+
+void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, const void *src,
+                     mr_dtype dt) {
+  for (uint32_t i = 0; i < n; i++) {
+    float *o = out + (size_t)rows[i] * H;
+    switch (dt) {
+    case MR_DTYPE_F32: {
+      const float *s = (const float *)src + (size_t)i * H;
+      for (uint32_t h = 0; h < H; h++) o[h] += s[h];
+      break;
+    }
+    case MR_DTYPE_BF16: {
+      const uint16_t *s = (const uint16_t *)src + (size_t)i * H;
+      for (uint32_t h = 0; h < H; h++) o[h] += mr_bf16_to_f32(s[h]);
+      break;
+    }
+    case MR_DTYPE_F16: {
+      const uint16_t *s = (const uint16_t *)src + (size_t)i * H;
+      for (uint32_t h = 0; h < H; h++) o[h] += mr_f16_to_f32(s[h]);
+      break;
+    }
+    default:
+      MR_ASSERT(!"gc__scatter_add: dtype validated at submit");
+    }
+  }
+}
+
+void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
+                     const uint64_t *const *announce, const uint8_t *local, uint64_t *assigned) {
+  if (assigned) memset(assigned, 0, n_servers * sizeof *assigned);
+  for (uint32_t l = 0; l < L; l++) {
+    for (uint32_t x = 0; x < E; x++) {
+      size_t i = (size_t)l * E + x;
+      int32_t o = GC_OWNER_NONE;
+      if (local && local[i]) {
+        o = GC_OWNER_LOCAL;
+      } else {
+        for (uint32_t s = 0; s < n_servers; s++) {
+          if (announce[s] && (announce[s][i >> 6] >> (i & 63) & 1u)) {
+            o = (int32_t)s;
+            break;
+          }
+        }
+      }
+      owner[i] = o;
+      if (o >= 0 && assigned) assigned[o]++;
+    }
+  }
+}
+
+size_t gc__format_ids(const uint32_t *list, size_t n, char *buf, size_t len) {
+  size_t need = 0;
+  if (len) buf[0] = '\0';
+  size_t i = 0;
+  while (i < n) {
+    size_t j = i;
+    while (j + 1 < n && list[j + 1] == list[j] + 1) j++;
+    char tmp[32];
+    int w = j > i ? snprintf(tmp, sizeof tmp, "%s%u-%u", need ? "," : "", list[i], list[j])
+                  : snprintf(tmp, sizeof tmp, "%s%u", need ? "," : "", list[i]);
+    if (need + (size_t)w < len) memcpy(buf + need, tmp, (size_t)w + 1);
+    else if (len) buf[need < len ? need : len - 1] = '\0';
+    need += (size_t)w;
+    i = j + 1;
+  }
+  return need;
+}
+
+/* Most layers described in detail by the coverage message. */
+#define GC__COVERAGE_DETAIL 3
+
+uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const uint8_t *must,
+                            char *msg, size_t len) {
+  uint32_t bad = 0;
+  size_t pos = 0;
+  uint32_t *missing = mr_malloc((size_t)E * sizeof *missing);
+  if (len) msg[0] = '\0';
+  for (uint32_t l = 0; l < L; l++) {
+    uint32_t owned = 0;
+    for (uint32_t x = 0; x < E; x++) owned += owner[(size_t)l * E + x] != GC_OWNER_NONE;
+    if (owned == E || (owned == 0 && !(must && must[l]))) continue;
+    bad++;
+    if (bad > GC__COVERAGE_DETAIL || pos + 1 >= len) continue;
+    char ids[256];
+    if (missing) {
+      uint32_t nm = 0;
+      for (uint32_t x = 0; x < E; x++)
+        if (owner[(size_t)l * E + x] == GC_OWNER_NONE) missing[nm++] = x;
+      if (gc__format_ids(missing, nm, ids, sizeof ids) >= sizeof ids)
+        snprintf(ids + sizeof ids - 5, 5, "...");
+    } else {
+      snprintf(ids, sizeof ids, "%u of %u", E - owned, E);
+    }
+    int w = snprintf(msg + pos, len - pos, "%slayer %u: expert%s %s %s owned by no server and not "
+                     "local", pos ? "; " : "", l, E - owned == 1 ? "" : "s", ids,
+                     E - owned == 1 ? "is" : "are");
+    if (w > 0) pos += (size_t)w < len - pos ? (size_t)w : len - pos - 1;
+  }
+  if (bad > GC__COVERAGE_DETAIL && pos + 1 < len)
+    snprintf(msg + pos, len - pos, "; and %u more incomplete layer%s", bad - GC__COVERAGE_DETAIL,
+             bad - GC__COVERAGE_DETAIL == 1 ? "" : "s");
+  mr_free(missing);
+  return bad;
+}
+
+int gc_weight_format_parse(const char *s, kn_format *fmt, uint32_t *group, mr_err *e) {
+  if (!s || !*s) return mr_err_set(e, MR_EINVAL, "weight_format is empty");
+  *group = 0;
+  if (strncmp(s, "int4", 4) == 0) {
+    unsigned g = 0;
+    char tail = 0;
+    if (sscanf(s, "int4-g%u%c", &g, &tail) != 1 || (g != 32 && g != 64 && g != 128))
+      return mr_err_set(e, MR_EINVAL,
+                        "weight_format \"%s\": int4 needs a group, \"int4-g32\", \"int4-g64\" "
+                        "or \"int4-g128\"",
+                        s);
+    *fmt = KN_FMT_INT4;
+    *group = g;
+    return 0;
+  }
+  if (kn_format_parse(s, fmt) != 0)
+    return mr_err_set(e, MR_EINVAL,
+                      "weight_format \"%s\" is unknown, must be f32, f16, bf16, int8 or "
+                      "int4-g<32|64|128>",
+                      s);
+  return 0;
+}

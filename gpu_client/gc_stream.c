@@ -1,0 +1,599 @@
+/*
+ * gc_stream.c - one long-lived bidi Forward stream per server and the I/O thread that owns
+ * the completion queue of all of them.
+ *
+ * A stream is a sequence of gRPC calls (gc__call): the live one (s->cur) and, after a
+ * break, old ones that still wait for their last batches to complete. Each live call has
+ * at most three batches in flight, as gRPC core requires (notes/grpc-core.md section 5):
+ *
+ *   t_start   SEND_INITIAL_METADATA (WAIT_FOR_READY on a first open, fail-fast on a
+ *             reopen after a break, so a server that is gone fails requests at once
+ *             instead of at their deadline)
+ *   t_send    one SEND_MESSAGE (or, at close, SEND_CLOSE_FROM_CLIENT on t_close); the rest
+ *             wait on the app-side send queue s->q_head..q_tail
+ *   t_recv    RECV_MESSAGE (with RECV_INITIAL_METADATA the first time, without which gRPC
+ *             never completes a client receive), re-armed after each reply
+ *   t_status  RECV_STATUS_ON_CLIENT, started at open: it completes when the call ends for
+ *             any reason, which is how a dead server is noticed at once
+ *
+ * The call's own deadline is infinite: it lives as long as the cluster, and every request
+ * on it has its own deadline enforced by the waiter (gc_layer.c). Nothing waits on the
+ * call without a bound: the waiter gives up at the request deadline, and close cancels the
+ * calls that do not end within GC__CLOSE_WAIT_MS of the half-close.
+ *
+ * A request is "outstanding" from enqueue until its reply, its failure, or the waiter
+ * giving up; while outstanding it holds one reference of its pending (internal.h).
+ */
+#include <errno.h>
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/slice.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "internal.h"
+
+#define GC__CLOSE_WAIT_MS 2000
+#define GC__CANCEL_WAIT_MS 5000
+
+/* ---- calls ------------------------------------------------------------------------------- */
+
+static void call_free(gc__call *cl) {
+  gc_cluster *c = cl->s->c;
+  if (cl->call) grpc_call_unref(cl->call);
+  grpc_metadata_array_destroy(&cl->md_initial);
+  grpc_metadata_array_destroy(&cl->md_trailing);
+  grpc_slice_unref(cl->details);
+  if (cl->error_string) gpr_free((void *)cl->error_string);
+  MR_ASSERT(!cl->recv_bb && !cl->send_bb);
+  mr_free(cl);
+  pthread_mutex_lock(&c->calls_lock);
+  c->live_calls--;
+  pthread_cond_broadcast(&c->calls_cond);
+  pthread_mutex_unlock(&c->calls_lock);
+}
+
+/* The completion queue orders a batch's start before its completion, but gRPC is not built
+ * with ThreadSanitizer, which therefore cannot see that edge; these annotations state it
+ * (for the tag and what it points to: the call, its stream). No code outside TSan builds. */
+#if defined(__SANITIZE_THREAD__)
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define GC__HB_RELEASE(p) __tsan_release(p)
+#define GC__HB_ACQUIRE(p) __tsan_acquire(p)
+#else
+#define GC__HB_RELEASE(p) ((void)(p))
+#define GC__HB_ACQUIRE(p) ((void)(p))
+#endif
+
+static void start_batch_locked(gc__call *cl, const grpc_op *ops, size_t n, gc__tag *tag) {
+  GC__HB_RELEASE(tag);
+  grpc_call_error ce = grpc_call_start_batch(cl->call, ops, n, tag, NULL);
+  /* Only our own bugs (two sends in flight, ops on a freed call) make this fail. */
+  MR_ASSERT(ce == GRPC_CALL_OK);
+  cl->ops_pending++;
+}
+
+static void arm_recv_locked(gc__call *cl, bool with_initial_md) {
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (with_initial_md) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n++].data.recv_initial_metadata.recv_initial_metadata = &cl->md_initial;
+  }
+  ops[n].op = GRPC_OP_RECV_MESSAGE;
+  ops[n++].data.recv_message.recv_message = &cl->recv_bb;
+  start_batch_locked(cl, ops, n, &cl->t_recv);
+}
+
+/* Opens a new call on s (s->cur must be NULL). Called with s->lock held, from a caller
+ * thread (submit) or from gc__streams_start. */
+static int stream_open_locked(gc__stream *s, mr_err *e) {
+  gc_cluster *c = s->c;
+  MR_ASSERT(!s->cur);
+  gc__call *cl = mr_calloc(1, sizeof *cl);
+  if (!cl)
+    return mr_err_set(e, MR_ENOMEM, GC__SRV_FMT ": opening the Forward stream: out of memory",
+                      GC__SRV_ARGS(s->srv));
+  cl->s = s;
+  cl->t_start = (gc__tag){cl, GC__OP_START};
+  cl->t_send = (gc__tag){cl, GC__OP_SEND};
+  cl->t_recv = (gc__tag){cl, GC__OP_RECV};
+  cl->t_status = (gc__tag){cl, GC__OP_STATUS};
+  cl->t_close = (gc__tag){cl, GC__OP_CLOSE};
+  grpc_metadata_array_init(&cl->md_initial);
+  grpc_metadata_array_init(&cl->md_trailing);
+  cl->details = grpc_empty_slice();
+  cl->call = grpc_channel_create_registered_call(s->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq,
+                                                 s->forward_method,
+                                                 gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+  if (!cl->call) {
+    grpc_metadata_array_destroy(&cl->md_initial);
+    grpc_metadata_array_destroy(&cl->md_trailing);
+    mr_free(cl);
+    return mr_err_set(e, MR_EUNAVAIL, GC__SRV_FMT ": could not create the Forward call",
+                      GC__SRV_ARGS(s->srv));
+  }
+  pthread_mutex_lock(&c->calls_lock);
+  c->live_calls++;
+  pthread_mutex_unlock(&c->calls_lock);
+
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_SEND_INITIAL_METADATA;
+  op.flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET |
+             (s->failfast ? 0 : GRPC_INITIAL_METADATA_WAIT_FOR_READY);
+  start_batch_locked(cl, &op, 1, &cl->t_start);
+  arm_recv_locked(cl, true);
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  op.data.recv_status_on_client.trailing_metadata = &cl->md_trailing;
+  op.data.recv_status_on_client.status = &cl->status;
+  op.data.recv_status_on_client.status_details = &cl->details;
+  op.data.recv_status_on_client.error_string = &cl->error_string;
+  start_batch_locked(cl, &op, 1, &cl->t_status);
+
+  s->cur = cl;
+  s->send_busy = false;
+  s->half_closed = false;
+  s->break_rc = 0;
+  s->break_msg[0] = '\0';
+  mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": Forward stream opened (%s)", GC__SRV_ARGS(s->srv),
+         s->failfast ? "fail-fast" : "wait-for-ready");
+  return 0;
+}
+
+/* Starts the next send on the live call if none is in flight: the head of the send queue,
+ * or the half-close once the queue is empty and close asked for it. */
+static void stream_kick_locked(gc__stream *s) {
+  gc__call *cl = s->cur;
+  if (!cl || s->send_busy) return;
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  gc__req *r = s->q_head;
+  if (r) {
+    s->q_head = r->q_next;
+    if (!s->q_head) s->q_tail = NULL;
+    r->q_next = NULL;
+    r->state = GC__REQ_SENT;
+    cl->send_bb = r->bb;
+    r->bb = NULL;
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = cl->send_bb;
+    start_batch_locked(cl, &op, 1, &cl->t_send);
+    s->send_busy = true;
+  } else if (s->closing && !s->half_closed) {
+    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    start_batch_locked(cl, &op, 1, &cl->t_close);
+    s->send_busy = true;
+    s->half_closed = true;
+  }
+}
+
+/* ---- the outstanding list ---------------------------------------------------------------- */
+
+static void outstanding_unlink_locked(gc__stream *s, gc__req *r) {
+  MR_ASSERT(r->linked);
+  if (r->o_prev) r->o_prev->o_next = r->o_next;
+  else s->o_head = r->o_next;
+  if (r->o_next) r->o_next->o_prev = r->o_prev;
+  r->o_prev = r->o_next = NULL;
+  r->linked = false;
+}
+
+/* Removes a queued (not yet sent) r from the send queue; returns its byte buffer. */
+static grpc_byte_buffer *queue_remove_locked(gc__stream *s, gc__req *r) {
+  gc__req *prev = NULL;
+  for (gc__req *q = s->q_head; q; prev = q, q = q->q_next) {
+    if (q != r) continue;
+    if (prev) prev->q_next = r->q_next;
+    else s->q_head = r->q_next;
+    if (s->q_tail == r) s->q_tail = prev;
+    r->q_next = NULL;
+    grpc_byte_buffer *bb = r->bb;
+    r->bb = NULL;
+    return bb;
+  }
+  MR_ASSERT(!"queued request missing from its send queue");
+  return NULL;
+}
+
+void gc__stream_enqueue(gc__stream *s, gc__req *r) {
+  mr_err err;
+  int rc = 0;
+  mr_err_clear(&err);
+  pthread_mutex_lock(&s->lock);
+  if (s->closing) {
+    rc = mr_err_set(&err, MR_ECANCELED, "layer %u request %llu: " GC__SRV_FMT ": cluster is "
+                    "closing", r->p->layer, (unsigned long long)r->id, GC__SRV_ARGS(s->srv));
+  } else if (!s->cur) {
+    rc = stream_open_locked(s, &err);
+    if (rc) mr_err_prefix(&err, rc, "layer %u request %llu", r->p->layer,
+                          (unsigned long long)r->id);
+  }
+  if (rc) {
+    s->ctr.errors++;
+    pthread_mutex_unlock(&s->lock);
+    grpc_byte_buffer_destroy(r->bb); /* drops the payload's pending reference */
+    r->bb = NULL;
+    gc__req_complete(r, rc, &err);
+    return;
+  }
+  atomic_fetch_add(&r->p->refs, 1); /* the outstanding list's reference */
+  r->state = GC__REQ_QUEUED;
+  r->linked = true;
+  r->o_prev = NULL;
+  r->o_next = s->o_head;
+  if (s->o_head) s->o_head->o_prev = r;
+  s->o_head = r;
+  r->q_next = NULL;
+  if (s->q_tail) s->q_tail->q_next = r;
+  else s->q_head = r;
+  s->q_tail = r;
+  s->ctr.requests++;
+  s->ctr.bytes_sent += r->bb_bytes;
+  s->ctr.last_req_bytes = r->bb_bytes;
+  stream_kick_locked(s);
+  pthread_mutex_unlock(&s->lock);
+}
+
+bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_state *state) {
+  grpc_byte_buffer *bb = NULL;
+  pthread_mutex_lock(&s->lock);
+  *state = r->state;
+  if (!r->linked) {
+    pthread_mutex_unlock(&s->lock);
+    return false;
+  }
+  if (r->state == GC__REQ_QUEUED) bb = queue_remove_locked(s, r);
+  outstanding_unlink_locked(s, r);
+  if (timed_out) {
+    s->ctr.timeouts++;
+    s->ctr.errors++;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (bb) grpc_byte_buffer_destroy(bb);
+  return true;
+}
+
+/* ---- I/O thread: completions ------------------------------------------------------------- */
+
+/* Drops one batch of cl; frees cl when it has ended and nothing is in flight. */
+static void call_batch_done(gc__stream *s, gc__call *cl) {
+  pthread_mutex_lock(&s->lock);
+  MR_ASSERT(cl->ops_pending > 0);
+  cl->ops_pending--;
+  bool free_it = cl->finished && cl->ops_pending == 0;
+  pthread_mutex_unlock(&s->lock);
+  if (free_it) call_free(cl);
+}
+
+static void on_send(gc__stream *s, gc__call *cl, bool ok) {
+  pthread_mutex_lock(&s->lock);
+  grpc_byte_buffer *bb = cl->send_bb;
+  cl->send_bb = NULL;
+  if (s->cur == cl) {
+    s->send_busy = false;
+    /* A failed send means the call is ending; its status will fail what is outstanding. */
+    if (ok) stream_kick_locked(s);
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (bb) grpc_byte_buffer_destroy(bb);
+  call_batch_done(s, cl);
+}
+
+/* A reply: match it to its request by id, check it, gather its output, complete it. */
+static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
+  gc_cluster *c = s->c;
+  pr_seg *segs = NULL;
+  size_t nseg = 0;
+  grpc_slice hold;
+  Moerpc__V1__ForwardReply *h = NULL;
+  mr_err err;
+  size_t wire = grpc_byte_buffer_length(bb);
+
+  int rc = pr_bb_segs(bb, &segs, &nseg, &hold, &err);
+  if (rc == 0) {
+    rc = pr_forward_reply_decode(segs, nseg, &c->io_split, &h, &err);
+    if (rc) h = NULL;
+  } else {
+    hold = grpc_empty_slice();
+  }
+  if (rc) {
+    /* A reply we cannot parse cannot be matched to its request either: end the stream, so
+     * that everything outstanding on it fails now, with this reason, not at the deadline. */
+    mr_log_ratelimited(MR_LOG_WARN, 5, GC__SRV_FMT ": malformed ForwardReply (%zu bytes): %s; "
+                       "ending the stream", GC__SRV_ARGS(s->srv), wire, err.msg);
+    pthread_mutex_lock(&s->lock);
+    if (s->cur == cl && !s->break_rc) {
+      s->break_rc = MR_EPROTO;
+      snprintf(s->break_msg, sizeof s->break_msg, "malformed ForwardReply: %.200s", err.msg);
+      grpc_call_cancel_with_status(cl->call, GRPC_STATUS_INTERNAL, "malformed ForwardReply",
+                                   NULL);
+    }
+    pthread_mutex_unlock(&s->lock);
+    goto out_free;
+  }
+
+  uint64_t now = mr_now_ns();
+  pthread_mutex_lock(&s->lock);
+  gc__req *r = s->o_head;
+  while (r && r->id != h->id) r = r->o_next;
+  if (!r || r->state != GC__REQ_SENT) {
+    pthread_mutex_unlock(&s->lock);
+    /* Most likely the reply of a request whose waiter gave up (deadline, or another part
+     * failed first): dropped as designed. */
+    mr_log_ratelimited(MR_LOG_DEBUG, 5, GC__SRV_FMT ": reply for request %llu that is not "
+                       "outstanding (given up?), dropped", GC__SRV_ARGS(s->srv),
+                       (unsigned long long)h->id);
+    goto out_free;
+  }
+  outstanding_unlink_locked(s, r);
+  s->failfast = false; /* the server answers: open the next stream normally */
+  gc_pending *p = r->p;
+  size_t want = (size_t)r->n_tokens * p->H * mr_dtype_size(p->dtype);
+  mr_err_clear(&err);
+  if (h->status != 0) {
+    int code = h->status <= GRPC_STATUS_UNAUTHENTICATED
+                   ? pr_mr_from_status((grpc_status_code)h->status)
+                   : MR_EINTERNAL;
+    if (code == 0) code = MR_EINTERNAL;
+    rc = mr_err_set(&err, code, "layer %u request %llu: " GC__SRV_FMT ": %s (%u): %s", p->layer,
+                    (unsigned long long)r->id, GC__SRV_ARGS(s->srv),
+                    gc__grpc_status_name((grpc_status_code)h->status), h->status,
+                    h->error && *h->error ? h->error : "(no message)");
+  } else if ((mr_dtype)h->dtype != p->dtype) {
+    rc = mr_err_set(&err, MR_EPROTO, "layer %u request %llu: " GC__SRV_FMT ": reply dtype %d, "
+                    "the request's is %d (%s)", p->layer, (unsigned long long)r->id,
+                    GC__SRV_ARGS(s->srv), (int)h->dtype, (int)p->dtype, mr_dtype_name(p->dtype));
+  } else if (c->io_split.payload.len != want) {
+    rc = mr_err_set(&err, MR_EPROTO, "layer %u request %llu: " GC__SRV_FMT ": reply output has "
+                    "%zu bytes, must be %zu (%u tokens x %u x %s)", p->layer,
+                    (unsigned long long)r->id, GC__SRV_ARGS(s->srv), c->io_split.payload.len,
+                    want, r->n_tokens, p->H, mr_dtype_name(p->dtype));
+  }
+  gc_server_counters *ct = &s->ctr;
+  ct->bytes_received += wire;
+  ct->last_reply_bytes = wire;
+  if (rc == 0) {
+    uint64_t rtt = (now - r->t_submit_ns) / 1000u;
+    ct->replies++;
+    ct->last_rtt_us = rtt;
+    ct->last_queue_us = h->queue_us;
+    ct->last_compute_us = h->compute_us;
+    s->sum_rtt_us += (double)rtt;
+    s->sum_queue_us += h->queue_us;
+    s->sum_compute_us += h->compute_us;
+    ct->mean_rtt_us = s->sum_rtt_us / (double)ct->replies;
+    ct->mean_queue_us = s->sum_queue_us / (double)ct->replies;
+    ct->mean_compute_us = s->sum_compute_us / (double)ct->replies;
+  } else {
+    ct->errors++;
+  }
+  pthread_mutex_unlock(&s->lock);
+
+  /* The output buffer belongs to r's pending, kept alive by the reference r held on the
+   * outstanding list, which is ours now. */
+  if (rc == 0) pr_payload_gather(&c->io_split.payload, r->out);
+  else mr_log_ratelimited(MR_LOG_WARN, 10, "%s", err.msg);
+  gc__req_complete(r, rc, &err);
+  gc__pending_unref(p);
+out_free:
+  if (h) moerpc__v1__forward_reply__free_unpacked(h, NULL);
+  mr_free(segs);
+  grpc_slice_unref(hold);
+}
+
+static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
+  grpc_byte_buffer *bb = cl->recv_bb;
+  cl->recv_bb = NULL;
+  if (ok && bb) {
+    on_reply(s, cl, bb);
+    grpc_byte_buffer_destroy(bb);
+    pthread_mutex_lock(&s->lock);
+    if (!cl->finished) {
+      arm_recv_locked(cl, false); /* the stream goes on until its status says otherwise */
+      cl->ops_pending--;
+      pthread_mutex_unlock(&s->lock);
+      return;
+    }
+    pthread_mutex_unlock(&s->lock);
+    call_batch_done(s, cl);
+    return;
+  }
+  if (bb) grpc_byte_buffer_destroy(bb);
+  /* End of stream or failure: the status batch reports why. */
+  call_batch_done(s, cl);
+}
+
+/* The call ended: fail everything outstanding on the stream at once. */
+static void on_status(gc__stream *s, gc__call *cl) {
+  gc__req *list = NULL;
+  int rc = MR_EUNAVAIL;
+  char why[384];
+
+  pthread_mutex_lock(&s->lock);
+  cl->finished = true;
+  bool was_cur = s->cur == cl;
+  bool closing = s->closing;
+  if (was_cur) {
+    char *det = grpc_slice_to_c_string(cl->details);
+    if (s->break_rc) {
+      rc = s->break_rc;
+      snprintf(why, sizeof why, "%s", s->break_msg);
+    } else if (closing) {
+      rc = MR_ECANCELED;
+      snprintf(why, sizeof why, "cluster closed (%s: %s)", gc__grpc_status_name(cl->status), det);
+    } else {
+      snprintf(why, sizeof why, "stream ended (%s: %s)", gc__grpc_status_name(cl->status),
+               *det ? det : "no details");
+    }
+    gpr_free(det);
+    s->cur = NULL;
+    s->send_busy = false;
+    /* Detach the outstanding list: these requests are ours now (linked = false makes a
+     * waiter's gc__stream_forget leave them alone). */
+    list = s->o_head;
+    s->o_head = NULL;
+    for (gc__req *r = list; r; r = r->o_next) r->linked = false;
+    s->q_head = s->q_tail = NULL;
+    if (!closing) {
+      s->ctr.stream_breaks++;
+      s->failfast = true;
+    }
+    uint64_t n = 0;
+    for (gc__req *r = list; r; r = r->o_next) n++;
+    s->ctr.errors += n;
+    if (!closing || n)
+      mr_log(closing ? MR_LOG_INFO : MR_LOG_WARN, GC__SRV_FMT ": Forward %s; failing %llu "
+             "outstanding request%s", GC__SRV_ARGS(s->srv), why,
+             (unsigned long long)n, n == 1 ? "" : "s");
+    else
+      mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": Forward stream closed (%s)", GC__SRV_ARGS(s->srv),
+             gc__grpc_status_name(cl->status));
+  }
+  pthread_mutex_unlock(&s->lock);
+
+  for (gc__req *r = list, *next; r; r = next) {
+    next = r->o_next;
+    r->o_prev = r->o_next = NULL;
+    r->q_next = NULL;
+    gc_pending *p = r->p;
+    grpc_byte_buffer *bb = r->bb;
+    r->bb = NULL;
+    if (bb) grpc_byte_buffer_destroy(bb);
+    mr_err err;
+    mr_err_set(&err, rc, "layer %u request %llu: " GC__SRV_FMT ": %s", p->layer,
+               (unsigned long long)r->id, GC__SRV_ARGS(s->srv), why);
+    gc__req_complete(r, rc, &err);
+    gc__pending_unref(p); /* last use of r */
+  }
+  call_batch_done(s, cl);
+}
+
+static void *io_main(void *arg) {
+  gc_cluster *c = arg;
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(c->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    MR_ASSERT(ev.type == GRPC_OP_COMPLETE);
+    gc__tag *t = ev.tag;
+    GC__HB_ACQUIRE(t);
+    gc__call *cl = t->call;
+    gc__stream *s = cl->s;
+    switch (t->op) {
+    case GC__OP_START:
+      if (!ev.success)
+        mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": initial metadata not sent (call ending)",
+               GC__SRV_ARGS(s->srv));
+      call_batch_done(s, cl);
+      break;
+    case GC__OP_SEND:
+    case GC__OP_CLOSE: on_send(s, cl, ev.success != 0); break;
+    case GC__OP_RECV: on_recv(s, cl, ev.success != 0); break;
+    case GC__OP_STATUS: on_status(s, cl); break;
+    }
+  }
+  return NULL;
+}
+
+/* ---- start / stop ------------------------------------------------------------------------ */
+
+int gc__streams_start(gc_cluster *c, mr_err *e) {
+  int rc = 0;
+  c->cq = grpc_completion_queue_create_for_next(NULL);
+  for (uint32_t i = 0; i < c->n_servers; i++) {
+    gc__stream *s = &c->streams[i];
+    s->c = c;
+    s->idx = i;
+    s->srv = &c->servers[i];
+    pthread_mutex_init(&s->lock, NULL);
+    /* Room for a full request or reply at the server's max_tokens in fp32, plus the
+     * header (ids and weights). */
+    uint64_t max = (uint64_t)s->srv->max_tokens * c->H * 4u + PR_MAX_HEADER_BYTES + 65536u;
+    s->ch = gc__channel_new(s->srv, max > INT_MAX ? INT_MAX : (int)max);
+    s->inited = true;
+    if (!s->ch)
+      return mr_err_set(e, MR_EUNAVAIL, GC__SRV_FMT ": could not create a data channel",
+                        GC__SRV_ARGS(s->srv));
+    s->forward_method = grpc_channel_register_call(s->ch, PR_METHOD_FORWARD, NULL, NULL);
+  }
+  if (pthread_create(&c->io_thread, NULL, io_main, c) != 0)
+    return mr_err_set(e, MR_ENOMEM, "client I/O thread: %s", strerror(errno));
+  c->io_started = true;
+  for (uint32_t i = 0; i < c->n_servers && !rc; i++) {
+    gc__stream *s = &c->streams[i];
+    pthread_mutex_lock(&s->lock);
+    rc = stream_open_locked(s, e);
+    pthread_mutex_unlock(&s->lock);
+  }
+  return rc;
+}
+
+static bool wait_calls(gc_cluster *c, int ms) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  ts.tv_sec += ms / 1000;
+  ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+  if (ts.tv_nsec >= 1000000000L) {
+    ts.tv_sec++;
+    ts.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&c->calls_lock);
+  while (c->live_calls > 0)
+    if (pthread_cond_timedwait(&c->calls_cond, &c->calls_lock, &ts) == ETIMEDOUT) break;
+  bool all = c->live_calls == 0;
+  pthread_mutex_unlock(&c->calls_lock);
+  return all;
+}
+
+void gc__streams_stop(gc_cluster *c) {
+  if (!c->streams) return;
+  if (c->io_started) {
+    for (uint32_t i = 0; i < c->n_servers; i++) {
+      gc__stream *s = &c->streams[i];
+      if (!s->inited) continue;
+      pthread_mutex_lock(&s->lock);
+      s->closing = true;
+      stream_kick_locked(s);
+      pthread_mutex_unlock(&s->lock);
+    }
+    if (!wait_calls(c, GC__CLOSE_WAIT_MS)) {
+      mr_log(MR_LOG_WARN, "close: servers did not end their streams within %d ms; cancelling",
+             GC__CLOSE_WAIT_MS);
+      for (uint32_t i = 0; i < c->n_servers; i++) {
+        gc__stream *s = &c->streams[i];
+        if (!s->inited) continue;
+        pthread_mutex_lock(&s->lock);
+        if (s->cur) grpc_call_cancel(s->cur->call, NULL);
+        pthread_mutex_unlock(&s->lock);
+      }
+      if (!wait_calls(c, GC__CANCEL_WAIT_MS))
+        mr_log(MR_LOG_ERROR, "close: %d calls still open %d ms after cancel", c->live_calls,
+               GC__CANCEL_WAIT_MS);
+    }
+    grpc_completion_queue_shutdown(c->cq);
+    pthread_join(c->io_thread, NULL);
+    c->io_started = false;
+  } else if (c->cq) {
+    grpc_completion_queue_shutdown(c->cq);
+    while (grpc_completion_queue_next(c->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+  }
+  if (c->cq) grpc_completion_queue_destroy(c->cq);
+  c->cq = NULL;
+  for (uint32_t i = 0; i < c->n_servers; i++) {
+    gc__stream *s = &c->streams[i];
+    if (!s->inited) continue;
+    if (s->ch) grpc_channel_destroy(s->ch);
+    pthread_mutex_destroy(&s->lock);
+    s->inited = false;
+  }
+  pr_split_free(&c->io_split);
+}

@@ -1,0 +1,313 @@
+/*
+ * gpu_client/internal.h - internals shared by the files of gpu_client/ (not public).
+ *
+ * Files:
+ *   gc_fanout.c   pure functions: the owner map, the split of a layer call by owner, the
+ *                 scatter-add of the parts, the coverage check, weight-format names.
+ *                 No gRPC, no threads; unit-tested in tests/unit/test_gc_fanout.c.
+ *   gc_cluster.c  open (cluster file, Hello round, checks, owner map), close, getters,
+ *                 unary calls (Hello, Stats).
+ *   gc_local.c    local experts: loading from the model's safetensors, computing with kn.
+ *   gc_stream.c   the per-server Forward stream and the I/O thread.
+ *   gc_layer.c    submit / wait / forward, the pending pool.
+ *
+ * Threads and locks (STYLE.md 8):
+ *
+ *   caller threads   gc_layer_submit / gc_layer_wait: plan the split, gather rows, queue
+ *                    requests on streams (under the stream lock, which also starts the
+ *                    SEND batch if none is in flight), compute local experts (under
+ *                    local_lock), wait on the pending's condvar, give up timed-out requests
+ *                    (unlink them from their stream), sum the parts.
+ *   I/O thread       the only reader of the completion queue `cq`: SEND done -> start the
+ *                    next queued send; RECV done -> match the reply to its request by id,
+ *                    gather its payload, complete it, re-arm RECV; STATUS done -> the
+ *                    stream broke: fail everything outstanding on it at once.
+ *   gRPC threads     may run gc__payload_release (a request's payload slice dropped), which
+ *                    only drops a pending reference.
+ *
+ *   stream->lock     the call state, the send queue and the outstanding list of one stream,
+ *                    its counters. Never held while taking another stream's lock.
+ *   pending->lock    n_done, the failed and closed flags, the result fields of its requests.
+ *   pool->lock       the free list of pendings (c->pool, see below).
+ *   c->local_lock    the local kernel engine (one forward at a time).
+ *   c->calls_lock    the count of live gc__call objects (close waits on it).
+ *   Order: stream->lock before pool->lock (destroying a byte buffer under the stream lock
+ *   may drop the last pending reference) and before calls_lock (a stream opens a call under
+ *   its lock); pending->lock is never held while taking a stream
+ *   lock or the other way round (each side copies what it needs and lets go first).
+ *
+ * Lifetime of a gc_pending (refcounted, atomic): one reference for the caller (dropped at
+ * the end of gc_layer_wait), one per request linked on a stream's outstanding list (dropped
+ * by whoever unlinks it: the reply, the stream failure, or the waiter giving up), one per
+ * payload slice gRPC holds (dropped in gc__payload_release). At zero it returns to the pool
+ * and its arena is reset. gRPC may drop a payload slice after the cluster is closed (its
+ * channels are torn down asynchronously), so the pool is a separate object that outlives
+ * the cluster until the last pending has come back: a late release then frees the pending
+ * (and the pool, if it was the last) without touching the freed cluster.
+ */
+#ifndef GC_INTERNAL_H
+#define GC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include <grpc/grpc.h>
+
+#include "../proto/pr.h"
+#include "moerpc_client.h"
+
+/* ---- gc_fanout.c: pure parts ------------------------------------------------------------ */
+
+/* Owner map: owner[layer * E + expert] is a server index, GC_OWNER_LOCAL or GC_OWNER_NONE. */
+
+/* One server's or the local share of a layer call. */
+typedef struct gc__part {
+  int32_t target;    /* server index, or GC_OWNER_LOCAL */
+  uint32_t n_tokens; /* rows of this part */
+  uint32_t *rows;    /* [n_tokens] token index in the caller's request, increasing */
+  int32_t *ids;      /* [n_tokens * k]: the slots this target owns, others -1 */
+  float *weights;    /* [n_tokens * k]: their weights, 0 for slots set to -1 */
+} gc__part;
+
+typedef struct gc__plan {
+  uint32_t n_tokens, top_k;
+  uint32_t n_parts;  /* parts with at least one token: servers in index order, local last */
+  gc__part *parts;
+} gc__plan;
+
+/*
+ * Splits one layer call by owner. owner_row is owner[layer * E ..] (E entries); ids and
+ * weights are the caller's [T * k]. All arrays of the plan come from arena a.
+ * Errors: MR_ERANGE for an id that is neither -1 nor < E ("ids[13] (token 3, slot 1) =
+ * 200, must be -1 or < num_experts 128"), MR_EPRECOND for an id nobody owns ("layer L
+ * expert X (ids[13]) is owned by no server and not local"), MR_ENOMEM.
+ */
+int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n_servers,
+                   uint32_t layer, uint32_t T, uint32_t k, const int32_t *ids,
+                   const float *weights, mr_arena *a, mr_err *e);
+
+/* Copies rows[0..n) of src ([*, row_bytes]) into dst ([n, row_bytes]) in order. */
+void gc__gather_rows(void *dst, const void *src, const uint32_t *rows, uint32_t n,
+                     size_t row_bytes);
+/* out[rows[i], :] += src[i, :] (src of dtype dt, [n, H]) converted to fp32. */
+void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, const void *src,
+                     mr_dtype dt);
+
+/*
+ * Builds the owner map (L * E entries) from announced ownership: local[] (L * E flags, or
+ * NULL) wins, then the first server in index order whose announce[s] bit is set.
+ * announce[s] is a bitset over layer * E + expert. assigned[s] (n_servers entries, may be
+ * NULL) gets the pairs routed to each server.
+ */
+void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
+                     const uint64_t *const *announce, const uint8_t *local, uint64_t *assigned);
+
+/*
+ * Checks that every layer l with must[l] != 0, or with at least one owned expert, has all
+ * of its E experts owned. Returns the number of incomplete layers (0 = covered) and writes
+ * into msg a description of the first few: "layer 3: experts 4-7 are owned by no server and
+ * not local; layer 5: ...". must may be NULL.
+ */
+uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const uint8_t *must,
+                            char *msg, size_t len);
+
+/* "0-3,7" of the ids in list[0..n) (sorted or not) into buf; returns the length needed. */
+size_t gc__format_ids(const uint32_t *list, size_t n, char *buf, size_t len);
+
+/* ---- the cluster ------------------------------------------------------------------------- */
+
+typedef struct gc__req gc__req;
+typedef struct gc__call gc__call;
+typedef struct gc__stream gc__stream;
+
+/* Completion-queue tags: each live gc__call has one per kind of batch. */
+enum gc__op { GC__OP_START, GC__OP_SEND, GC__OP_RECV, GC__OP_STATUS, GC__OP_CLOSE };
+typedef struct gc__tag {
+  gc__call *call;
+  enum gc__op op;
+} gc__tag;
+
+/* One gRPC Forward call (a stream's incarnation). A broken stream's call lives on until all
+ * its batches have completed, while a new one may already serve the stream. */
+struct gc__call {
+  gc__stream *s;
+  grpc_call *call;
+  int ops_pending;   /* batches started and not completed (under s->lock) */
+  bool finished;     /* status received */
+  gc__tag t_start, t_send, t_recv, t_status, t_close;
+  grpc_metadata_array md_initial, md_trailing;
+  grpc_byte_buffer *recv_bb;     /* RECV_MESSAGE target (I/O thread) */
+  grpc_byte_buffer *send_bb;     /* the SEND_MESSAGE in flight, destroyed when it completes */
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+};
+
+/* A request in flight: one ForwardRequest of one part (a part over a server's max_tokens is
+ * split into several). Lives in its pending's arena. */
+enum gc__req_state { GC__REQ_QUEUED, GC__REQ_SENT, GC__REQ_DONE };
+struct gc__req {
+  gc_pending *p;
+  gc__stream *s;
+  uint32_t part;            /* index into p->plan.parts */
+  uint32_t row0, n_tokens;  /* rows [row0, row0 + n) of the part */
+  uint64_t id;
+  enum gc__req_state state; /* under s->lock until unlinked */
+  bool linked;              /* on s's outstanding list (under s->lock) */
+  grpc_byte_buffer *bb;     /* encoded, while on the send queue */
+  size_t bb_bytes;
+  uint64_t t_submit_ns;
+  void *out;                /* [n_tokens, H] of the wire dtype, inside the part's buffer */
+  bool done;                /* result fields valid (under p->lock) */
+  int rc;
+  mr_err err;
+  gc__req *q_next;          /* send queue (FIFO) */
+  gc__req *o_prev, *o_next; /* outstanding list */
+};
+
+typedef struct gc__server {
+  mr_cluster_server cfg;    /* name and address */
+  char target[300];         /* gRPC target */
+  grpc_channel *ctl;        /* Hello / Stats */
+  /* Hello */
+  uint32_t proto_major, proto_minor, max_tokens;
+  char fingerprint[64], weight_format[32];
+  uint32_t hidden, inter, layers, experts;
+  uint64_t *announce;       /* bitset over layer * E + expert */
+  uint64_t announced, assigned;
+} gc__server;
+
+struct gc__stream {
+  gc_cluster *c;
+  uint32_t idx;
+  const gc__server *srv;
+  grpc_channel *ch;         /* data channel, sized from max_tokens */
+  void *forward_method;     /* grpc_channel_register_call handle */
+  bool inited;              /* lock initialised, channel created */
+  pthread_mutex_t lock;
+  gc__call *cur;            /* the live call, or NULL (never opened / broke) */
+  bool send_busy;           /* a SEND_MESSAGE (or the half-close) is in flight on cur */
+  bool failfast;            /* the last call broke: open the next without WAIT_FOR_READY */
+  bool closing;             /* close asked for a half-close */
+  bool half_closed;
+  int break_rc;             /* set when we cancel the call ourselves (malformed reply) */
+  char break_msg[256];
+  gc__req *q_head, *q_tail; /* send queue */
+  gc__req *o_head;          /* outstanding: queued or sent, not answered */
+  gc_server_counters ctr;
+  double sum_rtt_us, sum_queue_us, sum_compute_us;
+};
+
+/* The pool of pendings (gc_layer.c). */
+typedef struct gc__pool {
+  pthread_mutex_t lock;
+  gc_pending *free_list;
+  uint32_t live;            /* pendings handed out and not yet back */
+  bool closed;              /* the cluster is gone: returning pendings are freed */
+} gc__pool;
+
+struct gc_pending {
+  gc_cluster *c;            /* not used once refs may outlive the cluster (unref) */
+  gc__pool *pool;
+  atomic_int refs;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  uint32_t n_reqs, n_done;
+  bool failed;              /* a request failed (wake the waiter early) */
+  bool closed;              /* the waiter gave up or finished; late results are ignored */
+  uint64_t t_submit_ns, deadline_ns;
+  uint32_t layer, H;
+  mr_dtype dtype;
+  gc__plan plan;
+  void **part_out;          /* [n_parts]: server parts in wire dtype, the local part f32 */
+  gc__req *reqs;            /* [n_reqs] */
+  int local_rc;
+  mr_err local_err;
+  mr_arena arena;
+  gc_pending *next_free;
+};
+
+struct gc_cluster {
+  mr_cluster_file file;
+  gc_options opts;
+  char client_name[128];
+  char model_dir[1024];
+  uint32_t deadline_ms;
+  /* the model, from Hello (identical on every server) */
+  uint32_t H, I, L, E;
+  char fingerprint[64], weight_format[32];
+  kn_format fmt;
+  uint32_t group;
+  uint32_t max_tokens_min;
+  uint32_t n_servers;
+  gc__server *servers;      /* [n_servers] */
+  gc__stream *streams;      /* [n_servers] */
+  int32_t *owner;           /* [L * E] */
+  /* local experts (gc_local.c) */
+  kn_engine *local_eng;
+  kn_layer **local_layers;  /* [L], NULL where no local expert */
+  uint64_t local_pairs;
+  pthread_mutex_t local_lock;
+  /* I/O */
+  bool grpc_inited;
+  grpc_completion_queue *cq;
+  pthread_t io_thread;
+  bool io_started;
+  pr_split io_split;        /* I/O thread scratch */
+  pthread_mutex_t calls_lock;
+  pthread_cond_t calls_cond;
+  int live_calls;
+  atomic_uint_fast64_t next_id;
+  gc__pool *pool;           /* owned; may outlive the cluster (see above) */
+  bool locks_inited;
+};
+
+/* gc_local.c */
+/* Loads the local experts of the cluster file's "local" section from c->model_dir into
+ * c->local_layers (format c->fmt / c->group, or the options' override), marking local[]
+ * (L * E flags). Errors name the model file and tensor. */
+int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e);
+/* Computes the local part (plan part `part` of p) into p->part_out[part] (fp32). Takes
+ * c->local_lock. */
+int gc__local_forward(gc_cluster *c, gc_pending *p, uint32_t part, const void *x_rows,
+                      mr_err *e);
+void gc__local_free(gc_cluster *c);
+/* Loads one expert (gate/up/down of cfg's checkpoint keys, shapes checked against L's
+ * description) from st into L. Used for local experts and by moerpc-client verify. */
+int gc__expert_load(kn_layer *L, const mr_st *st, const mr_model_config *cfg, uint32_t layer,
+                    uint32_t expert, mr_err *e);
+
+/* gc_stream.c */
+int gc__streams_start(gc_cluster *c, mr_err *e);
+/* Half-closes every stream, waits for their calls to end (bounded), stops the I/O thread. */
+void gc__streams_stop(gc_cluster *c);
+/* Queues r on its stream (opening the stream if it is not open) and starts the send if
+ * none is in flight. On failure r is completed with the error (counted in its pending). */
+void gc__stream_enqueue(gc__stream *s, gc__req *r);
+/* Unlinks r if it is still outstanding (queued or sent); returns true if this call did
+ * (and so owns r's pending reference). *state gets r's state at that moment; timed_out
+ * counts it as a timeout of the server. */
+bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_state *state);
+
+/* gc_layer.c */
+void gc__pending_unref(gc_pending *p);
+/* Completes r with rc and err (copied; may be NULL when rc is 0): counts it in its pending
+ * and wakes the waiter when all are done or rc != 0. Ignored once the waiter has given up
+ * (the waiter then owns r's result fields). Any thread; takes r->p->lock. */
+void gc__req_complete(gc__req *r, int rc, const mr_err *err);
+/* Creates c->pool. */
+int gc__pool_new(gc_cluster *c, mr_err *e);
+/* Frees the idle pendings and hands the pool over to the pendings still out (if any). */
+void gc__pool_close(gc_cluster *c);
+/* Releases a payload slice's reference (gRPC threads). */
+void gc__payload_release(void *pending);
+
+/* gc_cluster.c */
+/* "server s0 (127.0.0.1:50051)" */
+#define GC__SRV_FMT "server %s (%s)"
+#define GC__SRV_ARGS(sv) (sv)->cfg.name, (sv)->cfg.address
+/* A channel to srv->target with message limits of max_bytes. */
+grpc_channel *gc__channel_new(const gc__server *srv, int max_bytes);
+const char *gc__grpc_status_name(grpc_status_code st);
+
+#endif /* GC_INTERNAL_H */

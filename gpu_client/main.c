@@ -1,0 +1,1062 @@
+/*
+ * moerpc-client - the command-line face of libmoerpc-client:
+ *
+ *   moerpc-client info      --cluster FILE           Hello all servers, print the cluster
+ *   moerpc-client verify    --cluster FILE [...]     every MoE layer vs a local reference
+ *   moerpc-client bench-rpc --cluster FILE [...]     per-request round trip vs raw TCP
+ *   moerpc-client stats     --cluster FILE [--reset] Stats of every server
+ *
+ * Every subcommand takes --help. Exit status: 0 success, 1 failure (an error, a check that
+ * failed), 2 usage error. Lifecycle lines go to stderr through mr_log; results to stdout.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define PROG "moerpc-client"
+#define MAX_T_LIST 32
+
+/* ---- shared options ------------------------------------------------------------------- */
+
+typedef struct cli {
+  const char *cluster;
+  const char *model;
+  uint32_t deadline_ms, connect_ms;
+  bool no_local;
+} cli;
+
+enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, OPT_LOG,
+       OPT_TOKENS, OPT_DTYPE, OPT_SEED, OPT_TOL, OPT_ITERS, OPT_WARMUP, OPT_JSON, OPT_RESET,
+       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_HELP };
+
+#define COMMON_OPTIONS                                                                 \
+  {"cluster", required_argument, NULL, OPT_CLUSTER},                                   \
+      {"deadline-ms", required_argument, NULL, OPT_DEADLINE},                          \
+      {"connect-timeout-ms", required_argument, NULL, OPT_CONNECT},                    \
+      {"log", required_argument, NULL, OPT_LOG}, {"help", no_argument, NULL, OPT_HELP}
+
+static const char COMMON_HELP[] =
+    "  --cluster FILE           cluster file (JSON: servers, model, local experts)  required\n"
+    "  --deadline-ms N          per-request deadline, 1..600000 (default: the file's)\n"
+    "  --connect-timeout-ms N   deadline of the Hello round at start, 1..600000 (default 10000)\n"
+    "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
+    "  --help                   this text\n";
+
+static bool parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (!*s || *end || errno || s[0] == '-' || v < lo || v > hi) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be an integer in %llu..%llu\n", flag, s,
+            (unsigned long long)lo, (unsigned long long)hi);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
+static bool parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  uint64_t v;
+  if (!parse_u64(flag, s, lo, hi, &v)) return false;
+  *out = (uint32_t)v;
+  return true;
+}
+
+/* Handles the options every subcommand shares; returns 1 if taken, 0 if not one of them,
+ * -1 on a bad value. */
+static int common_opt(cli *o, int opt, const char *arg) {
+  int lvl;
+  switch (opt) {
+  case OPT_CLUSTER: o->cluster = arg; return 1;
+  case OPT_DEADLINE: return parse_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
+  case OPT_CONNECT:
+    return parse_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_ms) ? 1 : -1;
+  case OPT_LOG:
+    if (mr_log_parse_level(arg, &lvl) != 0) {
+      fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);
+      return -1;
+    }
+    mr_log_set_level(lvl);
+    return 1;
+  default: return 0;
+  }
+}
+
+static int open_cluster(const cli *o, gc_cluster **c) {
+  gc_options opts;
+  mr_err e;
+  mr_err_clear(&e);
+  gc_options_init(&opts);
+  opts.client_name = PROG;
+  opts.deadline_ms = o->deadline_ms;
+  opts.connect_timeout_ms = o->connect_ms;
+  opts.model_dir = o->model;
+  opts.no_local = o->no_local;
+  int rc = gc_cluster_open(c, o->cluster, &opts, &e);
+  if (rc) {
+    fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+    return rc;
+  }
+  return 0;
+}
+
+/* Parses argv of a subcommand with getopt_long. Returns 0 to run, 1 after --help, 2 on a
+ * usage error. extra() handles the subcommand's own options (0 = unknown, -1 = bad). */
+typedef int (*opt_fn)(void *ctx, int opt, const char *arg);
+static int parse_args(int argc, char **argv, const struct option *lo, const char *help,
+                      cli *o, opt_fn extra, void *ctx) {
+  optind = 1;
+  opterr = 0;
+  for (;;) {
+    int oi = 0;
+    int opt = getopt_long(argc, argv, "", lo, &oi);
+    if (opt == -1) break;
+    if (opt == OPT_HELP) {
+      fputs(help, stdout);
+      return 1;
+    }
+    if (opt == '?' || opt == ':') {
+      fprintf(stderr, PROG " %s: bad or incomplete option \"%s\" (see --help)\n", argv[0],
+              argv[optind - 1]);
+      return 2;
+    }
+    int r = common_opt(o, opt, optarg);
+    if (r == 0 && extra) r = extra(ctx, opt, optarg);
+    if (r == 0) {
+      fprintf(stderr, PROG " %s: unexpected option (see --help)\n", argv[0]);
+      return 2;
+    }
+    if (r < 0) return 2;
+  }
+  if (optind < argc) {
+    fprintf(stderr, PROG " %s: unexpected argument \"%s\" (see --help)\n", argv[0], argv[optind]);
+    return 2;
+  }
+  if (!o->cluster) {
+    fprintf(stderr, PROG " %s: --cluster FILE is required (see --help)\n", argv[0]);
+    return 2;
+  }
+  return 0;
+}
+
+/* ---- info -------------------------------------------------------------------------------- */
+
+static const char INFO_HELP[] =
+    "usage: moerpc-client info --cluster FILE [options]\n"
+    "\n"
+    "Hellos every server of the cluster file, checks that they serve one model (fingerprint,\n"
+    "shapes, weight format, protocol) and that every layer is covered, then prints the\n"
+    "servers, the model and a summary of who computes which experts.\n"
+    "\n"
+    "  --model DIR              model directory (default: the file's \"model\"); when known,\n"
+    "                           its config and fingerprint are checked too\n"
+    "  --no-local               ignore the file's \"local\" section\n";
+
+static int info_opt(void *ctx, int opt, const char *arg) {
+  cli *o = ctx;
+  if (opt == OPT_MODEL) o->model = arg;
+  else if (opt == OPT_NO_LOCAL) o->no_local = true;
+  else return 0;
+  return 1;
+}
+
+/* "s0:0-7 s1:8-15 local:16-17" for one layer. */
+static void owner_line(const gc_cluster *c, uint32_t l, char *buf, size_t len) {
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  uint32_t *ids = malloc(ci.num_experts * sizeof *ids);
+  size_t pos = 0;
+  buf[0] = '\0';
+  if (!ids) return;
+  for (int o = -2; o < (int)ci.n_servers; o++) { /* local, none, then servers */
+    size_t n = 0;
+    for (uint32_t x = 0; x < ci.num_experts; x++)
+      if (gc_cluster_owner(c, l, x) == o) ids[n++] = x;
+    if (!n) continue;
+    char name[80];
+    gc_server_info si;
+    if (o == GC_OWNER_LOCAL) snprintf(name, sizeof name, "local");
+    else if (o == GC_OWNER_NONE) snprintf(name, sizeof name, "nobody");
+    else {
+      gc_server_info_get(c, (uint32_t)o, &si, NULL);
+      snprintf(name, sizeof name, "%s", si.name);
+    }
+    char list[4096];
+    gc__format_ids(ids, n, list, sizeof list);
+    int w = snprintf(buf + pos, len - pos, "%s%s:%s", pos ? " " : "", name, list);
+    if (w < 0 || (size_t)w >= len - pos) break;
+    pos += (size_t)w;
+  }
+  free(ids);
+}
+
+static int cmd_info(int argc, char **argv) {
+  cli o = {0};
+  static const struct option lo[] = {COMMON_OPTIONS,
+                                      {"model", required_argument, NULL, OPT_MODEL},
+                                      {"no-local", no_argument, NULL, OPT_NO_LOCAL},
+                                      {0, 0, 0, 0}};
+  char help[4096];
+  snprintf(help, sizeof help, "%s%s", INFO_HELP, COMMON_HELP);
+  int pr = parse_args(argc, argv, lo, help, &o, info_opt, &o);
+  if (pr) return pr == 1 ? 0 : 2;
+  gc_cluster *c = NULL;
+  if (open_cluster(&o, &c)) return 1;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  printf("cluster %s: %u server%s\n", o.cluster, ci.n_servers, ci.n_servers == 1 ? "" : "s");
+  printf("model: fingerprint %s, hidden %u, intermediate %u, layers %u, experts %u, weights %s\n",
+         ci.model_fingerprint, ci.hidden_size, ci.intermediate_size, ci.num_layers,
+         ci.num_experts, ci.weight_format);
+  printf("model dir: %s\n", ci.model_dir[0] ? ci.model_dir : "(none: not checked locally)");
+  printf("max_tokens per request: %u (smallest of all servers); deadline %u ms; local pairs "
+         "%llu\n", ci.max_tokens, ci.deadline_ms, (unsigned long long)ci.local_pairs);
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    gc_server_info si;
+    gc_server_info_get(c, i, &si, NULL);
+    printf("server %-12s %-22s protocol %u.%u  max_tokens %-6u announced %llu pairs, assigned "
+           "%llu\n", si.name, si.address, si.protocol_major, si.protocol_minor, si.max_tokens,
+           (unsigned long long)si.announced_pairs, (unsigned long long)si.assigned_pairs);
+  }
+  /* Ownership, consecutive layers with the same owners on one line. */
+  printf("ownership:\n");
+  char prev[8192] = "", cur[8192];
+  uint32_t first = 0;
+  for (uint32_t l = 0; l <= ci.num_layers; l++) {
+    if (l < ci.num_layers) owner_line(c, l, cur, sizeof cur);
+    if (l == ci.num_layers || strcmp(cur, prev) != 0) {
+      if (l > 0) {
+        if (first == l - 1) printf("  layer  %-9u %s\n", first, prev[0] ? prev : "(no experts)");
+        else {
+          char range[32];
+          snprintf(range, sizeof range, "%u-%u", first, l - 1);
+          printf("  layers %-9s %s\n", range, prev[0] ? prev : "(no experts)");
+        }
+      }
+      first = l;
+      snprintf(prev, sizeof prev, "%s", cur);
+    }
+  }
+  mr_log(MR_LOG_INFO, "info done; closing");
+  gc_cluster_close(c);
+  return 0;
+}
+
+/* ---- stats -------------------------------------------------------------------------------- */
+
+static const char STATS_HELP[] =
+    "usage: moerpc-client stats --cluster FILE [--reset] [--all]\n"
+    "\n"
+    "Calls Stats on every server: requests and errors it served, and tokens routed to each\n"
+    "(layer, expert) it owns. Prints per layer the total tokens and the hottest expert.\n"
+    "\n"
+    "  --reset                  ask each server to zero its counters after answering\n"
+    "  --all                    print every (layer, expert, tokens) count\n";
+
+typedef struct stats_ctx {
+  bool reset, all;
+} stats_ctx;
+
+static int stats_opt(void *ctx, int opt, const char *arg) {
+  stats_ctx *s = ctx;
+  if (opt == OPT_RESET) s->reset = true;
+  else if (opt == OPT_ALL) s->all = true;
+  else return 0;
+  return 1;
+}
+
+static int cmd_stats(int argc, char **argv) {
+  cli o = {0};
+  stats_ctx sc = {0};
+  static const struct option lo[] = {COMMON_OPTIONS,
+                                      {"reset", no_argument, NULL, OPT_RESET},
+                                      {"all", no_argument, NULL, OPT_ALL},
+                                      {0, 0, 0, 0}};
+  char help[4096];
+  snprintf(help, sizeof help, "%s%s", STATS_HELP, COMMON_HELP);
+  int pr = parse_args(argc, argv, lo, help, &o, stats_opt, &sc);
+  if (pr) return pr == 1 ? 0 : 2;
+  o.no_local = true; /* stats needs no local experts */
+  gc_cluster *c = NULL;
+  if (open_cluster(&o, &c)) return 1;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  int status = 0;
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    gc_server_info si;
+    gc_stats st;
+    mr_err e;
+    gc_server_info_get(c, i, &si, NULL);
+    int rc = gc_cluster_stats(c, i, sc.reset, &st, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+      status = 1;
+      continue;
+    }
+    printf("server %s (%s): requests %llu, errors %llu, %zu expert counts%s\n", si.name,
+           si.address, (unsigned long long)st.requests, (unsigned long long)st.errors,
+           st.n_counts, sc.reset ? " (now reset)" : "");
+    for (uint32_t l = 0; l < ci.num_layers; l++) {
+      uint64_t total = 0, best = 0;
+      uint32_t best_x = 0, touched = 0;
+      for (size_t k = 0; k < st.n_counts; k++) {
+        if (st.counts[k].layer != l) continue;
+        total += st.counts[k].tokens;
+        touched += st.counts[k].tokens > 0;
+        if (st.counts[k].tokens > best) {
+          best = st.counts[k].tokens;
+          best_x = st.counts[k].expert;
+        }
+      }
+      if (total)
+        printf("  layer %-4u tokens %-10llu experts used %-5u hottest expert %u (%llu)\n", l,
+               (unsigned long long)total, touched, best_x, (unsigned long long)best);
+    }
+    if (sc.all)
+      for (size_t k = 0; k < st.n_counts; k++)
+        printf("  count layer %u expert %u tokens %llu\n", st.counts[k].layer,
+               st.counts[k].expert, (unsigned long long)st.counts[k].tokens);
+    gc_stats_close(&st);
+  }
+  gc_cluster_close(c);
+  return status;
+}
+
+/* ---- random numbers ------------------------------------------------------------------------ */
+
+static uint64_t splitmix64(uint64_t *x) {
+  uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+/* Uniform in (0, 1]. */
+static double unif(uint64_t *s) { return ((double)(splitmix64(s) >> 11) + 1.0) / 9007199254740992.0; }
+/* Standard normal (Box-Muller). */
+static float gauss(uint64_t *s) {
+  double u1 = unif(s), u2 = unif(s);
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* ---- verify -------------------------------------------------------------------------------- */
+
+static const char VERIFY_HELP[] =
+    "usage: moerpc-client verify --cluster FILE [--model DIR] [options]\n"
+    "\n"
+    "For every MoE layer of the model: T random hidden states x ~ N(0,1) (deterministic by\n"
+    "--seed), routed by the model's own router (softmax over mlp.gate.weight . x, top-k,\n"
+    "renormalised when the config says norm_topk_prob), sent through the cluster, and\n"
+    "compared with a local reference: the layer's experts packed in the SAME weight format\n"
+    "the servers report (bf16, int8, int4-g64, ...) and computed by kn_ref (fp32 math).\n"
+    "Edge cases in every layer: the last token has all slots empty (its output must be 0),\n"
+    "and a second call with T=1. One line per layer (layer, T, relative L2 error, round\n"
+    "trip), then a summary. Only one layer's experts are held at a time.\n"
+    "\n"
+    "Default tolerance (relative L2 of the layer output): the reference computes the same\n"
+    "stored weights in fp32, so what is left is (a) the wire and (b) the servers' kernels,\n"
+    "and the default is the larger of the two terms:\n"
+    "  (a) f32 wire 1e-5 (summation order only); f16 wire 2e-3 (11-bit mantissa: 2^-12\n"
+    "      relative rounding per element of x and of each server's partial sum); bf16 wire\n"
+    "      1e-2 (8-bit mantissa, 2^-9 per element, same reasoning).\n"
+    "  (b) f32/f16 weights 1e-5 (the fast kernels compute in fp32); bf16 weights 1e-2 (with\n"
+    "      AVX512_BF16 the kernel rounds x and the hidden activation to bf16, ~3e-3);\n"
+    "      int8/int4 weights 5e-2 (the VNNI kernels quantize x and the hidden activation to\n"
+    "      int8 per token, ~2.5e-2 measured on small models).\n"
+    "A real fault (a wrong expert, row or slot) gives errors of order 1.\n"
+    "\n"
+    "  --model DIR              model directory (default: the file's \"model\")   required\n"
+    "  --tokens N               tokens per layer call, 1..4096 (default 8)\n"
+    "  --dtype f32|f16|bf16     wire dtype of hidden states and replies (default f32)\n"
+    "  --seed S                 seed of the hidden states (default 1)\n"
+    "  --tol X                  fail above this relative L2 error (default: above)\n"
+    "  --no-local               ignore the file's \"local\" section\n"
+    "Exit status 1 if any layer is above the tolerance or any call fails.\n";
+
+typedef struct verify_ctx {
+  cli *o;
+  uint32_t T;
+  mr_dtype dt;
+  uint64_t seed;
+  double tol;
+  bool tol_set;
+} verify_ctx;
+
+static int verify_opt(void *ctx, int opt, const char *arg) {
+  verify_ctx *v = ctx;
+  char *end = NULL;
+  switch (opt) {
+  case OPT_MODEL: v->o->model = arg; return 1;
+  case OPT_NO_LOCAL: v->o->no_local = true; return 1;
+  case OPT_TOKENS: return parse_u32("--tokens", arg, 1, 4096, &v->T) ? 1 : -1;
+  case OPT_SEED: return parse_u64("--seed", arg, 0, UINT64_MAX, &v->seed) ? 1 : -1;
+  case OPT_DTYPE:
+    if (mr_dtype_parse(arg, &v->dt) != 0) {
+      fprintf(stderr, PROG ": --dtype = \"%s\", must be f32, f16 or bf16\n", arg);
+      return -1;
+    }
+    return 1;
+  case OPT_TOL:
+    v->tol = strtod(arg, &end);
+    if (!*arg || *end || !(v->tol > 0) || v->tol > 1e3) {
+      fprintf(stderr, PROG ": --tol = \"%s\", must be a number in (0, 1000]\n", arg);
+      return -1;
+    }
+    v->tol_set = true;
+    return 1;
+  default: return 0;
+  }
+}
+
+/* Router: softmax over W x, the k largest (ties: lower id), renormalised if asked. */
+static void route(const float *W, uint32_t E, uint32_t H, const float *x, uint32_t k, bool norm,
+                  float *prob, int32_t *ids, float *w) {
+  float mx = -INFINITY;
+  for (uint32_t x_ = 0; x_ < E; x_++) {
+    double acc = 0;
+    for (uint32_t h = 0; h < H; h++) acc += (double)W[(size_t)x_ * H + h] * x[h];
+    prob[x_] = (float)acc;
+    if (prob[x_] > mx) mx = prob[x_];
+  }
+  double sum = 0;
+  for (uint32_t x_ = 0; x_ < E; x_++) sum += prob[x_] = expf(prob[x_] - mx);
+  for (uint32_t x_ = 0; x_ < E; x_++) prob[x_] = (float)(prob[x_] / sum);
+  double sel = 0;
+  for (uint32_t j = 0; j < k; j++) {
+    int32_t best = -1;
+    for (uint32_t x_ = 0; x_ < E; x_++) {
+      bool taken = false;
+      for (uint32_t jj = 0; jj < j; jj++) taken |= ids[jj] == (int32_t)x_;
+      if (!taken && (best < 0 || prob[x_] > prob[best])) best = (int32_t)x_;
+    }
+    ids[j] = best;
+    w[j] = prob[best];
+    sel += w[j];
+  }
+  if (norm && sel > 0)
+    for (uint32_t j = 0; j < k; j++) w[j] = (float)(w[j] / sel);
+}
+
+static int verify_layer_ref(kn_engine *eng, const mr_st *st, const mr_model_config *cfg,
+                            const gc_cluster_info *ci, kn_format fmt, uint32_t group,
+                            uint32_t l, kn_layer **out, mr_err *e) {
+  kn_layer_desc d = {.hidden = ci->hidden_size, .inter = ci->intermediate_size,
+                     .num_experts = ci->num_experts, .format = fmt, .group = group};
+  int rc = kn_layer_new(out, eng, &d, e);
+  if (rc) return rc;
+  for (uint32_t x = 0; x < ci->num_experts && !rc; x++)
+    rc = gc__expert_load(*out, st, cfg, l, x, e);
+  return rc;
+}
+
+static int cmd_verify(int argc, char **argv) {
+  cli o = {0};
+  verify_ctx v = {.o = &o, .T = 8, .dt = MR_DTYPE_F32, .seed = 1};
+  static const struct option lo[] = {COMMON_OPTIONS,
+                                      {"model", required_argument, NULL, OPT_MODEL},
+                                      {"no-local", no_argument, NULL, OPT_NO_LOCAL},
+                                      {"tokens", required_argument, NULL, OPT_TOKENS},
+                                      {"dtype", required_argument, NULL, OPT_DTYPE},
+                                      {"seed", required_argument, NULL, OPT_SEED},
+                                      {"tol", required_argument, NULL, OPT_TOL},
+                                      {0, 0, 0, 0}};
+  char help[8192];
+  snprintf(help, sizeof help, "%s%s", VERIFY_HELP, COMMON_HELP);
+  int pr = parse_args(argc, argv, lo, help, &o, verify_opt, &v);
+  if (pr) return pr == 1 ? 0 : 2;
+
+  int status = 1;
+  gc_cluster *c = NULL;
+  mr_st *st = NULL;
+  kn_engine *eng = NULL;
+  kn_layer *ref = NULL;
+  float *W = NULL, *xf = NULL, *out = NULL, *out_ref = NULL, *prob = NULL, *wts = NULL;
+  int32_t *ids = NULL;
+  void *xw = NULL;
+  mr_model_config cfg;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc;
+
+  if (open_cluster(&o, &c)) return 1;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  if (!ci.model_dir[0]) {
+    fprintf(stderr, PROG " verify: needs the model: set \"model\" in the cluster file or pass "
+            "--model DIR\n");
+    goto out;
+  }
+  kn_format fmt;
+  uint32_t group;
+  if ((rc = gc_weight_format_parse(ci.weight_format, &fmt, &group, &e)) ||
+      (rc = mr_config_load(&cfg, ci.model_dir, &e)) || (rc = mr_st_open(&st, ci.model_dir, &e)))
+    goto out_err;
+  if (!v.tol_set) {
+    double wire = v.dt == MR_DTYPE_F32 ? 1e-5 : v.dt == MR_DTYPE_F16 ? 2e-3 : 1e-2;
+    double kern = fmt == KN_FMT_F32 || fmt == KN_FMT_F16 ? 1e-5 : fmt == KN_FMT_BF16 ? 1e-2 : 5e-2;
+    v.tol = wire > kern ? wire : kern;
+  }
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 1};
+  if ((rc = kn_engine_new(&eng, &eo, &e))) goto out_err;
+
+  const uint32_t H = ci.hidden_size, E = ci.num_experts, T = v.T, k = cfg.top_k;
+  const size_t xs = mr_dtype_size(v.dt);
+  W = malloc((size_t)E * H * sizeof *W);
+  xf = malloc((size_t)T * H * sizeof *xf);
+  xw = malloc((size_t)T * H * xs);
+  out = malloc((size_t)T * H * sizeof *out);
+  out_ref = malloc((size_t)T * H * sizeof *out_ref);
+  prob = malloc(E * sizeof *prob);
+  ids = malloc((size_t)T * k * sizeof *ids);
+  wts = malloc((size_t)T * k * sizeof *wts);
+  if (!W || !xf || !xw || !out || !out_ref || !prob || !ids || !wts) {
+    rc = mr_err_set(&e, MR_ENOMEM, "verify buffers: out of memory");
+    goto out_err;
+  }
+  mr_log(MR_LOG_INFO, "verify: %u MoE layers, T=%u, k=%u, wire %s, reference format %s, tol %g",
+         mr_config_num_moe_layers(&cfg), T, k, mr_dtype_name(v.dt), ci.weight_format, v.tol);
+  printf("%-6s %-5s %-12s %-12s %-9s %s\n", "layer", "T", "rel_l2", "rel_l2(T=1)", "rtt_ms",
+         "result");
+
+  double worst = 0;
+  uint32_t worst_layer = 0, n_layers = 0, n_fail = 0;
+  uint64_t seed = v.seed;
+  for (uint32_t l = 0; l < cfg.num_layers; l++) {
+    if (!mr_config_is_moe_layer(&cfg, l)) continue;
+    n_layers++;
+    /* Router weights of this layer, as fp32. */
+    char key[256];
+    snprintf(key, sizeof key,
+             cfg.arch == MR_ARCH_MIXTRAL ? "model.layers.%u.block_sparse_moe.gate.weight"
+                                         : "model.layers.%u.mlp.gate.weight",
+             l);
+    const mr_st_tensor *rt;
+    const uint64_t rshape[2] = {E, H};
+    if ((rc = mr_st_expect(st, key, 2, rshape, &rt, &e))) goto out_err;
+    mr_convert_to_f32(W, rt->data, rt->dtype, (size_t)E * H);
+
+    for (size_t i = 0; i < (size_t)T * H; i++) xf[i] = gauss(&seed);
+    mr_convert_from_f32(xw, v.dt, xf, (size_t)T * H);
+    mr_convert_to_f32(xf, xw, v.dt, (size_t)T * H); /* route on what the servers see */
+    for (uint32_t t = 0; t < T; t++)
+      route(W, E, H, xf + (size_t)t * H, k, cfg.norm_topk_prob, prob, ids + (size_t)t * k,
+            wts + (size_t)t * k);
+    if (T >= 2)
+      for (uint32_t j = 0; j < k; j++) ids[(size_t)(T - 1) * k + j] = -1;
+
+    if ((rc = verify_layer_ref(eng, st, &cfg, &ci, fmt, group, l, &ref, &e))) goto out_err;
+
+    gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = k, .ids = ids, .weights = wts,
+                      .x = xw, .dtype = v.dt};
+    uint64_t t0 = mr_now_ns();
+    rc = gc_layer_forward(c, &q, out, &e);
+    double rtt_ms = (double)(mr_now_ns() - t0) / 1e6;
+    if (rc) {
+      printf("%-6u %-5u %-12s %-12s %-9.3f FAIL %s: %s\n", l, T, "-", "-", rtt_ms,
+             mr_err_name(rc), e.msg);
+      n_fail++;
+      goto next_layer;
+    }
+    kn_moe_args a = {.n_tokens = T, .top_k = k, .ids = ids, .weights = wts, .x = xw,
+                     .x_dtype = v.dt, .out = out_ref};
+    if ((rc = kn_ref_moe_forward(ref, &a, &e))) goto out_err;
+    double rel = kn_rel_l2(out, out_ref, (size_t)T * H);
+    bool empty_ok = true;
+    if (T >= 2)
+      for (uint32_t h = 0; h < H; h++) empty_ok &= out[(size_t)(T - 1) * H + h] == 0.0f;
+
+    /* T = 1: the first token alone. */
+    q.n_tokens = 1;
+    a.n_tokens = 1;
+    double rel1 = NAN;
+    rc = gc_layer_forward(c, &q, out, &e);
+    if (rc) {
+      printf("%-6u %-5u %-12.3e %-12s %-9.3f FAIL (T=1) %s: %s\n", l, T, rel, "-", rtt_ms,
+             mr_err_name(rc), e.msg);
+      n_fail++;
+      goto next_layer;
+    }
+    if ((rc = kn_ref_moe_forward(ref, &a, &e))) goto out_err;
+    rel1 = kn_rel_l2(out, out_ref, H);
+
+    bool ok = rel <= v.tol && rel1 <= v.tol && empty_ok;
+    if (!ok) n_fail++;
+    double lw = rel > rel1 ? rel : rel1;
+    if (lw > worst || n_layers == 1) {
+      worst = lw;
+      worst_layer = l;
+    }
+    printf("%-6u %-5u %-12.3e %-12.3e %-9.3f %s%s\n", l, T, rel, rel1, rtt_ms,
+           ok ? "ok" : "FAIL", empty_ok ? "" : " (empty token's output is not 0)");
+  next_layer:
+    fflush(stdout);
+    kn_layer_free(ref);
+    ref = NULL;
+  }
+  printf("verify: %u MoE layers, %u failed; worst rel_l2 %.3e (layer %u); tol %g (%s wire, "
+         "%s weights)\n", n_layers, n_fail, worst, worst_layer, v.tol, mr_dtype_name(v.dt),
+         ci.weight_format);
+  status = n_fail ? 1 : 0;
+  goto out;
+out_err:
+  fprintf(stderr, PROG " verify: %s: %s\n", mr_err_name(rc), e.msg);
+  status = 1;
+out:
+  kn_layer_free(ref);
+  kn_engine_free(eng);
+  mr_st_close(st);
+  free(W);
+  free(xf);
+  free(xw);
+  free(out);
+  free(out_ref);
+  free(prob);
+  free(ids);
+  free(wts);
+  mr_log(MR_LOG_INFO, "verify done (%s); closing", status ? "FAILED" : "passed");
+  gc_cluster_close(c);
+  return status;
+}
+
+/* ---- bench-rpc ------------------------------------------------------------------------------ */
+
+static const char BENCH_HELP[] =
+    "usage: moerpc-client bench-rpc --cluster FILE [options]\n"
+    "\n"
+    "Per-request round trip of one whole layer call to ONE server (every token routed to\n"
+    "experts that server owns in one layer, so the call is one ForwardRequest), measured as\n"
+    "submit + wait, against a raw TCP ping-pong of the same request and reply byte counts\n"
+    "in the same run (a forked child on 127.0.0.1, TCP_NODELAY). Loopback only.\n"
+    "Prints p50 / p99 / mean in microseconds per T, the ratio of the p50s, the server's own\n"
+    "compute time (p50 of the compute_us it reports) and the p50 of round trip minus compute\n"
+    "per request (what transport, framing and queueing cost; compare it with tcp_p50).\n"
+    "\n"
+    "  --tokens LIST            comma list of T, each 1..server max_tokens (default 1,16,256)\n"
+    "  --iters N                measured calls per T, 1..1000000 (default 200)\n"
+    "  --warmup N               unmeasured calls first, 0..100000 (default 20)\n"
+    "  --dtype bf16|f32|f16     wire dtype (default bf16)\n"
+    "  --server NAME            the server to measure (default: the first with experts)\n"
+    "  --top-k K                slots per token (default: the model's top_k, else 8; at\n"
+    "                           most the experts the server owns in the layer)\n"
+    "  --json                   also print one JSON line per T\n";
+
+typedef struct bench_ctx {
+  uint32_t tokens[MAX_T_LIST];
+  uint32_t n_tokens;
+  uint32_t iters, warmup, top_k;
+  mr_dtype dt;
+  const char *server;
+  bool json;
+} bench_ctx;
+
+static int bench_opt(void *ctx, int opt, const char *arg) {
+  bench_ctx *b = ctx;
+  switch (opt) {
+  case OPT_ITERS: return parse_u32("--iters", arg, 1, 1000000, &b->iters) ? 1 : -1;
+  case OPT_WARMUP: return parse_u32("--warmup", arg, 0, 100000, &b->warmup) ? 1 : -1;
+  case OPT_TOPK: return parse_u32("--top-k", arg, 1, GC_MAX_TOP_K, &b->top_k) ? 1 : -1;
+  case OPT_SERVER: b->server = arg; return 1;
+  case OPT_JSON: b->json = true; return 1;
+  case OPT_DTYPE:
+    if (mr_dtype_parse(arg, &b->dt) != 0) {
+      fprintf(stderr, PROG ": --dtype = \"%s\", must be bf16, f32 or f16\n", arg);
+      return -1;
+    }
+    return 1;
+  case OPT_TOKENS: {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", arg);
+    b->n_tokens = 0;
+    char *rest = buf;
+    for (char *tok = strsep(&rest, ","); tok; tok = strsep(&rest, ",")) {
+      if (b->n_tokens == MAX_T_LIST) {
+        fprintf(stderr, PROG ": --tokens: at most %d values\n", MAX_T_LIST);
+        return -1;
+      }
+      if (!parse_u32("--tokens", tok, 1, GC_MAX_TOKENS, &b->tokens[b->n_tokens++])) return -1;
+    }
+    if (b->n_tokens == 0) {
+      fprintf(stderr, PROG ": --tokens is empty\n");
+      return -1;
+    }
+    return 1;
+  }
+  default: return 0;
+  }
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+/* Percentile by nearest rank of a sorted array. */
+static double pct(const uint64_t *v, size_t n, double p) {
+  size_t i = (size_t)ceil(p / 100.0 * (double)n);
+  if (i < 1) i = 1;
+  if (i > n) i = n;
+  return (double)v[i - 1];
+}
+static double mean_u64(const uint64_t *v, size_t n) {
+  double s = 0;
+  for (size_t i = 0; i < n; i++) s += (double)v[i];
+  return n ? s / (double)n : 0;
+}
+
+/* The TCP ping-pong peer, forked before gRPC starts any thread (so the child may allocate).
+ * Per connection: an 8-byte header (request bytes, reply bytes, little-endian u32), then
+ * for every request read in full, reply-size bytes back, until the peer closes. */
+static int read_full(int fd, void *buf, size_t n) {
+  uint8_t *p = buf;
+  while (n) {
+    ssize_t r = read(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+static int write_full(int fd, const void *buf, size_t n) {
+  const uint8_t *p = buf;
+  while (n) {
+    ssize_t r = write(fd, p, n);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static void tcp_peer_main(int lfd) {
+  alarm(3600); /* bounded even if the parent vanished without closing */
+  for (;;) {
+    int fd = accept(lfd, NULL, NULL);
+    if (fd < 0) {
+      if (errno == EINTR) continue;
+      _exit(1);
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    uint32_t hdr[2];
+    if (read_full(fd, hdr, sizeof hdr) != 0 || hdr[0] == 0) _exit(0); /* done */
+    uint8_t *req = malloc(hdr[0]), *rep = calloc(1, hdr[1] ? hdr[1] : 1);
+    if (!req || !rep) _exit(1);
+    while (read_full(fd, req, hdr[0]) == 0)
+      if (write_full(fd, rep, hdr[1]) != 0) break;
+    free(req);
+    free(rep);
+    close(fd);
+  }
+}
+
+typedef struct tcp_peer {
+  pid_t pid;
+  int port;
+} tcp_peer;
+
+static int tcp_peer_start(tcp_peer *tp) {
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  if (lfd < 0) return -1;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t al = sizeof a;
+  if (bind(lfd, (struct sockaddr *)&a, sizeof a) != 0 || listen(lfd, 4) != 0 ||
+      getsockname(lfd, (struct sockaddr *)&a, &al) != 0) {
+    close(lfd);
+    return -1;
+  }
+  tp->port = ntohs(a.sin_port);
+  fflush(NULL);
+  tp->pid = fork();
+  if (tp->pid < 0) {
+    close(lfd);
+    return -1;
+  }
+  if (tp->pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    tcp_peer_main(lfd);
+    _exit(0);
+  }
+  close(lfd);
+  return 0;
+}
+
+static void tcp_peer_stop(tcp_peer *tp) {
+  if (tp->pid <= 0) return;
+  /* A connection with a zero header tells the peer to exit. */
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tp->port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+    uint32_t hdr[2] = {0, 0};
+    write_full(fd, hdr, sizeof hdr);
+  }
+  if (fd >= 0) close(fd);
+  int st;
+  for (int i = 0; i < 200; i++) { /* 2 s, then SIGKILL our own child */
+    if (waitpid(tp->pid, &st, WNOHANG) == tp->pid) {
+      tp->pid = 0;
+      return;
+    }
+    usleep(10000);
+  }
+  kill(tp->pid, SIGKILL);
+  waitpid(tp->pid, &st, 0);
+  tp->pid = 0;
+}
+
+/* n round trips of req_bytes out, reply_bytes back; lat[i] in µs. */
+static int tcp_pingpong(const tcp_peer *tp, uint32_t req_bytes, uint32_t reply_bytes,
+                        uint32_t warmup, uint32_t n, uint64_t *lat) {
+  int rc = -1;
+  uint8_t *req = calloc(1, req_bytes), *rep = malloc(reply_bytes ? reply_bytes : 1);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tp->port),
+                          .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  struct timeval tv = {.tv_sec = 10};
+  int one = 1;
+  if (!req || !rep || fd < 0) goto out;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) goto out;
+  uint32_t hdr[2] = {req_bytes, reply_bytes};
+  if (write_full(fd, hdr, sizeof hdr) != 0) goto out;
+  for (uint32_t i = 0; i < warmup + n; i++) {
+    uint64_t t0 = mr_now_ns();
+    if (write_full(fd, req, req_bytes) != 0 || read_full(fd, rep, reply_bytes) != 0) goto out;
+    if (i >= warmup) lat[i - warmup] = (mr_now_ns() - t0) / 1000u;
+  }
+  rc = 0;
+out:
+  if (fd >= 0) close(fd);
+  free(req);
+  free(rep);
+  return rc;
+}
+
+static int cmd_bench(int argc, char **argv) {
+  cli o = {0};
+  bench_ctx b = {.tokens = {1, 16, 256}, .n_tokens = 3, .iters = 200, .warmup = 20,
+                 .dt = MR_DTYPE_BF16};
+  static const struct option lo[] = {COMMON_OPTIONS,
+                                      {"tokens", required_argument, NULL, OPT_TOKENS},
+                                      {"iters", required_argument, NULL, OPT_ITERS},
+                                      {"warmup", required_argument, NULL, OPT_WARMUP},
+                                      {"dtype", required_argument, NULL, OPT_DTYPE},
+                                      {"server", required_argument, NULL, OPT_SERVER},
+                                      {"top-k", required_argument, NULL, OPT_TOPK},
+                                      {"json", no_argument, NULL, OPT_JSON},
+                                      {0, 0, 0, 0}};
+  char help[8192];
+  snprintf(help, sizeof help, "%s%s", BENCH_HELP, COMMON_HELP);
+  int pr = parse_args(argc, argv, lo, help, &o, bench_opt, &b);
+  if (pr) return pr == 1 ? 0 : 2;
+  o.no_local = true; /* one server, one RPC: local experts would only add noise */
+
+  tcp_peer tp = {0};
+  if (tcp_peer_start(&tp) != 0) {
+    fprintf(stderr, PROG " bench-rpc: could not start the TCP peer on 127.0.0.1: %s\n",
+            strerror(errno));
+    return 1;
+  }
+  int status = 1;
+  gc_cluster *c = NULL;
+  uint64_t *g_lat = NULL, *t_lat = NULL, *comp = NULL, *net = NULL;
+  int32_t *ids = NULL;
+  float *w = NULL, *out = NULL;
+  uint8_t *x = NULL;
+  uint32_t *owned = NULL;
+  mr_err e;
+  mr_err_clear(&e);
+  if (open_cluster(&o, &c)) goto out;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+
+  /* The server, and a layer where it owns experts (owner map, not just announced). */
+  int si = -1;
+  uint32_t layer = 0, n_owned = 0;
+  owned = malloc(ci.num_experts * sizeof *owned);
+  if (!owned) goto out;
+  if (b.server) {
+    si = gc_cluster_find_server(c, b.server);
+    if (si < 0) {
+      fprintf(stderr, PROG " bench-rpc: --server \"%s\" is not in %s\n", b.server, o.cluster);
+      goto out;
+    }
+  }
+  for (int s = b.server ? si : 0; s < (int)ci.n_servers && !n_owned; s++) {
+    for (uint32_t l = 0; l < ci.num_layers && !n_owned; l++) {
+      for (uint32_t x_ = 0; x_ < ci.num_experts; x_++)
+        if (gc_cluster_owner(c, l, x_) == s) owned[n_owned++] = x_;
+      if (n_owned) {
+        si = s;
+        layer = l;
+      }
+    }
+    if (b.server) break;
+  }
+  if (!n_owned) {
+    fprintf(stderr, PROG " bench-rpc: %s owns no expert to route to\n",
+            b.server ? b.server : "no server");
+    goto out;
+  }
+  gc_server_info sinfo;
+  gc_server_info_get(c, (uint32_t)si, &sinfo, NULL);
+  uint32_t k = b.top_k;
+  if (!k) {
+    mr_model_config cfg;
+    k = ci.model_dir[0] && mr_config_load(&cfg, ci.model_dir, NULL) == 0 ? cfg.top_k : 8;
+  }
+  if (k > n_owned) k = n_owned;
+  uint32_t tmax = 0;
+  for (uint32_t i = 0; i < b.n_tokens; i++) tmax = b.tokens[i] > tmax ? b.tokens[i] : tmax;
+  size_t xs = mr_dtype_size(b.dt);
+  g_lat = malloc(b.iters * sizeof *g_lat);
+  t_lat = malloc(b.iters * sizeof *t_lat);
+  comp = malloc(b.iters * sizeof *comp);
+  net = malloc(b.iters * sizeof *net);
+  ids = malloc((size_t)tmax * k * sizeof *ids);
+  w = malloc((size_t)tmax * k * sizeof *w);
+  x = malloc((size_t)tmax * ci.hidden_size * xs);
+  out = malloc((size_t)tmax * ci.hidden_size * sizeof *out);
+  if (!g_lat || !t_lat || !comp || !net || !ids || !w || !x || !out) {
+    fprintf(stderr, PROG " bench-rpc: out of memory\n");
+    goto out;
+  }
+  uint64_t seed = 7;
+  for (size_t i = 0; i < (size_t)tmax * ci.hidden_size; i++) {
+    float f = gauss(&seed);
+    mr_convert_from_f32(x + i * xs, b.dt, &f, 1);
+  }
+  for (uint32_t t = 0; t < tmax; t++)
+    for (uint32_t j = 0; j < k; j++) {
+      ids[(size_t)t * k + j] = (int32_t)owned[(t * k + j) % n_owned];
+      w[(size_t)t * k + j] = 1.0f / (float)k;
+    }
+  mr_log(MR_LOG_INFO, "bench-rpc: server %s (%s), layer %u, k=%u, %s wire, %u iterations "
+         "(+%u warm-up)", sinfo.name, sinfo.address, layer, k, mr_dtype_name(b.dt), b.iters,
+         b.warmup);
+  printf("%-6s %-10s %-10s %-10s %-10s %-10s %-10s %-10s %-8s %-12s %s\n", "T", "req_B",
+         "reply_B", "grpc_p50", "grpc_p99", "grpc_mean", "tcp_p50", "tcp_p99", "ratio",
+         "compute_p50", "grpc-compute_p50");
+  status = 0;
+  for (uint32_t ti = 0; ti < b.n_tokens; ti++) {
+    uint32_t T = b.tokens[ti];
+    if (T > sinfo.max_tokens) {
+      printf("%-6u skipped: above %s's max_tokens %u (the call would be split into several "
+             "requests)\n", T, sinfo.name, sinfo.max_tokens);
+      continue;
+    }
+    gc_layer_req q = {.layer = layer, .n_tokens = T, .top_k = k, .ids = ids, .weights = w,
+                      .x = x, .dtype = b.dt};
+    gc_server_counters ct;
+    int rc = 0;
+    for (uint32_t i = 0; i < b.warmup + b.iters && !rc; i++) {
+      uint64_t t0 = mr_now_ns();
+      rc = gc_layer_forward(c, &q, out, &e);
+      uint64_t dt_us = (mr_now_ns() - t0) / 1000u;
+      if (rc || i < b.warmup) continue;
+      gc_server_counters_get(c, (uint32_t)si, false, &ct, NULL);
+      g_lat[i - b.warmup] = dt_us;
+      comp[i - b.warmup] = ct.last_compute_us;
+      /* What the round trip costs beyond the server's compute: transport, queueing,
+       * framing on both sides. */
+      net[i - b.warmup] = dt_us > ct.last_compute_us ? dt_us - ct.last_compute_us : 0;
+    }
+    if (rc) {
+      fprintf(stderr, PROG " bench-rpc: T=%u: %s: %s\n", T, mr_err_name(rc), e.msg);
+      status = 1;
+      break;
+    }
+    gc_server_counters_get(c, (uint32_t)si, false, &ct, NULL);
+    uint32_t req_b = (uint32_t)ct.last_req_bytes, rep_b = (uint32_t)ct.last_reply_bytes;
+    if (tcp_pingpong(&tp, req_b, rep_b, b.warmup, b.iters, t_lat) != 0) {
+      fprintf(stderr, PROG " bench-rpc: T=%u: TCP ping-pong on 127.0.0.1:%d failed: %s\n", T,
+              tp.port, strerror(errno));
+      status = 1;
+      break;
+    }
+    qsort(g_lat, b.iters, sizeof *g_lat, cmp_u64);
+    qsort(t_lat, b.iters, sizeof *t_lat, cmp_u64);
+    qsort(comp, b.iters, sizeof *comp, cmp_u64);
+    qsort(net, b.iters, sizeof *net, cmp_u64);
+    double gp50 = pct(g_lat, b.iters, 50), gp99 = pct(g_lat, b.iters, 99);
+    double tp50 = pct(t_lat, b.iters, 50), tp99 = pct(t_lat, b.iters, 99);
+    double ratio = tp50 > 0 ? gp50 / tp50 : 0;
+    double cp50 = pct(comp, b.iters, 50), np50 = pct(net, b.iters, 50);
+    printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %.0f\n", T,
+           req_b, rep_b, gp50, gp99, mean_u64(g_lat, b.iters), tp50, tp99, ratio, cp50, np50);
+    if (b.json)
+      printf("{\"bench\":\"rpc\",\"tokens\":%u,\"req_bytes\":%u,\"reply_bytes\":%u,"
+             "\"grpc_p50_us\":%.1f,\"grpc_p99_us\":%.1f,\"grpc_mean_us\":%.1f,"
+             "\"tcp_p50_us\":%.1f,\"tcp_p99_us\":%.1f,\"ratio_p50\":%.3f,"
+             "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
+             "\"ratio_minus_compute_p50\":%.3f,\"server\":\"%s\",\"dtype\":\"%s\","
+             "\"top_k\":%u,\"iters\":%u}\n",
+             T, req_b, rep_b, gp50, gp99, mean_u64(g_lat, b.iters), tp50, tp99, ratio, cp50,
+             np50, tp50 > 0 ? np50 / tp50 : 0, sinfo.name, mr_dtype_name(b.dt), k, b.iters);
+    fflush(stdout);
+  }
+out:
+  tcp_peer_stop(&tp);
+  free(g_lat);
+  free(t_lat);
+  free(comp);
+  free(net);
+  free(ids);
+  free(w);
+  free(x);
+  free(out);
+  free(owned);
+  if (c) mr_log(MR_LOG_INFO, "bench-rpc done; closing");
+  gc_cluster_close(c);
+  return status;
+}
+
+/* ---- main ----------------------------------------------------------------------------------- */
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: moerpc-client COMMAND --cluster FILE [options]\n"
+          "\n"
+          "commands:\n"
+          "  info        Hello every server; print the cluster, model and ownership\n"
+          "  verify      every MoE layer through the cluster vs a local reference\n"
+          "  bench-rpc   per-request round trip to one server vs raw TCP\n"
+          "  stats       Stats of every server\n"
+          "\n"
+          "moerpc-client COMMAND --help describes each. Exit status: 0 ok, 1 failure, 2 usage.\n");
+}
+
+int main(int argc, char **argv) {
+  mr_log_set_component("client");
+  signal(SIGPIPE, SIG_IGN);
+  if (argc < 2) {
+    usage(stderr);
+    return 2;
+  }
+  const char *cmd = argv[1];
+  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+    usage(stdout);
+    return 0;
+  }
+  if (strcmp(cmd, "info") == 0) return cmd_info(argc - 1, argv + 1);
+  if (strcmp(cmd, "verify") == 0) return cmd_verify(argc - 1, argv + 1);
+  if (strcmp(cmd, "bench-rpc") == 0) return cmd_bench(argc - 1, argv + 1);
+  if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
+  fprintf(stderr, PROG ": unknown command \"%s\"\n\n", cmd);
+  usage(stderr);
+  return 2;
+}

@@ -1,0 +1,233 @@
+/*
+ * moerpc_client.h - libmoerpc-client: the one public header of gpu_client/.
+ *
+ * A client of a moerpc cluster: one or more expert servers (moerpc-server) that each own
+ * a set of (layer, expert) pairs of one MoE model, plus optionally experts the client
+ * computes itself ("local" experts, the hot ones). One MoE layer call is
+ *
+ *     out[t] = sum over slots j of token t with ids[t,j] >= 0 of
+ *              weights[t,j] * expert_{ids[t,j]}(x[t])
+ *
+ * and the library splits it by owner: each server gets one ForwardRequest with only the
+ * tokens that have at least one slot it owns and only those slots (the others set to -1);
+ * the local slots are computed on the calling thread while the requests are in flight;
+ * the parts are summed in fp32 and scattered back to the original token rows.
+ *
+ *   gc_cluster_open      read the cluster file, Hello every server (concurrently, with a
+ *                        deadline), check they serve one model, build the owner map, load
+ *                        local experts, check every layer is covered, open the streams
+ *   gc_layer_submit      fan one layer call out (non-blocking apart from local experts)
+ *   gc_layer_wait        wait for every part (or the deadline) and sum them
+ *   gc_layer_forward     submit + wait
+ *   gc_cluster_close     tear everything down
+ *
+ * Ownership rule: an expert computed locally is never sent to a server; otherwise the
+ * first server in the cluster file that announces the pair in its Hello owns it (servers
+ * later in the file that announce it too are standbys and get no traffic for it). The rule
+ * is deterministic so that a given cluster file always routes the same way.
+ *
+ * Errors: every function returning int returns 0 or a negative MR_E* code (common/mr.h) and
+ * fills the caller's mr_err (may be NULL) with a message naming the server (name and
+ * address), the request id and the layer where they apply, e.g.
+ *   "layer 3 request 17: server s1 (127.0.0.1:50052): stream ended (UNAVAILABLE: Socket
+ *    closed)".
+ * Nothing here blocks without a deadline: a dead or slow server is an error naming it.
+ *
+ * Threads: gc_cluster_open/close are called by one thread while no other call on that
+ * cluster runs. Everything else may be called from any thread, concurrently: several
+ * threads may each submit and wait their own layer calls on one cluster. A gc_pending is
+ * used by one thread at a time. Local experts are computed on the submitting thread, one
+ * call at a time per cluster (a lock serialises them, as the kernel engine requires).
+ * Internally one I/O thread per cluster owns the gRPC completion queue of the streams.
+ */
+#ifndef MOERPC_CLIENT_H
+#define MOERPC_CLIENT_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/mr.h"
+#include "../kernels/kn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gc_cluster gc_cluster;
+typedef struct gc_pending gc_pending;
+
+/* Most tokens in one layer call (the library splits a part that exceeds a server's
+ * max_tokens into several requests; this bounds the client's own buffers). */
+#define GC_MAX_TOKENS (1u << 20)
+/* Most slots per token. */
+#define GC_MAX_TOP_K 1024u
+
+/* Values of gc_cluster_owner() besides a server index. */
+#define GC_OWNER_NONE (-1)
+#define GC_OWNER_LOCAL (-2)
+
+typedef struct gc_options {
+  /* Sent as HelloRequest.client_name (servers log it). NULL = "moerpc-client". */
+  const char *client_name;
+  /* Per-request deadline in ms from submit; 0 = the cluster file's deadline_ms. */
+  uint32_t deadline_ms;
+  /* Deadline of the Hello round at open (all servers at once), ms; 0 = 10000. Servers
+   * that are still starting are waited for up to this long. */
+  uint32_t connect_timeout_ms;
+  /* Model directory; overrides the cluster file's "model". NULL or "" = the file's.
+   * When a model is known its config and fingerprint are checked against the servers,
+   * every MoE layer of its config must be covered, and local experts load from it. */
+  const char *model_dir;
+  /* Ignore the cluster file's "local" section (everything goes to servers). */
+  bool no_local;
+  /* Format of local experts; KN_FMT_COUNT = the servers' weight_format (so that local and
+   * remote experts compute the same numbers). local_group: INT4 group, 0 = the servers'. */
+  kn_format local_format;
+  uint32_t local_group;
+  /* Kernel engine of the local experts (ISA, threads, NUMA); see kernels/kn.h. */
+  kn_engine_opts local_engine;
+} gc_options;
+/* Fills o with the defaults above. */
+void gc_options_init(gc_options *o);
+
+/*
+ * Opens a cluster from the JSON cluster file at path (format in common/mr.h,
+ * mr_cluster_load): Hellos every server concurrently (deadline connect_timeout_ms) and
+ * refuses, with an error naming both servers and both values, a protocol major other
+ * than 1, or any difference in model_fingerprint, hidden_size, intermediate_size,
+ * num_layers, num_experts or weight_format. With a model known, also refuses a config or
+ * fingerprint that differs from the servers'. Then loads the local experts, checks that
+ * every layer any server owns (and every MoE layer of the model's config, when known) has
+ * all experts 0..E-1 covered (else MR_EPRECOND "layer 3: experts 4-7 are owned by no
+ * server and not local"), starts the I/O thread and opens one Forward stream per server.
+ * opts may be NULL (defaults). On success *out is a new cluster the caller frees with
+ * gc_cluster_close; on failure *out is NULL and e says why. Calls grpc_init (and
+ * gc_cluster_close the matching grpc_shutdown).
+ */
+int gc_cluster_open(gc_cluster **out, const char *path, const gc_options *opts, mr_err *e);
+/* Same, from an already parsed cluster file (copied; tests build one in memory). */
+int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
+                           const gc_options *opts, mr_err *e);
+/*
+ * Half-closes every stream, waits up to 2 s for the servers to end them (then cancels),
+ * joins the I/O thread and frees everything (gRPC objects, local experts). Every submitted
+ * call must have been waited for. NULL is a no-op.
+ */
+void gc_cluster_close(gc_cluster *c);
+
+/* One MoE layer call. Nothing is kept after gc_layer_submit returns: the caller may reuse
+ * or free ids, weights and x at once. */
+typedef struct gc_layer_req {
+  uint32_t layer;        /* model layer, < num_layers */
+  uint32_t n_tokens;     /* T, 1..GC_MAX_TOKENS */
+  uint32_t top_k;        /* k, 1..min(num_experts, GC_MAX_TOP_K) */
+  const int32_t *ids;    /* [T * k] expert ids, -1 = empty slot */
+  const float *weights;  /* [T * k] slot weights (ignored for empty slots) */
+  const void *x;         /* [T, hidden_size] row-major, of dtype */
+  mr_dtype dtype;        /* wire dtype of x and of the servers' replies: f32, f16 or bf16 */
+} gc_layer_req;
+
+/*
+ * Starts one layer call: validates req (ids -1 or < num_experts, each owned by a server or
+ * local: MR_ERANGE / MR_EPRECOND naming the slot, layer and expert), splits it by owner,
+ * queues one request per server (several if a server's part exceeds its max_tokens) on that
+ * server's stream, and computes the local experts' part on this thread while those are in
+ * flight. Returns 0 and a new *pending, which the caller passes to gc_layer_wait exactly
+ * once. Validation and out-of-memory errors return before anything is sent, with *pending
+ * NULL; errors of one server (its stream could not be opened, a local kernel error) are
+ * reported by gc_layer_wait. A stream that broke earlier is reopened here.
+ */
+int gc_layer_submit(gc_cluster *c, const gc_layer_req *req, gc_pending **pending, mr_err *e);
+/*
+ * Waits until every part of pending has replied, one part failed, or the deadline
+ * (submit time + deadline_ms) passed; then, on success, writes the sum into out
+ * ([T, hidden_size] fp32, overwritten; rows of tokens with no slot are 0). The parts are
+ * summed in a fixed order (servers in file order, then local) so results do not depend on
+ * reply order. Errors name the server, request id and layer: MR_ETIMEDOUT (no reply in
+ * time), MR_EUNAVAIL (its stream broke: failed at once, not at the deadline), the reply's
+ * status mapped to MR_E* with the server's own message, MR_EPROTO (a malformed reply).
+ * Replies that arrive after the call gave up are dropped. Frees pending in every case.
+ */
+int gc_layer_wait(gc_cluster *c, gc_pending *pending, float *out, mr_err *e);
+/* gc_layer_submit + gc_layer_wait. */
+int gc_layer_forward(gc_cluster *c, const gc_layer_req *req, float *out, mr_err *e);
+
+/* ---- cluster information (valid from open to close; any thread) ------------------------ */
+
+typedef struct gc_cluster_info {
+  uint32_t hidden_size, intermediate_size, num_layers, num_experts; /* from Hello */
+  char model_fingerprint[64];
+  char weight_format[32];  /* "bf16", "int8", "int4-g64", ... */
+  uint32_t max_tokens;     /* smallest max_tokens of all servers */
+  uint32_t n_servers;
+  uint32_t deadline_ms;    /* per-request deadline in effect */
+  uint64_t local_pairs;    /* (layer, expert) pairs computed locally */
+  char model_dir[1024];    /* "" when no model is known */
+} gc_cluster_info;
+void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out);
+
+typedef struct gc_server_info {
+  char name[64];
+  char address[256];
+  uint32_t protocol_major, protocol_minor;
+  uint32_t max_tokens;
+  uint64_t announced_pairs; /* (layer, expert) pairs in its Hello */
+  uint64_t assigned_pairs;  /* pairs the owner map routes to it */
+} gc_server_info;
+/* MR_ERANGE if idx >= n_servers. */
+int gc_server_info_get(const gc_cluster *c, uint32_t idx, gc_server_info *out, mr_err *e);
+/* The owner of (layer, expert): a server index, GC_OWNER_LOCAL, or GC_OWNER_NONE (also for
+ * out-of-range arguments). */
+int gc_cluster_owner(const gc_cluster *c, uint32_t layer, uint32_t expert);
+/* Whether server idx announced (layer, expert) in its Hello (owner or standby). */
+bool gc_server_announces(const gc_cluster *c, uint32_t idx, uint32_t layer, uint32_t expert);
+/* Index of the server called name, or -1. */
+int gc_cluster_find_server(const gc_cluster *c, const char *name);
+
+/* Client-side counters of one server since open (or the last reset). */
+typedef struct gc_server_counters {
+  uint64_t requests;         /* ForwardRequests queued */
+  uint64_t replies;          /* OK replies */
+  uint64_t errors;           /* error replies + timeouts + stream failures */
+  uint64_t timeouts;         /* requests given up at the deadline */
+  uint64_t stream_breaks;    /* streams that ended while open */
+  uint64_t bytes_sent;       /* serialized ForwardRequest bytes */
+  uint64_t bytes_received;   /* serialized ForwardReply bytes */
+  uint64_t last_req_bytes, last_reply_bytes;
+  uint64_t last_rtt_us;      /* submit to reply of the latest OK reply */
+  double mean_rtt_us;
+  uint32_t last_queue_us, last_compute_us; /* as the server reported them */
+  double mean_queue_us, mean_compute_us;
+} gc_server_counters;
+/* Copies server idx's counters into out and, with reset, zeroes them. MR_ERANGE if idx is
+ * out of range. */
+int gc_server_counters_get(gc_cluster *c, uint32_t idx, bool reset, gc_server_counters *out,
+                           mr_err *e);
+
+/* ---- Stats (unary RPC, for placement) --------------------------------------------------- */
+
+typedef struct gc_expert_count {
+  uint32_t layer, expert;
+  uint64_t tokens; /* tokens routed to it since the server started (or the last reset) */
+} gc_expert_count;
+typedef struct gc_stats {
+  uint64_t requests, errors;
+  size_t n_counts;
+  gc_expert_count *counts; /* owned; free with gc_stats_close */
+} gc_stats;
+/* Calls Stats on server idx (deadline: the per-request deadline) and fills out, which the
+ * caller releases with gc_stats_close (also after a failure). reset asks the server to
+ * zero its counters after answering. */
+int gc_cluster_stats(gc_cluster *c, uint32_t server_idx, bool reset, gc_stats *out, mr_err *e);
+void gc_stats_close(gc_stats *s);
+
+/* Parses a HelloReply weight_format ("f32", "f16", "bf16", "int8", "int4-g32|64|128") into a
+ * kernel format and its INT4 group (0 for the others). A bare "int4" is refused rather than
+ * guessed, since the group changes the numbers. MR_EINVAL naming the text otherwise. */
+int gc_weight_format_parse(const char *s, kn_format *fmt, uint32_t *group, mr_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* MOERPC_CLIENT_H */
