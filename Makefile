@@ -62,6 +62,14 @@ ifeq ($(HAVE_NUMA),1)
 EXT_LIBS += -lnuma
 endif
 
+# Quiet by default: one line per step; `make V=1` prints the commands.
+Q =
+ifeq ($(V),1)
+say =
+else
+say = @printf '  %-6s %s\n' $(1) $(2);
+endif
+
 # ---- sources ---------------------------------------------------------------------------
 GEN_PB_C   = $(BUILD)/gen/proto/moe.pb-c.c
 GEN_PB_H   = $(BUILD)/gen/proto/moe.pb-c.h
@@ -111,7 +119,7 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(BUILD)/tests/tcp_pingpong $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
 
 CUDA_SRC = $(wildcard kernels/cuda/*.cu)
 ifeq ($(HAVE_CUDA),1)
@@ -120,6 +128,7 @@ LIB_KN_CUDA = $(if $(CUDA_SRC),$(BUILD)/lib/libkn_cuda.a)
 CUDA_TESTS = $(if $(CUDA_SRC),$(BUILD)/tests/cuda_link_check)
 endif
 
+.SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration demo fuzz clean help bench
 all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS) $(LIB_KN_CUDA) $(CUDA_TESTS)
 
@@ -129,26 +138,26 @@ help:
 # ---- generated protobuf-c code ---------------------------------------------------------
 $(GEN_PB_C) $(GEN_PB_H): proto/moe.proto
 	@mkdir -p $(BUILD)/gen/proto
-	$(PROTOC_C) --c_out=$(BUILD)/gen/proto -Iproto proto/moe.proto
+	$(call say,PROTOC,$<)$(Q)$(PROTOC_C) --c_out=$(BUILD)/gen/proto -Iproto proto/moe.proto
 
 $(BUILD)/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -w -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -w -c $< -o $@
 
 # Every object may include pr.h -> moe.pb-c.h, so generate it first.
 $(BUILD)/obj/%.o: %.c | $(GEN_PB_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c | $(GEN_PB_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(ISA_AVX2) -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX2) -c $< -o $@
 $(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c | $(GEN_PB_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
 $(BUILD)/obj/kernels/x86/%_amx.o: kernels/x86/%_amx.c | $(GEN_PB_H)
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) $(ISA_AMX) -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AMX) -c $< -o $@
 
 $(BUILD)/obj/%.cu.o: %.cu
 	@mkdir -p $(dir $@)
@@ -158,7 +167,7 @@ $(BUILD)/obj/%.cu.o: %.cu
 define mklib
 	@mkdir -p $(dir $@)
 	@rm -f $@
-	ar rcs $@ $^
+	$(call say,AR,$@)$(Q)ar rcs $@ $^
 endef
 $(LIB_MR): $(MR_OBJ) ; $(mklib)
 $(LIB_PR): $(PR_OBJ) ; $(mklib)
@@ -170,39 +179,39 @@ $(LIB_KN_CUDA): $(CUDA_OBJ) ; $(mklib)
 
 $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -shared -o $@ $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -shared -o $@ $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR) $(LDFLAGS) $(EXT_LIBS)
 
 # ---- binaries ---------------------------------------------------------------------------
 $(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-client: $(BUILD)/obj/gpu_client/main.o $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
 # ---- tests ------------------------------------------------------------------------------
 $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
 $(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
 # Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
 # libFuzzer binary (clang, make fuzz).
 $(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/replay_main.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
@@ -214,14 +223,10 @@ $(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB
 	    $(ES_SRC) $(GEN_PB_C) -DMR_FUZZ_NO_ISA=1 $(EXT_LIBS) -lpthread
 fuzz: $(FUZZ_BINS)
 
-$(BUILD)/tests/tcp_pingpong: $(BUILD)/obj/tests/integration/tcp_pingpong.o $(LIB_MR)
-	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
-
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
 $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
-	$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
 $(BUILD)/tests/cuda_link_check: tests/unit/cuda_link_check.c $(LIB_KN_CUDA)
 	@mkdir -p $(dir $@)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# deploy/install-deps.sh - installs every build and test dependency of moerpc (idempotent).
+#   deploy/install-deps.sh              apt packages + the PyPI packages of the conformance
+#                                       tests (torch, transformers: ~5.5 GB, ~1 min) in .venv-conf
+#   deploy/install-deps.sh --no-python  apt packages only (enough to build, serve and demo)
+# Debian 12 (bookworm); run as root (or with sudo available).
+#   MOERPC_SKIP_APT=1   skip apt (for machines where the packages are already there)
+#   MOERPC_CONF_VENV    where the conformance venv goes (default .venv-conf in the repo)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WITH_PYTHON=1
+for a in "$@"; do
+  case "$a" in
+    --no-python) WITH_PYTHON=0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    *) echo "install-deps: unknown option $a (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+PKGS=(
+  build-essential pkg-config make
+  clang libclang-rt-14-dev          # libFuzzer targets (make fuzz) and sanitizers
+  libgrpc-dev                       # gRPC C core 1.51
+  libprotobuf-c-dev protobuf-c-compiler
+  libuv1-dev libhwloc-dev libnuma-dev libcjson-dev
+  hwloc-nox numactl                 # lstopo / numactl for operators
+  iproute2                          # ip netns for the multi-host harness
+  python3 python3-venv
+)
+
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+
+if [ "${MOERPC_SKIP_APT:-0}" != 1 ] && [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""
+  [ "$(id -u)" -ne 0 ] && SUDO=sudo
+  echo "install-deps: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  echo "install-deps: all ${#PKGS[@]} apt packages present"
+fi
+
+# Sanity: the tools the build needs.
+for t in gcc make protoc-c pkg-config; do
+  command -v "$t" >/dev/null || { echo "install-deps: $t is missing after install" >&2; exit 1; }
+done
+pkg-config --exists grpc libprotobuf-c libuv hwloc libcjson || {
+  echo "install-deps: pkg-config cannot find grpc/libprotobuf-c/libuv/hwloc/libcjson" >&2; exit 1; }
+echo "install-deps: ok (grpc $(pkg-config --modversion grpc), protobuf-c $(pkg-config --modversion libprotobuf-c), libuv $(pkg-config --modversion libuv), hwloc $(pkg-config --modversion hwloc))"
+
+if [ "$WITH_PYTHON" = 1 ]; then
+  # Pinned so that the oracle does not move under the tests (same list as tests/conformance/run.sh).
+  VENV=${MOERPC_CONF_VENV:-.venv-conf}
+  PY_PKGS=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy)
+  if "$VENV/bin/python" -c 'import torch, transformers, safetensors' >/dev/null 2>&1; then
+    echo "install-deps: python venv $VENV ok"
+  else
+    echo "install-deps: installing ${PY_PKGS[*]} into $VENV (about 1 minute, 5.5 GB)"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --disable-pip-version-check "${PY_PKGS[@]}"
+  fi
+fi

@@ -1,0 +1,347 @@
+/* util.c - see util.h. */
+#define _GNU_SOURCE
+#include "tests/integration/util.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/time.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+const char *itu_bin(const char *name) {
+  static char buf[4][1024];
+  static int slot;
+  const char *dir = getenv("MOERPC_BIN");
+  char *b = buf[slot++ & 3];
+  snprintf(b, sizeof buf[0], "%s/%s", dir ? dir : "build/bin", name);
+  return b;
+}
+
+char *itu_tmpdir(void) {
+  const char *t = getenv("TMPDIR");
+  char tmpl[512];
+  snprintf(tmpl, sizeof tmpl, "%s/moerpc-itest-XXXXXX", t ? t : "/tmp");
+  char *d = mkdtemp(tmpl);
+  return d ? strdup(d) : NULL;
+}
+
+void itu_rm_rf(const char *dir) {
+  if (!dir || !*dir || strcmp(dir, "/") == 0) return;
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd) != 0) fprintf(stderr, "itu: could not remove %s\n", dir);
+}
+
+int itu_free_port(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t len = sizeof a;
+  if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) < 0 ||
+      getsockname(fd, (struct sockaddr *)&a, &len) < 0) {
+    if (fd >= 0) close(fd);
+    return -1;
+  }
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+int itu_make_model(const char *dir, const char *flags) {
+  char cmd[2048];
+  snprintf(cmd, sizeof cmd, "'%s' --out '%s' %s >'%s.log' 2>&1", itu_bin("moerpc-mkmodel"), dir,
+           flags ? flags : "", dir);
+  int rc = system(cmd);
+  if (rc != 0) {
+    fprintf(stderr, "itu: mkmodel failed (%d): %s\n", rc, cmd);
+    snprintf(cmd, sizeof cmd, "tail -n 20 '%s.log' >&2", dir);
+    if (system(cmd)) {}
+  }
+  return rc;
+}
+
+/* Splits s on spaces into argv (modifies s). */
+static int split_args(char *s, char **argv, int max) {
+  int n = 0;
+  for (char *tok = strtok(s, " "); tok && n < max - 1; tok = strtok(NULL, " ")) argv[n++] = tok;
+  argv[n] = NULL;
+  return n;
+}
+
+static const char *server_isa;
+void itu_server_isa(const char *isa) { server_isa = isa; }
+
+int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
+                     int timeout_ms) {
+  static int seq;
+  memset(s, 0, sizeof *s);
+  s->port = itu_free_port();
+  if (s->port < 0) return -1;
+  snprintf(s->address, sizeof s->address, "127.0.0.1:%d", s->port);
+  snprintf(s->log, sizeof s->log, "%s/server-%d-%d.log", logdir, s->port, seq++);
+  char args[2048];
+  snprintf(args, sizeof args, "%s --model %s --listen %s %s", itu_bin("moerpc-server"), model,
+           s->address, extra ? extra : "");
+  char *argv[64];
+  split_args(args, argv, 64);
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid < 0) return -1;
+  if (pid == 0) {
+    int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    if (server_isa) setenv("MOERPC_ISA", server_isa, 1);
+    execv(argv[0], argv);
+    _exit(127);
+  }
+  s->pid = pid;
+  uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
+  while (mr_now_ns() / 1000000u < t_end) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      fprintf(stderr, "itu: server exited early (status %d); log %s:\n", st, s->log);
+      char cmd[700];
+      snprintf(cmd, sizeof cmd, "tail -n 30 '%s' >&2", s->log);
+      if (system(cmd)) {}
+      s->pid = 0;
+      return -1;
+    }
+    if (itu_health(s->address, 500) == PR_HEALTH_SERVING) return 0;
+    usleep(50 * 1000);
+  }
+  fprintf(stderr, "itu: server %s not SERVING after %d ms; log %s\n", s->address, timeout_ms,
+          s->log);
+  itu_server_stop(s, SIGKILL, 2000, NULL);
+  return -1;
+}
+
+int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status) {
+  if (s->pid <= 0) return -1;
+  kill(s->pid, sig);
+  uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
+  int st = 0;
+  while (mr_now_ns() / 1000000u < t_end) {
+    if (waitpid(s->pid, &st, WNOHANG) == s->pid) {
+      if (status) *status = st;
+      s->pid = 0;
+      return 0;
+    }
+    usleep(20 * 1000);
+  }
+  kill(s->pid, SIGKILL);
+  waitpid(s->pid, &st, 0);
+  if (status) *status = st;
+  s->pid = 0;
+  return -1;
+}
+
+static gpr_timespec deadline_in(int ms) {
+  return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
+}
+
+/* Waits for tag on cq; returns 1 on success, 0 on failed op, -1 on timeout. */
+static int wait_tag(grpc_completion_queue *cq, void *tag, int timeout_ms) {
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(cq, deadline_in(timeout_ms), NULL);
+    if (ev.type == GRPC_QUEUE_TIMEOUT) return -1;
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) return -1;
+    if (ev.tag == tag) return ev.success ? 1 : 0;
+  }
+}
+
+int itu_call_open(itu_call *c, const char *address, const char *method, int deadline_ms) {
+  memset(c, 0, sizeof *c);
+  grpc_arg args[4];
+  grpc_channel_args ca = {pr_channel_args(args, 256 << 20), args};
+  char target[300];
+  pr_target_from_address(address, target, sizeof target);
+  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
+  c->ch = grpc_channel_create(target, cr, &ca);
+  grpc_channel_credentials_release(cr);
+  c->cq = grpc_completion_queue_create_for_next(NULL);
+  grpc_slice m = grpc_slice_from_static_string(method);
+  c->call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq, m, NULL,
+                                     deadline_in(deadline_ms), NULL);
+  grpc_metadata_array_init(&c->md_initial);
+  grpc_metadata_array_init(&c->md_trailing);
+  c->details = grpc_empty_slice();
+  grpc_op op = {.op = GRPC_OP_SEND_INITIAL_METADATA,
+                .flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY};
+  if (grpc_call_start_batch(c->call, &op, 1, (void *)1, NULL) != GRPC_CALL_OK) return -1;
+  return wait_tag(c->cq, (void *)1, deadline_ms) == 1 ? 0 : -1;
+}
+
+int itu_call_send(itu_call *c, grpc_byte_buffer *bb, int timeout_ms) {
+  grpc_op op = {.op = GRPC_OP_SEND_MESSAGE};
+  op.data.send_message.send_message = bb;
+  int rc = -1;
+  if (grpc_call_start_batch(c->call, &op, 1, (void *)2, NULL) == GRPC_CALL_OK)
+    rc = wait_tag(c->cq, (void *)2, timeout_ms) == 1 ? 0 : -1;
+  grpc_byte_buffer_destroy(bb);
+  return rc;
+}
+
+int itu_call_recv(itu_call *c, grpc_byte_buffer **bb, int timeout_ms) {
+  grpc_op ops[2];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  if (!c->got_initial) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n++].data.recv_initial_metadata.recv_initial_metadata = &c->md_initial;
+    c->got_initial = true;
+  }
+  ops[n].op = GRPC_OP_RECV_MESSAGE;
+  ops[n++].data.recv_message.recv_message = bb;
+  *bb = NULL;
+  if (grpc_call_start_batch(c->call, ops, n, (void *)3, NULL) != GRPC_CALL_OK) return -1;
+  return wait_tag(c->cq, (void *)3, timeout_ms) >= 0 ? 0 : -1;
+}
+
+int itu_call_finish(itu_call *c, int timeout_ms) {
+  grpc_op ops[3];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  ops[n++].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  if (!c->got_initial) {
+    ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[n++].data.recv_initial_metadata.recv_initial_metadata = &c->md_initial;
+    c->got_initial = true;
+  }
+  ops[n].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[n].data.recv_status_on_client.trailing_metadata = &c->md_trailing;
+  ops[n].data.recv_status_on_client.status = &c->status;
+  ops[n++].data.recv_status_on_client.status_details = &c->details;
+  if (grpc_call_start_batch(c->call, ops, n, (void *)4, NULL) != GRPC_CALL_OK) {
+    /* Close may fail if already half-closed; retry with the status alone. */
+    if (grpc_call_start_batch(c->call, ops + n - 1, 1, (void *)4, NULL) != GRPC_CALL_OK)
+      return -1;
+  }
+  return wait_tag(c->cq, (void *)4, timeout_ms) >= 0 ? 0 : -1;
+}
+
+void itu_call_close(itu_call *c) {
+  if (c->call) {
+    grpc_call_cancel(c->call, NULL);
+    grpc_call_unref(c->call);
+  }
+  if (c->ch) grpc_channel_destroy(c->ch);
+  if (c->cq) {
+    grpc_completion_queue_shutdown(c->cq);
+    while (grpc_completion_queue_next(c->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(c->cq);
+  }
+  grpc_metadata_array_destroy(&c->md_initial);
+  grpc_metadata_array_destroy(&c->md_trailing);
+  grpc_slice_unref(c->details);
+  memset(c, 0, sizeof *c);
+}
+
+int itu_health(const char *address, int timeout_ms) {
+  itu_call c;
+  int result = -1;
+  if (itu_call_open(&c, address, PR_METHOD_HEALTH_CHECK, timeout_ms) != 0) goto out;
+  if (itu_call_send(&c, pr_health_request_encode(""), timeout_ms) != 0) goto out;
+  grpc_byte_buffer *bb = NULL;
+  if (itu_call_recv(&c, &bb, timeout_ms) != 0 || !bb) goto out;
+  int st = -1;
+  if (pr_health_response_decode(bb, &st, NULL) == 0) result = st;
+  grpc_byte_buffer_destroy(bb);
+  itu_call_finish(&c, timeout_ms);
+out:
+  itu_call_close(&c);
+  return result;
+}
+
+static void free_cb(void *p) { free(p); }
+
+grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_tokens,
+                                      uint32_t top_k, const int32_t *ids, size_t n_ids,
+                                      const float *w, size_t n_w, int dtype, const void *hidden,
+                                      size_t hidden_len) {
+  Moerpc__V1__ForwardRequest r = MOERPC__V1__FORWARD_REQUEST__INIT;
+  r.id = id;
+  r.layer = layer;
+  r.n_tokens = n_tokens;
+  r.top_k = top_k;
+  r.n_expert_ids = n_ids;
+  r.expert_ids = (int32_t *)ids;
+  r.n_weights = n_w;
+  r.weights = (float *)w;
+  r.dtype = (Moerpc__V1__DType)dtype;
+  void *copy = malloc(hidden_len ? hidden_len : 1);
+  if (hidden_len) memcpy(copy, hidden, hidden_len);
+  return pr_encode_with_payload(&r.base, copy, hidden_len, free_cb, copy);
+}
+
+int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void **out,
+                      size_t *out_len) {
+  pr_seg *segs = NULL;
+  size_t n = 0;
+  grpc_slice hold;
+  mr_err e;
+  int rc = pr_bb_segs(bb, &segs, &n, &hold, &e);
+  if (rc) return rc;
+  pr_split sp;
+  memset(&sp, 0, sizeof sp);
+  rc = pr_forward_reply_decode(segs, n, &sp, hdr, &e);
+  if (rc == 0) {
+    *out_len = sp.payload.len;
+    *out = malloc(sp.payload.len ? sp.payload.len : 1);
+    pr_payload_gather(&sp.payload, *out);
+  } else {
+    fprintf(stderr, "itu: reply decode failed: %s\n", e.msg);
+  }
+  pr_split_free(&sp);
+  mr_free(segs);
+  grpc_slice_unref(hold);
+  return rc;
+}
+
+int itu_ref_forward(const char *model, uint32_t layer, kn_format format, uint32_t group,
+                    const kn_moe_args *a, mr_err *e) {
+  mr_model_config cfg;
+  mr_st *st = NULL;
+  kn_engine *eng = NULL;
+  kn_layer *L = NULL;
+  int rc = mr_config_load(&cfg, model, e);
+  if (rc) return rc;
+  if ((rc = mr_st_open(&st, model, e))) return rc;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 1};
+  if ((rc = kn_engine_new(&eng, &eo, e))) goto out;
+  kn_layer_desc d = {.hidden = cfg.hidden_size, .inter = cfg.moe_intermediate,
+                     .num_experts = cfg.num_experts, .format = format, .group = group};
+  if ((rc = kn_layer_new(&L, eng, &d, e))) goto out;
+  for (uint32_t i = 0; i < a->n_tokens * a->top_k; i++) {
+    int32_t x = a->ids[i];
+    if (x < 0 || (uint32_t)x >= cfg.num_experts || kn_layer_has_expert(L, (uint32_t)x)) continue;
+    const mr_st_tensor *t[3];
+    for (int p = 0; p < 3; p++) {
+      char key[256];
+      mr_config_expert_key(&cfg, layer, (uint32_t)x, (mr_proj)p, key, sizeof key);
+      uint64_t shp[2] = {p == 2 ? cfg.hidden_size : cfg.moe_intermediate,
+                         p == 2 ? cfg.moe_intermediate : cfg.hidden_size};
+      if ((rc = mr_st_expect(st, key, 2, shp, &t[p], e))) goto out;
+    }
+    if ((rc = kn_layer_load_expert(L, (uint32_t)x, t[0]->data, t[1]->data, t[2]->data,
+                                   t[0]->dtype, e)))
+      goto out;
+  }
+  rc = kn_ref_moe_forward(L, a, e);
+out:
+  kn_layer_free(L);
+  kn_engine_free(eng);
+  mr_st_close(st);
+  return rc;
+}

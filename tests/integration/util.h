@@ -1,0 +1,87 @@
+/*
+ * util.h - helpers for the multi-process integration tests: start and stop real
+ * moerpc-server processes on loopback, make models, and talk raw gRPC to a server (for
+ * requests no well-behaved client would send).
+ *
+ * Threads: single-threaded; each itu_call owns its own completion queue.
+ */
+#ifndef ITU_H
+#define ITU_H
+
+#include <grpc/grpc.h>
+#include <stdbool.h>
+#include <sys/types.h>
+
+#include "common/mr.h"
+#include "proto/pr.h"
+
+/* Path of a built binary: $MOERPC_BIN/name (MOERPC_BIN is set by tests/run.sh). */
+const char *itu_bin(const char *name);
+/* A fresh temporary directory (mkdtemp under $TMPDIR or /tmp); removed by itu_rm_rf. */
+char *itu_tmpdir(void);
+void itu_rm_rf(const char *dir);
+/* A TCP port on 127.0.0.1 that was free a moment ago. */
+int itu_free_port(void);
+/* Runs moerpc-mkmodel --out dir with extra flags (space separated); returns its exit code. */
+int itu_make_model(const char *dir, const char *flags);
+
+typedef struct itu_server {
+  pid_t pid;
+  int port;
+  char address[64]; /* "127.0.0.1:port" */
+  char log[512];    /* path of its stderr log */
+} itu_server;
+/* Starts moerpc-server --model model --listen 127.0.0.1:<free port> plus extra args
+ * (space separated) and waits until its health service answers SERVING (timeout_ms).
+ * Returns 0, or -1 with the tail of its log printed. */
+int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
+                     int timeout_ms);
+/* MOERPC_ISA for servers started from now on (NULL: inherit). Tests that compare servers
+ * with kn_ref at 1e-5 force "ref": fast paths are only within the format tolerances of
+ * DESIGN.md section 5 of the reference. */
+void itu_server_isa(const char *isa);
+/* Sends sig and waits up to timeout_ms for the exit; *status gets the wait status.
+ * Kills with SIGKILL after the timeout and returns -1. */
+int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status);
+
+/* Health check of address; returns the serving status or -1 on RPC failure. */
+int itu_health(const char *address, int timeout_ms);
+
+/* A raw client call (unary or stream) on its own channel and completion queue. */
+typedef struct itu_call {
+  grpc_channel *ch;
+  grpc_completion_queue *cq;
+  grpc_call *call;
+  grpc_metadata_array md_initial, md_trailing;
+  grpc_status_code status;
+  grpc_slice details;
+  bool got_initial;
+} itu_call;
+/* Opens method on address; deadline_ms from now. */
+int itu_call_open(itu_call *c, const char *address, const char *method, int deadline_ms);
+/* Sends one message (takes ownership of bb). Returns 0 or -1. */
+int itu_call_send(itu_call *c, grpc_byte_buffer *bb, int timeout_ms);
+/* Receives one message into *bb (NULL at end of stream). Returns 0, or -1 on timeout. */
+int itu_call_recv(itu_call *c, grpc_byte_buffer **bb, int timeout_ms);
+/* Half-closes, waits for the status (c->status, c->details). */
+int itu_call_finish(itu_call *c, int timeout_ms);
+void itu_call_close(itu_call *c);
+
+/* Encodes a ForwardRequest with payload (copied into a malloc'ed buffer released by the
+ * slice). */
+grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_tokens,
+                                      uint32_t top_k, const int32_t *ids, size_t n_ids,
+                                      const float *w, size_t n_w, int dtype, const void *hidden,
+                                      size_t hidden_len);
+/* Decodes a ForwardReply; *out (malloc'ed, caller frees) gets the payload. */
+int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void **out,
+                      size_t *out_len);
+
+#endif
+
+#include "kernels/kn.h"
+/* The local reference for one layer of a model: loads the experts of `layer` that a's ids
+ * name into a kn_layer of `format` (kn_format) and runs kn_ref_moe_forward. Returns 0 or a
+ * negative MR code (e names the cause). */
+int itu_ref_forward(const char *model, uint32_t layer, kn_format format, uint32_t group,
+                    const kn_moe_args *a, mr_err *e);
