@@ -1,0 +1,134 @@
+/*
+ * es.h - moerpc expert server: the one public header of expert_server/.
+ *
+ * An es_server owns a set of (layer, expert) pairs of one MoE model, keeps their packed
+ * weights in memory (kernels/kn.h) and answers ForwardRequests over gRPC (proto/moe.proto,
+ * DESIGN.md section 4). Life cycle:
+ *
+ *   es_server_opts o; es_server_opts_init(&o); o.model_dir = ...; o.experts = ...;
+ *   es_server *s; es_server_new(&s, &o, &e);   loads the owned experts, binds the port
+ *   es_server_run(s, &e);                      serves until drained (signal or es_server_stop)
+ *   es_server_free(s);
+ *
+ * Threads (documented where they meet in internal.h):
+ *   - the thread that calls es_server_run runs a libuv loop: signals, the metrics timer and
+ *     the drain sequence;
+ *   - opts.grpc_threads gRPC threads, one completion queue each; every call is bound to the
+ *     queue of the thread that accepted it, so one call's events run on one thread;
+ *   - one compute thread owns the kn_engine: it pops validated requests from a queue, merges
+ *     queued requests of the same layer and runs kn_moe_forward on the engine's workers.
+ *
+ * Drain (SIGTERM/SIGINT or es_server_stop): health turns NOT_SERVING, the gRPC server stops
+ * accepting calls, requests that arrive on open streams get UNAVAILABLE replies, every request
+ * accepted before is answered (bounded by opts.drain_timeout_ms), open streams are finished
+ * with status OK, and es_server_run returns 0. A second signal during the drain makes
+ * es_server_run return MR_ECANCELED at once.
+ *
+ * Also here: es_forward_validate, the pure validation of a decoded ForwardRequest against
+ * the server's limits, public so that the unit test and the fuzzer reach it directly.
+ */
+#ifndef ES_H
+#define ES_H
+
+#include "../common/mr.h"
+#include "../kernels/kn.h"
+#include "../proto/pr.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Options of one server. Strings are borrowed: they must stay valid until es_server_new
+ * returns (the server copies what it keeps). */
+typedef struct es_server_opts {
+  const char *model_dir;     /* HF model directory: config.json + *.safetensors (required) */
+  const char *listen;        /* "HOST:PORT" ("[v6addr]:PORT" for IPv6); port 0 = any free port */
+  const char *experts;       /* id set of experts owned in every owned layer (required) */
+  const char *layers;        /* id set of layers, "all" = every MoE layer of the model */
+  uint32_t threads;          /* kernel worker threads, 0 = one per core of the used nodes */
+  const char *numa;          /* "auto", a node count, or a node list; passed to kn_engine */
+  uint32_t max_tokens;       /* most tokens in one ForwardRequest, 1..65536 */
+  bool quant_set;            /* false: keep the stored dtype (bf16 stays bf16) */
+  kn_format quant;           /* weight format when quant_set */
+  uint32_t group;            /* int4 group size along K: 32, 64 or 128 (int4 only) */
+  uint32_t grpc_threads;     /* gRPC threads = completion queues, 1..64 */
+  uint32_t drain_timeout_ms; /* bound on answering accepted requests during a drain */
+  uint32_t metrics_interval_ms; /* period of the metrics log line (10000), 0 = never */
+  bool handle_signals;       /* install SIGTERM/SIGINT handlers in es_server_run */
+} es_server_opts;
+
+#define ES_DEFAULT_LISTEN "127.0.0.1:50051"
+#define ES_DEFAULT_MAX_TOKENS 1024u
+#define ES_MAX_MAX_TOKENS 65536u
+#define ES_DEFAULT_GROUP 64u
+#define ES_MAX_GRPC_THREADS 64u
+#define ES_DEFAULT_DRAIN_TIMEOUT_MS 10000u
+#define ES_MAX_DRAIN_TIMEOUT_MS 3600000u
+#define ES_MAX_THREADS 4096u
+
+/* Fills o with the defaults above (layers "all", numa "auto", 1 gRPC thread, signals on).
+ * model_dir and experts stay NULL: the caller must set them. */
+void es_server_opts_init(es_server_opts *o);
+
+typedef struct es_server es_server;
+
+/* Opens the model, loads the owned experts into a new kn_engine (logging progress at most
+ * once a second), creates the gRPC server and binds opts->listen; nothing is served before
+ * es_server_run. On success the caller owns *out and frees it with es_server_free.
+ * Errors: MR_EINVAL only when an option is wrong, in itself or for this model (the message
+ * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"); any
+ * other code is a runtime failure (a missing tensor or a wrong shape names the file, the
+ * tensor and both shapes; a port that cannot be bound names the address). */
+int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);
+
+/* The TCP port bound by es_server_new (the real one when opts.listen asked for port 0). */
+int es_server_port(const es_server *s);
+
+/* Serves on the calling thread until a drain completes. Returns 0 after a clean drain,
+ * MR_ECANCELED when a second signal arrived during the drain (the caller should then exit
+ * the process at once without es_server_free: calls may still be in flight), or another
+ * code if serving could not start. Call at most once. */
+int es_server_run(es_server *s, mr_err *e);
+
+/* Starts the drain as a signal would. Safe from any thread and from a signal handler, at
+ * any time between es_server_new and es_server_free; a no-op once a drain has begun. */
+void es_server_stop(es_server *s);
+
+/* Frees the server: joins its threads, destroys every gRPC object and the weights. Call after
+ * es_server_run returned 0, or instead of es_server_run. NULL is a no-op. */
+void es_server_free(es_server *s);
+
+/* ---- request validation ---------------------------------------------------------------- */
+
+/* What a server accepts. Every pointer is borrowed and read-only. */
+typedef struct es_limits {
+  uint32_t num_layers;         /* layers of the model; valid layer ids are < num_layers */
+  uint32_t num_experts;        /* routed experts per MoE layer */
+  uint32_t hidden_size;        /* H: elements per token row of hidden */
+  uint32_t max_tokens;         /* most tokens in one request */
+  const uint8_t *is_moe;       /* [num_layers]: 1 = the layer has routed experts */
+  const mr_idset *const *owned; /* [num_layers]: experts served in layer l, NULL = layer
+                                  * not served here */
+} es_limits;
+
+/* Checks a decoded ForwardRequest (its payload field not decoded: hidden_len is the length
+ * of field 15 as framed) against lim. Pure: no I/O, no allocation, no global state, so the
+ * same request always gets the same answer. Returns 0 or
+ *   MR_EINVAL     (INVALID_ARGUMENT 3): layer out of range or not a MoE layer, n_tokens 0,
+ *                 top_k 0 or > num_experts, expert_ids/weights length != n_tokens * top_k,
+ *                 an id < -1 or >= num_experts, dtype not F32/F16/BF16, hidden length !=
+ *                 n_tokens * hidden_size * dtype size, a non-finite weight;
+ *   MR_EPRECOND   (FAILED_PRECONDITION 9): layer or expert not served here;
+ *   MR_EEXHAUSTED (RESOURCE_EXHAUSTED 8): n_tokens > max_tokens;
+ * with e->msg naming the field, its value and the limit. The checks run in this order, and
+ * the first one that fails is reported: layer range, layer served, n_tokens, top_k,
+ * max_tokens, the two lengths, every id's range, every id's ownership, dtype, hidden length,
+ * weights. (Ranges of all ids come before ownership so that a malformed request is always
+ * INVALID_ARGUMENT, whatever its other ids are.) */
+int es_forward_validate(const Moerpc__V1__ForwardRequest *req, size_t hidden_len,
+                        const es_limits *lim, mr_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* ES_H */

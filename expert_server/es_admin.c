@@ -1,0 +1,257 @@
+/*
+ * es_admin.c - es_server_run: the server's own libuv loop (signals, the metrics timer) and
+ * the drain sequence.
+ *
+ * The loop runs on the thread that calls es_server_run. Other threads reach it only through
+ * es__admin_wake (uv_async_send, also async-signal-safe) and atomics; every field of the
+ * admin section of es_server is touched by this thread alone.
+ *
+ * Drain, one phase after the other, re-checked on every wake-up and on a 20 ms tick:
+ *
+ *   SERVING --signal/stop--> DRAIN_REQUESTS: health NOT_SERVING; new Forward requests get
+ *       UNAVAILABLE; grpc_server_shutdown_and_notify (no new calls). Wait until every request
+ *       accepted before is answered and its send completed (inflight == 0), or the
+ *       drain timeout: then log the unanswered count, answer queued jobs UNAVAILABLE
+ *       without computing them and cancel every call.
+ *   DRAIN_CALLS: ask every open stream to finish (status OK once its queued replies are
+ *       sent); wait until every call has ended (live_calls == 0). If that takes longer than
+ *       the rest of the timeout (at least 1 s), cancel every call.
+ *   DRAIN_SHUTDOWN: wait for the shutdown notification, then stop the compute thread, shut
+ *       the completion queues down, join their threads, destroy the server: STOPPED.
+ *
+ * A second SIGTERM/SIGINT during the drain stops the loop at once and es_server_run returns
+ * MR_ECANCELED.
+ */
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define ES_DRAIN_TICK_MS 20
+#define ES_DRAIN_CALLS_MIN_MS 1000
+
+static uint64_t es__now_ms(void) { return mr_now_ns() / 1000000u; }
+
+void es__admin_wake(es_server *s) {
+  if (s->loop_inited) uv_async_send(&s->wake);
+}
+
+static void es__drain_step(es_server *s);
+static void es__on_drain_tick(uv_timer_t *t);
+
+static void es__drain_begin(es_server *s, const char *why) {
+  if (s->phase != ES_PHASE_SERVING) return;
+  s->phase = ES_PHASE_DRAIN_REQUESTS;
+  s->drain_t0_ms = es__now_ms();
+  s->drain_deadline_ms = s->drain_t0_ms + s->opts.drain_timeout_ms;
+  /* Order matters (see es__stream_on_request): the flag first, then the count is read. */
+  atomic_store(&s->serving, false);
+  atomic_store(&s->draining, true);
+  es__grpc_shutdown_begin(s);
+  pthread_mutex_lock(&s->q_lock);
+  uint32_t queued = s->q_len;
+  pthread_mutex_unlock(&s->q_lock);
+  mr_log(MR_LOG_INFO,
+         "draining (%s): %lld requests in flight, %lld calls open, %" PRIu32 " jobs queued; "
+         "waiting up to %" PRIu32 " ms",
+         why, (long long)atomic_load(&s->inflight), (long long)atomic_load(&s->live_calls), queued,
+         s->opts.drain_timeout_ms);
+  uv_timer_start(&s->drain_timer, es__on_drain_tick, ES_DRAIN_TICK_MS, ES_DRAIN_TICK_MS);
+  es__drain_step(s);
+}
+
+static void es__stop_loop(es_server *s) {
+  uv_timer_stop(&s->drain_timer);
+  uv_timer_stop(&s->metrics_timer);
+  uv_stop(&s->loop);
+}
+
+static void es__drain_step(es_server *s) {
+  uint64_t now = es__now_ms();
+  switch (s->phase) {
+  case ES_PHASE_DRAIN_REQUESTS: {
+    long long left = atomic_load(&s->inflight);
+    if (left > 0 && now < s->drain_deadline_ms) return;
+    if (left > 0) {
+      mr_log(MR_LOG_WARN,
+             "drain: timeout after %" PRIu32 " ms with %lld requests unanswered; answering queued "
+             "ones UNAVAILABLE and cancelling every call",
+             s->opts.drain_timeout_ms, left);
+      atomic_store(&s->abort_jobs, true);
+      grpc_server_cancel_all_calls(s->gs);
+      s->cancelled_all = true;
+    }
+    s->phase = ES_PHASE_DRAIN_CALLS;
+    uint64_t rest = s->drain_deadline_ms > now ? s->drain_deadline_ms - now : 0;
+    s->calls_deadline_ms = now + (rest > ES_DRAIN_CALLS_MIN_MS ? rest : ES_DRAIN_CALLS_MIN_MS);
+    es__grpc_finish_streams(s);
+  }
+  /* fall through */
+  case ES_PHASE_DRAIN_CALLS: {
+    long long calls = atomic_load(&s->live_calls);
+    if (calls > 0) {
+      if (now >= s->calls_deadline_ms && !s->cancelled_all) {
+        mr_log(MR_LOG_WARN, "drain: %lld calls still open after their streams were finished; "
+               "cancelling them", calls);
+        grpc_server_cancel_all_calls(s->gs);
+        s->cancelled_all = true;
+      }
+      return;
+    }
+    s->phase = ES_PHASE_DRAIN_SHUTDOWN;
+  }
+  /* fall through */
+  case ES_PHASE_DRAIN_SHUTDOWN:
+    if (!atomic_load(&s->shutdown_notified)) {
+      /* Every call has ended; the notification follows once the transports close. */
+      if (now >= s->calls_deadline_ms + 5000 && !s->cancelled_all) {
+        grpc_server_cancel_all_calls(s->gs);
+        s->cancelled_all = true;
+      }
+      return;
+    }
+    es__compute_stop(s);
+    es__grpc_destroy(s);
+    s->phase = ES_PHASE_STOPPED;
+    mr_log(MR_LOG_INFO,
+           "stopped: drained in %.2f s; requests %llu, errors %llu since start; computed in %llu "
+           "batches, merged %llu",
+           (double)(es__now_ms() - s->drain_t0_ms) / 1e3,
+           (unsigned long long)atomic_load(&s->tot_requests),
+           (unsigned long long)atomic_load(&s->tot_errors),
+           (unsigned long long)atomic_load(&s->n_batches),
+           (unsigned long long)atomic_load(&s->n_merged));
+    s->run_rc = 0;
+    es__stop_loop(s);
+    return;
+  default:
+    return;
+  }
+}
+
+static void es__on_drain_tick(uv_timer_t *t) { es__drain_step(t->data); }
+
+static void es__on_wake(uv_async_t *a) {
+  es_server *s = a->data;
+  if (s->phase == ES_PHASE_SERVING && atomic_load(&s->stop_requested))
+    es__drain_begin(s, "stop requested");
+  else if (s->phase >= ES_PHASE_DRAIN_REQUESTS && s->phase < ES_PHASE_STOPPED)
+    es__drain_step(s);
+}
+
+static void es__on_signal(uv_signal_t *h, int signum) {
+  es_server *s = h->data;
+  const char *name = signum == SIGTERM ? "SIGTERM" : signum == SIGINT ? "SIGINT" : "signal";
+  if (s->phase == ES_PHASE_SERVING) {
+    es__drain_begin(s, name);
+  } else if (s->phase < ES_PHASE_STOPPED) {
+    mr_log(MR_LOG_ERROR, "second %s during the drain: exiting now, %lld requests unanswered", name,
+           (long long)atomic_load(&s->inflight));
+    s->run_rc = MR_ECANCELED;
+    es__stop_loop(s);
+  }
+}
+
+/* Logs one metrics line if there was traffic since the last one. */
+static void es__on_metrics(uv_timer_t *t) {
+  es_server *s = t->data;
+  uint64_t now = es__now_ms();
+  uint64_t req = atomic_load(&s->tot_requests), err = atomic_load(&s->tot_errors);
+  uint64_t done = atomic_load(&s->n_computed), qus = atomic_load(&s->sum_queue_us);
+  uint64_t cus = atomic_load(&s->sum_compute_us), bat = atomic_load(&s->n_batches);
+  uint64_t mrg = atomic_load(&s->n_merged);
+  uint64_t d_req = req - s->m_last_requests, d_err = err - s->m_last_errors;
+  uint64_t d_done = done - s->m_last_computed, d_bat = bat - s->m_last_batches;
+  double secs = (double)(now - s->m_last_ms) / 1e3;
+  if (d_req || d_err) {
+    mr_log(MR_LOG_INFO,
+           "metrics: %" PRIu64 " requests (%.1f/s), %" PRIu64 " errors, %" PRIu64 " computed in %" PRIu64
+           " batches (%" PRIu64 " merged), mean queue %.0f us, mean compute %.0f us, %lld calls open",
+           d_req, secs > 0 ? (double)d_req / secs : 0.0, d_err, d_done, d_bat, mrg - s->m_last_merged,
+           d_done ? (double)(qus - s->m_last_queue_us) / (double)d_done : 0.0,
+           d_done ? (double)(cus - s->m_last_compute_us) / (double)d_done : 0.0,
+           (long long)atomic_load(&s->live_calls));
+  }
+  s->m_last_ms = now;
+  s->m_last_requests = req;
+  s->m_last_errors = err;
+  s->m_last_computed = done;
+  s->m_last_queue_us = qus;
+  s->m_last_compute_us = cus;
+  s->m_last_batches = bat;
+  s->m_last_merged = mrg;
+}
+
+int es__admin_init(es_server *s, mr_err *e) {
+  int rc = uv_loop_init(&s->loop);
+  if (rc) return mr_err_set(e, MR_EINTERNAL, "uv_loop_init: %s", uv_strerror(rc));
+  rc = uv_async_init(&s->loop, &s->wake, es__on_wake);
+  if (rc) {
+    uv_loop_close(&s->loop);
+    return mr_err_set(e, MR_EINTERNAL, "uv_async_init: %s", uv_strerror(rc));
+  }
+  s->wake.data = s;
+  s->loop_inited = true;
+  return 0;
+}
+
+static void es__on_closed(uv_handle_t *h) { (void)h; }
+
+void es__admin_close(es_server *s) {
+  if (!s->loop_inited) return;
+  s->loop_inited = false;
+  uv_close((uv_handle_t *)&s->wake, es__on_closed);
+  uv_run(&s->loop, UV_RUN_NOWAIT);
+  int rc = uv_loop_close(&s->loop);
+  if (rc) mr_log(MR_LOG_ERROR, "uv_loop_close: %s", uv_strerror(rc));
+}
+
+int es_server_run(es_server *s, mr_err *e) {
+  MR_ASSERT(s && !s->run_called);
+  s->run_called = true;
+  int rc = es__compute_start(s, e);
+  if (rc) return rc;
+  rc = es__grpc_start(s, e);
+  if (rc) return rc;
+
+  uv_timer_init(&s->loop, &s->metrics_timer);
+  uv_timer_init(&s->loop, &s->drain_timer);
+  s->metrics_timer.data = s->drain_timer.data = s;
+  if (s->opts.handle_signals) {
+    uv_signal_init(&s->loop, &s->sig_term);
+    uv_signal_init(&s->loop, &s->sig_int);
+    s->sig_term.data = s->sig_int.data = s;
+    uv_signal_start(&s->sig_term, es__on_signal, SIGTERM);
+    uv_signal_start(&s->sig_int, es__on_signal, SIGINT);
+  }
+  s->m_last_ms = es__now_ms();
+  if (s->opts.metrics_interval_ms)
+    uv_timer_start(&s->metrics_timer, es__on_metrics, s->opts.metrics_interval_ms,
+                   s->opts.metrics_interval_ms);
+
+  s->run_rc = MR_EINTERNAL; /* until the drain completes or a second signal arrives */
+  s->phase = ES_PHASE_SERVING;
+  atomic_store(&s->serving, true);
+  mr_log(MR_LOG_INFO,
+         "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", format %s, "
+         "drain timeout %" PRIu32 " ms",
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens, s->weight_format,
+         s->opts.drain_timeout_ms);
+  if (atomic_load(&s->stop_requested)) es__drain_begin(s, "stop requested");
+
+  if (s->phase != ES_PHASE_STOPPED) uv_run(&s->loop, UV_RUN_DEFAULT);
+
+  /* Close this run's handles; the wake handle stays for es_server_stop until free. */
+  uv_close((uv_handle_t *)&s->metrics_timer, es__on_closed);
+  uv_close((uv_handle_t *)&s->drain_timer, es__on_closed);
+  if (s->opts.handle_signals) {
+    uv_close((uv_handle_t *)&s->sig_term, es__on_closed);
+    uv_close((uv_handle_t *)&s->sig_int, es__on_closed);
+  }
+  uv_run(&s->loop, UV_RUN_NOWAIT);
+  if (s->run_rc == MR_ECANCELED)
+    mr_err_set(e, MR_ECANCELED, "second signal during the drain");
+  return s->run_rc;
+}

@@ -1,0 +1,272 @@
+/*
+ * es_compute.c - the compute thread: the job queue, merging, kn_moe_forward, replies.
+ *
+ * The CQ threads push validated jobs; the compute thread pops the oldest job and takes with
+ * it every queued job of the same layer and dtype that still fits in max_tokens (looking at
+ * most ES_MERGE_SCAN jobs deep, taking at most ES_MERGE_MAX). The merged jobs run as one
+ * kn_moe_forward call (DESIGN.md section 3, step 6): each expert's weights are then read once
+ * for the tokens of every client that asked for it, which is what decode-time traffic from
+ * several GPU workers needs, since a decode step is bound by weight bandwidth.
+ *
+ * Merged input layout (rows of the jobs in the order taken; k = the largest top_k):
+ *
+ *   x    [T_total, H]  job 0 rows | job 1 rows | ...       (request dtype, copied once)
+ *   ids  [T_total, k]  each job's slots, padded with -1 up to k
+ *   w    [T_total, k]  each job's weights, padded with 0
+ *   out  [T_total, H]  fp32, then job j's rows are converted into job j's buffer
+ *
+ * A job alone is computed straight from its own buffer and header, without the copy.
+ * The fp32 output and the merged arrays live in the compute thread's arena, reset after
+ * every batch.
+ */
+#define _GNU_SOURCE /* pthread_setname_np */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define ES_MERGE_MAX 64
+#define ES_MERGE_SCAN 256
+
+int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
+  Moerpc__V1__ForwardReply r = MOERPC__V1__FORWARD_REPLY__INIT;
+  r.id = job->id;
+  r.status = status;
+  r.error = (char *)msg;
+  r.queue_us = job->queue_us;
+  r.compute_us = job->compute_us;
+  job->status = status;
+  job->reply = pr_encode(&r.base);
+  return job->reply ? 0 : MR_ENOMEM;
+}
+
+void es__job_done(es_server *s, es_job *job) {
+  if (job->reply) grpc_byte_buffer_destroy(job->reply);
+  if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
+  if (job->buf) es__buf_release(job->buf);
+  if (job->counted) es__counter_dec(s, &s->inflight);
+  es__job_put(&s->pool, job);
+}
+
+void es__compute_push(es_server *s, es_job *job) {
+  job->t_enqueue_ns = mr_now_ns();
+  job->next = NULL;
+  pthread_mutex_lock(&s->q_lock);
+  if (s->q_tail) s->q_tail->next = job;
+  else s->q_head = job;
+  s->q_tail = job;
+  s->q_len++;
+  pthread_cond_signal(&s->q_cond);
+  pthread_mutex_unlock(&s->q_lock);
+}
+
+/* Takes the head job and the queued jobs that merge with it into batch. Caller holds q_lock
+ * and the queue is not empty. Returns the number of jobs taken. */
+static uint32_t es__batch_take(es_server *s, es_job **batch) {
+  es_job *h = s->q_head;
+  s->q_head = h->next;
+  if (!s->q_head) s->q_tail = NULL;
+  s->q_len--;
+  h->next = NULL;
+  batch[0] = h;
+  uint32_t n = 1, tokens = h->n_tokens;
+  es_job *prev = NULL, *cur = s->q_head;
+  for (uint32_t scanned = 0; cur && n < ES_MERGE_MAX && scanned < ES_MERGE_SCAN; scanned++) {
+    es_job *next = cur->next;
+    if (cur->layer == h->layer && cur->dtype == h->dtype &&
+        tokens + cur->n_tokens <= s->opts.max_tokens) {
+      if (prev) prev->next = next;
+      else s->q_head = next;
+      if (s->q_tail == cur) s->q_tail = prev;
+      s->q_len--;
+      cur->next = NULL;
+      batch[n++] = cur;
+      tokens += cur->n_tokens;
+    } else {
+      prev = cur;
+    }
+    cur = next;
+  }
+  return n;
+}
+
+static uint32_t es__us(uint64_t ns) {
+  uint64_t us = ns / 1000u;
+  return us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+}
+
+/* Encodes job's OK reply around its buffer (which now holds the output) and queues it. */
+static void es__reply_ok(es_server *s, es_job *job) {
+  Moerpc__V1__ForwardReply r = MOERPC__V1__FORWARD_REPLY__INIT;
+  r.id = job->id;
+  r.queue_us = job->queue_us;
+  r.compute_us = job->compute_us;
+  r.dtype = (Moerpc__V1__DType)job->dtype;
+  job->reply = pr_encode_with_payload(&r.base, job->buf->data, job->nbytes, es__buf_release, job->buf);
+  if (job->reply) {
+    job->buf = NULL; /* owned by the reply's slice now, returned by es__buf_release */
+  } else {
+    mr_log(MR_LOG_ERROR, "compute: out of memory encoding the reply to request %" PRIu64, job->id);
+    atomic_fetch_add(&s->n_errors, 1);
+    atomic_fetch_add(&s->tot_errors, 1);
+    /* If even this fails, es__stream_send settles the job and cancels the stream. */
+    es__reply_encode_error(job, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory encoding the reply");
+  }
+  es__stream_send(job->st, job);
+}
+
+static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg) {
+  atomic_fetch_add(&s->n_errors, 1);
+  atomic_fetch_add(&s->tot_errors, 1);
+  if (job->req) {
+    moerpc__v1__forward_request__free_unpacked(job->req, NULL);
+    job->req = NULL;
+  }
+  if (job->buf) {
+    es__buf_release(job->buf);
+    job->buf = NULL;
+  }
+  es__reply_encode_error(job, status, msg);
+  es__stream_send(job->st, job);
+}
+
+/* Runs one batch of same-layer, same-dtype jobs and answers each of them. */
+static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
+  const uint32_t H = s->cfg.hidden_size, E = s->cfg.num_experts;
+  const es_job *h = batch[0];
+  mr_err e;
+  mr_err_clear(&e);
+  uint64_t t0 = mr_now_ns();
+  for (uint32_t j = 0; j < n; j++) batch[j]->queue_us = es__us(t0 - batch[j]->t_enqueue_ns);
+
+  if (atomic_load(&s->abort_jobs)) {
+    for (uint32_t j = 0; j < n; j++)
+      es__reply_fail(s, batch[j], GRPC_STATUS_UNAVAILABLE,
+                     "server is shutting down: the drain timed out before this request ran");
+    return;
+  }
+
+  uint32_t T = 0, k = 0;
+  for (uint32_t j = 0; j < n; j++) {
+    T += batch[j]->n_tokens;
+    if (batch[j]->top_k > k) k = batch[j]->top_k;
+  }
+  size_t esize = mr_dtype_size(h->dtype);
+  kn_moe_args a = {.n_tokens = T, .top_k = k, .x_dtype = h->dtype};
+  float *out = mr_arena_alloc(&s->arena, (size_t)T * H * sizeof(float), 64);
+  int rc = out ? 0 : MR_ENOMEM;
+  if (rc == 0 && n == 1) {
+    a.ids = h->req->expert_ids;
+    a.weights = h->req->weights;
+    a.x = h->buf->data;
+  } else if (rc == 0) {
+    uint8_t *x = mr_arena_alloc(&s->arena, (size_t)T * H * esize, 64);
+    int32_t *ids = mr_arena_alloc(&s->arena, (size_t)T * k * sizeof *ids, 64);
+    float *w = mr_arena_alloc(&s->arena, (size_t)T * k * sizeof *w, 64);
+    if (!x || !ids || !w) {
+      rc = MR_ENOMEM;
+    } else {
+      size_t row = 0;
+      for (uint32_t j = 0; j < n; j++) {
+        const es_job *b = batch[j];
+        memcpy(x + row * H * esize, b->buf->data, b->nbytes);
+        for (uint32_t t = 0; t < b->n_tokens; t++) {
+          int32_t *di = ids + (row + t) * k;
+          float *dw = w + (row + t) * k;
+          memcpy(di, b->req->expert_ids + (size_t)t * b->top_k, b->top_k * sizeof *di);
+          memcpy(dw, b->req->weights + (size_t)t * b->top_k, b->top_k * sizeof *dw);
+          for (uint32_t q = b->top_k; q < k; q++) {
+            di[q] = -1;
+            dw[q] = 0.0f;
+          }
+        }
+        row += b->n_tokens;
+      }
+      a.ids = ids;
+      a.weights = w;
+      a.x = x;
+    }
+  }
+  if (rc == 0) {
+    a.out = out;
+    rc = kn_moe_forward(s->eng, s->layers[h->layer], &a, &s->arena, &e);
+  } else {
+    mr_err_set(&e, rc, "server out of memory for a batch of %" PRIu32 " tokens", T);
+  }
+  uint64_t t1 = mr_now_ns();
+  uint32_t compute_us = es__us(t1 - t0);
+
+  if (rc) {
+    /* Validation admitted these requests, so the kernel refusing them is our bug (or memory). */
+    mr_log(MR_LOG_ERROR, "compute: layer %" PRIu32 ", %" PRIu32 " request(s), %" PRIu32 " tokens: %s",
+           h->layer, n, T, e.msg);
+    for (uint32_t j = 0; j < n; j++) {
+      batch[j]->compute_us = compute_us;
+      es__reply_fail(s, batch[j], (uint32_t)pr_status_from_mr(rc), e.msg);
+    }
+    mr_arena_reset(&s->arena);
+    return;
+  }
+
+  size_t row = 0;
+  uint64_t sum_queue = 0;
+  for (uint32_t j = 0; j < n; j++) {
+    es_job *b = batch[j];
+    b->compute_us = compute_us;
+    sum_queue += b->queue_us;
+    mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
+    row += b->n_tokens;
+    /* Tokens per (layer, expert), for Stats and placement. */
+    size_t slots = (size_t)b->n_tokens * b->top_k;
+    atomic_ullong *cnt = s->tokens + (size_t)b->layer * E;
+    for (size_t q = 0; q < slots; q++) {
+      int32_t id = b->req->expert_ids[q];
+      if (id >= 0) atomic_fetch_add_explicit(&cnt[id], 1, memory_order_relaxed);
+    }
+    moerpc__v1__forward_request__free_unpacked(b->req, NULL);
+    b->req = NULL;
+    es__reply_ok(s, b);
+  }
+  mr_arena_reset(&s->arena);
+  atomic_fetch_add(&s->n_batches, 1);
+  atomic_fetch_add(&s->n_merged, n - 1);
+  atomic_fetch_add(&s->n_computed, n);
+  atomic_fetch_add(&s->sum_queue_us, sum_queue);
+  atomic_fetch_add(&s->sum_compute_us, (uint64_t)compute_us * n);
+}
+
+static void *es__compute_main(void *arg) {
+  es_server *s = arg;
+  es_job *batch[ES_MERGE_MAX];
+  pthread_setname_np(pthread_self(), "es-compute");
+  for (;;) {
+    pthread_mutex_lock(&s->q_lock);
+    while (!s->q_head && !s->q_stop) pthread_cond_wait(&s->q_cond, &s->q_lock);
+    if (!s->q_head) {
+      pthread_mutex_unlock(&s->q_lock);
+      break;
+    }
+    uint32_t n = es__batch_take(s, batch);
+    pthread_mutex_unlock(&s->q_lock);
+    es__batch_run(s, batch, n);
+  }
+  return NULL;
+}
+
+int es__compute_start(es_server *s, mr_err *e) {
+  int err = pthread_create(&s->compute_thread, NULL, es__compute_main, s);
+  if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start the compute thread: error %d", err);
+  s->compute_started = true;
+  return 0;
+}
+
+void es__compute_stop(es_server *s) {
+  if (!s->compute_started) return;
+  pthread_mutex_lock(&s->q_lock);
+  s->q_stop = true;
+  pthread_cond_broadcast(&s->q_cond);
+  pthread_mutex_unlock(&s->q_lock);
+  pthread_join(s->compute_thread, NULL);
+  s->compute_started = false;
+}

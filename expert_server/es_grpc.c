@@ -1,0 +1,519 @@
+/*
+ * es_grpc.c - the gRPC side of the server: set-up (methods, completion queues, port), the
+ * completion-queue threads that dispatch every event, the unary calls (Hello, Stats,
+ * grpc.health.v1 Check) and the teardown. The Forward streams are in es_stream.c.
+ *
+ * Every call is bound to the completion queue of the thread that accepted it, so all of a
+ * call's events are handled by one thread and a unary call needs no lock. A Forward stream is
+ * also written to by the compute thread (replies) and the admin thread (drain), through the
+ * fields under es_stream.lock (internal.h).
+ */
+#define _GNU_SOURCE /* pthread_setname_np */
+#include <grpc/byte_buffer_reader.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* request_call contexts kept posted per method and per completion queue, so that a burst of
+ * new calls does not wait for the CQ thread to re-post one. */
+#define ES_PREPOST_UNARY 4
+#define ES_PREPOST_STREAM 8
+/* The service name the health check answers for, besides "" (the whole server). */
+#define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
+
+static const char *const es__method_path[ES_M_COUNT] = {
+    [ES_M_HELLO] = PR_METHOD_HELLO,
+    [ES_M_STATS] = PR_METHOD_STATS,
+    [ES_M_HEALTH] = PR_METHOD_HEALTH_CHECK,
+    [ES_M_FORWARD] = PR_METHOD_FORWARD,
+};
+
+/* ---- set-up ------------------------------------------------------------------------------ */
+
+/* Packs the HelloReply once: it does not change while the server lives. */
+static int es__hello_pack(es_server *s, mr_err *e) {
+  uint32_t n_layers = mr_idset_count(&s->owned_layers);
+  uint32_t n_experts = mr_idset_count(&s->owned_experts);
+  int rc = 0;
+  Moerpc__V1__LayerExperts *items = mr_calloc(n_layers, sizeof *items);
+  Moerpc__V1__LayerExperts **ptrs = mr_calloc(n_layers, sizeof *ptrs);
+  uint32_t *experts = mr_calloc(n_experts, sizeof *experts);
+  if (!items || !ptrs || !experts) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory packing HelloReply");
+    goto out_free_arrays;
+  }
+  uint32_t k = 0;
+  for (uint32_t x = 0; x < s->cfg.num_experts; x++)
+    if (mr_idset_has(&s->owned_experts, x)) experts[k++] = x;
+  k = 0;
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
+    if (!mr_idset_has(&s->owned_layers, l)) continue;
+    Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
+    items[k] = init;
+    items[k].layer = l;
+    items[k].n_experts = n_experts;
+    items[k].experts = experts;
+    ptrs[k] = &items[k];
+    k++;
+  }
+  Moerpc__V1__HelloReply r = MOERPC__V1__HELLO_REPLY__INIT;
+  r.protocol_major = PR_PROTOCOL_MAJOR;
+  r.protocol_minor = PR_PROTOCOL_MINOR;
+  r.model_fingerprint = s->fingerprint;
+  r.hidden_size = s->cfg.hidden_size;
+  r.intermediate_size = s->cfg.moe_intermediate;
+  r.num_layers = s->cfg.num_layers;
+  r.num_experts = s->cfg.num_experts;
+  r.n_owned = k;
+  r.owned = ptrs;
+  r.weight_format = s->weight_format;
+  r.max_tokens = s->opts.max_tokens;
+  size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
+  s->hello_reply = grpc_slice_malloc(len);
+  moerpc__v1__hello_reply__pack(&r, GRPC_SLICE_START_PTR(s->hello_reply));
+out_free_arrays:
+  mr_free(items);
+  mr_free(ptrs);
+  mr_free(experts);
+  return rc;
+}
+
+int es__grpc_create(es_server *s, mr_err *e) {
+  grpc_init();
+  s->grpc_inited = true;
+  s->hello_reply = grpc_empty_slice();
+  s->t_shutdown = (es_tag){ES_TAG_SHUTDOWN, s}; /* before any failure: teardown waits for it */
+  int rc = es__hello_pack(s, e);
+  if (rc) return rc;
+
+  grpc_arg args[8];
+  size_t nargs = pr_channel_args(args, s->max_message_bytes);
+  /* gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and
+   * share the connections with the first, although it owns other experts. Refuse instead. */
+  args[nargs].type = GRPC_ARG_INTEGER;
+  args[nargs].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
+  args[nargs].value.integer = 0;
+  nargs++;
+  grpc_channel_args ca = {.num_args = nargs, .args = args};
+  s->gs = grpc_server_create(&ca, NULL);
+  if (!s->gs) return mr_err_set(e, MR_EINTERNAL, "grpc_server_create failed");
+  for (int m = 0; m < ES_M_COUNT; m++) {
+    grpc_server_register_method_payload_handling ph =
+        m == ES_M_FORWARD ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER;
+    s->rm[m] = grpc_server_register_method(s->gs, es__method_path[m], NULL, ph, 0);
+    if (!s->rm[m])
+      return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path[m]);
+  }
+  s->n_cqts = s->opts.grpc_threads;
+  s->cqts = mr_calloc(s->n_cqts, sizeof *s->cqts);
+  if (!s->cqts) return mr_err_set(e, MR_ENOMEM, "out of memory for %u gRPC threads", s->n_cqts);
+  for (uint32_t i = 0; i < s->n_cqts; i++) {
+    s->cqts[i].srv = s;
+    s->cqts[i].idx = i;
+    s->cqts[i].cq = grpc_completion_queue_create_for_next(NULL);
+    if (!s->cqts[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
+    grpc_server_register_completion_queue(s->gs, s->cqts[i].cq, NULL);
+  }
+  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  s->port = grpc_server_add_http2_port(s->gs, s->listen, creds);
+  grpc_server_credentials_release(creds);
+  if (s->port <= 0)
+    return mr_err_set(e, MR_EUNAVAIL,
+                      "--listen %s: cannot listen there (address in use, not an address of this "
+                      "host, or not HOST:PORT)",
+                      s->listen);
+  return 0;
+}
+
+/* ---- unary calls ---------------------------------------------------------------------------- */
+
+static void es__rpc_free(es_rpc *r) {
+  if (r->payload) grpc_byte_buffer_destroy(r->payload);
+  if (r->reply) grpc_byte_buffer_destroy(r->reply);
+  grpc_metadata_array_destroy(&r->md);
+  grpc_slice_unref(r->details);
+  if (r->call) grpc_call_unref(r->call);
+  mr_free(r);
+}
+
+/* Posts one request_call for unary method m on t's queue. */
+static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
+  es_rpc *r = mr_calloc(1, sizeof *r);
+  if (!r) {
+    mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path[m]);
+    return;
+  }
+  r->srv = s;
+  r->cqt = t;
+  r->m = m;
+  r->details = grpc_empty_slice();
+  grpc_metadata_array_init(&r->md);
+  r->t_new = (es_tag){ES_TAG_RPC_NEW, r};
+  r->t_done = (es_tag){ES_TAG_RPC_DONE, r};
+  grpc_call_error ce = grpc_server_request_registered_call(s->gs, s->rm[m], &r->call, &r->deadline,
+                                                           &r->md, &r->payload, t->cq, t->cq, &r->t_new);
+  if (ce != GRPC_CALL_OK) {
+    if (!atomic_load(&s->stop_reposting))
+      mr_log(MR_LOG_ERROR, "grpc: request_registered_call(%s) failed: %d", es__method_path[m], ce);
+    es__rpc_free(r);
+  }
+}
+
+/* Answers a unary call: status, details (copied) and, for OK, reply (owned from here on). */
+static void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
+                          grpc_byte_buffer *reply) {
+  grpc_op ops[4];
+  size_t n = 0;
+  memset(ops, 0, sizeof ops);
+  ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
+  n++;
+  if (reply) {
+    r->reply = reply;
+    ops[n].op = GRPC_OP_SEND_MESSAGE;
+    ops[n].data.send_message.send_message = reply;
+    n++;
+  }
+  r->details = grpc_slice_from_copied_string(details ? details : "");
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = status;
+  ops[n].data.send_status_from_server.status_details = &r->details;
+  n++;
+  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  ops[n].data.recv_close_on_server.cancelled = &r->cancelled;
+  n++;
+  grpc_call_error ce = grpc_call_start_batch(r->call, ops, n, &r->t_done, NULL);
+  if (ce != GRPC_CALL_OK) {
+    mr_log(MR_LOG_ERROR, "grpc: start_batch for %s reply failed: %d", es__method_path[r->m], ce);
+    es_server *s = r->srv;
+    es__rpc_free(r);
+    es__counter_dec(s, &s->live_calls);
+  }
+}
+
+void es__call_peer(grpc_call *call, char *buf, size_t len) {
+  char *p = grpc_call_get_peer(call);
+  snprintf(buf, len, "%s", p ? p : "?");
+  gpr_free(p);
+}
+
+static void es__on_hello(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  char msg[600], peer[96];
+  mr_err_clear(&e);
+  Moerpc__V1__HelloRequest *req = NULL;
+  if (r->payload) {
+    int rc = pr_decode(r->payload, &moerpc__v1__hello_request__descriptor, 1u << 16,
+                       (ProtobufCMessage **)&req, &e);
+    if (rc) {
+      snprintf(msg, sizeof msg, "HelloRequest does not decode: %s", e.msg);
+      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+      return;
+    }
+  }
+  uint32_t major = req ? req->protocol_major : 0, minor = req ? req->protocol_minor : 0;
+  es__call_peer(r->call, peer, sizeof peer);
+  if (major != PR_PROTOCOL_MAJOR) {
+    snprintf(msg, sizeof msg,
+             "protocol_major = %" PRIu32 " (client protocol %" PRIu32 ".%" PRIu32
+             "), but this server speaks protocol %d.%d: protocol_major must be %d",
+             major, major, minor, PR_PROTOCOL_MAJOR, PR_PROTOCOL_MINOR, PR_PROTOCOL_MAJOR);
+    mr_log_ratelimited(MR_LOG_WARN, 5, "hello from %s: %s", peer, msg);
+    es__rpc_reply(r, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
+  } else {
+    mr_log(MR_LOG_INFO, "hello from %s: client \"%s\", protocol %" PRIu32 ".%" PRIu32, peer,
+           req->client_name ? req->client_name : "", major, minor);
+    es__rpc_reply(r, GRPC_STATUS_OK, "", grpc_raw_byte_buffer_create(&s->hello_reply, 1));
+  }
+  if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
+}
+
+static void es__on_stats(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  char msg[600];
+  mr_err_clear(&e);
+  Moerpc__V1__StatsRequest *req = NULL;
+  if (r->payload) {
+    int rc = pr_decode(r->payload, &moerpc__v1__stats_request__descriptor, 1u << 16,
+                       (ProtobufCMessage **)&req, &e);
+    if (rc) {
+      snprintf(msg, sizeof msg, "StatsRequest does not decode: %s", e.msg);
+      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
+      return;
+    }
+  }
+  bool reset = req && req->reset;
+  if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
+
+  uint32_t E = s->cfg.num_experts;
+  size_t cap = (size_t)mr_idset_count(&s->owned_layers) * mr_idset_count(&s->owned_experts);
+  Moerpc__V1__ExpertCount *items = mr_calloc(cap ? cap : 1, sizeof *items);
+  Moerpc__V1__ExpertCount **ptrs = mr_calloc(cap ? cap : 1, sizeof *ptrs);
+  if (!items || !ptrs) {
+    mr_free(items);
+    mr_free(ptrs);
+    es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory for StatsReply", NULL);
+    return;
+  }
+  /* Each counter is read and zeroed in one atomic exchange, so tokens counted concurrently
+   * land either in this reply or in the next one, never in neither. */
+  size_t n = 0;
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
+    if (!s->layers || !s->layers[l]) continue;
+    for (uint32_t x = 0; x < E; x++) {
+      if (!mr_idset_has(&s->owned_experts, x)) continue;
+      atomic_ullong *c = &s->tokens[(size_t)l * E + x];
+      uint64_t v = reset ? atomic_exchange(c, 0) : atomic_load(c);
+      if (!v) continue;
+      Moerpc__V1__ExpertCount init = MOERPC__V1__EXPERT_COUNT__INIT;
+      items[n] = init;
+      items[n].layer = l;
+      items[n].expert = x;
+      items[n].tokens = v;
+      ptrs[n] = &items[n];
+      n++;
+    }
+  }
+  Moerpc__V1__StatsReply rep = MOERPC__V1__STATS_REPLY__INIT;
+  rep.n_counts = n;
+  rep.counts = ptrs;
+  rep.requests = reset ? atomic_exchange(&s->n_requests, 0) : atomic_load(&s->n_requests);
+  rep.errors = reset ? atomic_exchange(&s->n_errors, 0) : atomic_load(&s->n_errors);
+  grpc_byte_buffer *bb = pr_encode(&rep.base);
+  mr_free(items);
+  mr_free(ptrs);
+  if (!bb)
+    es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory for StatsReply", NULL);
+  else
+    es__rpc_reply(r, GRPC_STATUS_OK, "", bb);
+}
+
+/* Reads a base-128 varint at p[*i..n); false if truncated or longer than 10 bytes. */
+static bool es__varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v) {
+  uint64_t x = 0;
+  for (int shift = 0; shift < 70; shift += 7) {
+    if (*i >= n) return false;
+    uint8_t b = p[(*i)++];
+    x |= (uint64_t)(b & 0x7f) << shift;
+    if (!(b & 0x80)) {
+      *v = x;
+      return true;
+    }
+  }
+  return false;
+}
+
+/* Parses grpc.health.v1.HealthCheckRequest { string service = 1; } from p[0..n) into out
+ * (cap bytes, NUL-terminated). Hand-framed because the health proto is not part of
+ * moe.proto; other fields are skipped, as protobuf requires. */
+static int es__health_parse(const uint8_t *p, size_t n, char *out, size_t cap, mr_err *e) {
+  size_t i = 0;
+  out[0] = '\0';
+  while (i < n) {
+    size_t at = i;
+    uint64_t key, len;
+    if (!es__varint(p, n, &i, &key))
+      return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated key at byte %zu", at);
+    uint32_t wt = (uint32_t)(key & 7);
+    uint64_t field = key >> 3;
+    if (field == 0) return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: field 0 at byte %zu", at);
+    switch (wt) {
+    case 0:
+      if (!es__varint(p, n, &i, &len))
+        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated varint at byte %zu", i);
+      break;
+    case 1:
+    case 5: {
+      size_t w = wt == 1 ? 8 : 4;
+      if (n - i < w)
+        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated field %" PRIu64 " at byte %zu",
+                          field, at);
+      i += w;
+      break;
+    }
+    case 2:
+      if (!es__varint(p, n, &i, &len) || len > n - i)
+        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: field %" PRIu64 " at byte %zu: length "
+                          "runs past the end of the %zu-byte message", field, at, n);
+      if (field == 1) {
+        if (len >= cap)
+          return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: service name of %" PRIu64
+                            " bytes, at most %zu", len, cap - 1);
+        memcpy(out, p + i, (size_t)len);
+        out[len] = '\0';
+      }
+      i += (size_t)len;
+      break;
+    default:
+      return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: wire type %" PRIu32 " at byte %zu", wt, at);
+    }
+  }
+  return 0;
+}
+
+static void es__on_health(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  char svc[256], msg[600];
+  mr_err_clear(&e);
+  svc[0] = '\0';
+  if (r->payload) {
+    grpc_byte_buffer_reader rd;
+    if (!grpc_byte_buffer_reader_init(&rd, r->payload)) {
+      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, "HealthCheckRequest: unreadable message", NULL);
+      return;
+    }
+    grpc_slice all = grpc_byte_buffer_reader_readall(&rd);
+    grpc_byte_buffer_reader_destroy(&rd);
+    int rc = es__health_parse(GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), svc, sizeof svc, &e);
+    grpc_slice_unref(all);
+    if (rc) {
+      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, e.msg, NULL);
+      return;
+    }
+  }
+  if (svc[0] && strcmp(svc, ES_HEALTH_SERVICE) != 0) {
+    snprintf(msg, sizeof msg, "unknown service \"%s\": this server answers for \"\" and \"%s\"", svc,
+             ES_HEALTH_SERVICE);
+    es__rpc_reply(r, GRPC_STATUS_NOT_FOUND, msg, NULL);
+    return;
+  }
+  int st = atomic_load(&s->serving) ? PR_HEALTH_SERVING : PR_HEALTH_NOT_SERVING;
+  grpc_byte_buffer *bb = pr_health_response_encode(st);
+  if (!bb)
+    es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);
+  else
+    es__rpc_reply(r, GRPC_STATUS_OK, "", bb);
+}
+
+static void es__on_rpc_new(es_rpc *r, bool ok) {
+  es_server *s = r->srv;
+  if (!ok) { /* the server is shutting down: the request_call was cancelled */
+    es__rpc_free(r);
+    return;
+  }
+  if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cqt, r->m);
+  atomic_fetch_add(&s->live_calls, 1);
+  switch (r->m) {
+  case ES_M_HELLO: es__on_hello(r); break;
+  case ES_M_STATS: es__on_stats(r); break;
+  case ES_M_HEALTH: es__on_health(r); break;
+  default: MR_ASSERT(!"unary method");
+  }
+}
+
+/* ---- completion-queue threads ------------------------------------------------------------- */
+
+static void *es__cq_main(void *arg) {
+  es_cqt *t = arg;
+  es_server *s = t->srv;
+  char name[16];
+  snprintf(name, sizeof name, "es-grpc-%u", t->idx);
+  pthread_setname_np(pthread_self(), name);
+  for (int m = 0; m < ES_M_COUNT; m++) {
+    if (m == ES_M_FORWARD)
+      for (int k = 0; k < ES_PREPOST_STREAM; k++) es__stream_post(s, t);
+    else
+      for (int k = 0; k < ES_PREPOST_UNARY; k++) es__rpc_post(s, t, (es_method)m);
+  }
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(t->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    es_tag *tag = ev.tag;
+    bool ok = ev.success != 0;
+    switch (tag->kind) {
+    case ES_TAG_RPC_NEW: es__on_rpc_new(tag->obj, ok); break;
+    case ES_TAG_RPC_DONE: {
+      es_rpc *r = tag->obj;
+      es__rpc_free(r);
+      es__counter_dec(s, &s->live_calls);
+      break;
+    }
+    case ES_TAG_STREAM_NEW: es__on_stream_new(tag->obj, ok); break;
+    case ES_TAG_STREAM_RECV: es__on_stream_recv(tag->obj, ok); break;
+    case ES_TAG_STREAM_SEND: es__on_stream_send(tag->obj, ok); break;
+    case ES_TAG_STREAM_FINAL: es__on_stream_final(tag->obj, ok); break;
+    case ES_TAG_SHUTDOWN:
+      atomic_store(&s->shutdown_notified, true);
+      es__admin_wake(s);
+      break;
+    default: MR_ASSERT(!"unknown tag kind");
+    }
+  }
+  return NULL;
+}
+
+int es__grpc_start(es_server *s, mr_err *e) {
+  grpc_server_start(s->gs);
+  s->grpc_started = true;
+  for (uint32_t i = 0; i < s->n_cqts; i++) {
+    int err = pthread_create(&s->cqts[i].thread, NULL, es__cq_main, &s->cqts[i]);
+    if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start gRPC thread %u: error %d", i, err);
+    s->cqts[i].started = true;
+  }
+  return 0;
+}
+
+/* Waits on a queue whose thread never started until the shutdown tag arrives (or the queue
+ * ends), freeing any call context that comes back. */
+static void es__cq_drain_unthreaded(es_server *s, grpc_completion_queue *cq, bool until_shutdown_tag) {
+  for (;;) {
+    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_QUEUE_SHUTDOWN) return;
+    if (ev.type != GRPC_OP_COMPLETE) continue;
+    es_tag *tag = ev.tag;
+    if (tag->kind == ES_TAG_SHUTDOWN) {
+      atomic_store(&s->shutdown_notified, true);
+      if (until_shutdown_tag) return;
+    } else if (tag->kind == ES_TAG_RPC_NEW) {
+      es__rpc_free(tag->obj);
+    } else if (tag->kind == ES_TAG_STREAM_NEW) {
+      es__stream_free(tag->obj);
+    }
+  }
+}
+
+void es__grpc_shutdown_begin(es_server *s) {
+  if (!s->gs || s->shutdown_called) return;
+  atomic_store(&s->stop_reposting, true);
+  s->shutdown_called = true;
+  grpc_server_shutdown_and_notify(s->gs, s->cqts[0].cq, &s->t_shutdown);
+}
+
+void es__grpc_destroy(es_server *s) {
+  if (s->gs) {
+    if (!atomic_load(&s->shutdown_notified)) {
+      es__grpc_shutdown_begin(s);
+      grpc_server_cancel_all_calls(s->gs);
+      if (!s->cqts[0].started) es__cq_drain_unthreaded(s, s->cqts[0].cq, true);
+      /* With the threads running, they see the notification; the calls were cancelled, so it
+       * comes as soon as their last batches complete. */
+      while (!atomic_load(&s->shutdown_notified)) usleep(1000);
+    }
+    for (uint32_t i = 0; i < s->n_cqts; i++) grpc_completion_queue_shutdown(s->cqts[i].cq);
+    for (uint32_t i = 0; i < s->n_cqts; i++) {
+      if (s->cqts[i].started) {
+        pthread_join(s->cqts[i].thread, NULL);
+        s->cqts[i].started = false;
+      } else {
+        es__cq_drain_unthreaded(s, s->cqts[i].cq, false);
+      }
+    }
+    grpc_server_destroy(s->gs);
+    s->gs = NULL;
+  }
+  if (s->cqts) {
+    for (uint32_t i = 0; i < s->n_cqts; i++)
+      if (s->cqts[i].cq) grpc_completion_queue_destroy(s->cqts[i].cq);
+    mr_free(s->cqts);
+    s->cqts = NULL;
+  }
+}

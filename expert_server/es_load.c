@@ -1,0 +1,285 @@
+/*
+ * es_load.c - loading the owned experts of a model into kn_layers.
+ *
+ * Order, chosen so that every mistake is reported before minutes of loading are spent:
+ *   1. config.json; the --layers and --experts sets against it; --max-tokens against the
+ *      gRPC message size it implies;
+ *   2. open the safetensors (mmap), fingerprint the model;
+ *   3. check every owned tensor's presence, dtype and shape (headers only, milliseconds);
+ *   4. create the kn_engine (threads, NUMA) and one kn_layer per owned layer;
+ *   5. pack each owned expert into its layer, logging progress at most once a second;
+ *   6. unmap the files: the layers hold their own (packed, NUMA-placed) copies.
+ * Only owned experts are ever touched, so a server owning 1/8 of a model reads 1/8 of it.
+ */
+#include <inttypes.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* The three projections of one expert, and their HF shapes: gate, up [I, H]; down [H, I]. */
+static void es__proj_shape(const mr_model_config *c, mr_proj p, uint64_t shape[2]) {
+  if (p == MR_PROJ_DOWN) {
+    shape[0] = c->hidden_size;
+    shape[1] = c->moe_intermediate;
+  } else {
+    shape[0] = c->moe_intermediate;
+    shape[1] = c->hidden_size;
+  }
+}
+
+static const char *es__proj_name(mr_proj p) {
+  return p == MR_PROJ_GATE ? "gate" : p == MR_PROJ_UP ? "up" : "down";
+}
+
+/* Prefixes e->msg with "where: " and recodes a file error: it is the model's fault, not a
+ * flag's, so MR_EINVAL (kept for flags only, see es.h) becomes MR_EFORMAT. Returns the code. */
+static int es__file_err(mr_err *e, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int es__file_err(mr_err *e, int rc, const char *fmt, ...) {
+  char where[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(where, sizeof where, fmt, ap);
+  va_end(ap);
+  if (rc == MR_EINVAL) rc = MR_EFORMAT;
+  mr_err_prefix(e, rc, "%s", where);
+  if (e) e->code = rc;
+  return rc;
+}
+
+/* Formats the MoE layers of c as an id-set spec, for error messages. */
+static void es__moe_layers_str(const mr_model_config *c, char *buf, size_t len) {
+  mr_idset m;
+  buf[0] = '\0';
+  if (mr_idset_init(&m, c->num_layers) != 0) return;
+  for (uint32_t l = 0; l < c->num_layers; l++)
+    if (c->is_moe[l]) mr_idset_add(&m, l);
+  if (mr_idset_format(&m, buf, len) >= len && len > 4) memcpy(buf + len - 4, "...", 4);
+  mr_idset_close(&m);
+}
+
+/* Resolves --layers: "all" means every MoE layer; an explicit set must name MoE layers only. */
+static int es__resolve_layers(es_server *s, mr_err *e) {
+  const mr_model_config *c = &s->cfg;
+  char moe[256];
+  mr_idset parsed;
+  int rc = mr_idset_parse(&parsed, s->layers_spec, c->num_layers, "--layers", e);
+  if (rc) return MR_EINVAL;
+  rc = mr_idset_init(&s->owned_layers, c->num_layers);
+  if (rc) goto out_close_parsed;
+  bool all = strcmp(s->layers_spec, "all") == 0;
+  for (uint32_t l = 0; l < c->num_layers; l++) {
+    if (!mr_idset_has(&parsed, l)) continue;
+    if (c->is_moe[l]) {
+      mr_idset_add(&s->owned_layers, l);
+    } else if (!all) {
+      es__moe_layers_str(c, moe, sizeof moe);
+      rc = mr_err_set(e, MR_EINVAL,
+                      "--layers %s: layer %" PRIu32 " is not a MoE layer of this model "
+                      "(its MoE layers are %s)",
+                      s->layers_spec, l, moe[0] ? moe : "none");
+      goto out_close_parsed;
+    }
+  }
+  if (mr_idset_count(&s->owned_layers) == 0)
+    rc = mr_err_set(e, MR_EINVAL, "--layers %s selects no MoE layer (the model has %" PRIu32
+                    " MoE layers of %" PRIu32 ")",
+                    s->layers_spec, mr_config_num_moe_layers(c), c->num_layers);
+out_close_parsed:
+  mr_idset_close(&parsed);
+  return rc;
+}
+
+/* The largest message either side may send, from max_tokens: a request is max_tokens rows of
+ * hidden (at most 4 bytes per element) plus its ids and weights (at most num_experts slots per
+ * token, an int32 varint takes up to 10 bytes, a float 4) plus a little framing. */
+static int es__message_limit(es_server *s, mr_err *e) {
+  const mr_model_config *c = &s->cfg;
+  uint64_t per_token = (uint64_t)c->hidden_size * 4u + (uint64_t)c->num_experts * 14u;
+  uint64_t bytes = (uint64_t)s->opts.max_tokens * per_token + 4096u;
+  if (bytes > (uint64_t)INT_MAX)
+    return mr_err_set(e, MR_EINVAL,
+                      "--max-tokens %" PRIu32 " is too large for this model: a request could be "
+                      "%" PRIu64 " bytes (hidden_size %" PRIu32 ", num_experts %" PRIu32
+                      "), over the 2 GiB gRPC message limit; at most %" PRIu64 " tokens",
+                      s->opts.max_tokens, bytes, c->hidden_size, c->num_experts,
+                      ((uint64_t)INT_MAX - 4096u) / per_token);
+  s->max_message_bytes = bytes < (4u << 20) ? (int)(4u << 20) : (int)bytes;
+  return 0;
+}
+
+static kn_format es__format_of_dtype(mr_dtype dt) {
+  return dt == MR_DTYPE_F32 ? KN_FMT_F32 : dt == MR_DTYPE_F16 ? KN_FMT_F16 : KN_FMT_BF16;
+}
+
+/* Progress of step 5: one log line a second at most, plus the final one. */
+typedef struct es_progress {
+  uint64_t t0_ns, last_ns;
+  uint64_t tensors_done, tensors_total;
+  uint64_t bytes_done, bytes_total;
+} es_progress;
+
+static void es__progress_log(es_progress *p, bool final) {
+  uint64_t now = mr_now_ns();
+  if (!final && now - p->last_ns < 1000000000ull) return;
+  p->last_ns = now;
+  double s = (double)(now - p->t0_ns) / 1e9;
+  double gb = (double)p->bytes_done / 1e9, gb_total = (double)p->bytes_total / 1e9;
+  double rate = s > 0 ? gb / s : 0;
+  if (final) {
+    mr_log(MR_LOG_INFO, "loading: done, %" PRIu64 "/%" PRIu64 " tensors, %.2f GB in %.1f s (%.2f GB/s)",
+           p->tensors_done, p->tensors_total, gb, s, rate);
+  } else {
+    double eta = rate > 0 ? (gb_total - gb) / rate : 0;
+    mr_log(MR_LOG_INFO, "loading: %" PRIu64 "/%" PRIu64 " tensors, %.2f/%.2f GB, %.2f GB/s, ETA %.0f s",
+           p->tensors_done, p->tensors_total, gb, gb_total, rate, eta);
+  }
+}
+
+/* Step 3: finds the three tensors of (layer, expert), checks dtype and shape. */
+static int es__expect_expert(es_server *s, const mr_st *st, uint32_t l, uint32_t x,
+                             const mr_st_tensor *t[3], mr_err *e) {
+  char key[256];
+  for (int p = 0; p < 3; p++) {
+    uint64_t shape[2];
+    es__proj_shape(&s->cfg, (mr_proj)p, shape);
+    mr_config_expert_key(&s->cfg, l, x, (mr_proj)p, key, sizeof key);
+    int rc = mr_st_expect(st, key, 2, shape, &t[p], e);
+    if (rc)
+      return es__file_err(e, rc, "model %s: layer %" PRIu32 " expert %" PRIu32 " %s", s->model_dir,
+                          l, x, es__proj_name((mr_proj)p));
+  }
+  if (t[0]->dtype != t[1]->dtype || t[0]->dtype != t[2]->dtype)
+    return mr_err_set(e, MR_EFORMAT,
+                      "model %s: layer %" PRIu32 " expert %" PRIu32 ": gate/up/down have different "
+                      "dtypes (%s in %s, %s in %s, %s in %s); they must match",
+                      s->model_dir, l, x, t[0]->dtype_name, t[0]->file, t[1]->dtype_name,
+                      t[1]->file, t[2]->dtype_name, t[2]->file);
+  return 0;
+}
+
+int es__load(es_server *s, mr_err *e) {
+  mr_model_config *c = &s->cfg;
+  mr_st *st = NULL;
+  uint64_t t0 = mr_now_ns();
+  int rc = mr_config_load(c, s->model_dir, e);
+  if (rc) return es__file_err(e, rc, "--model %s", s->model_dir);
+
+  if ((rc = es__resolve_layers(s, e))) return rc;
+  rc = mr_idset_parse(&s->owned_experts, s->experts_spec, c->num_experts, "--experts", e);
+  if (rc) return MR_EINVAL;
+  if (mr_idset_count(&s->owned_experts) == 0)
+    return mr_err_set(e, MR_EINVAL, "--experts %s selects no expert (the model has %" PRIu32 ")",
+                      s->experts_spec, c->num_experts);
+  if ((rc = es__message_limit(s, e))) return rc;
+
+  rc = mr_st_open(&st, s->model_dir, e);
+  if (rc) return es__file_err(e, rc, "--model %s", s->model_dir);
+  rc = mr_model_fingerprint(s->model_dir, st, s->fingerprint, e);
+  if (rc) {
+    rc = es__file_err(e, rc, "--model %s: fingerprint", s->model_dir);
+    goto out_close_st;
+  }
+
+  /* Step 3: every tensor before any packing. */
+  uint32_t n_layers = mr_idset_count(&s->owned_layers);
+  uint32_t n_experts = mr_idset_count(&s->owned_experts);
+  es_progress prog = {.tensors_total = 3ull * n_layers * n_experts};
+  mr_dtype stored = MR_DTYPE_UNSPECIFIED;
+  for (uint32_t l = 0; l < c->num_layers; l++) {
+    if (!mr_idset_has(&s->owned_layers, l)) continue;
+    for (uint32_t x = 0; x < c->num_experts; x++) {
+      if (!mr_idset_has(&s->owned_experts, x)) continue;
+      const mr_st_tensor *t[3];
+      if ((rc = es__expect_expert(s, st, l, x, t, e))) goto out_close_st;
+      if (stored == MR_DTYPE_UNSPECIFIED) stored = t[0]->dtype;
+      prog.bytes_total += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+    }
+  }
+  s->format = s->opts.quant_set ? s->opts.quant : es__format_of_dtype(stored);
+  s->group = s->format == KN_FMT_INT4 ? s->opts.group : 0;
+  kn_format_wire_name(s->format, s->group, s->weight_format, sizeof s->weight_format);
+
+  /* Step 4. */
+  kn_engine_opts eo = {.isa = KN_ISA_COUNT, .threads = s->opts.threads, .numa = s->numa};
+  rc = kn_engine_new(&s->eng, &eo, e);
+  if (rc) goto out_close_st; /* MR_EINVAL names --threads / --numa / MOERPC_ISA */
+  s->layers = mr_calloc(c->num_layers, sizeof *s->layers);
+  s->owned = mr_calloc(c->num_layers, sizeof *s->owned);
+  if (!s->layers || !s->owned) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for %" PRIu32 " layer slots", c->num_layers);
+    goto out_close_st;
+  }
+  kn_layer_desc d = {.hidden = c->hidden_size, .inter = c->moe_intermediate,
+                     .num_experts = c->num_experts, .format = s->format, .group = s->group};
+  for (uint32_t l = 0; l < c->num_layers; l++) {
+    if (!mr_idset_has(&s->owned_layers, l)) continue;
+    rc = kn_layer_new(&s->layers[l], s->eng, &d, e);
+    if (rc) {
+      /* The shape comes from the model, the format from --quant/--group: name both. */
+      char group[32] = "";
+      if (s->format == KN_FMT_INT4) snprintf(group, sizeof group, " --group %" PRIu32, s->group);
+      rc = mr_err_prefix(e, rc, "--quant %s%s for layer %" PRIu32 " (hidden %" PRIu32
+                         ", intermediate %" PRIu32 ")",
+                         kn_format_name(s->format), group, l, c->hidden_size, c->moe_intermediate);
+      goto out_close_st;
+    }
+    s->owned[l] = &s->owned_experts;
+  }
+
+  /* Step 5. */
+  prog.t0_ns = prog.last_ns = mr_now_ns();
+  for (uint32_t l = 0; l < c->num_layers; l++) {
+    if (!s->layers[l]) continue;
+    for (uint32_t x = 0; x < c->num_experts; x++) {
+      if (!mr_idset_has(&s->owned_experts, x)) continue;
+      const mr_st_tensor *t[3];
+      if ((rc = es__expect_expert(s, st, l, x, t, e))) goto out_close_st;
+      rc = kn_layer_load_expert(s->layers[l], x, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+      if (rc) {
+        rc = es__file_err(e, rc, "loading layer %" PRIu32 " expert %" PRIu32 " from %s", l, x,
+                          t[0]->file);
+        goto out_close_st;
+      }
+      s->n_experts_loaded++;
+      prog.tensors_done += 3;
+      prog.bytes_done += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      es__progress_log(&prog, false);
+    }
+    s->weight_bytes += kn_layer_bytes(s->layers[l]);
+  }
+  es__progress_log(&prog, true);
+
+  s->limits = (es_limits){.num_layers = c->num_layers, .num_experts = c->num_experts,
+                          .hidden_size = c->hidden_size, .max_tokens = s->opts.max_tokens,
+                          .is_moe = c->is_moe, .owned = s->owned};
+  char isa[64];
+  snprintf(isa, sizeof isa, "%s for %s", kn_isa_name(kn_engine_isa(s->eng, s->format)),
+           kn_format_name(s->format));
+  mr_log(MR_LOG_INFO,
+         "loaded: %" PRIu32 " experts (%" PRIu32 " per layer) in %" PRIu32 " layers, %.2f GB packed "
+         "in %.1f s, format %s, isa %s, %" PRIu32 " threads on %" PRIu32 " NUMA node(s), model %s",
+         s->n_experts_loaded, n_experts, n_layers, (double)s->weight_bytes / 1e9,
+         (double)(mr_now_ns() - t0) / 1e9, s->weight_format, isa, kn_engine_threads(s->eng),
+         kn_engine_nodes(s->eng), s->fingerprint);
+  rc = 0;
+out_close_st:
+  mr_st_close(st);
+  return rc;
+}
+
+void es__unload(es_server *s) {
+  if (s->layers) {
+    for (uint32_t l = 0; l < s->cfg.num_layers; l++) kn_layer_free(s->layers[l]);
+    mr_free(s->layers);
+    s->layers = NULL;
+  }
+  mr_free(s->owned);
+  s->owned = NULL;
+  kn_engine_free(s->eng);
+  s->eng = NULL;
+  if (s->owned_layers.bits) mr_idset_close(&s->owned_layers);
+  if (s->owned_experts.bits) mr_idset_close(&s->owned_experts);
+}

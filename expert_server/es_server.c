@@ -1,0 +1,147 @@
+/*
+ * es_server.c - es_server_new / es_server_free: option checks, start-up and teardown order.
+ *
+ * Start-up: options -> admin loop (so es_server_stop works from here on) -> weights (es_load.c,
+ * before grpc_init so that gRPC's own threads do not compete with the loading) -> counters and
+ * pools -> gRPC server bound to the port. Teardown runs the other way round, and
+ * grpc_shutdown comes after every gRPC object is destroyed.
+ */
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+void es_server_opts_init(es_server_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->listen = ES_DEFAULT_LISTEN;
+  o->layers = "all";
+  o->numa = "auto";
+  o->max_tokens = ES_DEFAULT_MAX_TOKENS;
+  o->quant_set = false;
+  o->quant = KN_FMT_BF16;
+  o->group = ES_DEFAULT_GROUP;
+  o->grpc_threads = 1;
+  o->drain_timeout_ms = ES_DEFAULT_DRAIN_TIMEOUT_MS;
+  o->metrics_interval_ms = 10000;
+  o->handle_signals = true;
+}
+
+/* The checks that need no model. main.c checks the same ranges while parsing, to name the
+ * flag as typed; these protect library callers. */
+static int es__opts_check(const es_server_opts *o, mr_err *e) {
+  if (!o->model_dir || !o->model_dir[0]) return mr_err_set(e, MR_EINVAL, "--model is required");
+  if (!o->experts || !o->experts[0])
+    return mr_err_set(e, MR_EINVAL, "--experts is required (\"all\" or ids/ranges like 0-7,12)");
+  if (!o->listen || !o->listen[0]) return mr_err_set(e, MR_EINVAL, "--listen must be HOST:PORT");
+  if (strlen(o->listen) > 255)
+    return mr_err_set(e, MR_EINVAL, "--listen is %zu characters, at most 255", strlen(o->listen));
+  if (!o->layers || !o->layers[0])
+    return mr_err_set(e, MR_EINVAL, "--layers must be \"all\" or ids/ranges like 0-7,12");
+  if (o->max_tokens < 1 || o->max_tokens > ES_MAX_MAX_TOKENS)
+    return mr_err_set(e, MR_EINVAL, "--max-tokens %" PRIu32 ", must be in 1..%u", o->max_tokens,
+                      ES_MAX_MAX_TOKENS);
+  if (o->quant_set && (o->quant < 0 || o->quant >= KN_FMT_COUNT))
+    return mr_err_set(e, MR_EINVAL, "--quant: unknown format %d", (int)o->quant);
+  if (o->quant_set && o->quant == KN_FMT_INT4 && o->group != 32 && o->group != 64 && o->group != 128)
+    return mr_err_set(e, MR_EINVAL, "--group %" PRIu32 ", must be 32, 64 or 128", o->group);
+  if (o->grpc_threads < 1 || o->grpc_threads > ES_MAX_GRPC_THREADS)
+    return mr_err_set(e, MR_EINVAL, "--grpc-threads %" PRIu32 ", must be in 1..%u", o->grpc_threads,
+                      ES_MAX_GRPC_THREADS);
+  if (o->threads > ES_MAX_THREADS)
+    return mr_err_set(e, MR_EINVAL, "--threads %" PRIu32 ", must be in 0..%u (0 = auto)", o->threads,
+                      ES_MAX_THREADS);
+  if (o->drain_timeout_ms > ES_MAX_DRAIN_TIMEOUT_MS)
+    return mr_err_set(e, MR_EINVAL, "--drain-timeout-ms %" PRIu32 ", must be in 0..%u",
+                      o->drain_timeout_ms, ES_MAX_DRAIN_TIMEOUT_MS);
+  return 0;
+}
+
+static char *es__dup(const char *s, int *rc) {
+  char *d = mr_strdup(s ? s : "");
+  if (!d) *rc = MR_ENOMEM;
+  return d;
+}
+
+int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
+  *out = NULL;
+  int rc = es__opts_check(opts, e);
+  if (rc) return rc;
+  es_server *s = mr_calloc(1, sizeof *s);
+  if (!s) return mr_err_set(e, MR_ENOMEM, "out of memory for the server");
+  pthread_mutex_init(&s->streams_lock, NULL);
+  pthread_mutex_init(&s->q_lock, NULL);
+  pthread_cond_init(&s->q_cond, NULL);
+  s->hello_reply = grpc_empty_slice();
+  mr_arena_init(&s->arena, 4u << 20);
+
+  s->opts = *opts;
+  s->model_dir = es__dup(opts->model_dir, &rc);
+  s->listen = es__dup(opts->listen, &rc);
+  s->experts_spec = es__dup(opts->experts, &rc);
+  s->layers_spec = es__dup(opts->layers, &rc);
+  s->numa = es__dup(opts->numa ? opts->numa : "auto", &rc);
+  if (rc) {
+    mr_err_set(e, rc, "out of memory copying the options");
+    goto out_free_server;
+  }
+  s->opts.model_dir = s->model_dir;
+  s->opts.listen = s->listen;
+  s->opts.experts = s->experts_spec;
+  s->opts.layers = s->layers_spec;
+  s->opts.numa = s->numa;
+
+  if ((rc = es__admin_init(s, e))) goto out_free_server;
+  if ((rc = es__load(s, e))) goto out_free_server;
+
+  size_t ncnt = (size_t)s->cfg.num_layers * s->cfg.num_experts;
+  s->tokens = mr_calloc(ncnt, sizeof *s->tokens);
+  if (!s->tokens) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for %zu token counters", ncnt);
+    goto out_free_server;
+  }
+  for (size_t i = 0; i < ncnt; i++) atomic_init(&s->tokens[i], 0);
+  /* Buffers hold at most one request's hidden rows: max_tokens * H * 4 bytes (f32). */
+  size_t max_buf = (size_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
+  if ((rc = es__pool_init(&s->pool, max_buf, 64u << 20))) {
+    mr_err_set(e, rc, "cannot create the buffer pool");
+    goto out_free_server;
+  }
+  s->pool_inited = true;
+  if ((rc = es__grpc_create(s, e))) goto out_free_server;
+  *out = s;
+  return 0;
+out_free_server:
+  es_server_free(s);
+  return rc;
+}
+
+int es_server_port(const es_server *s) { return s->port; }
+
+void es_server_stop(es_server *s) {
+  if (!s) return;
+  atomic_store(&s->stop_requested, true);
+  es__admin_wake(s);
+}
+
+void es_server_free(es_server *s) {
+  if (!s) return;
+  es__compute_stop(s);
+  es__grpc_destroy(s);
+  grpc_slice_unref(s->hello_reply);
+  if (s->grpc_inited) grpc_shutdown();
+  es__admin_close(s);
+  es__unload(s);
+  mr_free(s->tokens);
+  mr_arena_close(&s->arena);
+  if (s->pool_inited) es__pool_close(&s->pool);
+  mr_free(s->model_dir);
+  mr_free(s->listen);
+  mr_free(s->experts_spec);
+  mr_free(s->layers_spec);
+  mr_free(s->numa);
+  pthread_cond_destroy(&s->q_cond);
+  pthread_mutex_destroy(&s->q_lock);
+  pthread_mutex_destroy(&s->streams_lock);
+  mr_free(s);
+}

@@ -1,0 +1,339 @@
+/*
+ * internal.h - what the files of expert_server/ share. Not a public header.
+ *
+ * Files:
+ *   es_server.c    es_server_new/free: options, start-up order, teardown order
+ *   es_load.c      config + safetensors -> one kn_layer per owned layer, progress log
+ *   es_grpc.c      gRPC set-up and teardown, completion-queue threads, unary Hello/Stats/Health
+ *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues; backpressure
+ *   es_compute.c   the compute queue, merging of same-layer requests, replies
+ *   es_pool.c      reusable request/reply buffers and job records
+ *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the drain sequence
+ *   es_validate.c  es_forward_validate (pure)
+ *
+ * Threads and where they meet (STYLE.md 8):
+ *
+ *   CQ thread i (es_cqt)   owns every call accepted on cqts[i].cq. It decodes and validates
+ *                          each ForwardRequest, gathers its payload once into an es_buf and
+ *                          pushes an es_job onto the compute queue (q_lock + q_cond). It also
+ *                          starts the next send of a stream when one completes.
+ *   compute thread         pops jobs (q_lock), runs kn_moe_forward, writes each reply into the
+ *                          job's buffer and hands the job to its stream's send queue
+ *                          (es__stream_send: under the stream's lock, and starts the send
+ *                          batch itself when none is in flight).
+ *   admin (libuv) thread   the thread in es_server_run. Learns about drain progress through
+ *                          es__admin_wake (uv_async_send) and the atomics below; during the
+ *                          drain it walks the stream list (streams_lock) to finish streams.
+ *
+ * Lock order (never take an earlier lock while holding a later one):
+ *   srv->streams_lock  ->  es_stream.lock  ->  srv->q_lock  ->  es_pool.lock
+ * es_pool.lock is a leaf: gRPC may call the slice release callback (es__buf_release) from
+ * inside grpc_byte_buffer_destroy while a stream lock is held.
+ */
+#ifndef ES_INTERNAL_H
+#define ES_INTERNAL_H
+
+#include <grpc/grpc.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <uv.h>
+
+#include "es.h"
+
+/* ---- buffer and job pool (es_pool.c) --------------------------------------------------- */
+
+/* One reusable buffer: holds a request's hidden rows as received, then the reply's output
+ * rows (same size: n_tokens * H * dtype size). Released to its pool by the gRPC slice that
+ * carries the reply, possibly after the call is over. */
+typedef struct es_buf {
+  struct es_buf *next; /* free-list link, while in the pool */
+  struct es_pool *pool;
+  size_t cap;          /* bytes usable at data */
+  uint32_t cls;        /* size class: cap = ES_POOL_MIN << cls */
+  uint8_t *data;       /* 64-byte aligned, right after the header */
+} es_buf;
+
+#define ES_POOL_MIN ((size_t)4096)
+#define ES_POOL_CLASSES 32
+typedef struct es_job es_job;
+typedef struct es_pool {
+  pthread_mutex_t lock; /* leaf lock, see the order at the top */
+  es_buf *free[ES_POOL_CLASSES];
+  uint32_t nfree[ES_POOL_CLASSES];
+  uint32_t keep[ES_POOL_CLASSES]; /* most buffers kept per class */
+  es_job *free_jobs;
+  uint32_t nfree_jobs;
+  atomic_long out_bufs; /* buffers handed out and not yet returned */
+  atomic_long out_jobs;
+} es_pool;
+/* Initialises p for buffers of up to max_bytes; keeps at most about cache_bytes per class. */
+int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes);
+/* Frees every cached buffer and job. Buffers still out (owned by gRPC slices that were never
+ * released) are reported at WARN and leaked on purpose rather than freed under gRPC's feet. */
+void es__pool_close(es_pool *p);
+/* Returns a buffer of at least n bytes (any thread), NULL on ENOMEM. */
+es_buf *es__buf_get(es_pool *p, size_t n);
+/* Returns b to its pool (any thread). Matches pr_encode_with_payload's release(owner). */
+void es__buf_release(void *b);
+/* Job records (any thread). es__job_get zero-fills; NULL on ENOMEM. */
+es_job *es__job_get(es_pool *p);
+void es__job_put(es_pool *p, es_job *j);
+
+/* ---- tags ------------------------------------------------------------------------------- */
+
+/* Every completion-queue tag points at one of these, embedded in the object it concerns. */
+typedef enum es_tag_kind {
+  ES_TAG_RPC_NEW = 1,   /* a unary call arrived (obj: es_rpc) */
+  ES_TAG_RPC_DONE,      /* its reply batch completed */
+  ES_TAG_STREAM_NEW,    /* a Forward stream arrived (obj: es_stream) */
+  ES_TAG_STREAM_RECV,   /* SEND_INITIAL_METADATA + RECV_MESSAGE / RECV_MESSAGE completed */
+  ES_TAG_STREAM_SEND,   /* SEND_MESSAGE completed */
+  ES_TAG_STREAM_FINAL,  /* SEND_STATUS_FROM_SERVER + RECV_CLOSE_ON_SERVER completed */
+  ES_TAG_SHUTDOWN,      /* grpc_server_shutdown_and_notify finished (obj: es_server) */
+} es_tag_kind;
+typedef struct es_tag {
+  es_tag_kind kind;
+  void *obj;
+} es_tag;
+
+typedef enum es_method {
+  ES_M_HELLO = 0,
+  ES_M_STATS,
+  ES_M_HEALTH,
+  ES_M_FORWARD,
+  ES_M_COUNT
+} es_method;
+
+/* One gRPC thread with its completion queue. */
+typedef struct es_cqt {
+  struct es_server *srv;
+  uint32_t idx;
+  grpc_completion_queue *cq;
+  pthread_t thread;
+  bool started;
+} es_cqt;
+
+/* ---- calls -------------------------------------------------------------------------------- */
+
+/* A unary call (Hello, Stats, Health). Lives on its CQ thread only: no lock. */
+typedef struct es_rpc {
+  struct es_server *srv;
+  es_cqt *cqt;
+  es_method m;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *payload; /* the request, read with the call (may be NULL) */
+  grpc_byte_buffer *reply;   /* owned until RPC_DONE */
+  grpc_slice details;        /* status message, owned until RPC_DONE */
+  int cancelled;             /* RECV_CLOSE_ON_SERVER */
+  es_tag t_new, t_done;
+} es_rpc;
+
+/* A Forward stream. The fields above `lock` belong to the CQ thread (set once at accept or
+ * only touched by it); the fields below are shared with the compute and admin threads and
+ * are protected by `lock`.
+ *
+ * States: accepted -> serving (one RECV_MESSAGE outstanding, replies queued and sent one at a
+ * time) -> closing (no more RECVs: the client half-closed, the call failed, or the drain asked
+ * to finish) -> final (SEND_STATUS started once nothing is pending) -> freed (when the final
+ * batch and any outstanding RECV have completed). Only the CQ thread frees a stream. */
+typedef struct es_stream {
+  struct es_server *srv;
+  es_cqt *cqt;
+  grpc_call *call;
+  gpr_timespec deadline;
+  grpc_metadata_array md;
+  grpc_byte_buffer *recv_bb; /* RECV_MESSAGE output */
+  int cancelled;             /* RECV_CLOSE_ON_SERVER output */
+  grpc_slice details;        /* final status message */
+  pr_split split;            /* reused for every request of the stream */
+  char peer[96];             /* for log lines */
+  es_tag t_new, t_recv, t_send, t_final;
+  struct es_stream *prev, *next; /* srv->streams list, under srv->streams_lock */
+
+  pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock */
+  es_job *sq_head, *sq_tail; /* encoded replies waiting for the send slot */
+  es_job *sending;           /* the reply whose SEND_MESSAGE is in flight, or NULL */
+  uint32_t jobs_pending;     /* requests taken and not yet answered-and-sent (or dropped) */
+  size_t bytes_pending;      /* their payload bytes (request buffers, then reply buffers) */
+  bool recv_paused;          /* over the pending limits: RECV not re-armed until below half */
+  bool recv_inflight;        /* a RECV_MESSAGE batch is outstanding */
+  bool busy;                 /* the CQ thread is handling a received request: no final yet */
+  bool recv_done;            /* no more RECV_MESSAGE will be started */
+  bool finish_requested;     /* the drain asked to end the stream */
+  bool send_failed;          /* a send failed: the call is dead, drop further replies */
+  bool final_started, final_done;
+} es_stream;
+
+/* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
+ * the compute queue, the compute thread and the stream's send queue. */
+struct es_job {
+  es_job *next;                    /* link in the compute queue, a send queue or the pool */
+  es_stream *st;                   /* holds one unit of st->jobs_pending */
+  Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
+  uint64_t id;
+  uint32_t layer, n_tokens, top_k;
+  mr_dtype dtype;
+  es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
+  size_t nbytes;                   /* payload bytes in buf */
+  bool counted;                    /* holds one unit of srv->inflight */
+  uint32_t status;                 /* gRPC status of the reply */
+  uint64_t t_enqueue_ns;
+  uint32_t queue_us, compute_us;
+  grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
+};
+
+/* ---- the server --------------------------------------------------------------------------- */
+
+typedef enum es_phase {
+  ES_PHASE_NEW = 0,    /* loaded, not serving */
+  ES_PHASE_SERVING,
+  ES_PHASE_DRAIN_REQUESTS, /* waiting for every accepted request to be answered */
+  ES_PHASE_DRAIN_CALLS,    /* streams asked to finish; waiting for every call to end */
+  ES_PHASE_DRAIN_SHUTDOWN, /* waiting for the gRPC server's shutdown notification */
+  ES_PHASE_STOPPED,
+} es_phase;
+
+struct es_server {
+  es_server_opts opts;   /* strings below point at the copies */
+  char *model_dir, *listen, *experts_spec, *layers_spec, *numa;
+
+  /* Model and weights: written by es_server_new, read-only afterwards (every thread). */
+  mr_model_config cfg;
+  char fingerprint[17];
+  kn_format format;
+  uint32_t group;
+  char weight_format[32];  /* wire name, "bf16" / "int4-g64" */
+  kn_engine *eng;          /* used by the compute thread only once serving */
+  kn_layer **layers;       /* [num_layers], NULL where not owned */
+  mr_idset owned_layers;   /* layers served */
+  mr_idset owned_experts;  /* experts served in every served layer */
+  const mr_idset **owned;  /* [num_layers] for es_limits: &owned_experts or NULL */
+  es_limits limits;
+  uint64_t weight_bytes;   /* packed bytes held */
+  uint32_t n_experts_loaded;
+
+  /* gRPC: created by es_server_new, started by es_server_run. */
+  bool grpc_inited;
+  grpc_server *gs;
+  void *rm[ES_M_COUNT];    /* registered methods */
+  es_cqt *cqts;
+  uint32_t n_cqts;
+  int port;
+  bool grpc_started;       /* grpc_server_start called, CQ threads started */
+  bool shutdown_called;    /* grpc_server_shutdown_and_notify called */
+  grpc_slice hello_reply;  /* the constant HelloReply, packed once */
+  es_tag t_shutdown;
+  int max_message_bytes;
+
+  atomic_bool serving;       /* health: weights loaded and no drain started */
+  atomic_bool draining;      /* new Forward requests get UNAVAILABLE */
+  atomic_bool stop_reposting;/* do not pre-post request_call any more */
+  atomic_bool abort_jobs;    /* drain timed out: answer queued jobs UNAVAILABLE, don't compute */
+  atomic_bool shutdown_notified; /* ES_TAG_SHUTDOWN seen */
+  atomic_bool stop_requested;    /* es_server_stop was called */
+  atomic_llong inflight;     /* Forward requests accepted before the drain, not yet sent */
+  atomic_llong live_calls;   /* accepted calls (unary + streams) not yet freed */
+
+  pthread_mutex_t streams_lock; /* first in the lock order; protects the two fields below */
+  es_stream *streams;           /* open streams */
+  bool finishing;               /* the drain asked every stream to finish */
+
+  /* Compute queue (q_lock, after es_stream.lock in the order). */
+  pthread_mutex_t q_lock;
+  pthread_cond_t q_cond;
+  es_job *q_head, *q_tail;
+  uint32_t q_len;
+  bool q_stop;
+  pthread_t compute_thread;
+  bool compute_started;
+  mr_arena arena;               /* compute thread only: merged inputs, fp32 output, scratch */
+
+  es_pool pool;
+  bool pool_inited;
+
+  /* Counters (atomics, relaxed: they are statistics). tokens is [num_layers * num_experts]. */
+  atomic_ullong *tokens;
+  atomic_ullong n_requests, n_errors;     /* for Stats: reset by Stats{reset: true} */
+  atomic_ullong tot_requests, tot_errors; /* for the metrics line: never reset */
+  atomic_ullong n_computed, sum_queue_us, sum_compute_us, n_batches, n_merged;
+
+  /* Admin loop (es_admin.c): touched by the es_server_run thread only, except that
+   * es__admin_wake may be called from any thread once loop_inited. */
+  uv_loop_t loop;
+  uv_async_t wake;
+  uv_signal_t sig_term, sig_int;
+  uv_timer_t metrics_timer, drain_timer;
+  bool loop_inited, run_called;
+  es_phase phase;
+  int signals_seen;
+  int run_rc;
+  uint64_t drain_t0_ms, drain_deadline_ms, calls_deadline_ms;
+  bool cancelled_all;
+  uint64_t m_last_ms, m_last_requests, m_last_errors, m_last_computed, m_last_queue_us,
+      m_last_compute_us, m_last_batches, m_last_merged;
+};
+
+/* es_load.c: fills cfg, fingerprint, format, eng, layers, owned_*, weight_bytes. Option
+ * errors are MR_EINVAL naming the flag; file errors keep their own codes. */
+int es__load(es_server *s, mr_err *e);
+void es__unload(es_server *s);
+
+/* es_grpc.c */
+/* Writes the peer address of call ("ipv4:127.0.0.1:5555") into buf, for log lines. */
+void es__call_peer(grpc_call *call, char *buf, size_t len);
+/* Creates the gRPC server, registers the methods and the completion queues, binds. */
+int es__grpc_create(es_server *s, mr_err *e);
+/* Starts the server and the CQ threads (which pre-post their request_calls). */
+int es__grpc_start(es_server *s, mr_err *e);
+/* Drain, admin thread: stops re-posting and calls grpc_server_shutdown_and_notify (the
+ * notification arrives as ES_TAG_SHUTDOWN: shutdown_notified + es__admin_wake). */
+void es__grpc_shutdown_begin(es_server *s);
+/* Teardown: shuts the CQs down, joins their threads, destroys the server and the CQs. If the
+ * drain has not run, first shuts the server down and cancels every call. */
+void es__grpc_destroy(es_server *s);
+
+/* es_stream.c. The es__on_stream_* handlers run on the call's CQ thread, with ok = the
+ * event's success flag. */
+/* Posts one request_call for Forward on t's queue (CQ thread, or at start-up). */
+void es__stream_post(es_server *s, es_cqt *t);
+void es__on_stream_new(es_stream *st, bool ok);
+void es__on_stream_recv(es_stream *st, bool ok);
+void es__on_stream_send(es_stream *st, bool ok);
+void es__on_stream_final(es_stream *st, bool ok);
+/* Frees a stream nothing refers to any more (CQ thread; also for a request_call context that
+ * came back unused). */
+void es__stream_free(es_stream *st);
+/* Drain, admin thread: asks every open stream (and any accepted later) to finish. */
+void es__grpc_finish_streams(es_server *s);
+/* Compute thread -> stream: queues job's encoded reply and starts its send if the stream has
+ * none in flight. Takes st->lock. */
+void es__stream_send(es_stream *st, es_job *job);
+
+/* es_compute.c */
+int es__compute_start(es_server *s, mr_err *e);
+/* Queues a validated job (CQ thread). */
+void es__compute_push(es_server *s, es_job *job);
+/* Stops the compute thread once its queue is empty and joins it. */
+void es__compute_stop(es_server *s);
+/* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */
+int es__reply_encode_error(es_job *job, uint32_t status, const char *msg);
+/* Releases what a finished job holds (reply, request header, buffer), settles the inflight
+ * count and returns the job to the pool. Called by es_grpc.c with job->st->lock held, after
+ * taking the job off the stream's pending counts. */
+void es__job_done(es_server *s, es_job *job);
+
+/* es_admin.c */
+/* Wakes the admin loop to re-check the drain (any thread, async-signal-safe). */
+void es__admin_wake(es_server *s);
+int es__admin_init(es_server *s, mr_err *e);
+void es__admin_close(es_server *s);
+
+/* Decrements a drain-relevant counter and wakes the admin loop when it reaches zero during a
+ * drain. */
+static inline void es__counter_dec(es_server *s, atomic_llong *c) {
+  if (atomic_fetch_sub(c, 1) == 1 && atomic_load(&s->draining)) es__admin_wake(s);
+}
+
+#endif /* ES_INTERNAL_H */

@@ -1,0 +1,230 @@
+/*
+ * main.c - moerpc-server: flags -> es_server_opts -> es_server_new / run / free.
+ *
+ * Exit codes: 0 after a clean drain, 1 on a runtime failure (or a second signal during the
+ * drain), 2 on a usage error. Every flag is checked here, in the form it was typed, with a
+ * message naming the flag and the limit; the checks that need the model (--experts ids
+ * against num_experts, --layers against the MoE layers, --max-tokens against the message
+ * size) are made by es_server_new, which reports them as MR_EINVAL, also exit code 2.
+ */
+#include <errno.h>
+#include <stdarg.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "es.h"
+
+#define PROG "moerpc-server"
+
+static void usage(FILE *f) {
+  fprintf(f,
+          "usage: " PROG " --model DIR --experts SPEC [options]\n"
+          "\n"
+          "Serves the routed experts SPEC of the MoE layers of the model in DIR over gRPC\n"
+          "(moerpc.v1.ExpertService: Hello, Forward, Stats; grpc.health.v1.Health/Check).\n"
+          "\n"
+          "  --model DIR              HF model directory (config.json + *.safetensors)\n"
+          "  --experts SPEC           experts served in every served layer: \"all\" or ids and\n"
+          "                           ranges, e.g. 0-7,12\n"
+          "  --layers SPEC            layers served (default all = every MoE layer)\n"
+          "  --listen HOST:PORT       address to listen on (default " ES_DEFAULT_LISTEN
+          "; [v6]:PORT for IPv6;\n"
+          "                           port 0 = any free port, logged at start)\n"
+          "  --threads N              kernel worker threads, 0 = one per core (default 0)\n"
+          "  --numa auto|N|LIST       NUMA nodes: auto, a node count, or a list like 0,1 (default auto)\n"
+          "  --max-tokens N           most tokens in one request, 1..%u (default %u)\n"
+          "  --quant FMT              weight format: bf16|f16|f32|int8|int4 (default: as stored)\n"
+          "  --group N                int4 group size along K: 32|64|128 (default %u; int4 only)\n"
+          "  --grpc-threads N         gRPC completion-queue threads, 1..%u (default 1)\n"
+          "  --drain-timeout-ms N     on SIGTERM/SIGINT, how long to wait for accepted requests,\n"
+          "                           0..%u (default %u)\n"
+          "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
+          "  --help                   this text\n"
+          "\n"
+          "Exit status: 0 after a clean drain, 1 on a runtime failure or a second signal during\n"
+          "the drain, 2 on a usage error.\n",
+          ES_MAX_MAX_TOKENS, ES_DEFAULT_MAX_TOKENS, ES_DEFAULT_GROUP, ES_MAX_GRPC_THREADS,
+          ES_MAX_DRAIN_TIMEOUT_MS, ES_DEFAULT_DRAIN_TIMEOUT_MS);
+}
+
+static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, PROG ": ");
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "\n(see " PROG " --help)\n");
+  return 2;
+}
+
+/* Parses a decimal number in lo..hi for flag; returns false after printing the error. */
+static bool parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  char *end = NULL;
+  errno = 0;
+  if (!s[0] || s[0] == '-' || s[0] == '+' || s[0] == ' ') goto bad;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno || *end) goto bad;
+  if (v < lo || v > hi) {
+    usage_error("%s %s: must be in %" PRIu32 "..%" PRIu32, flag, s, lo, hi);
+    return false;
+  }
+  *out = (uint32_t)v;
+  return true;
+bad:
+  usage_error("%s \"%s\": not a number, must be a decimal integer in %" PRIu32 "..%" PRIu32, flag, s,
+              lo, hi);
+  return false;
+}
+
+/* HOST:PORT or [V6]:PORT, port 0..65535. gRPC resolves the host when binding. */
+static bool check_listen(const char *s) {
+  const char *colon;
+  if (s[0] == '[') {
+    const char *close = strchr(s, ']');
+    if (!close || close == s + 1 || close[1] != ':') {
+      usage_error("--listen \"%s\": must be HOST:PORT or [IPV6]:PORT", s);
+      return false;
+    }
+    colon = close + 1;
+  } else {
+    colon = strrchr(s, ':');
+    if (!colon || colon == s) {
+      usage_error("--listen \"%s\": must be HOST:PORT (e.g. 127.0.0.1:50051)", s);
+      return false;
+    }
+  }
+  uint32_t port;
+  return parse_u32("--listen port", colon + 1, 0, 65535, &port);
+}
+
+/* auto, a node count (1..1024), or a list of node ids with at least one comma or range. */
+static bool check_numa(const char *s) {
+  if (strcmp(s, "auto") == 0) return true;
+  if (!strpbrk(s, ",-")) {
+    uint32_t n;
+    return parse_u32("--numa", s, 1, 1024, &n);
+  }
+  mr_idset set;
+  mr_err e;
+  if (mr_idset_parse(&set, s, 1024, "--numa", &e) != 0) {
+    usage_error("%s (a node list is ids/ranges below 1024, e.g. 0,1)", e.msg);
+    return false;
+  }
+  uint32_t n = mr_idset_count(&set);
+  mr_idset_close(&set);
+  if (n == 0) {
+    usage_error("--numa \"%s\": lists no node", s);
+    return false;
+  }
+  return true;
+}
+
+enum {
+  OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
+  OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_HELP
+};
+
+int main(int argc, char **argv) {
+  static const struct option longopts[] = {
+      {"model", required_argument, NULL, OPT_MODEL},
+      {"listen", required_argument, NULL, OPT_LISTEN},
+      {"experts", required_argument, NULL, OPT_EXPERTS},
+      {"layers", required_argument, NULL, OPT_LAYERS},
+      {"threads", required_argument, NULL, OPT_THREADS},
+      {"max-tokens", required_argument, NULL, OPT_MAX_TOKENS},
+      {"quant", required_argument, NULL, OPT_QUANT},
+      {"group", required_argument, NULL, OPT_GROUP},
+      {"numa", required_argument, NULL, OPT_NUMA},
+      {"grpc-threads", required_argument, NULL, OPT_GRPC_THREADS},
+      {"drain-timeout-ms", required_argument, NULL, OPT_DRAIN},
+      {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"help", no_argument, NULL, OPT_HELP},
+      {NULL, 0, NULL, 0},
+  };
+  es_server_opts o;
+  es_server_opts_init(&o);
+  bool group_set = false;
+  mr_log_set_component("server");
+  opterr = 0;
+  for (;;) {
+    int longidx = 0;
+    int c = getopt_long(argc, argv, ":", longopts, &longidx);
+    if (c == -1) break;
+    switch (c) {
+    case OPT_MODEL: o.model_dir = optarg; break;
+    case OPT_LISTEN:
+      if (!check_listen(optarg)) return 2;
+      o.listen = optarg;
+      break;
+    case OPT_EXPERTS: o.experts = optarg; break;
+    case OPT_LAYERS: o.layers = optarg; break;
+    case OPT_THREADS:
+      if (!parse_u32("--threads", optarg, 0, ES_MAX_THREADS, &o.threads)) return 2;
+      break;
+    case OPT_MAX_TOKENS:
+      if (!parse_u32("--max-tokens", optarg, 1, ES_MAX_MAX_TOKENS, &o.max_tokens)) return 2;
+      break;
+    case OPT_QUANT:
+      if (kn_format_parse(optarg, &o.quant) != 0)
+        return usage_error("--quant \"%s\": must be bf16, f16, f32, int8 or int4", optarg);
+      o.quant_set = true;
+      break;
+    case OPT_GROUP:
+      if (!parse_u32("--group", optarg, 32, 128, &o.group)) return 2;
+      if (o.group != 32 && o.group != 64 && o.group != 128)
+        return usage_error("--group %s: must be 32, 64 or 128", optarg);
+      group_set = true;
+      break;
+    case OPT_NUMA:
+      if (!check_numa(optarg)) return 2;
+      o.numa = optarg;
+      break;
+    case OPT_GRPC_THREADS:
+      if (!parse_u32("--grpc-threads", optarg, 1, ES_MAX_GRPC_THREADS, &o.grpc_threads)) return 2;
+      break;
+    case OPT_DRAIN:
+      if (!parse_u32("--drain-timeout-ms", optarg, 0, ES_MAX_DRAIN_TIMEOUT_MS, &o.drain_timeout_ms))
+        return 2;
+      break;
+    case OPT_LOG_LEVEL: {
+      int level;
+      if (mr_log_parse_level(optarg, &level) != 0)
+        return usage_error("--log-level \"%s\": must be error, warn, info or debug", optarg);
+      mr_log_set_level(level);
+      break;
+    }
+    case OPT_HELP: usage(stdout); return 0;
+    case ':': return usage_error("%s needs a value", argv[optind - 1]);
+    default: return usage_error("unknown option \"%s\"", argv[optind - 1]);
+    }
+  }
+  if (optind < argc) return usage_error("unexpected argument \"%s\"", argv[optind]);
+  if (!o.model_dir) return usage_error("--model DIR is required");
+  if (!o.experts) return usage_error("--experts SPEC is required (\"all\" or ids like 0-7,12)");
+  if (group_set && !(o.quant_set && o.quant == KN_FMT_INT4))
+    return usage_error("--group applies to --quant int4 only");
+
+  mr_err e;
+  mr_err_clear(&e);
+  es_server *s = NULL;
+  int rc = es_server_new(&s, &o, &e);
+  if (rc == MR_EINVAL) return usage_error("%s", e.msg);
+  if (rc) {
+    mr_log(MR_LOG_ERROR, "cannot start: %s (%s)", e.msg, mr_err_name(rc));
+    return 1;
+  }
+  rc = es_server_run(s, &e);
+  if (rc == MR_ECANCELED) {
+    /* A second signal: exit now, without waiting for anything (es.h). */
+    fflush(NULL);
+    _exit(1);
+  }
+  if (rc) mr_log(MR_LOG_ERROR, "serving failed: %s (%s)", e.msg, mr_err_name(rc));
+  es_server_free(s);
+  return rc ? 1 : 0;
+}
