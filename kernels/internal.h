@@ -4,13 +4,15 @@
  * Nothing here is part of the public contract (kn.h); other folders must not include it.
  * Names shared between files of this folder use the double-underscore prefix kn__.
  *
- * Three things live here:
+ * Four things live here:
  *   1. the packed weight layout of every format (the "canonical layout"), which the
  *      loader writes, kn_ref reads and every fast path reads (section A);
  *   2. struct kn_layer, which holds the packed slices of the experts (section B);
- *   3. struct kn_engine and its kernel table: one entry per (format, ISA) holding the
- *      functions that compute one expert slice, so that a fast path only has to fill an
- *      entry to be used (section C).
+ *   3. the kernel table: one entry per (format, ISA) holding the functions that compute
+ *      one expert slice, so that a fast path only has to fill an entry to be used
+ *      (section C);
+ *   4. struct kn_engine with the host topology, the worker plan, the worker pool and the
+ *      NUMA placement of slices (section D, pool.c).
  */
 #ifndef KN_INTERNAL_H
 #define KN_INTERNAL_H
@@ -92,8 +94,10 @@
 
 /* The packed weights of one slice of one expert (all pointers inside mem). */
 typedef struct kn__slice_w {
-  void *mem;          /* the one allocation holding everything below (mr_malloc_aligned) */
+  void *mem;          /* the one allocation holding everything below: mr_malloc_aligned,
+                       * or kn__mem_map_on_node when map_bytes > 0 */
   size_t mem_bytes;   /* its size, including alignment padding */
+  size_t map_bytes;   /* > 0: mem is a mapping of this many bytes on the slice's node */
   void *gate;         /* [I_s rows][H], format layout above */
   void *up;           /* [I_s rows][H] */
   void *down;         /* [H rows][I_s] */
@@ -114,7 +118,10 @@ struct kn_layer {
   uint32_t slice_off[KN_MAX_NODES]; /* first intermediate row of slice s */
   uint32_t slice_len[KN_MAX_NODES]; /* I_s: rows of slice s (may be 0 when I < n_slices) */
   uint32_t max_slice_len;           /* max over s of slice_len[s] */
-  uint32_t node[KN_MAX_NODES];      /* NUMA node slice s is meant to live on (phase 2) */
+  uint32_t node[KN_MAX_NODES];      /* NUMA node (OS number) slice s lives on */
+  kn_engine *eng;                   /* the creating engine: loading packs on its workers */
+  bool numa_place;                  /* slices are mapped on their node (eng->numa_place) */
+  uint32_t misplaced;               /* slices found off their node after loading (WARNed) */
   kn__slice_w **w;                  /* [E]: NULL, or [n_slices] slices of a loaded expert */
   uint64_t *owned;                  /* bitmap of E bits: expert loaded */
   uint32_t n_owned;                 /* experts loaded */
@@ -162,10 +169,16 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
  *   gate_up:  h[r, i] = silu(gate_s[i, :] . x[r, :]) * (up_s[i, :] . x[r, :])   i < I_s
  *   down:     y[r, j] = down_s[j, :] . h[r, :]                                  j < H
  *
- * Each step takes a half-open range of its output rows, so that a worker pool (phase 2)
- * can cut one step into per-thread row blocks with a barrier between the two steps, the
- * way kt-kernel does; phase 1 calls each step once over the whole range. The caller then
- * adds w[r] * y[r, :] into the slice's fp32 partial output row of token tok[r].
+ * Each step takes a half-open range of its output rows, so that the worker pool can cut
+ * it into row blocks: kn_moe_forward hands out (expert, gate_up row block) items of all
+ * used experts, then, after a barrier, (expert, down row block) items, to the workers of
+ * the slice's node (section D). Finally the slices' y are summed in fp32 and weighted
+ * into out.
+ *
+ * Thread contract for kernels: gate_up, down and prep are called concurrently from
+ * several workers, on different tasks or different row ranges of one task; each call
+ * gets its own tmp (one per worker). They must write only their own rows of h / y (or
+ * xq) and tmp, and keep no state between calls.
  *
  * A fast path for (format f, ISA i) fills table[f][i] in its registration function; the
  * engine picks for each format the best filled entry at or below its ISA (the REF entries
@@ -173,7 +186,7 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
  */
 typedef struct kn__task {
   const kn_layer *L;
-  uint32_t slice;         /* s */
+  uint32_t slice;         /* s (also the group of the workers that compute it) */
   const kn__slice_w *w;   /* packed weights of (expert, s) */
   uint32_t n;             /* tokens routed to the expert in this call */
   const float *x;         /* [n, H] fp32 inputs, row r = token tok[r] of the request */
@@ -216,15 +229,200 @@ typedef struct kn__cpu {
 /* Detects once (thread-safe) and returns the process-wide result. */
 const kn__cpu *kn__cpu_get(void);
 
+/* ---------------------------------------------------------------------------------------
+ * D. The engine: topology, worker plan, worker pool and NUMA placement (pool.c).
+ *
+ * How an engine maps onto the host:
+ *
+ *   host (hwloc) ---------> kn__topo   NUMA nodes that have allowed cores; the cores of
+ *                                      each node; the PUs (hardware threads) of each core
+ *   --numa, --threads,  --> kn__plan   groups and workers: group g computes slice g of every
+ *   force_split                        expert; each worker belongs to one group and has a
+ *                                      core (or its node) to be pinned to
+ *                           kn__pool   the threads: worker 0 is whoever calls kn__pool_run
+ *                                      (never pinned by us); workers 1..n-1 are pool
+ *                                      threads, each pinned to its core at start
+ *
+ *   workers: [ group 0: caller w1 w2 | group 1: w3 w4 w5 | ... ]   (contiguous per group)
+ *   group g <-> slice g of every expert <-> NUMA node plan.group_node[g]
+ *
+ * Without force_split there is one group per NUMA node used, each with at least one
+ * worker, and a worker only ever works on its own group's slices (the weights it reads
+ * are local). With force_split = N the N groups are all on the first node used (tests of
+ * the multi-node code on a one-node host); workers are dealt out over them and, since no
+ * memory is remote, may help the other groups once their own is done ("stealing"), so
+ * that a group left with no worker (threads < N) still gets its work done.
+ *
+ * Threads (STYLE.md 8):
+ *   - kn__pool_run may be called from any thread; its callers are serialised by the
+ *     pool's run_lock (so a load and a forward on one engine from two threads queue up).
+ *     It runs fn on every worker at once (the caller as worker 0) and returns when all of
+ *     them have returned. The caller's writes before kn__pool_run happen-before every
+ *     worker's fn (the dispatch counter is released by the caller and acquired by the
+ *     workers), and every worker's writes in fn happen-before kn__pool_run returns (the
+ *     completion counter), so fn's arg needs no other synchronisation.
+ *   - kn__pool_barrier: every worker of the run must call it the same number of times;
+ *     all writes before it, by any worker, are visible to all workers after it.
+ *   - kn__work_claim is lock-free (one atomic counter per group): each item is handed to
+ *     exactly one worker. What an item writes must be disjoint from what other items of
+ *     the same phase write; phases are separated by kn__pool_barrier.
+ *   - Waiting (for work, at a barrier, for the end of a run) spins for the pool's spin
+ *     time (KN_POOL_SPIN_US, env MOERPC_SPIN_US) and then sleeps on a futex, so that an
+ *     idle engine costs no CPU: the server's gRPC threads share the host.
+ */
+
+/* Most workers an engine may have (kn_engine_opts.threads). */
+#define KN_MAX_THREADS 4096u
+/* Default spin before a waiting worker sleeps, microseconds. Long enough to cover the gap
+ * between the phases of one forward and between back-to-back requests, short enough that
+ * an idle server is idle. */
+#define KN_POOL_SPIN_US 50u
+/* Most MOERPC_SPIN_US accepts (100 ms). */
+#define KN_POOL_SPIN_MAX_US 100000u
+
+/* What the host offers. Filled by kn__topo_read (from an hwloc topology) or kn__topo_host;
+ * closed with kn__topo_close. Nodes are in ascending OS number; the cores of node n are
+ * core indices node_core0[n] .. node_core0[n + 1] - 1; the PUs of core c are
+ * pu[core_pu0[c]] .. pu[core_pu0[c + 1] - 1] (OS numbers, as in /proc/cpuinfo), so the PUs
+ * of a node are contiguous in pu[] too. */
+typedef struct kn__topo {
+  uint32_t n_nodes;                      /* NUMA nodes with at least one allowed core */
+  uint32_t node_os[KN_MAX_NODES];        /* their OS numbers (numactl's), ascending */
+  uint32_t node_core0[KN_MAX_NODES + 1]; /* first core index of each node, + end */
+  uint32_t n_cores;
+  uint32_t *core_pu0;                    /* [n_cores + 1], owned */
+  uint32_t *pu;                          /* [n_pus], owned */
+  uint32_t n_pus;
+  uint32_t n_memonly;                    /* nodes without an allowed core (CXL, HBM, cgroup) */
+  uint32_t memonly_os[KN_MAX_NODES];     /* their OS numbers (the first KN_MAX_NODES) */
+  uint32_t n_dropped;                    /* nodes with cores beyond KN_MAX_NODES, ignored */
+  bool from_hwloc;                       /* false: the sched_getaffinity fallback (1 node) */
+  void *hw;                              /* the host's hwloc_topology_t, owned, or NULL */
+} kn__topo;
+
+#if MR_HAVE_HWLOC
+#include <hwloc.h>
+/* Reads nodes, cores and PUs from a loaded hwloc topology (the host's or a synthetic one),
+ * keeping only the PUs in allowed (NULL: all). A PU belongs to the first node (by OS
+ * number) whose cpuset holds it; PUs with no Core ancestor are their own core. Does not
+ * take ownership of topo (t->hw stays NULL). MR_ENOMEM only. */
+int kn__topo_read(kn__topo *t, hwloc_topology_t topo, hwloc_const_cpuset_t allowed, mr_err *e);
+#endif
+/* Reads the host: hwloc restricted to the PUs this process may run on (its affinity and
+ * cgroup), or, without hwloc or when it fails to load, one node holding the PUs of
+ * sched_getaffinity, each its own core. Keeps the hwloc topology in t->hw for binding. */
+int kn__topo_host(kn__topo *t, mr_err *e);
+void kn__topo_close(kn__topo *t); /* frees what t owns; a zeroed t is fine */
+
+#define KN__CORE_NODE UINT32_MAX /* kn__worker_spec.core: any core of its node */
+typedef struct kn__worker_spec {
+  uint32_t group; /* the group (slice) it works for */
+  uint32_t node;  /* index into kn__topo of the node it runs on */
+  uint32_t core;  /* index into kn__topo of its core, or KN__CORE_NODE when the node has
+                   * fewer cores than workers (then pinned to the whole node) */
+} kn__worker_spec;
+
+typedef struct kn__plan {
+  uint32_t n_groups;                   /* weight slices per expert (engine nodes) */
+  uint32_t group_node[KN_MAX_NODES];   /* OS NUMA node of group g */
+  uint32_t group_first[KN_MAX_NODES + 1]; /* workers of group g: group_first[g] .. [g+1]-1 */
+  uint32_t n_workers;                  /* the caller + pool threads */
+  kn__worker_spec *w;                  /* [n_workers], owned; w[0] is the caller */
+  uint32_t n_real_nodes;               /* distinct NUMA nodes used */
+  bool forced;                         /* groups come from force_split */
+  bool steal;                          /* workers may take other groups' items (forced) */
+} kn__plan;
+
+/* Decides groups and workers from the host t and the options (pure: no system calls, so
+ * that synthetic topologies test it).
+ *   numa:    NULL, "" or "auto" = every node of t; "N" = the first N nodes; "a,b,..." = those
+ *            nodes in that order (write "3," for node 3 alone: "3" is a count).
+ *   threads: workers in total, the caller included; 0 = one per core of the nodes used.
+ *            Without force_split each node used needs at least one.
+ *   force_split: > 0: that many groups, all on the first node selected by numa.
+ * Workers are dealt out to groups as evenly as possible (the first groups get the extra
+ * ones); on each node worker i takes core i when the node has enough cores, else the
+ * workers of that node float over all of its cores. Errors name the option and the limit:
+ * MR_EINVAL for a malformed or out-of-range value, MR_ENOTSUP for a node this host or
+ * build cannot serve (a memory-only node; more than one node without hwloc). */
+int kn__plan_make(kn__plan *p, const kn__topo *t, const char *numa, uint32_t threads,
+                  uint32_t force_split, mr_err *e);
+void kn__plan_close(kn__plan *p); /* a zeroed p is fine */
+
+typedef struct kn__pool kn__pool;
+typedef struct kn__pool_ctx {
+  kn__pool *pool;
+  uint32_t worker; /* 0 = the caller of kn__pool_run, 1..n-1 = pool threads */
+  uint32_t group;  /* plan.w[worker].group */
+} kn__pool_ctx;
+typedef void (*kn__pool_fn)(void *arg, const kn__pool_ctx *c);
+
+/* Starts plan->n_workers - 1 threads, each pinned (hwloc, THREAD | STRICT) to the PUs of its
+ * core, or of its node, in t; returns once all have tried. A failed pin is a WARN, not an
+ * error: containers often forbid it, and the pool works unpinned. t and plan are only read
+ * during the call. spin_us: how long a waiting worker spins before it sleeps. The caller
+ * frees the pool with kn__pool_free. MR_EEXHAUSTED when a thread cannot be started. */
+int kn__pool_new(kn__pool **out, const kn__plan *plan, const kn__topo *t, uint32_t spin_us,
+                 mr_err *e);
+void kn__pool_free(kn__pool *p); /* NULL is a no-op; stops and joins the threads */
+/* Runs fn(arg, ctx) on every worker (see "Threads" above); returns when all are done. */
+void kn__pool_run(kn__pool *p, kn__pool_fn fn, void *arg);
+/* Waits until every worker of the current run has reached it (no-op for one worker). */
+void kn__pool_barrier(const kn__pool_ctx *c);
+uint32_t kn__pool_size(const kn__pool *p);
+
+typedef struct kn__pool_stats {
+  uint64_t runs;     /* kn__pool_run calls */
+  uint64_t sleeps;   /* times a waiting worker went to sleep on a futex */
+  uint32_t sleeping; /* pool threads asleep waiting for work right now */
+  uint32_t pinned;   /* pool threads whose pinning succeeded */
+} kn__pool_stats;
+/* Any thread, but not from inside a run (it takes the run lock). */
+void kn__pool_get_stats(const kn__pool *p, kn__pool_stats *s);
+
+/* A phase's work list: items 0 .. count[g] - 1 of each group g, handed out one at a time by
+ * an atomic counter per group (dynamic claiming, as kt-kernel does). A worker claims from
+ * its own group; when that is empty and the plan allows stealing, from the next groups in
+ * turn. n_groups = 1 makes one list every worker claims from. Set up by the caller with
+ * kn__work_init before kn__pool_run; lives (e.g. on the caller's stack) for the run. */
+typedef struct kn__work {
+  uint32_t n_groups;
+  uint32_t count[KN_MAX_NODES];
+  struct {
+    _Alignas(64) uint32_t next; /* next item to hand out; own cache line: claimed concurrently */
+  } ctr[KN_MAX_NODES];
+} kn__work;
+/* counts[g] items for each of n_groups groups (1..KN_MAX_NODES). */
+void kn__work_init(kn__work *w, uint32_t n_groups, const uint32_t *counts);
+/* Hands the calling worker its next item: true with *group, *item set; false when there is
+ * nothing left that it may take. */
+bool kn__work_claim(kn__work *w, const kn__pool_ctx *c, uint32_t *group, uint32_t *item);
+
+/* NUMA placement of weight slices (used when the engine spans several real nodes and
+ * libnuma works). Maps bytes (rounded up to pages) of anonymous memory with the policy
+ * "preferably on node" (mbind MPOL_PREFERRED: a full node spills over instead of failing)
+ * and returns it, untouched, with the mapped length in *mapped; NULL when mmap fails. The
+ * pages land on the node at first touch, which the loader does from workers pinned there,
+ * so placement holds even where mbind is forbidden (a WARN says so once). Free with
+ * kn__mem_unmap. */
+void *kn__mem_map_on_node(size_t bytes, uint32_t node, size_t *mapped);
+void kn__mem_unmap(void *p, size_t mapped);
+/* The NUMA node of the (touched) page holding p; -1 when unknown (no libnuma, untouched). */
+int kn__mem_node_of(const void *p);
+
 struct kn_engine {
   kn_isa isa;                 /* the ISA asked for (auto resolved), <= detected best */
   kn_isa fmt_isa[KN_FMT_COUNT]; /* the table entry each format runs on */
   const kn__kernel *kern[KN_FMT_COUNT]; /* = &table.k[f][fmt_isa[f]] */
   kn__kernel_table table;
-  uint32_t threads;           /* threads asked for (phase 1 computes on the caller thread) */
-  uint32_t n_nodes;           /* weight slices per expert */
-  uint32_t node[KN_MAX_NODES];/* NUMA node id of slice s */
+  uint32_t n_nodes;           /* weight slices per expert = plan.n_groups */
+  uint32_t node[KN_MAX_NODES];/* NUMA node (OS number) of slice s = plan.group_node[s] */
   bool forced_split;          /* n_nodes came from force_split, not the topology */
+  bool numa_place;            /* slices are mapped on their node (> 1 real node, libnuma) */
+  uint32_t spin_us;           /* pool spin before sleeping */
+  kn__topo topo;              /* the host, read once */
+  kn__plan plan;              /* groups and workers */
+  kn__pool *pool;             /* plan.n_workers - 1 threads */
   mr_arena scratch;           /* used by kn_moe_forward when the caller passes none */
 };
 
@@ -242,5 +440,21 @@ int kn__moe_validate(const kn_layer *L, const kn_moe_args *a, mr_err *e);
 static inline float kn__silu(float g) {
   return g / (1.0f + expf(-g));
 }
+
+/* ---------------------------------------------------------------------------------------
+ * Fast-path registrations (kernels/x86/, listed in registrations[] of kn.c).
+ *
+ * Each fills its ISA's column of the table for the formats it implements (moe_avx2.c: all
+ * five; moe_avx512.c: f32, f16, bf16, and int8/int4 when the CPU has AVX512_VNNI).
+ * Their kernels follow the thread contract of section C and use tmp as scratch private
+ * to the calling worker (down converts h into it); gate_up uses no tmp.
+ * No AMX kernels: no machine with AMX is available to this project to test them.
+ */
+void kn__avx2_register(kn__kernel_table *t);
+void kn__avx512_register(kn__kernel_table *t);
+/* kn__avx512_register for a given feature set (the bf16 variant and int8/int4 depend on
+ * AVX512_BF16 / AVX512_VNNI): lets tests run the paths of CPUs they are not on, e.g. the
+ * fp32 bf16 kernel of an AVX-512 CPU without BF16. Never pass features the CPU lacks. */
+void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
 
 #endif /* KN_INTERNAL_H */

@@ -4,7 +4,15 @@
  *
  * The per-slice arithmetic is not here: kn_moe_forward calls the kernel table of the engine
  * (internal.h section C), whose REF entries live in kn_ref.c and whose fast paths live in
- * kernels/x86/.
+ * kernels/x86/. Neither are the threads: the engine's topology, worker plan, pool and the
+ * NUMA mapping of slices live in pool.c (internal.h section D). Here, loading and
+ * kn_moe_forward cut their work into items for the pool (load_job, fwd_job).
+ *
+ * Threads (STYLE.md 8): the thread that calls kn_layer_load_expert or kn_moe_forward
+ * prepares a job on its stack, runs it on every worker with kn__pool_run (taking part as
+ * worker 0) and reads the results after it returns; during the run, workers write only
+ * the rows of the items they claimed (disjoint by construction) and the job's few shared
+ * words (work-list counters; load_job.bad under load_job.lock).
  */
 #include "kernels/internal.h"
 
@@ -167,74 +175,26 @@ static const struct {
   void (*reg)(kn__kernel_table *t);
 } registrations[] = {
     {KN_ISA_REF, kn__ref_register},
+#if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX2
+    {KN_ISA_AVX2, kn__avx2_register},
+#endif
+#if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX512
+    {KN_ISA_AVX512, kn__avx512_register},
+#endif
 };
 
-/* Fills eng->n_nodes / node[] from opts->force_split or opts->numa. */
-static int engine_nodes(kn_engine *eng, const kn_engine_opts *o, mr_err *e) {
-  uint32_t avail[KN_MAX_NODES];
-  uint32_t n_avail = 0;
-#if MR_HAVE_NUMA
-  if (numa_available() >= 0) {
-    int maxn = numa_max_node();
-    for (int n = 0; n <= maxn && n_avail < KN_MAX_NODES; n++)
-      if (numa_bitmask_isbitset(numa_all_nodes_ptr, (unsigned)n)) avail[n_avail++] = (uint32_t)n;
-  }
-#endif
-  if (n_avail == 0) avail[n_avail++] = 0; /* no libnuma or no NUMA: one node, id 0 */
-
-  if (o && o->force_split > 0) {
-    if (o->force_split > KN_MAX_NODES)
-      return mr_err_set(e, MR_EINVAL, "force_split = %u, must be in 0..%u", o->force_split,
-                        KN_MAX_NODES);
-    /* Pretend nodes: the slices are cut as on a host with force_split nodes, all of them
-     * on the first real node. */
-    eng->n_nodes = o->force_split;
-    for (uint32_t s = 0; s < eng->n_nodes; s++) eng->node[s] = avail[0];
-    eng->forced_split = true;
-    return 0;
-  }
-  const char *spec = (o && o->numa) ? o->numa : "auto";
-  if (strcmp(spec, "auto") == 0 || spec[0] == '\0') {
-    eng->n_nodes = n_avail;
-    memcpy(eng->node, avail, n_avail * sizeof avail[0]);
-    return 0;
-  }
-  if (strchr(spec, ',') == NULL) { /* a count: the first n available nodes */
-    char *end;
-    errno = 0;
-    unsigned long n = strtoul(spec, &end, 10);
-    if (*end == '\0' && errno == 0 && end != spec) {
-      if (n < 1 || n > n_avail)
-        return mr_err_set(e, MR_EINVAL, "numa = \"%s\": node count must be in 1..%u (nodes on this host)",
-                          spec, n_avail);
-      eng->n_nodes = (uint32_t)n;
-      memcpy(eng->node, avail, n * sizeof avail[0]);
-      return 0;
-    }
-  }
-  /* A list "0,1" (a single "3" was taken as a count above; write "3," for node 3 alone). */
-  uint32_t n = 0;
-  const char *p = spec;
-  while (*p) {
-    char *end;
-    errno = 0;
-    unsigned long id = strtoul(p, &end, 10);
-    if (end == p || errno != 0 || (*end != ',' && *end != '\0'))
-      return mr_err_set(e, MR_EINVAL,
-                        "numa = \"%s\": expected \"auto\", a node count or a node list like \"0,1\"",
-                        spec);
-    bool ok = false;
-    for (uint32_t i = 0; i < n_avail; i++) ok |= avail[i] == id;
-    if (!ok) return mr_err_set(e, MR_EINVAL, "numa = \"%s\": node %lu is not available on this host", spec, id);
-    for (uint32_t i = 0; i < n; i++)
-      if (eng->node[i] == id) return mr_err_set(e, MR_EINVAL, "numa = \"%s\": node %lu listed twice", spec, id);
-    if (n == KN_MAX_NODES)
-      return mr_err_set(e, MR_EINVAL, "numa = \"%s\": more than %u nodes", spec, KN_MAX_NODES);
-    eng->node[n++] = (uint32_t)id;
-    p = *end == ',' ? end + 1 : end;
-  }
-  if (n == 0) return mr_err_set(e, MR_EINVAL, "numa = \"%s\": empty node list", spec);
-  eng->n_nodes = n;
+/* The pool's spin before sleeping: KN_POOL_SPIN_US, or MOERPC_SPIN_US (microseconds). */
+static int engine_spin(uint32_t *spin_us, mr_err *e) {
+  *spin_us = KN_POOL_SPIN_US;
+  const char *env = getenv("MOERPC_SPIN_US");
+  if (!env || !*env) return 0;
+  char *end;
+  errno = 0;
+  unsigned long v = strtoul(env, &end, 10);
+  if (end == env || *end != '\0' || errno != 0 || env[0] == '-' || v > KN_POOL_SPIN_MAX_US)
+    return mr_err_set(e, MR_EINVAL, "MOERPC_SPIN_US = \"%s\": must be an integer in 0..%u (microseconds)",
+                      env, KN_POOL_SPIN_MAX_US);
+  *spin_us = (uint32_t)v;
   return 0;
 }
 
@@ -269,12 +229,26 @@ int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e) {
   }
   eng->isa = want;
 
-  if (opts && opts->threads > 4096) {
-    rc = mr_err_set(e, MR_EINVAL, "threads = %u, must be in 0..4096", opts->threads);
-    goto out_free_eng;
-  }
-  eng->threads = opts ? opts->threads : 0;
-  rc = engine_nodes(eng, opts, e);
+  rc = engine_spin(&eng->spin_us, e);
+  if (rc) goto out_free_eng;
+  /* Topology, then the plan (validates threads / numa / force_split), then the threads. */
+  rc = kn__topo_host(&eng->topo, e);
+  if (rc) goto out_free_eng;
+  rc = kn__plan_make(&eng->plan, &eng->topo, opts ? opts->numa : NULL, opts ? opts->threads : 0,
+                     opts ? opts->force_split : 0, e);
+  if (rc) goto out_free_eng;
+  if (eng->topo.n_dropped)
+    mr_log(MR_LOG_WARN, "kn engine: the host has more than %u NUMA nodes with CPUs; %u are not used",
+           KN_MAX_NODES, eng->topo.n_dropped);
+  eng->n_nodes = eng->plan.n_groups;
+  memcpy(eng->node, eng->plan.group_node, sizeof eng->node);
+  eng->forced_split = eng->plan.forced;
+  eng->numa_place = false;
+#if MR_HAVE_NUMA
+  /* Placing slices pays only when they really sit on different nodes. */
+  eng->numa_place = !eng->plan.forced && eng->plan.n_real_nodes > 1 && numa_available() >= 0;
+#endif
+  rc = kn__pool_new(&eng->pool, &eng->plan, &eng->topo, eng->spin_us, e);
   if (rc) goto out_free_eng;
 
   for (size_t i = 0; i < sizeof registrations / sizeof registrations[0]; i++)
@@ -288,18 +262,35 @@ int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e) {
     eng->kern[f] = &eng->table.k[f][i];
   }
   mr_arena_init(&eng->scratch, 4u << 20);
-  mr_log(MR_LOG_DEBUG, "kn engine: isa %s (cpu best %s), %u node slice(s)%s", kn_isa_name(eng->isa),
-         kn_isa_name(cpu->best), eng->n_nodes, eng->forced_split ? " (forced split)" : "");
+  if (mr__log_level >= MR_LOG_DEBUG) {
+    kn__pool_stats st;
+    kn__pool_get_stats(eng->pool, &st);
+    mr_log(MR_LOG_DEBUG,
+           "kn engine: isa %s (cpu best %s); %u worker(s), %u pinned pool thread(s); %u slice(s)%s; "
+           "spin %u us; slices %s",
+           kn_isa_name(eng->isa), kn_isa_name(cpu->best), eng->plan.n_workers, st.pinned,
+           eng->n_nodes, eng->forced_split ? " (forced split)" : "", eng->spin_us,
+           eng->numa_place ? "mapped on their nodes" : "in ordinary heap memory");
+    for (uint32_t g = 0; g < eng->plan.n_groups; g++)
+      mr_log(MR_LOG_DEBUG, "kn engine: slice %u on NUMA node %u, workers %u..%u", g,
+             eng->plan.group_node[g], eng->plan.group_first[g], eng->plan.group_first[g + 1] - 1);
+  }
   *out = eng;
   return 0;
 
 out_free_eng:
+  kn__pool_free(eng->pool);
+  kn__plan_close(&eng->plan);
+  kn__topo_close(&eng->topo);
   mr_free(eng);
   return rc;
 }
 
 void kn_engine_free(kn_engine *eng) {
   if (!eng) return;
+  kn__pool_free(eng->pool); /* joins the workers */
+  kn__plan_close(&eng->plan);
+  kn__topo_close(&eng->topo);
   mr_arena_close(&eng->scratch);
   mr_free(eng);
 }
@@ -308,12 +299,8 @@ kn_isa kn_engine_isa(const kn_engine *eng, kn_format f) {
   return (unsigned)f < KN_FMT_COUNT ? eng->fmt_isa[f] : KN_ISA_REF;
 }
 
-/* Phase 1 computes on the thread that calls kn_moe_forward; the worker pool that honours
- * opts->threads comes with the NUMA placement. */
-uint32_t kn_engine_threads(const kn_engine *eng) {
-  (void)eng;
-  return 1;
-}
+/* The caller of kn_moe_forward counts as one of them (kn.h). */
+uint32_t kn_engine_threads(const kn_engine *eng) { return eng->plan.n_workers; }
 
 uint32_t kn_engine_nodes(const kn_engine *eng) { return eng->n_nodes; }
 
@@ -451,6 +438,8 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
   if (d->format != KN_FMT_INT4) L->d.group = 0;
   L->n_slices = eng->n_nodes;
   memcpy(L->node, eng->node, sizeof L->node);
+  L->eng = eng;
+  L->numa_place = eng->numa_place;
   /* INT4 slices are cut at whole groups, so that the groups of the down matrix are the
    * same (in HF column coordinates) for any slice count and the packed values do not
    * depend on it. */
@@ -473,7 +462,12 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
 
 static void slices_free(kn__slice_w *w, uint32_t n) {
   if (!w) return;
-  for (uint32_t s = 0; s < n; s++) mr_free_aligned(w[s].mem);
+  for (uint32_t s = 0; s < n; s++) {
+    if (w[s].map_bytes)
+      kn__mem_unmap(w[s].mem, w[s].map_bytes);
+    else
+      mr_free_aligned(w[s].mem);
+  }
   mr_free(w);
 }
 
@@ -488,15 +482,123 @@ void kn_layer_free(kn_layer *L) {
 
 static const char *const proj_names[3] = {"gate", "up", "down"};
 
-/* Converts K source elements to fp32 at dst and refuses non-finite values: a NaN or inf
- * weight would silently poison every token routed to the expert. */
-static int load_row(float *dst, const void *src, mr_dtype dt, size_t elem_off, uint32_t K,
-                    uint32_t expert, kn__proj p, uint32_t row, uint32_t col0, mr_err *e) {
-  mr_convert_to_f32(dst, (const char *)src + elem_off * mr_dtype_size(dt), dt, K);
+/* Rows of one matrix per load work item. */
+#define LOAD_BLOCK 32u
+
+/* The first non-finite weight met while packing, in (matrix: gate, up, down; row; column)
+ * order whichever worker met it, so that the message does not depend on the schedule. */
+typedef struct bad_weight {
+  bool set;
+  uint32_t proj, row, col;
+  float v;
+} bad_weight;
+
+/* One kn_layer_load_expert on the engine's workers: group s packs slice s, so that every
+ * page of a slice is first written by a worker pinned on the slice's node. */
+typedef struct load_job {
+  kn_layer *L;
+  kn__slice_w *w;                    /* [n_slices], being filled */
+  const void *src[3];                /* gate [I, H], up [I, H], down [H, I] */
+  mr_dtype dt;
+  float *rows;                       /* [n_workers][row_floats]: one fp32 row per worker */
+  size_t row_floats;
+  uint32_t gu_items[KN_MAX_NODES];   /* items of group s: gate/up row blocks, then down */
+  bool skip_caller;                  /* worker 0 packs nothing (see kn_layer_load_expert) */
+  pthread_mutex_t lock;              /* guards bad; taken only when a weight is bad */
+  bad_weight bad;
+  kn__work work;
+} load_job;
+
+static void note_bad(load_job *j, kn__proj p, uint32_t row, uint32_t col, float v) {
+  pthread_mutex_lock(&j->lock);
+  bad_weight *b = &j->bad;
+  if (!b->set || p < b->proj || (p == b->proj && (row < b->row || (row == b->row && col < b->col))))
+    *b = (bad_weight){true, p, row, col, v};
+  pthread_mutex_unlock(&j->lock);
+}
+
+/* Converts K source elements of matrix p (from element elem_off) to fp32 at dst; false,
+ * noting the first, if one is not finite: a NaN or inf weight would silently poison
+ * every token routed to the expert. */
+static bool load_row(load_job *j, float *dst, kn__proj p, size_t elem_off, uint32_t K, uint32_t row,
+                     uint32_t col0) {
+  mr_convert_to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);
   for (uint32_t k = 0; k < K; k++)
-    if (!isfinite(dst[k]))
-      return mr_err_set(e, MR_EINVAL, "expert %u %s[%u, %u] = %g: weights must be finite", expert,
-                        proj_names[p], row, col0 + k, (double)dst[k]);
+    if (!isfinite(dst[k])) {
+      note_bad(j, p, row, col0 + k, dst[k]);
+      return false;
+    }
+  return true;
+}
+
+static void load_fn(void *arg, const kn__pool_ctx *c) {
+  load_job *j = arg;
+  if (c->worker == 0 && j->skip_caller) return;
+  const kn_layer *L = j->L;
+  const uint32_t H = L->d.hidden, I = L->d.inter, G = L->d.group;
+  const kn_format f = L->d.format;
+  float *row = j->rows + (size_t)c->worker * j->row_floats;
+  uint32_t s, item;
+  while (kn__work_claim(&j->work, c, &s, &item)) {
+    kn__slice_w *ws = &j->w[s];
+    const uint32_t off = L->slice_off[s], Is = L->slice_len[s];
+    if (item < j->gu_items[s]) {
+      const size_t rb = kn__row_bytes(f, H, G), sc = row_scales(f, H, G);
+      const uint32_t i0 = item * LOAD_BLOCK, i1 = i0 + LOAD_BLOCK < Is ? i0 + LOAD_BLOCK : Is;
+      void *dsts[2] = {ws->gate, ws->up};
+      float *scs[2] = {ws->gate_scale, ws->up_scale};
+      for (uint32_t i = i0; i < i1; i++)
+        for (int p = 0; p < 2; p++)
+          if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
+            pack_row(f, G, row, H, kn__amax(row, H) / 127.0f, (char *)dsts[p] + i * rb,
+                     scs[p] ? scs[p] + i * sc : NULL);
+    } else {
+      const size_t rb = kn__row_bytes(f, Is, G), sc = row_scales(f, Is, G);
+      const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
+      const uint32_t j1 = j0 + LOAD_BLOCK < H ? j0 + LOAD_BLOCK : H;
+      for (uint32_t r = j0; r < j1; r++) {
+        /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
+         * the slice's band, so that the packed values do not depend on the slice count and
+         * a layer gives the same result on any number of nodes (DESIGN.md section 5). */
+        float s8 = 0.0f;
+        if (f == KN_FMT_INT8) {
+          if (!load_row(j, row, KN__DOWN, (size_t)r * I, I, r, 0)) continue;
+          s8 = kn__amax(row, I) / 127.0f;
+        }
+        if (load_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off))
+          pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb,
+                   ws->down_scale ? ws->down_scale + r * sc : NULL);
+      }
+    }
+  }
+}
+
+/* Gives slice s of w its memory: on its node (mapped) or from the heap. */
+static int slice_alloc(kn_layer *L, uint32_t expert, uint32_t s, kn__slice_w *ws, mr_err *e) {
+  const slice_layout lay = slice_layout_of(L, s);
+  char *mem;
+  if (L->numa_place) {
+    mem = kn__mem_map_on_node(lay.total, L->node[s], &ws->map_bytes);
+    if (!mem)
+      return mr_err_set(e, MR_ENOMEM,
+                        "expert %u slice %u: mapping %zu bytes on NUMA node %u failed: %s (out of "
+                        "memory, or vm.max_map_count too low: each slice is one mapping)",
+                        expert, s, lay.total, L->node[s], strerror(errno));
+  } else {
+    mem = mr_malloc_aligned(lay.total, KN_PACK_ALIGN);
+    if (!mem)
+      return mr_err_set(e, MR_ENOMEM, "expert %u slice %u: out of memory for %zu bytes", expert, s,
+                        lay.total);
+  }
+  ws->mem = mem;
+  ws->mem_bytes = lay.total;
+  ws->gate = mem + lay.gate;
+  ws->up = mem + lay.up;
+  ws->down = mem + lay.down;
+  const bool scaled = L->d.format == KN_FMT_INT8 || L->d.format == KN_FMT_INT4;
+  ws->gate_scale = scaled ? (float *)(mem + lay.gate_scale) : NULL;
+  ws->up_scale = scaled ? (float *)(mem + lay.up_scale) : NULL;
+  ws->down_scale = scaled ? (float *)(mem + lay.down_scale) : NULL;
   return 0;
 }
 
@@ -511,67 +613,54 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
   if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
     return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
 
-  const uint32_t H = L->d.hidden, I = L->d.inter, G = L->d.group;
-  const kn_format f = L->d.format;
-  kn__slice_w *w = mr_calloc(L->n_slices, sizeof *w);
-  float *row = mr_malloc((size_t)(H > I ? H : I) * sizeof(float));
-  if (!w || !row) {
+  kn_engine *eng = L->eng;
+  MR_ASSERT(eng->plan.n_groups == L->n_slices);
+  const uint32_t H = L->d.hidden, I = L->d.inter, nw = eng->plan.n_workers;
+  load_job j = {.L = L, .src = {gate, up, down}, .dt = src, .bad = {.set = false}};
+  /* One row per worker, each on its own cache lines. */
+  j.row_floats = ((size_t)(H > I ? H : I) + 15) & ~(size_t)15;
+  j.w = mr_calloc(L->n_slices, sizeof *j.w);
+  j.rows = mr_malloc_aligned(j.row_floats * nw * sizeof(float), KN_PACK_ALIGN);
+  if (!j.w || !j.rows) {
     rc = mr_err_set(e, MR_ENOMEM, "expert %u: out of memory", expert);
     goto out_free;
   }
   uint64_t bytes = 0;
+  uint32_t counts[KN_MAX_NODES];
   for (uint32_t s = 0; s < L->n_slices; s++) {
-    const uint32_t off = L->slice_off[s], Is = L->slice_len[s];
-    if (Is == 0) continue;
-    slice_layout lay = slice_layout_of(L, s);
-    char *mem = mr_malloc_aligned(lay.total, KN_PACK_ALIGN);
-    if (!mem) {
-      rc = mr_err_set(e, MR_ENOMEM, "expert %u slice %u: out of memory for %zu bytes", expert, s,
-                      lay.total);
-      goto out_free;
-    }
-    kn__slice_w *ws = &w[s];
-    ws->mem = mem;
-    ws->mem_bytes = lay.total;
-    ws->gate = mem + lay.gate;
-    ws->up = mem + lay.up;
-    ws->down = mem + lay.down;
-    bool scaled = f == KN_FMT_INT8 || f == KN_FMT_INT4;
-    ws->gate_scale = scaled ? (float *)(mem + lay.gate_scale) : NULL;
-    ws->up_scale = scaled ? (float *)(mem + lay.up_scale) : NULL;
-    ws->down_scale = scaled ? (float *)(mem + lay.down_scale) : NULL;
-    bytes += lay.total;
-
-    const size_t rb_h = kn__row_bytes(f, H, G), rb_i = kn__row_bytes(f, Is, G);
-    const size_t sc_h = row_scales(f, H, G), sc_i = row_scales(f, Is, G);
-    for (uint32_t i = 0; i < Is; i++) {
-      const void *srcs[2] = {gate, up};
-      void *dsts[2] = {ws->gate, ws->up};
-      float *scs[2] = {ws->gate_scale, ws->up_scale};
-      for (int p = 0; p < 2; p++) {
-        rc = load_row(row, srcs[p], src, (size_t)(off + i) * H, H, expert, (kn__proj)p, off + i, 0, e);
-        if (rc) goto out_free;
-        pack_row(f, G, row, H, kn__amax(row, H) / 127.0f, (char *)dsts[p] + i * rb_h,
-                 scs[p] ? scs[p] + i * sc_h : NULL);
-      }
-    }
-    for (uint32_t j = 0; j < H; j++) {
-      /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
-       * the slice's band, so that the packed values do not depend on the slice count and
-       * a layer gives the same result on any number of nodes (DESIGN.md section 5). */
-      float s8 = 0.0f;
-      if (f == KN_FMT_INT8) {
-        rc = load_row(row, down, src, (size_t)j * I, I, expert, KN__DOWN, j, 0, e);
-        if (rc) goto out_free;
-        s8 = kn__amax(row, I) / 127.0f;
-      }
-      rc = load_row(row, down, src, (size_t)j * I + off, Is, expert, KN__DOWN, j, off, e);
-      if (rc) goto out_free;
-      pack_row(f, G, row, Is, s8, (char *)ws->down + j * rb_i,
-               ws->down_scale ? ws->down_scale + j * sc_i : NULL);
-    }
+    counts[s] = j.gu_items[s] = 0;
+    if (L->slice_len[s] == 0) continue;
+    if ((rc = slice_alloc(L, expert, s, &j.w[s], e))) goto out_free;
+    bytes += j.w[s].mem_bytes;
+    j.gu_items[s] = (L->slice_len[s] + LOAD_BLOCK - 1) / LOAD_BLOCK;
+    counts[s] = j.gu_items[s] + (H + LOAD_BLOCK - 1) / LOAD_BLOCK;
   }
   MR_ASSERT(bytes == L->expert_bytes);
+  /* With placement, the caller (not pinned by us, running anywhere) leaves group 0's
+   * items to group 0's pinned workers when there are any, so that first touch puts every
+   * page on its node even where mbind is forbidden. */
+  j.skip_caller = L->numa_place && eng->plan.group_first[1] > 1;
+  kn__work_init(&j.work, L->n_slices, counts);
+  pthread_mutex_init(&j.lock, NULL);
+  kn__pool_run(eng->pool, load_fn, &j);
+  pthread_mutex_destroy(&j.lock);
+  if (j.bad.set) {
+    rc = mr_err_set(e, MR_EINVAL, "expert %u %s[%u, %u] = %g: weights must be finite", expert,
+                    proj_names[j.bad.proj], j.bad.row, j.bad.col, (double)j.bad.v);
+    goto out_free;
+  }
+  if (L->numa_place)
+    for (uint32_t s = 0; s < L->n_slices; s++) {
+      if (!j.w[s].mem) continue;
+      int node = kn__mem_node_of(j.w[s].mem);
+      if (node >= 0 && (uint32_t)node != L->node[s]) {
+        L->misplaced++;
+        mr_log_ratelimited(MR_LOG_WARN, 1,
+                           "kn: expert %u slice %u landed on NUMA node %d, not %u (node memory "
+                           "full?); %u slice(s) of this layer are off their node",
+                           expert, s, node, L->node[s], L->misplaced);
+      }
+    }
 
   /* Reloading an expert replaces it; the layer must not be in use meanwhile (kn.h). */
   if (L->w[expert]) {
@@ -581,13 +670,13 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
     L->owned[expert >> 6] |= 1ull << (expert & 63);
     L->n_owned++;
   }
-  L->w[expert] = w;
+  L->w[expert] = j.w;
   L->bytes += bytes;
-  w = NULL;
+  j.w = NULL;
 
 out_free:
-  mr_free(row);
-  slices_free(w, L->n_slices);
+  mr_free_aligned(j.rows);
+  slices_free(j.w, L->n_slices);
   return rc;
 }
 
@@ -638,6 +727,134 @@ int kn__moe_validate(const kn_layer *L, const kn_moe_args *a, mr_err *e) {
     }                                                                                        \
   } while (0)
 
+/* One kn_moe_forward on the engine's workers. Filled by the caller before kn__pool_run and
+ * read-only during the run, except the work lists and the rows each item owns. Sorted
+ * position p (0 .. pairs-1) is a non-empty (token, slot) pair in expert order: the pairs
+ * of expert x are start[x] .. start[x+1]-1, in token order. */
+typedef struct fwd_job {
+  const kn_layer *L;
+  const kn__kernel *kern;
+  const kn_moe_args *a;
+  uint32_t H;
+  uint32_t n_used;            /* experts with at least one pair */
+  const uint32_t *used;       /* [n_used], ascending */
+  const uint32_t *start;      /* [E + 1] */
+  const uint32_t *tok;        /* [pairs]: token of sorted pair p */
+  const uint32_t *pos;        /* [T * k]: sorted position of pair (t, slot); -1 slots unused */
+  float *xg;                  /* [pairs, H]: fp32 input of sorted pair p */
+  unsigned char *xq;          /* prepared inputs (kern->prep), expert used[u] at xq_off[u] */
+  const size_t *xq_off;       /* [n_used] */
+  float *h[KN_MAX_NODES];     /* [pairs, I_s]: intermediate of slice s */
+  float *y[KN_MAX_NODES];     /* [pairs, H]: output of slice s (NULL: empty slice) */
+  float *tmp;                 /* [n_workers][tmp_stride]: kernel scratch per worker */
+  size_t tmp_stride;
+  uint32_t gu_rows[KN_MAX_NODES], gu_nb[KN_MAX_NODES]; /* gate_up: rows per item, items per expert */
+  uint32_t dn_rows[KN_MAX_NODES], dn_nb[KN_MAX_NODES]; /* down: the same over H */
+  uint32_t cb, n_cb;          /* combine: columns per item, items per token */
+  kn__work w_in, w_gu, w_dn, w_out;
+} fwd_job;
+
+/* Rows per work item for a step of `rows` output rows per expert over n_used experts and
+ * `workers` workers: about four items per worker, so that dynamic claiming evens out
+ * experts of different token counts, cut at multiples of KN_SLICE_ALIGN rows (SIMD kernels
+ * step by whole 32-row blocks). One worker takes whole experts. */
+static uint32_t block_rows(uint32_t rows, uint32_t n_used, uint32_t workers) {
+  if (rows == 0) return 1;
+  if (workers <= 1) return rows;
+  const uint64_t per = (4ull * workers + n_used - 1) / n_used; /* items per expert */
+  uint64_t bs = (rows + per - 1) / per;
+  bs = (bs + KN_SLICE_ALIGN - 1) / KN_SLICE_ALIGN * KN_SLICE_ALIGN;
+  return bs > rows ? rows : (uint32_t)bs;
+}
+
+static kn__task fwd_task(const fwd_job *j, uint32_t s, uint32_t u, float *tmp) {
+  const uint32_t x = j->used[u], p0 = j->start[x], H = j->H;
+  return (kn__task){.L = j->L,
+                    .slice = s,
+                    .w = &j->L->w[x][s],
+                    .n = j->start[x + 1] - p0,
+                    .x = j->xg + (size_t)p0 * H,
+                    .xq = j->xq ? j->xq + j->xq_off[u] : NULL,
+                    .h = j->h[s] + (size_t)p0 * j->L->slice_len[s],
+                    .y = j->y[s] + (size_t)p0 * H,
+                    .tmp = tmp};
+}
+
+/* out[t, c0..c1) = sum over the non-empty slots of t, in slot order, of w * (sum over the
+ * slices, in slice order, of y_s): the fp32 reduction across nodes, in the same order of
+ * additions as kn_ref_moe_forward, so that the result depends neither on the thread count
+ * nor on which worker computed what. */
+static void fwd_combine(const fwd_job *j, uint32_t t, uint32_t c0, uint32_t c1) {
+  const kn_moe_args *a = j->a;
+  const uint32_t H = j->H, k = a->top_k, S = j->L->n_slices;
+  float *o = a->out + (size_t)t * H;
+  for (uint32_t c = c0; c < c1; c++) o[c] = 0.0f;
+  for (uint32_t slot = 0; slot < k; slot++) {
+    const size_t pi = (size_t)t * k + slot;
+    if (a->ids[pi] < 0) continue;
+    const float w = a->weights[pi];
+    const size_t off = (size_t)j->pos[pi] * H;
+    const float *ys[KN_MAX_NODES];
+    uint32_t ns = 0;
+    for (uint32_t s = 0; s < S; s++)
+      if (j->y[s]) ys[ns++] = j->y[s] + off;
+    if (ns == 1) {
+      for (uint32_t c = c0; c < c1; c++) o[c] += w * ys[0][c];
+    } else {
+      for (uint32_t c = c0; c < c1; c++) {
+        float acc = ys[0][c];
+        for (uint32_t q = 1; q < ns; q++) acc += ys[q][c];
+        o[c] += w * acc;
+      }
+    }
+  }
+}
+
+/* The body every worker runs: four phases separated by barriers, each a work list. */
+static void fwd_fn(void *arg, const kn__pool_ctx *c) {
+  fwd_job *j = arg;
+  const kn_layer *L = j->L;
+  const kn_moe_args *a = j->a;
+  const uint32_t H = j->H;
+  const size_t esz = mr_dtype_size(a->x_dtype);
+  float *tmp = j->tmp + (size_t)c->worker * j->tmp_stride;
+  uint32_t s, it;
+
+  /* 1. Gather (and convert) the input rows of each used expert; prepare them. */
+  while (kn__work_claim(&j->w_in, c, &s, &it)) {
+    const uint32_t x = j->used[it], p0 = j->start[x], n = j->start[x + 1] - p0;
+    for (uint32_t r = 0; r < n; r++)
+      mr_convert_to_f32(j->xg + (size_t)(p0 + r) * H,
+                        (const char *)a->x + (size_t)j->tok[p0 + r] * H * esz, a->x_dtype, H);
+    if (j->kern->prep) j->kern->prep(L, n, j->xg + (size_t)p0 * H, j->xq + j->xq_off[it]);
+  }
+  kn__pool_barrier(c);
+
+  /* 2. gate_up: (expert, row block of I_s) items of slice s, by the workers of node s. */
+  while (kn__work_claim(&j->w_gu, c, &s, &it)) {
+    const uint32_t u = it / j->gu_nb[s], b = it % j->gu_nb[s], Is = L->slice_len[s];
+    const uint32_t i0 = b * j->gu_rows[s], i1 = i0 + j->gu_rows[s] < Is ? i0 + j->gu_rows[s] : Is;
+    const kn__task task = fwd_task(j, s, u, tmp);
+    j->kern->gate_up(&task, i0, i1);
+  }
+  kn__pool_barrier(c); /* down reads all of h */
+
+  /* 3. down: (expert, row block of H) items of slice s. */
+  while (kn__work_claim(&j->w_dn, c, &s, &it)) {
+    const uint32_t u = it / j->dn_nb[s], b = it % j->dn_nb[s];
+    const uint32_t r0 = b * j->dn_rows[s], r1 = r0 + j->dn_rows[s] < H ? r0 + j->dn_rows[s] : H;
+    const kn__task task = fwd_task(j, s, u, tmp);
+    j->kern->down(&task, r0, r1);
+  }
+  kn__pool_barrier(c);
+
+  /* 4. Reduction across slices and slots into out, by (token, column block). */
+  while (kn__work_claim(&j->w_out, c, &s, &it)) {
+    const uint32_t t = it / j->n_cb, c0 = (it % j->n_cb) * j->cb;
+    fwd_combine(j, t, c0, c0 + j->cb < H ? c0 + j->cb : H);
+  }
+}
+
 int kn_moe_forward(kn_engine *eng, const kn_layer *L, const kn_moe_args *a, mr_arena *scratch,
                    mr_err *e) {
   if (!eng) return mr_err_set(e, MR_EINVAL, "kn_moe_forward: engine is required");
@@ -645,96 +862,105 @@ int kn_moe_forward(kn_engine *eng, const kn_layer *L, const kn_moe_args *a, mr_a
   if (rc) return rc;
   const uint32_t T = a->n_tokens, k = a->top_k, H = L->d.hidden, E = L->d.num_experts;
   if (T == 0) return 0;
-  const kn__kernel *kern = eng->kern[L->d.format];
+  if (L->n_slices != eng->n_nodes)
+    return mr_err_set(e, MR_EINVAL,
+                      "kn_moe_forward: the layer has %u slices per expert, this engine %u nodes "
+                      "(use the engine that created the layer, or one with the same split)",
+                      L->n_slices, eng->n_nodes);
+  const kn__plan *plan = &eng->plan;
+  const uint32_t nw = plan->n_workers, S = L->n_slices;
   mr_arena *ar = scratch ? scratch : &eng->scratch;
-  const size_t TH = (size_t)T * H, pairs = (size_t)T * k;
+  const size_t slots = (size_t)T * k;
+  fwd_job j = {.L = L, .kern = eng->kern[L->d.format], .a = a, .H = H};
 
-  /* Counting sort of the (token, slot) pairs by expert: start[x]..start[x+1] are the pairs
-   * of expert x, in token order. */
-  uint32_t *start, *cur, *tok;
-  float *wt;
+  /* Counting sort of the non-empty (token, slot) pairs by expert. */
+  uint32_t *start, *cur, *tok, *pos, *used;
   ARENA_ALLOC(start, (size_t)E + 1);
   ARENA_ALLOC(cur, E);
-  ARENA_ALLOC(tok, pairs);
-  ARENA_ALLOC(wt, pairs);
+  ARENA_ALLOC(pos, slots);
   memset(start, 0, ((size_t)E + 1) * sizeof *start);
-  for (size_t p = 0; p < pairs; p++)
+  for (size_t p = 0; p < slots; p++)
     if (a->ids[p] >= 0) start[a->ids[p] + 1]++;
-  uint32_t max_n = 0;
+  uint32_t max_n = 0, n_used = 0;
   for (uint32_t x = 0; x < E; x++) {
     if (start[x + 1] > max_n) max_n = start[x + 1];
+    n_used += start[x + 1] > 0;
     start[x + 1] += start[x];
   }
+  const uint32_t pairs = start[E];
+  if (pairs == 0) { /* every slot empty: out is zero */
+    memset(a->out, 0, (size_t)T * H * sizeof(float));
+    goto out_reset;
+  }
+  ARENA_ALLOC(tok, pairs);
+  ARENA_ALLOC(used, n_used);
   memcpy(cur, start, (size_t)E * sizeof *cur);
-  for (size_t p = 0; p < pairs; p++) {
-    int32_t id = a->ids[p];
+  for (size_t p = 0; p < slots; p++) {
+    const int32_t id = a->ids[p];
     if (id < 0) continue;
-    uint32_t at = cur[id]++;
+    const uint32_t at = cur[id]++;
     tok[at] = (uint32_t)(p / k);
-    wt[at] = a->weights[p];
+    pos[p] = at;
   }
+  for (uint32_t x = 0, u = 0; x < E; x++)
+    if (start[x + 1] > start[x]) used[u++] = x;
+  j.n_used = n_used;
+  j.used = used;
+  j.start = start;
+  j.tok = tok;
+  j.pos = pos;
 
-  /* fp32 inputs, and one fp32 partial output per slice: slice 0 accumulates straight into
-   * out, slice s > 0 into its own buffer, summed into out at the end. On a NUMA host the
-   * partial of slice s is the one node s writes (phase 2). */
-  const float *xf = a->x;
-  if (a->x_dtype != MR_DTYPE_F32) {
-    float *xc;
-    ARENA_ALLOC(xc, TH);
-    mr_convert_to_f32(xc, a->x, a->x_dtype, TH);
-    xf = xc;
+  /* Buffers: inputs, prepared inputs, h and y per slice, kernel scratch per worker.
+   * In all: pairs * (H + I + S * H) floats + prep bytes + nw * tmp floats. */
+  ARENA_ALLOC(j.xg, (size_t)pairs * H);
+  if (j.kern->prep) {
+    size_t *xq_off, total = 0;
+    ARENA_ALLOC(xq_off, n_used);
+    for (uint32_t u = 0; u < n_used; u++) {
+      xq_off[u] = total;
+      const size_t b = j.kern->prep_bytes(L, start[used[u] + 1] - start[used[u]]);
+      total += (b + KN_PACK_ALIGN - 1) & ~(size_t)(KN_PACK_ALIGN - 1);
+    }
+    j.xq_off = xq_off;
+    ARENA_ALLOC(j.xq, total);
   }
-  float *part[KN_MAX_NODES];
-  part[0] = a->out;
-  memset(a->out, 0, TH * sizeof(float));
-  for (uint32_t s = 1; s < L->n_slices; s++) {
-    part[s] = NULL;
-    if (L->slice_len[s] == 0 || max_n == 0) continue;
-    ARENA_ALLOC(part[s], TH);
-    memset(part[s], 0, TH * sizeof(float));
-  }
-  if (max_n == 0) goto out_reset; /* every slot empty: out is zero */
-
-  /* Per-expert buffers, sized for the most tokens any expert gets. */
-  size_t tmp_n = 0, xq_n = 0;
-  for (uint32_t s = 0; s < L->n_slices; s++) {
-    size_t t = kern->tmp_floats(L, s, max_n);
+  size_t tmp_n = 0;
+  for (uint32_t s = 0; s < S; s++) {
+    if (L->slice_len[s] == 0) continue;
+    ARENA_ALLOC(j.h[s], (size_t)pairs * L->slice_len[s]);
+    ARENA_ALLOC(j.y[s], (size_t)pairs * H);
+    const size_t t = j.kern->tmp_floats(L, s, max_n);
     if (t > tmp_n) tmp_n = t;
   }
-  if (kern->prep) xq_n = kern->prep_bytes(L, max_n);
-  float *xg, *h, *y, *tmp;
-  unsigned char *xq = NULL;
-  ARENA_ALLOC(xg, (size_t)max_n * H);
-  ARENA_ALLOC(h, (size_t)max_n * L->max_slice_len);
-  ARENA_ALLOC(y, (size_t)max_n * H);
-  ARENA_ALLOC(tmp, tmp_n);
-  if (kern->prep) ARENA_ALLOC(xq, xq_n);
+  j.tmp_stride = (tmp_n + 15) & ~(size_t)15; /* whole cache lines per worker */
+  ARENA_ALLOC(j.tmp, j.tmp_stride * nw);
 
-  for (uint32_t x = 0; x < E; x++) {
-    const uint32_t n = start[x + 1] - start[x];
-    if (n == 0) continue;
-    const uint32_t *tx = tok + start[x];
-    const float *wx = wt + start[x];
-    for (uint32_t r = 0; r < n; r++) memcpy(xg + (size_t)r * H, xf + (size_t)tx[r] * H, H * sizeof(float));
-    for (uint32_t s = 0; s < L->n_slices; s++) {
-      if (L->slice_len[s] == 0) continue;
-      kn__task task = {.L = L, .slice = s, .w = &L->w[x][s], .n = n, .x = xg, .xq = xq,
-                       .h = h, .y = y, .tmp = tmp};
-      if (kern->prep) kern->prep(L, n, xg, xq);
-      kern->gate_up(&task, 0, L->slice_len[s]);
-      kern->down(&task, 0, H);
-      float *P = part[s];
-      for (uint32_t r = 0; r < n; r++) {
-        float *o = P + (size_t)tx[r] * H;
-        const float *yr = y + (size_t)r * H, wr = wx[r];
-        for (uint32_t j = 0; j < H; j++) o[j] += wr * yr[j];
-      }
-    }
+  /* Work lists. Per-slice phases are per group; the others are one shared list. */
+  uint32_t gu[KN_MAX_NODES], dn[KN_MAX_NODES], one;
+  for (uint32_t s = 0; s < S; s++) {
+    const uint32_t Is = L->slice_len[s];
+    /* Stealing plans (forced splits) share all workers among the groups. */
+    const uint32_t ws = plan->steal ? nw : plan->group_first[s + 1] - plan->group_first[s];
+    j.gu_rows[s] = block_rows(Is, n_used, ws);
+    j.gu_nb[s] = Is ? (Is + j.gu_rows[s] - 1) / j.gu_rows[s] : 0;
+    j.dn_rows[s] = block_rows(H, n_used, ws);
+    j.dn_nb[s] = Is ? (H + j.dn_rows[s] - 1) / j.dn_rows[s] : 0;
+    gu[s] = j.gu_nb[s] * n_used;
+    dn[s] = j.dn_nb[s] * n_used;
   }
-  for (uint32_t s = 1; s < L->n_slices; s++) {
-    if (!part[s]) continue;
-    for (size_t i = 0; i < TH; i++) a->out[i] += part[s][i];
-  }
+  kn__work_init(&j.w_gu, S, gu);
+  kn__work_init(&j.w_dn, S, dn);
+  kn__work_init(&j.w_in, 1, &n_used);
+  /* The reduction: whole rows when there are enough tokens, else column blocks of >= 64. */
+  uint32_t per_tok = nw <= 1 ? 1 : (4 * nw + T - 1) / T;
+  if (per_tok > (H + 63) / 64) per_tok = (H + 63) / 64;
+  j.cb = (H + per_tok - 1) / per_tok;
+  j.cb = (j.cb + 15) & ~15u;
+  j.n_cb = (H + j.cb - 1) / j.cb;
+  one = T * j.n_cb;
+  kn__work_init(&j.w_out, 1, &one);
+
+  kn__pool_run(eng->pool, fwd_fn, &j);
 
 out_reset:
   if (!scratch) mr_arena_reset(&eng->scratch);

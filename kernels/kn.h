@@ -26,7 +26,12 @@
  *
  * Threads: a kn_engine runs one kn_moe_forward at a time (calls are serialised by the
  * caller, e.g. the server's compute thread); a kn_layer is read-only after loading and
- * may be shared by engines.
+ * may be shared by engines. kn_moe_forward and kn_layer_load_expert both run on the
+ * engine's workers, with the calling thread as one of them; two such calls on one engine
+ * from different threads queue up (the pool takes one at a time), which is safe as long
+ * as they touch different layers and each forward passes its own scratch arena. Idle
+ * workers spin briefly (MOERPC_SPIN_US, default 50) and then sleep: an idle engine uses
+ * no CPU.
  */
 #ifndef KN_H
 #define KN_H
@@ -66,7 +71,8 @@ kn_isa kn_isa_detect(void);
 
 typedef struct kn_engine_opts {
   kn_isa isa;           /* KN_ISA_COUNT = auto (best detected; MOERPC_ISA overrides) */
-  uint32_t threads;     /* worker threads in total, 0 = one per core of the used nodes */
+  uint32_t threads;     /* worker threads in total, the calling thread included (1 = no
+                         * extra thread), 0 = one per core of the used nodes */
   const char *numa;     /* "auto", a node count "2", or a node list "0,1"; NULL = auto */
   uint32_t force_split; /* >0: pretend to have this many NUMA nodes (tests on 1-node hosts) */
 } kn_engine_opts;
@@ -89,7 +95,9 @@ typedef struct kn_layer_desc {
 } kn_layer_desc;
 typedef struct kn_layer kn_layer;
 /* Creates an empty layer for eng (slices per node of eng). Shape/format pairs the packed
- * layout cannot hold are refused here with the field and the limit. Caller frees. */
+ * layout cannot hold are refused here with the field and the limit. Caller frees. The
+ * layer keeps eng for loading (packing runs on its workers, each slice on its node): eng
+ * must outlive the layer's kn_layer_load_expert calls. */
 int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err *e);
 void kn_layer_free(kn_layer *L); /* NULL is a no-op */
 /* Packs (copies, converts or quantizes) one expert's weights into the layer. gate/up are

@@ -273,10 +273,12 @@ MT_TEST(engine_isa_choice_and_override) {
   unsetenv("MOERPC_ISA");
   kn_engine_opts o = {.isa = KN_ISA_COUNT};
   MT_OK(kn_engine_new(&eng, &o, &e), ep(&e));
-  /* Phase 1 registers only REF kernels: every format runs there, whatever the CPU. */
-  for (int f = 0; f < KN_FMT_COUNT; f++) MT_EQ_INT(kn_engine_isa(eng, (kn_format)f), KN_ISA_REF);
+  /* Auto picks, per format, the best registered path the CPU supports: never above the
+   * detected ISA. */
+  for (int f = 0; f < KN_FMT_COUNT; f++)
+    MT_TRUE(kn_engine_isa(eng, (kn_format)f) <= kn_isa_detect());
   MT_TRUE(kn_engine_nodes(eng) >= 1);
-  MT_EQ_INT(kn_engine_threads(eng), 1);
+  MT_TRUE(kn_engine_threads(eng) >= 1);
   kn_engine_free(eng);
   kn_engine_free(NULL);
 
