@@ -282,14 +282,32 @@ void *mr_arena_alloc(mr_arena *a, size_t n, size_t align) {
 void mr_arena_reset(mr_arena *a) {
   mr_arena_block *b = a->head;
   if (!b) return;
-  /* Keep the newest block: it is the largest, since blocks grow geometrically. */
-  mr_arena_block *old = b->prev;
-  while (old) {
-    mr_arena_block *p = old->prev;
-    mr_free_aligned(old);
-    old = p;
+  if (b->prev) {
+    /* The request outgrew one block: replace the chain by one block of the total size, so
+     * that the next request of the same size finds its scratch in one warm block instead
+     * of faulting in fresh ones. */
+    size_t total = 0;
+    for (mr_arena_block *p = b; p; p = p->prev) total += p->size;
+    mr_arena_block *nb = arena_block_new(total);
+    if (nb) {
+      for (mr_arena_block *p = b; p;) {
+        mr_arena_block *prev = p->prev;
+        mr_free_aligned(p);
+        p = prev;
+      }
+      a->head = nb;
+      a->used = 0;
+      return;
+    }
+    /* Out of memory: keep the newest (largest) block and free the rest. */
+    mr_arena_block *old = b->prev;
+    while (old) {
+      mr_arena_block *p = old->prev;
+      mr_free_aligned(old);
+      old = p;
+    }
+    b->prev = NULL;
   }
-  b->prev = NULL;
   b->off = 0;
   a->used = 0;
 }

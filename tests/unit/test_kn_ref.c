@@ -72,7 +72,7 @@ static const float *md(const model *m, uint32_t e) { return m->down + (size_t)e 
 static kn_engine *engine_make(uint32_t split) {
   kn_engine *eng = NULL;
   mr_err e = {0};
-  kn_engine_opts o = {.isa = KN_ISA_COUNT, .threads = 0, .numa = NULL, .force_split = split};
+  kn_engine_opts o = {.isa = KN_ISA_REF, .threads = 0, .numa = NULL, .force_split = split};
   MT_OK(kn_engine_new(&eng, &o, &e), ep(&e));
   MT_EQ_INT(kn_engine_nodes(eng), split ? split : kn_engine_nodes(eng));
   return eng;
@@ -122,7 +122,7 @@ static req req_make(uint32_t T, uint32_t k, const model *m, const bool *own, int
   size_t TH = (size_t)T * m->H;
   r.ids = malloc((size_t)T * k * sizeof(int32_t) + 1);
   r.w = malloc((size_t)T * k * sizeof(float) + 1);
-  r.xf = malloc(TH * sizeof(float));
+  r.xf = calloc(TH ? TH : 1, sizeof(float));
   r.x = malloc(TH * 4);
   r.out = malloc(TH * sizeof(float));
   rng_seed(seed);
@@ -227,7 +227,7 @@ static bool cpuinfo_flags(char *buf, size_t len) {
   char line[8192];
   while (fgets(line, sizeof line, f))
     if (strncmp(line, "flags", 5) == 0) {
-      snprintf(buf, len, " %s ", strchr(line, ':') ? strchr(line, ':') + 1 : line);
+      snprintf(buf, len, " %.8000s ", strchr(line, ':') ? strchr(line, ':') + 1 : line);
       char *nl = strchr(buf, '\n');
       if (nl) *nl = ' ';
       found = true;

@@ -1,0 +1,108 @@
+/*
+ * kernels/x86/common_x86.h - what the x86 kernel files (moe_avx2.c, moe_avx512.c) share:
+ * the layout of the prepared activations, in plain C (no intrinsics, so that each file
+ * keeps its own ISA flags).
+ *
+ * "Prepared activations" are the n token vectors of one step converted once into the form
+ * a kernel multiplies: the inputs x of gate/up (kn__kernel.prep, written into the task's
+ * xq) and the intermediate h of down (converted by each down call into its own tmp).
+ * One buffer holds, each array starting on a 64-byte boundary:
+ *
+ *   [ token 0: stride bytes | token 1 | ... | token n-1 ]   the converted values, each token
+ *                                                         zero-padded to Kp elements
+ *   [ xs:   n floats  ]   quantized kinds: the token's scale (amax / 127)
+ *   [ xsum: n int32   ]   QI8: sum of the token's quantized values
+ *   [ x8:   n x ng16 floats ]   QI4: 8 * (sum of the quantized values of group g), zero
+ *                               beyond the ng groups of a row
+ *
+ * The zero padding matters: the weight loads of a row's last partial block are masked to
+ * zero (or, for int8/int4, to the offset value of zero), and the padded activations make
+ * those lanes contribute exactly nothing whatever the weight lane holds.
+ */
+#ifndef KN_X86_COMMON_H
+#define KN_X86_COMMON_H
+
+#include "kernels/internal.h"
+
+/* How a kernel wants its activations (see each ISA file for the element order). */
+typedef enum kn__x86_act_kind {
+  KN__ACT_NONE = 0, /* fp32 read in place (t->x, t->h); no buffer */
+  KN__ACT_BF16,     /* bf16, natural order */
+  KN__ACT_F32EO,    /* fp32, per block of `block` elements: the even ones, then the odd ones */
+  KN__ACT_QI8,      /* int8 per token (amax / 127), natural order; + xs, xsum */
+  KN__ACT_QI4,      /* int8 per token, per block of `block` elements: even ones, then odd
+                     * ones (the order of the low / high nibbles of int4 weights); + xs, x8 */
+} kn__x86_act_kind;
+
+typedef struct kn__x86_acts {
+  kn__x86_act_kind kind;
+  uint32_t K;       /* real elements per token */
+  uint32_t Kp;      /* padded elements per token (a multiple of quantum) */
+  uint32_t block;   /* F32EO / QI4: elements per even/odd block (divides quantum) */
+  uint32_t ng;      /* QI4: groups of G per row of K */
+  uint32_t ng16;    /* QI4: ng rounded up to 16 */
+  size_t stride;    /* bytes per token row */
+  size_t off_xs, off_xsum, off_x8; /* byte offsets of the per-token arrays */
+  size_t bytes;     /* the whole buffer */
+} kn__x86_acts;
+
+static inline size_t kn__x86_align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* The layout for n tokens of K elements padded to a multiple of `quantum` (a multiple of
+ * 16), even/odd blocks of `block` elements (F32EO, QI4), INT4 group G (QI4 only). */
+static inline kn__x86_acts kn__x86_acts_layout(kn__x86_act_kind kind, uint32_t K, uint32_t quantum,
+                                               uint32_t block, uint32_t G, uint32_t n) {
+  kn__x86_acts a = {0};
+  a.kind = kind;
+  a.K = K;
+  a.block = block;
+  if (kind == KN__ACT_NONE) return a;
+  a.Kp = (K + quantum - 1) / quantum * quantum;
+  size_t esz = kind == KN__ACT_BF16 ? 2 : kind == KN__ACT_F32EO ? 4 : 1;
+  a.stride = kn__x86_align64((size_t)a.Kp * esz);
+  /* Token rows a multiple of 1 KiB apart would share L1 sets (H = 2048 bf16: all on one set
+   * every 4 KiB), and the C tokens a tile re-reads for every weight row fight the weights
+   * streaming through the same sets: one extra line staggers them. */
+  if (a.stride % 1024 == 0) a.stride += 64;
+  size_t at = a.stride * n;
+  if (kind == KN__ACT_QI8 || kind == KN__ACT_QI4) {
+    a.off_xs = at;
+    at = kn__x86_align64(at + (size_t)n * sizeof(float));
+  }
+  if (kind == KN__ACT_QI8) {
+    a.off_xsum = at;
+    at = kn__x86_align64(at + (size_t)n * sizeof(int32_t));
+  }
+  if (kind == KN__ACT_QI4) {
+    a.ng = kn__ngroups(K, G);
+    a.ng16 = (a.ng + 15) / 16 * 16;
+    a.off_x8 = at;
+    at = kn__x86_align64(at + (size_t)n * a.ng16 * sizeof(float));
+  }
+  a.bytes = at;
+  return a;
+}
+
+/* Floats of tmp that hold a buffer of `bytes` bytes (tmp is 64-byte aligned). */
+static inline size_t kn__x86_floats_for(size_t bytes) { return (bytes + sizeof(float) - 1) / sizeof(float); }
+
+/* Writes n rows of K fp32 values (row r at src + r * src_stride floats) in the F32EO
+ * order of layout a: per block of a->block elements, the even-indexed ones then the
+ * odd-indexed ones, zero beyond K. Plain C: it runs once per token and step, next to
+ * (rows x K) weight work. */
+static inline void kn__x86_f32eo_convert(const kn__x86_acts *a, uint32_t n, const float *src,
+                                         size_t src_stride, void *dst) {
+  const uint32_t B = a->block, half = a->block / 2;
+  for (uint32_t r = 0; r < n; r++) {
+    const float *x = src + (size_t)r * src_stride;
+    float *o = (float *)((char *)dst + (size_t)r * a->stride);
+    for (uint32_t k0 = 0; k0 < a->Kp; k0 += B)
+      for (uint32_t p = 0; p < half; p++) {
+        uint32_t ke = k0 + 2 * p, ko = ke + 1;
+        o[k0 + p] = ke < a->K ? x[ke] : 0.0f;
+        o[k0 + half + p] = ko < a->K ? x[ko] : 0.0f;
+      }
+  }
+}
+
+#endif /* KN_X86_COMMON_H */

@@ -1,0 +1,426 @@
+/*
+ * moe_avx2.c - the AVX2 entries of the kernel table (internal.h section C), compiled with
+ * the AVX2 flags of the Makefile only (-mavx2 -mfma -mf16c). For CPUs without AVX-512, and
+ * for the int8/int4 formats on AVX-512 CPUs without VNNI.
+ *
+ * Every format is computed in fp32 with FMA on fp32 activations, so the results match the
+ * reference (fp32 math over the stored weights) up to summation order: the weights are
+ * widened in registers, once per load, and used for all tokens of the tile.
+ *
+ *   f32   as is;              f16   vcvtph2ps;
+ *   bf16  32-bit lanes of 16 bf16 values: even elements = dword << 16, odd ones =
+ *         dword & 0xffff0000. The activations are prepared per block of 16 as 8 even then
+ *         8 odd fp32 values, so no shuffle is needed in the loop;
+ *   int8  vpmovsxbd + vcvtdq2ps, row scale applied to the finished dot product;
+ *   int4  16 bytes = 32 elements of one group: b ^ 0x88 turns both nibbles v into v + 8,
+ *         lo = b & 0xf holds the even elements, hi = (b >> 4) & 0xf the odd ones;
+ *         w = (u - 8) * s = u * s - 8 s is one vfmsub per 8 values. Activations as for
+ *         bf16 but per block of 32 (16 even, 16 odd).
+ *
+ * Tiles: RW weight rows x C tokens, RW * C <= 8 ymm accumulators, reduced together by a
+ * transposing tree (hsum8) into one vector with dot (c, r) in lane c * RW + r. n = 1:
+ * 8 rows (gate_up: 4 gate + 4 up); n >= 2: 4 rows x 2 tokens, rows outer, tokens inner.
+ *
+ * Threads: as in moe_avx512.c: disjoint row ranges of one task may run concurrently; down
+ * converts h into t->tmp, which must be private to the calling thread.
+ */
+#include "kernels/x86/common_x86.h"
+
+#include <immintrin.h>
+#include <string.h>
+
+#define AI static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 8")
+
+typedef enum v256 { V_F32, V_F16, V_BF16, V_I8, V_I4, V_COUNT } v256;
+
+/* Activations: fp32 in place, or fp32 in even/odd blocks (bf16: 16, int4: 32; int4 rows are
+ * padded to 128 so that a row's last group, up to 128 wide, never reads past the token). */
+static const kn__x86_act_kind act_kind[V_COUNT] = {KN__ACT_NONE, KN__ACT_NONE, KN__ACT_F32EO,
+                                                    KN__ACT_NONE, KN__ACT_F32EO};
+static const uint32_t act_quantum[V_COUNT] = {8, 8, 16, 8, 128};
+static const uint32_t act_block[V_COUNT] = {8, 8, 16, 8, 32};
+
+static kn__x86_acts acts_layout(const v256 v, uint32_t K, uint32_t G, uint32_t n) {
+  return kn__x86_acts_layout(act_kind[v], K, act_quantum[v], act_block[v], G, n);
+}
+
+/* ---- small vector helpers ---------------------------------------------------------- */
+
+static inline __m256i iota8(void) { return _mm256_set_epi32(7, 6, 5, 4, 3, 2, 1, 0); }
+
+/* Lanes i < n set (as a maskload / maskstore mask). */
+static inline __m256i lanes_lt(uint32_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n > 8 ? 8 : n)), iota8());
+}
+
+/* Lane l of the result is lane (l + s) mod 8 of v. */
+AI __m256 rot_ps(__m256 v, int s) {
+  return _mm256_permutevar8x32_ps(v, _mm256_and_si256(_mm256_add_epi32(iota8(), _mm256_set1_epi32(s)),
+                                                      _mm256_set1_epi32(7)));
+}
+
+/* Lane i of the result = the sum of the 8 lanes of v[i]. */
+AI __m256 hsum8_ps(const __m256 *v) {
+  __m256 a0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  __m256 a1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  /* a0 = [v0..v3 sums over the low 128 bits | v0..v3 over the high 128 bits] */
+  return _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+}
+
+/* exp(x) to ~1 ulp on [-87, 88] (Cephes expf polynomial, 2^n built in the exponent field);
+ * x is clamped to that range, so exp(-g) for g < -88 is ~1.6e38 instead of inf and silu
+ * gives ~-6e-37 instead of -0 there. The clamps keep NaN (vmaxps / vminps return their
+ * second operand when either is NaN). */
+AI __m256 exp_ps(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  /* n in [-126, 127]: 2^n = (n + 127) << 23 as a float. */
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+AI __m256 silu_ps(__m256 g) {
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+
+/* ---- the register tile ------------------------------------------------------------- */
+
+typedef struct kctx {
+  uint32_t K;        /* elements per weight row */
+  size_t rb;         /* bytes per weight row */
+  uint32_t G, ng;    /* INT4 */
+  uint32_t gshift;   /* INT4: log2(G) (the group of element k is k >> gshift) */
+  const uint8_t *xb; /* token c at xb + c * xstride: fp32 in place, or prepared */
+  size_t xstride;
+} kctx;
+
+/* The two loop orders of a tile (see moe_avx512.c, TILE_ORDER): seq = true reads the
+ * tile's rows one after the other (one sequential stream, for the memory-bound few-token
+ * steps), with U partial accumulators per dot product so that enough FMA chains are in
+ * flight; seq = false reads all rows side by side, loading each token block once per
+ * step for all rows (prefill), and prefetches into L2 the same bytes pf further on (the
+ * next tile's rows; SB bytes per step, one prefetch per cache line). */
+#define TILE_ORDER(SEQ, NFULL, HAS_TAIL, SB, STEP)                                               \
+  do {                                                                                          \
+    if (SEQ) {                                                                                  \
+      const int U_ = C == 1 ? 4 : 2;                                                            \
+      UNROLL for (int r_ = 0; r_ < RW; r_++) {                                                  \
+        __m256 p_[4][2];                                                                        \
+        UNROLL for (int u_ = 0; u_ < U_; u_++) UNROLL for (int c_ = 0; c_ < C; c_++) p_[u_][c_] = _mm256_setzero_ps(); \
+        uint32_t s_ = 0;                                                                        \
+        for (; s_ + U_ <= (NFULL); s_ += U_) UNROLL for (int u_ = 0; u_ < U_; u_++) STEP(r_, s_ + u_, false, p_[u_], 1); \
+        for (; s_ < (NFULL); s_++) STEP(r_, s_, false, p_[0], 1);                              \
+        if (HAS_TAIL) STEP(r_, (NFULL), true, p_[0], 1);                                        \
+        UNROLL for (int c_ = 0; c_ < C; c_++) {                                                 \
+          UNROLL for (int u_ = 1; u_ < U_; u_++) p_[0][c_] = _mm256_add_ps(p_[0][c_], p_[u_][c_]); \
+          acc[c_ * RW + r_] = p_[0][c_];                                                        \
+        }                                                                                       \
+      }                                                                                         \
+    } else {                                                                                    \
+      for (uint32_t s_ = 0; s_ < (NFULL); s_++)                                                 \
+        UNROLL for (int r_ = 0; r_ < RW; r_++) {                                                \
+          if (pf && ((s_ * (SB)) & 63) == 0)                                                    \
+            _mm_prefetch((const char *)w[r_] + pf + (size_t)s_ * (SB), _MM_HINT_T1);            \
+          STEP(r_, s_, false, &acc[r_], RW);                                                    \
+        }                                                                                       \
+      if (HAS_TAIL) UNROLL for (int r_ = 0; r_ < RW; r_++) STEP(r_, (NFULL), true, &acc[r_], RW); \
+    }                                                                                           \
+  } while (0)
+
+/* One step of 8 elements (F32, F16, I8) of row wr against C tokens read in place (fp32);
+ * the tail (K % 8 elements) is copied out zero-padded, and x masked. */
+AI void step8(const v256 v, const int C, const uint8_t *wr, const float *const *xp, uint32_t s,
+              bool tail, uint32_t rem, __m256 *a, const int st) {
+  const size_t k = 8 * (size_t)s;
+  __m256 wv;
+  if (!tail) {
+    if (v == V_F32)
+      wv = _mm256_loadu_ps((const float *)wr + k);
+    else if (v == V_F16)
+      wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)wr + k)));
+    else
+      wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wr + k))));
+  } else if (v == V_F32) {
+    wv = _mm256_maskload_ps((const float *)wr + k, lanes_lt(rem));
+  } else if (v == V_F16) {
+    uint16_t b[8] = {0};
+    memcpy(b, (const uint16_t *)wr + k, rem * 2);
+    wv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b));
+  } else {
+    int8_t b[8] = {0};
+    memcpy(b, wr + k, rem);
+    wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)b)));
+  }
+  UNROLL for (int c = 0; c < C; c++) {
+    __m256 xv = tail ? _mm256_maskload_ps(xp[c] + k, lanes_lt(rem)) : _mm256_loadu_ps(xp[c] + k);
+    a[c * st] = _mm256_fmadd_ps(wv, xv, a[c * st]);
+  }
+}
+
+/* One step of 16 bf16 elements against x in even/odd blocks of 16 (padded with zeros). */
+AI void step_bf16(const int C, const uint8_t *wr, const float *const *xp, uint32_t s, bool tail,
+                  uint32_t rem, __m256 *a, const int st) {
+  const size_t k = 16 * (size_t)s;
+  __m256i wv;
+  if (!tail) {
+    wv = _mm256_loadu_si256((const __m256i *)((const uint16_t *)wr + k));
+  } else {
+    uint16_t b[16] = {0};
+    memcpy(b, (const uint16_t *)wr + k, rem * 2);
+    wv = _mm256_loadu_si256((const __m256i *)b);
+  }
+  __m256 we = _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16));
+  __m256 wo = _mm256_castsi256_ps(_mm256_and_si256(wv, _mm256_set1_epi32((int)0xffff0000u)));
+  UNROLL for (int c = 0; c < C; c++) {
+    a[c * st] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xp[c] + k), a[c * st]);
+    a[c * st] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xp[c] + k + 8), a[c * st]);
+  }
+}
+
+/* One step of 16 int4 bytes = 32 elements of one group (rows are whole steps). */
+AI void step_i4(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
+                const float *const *xp, uint32_t s, __m256 *a, const int st) {
+  const size_t b = 16 * (size_t)s, k = 2 * b;
+  const __m128i m0f = _mm_set1_epi8(0x0f);
+  __m128i u = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(wr + b)), _mm_set1_epi8((char)0x88));
+  __m128i lo = _mm_and_si128(u, m0f), hi = _mm_and_si128(_mm_srli_epi16(u, 4), m0f);
+  const __m256 sc = _mm256_set1_ps(sr[k >> cx->gshift]), sc8 = _mm256_mul_ps(sc, _mm256_set1_ps(8.0f));
+  /* w = (u - 8) * s: even elements 0..7, 8..15 (lo), odd ones (hi) */
+  __m256 w0 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), sc, sc8);
+  __m256 w1 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), sc, sc8);
+  __m256 w2 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), sc, sc8);
+  __m256 w3 = _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), sc, sc8);
+  UNROLL for (int c = 0; c < C; c++) {
+    __m256 t = a[c * st];
+    t = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp[c] + k), t);
+    t = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp[c] + k + 8), t);
+    t = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp[c] + k + 16), t);
+    a[c * st] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp[c] + k + 24), t);
+  }
+}
+
+/*
+ * Dot products of RW weight rows w[r] (INT4 group scales at s[r]) with the tokens c0 ..
+ * c0 + Cv - 1 (Cv <= C; missing tokens repeat the last one and are ignored by the caller).
+ * Returns dot (c, r) in lane c * RW + r, before the INT8 row scale. RW * C <= 8.
+ */
+AI __m256 tile(const v256 v, const int RW, const int C, const bool seq, const kctx *cx,
+               const uint8_t *const *w, const float *const *s, uint32_t c0, uint32_t Cv, size_t pf) {
+  const float *xp[2];
+  UNROLL for (int c = 0; c < C; c++)
+    xp[c] = (const float *)(cx->xb + (size_t)(c0 + ((uint32_t)c < Cv ? (uint32_t)c : Cv - 1)) * cx->xstride);
+  const uint32_t K = cx->K;
+  __m256 acc[8];
+  UNROLL for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+  if (v == V_F32 || v == V_F16 || v == V_I8) {
+#define STEP(r, st_, tail, a, stride) step8(v, C, w[r], xp, st_, tail, K % 8, a, stride)
+    TILE_ORDER(seq, K / 8, K % 8 != 0, v == V_F32 ? 32 : v == V_F16 ? 16 : 8, STEP);
+#undef STEP
+  } else if (v == V_BF16) {
+#define STEP(r, st_, tail, a, stride) step_bf16(C, w[r], xp, st_, tail, K % 16, a, stride)
+    TILE_ORDER(seq, K / 16, K % 16 != 0, 32, STEP);
+#undef STEP
+  } else {
+#define STEP(r, st_, tail, a, stride) step_i4(C, cx, w[r], s[r], xp, st_, a, stride)
+    TILE_ORDER(seq, (uint32_t)(cx->rb / 16), false, 16, STEP);
+#undef STEP
+  }
+  return hsum8_ps(acc);
+}
+
+/* INT8 row scales in lanes c * RW + r (rows from two arrays for gate_up). */
+AI __m256 row_scales(const int RW, const int R, const float *a, const float *b, uint32_t Rv) {
+  float sc[8] = {0};
+  for (int c = 0; c < 8 / RW; c++)
+    for (uint32_t r = 0; r < Rv; r++) {
+      sc[c * RW + (int)r] = a[r];
+      if (b) sc[c * RW + R + (int)r] = b[r];
+    }
+  return _mm256_loadu_ps(sc);
+}
+
+/* ---- gate_up and down drivers ------------------------------------------------------ */
+
+/* Rows [i, i + R) of gate and up paired in one tile, tokens c0 .. c0 + Cv - 1. */
+AI void gu_block(const v256 v, const int R, const int C, const kn__task *t, const kctx *cx,
+                 uint32_t i, uint32_t i_end, uint32_t c0, uint32_t Cv) {
+  const kn__slice_w *ws = t->w;
+  const uint32_t Rv = i_end - i < (uint32_t)R ? i_end - i : (uint32_t)R;
+  const uint32_t Is = t->L->slice_len[t->slice];
+  const uint8_t *w[8];
+  const float *s[8];
+  UNROLL for (int r = 0; r < R; r++) {
+    uint32_t row = i + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
+    w[r] = (const uint8_t *)ws->gate + row * cx->rb;
+    w[R + r] = (const uint8_t *)ws->up + row * cx->rb;
+    if (v == V_I4) {
+      s[r] = ws->gate_scale + (size_t)row * cx->ng;
+      s[R + r] = ws->up_scale + (size_t)row * cx->ng;
+    }
+  }
+  __m256 d = tile(v, 2 * R, C, false, cx, w, s, c0, Cv, c0 == 0 ? R * cx->rb : 0);
+  if (v == V_I8) d = _mm256_mul_ps(d, row_scales(2 * R, R, ws->gate_scale + i, ws->up_scale + i, Rv));
+  __m256 hv = _mm256_mul_ps(silu_ps(d), rot_ps(d, R));
+  const __m256i m = lanes_lt(Rv);
+  UNROLL for (int c = 0; c < C; c++)
+    if ((uint32_t)c < Cv) _mm256_maskstore_ps(t->h + (size_t)(c0 + c) * Is + i, m, rot_ps(hv, c * 2 * R));
+}
+
+typedef enum epi { EP_STORE, EP_SILU_MUL } epi;
+
+/* Rows [row, row + RW) of one matrix for tokens c0 .. c0 + Cv - 1: EP_STORE writes the dot
+ * products, EP_SILU_MUL turns the gate values of a first pass into silu(gate) * dot. */
+AI void mat_block(const v256 v, const int RW, const int C, const bool seq, const epi ep,
+                  const kctx *cx, const uint8_t *base, const float *scale, uint32_t row,
+                  uint32_t row_end, uint32_t c0, uint32_t Cv, float *out, size_t out_stride) {
+  const uint32_t Rv = row_end - row < (uint32_t)RW ? row_end - row : (uint32_t)RW;
+  const uint8_t *w[8];
+  const float *s[8];
+  UNROLL for (int r = 0; r < RW; r++) {
+    uint32_t rr = row + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
+    w[r] = base + rr * cx->rb;
+    if (v == V_I4) s[r] = scale + (size_t)rr * cx->ng;
+  }
+  __m256 d = tile(v, RW, C, seq, cx, w, s, c0, Cv, !seq && c0 == 0 ? RW * cx->rb : 0);
+  if (v == V_I8) d = _mm256_mul_ps(d, row_scales(RW, RW, scale + row, NULL, Rv));
+  const __m256i m = lanes_lt(Rv);
+  UNROLL for (int c = 0; c < C; c++)
+    if ((uint32_t)c < Cv) {
+      float *dst = out + (size_t)(c0 + c) * out_stride + row;
+      __m256 val = rot_ps(d, c * RW);
+      if (ep == EP_SILU_MUL) val = _mm256_mul_ps(silu_ps(_mm256_maskload_ps(dst, m)), val);
+      _mm256_maskstore_ps(dst, m, val);
+    }
+}
+
+static kctx ctx_make(const v256 v, const kn_layer *L, uint32_t K, const void *acts,
+                     const float *xf, size_t xf_stride, uint32_t n) {
+  kctx cx;
+  memset(&cx, 0, sizeof cx);
+  cx.K = K;
+  cx.G = L->d.group;
+  cx.rb = kn__row_bytes(L->d.format, K, cx.G);
+  if (v == V_I4) {
+    cx.ng = kn__ngroups(K, cx.G);
+    cx.gshift = cx.G == 32 ? 5 : cx.G == 64 ? 6 : 7;
+  }
+  if (act_kind[v] == KN__ACT_NONE) {
+    cx.xb = (const uint8_t *)xf;
+    cx.xstride = xf_stride * sizeof(float);
+  } else {
+    cx.xb = acts;
+    cx.xstride = acts_layout(v, K, cx.G, n).stride;
+  }
+  return cx;
+}
+
+/* Up to this many tokens per expert: sequential tiles (see TILE_ORDER); gate_up in two
+ * passes over gate then up. */
+#define SEQ_MAX_TOKENS 4
+
+/* All rows [r0, r1) of one matrix with sequential tiles. */
+AI void mat_rows_seq(const v256 v, const epi ep, const kctx *cx, uint32_t n, const uint8_t *base,
+                     const float *scale, uint32_t r0, uint32_t r1, float *out, size_t out_stride) {
+  if (n == 1) {
+    for (uint32_t r = r0; r < r1; r += 8) mat_block(v, 8, 1, true, ep, cx, base, scale, r, r1, 0, 1, out, out_stride);
+    return;
+  }
+  for (uint32_t r = r0; r < r1; r += 4) {
+    uint32_t c0 = 0;
+    for (; c0 + 2 <= n; c0 += 2) mat_block(v, 4, 2, true, ep, cx, base, scale, r, r1, c0, 2, out, out_stride);
+    if (c0 < n) mat_block(v, 4, 1, true, ep, cx, base, scale, r, r1, c0, 1, out, out_stride);
+  }
+}
+
+AI void gate_up_run(const v256 v, const kn__task *t, uint32_t i0, uint32_t i1) {
+  const kn_layer *L = t->L;
+  const uint32_t n = t->n, H = L->d.hidden, Is = L->slice_len[t->slice];
+  if (n == 0 || i0 >= i1) return;
+  kctx cx = ctx_make(v, L, H, t->xq, t->x, H, n);
+  if (n <= SEQ_MAX_TOKENS) {
+    const kn__slice_w *ws = t->w;
+    mat_rows_seq(v, EP_STORE, &cx, n, ws->gate, ws->gate_scale, i0, i1, t->h, Is);
+    mat_rows_seq(v, EP_SILU_MUL, &cx, n, ws->up, ws->up_scale, i0, i1, t->h, Is);
+    return;
+  }
+  for (uint32_t i = i0; i < i1; i += 2) {
+    uint32_t c0 = 0;
+    for (; c0 + 2 <= n; c0 += 2) gu_block(v, 2, 2, t, &cx, i, i1, c0, 2);
+    if (c0 < n) gu_block(v, 2, 1, t, &cx, i, i1, c0, 1);
+  }
+}
+
+AI void down_run(const v256 v, const kn__task *t, uint32_t j0, uint32_t j1) {
+  const kn_layer *L = t->L;
+  const uint32_t n = t->n, Is = L->slice_len[t->slice], H = L->d.hidden;
+  if (n == 0 || j0 >= j1) return;
+  const void *acts = NULL;
+  if (act_kind[v] != KN__ACT_NONE) { /* into this call's own tmp (see the top of the file) */
+    kn__x86_acts a = acts_layout(v, Is, L->d.group, n);
+    kn__x86_f32eo_convert(&a, n, t->h, Is, t->tmp);
+    acts = t->tmp;
+  }
+  kctx cx = ctx_make(v, L, Is, acts, t->h, Is, n);
+  const kn__slice_w *ws = t->w;
+  if (n <= SEQ_MAX_TOKENS) {
+    mat_rows_seq(v, EP_STORE, &cx, n, ws->down, ws->down_scale, j0, j1, t->y, H);
+    return;
+  }
+  for (uint32_t j = j0; j < j1; j += 4) {
+    uint32_t c0 = 0;
+    for (; c0 + 2 <= n; c0 += 2) mat_block(v, 4, 2, false, EP_STORE, &cx, ws->down, ws->down_scale, j, j1, c0, 2, t->y, H);
+    if (c0 < n) mat_block(v, 4, 1, false, EP_STORE, &cx, ws->down, ws->down_scale, j, j1, c0, 1, t->y, H);
+  }
+}
+
+/* ---- kernel-table entries ---------------------------------------------------------- */
+
+static size_t prep_bytes_of(const v256 v, const kn_layer *L, uint32_t n) {
+  return acts_layout(v, L->d.hidden, L->d.group, n).bytes;
+}
+static size_t tmp_floats_of(const v256 v, const kn_layer *L, uint32_t slice, uint32_t n) {
+  return kn__x86_floats_for(acts_layout(v, L->slice_len[slice], L->d.group, n).bytes);
+}
+static void prep_of(const v256 v, const kn_layer *L, uint32_t n, const float *x, void *xq) {
+  kn__x86_acts a = acts_layout(v, L->d.hidden, L->d.group, n);
+  kn__x86_f32eo_convert(&a, n, x, L->d.hidden, xq);
+}
+
+#define ENTRY(V, id)                                                                          \
+  static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) { gate_up_run(V, t, i0, i1); } \
+  static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) { down_run(V, t, j0, j1); }       \
+  static size_t tmp_##id(const kn_layer *L, uint32_t s, uint32_t n) { return tmp_floats_of(V, L, s, n); } \
+  static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) { return prep_bytes_of(V, L, n); }      \
+  static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) { prep_of(V, L, n, x, xq); }
+
+ENTRY(V_F32, f32)
+ENTRY(V_F16, f16)
+ENTRY(V_BF16, bf16)
+ENTRY(V_I8, i8)
+ENTRY(V_I4, i4)
+
+#define KERNEL(id, with_prep, label)                                                        \
+  (kn__kernel) {                                                                            \
+    .gate_up = gate_up_##id, .down = down_##id, .prep = (with_prep) ? prep_##id : NULL,     \
+    .prep_bytes = (with_prep) ? prep_bytes_##id : NULL, .tmp_floats = tmp_##id, .name = label \
+  }
+
+void kn__avx2_register(kn__kernel_table *t) {
+  t->k[KN_FMT_F32][KN_ISA_AVX2] = KERNEL(f32, false, "avx2_f32_f32");
+  t->k[KN_FMT_F16][KN_ISA_AVX2] = KERNEL(f16, false, "avx2_f16_f32");
+  t->k[KN_FMT_BF16][KN_ISA_AVX2] = KERNEL(bf16, true, "avx2_bf16_f32");
+  t->k[KN_FMT_INT8][KN_ISA_AVX2] = KERNEL(i8, false, "avx2_int8_f32");
+  t->k[KN_FMT_INT4][KN_ISA_AVX2] = KERNEL(i4, true, "avx2_int4_f32");
+}
