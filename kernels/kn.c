@@ -366,17 +366,31 @@ void kn__split_inter(uint32_t I, uint32_t n, uint32_t unit, uint32_t *off, uint3
   MR_ASSERT(off[n - 1] + len[n - 1] == I);
 }
 
+/* Packing runs once per weight at load, over every byte of a model, so these helpers avoid
+ * libm calls (fmaxf / nearbyintf are not inlined at -O2 without SSE4.1): the weights are
+ * finite (checked at load), so plain comparisons give fmaxf's result. */
+static inline float kn__maxf(float a, float b) { return a > b ? a : b; }
+static inline float kn__minf(float a, float b) { return a < b ? a : b; }
+/* Round to nearest, ties to even, for |x| < 2^22 in the default rounding mode: adding and
+ * subtracting 1.5 * 2^23 drops the fraction bits with the FPU's own rounding (the same
+ * result as nearbyintf). The quotients rounded here are within +-128. */
+static inline float kn__round_even(float x) {
+  volatile float m = 12582912.0f; /* volatile: the compiler must not fold (x + m) - m */
+  float mm = m;
+  return (x + mm) - mm;
+}
+
 float kn__amax(const float *src, uint32_t n) {
   float amax = 0.0f;
-  for (uint32_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf(src[i]));
+  for (uint32_t i = 0; i < n; i++) amax = kn__maxf(amax, fabsf(src[i]));
   return amax;
 }
 
 void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
   for (uint32_t i = 0; i < n; i++) {
     /* scale == 0 also covers amax so small that amax / 127 underflows: those rows are 0. */
-    float q = scale > 0.0f ? nearbyintf(src[i] / scale) : 0.0f;
-    dst[i] = (int8_t)fminf(fmaxf(q, -127.0f), 127.0f);
+    float q = scale > 0.0f ? kn__round_even(src[i] / scale) : 0.0f;
+    dst[i] = (int8_t)kn__minf(kn__maxf(q, -127.0f), 127.0f);
   }
 }
 
@@ -386,12 +400,12 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
   for (uint32_t g = 0; g < ng; g++) {
     uint32_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
     float amax = 0.0f;
-    for (uint32_t k = k0; k < k1; k++) amax = fmaxf(amax, fabsf(src[k]));
+    for (uint32_t k = k0; k < k1; k++) amax = kn__maxf(amax, fabsf(src[k]));
     float sc = amax / 7.0f;
     scale[g] = sc;
     for (uint32_t k = k0; k < k1; k++) {
-      float q = sc > 0.0f ? nearbyintf(src[k] / sc) : 0.0f;
-      int v = (int)fminf(fmaxf(q, -7.0f), 7.0f);
+      float q = sc > 0.0f ? kn__round_even(src[k] / sc) : 0.0f;
+      int v = (int)kn__minf(kn__maxf(q, -7.0f), 7.0f);
       uint8_t nib = (uint8_t)(v & 0xf);
       dst[k / 2] |= (k & 1) ? (uint8_t)(nib << 4) : nib;
     }
