@@ -16,6 +16,11 @@
  *   out  [T_total, H]  fp32, then job j's rows are converted into job j's buffer
  *
  * A job alone is computed straight from its own buffer and header, without the copy.
+ *
+ * Small requests that arrive alone at an idle engine skip the queue: their CQ thread runs
+ * them itself (es__compute_offer / es__compute_deferred; the rule is in internal.h), which
+ * saves the compute thread's wake-up on every decode-sized round trip. Whoever runs a batch
+ * first sets srv->computing under q_lock, so the engine and the arena have one user.
  * The fp32 output and the merged arrays live in the compute thread's arena, reset after
  * every batch.
  */
@@ -49,16 +54,45 @@ void es__job_done(es_server *s, es_job *job) {
   es__job_put(&s->pool, job);
 }
 
-void es__compute_push(es_server *s, es_job *job) {
-  job->t_enqueue_ns = mr_now_ns();
+/* Appends job to the compute queue. Caller holds q_lock. */
+static void es__queue_append_locked(es_server *s, es_job *job) {
   job->next = NULL;
-  pthread_mutex_lock(&s->q_lock);
   if (s->q_tail) s->q_tail->next = job;
   else s->q_head = job;
   s->q_tail = job;
   s->q_len++;
+}
+
+/* Queues job for the compute thread. */
+static void es__queue_push(es_server *s, es_job *job) {
+  pthread_mutex_lock(&s->q_lock);
+  es__queue_append_locked(s, job);
   pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
+}
+
+bool es__compute_offer(es_server *s, es_cqt *t, es_job *job) {
+  job->t_enqueue_ns = mr_now_ns();
+  if (t->deferred) {
+    /* A second request in the same round of events: both go to the compute thread, which
+     * merges them if they share layer and dtype. */
+    es_job *first = t->deferred;
+    t->deferred = NULL;
+    MR_ASSERT(first->st != job->st); /* a held request's stream has no RECV armed */
+    pthread_mutex_lock(&s->q_lock);
+    es__queue_append_locked(s, first);
+    es__queue_append_locked(s, job);
+    pthread_cond_signal(&s->q_cond);
+    pthread_mutex_unlock(&s->q_lock);
+    es__stream_recv_resume(first->st);
+    return false;
+  }
+  if (job->n_tokens <= ES_INLINE_MAX_TOKENS) {
+    t->deferred = job; /* decided by es__compute_deferred */
+    return true;
+  }
+  es__queue_push(s, job);
+  return false;
 }
 
 /* Takes the head job and the queued jobs that merge with it into batch. Caller holds q_lock
@@ -216,6 +250,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     b->compute_us = compute_us;
     sum_queue += b->queue_us;
     mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
+    ES__HB_RELEASE(b->buf); /* the last write before gRPC takes the buffer */
     row += b->n_tokens;
     /* Tokens per (layer, expert), for Stats and placement. */
     size_t slots = (size_t)b->n_tokens * b->top_k;
@@ -236,20 +271,50 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   atomic_fetch_add(&s->sum_compute_us, (uint64_t)compute_us * n);
 }
 
+void es__compute_deferred(es_server *s, es_cqt *t) {
+  es_job *job = t->deferred;
+  if (!job) return;
+  t->deferred = NULL;
+  pthread_mutex_lock(&s->q_lock);
+  bool inline_run = !s->q_head && !s->computing;
+  if (inline_run) s->computing = true;
+  pthread_mutex_unlock(&s->q_lock);
+  es_stream *st = job->st; /* the job may be gone once its reply is sent */
+  if (!inline_run) {
+    es__queue_push(s, job);
+    es__stream_recv_resume(st);
+    return;
+  }
+  es__batch_run(s, &job, 1);
+  es__stream_recv_resume(st);
+  pthread_mutex_lock(&s->q_lock);
+  s->computing = false;
+  /* Jobs queued meanwhile waited for the engine: the compute thread may take them now. */
+  if (s->q_head) pthread_cond_signal(&s->q_cond);
+  pthread_mutex_unlock(&s->q_lock);
+}
+
 static void *es__compute_main(void *arg) {
   es_server *s = arg;
   es_job *batch[ES_MERGE_MAX];
   pthread_setname_np(pthread_self(), "es-compute");
   for (;;) {
     pthread_mutex_lock(&s->q_lock);
-    while (!s->q_head && !s->q_stop) pthread_cond_wait(&s->q_cond, &s->q_lock);
+    /* Wait for work and for the engine (a CQ thread may be running a job inline); stop
+     * only once the queue is empty. */
+    while ((!s->q_head || s->computing) && !(s->q_stop && !s->q_head))
+      pthread_cond_wait(&s->q_cond, &s->q_lock);
     if (!s->q_head) {
       pthread_mutex_unlock(&s->q_lock);
       break;
     }
+    s->computing = true;
     uint32_t n = es__batch_take(s, batch);
     pthread_mutex_unlock(&s->q_lock);
     es__batch_run(s, batch, n);
+    pthread_mutex_lock(&s->q_lock);
+    s->computing = false;
+    pthread_mutex_unlock(&s->q_lock);
   }
   return NULL;
 }

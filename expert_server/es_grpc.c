@@ -424,7 +424,12 @@ static void *es__cq_main(void *arg) {
       for (int k = 0; k < ES_PREPOST_UNARY; k++) es__rpc_post(s, t, (es_method)m);
   }
   for (;;) {
-    grpc_event ev = grpc_completion_queue_next(t->cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    /* With a small request held back (es__compute_offer), look for more events without
+     * blocking first: the queue running dry is what lets the request run inline. */
+    gpr_timespec until = t->deferred ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
+                                     : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    grpc_event ev = grpc_completion_queue_next(t->cq, until, NULL);
+    if (ev.type != GRPC_OP_COMPLETE) es__compute_deferred(s, t);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     es_tag *tag = ev.tag;

@@ -6,11 +6,15 @@
  *
  *   accept   {SEND_INITIAL_METADATA, RECV_MESSAGE}                           -> t_recv
  *   request  RECV_MESSAGE completes with a message: decode + validate; a valid request goes
- *            to the compute queue, a bad one gets an error reply at once; re-arm
- *            {RECV_MESSAGE} (one is always outstanding while the stream is open)
- *   reply    the compute thread queues the encoded reply; if no SEND_MESSAGE is in flight it
- *            starts {SEND_MESSAGE} itself (under the lock), else the CQ thread starts the next
- *            one when the current send completes                               -> t_send
+ *            to the compute queue (or is held for inline compute, internal.h), a bad one
+ *            gets an error reply at once; re-arm {RECV_MESSAGE} (one is outstanding while
+ *            the stream is open, except while its request is held: then the re-arm waits
+ *            until the reply's send has started, es__stream_recv_resume, because gRPC
+ *            answers the re-arm with a WINDOW_UPDATE write that would otherwise go out on
+ *            its own ahead of the reply)
+ *   reply    the compute thread (or the CQ thread, inline) queues the encoded reply; if no
+ *            SEND_MESSAGE is in flight it starts {SEND_MESSAGE} itself (under the lock),
+ *            else the CQ thread starts the next one when the current send completes -> t_send
  *   end      RECV_MESSAGE completes empty (half-close) or fails (client gone), or the drain
  *            asks to finish: once nothing is pending,
  *            {SEND_STATUS_FROM_SERVER OK, RECV_CLOSE_ON_SERVER}                 -> t_final
@@ -260,7 +264,7 @@ static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, 
 
 /* Handles one received ForwardRequest (CQ thread; st->busy is set, so the stream cannot be
  * finished underneath). The payload is gathered from bb's slices once, into a pool buffer. */
-static void es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
+static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   es_server *s = st->srv;
   mr_err e;
   char msg[700];
@@ -269,6 +273,7 @@ static void es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   grpc_slice hold = grpc_empty_slice();
   Moerpc__V1__ForwardRequest *req = NULL;
   uint64_t id = 0;
+  bool held = false;
   mr_err_clear(&e);
   atomic_fetch_add(&s->n_requests, 1);
   atomic_fetch_add(&s->tot_requests, 1);
@@ -310,6 +315,7 @@ static void es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     es__stream_reply_error(st, id, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, true);
     goto out_free_input;
   }
+  ES__HB_ACQUIRE(buf); /* after the release of its last user's reply (internal.h) */
   pr_payload_gather(&st->split.payload, buf->data);
   job->st = st;
   job->req = req;
@@ -326,11 +332,12 @@ static void es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   st->jobs_pending++;
   st->bytes_pending += job->nbytes;
   pthread_mutex_unlock(&st->lock);
-  es__compute_push(s, job);
+  held = es__compute_offer(s, st->cqt, job);
 out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);
   grpc_slice_unref(hold);
+  return held;
 }
 
 void es__on_stream_new(es_stream *st, bool ok) {
@@ -367,13 +374,19 @@ void es__on_stream_recv(es_stream *st, bool ok) {
   if (take) st->busy = true;
   pthread_mutex_unlock(&st->lock);
 
-  if (take) es__stream_on_request(st, bb);
-  else if (ok && bb) mr_log(MR_LOG_DEBUG, "stream %s: message after the stream ended, dropped", st->peer);
+  bool held = take && es__stream_on_request(st, bb);
+  if (!take && ok && bb)
+    mr_log(MR_LOG_DEBUG, "stream %s: message after the stream ended, dropped", st->peer);
   if (bb) grpc_byte_buffer_destroy(bb);
 
   pthread_mutex_lock(&st->lock);
   st->busy = false;
-  if (take && !st->finish_requested && !st->send_failed) {
+  if (held) {
+    /* Re-arming now would make gRPC write a WINDOW_UPDATE ahead of the reply (one more
+     * write and one more wake-up of the client per round trip): es__stream_recv_resume
+     * does it once the reply is on its way. */
+    st->recv_held = true;
+  } else if (take && !st->finish_requested && !st->send_failed) {
     if (es__stream_over_limit_locked(st, 1)) {
       st->recv_paused = true; /* es__on_stream_send re-arms once below half */
       mr_log(MR_LOG_DEBUG, "stream %s: %" PRIu32 " requests / %zu bytes pending, pausing reads",
@@ -389,6 +402,23 @@ void es__on_stream_recv(es_stream *st, bool ok) {
     mr_log(MR_LOG_DEBUG, "stream %s: receive failed (client gone or call cancelled)", st->peer);
   else if (!take && !bb)
     mr_log(MR_LOG_DEBUG, "stream %s: client half-closed", st->peer);
+  es__stream_maybe_finish_locked(st);
+  bool dead = es__stream_dead_locked(st);
+  pthread_mutex_unlock(&st->lock);
+  if (dead) es__stream_free(st);
+}
+
+void es__stream_recv_resume(es_stream *st) {
+  pthread_mutex_lock(&st->lock);
+  MR_ASSERT(st->recv_held);
+  st->recv_held = false;
+  if (st->finish_requested || st->send_failed) {
+    st->recv_done = true;
+  } else if (es__stream_over_limit_locked(st, 1)) {
+    st->recv_paused = true;
+  } else {
+    es__stream_recv_locked(st, false);
+  }
   es__stream_maybe_finish_locked(st);
   bool dead = es__stream_dead_locked(st);
   pthread_mutex_unlock(&st->lock);

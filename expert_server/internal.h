@@ -15,8 +15,9 @@
  *
  *   CQ thread i (es_cqt)   owns every call accepted on cqts[i].cq. It decodes and validates
  *                          each ForwardRequest, gathers its payload once into an es_buf and
- *                          pushes an es_job onto the compute queue (q_lock + q_cond). It also
- *                          starts the next send of a stream when one completes.
+ *                          pushes an es_job onto the compute queue (q_lock + q_cond), or runs
+ *                          a small one itself (below). It also starts the next send of a
+ *                          stream when one completes.
  *   compute thread         pops jobs (q_lock), runs kn_moe_forward, writes each reply into the
  *                          job's buffer and hands the job to its stream's send queue
  *                          (es__stream_send: under the stream's lock, and starts the send
@@ -24,6 +25,20 @@
  *   admin (libuv) thread   the thread in es_server_run. Learns about drain progress through
  *                          es__admin_wake (uv_async_send) and the atomics below; during the
  *                          drain it walks the stream list (streams_lock) to finish streams.
+ *
+ * Inline compute. Handing a request to the compute thread costs a wake-up (~15-20 µs on a
+ * busy host) on every round trip, as much as the whole compute of a decode-sized request.
+ * So a CQ thread holds back a request of at most ES_INLINE_MAX_TOKENS tokens
+ * (es_cqt.deferred), polls its queue without blocking, and if no other request came in that
+ * round, the compute queue is empty and the engine is idle, runs it itself. A second
+ * request in the same round sends both to the compute queue, where they merge as before; a
+ * busy engine or a non-empty queue sends the request there too. While it computes, the CQ
+ * thread reads nothing: requests of other streams wait in gRPC (they would wait for the
+ * engine anyway) and are read, and merged, in the next round; larger requests never run
+ * inline, so that the thread stays responsive. The engine and the compute arena belong to
+ * whoever set srv->computing (under q_lock): the compute thread or a CQ thread running one
+ * job inline. The held request's stream re-arms its RECV only after the reply's send has
+ * started (es_stream.recv_held, es_stream.c).
  *
  * Lock order (never take an earlier lock while holding a later one):
  *   srv->streams_lock  ->  es_stream.lock  ->  srv->q_lock  ->  es_pool.lock
@@ -66,6 +81,29 @@ typedef struct es_pool {
   atomic_long out_bufs; /* buffers handed out and not yet returned */
   atomic_long out_jobs;
 } es_pool;
+/* A reply buffer goes from the thread that wrote the output (compute thread or CQ thread)
+ * to gRPC, whose slice release returns it to the pool, whence any CQ thread may take it
+ * for the next request. gRPC is not built with ThreadSanitizer, which therefore cannot see
+ * the ordering gRPC's own atomics give between the last write and the release; these
+ * annotations state it (release after the last write, acquire after es__buf_get). No code
+ * outside TSan builds. */
+#if defined(__SANITIZE_THREAD__)
+#define ES__TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define ES__TSAN 1
+#endif
+#endif
+#ifdef ES__TSAN
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define ES__HB_RELEASE(p) __tsan_release(p)
+#define ES__HB_ACQUIRE(p) __tsan_acquire(p)
+#else
+#define ES__HB_RELEASE(p) ((void)(p))
+#define ES__HB_ACQUIRE(p) ((void)(p))
+#endif
+
 /* Initialises p for buffers of up to max_bytes; keeps at most about cache_bytes per class. */
 int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes);
 /* Frees every cached buffer and job. Buffers still out (owned by gRPC slices that were never
@@ -111,7 +149,12 @@ typedef struct es_cqt {
   grpc_completion_queue *cq;
   pthread_t thread;
   bool started;
+  struct es_job *deferred; /* a small request held back for inline compute (this thread only) */
 } es_cqt;
+
+/* Requests of at most this many tokens may run on the CQ thread (internal.h, top). Larger
+ * ones keep the CQ thread free to read other streams while they compute. */
+#define ES_INLINE_MAX_TOKENS 32u
 
 /* ---- calls -------------------------------------------------------------------------------- */
 
@@ -159,6 +202,7 @@ typedef struct es_stream {
   size_t bytes_pending;      /* their payload bytes (request buffers, then reply buffers) */
   bool recv_paused;          /* over the pending limits: RECV not re-armed until below half */
   bool recv_inflight;        /* a RECV_MESSAGE batch is outstanding */
+  bool recv_held;            /* RECV not re-armed until the held-back request's reply started */
   bool busy;                 /* the CQ thread is handling a received request: no final yet */
   bool recv_done;            /* no more RECV_MESSAGE will be started */
   bool finish_requested;     /* the drain asked to end the stream */
@@ -246,9 +290,10 @@ struct es_server {
   es_job *q_head, *q_tail;
   uint32_t q_len;
   bool q_stop;
+  bool computing;               /* the engine and the arena are in use (see the top) */
   pthread_t compute_thread;
   bool compute_started;
-  mr_arena arena;               /* compute thread only: merged inputs, fp32 output, scratch */
+  mr_arena arena;               /* engine owner only: merged inputs, fp32 output, scratch */
 
   es_pool pool;
   bool pool_inited;
@@ -310,11 +355,19 @@ void es__grpc_finish_streams(es_server *s);
 /* Compute thread -> stream: queues job's encoded reply and starts its send if the stream has
  * none in flight. Takes st->lock. */
 void es__stream_send(es_stream *st, es_job *job);
+/* CQ thread: re-arms the RECV that es__on_stream_recv held back while the stream's request
+ * was held for inline compute (es_stream.recv_held), once its reply has been started. */
+void es__stream_recv_resume(es_stream *st);
 
 /* es_compute.c */
 int es__compute_start(es_server *s, mr_err *e);
-/* Queues a validated job (CQ thread). */
-void es__compute_push(es_server *s, es_job *job);
+/* A validated job received on CQ thread t: held back for inline compute when it is small
+ * and alone so far (t->deferred; returns true, and its stream's next RECV waits for
+ * es__stream_recv_resume), else queued; a job already held back is queued with it. */
+bool es__compute_offer(es_server *s, es_cqt *t, es_job *job);
+/* CQ thread t found no more events: runs its held-back job inline if the queue is empty
+ * and the engine idle, else queues it. No-op without one. */
+void es__compute_deferred(es_server *s, es_cqt *t);
 /* Stops the compute thread once its queue is empty and joins it. */
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */

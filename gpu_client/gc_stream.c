@@ -12,7 +12,11 @@
  *   t_send    one SEND_MESSAGE (or, at close, SEND_CLOSE_FROM_CLIENT on t_close); the rest
  *             wait on the app-side send queue s->q_head..q_tail
  *   t_recv    RECV_MESSAGE (with RECV_INITIAL_METADATA the first time, without which gRPC
- *             never completes a client receive), re-armed after each reply
+ *             never completes a client receive), re-armed after each reply while requests
+ *             are outstanding; when none is, the next enqueue arms it, after its send
+ *             (cl->recv_idle), so that gRPC's flow-control update for the last reply rides
+ *             in the request's write rather than in a write (and a server wake-up) of its
+ *             own: one write and one read per round trip on each side instead of two
  *   t_status  RECV_STATUS_ON_CLIENT, started at open: it completes when the call ends for
  *             any reason, which is how a dead server is noticed at once
  *
@@ -239,6 +243,12 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
   s->ctr.bytes_sent += r->bb_bytes;
   s->ctr.last_req_bytes = r->bb_bytes;
   stream_kick_locked(s);
+  if (s->cur->recv_idle) {
+    /* After the send: the flow-control update gRPC owes for the last reply then goes out
+     * in the same write as this request instead of in one of its own. */
+    s->cur->recv_idle = false;
+    arm_recv_locked(s->cur, false);
+  }
   pthread_mutex_unlock(&s->lock);
 }
 
@@ -396,8 +406,17 @@ static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
     on_reply(s, cl, bb);
     grpc_byte_buffer_destroy(bb);
     pthread_mutex_lock(&s->lock);
-    if (!cl->finished) {
+    if (!cl->finished && (s->o_head || s->cur != cl)) {
       arm_recv_locked(cl, false); /* the stream goes on until its status says otherwise */
+      cl->ops_pending--;
+      pthread_mutex_unlock(&s->lock);
+      return;
+    }
+    if (!cl->finished) {
+      /* Nothing outstanding: arming now would make gRPC write a WINDOW_UPDATE on its own
+       * (one more write here and one more wake-up of the server per round trip). The next
+       * enqueue arms it; the call's end still completes t_status meanwhile. */
+      cl->recv_idle = true;
       cl->ops_pending--;
       pthread_mutex_unlock(&s->lock);
       return;

@@ -20,7 +20,8 @@
  *                    (unlink them from their stream), sum the parts.
  *   I/O thread       the only reader of the completion queue `cq`: SEND done -> start the
  *                    next queued send; RECV done -> match the reply to its request by id,
- *                    gather its payload, complete it, re-arm RECV; STATUS done -> the
+ *                    gather its payload, complete it, re-arm RECV if anything is still
+ *                    outstanding (else the next enqueue arms it); STATUS done -> the
  *                    stream broke: fail everything outstanding on it at once.
  *   gRPC threads     may run gc__payload_release (a request's payload slice dropped), which
  *                    only drops a pending reference.
@@ -134,6 +135,7 @@ struct gc__call {
   grpc_call *call;
   int ops_pending;   /* batches started and not completed (under s->lock) */
   bool finished;     /* status received */
+  bool recv_idle;    /* no RECV armed: nothing was outstanding (under s->lock) */
   gc__tag t_start, t_send, t_recv, t_status, t_close;
   grpc_metadata_array md_initial, md_trailing;
   grpc_byte_buffer *recv_bb;     /* RECV_MESSAGE target (I/O thread) */
