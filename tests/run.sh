@@ -12,6 +12,8 @@ export MOERPC_BIN="$PWD/$BUILD/bin"
 export MOERPC_BUILD="$PWD/$BUILD"
 export MOERPC_SRC="$PWD"
 logs="$BUILD/test-logs"
+# gRPC and abseil are not TSan-instrumented: see tests/tsan.supp.
+export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
 mkdir -p "$logs"
 passed=0; failed=0; failed_names=()
 
