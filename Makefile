@@ -4,7 +4,7 @@
 #   make test             unit + fuzz-corpus replay + integration tests
 #   make demo             model + two servers + verify + bench-rpc (see deploy/demo.sh)
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
-#   make HAVE_AVX512=0 HAVE_AMX=0 HAVE_HWLOC=0 HAVE_CUDA=0   the "have-not" build
+#   make have-not         the "have-not" build (no AVX2/AVX-512/AMX/hwloc/numa/CUDA) + unit tests
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
 #
 # Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
@@ -214,7 +214,7 @@ $(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/rep
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -c $< -o $@
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
 FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) $(INC) -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB_C)
@@ -242,6 +242,13 @@ test-integration: all
 
 demo:
 	@deploy/demo.sh
+
+# The "have-not" build: no AVX2/AVX-512/AMX kernels, no hwloc/libnuma, no CUDA; proves every
+# fallback compiles and passes the unit tests (STYLE.md 15).
+HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_AMX=0 HAVE_HWLOC=0 HAVE_NUMA=0 HAVE_CUDA=0
+have-not:
+	@$(MAKE) --no-print-directory BUILD=build/have-not $(HAVE_NOT) all
+	@BUILD=build/have-not tests/run.sh unit
 
 bench: all
 	@BUILD=$(BUILD) tests/bench/run.sh
