@@ -868,7 +868,7 @@ MT_TEST(mkmodel_rejects_bad_flags) {
       {"--vocab", "--vocab needs a value"},
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
-    char cmd[1024], out[512] = {0};
+    char cmd[2560], out[512] = {0};
     snprintf(cmd, sizeof cmd, "%s --out %s/bad %s 2>&1", mk, tdir, cases[i].args);
     FILE *p = popen(cmd, "r");
     MT_TRUE(p != NULL);
