@@ -398,29 +398,18 @@ static void prep_of(const v256 v, const kn_layer *L, uint32_t n, const float *x,
   kn__x86_f32eo_convert(&a, n, x, L->d.hidden, xq);
 }
 
-#define ENTRY(V, id)                                                                          \
-  static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) { gate_up_run(V, t, i0, i1); } \
-  static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) { down_run(V, t, j0, j1); }       \
-  static size_t tmp_##id(const kn_layer *L, uint32_t s, uint32_t n) { return tmp_floats_of(V, L, s, n); } \
-  static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) { return prep_bytes_of(V, L, n); }      \
-  static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) { prep_of(V, L, n, x, xq); }
 
-ENTRY(V_F32, f32)
-ENTRY(V_F16, f16)
-ENTRY(V_BF16, bf16)
-ENTRY(V_I8, i8)
-ENTRY(V_I4, i4)
+KN__X86_ENTRY(V_F32, f32)
+KN__X86_ENTRY(V_F16, f16)
+KN__X86_ENTRY(V_BF16, bf16)
+KN__X86_ENTRY(V_I8, i8)
+KN__X86_ENTRY(V_I4, i4)
 
-#define KERNEL(id, with_prep, label)                                                        \
-  (kn__kernel) {                                                                            \
-    .gate_up = gate_up_##id, .down = down_##id, .prep = (with_prep) ? prep_##id : NULL,     \
-    .prep_bytes = (with_prep) ? prep_bytes_##id : NULL, .tmp_floats = tmp_##id, .name = label \
-  }
 
 void kn__avx2_register(kn__kernel_table *t) {
-  t->k[KN_FMT_F32][KN_ISA_AVX2] = KERNEL(f32, false, "avx2_f32_f32");
-  t->k[KN_FMT_F16][KN_ISA_AVX2] = KERNEL(f16, false, "avx2_f16_f32");
-  t->k[KN_FMT_BF16][KN_ISA_AVX2] = KERNEL(bf16, true, "avx2_bf16_f32");
-  t->k[KN_FMT_INT8][KN_ISA_AVX2] = KERNEL(i8, false, "avx2_int8_f32");
-  t->k[KN_FMT_INT4][KN_ISA_AVX2] = KERNEL(i4, true, "avx2_int4_f32");
+  t->k[KN_FMT_F32][KN_ISA_AVX2] = KN__X86_KERNEL(f32, false, "avx2_f32_f32");
+  t->k[KN_FMT_F16][KN_ISA_AVX2] = KN__X86_KERNEL(f16, false, "avx2_f16_f32");
+  t->k[KN_FMT_BF16][KN_ISA_AVX2] = KN__X86_KERNEL(bf16, true, "avx2_bf16_f32");
+  t->k[KN_FMT_INT8][KN_ISA_AVX2] = KN__X86_KERNEL(i8, false, "avx2_int8_f32");
+  t->k[KN_FMT_INT4][KN_ISA_AVX2] = KN__X86_KERNEL(i4, true, "avx2_int4_f32");
 }

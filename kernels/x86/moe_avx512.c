@@ -691,37 +691,26 @@ static void prep_of(const v512 v, const kn_layer *L, uint32_t n, const float *x,
   acts_convert(&a, L->d.group, n, x, L->d.hidden, xq);
 }
 
-#define ENTRY(V, id)                                                                          \
-  static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) { gate_up_run(V, t, i0, i1); } \
-  static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) { down_run(V, t, j0, j1); }       \
-  static size_t tmp_##id(const kn_layer *L, uint32_t s, uint32_t n) { return tmp_floats_of(V, L, s, n); } \
-  static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) { return prep_bytes_of(V, L, n); }      \
-  static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) { prep_of(V, L, n, x, xq); }
 
-ENTRY(V_F32, f32)
-ENTRY(V_F16, f16)
-ENTRY(V_BF16DP, bf16dp)
-ENTRY(V_BF16F32, bf16f32)
-ENTRY(V_I8, i8)
-ENTRY(V_I4, i4)
+KN__X86_ENTRY(V_F32, f32)
+KN__X86_ENTRY(V_F16, f16)
+KN__X86_ENTRY(V_BF16DP, bf16dp)
+KN__X86_ENTRY(V_BF16F32, bf16f32)
+KN__X86_ENTRY(V_I8, i8)
+KN__X86_ENTRY(V_I4, i4)
 
-#define KERNEL(id, with_prep, label)                                                        \
-  (kn__kernel) {                                                                            \
-    .gate_up = gate_up_##id, .down = down_##id, .prep = (with_prep) ? prep_##id : NULL,     \
-    .prep_bytes = (with_prep) ? prep_bytes_##id : NULL, .tmp_floats = tmp_##id, .name = label \
-  }
 
 void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
-  t->k[KN_FMT_F32][KN_ISA_AVX512] = KERNEL(f32, false, "avx512_f32_f32");
-  t->k[KN_FMT_F16][KN_ISA_AVX512] = KERNEL(f16, false, "avx512_f16_f32");
+  t->k[KN_FMT_F32][KN_ISA_AVX512] = KN__X86_KERNEL(f32, false, "avx512_f32_f32");
+  t->k[KN_FMT_F16][KN_ISA_AVX512] = KN__X86_KERNEL(f16, false, "avx512_f16_f32");
   if (cpu->avx512_bf16)
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KERNEL(bf16dp, true, "avx512_bf16_bf16");
+    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16dp, true, "avx512_bf16_bf16");
   else
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KERNEL(bf16f32, true, "avx512_bf16_f32");
+    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16f32, true, "avx512_bf16_f32");
   /* Without VNNI the int8/int4 formats stay on the next ISA down (AVX2 fp32 FMA). */
   if (cpu->avx512_vnni) {
-    t->k[KN_FMT_INT8][KN_ISA_AVX512] = KERNEL(i8, true, "avx512_int8_int8");
-    t->k[KN_FMT_INT4][KN_ISA_AVX512] = KERNEL(i4, true, "avx512_int4_int8");
+    t->k[KN_FMT_INT8][KN_ISA_AVX512] = KN__X86_KERNEL(i8, true, "avx512_int8_int8");
+    t->k[KN_FMT_INT4][KN_ISA_AVX512] = KN__X86_KERNEL(i4, true, "avx512_int4_int8");
   }
 }
 
