@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -95,6 +96,8 @@ int itu_server_start(itu_server *s, const char *model, const char *extra, const 
   pid_t pid = fork();
   if (pid < 0) return -1;
   if (pid == 0) {
+    /* A test that dies (assert, timeout) must not leave its servers running. */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
       dup2(fd, 1);
