@@ -250,7 +250,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     b->compute_us = compute_us;
     sum_queue += b->queue_us;
     mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
-    ES__HB_RELEASE(b->buf); /* the last write before gRPC takes the buffer */
+    PR_HB_RELEASE(b->buf); /* the last write before gRPC takes the buffer */
     row += b->n_tokens;
     /* Tokens per (layer, expert), for Stats and placement. */
     size_t slots = (size_t)b->n_tokens * b->top_k;

@@ -9,7 +9,6 @@
  * fields under es_stream.lock (internal.h).
  */
 #define _GNU_SOURCE /* pthread_setname_np */
-#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
@@ -295,89 +294,15 @@ static void es__on_stats(es_rpc *r) {
     es__rpc_reply(r, GRPC_STATUS_OK, "", bb);
 }
 
-/* Reads a base-128 varint at p[*i..n); false if truncated or longer than 10 bytes. */
-static bool es__varint(const uint8_t *p, size_t n, size_t *i, uint64_t *v) {
-  uint64_t x = 0;
-  for (int shift = 0; shift < 70; shift += 7) {
-    if (*i >= n) return false;
-    uint8_t b = p[(*i)++];
-    x |= (uint64_t)(b & 0x7f) << shift;
-    if (!(b & 0x80)) {
-      *v = x;
-      return true;
-    }
-  }
-  return false;
-}
-
-/* Parses grpc.health.v1.HealthCheckRequest { string service = 1; } from p[0..n) into out
- * (cap bytes, NUL-terminated). Hand-framed because the health proto is not part of
- * moe.proto; other fields are skipped, as protobuf requires. */
-static int es__health_parse(const uint8_t *p, size_t n, char *out, size_t cap, mr_err *e) {
-  size_t i = 0;
-  out[0] = '\0';
-  while (i < n) {
-    size_t at = i;
-    uint64_t key, len;
-    if (!es__varint(p, n, &i, &key))
-      return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated key at byte %zu", at);
-    uint32_t wt = (uint32_t)(key & 7);
-    uint64_t field = key >> 3;
-    if (field == 0) return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: field 0 at byte %zu", at);
-    switch (wt) {
-    case 0:
-      if (!es__varint(p, n, &i, &len))
-        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated varint at byte %zu", i);
-      break;
-    case 1:
-    case 5: {
-      size_t w = wt == 1 ? 8 : 4;
-      if (n - i < w)
-        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: truncated field %" PRIu64 " at byte %zu",
-                          field, at);
-      i += w;
-      break;
-    }
-    case 2:
-      if (!es__varint(p, n, &i, &len) || len > n - i)
-        return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: field %" PRIu64 " at byte %zu: length "
-                          "runs past the end of the %zu-byte message", field, at, n);
-      if (field == 1) {
-        if (len >= cap)
-          return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: service name of %" PRIu64
-                            " bytes, at most %zu", len, cap - 1);
-        memcpy(out, p + i, (size_t)len);
-        out[len] = '\0';
-      }
-      i += (size_t)len;
-      break;
-    default:
-      return mr_err_set(e, MR_EFORMAT, "HealthCheckRequest: wire type %" PRIu32 " at byte %zu", wt, at);
-    }
-  }
-  return 0;
-}
-
 static void es__on_health(es_rpc *r) {
   es_server *s = r->srv;
   mr_err e;
   char svc[256], msg[600];
   mr_err_clear(&e);
   svc[0] = '\0';
-  if (r->payload) {
-    grpc_byte_buffer_reader rd;
-    if (!grpc_byte_buffer_reader_init(&rd, r->payload)) {
-      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, "HealthCheckRequest: unreadable message", NULL);
-      return;
-    }
-    grpc_slice all = grpc_byte_buffer_reader_readall(&rd);
-    grpc_byte_buffer_reader_destroy(&rd);
-    int rc = es__health_parse(GRPC_SLICE_START_PTR(all), GRPC_SLICE_LENGTH(all), svc, sizeof svc, &e);
-    grpc_slice_unref(all);
-    if (rc) {
-      es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, e.msg, NULL);
-      return;
-    }
+  if (r->payload && pr_health_request_decode(r->payload, svc, sizeof svc, &e) != 0) {
+    es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, e.msg, NULL);
+    return;
   }
   if (svc[0] && strcmp(svc, ES_HEALTH_SERVICE) != 0) {
     snprintf(msg, sizeof msg, "unknown service \"%s\": this server answers for \"\" and \"%s\"", svc,

@@ -37,19 +37,6 @@
 #define ES_STREAM_MAX_PENDING 128u
 #define ES_STREAM_MAX_BYTES ((size_t)64 << 20)
 
-static const char *es__status_name(uint32_t st) {
-  switch (st) {
-  case GRPC_STATUS_OK: return "OK";
-  case GRPC_STATUS_INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-  case GRPC_STATUS_NOT_FOUND: return "NOT_FOUND";
-  case GRPC_STATUS_RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-  case GRPC_STATUS_FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-  case GRPC_STATUS_UNAVAILABLE: return "UNAVAILABLE";
-  case GRPC_STATUS_INTERNAL: return "INTERNAL";
-  default: return "status";
-  }
-}
-
 void es__stream_free(es_stream *st) {
   es_server *s = st->srv;
   pthread_mutex_lock(&s->streams_lock);
@@ -235,10 +222,10 @@ static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, 
   atomic_fetch_add(&s->tot_errors, 1);
   if (status == GRPC_STATUS_UNAVAILABLE)
     mr_log_ratelimited(MR_LOG_INFO, 5, "forward from %s: request %" PRIu64 ": %s: %s", st->peer, id,
-                       es__status_name(status), msg);
+                       pr_status_name((grpc_status_code)status), msg);
   else
     mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": %s: %s", st->peer, id,
-                       es__status_name(status), msg);
+                       pr_status_name((grpc_status_code)status), msg);
   es_job *job = es__job_get(&s->pool);
   if (job) {
     job->st = st;
@@ -270,7 +257,6 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   char msg[700];
   pr_seg *segs = NULL;
   size_t nseg = 0;
-  grpc_slice hold = grpc_empty_slice();
   Moerpc__V1__ForwardRequest *req = NULL;
   uint64_t id = 0;
   bool held = false;
@@ -278,7 +264,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   atomic_fetch_add(&s->n_requests, 1);
   atomic_fetch_add(&s->tot_requests, 1);
 
-  int rc = pr_bb_segs(bb, &segs, &nseg, &hold, &e);
+  int rc = pr_bb_segs(bb, &segs, &nseg, &e);
   if (rc == 0) rc = pr_forward_request_decode(segs, nseg, &st->split, &req, &e);
   if (rc) {
     /* Garbage: there is no id to echo, so the reply carries id 0. */
@@ -315,7 +301,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     es__stream_reply_error(st, id, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, true);
     goto out_free_input;
   }
-  ES__HB_ACQUIRE(buf); /* after the release of its last user's reply (internal.h) */
+  PR_HB_ACQUIRE(buf); /* after the release of its last user's reply (internal.h) */
   pr_payload_gather(&st->split.payload, buf->data);
   job->st = st;
   job->req = req;
@@ -336,7 +322,6 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
 out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);
-  grpc_slice_unref(hold);
   return held;
 }
 

@@ -83,26 +83,9 @@ typedef struct es_pool {
 } es_pool;
 /* A reply buffer goes from the thread that wrote the output (compute thread or CQ thread)
  * to gRPC, whose slice release returns it to the pool, whence any CQ thread may take it
- * for the next request. gRPC is not built with ThreadSanitizer, which therefore cannot see
- * the ordering gRPC's own atomics give between the last write and the release; these
- * annotations state it (release after the last write, acquire after es__buf_get). No code
- * outside TSan builds. */
-#if defined(__SANITIZE_THREAD__)
-#define ES__TSAN 1
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-#define ES__TSAN 1
-#endif
-#endif
-#ifdef ES__TSAN
-void __tsan_acquire(void *addr);
-void __tsan_release(void *addr);
-#define ES__HB_RELEASE(p) __tsan_release(p)
-#define ES__HB_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define ES__HB_RELEASE(p) ((void)(p))
-#define ES__HB_ACQUIRE(p) ((void)(p))
-#endif
+ * for the next request. That ordering comes from gRPC's own atomics, which TSan cannot
+ * see: PR_HB_RELEASE after the last write and PR_HB_ACQUIRE after es__buf_get state it
+ * (proto/pr.h). */
 
 /* Initialises p for buffers of up to max_bytes; keeps at most about cache_bytes per class. */
 int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes);

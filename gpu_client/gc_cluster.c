@@ -41,17 +41,6 @@ void gc_options_init(gc_options *o) {
   o->local_engine.isa = KN_ISA_COUNT;
 }
 
-const char *gc__grpc_status_name(grpc_status_code st) {
-  static const char *const names[] = {
-      "OK",           "CANCELLED",          "UNKNOWN",           "INVALID_ARGUMENT",
-      "DEADLINE_EXCEEDED", "NOT_FOUND",     "ALREADY_EXISTS",    "PERMISSION_DENIED",
-      "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION", "ABORTED",    "OUT_OF_RANGE",
-      "UNIMPLEMENTED", "INTERNAL",          "UNAVAILABLE",       "DATA_LOSS",
-      "UNAUTHENTICATED"};
-  if ((unsigned)st < sizeof names / sizeof names[0]) return names[st];
-  return "STATUS?";
-}
-
 grpc_channel *gc__channel_new(const gc__server *srv, int max_bytes) {
   grpc_arg args[8];
   size_t n = pr_channel_args(args, max_bytes);
@@ -172,7 +161,7 @@ static int unary_result(const gc__unary *u, const gc__server *sv, const char *rp
   char *det = grpc_slice_to_c_string(u->details);
   int code = u->status == GRPC_STATUS_OK ? MR_EPROTO : pr_mr_from_status(u->status);
   int rc = mr_err_set(e, code, GC__SRV_FMT ": %s failed: %s (%d): %s", GC__SRV_ARGS(sv), rpc,
-                      gc__grpc_status_name(u->status), (int)u->status,
+                      pr_status_name(u->status), (int)u->status,
                       u->status == GRPC_STATUS_OK ? "OK status without a reply message" : det);
   gpr_free(det);
   return rc;

@@ -61,21 +61,11 @@ static void call_free(gc__call *cl) {
   pthread_mutex_unlock(&c->calls_lock);
 }
 
-/* The completion queue orders a batch's start before its completion, but gRPC is not built
- * with ThreadSanitizer, which therefore cannot see that edge; these annotations state it
- * (for the tag and what it points to: the call, its stream). No code outside TSan builds. */
-#if defined(__SANITIZE_THREAD__)
-void __tsan_acquire(void *addr);
-void __tsan_release(void *addr);
-#define GC__HB_RELEASE(p) __tsan_release(p)
-#define GC__HB_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define GC__HB_RELEASE(p) ((void)(p))
-#define GC__HB_ACQUIRE(p) ((void)(p))
-#endif
-
+/* The completion queue orders a batch's start before its completion, which TSan cannot see
+ * in the uninstrumented gRPC: the tag (and what it points to: the call, its stream) is
+ * released here and acquired by the I/O thread (PR_HB_*, proto/pr.h). */
 static void start_batch_locked(gc__call *cl, const grpc_op *ops, size_t n, gc__tag *tag) {
-  GC__HB_RELEASE(tag);
+  PR_HB_RELEASE(tag);
   grpc_call_error ce = grpc_call_start_batch(cl->call, ops, n, tag, NULL);
   /* Only our own bugs (two sends in flight, ops on a freed call) make this fail. */
   MR_ASSERT(ce == GRPC_CALL_OK);
@@ -302,17 +292,14 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
   gc_cluster *c = s->c;
   pr_seg *segs = NULL;
   size_t nseg = 0;
-  grpc_slice hold;
   Moerpc__V1__ForwardReply *h = NULL;
   mr_err err;
   size_t wire = grpc_byte_buffer_length(bb);
 
-  int rc = pr_bb_segs(bb, &segs, &nseg, &hold, &err);
+  int rc = pr_bb_segs(bb, &segs, &nseg, &err);
   if (rc == 0) {
     rc = pr_forward_reply_decode(segs, nseg, &c->io_split, &h, &err);
     if (rc) h = NULL;
-  } else {
-    hold = grpc_empty_slice();
   }
   if (rc) {
     /* A reply we cannot parse cannot be matched to its request either: end the stream, so
@@ -355,7 +342,7 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
     if (code == 0) code = MR_EINTERNAL;
     rc = mr_err_set(&err, code, "layer %u request %llu: " GC__SRV_FMT ": %s (%u): %s", p->layer,
                     (unsigned long long)r->id, GC__SRV_ARGS(s->srv),
-                    gc__grpc_status_name((grpc_status_code)h->status), h->status,
+                    pr_status_name((grpc_status_code)h->status), h->status,
                     h->error && *h->error ? h->error : "(no message)");
   } else if ((mr_dtype)h->dtype != p->dtype) {
     rc = mr_err_set(&err, MR_EPROTO, "layer %u request %llu: " GC__SRV_FMT ": reply dtype %d, "
@@ -396,7 +383,6 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
 out_free:
   if (h) moerpc__v1__forward_reply__free_unpacked(h, NULL);
   mr_free(segs);
-  grpc_slice_unref(hold);
 }
 
 static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
@@ -447,9 +433,9 @@ static void on_status(gc__stream *s, gc__call *cl) {
       snprintf(why, sizeof why, "%s", s->break_msg);
     } else if (closing) {
       rc = MR_ECANCELED;
-      snprintf(why, sizeof why, "cluster closed (%s: %s)", gc__grpc_status_name(cl->status), det);
+      snprintf(why, sizeof why, "cluster closed (%s: %s)", pr_status_name(cl->status), det);
     } else {
-      snprintf(why, sizeof why, "stream ended (%s: %s)", gc__grpc_status_name(cl->status),
+      snprintf(why, sizeof why, "stream ended (%s: %s)", pr_status_name(cl->status),
                *det ? det : "no details");
     }
     gpr_free(det);
@@ -474,7 +460,7 @@ static void on_status(gc__stream *s, gc__call *cl) {
              (unsigned long long)n, n == 1 ? "" : "s");
     else
       mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": Forward stream closed (%s)", GC__SRV_ARGS(s->srv),
-             gc__grpc_status_name(cl->status));
+             pr_status_name(cl->status));
   }
   pthread_mutex_unlock(&s->lock);
 
@@ -502,7 +488,7 @@ static void *io_main(void *arg) {
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     MR_ASSERT(ev.type == GRPC_OP_COMPLETE);
     gc__tag *t = ev.tag;
-    GC__HB_ACQUIRE(t);
+    PR_HB_ACQUIRE(t);
     gc__call *cl = t->call;
     gc__stream *s = cl->s;
     switch (t->op) {

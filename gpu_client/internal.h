@@ -310,6 +310,5 @@ void gc__payload_release(void *pending);
 #define GC__SRV_ARGS(sv) (sv)->cfg.name, (sv)->cfg.address
 /* A channel to srv->target with message limits of max_bytes. */
 grpc_channel *gc__channel_new(const gc__server *srv, int max_bytes);
-const char *gc__grpc_status_name(grpc_status_code st);
 
 #endif /* GC_INTERNAL_H */

@@ -93,11 +93,10 @@ size_t pr_payload_prefix(uint8_t *out, uint64_t len);
 /* ---- gRPC byte buffers -------------------------------------------------------------- */
 
 /* Lists the slices of a received raw, uncompressed byte buffer as views into segs
- * (heap array, caller frees with mr_free). A compressed buffer (possible only if gRPC's
- * per-message decompression is turned off; 1.51's reader does not decompress) is refused
- * with MR_ENOTSUP. *hold is always grpc_empty_slice() (kept for a future transport that
- * has to join slices); the caller unrefs it. */
-int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, grpc_slice *hold, mr_err *e);
+ * (heap array, caller frees with mr_free); the views point into bb, so they are valid until
+ * bb is destroyed. A compressed buffer (possible only if gRPC's per-message decompression
+ * is turned off; 1.51's reader does not decompress) is refused with MR_ENOTSUP. */
+int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, mr_err *e);
 
 /* Encodes msg (whose payload field must be empty) followed by payload[0..len) as field 15.
  * The payload is referenced, not copied: release(owner) is called once gRPC drops its
@@ -121,17 +120,50 @@ grpc_byte_buffer *pr_health_response_encode(int status);
 int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e);
 /* Encodes a HealthCheckRequest{service} (service may be "" for the whole server). */
 grpc_byte_buffer *pr_health_request_encode(const char *service);
+/* Decodes a HealthCheckRequest into service (cap bytes, NUL-terminated; "" when the field
+ * is absent). Walks the slices with the segment reader of the Forward decoder: unknown
+ * fields are skipped and the last `service` wins. MR_EFORMAT (naming the byte offset) on
+ * malformed framing, a service field that is not length-delimited, or a name of cap bytes
+ * or more; MR_ENOTSUP on a compressed buffer. */
+int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr_err *e);
 
 /* ---- gRPC helpers shared by server and client ---------------------------------------- */
 /* Fills args[0..3) with max send/receive message length = max_bytes (and returns 2 + 1
  * for a keepalive arg); args_out must have room for 4 grpc_arg. */
 size_t pr_channel_args(grpc_arg *args_out, int max_bytes);
-/* Converts an MR_E* code to the gRPC status of DESIGN.md section 4 and back. */
+/* Converts an MR_E* code to the gRPC status of docs/DESIGN.md section 4 and back. */
 grpc_status_code pr_status_from_mr(int code);
 int pr_mr_from_status(grpc_status_code st);
+/* The name of a gRPC status ("INVALID_ARGUMENT"), "STATUS?" for a code gRPC does not
+ * define: for log lines and error messages of both sides. */
+const char *pr_status_name(grpc_status_code st);
 /* Converts a "host:port" address to a gRPC target ("ipv4:1.2.3.4:5", "ipv6:[::1]:5",
  * else "dns:///host:port"). */
 void pr_target_from_address(const char *address, char *buf, size_t len);
+
+/* ---- ThreadSanitizer and gRPC --------------------------------------------------------- */
+/* gRPC is not built with ThreadSanitizer, so TSan cannot see the orderings that gRPC's own
+ * locks and atomics create between two of our threads: a batch started on one thread and
+ * completed on the completion-queue thread, a payload slice released on a gRPC thread
+ * after the last write to its memory. PR_HB_RELEASE(p) on the thread that hands p over and
+ * PR_HB_ACQUIRE(p) on the thread that takes it state that edge to TSan. Outside TSan
+ * builds they compile to nothing. */
+#if defined(__SANITIZE_THREAD__)
+#define PR__TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PR__TSAN 1
+#endif
+#endif
+#ifdef PR__TSAN
+void __tsan_acquire(void *addr);
+void __tsan_release(void *addr);
+#define PR_HB_RELEASE(p) __tsan_release(p)
+#define PR_HB_ACQUIRE(p) __tsan_acquire(p)
+#else
+#define PR_HB_RELEASE(p) ((void)(p))
+#define PR_HB_ACQUIRE(p) ((void)(p))
+#endif
 
 #ifdef __cplusplus
 }

@@ -95,8 +95,7 @@ grpc_byte_buffer *pr_encode(const ProtobufCMessage *msg) {
  * bytes). Decompression happens in gRPC's message_decompress filter, which is on by
  * default and hands the application plain buffers; a compressed buffer reaches us only if
  * someone turned GRPC_ARG_ENABLE_PER_MESSAGE_DECOMPRESSION off. Parsing it would read
- * deflate output as protobuf, so it is refused instead, and *hold of pr_bb_segs stays
- * empty.
+ * deflate output as protobuf, so it is refused instead.
  */
 static int bb_check_plain(const grpc_byte_buffer *bb, mr_err *e) {
   if (bb->type == GRPC_BB_RAW && bb->data.raw.compression == GRPC_COMPRESS_NONE) return 0;
@@ -106,11 +105,10 @@ static int bb_check_plain(const grpc_byte_buffer *bb, mr_err *e) {
                     (int)bb->data.raw.compression);
 }
 
-int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, grpc_slice *hold, mr_err *e) {
-  MR_ASSERT(bb && segs && n && hold);
+int pr_bb_segs(grpc_byte_buffer *bb, pr_seg **segs, size_t *n, mr_err *e) {
+  MR_ASSERT(bb && segs && n);
   *segs = NULL;
   *n = 0;
-  *hold = grpc_empty_slice();
   int rc = bb_check_plain(bb, e);
   if (rc) return rc;
 
@@ -194,16 +192,20 @@ grpc_byte_buffer *pr_health_request_encode(const char *service) {
   return bb;
 }
 
-int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e) {
+/* Both health messages hold one field of interest, number 1. health_decode walks bb with
+ * the segment reader, skips unknown fields and hands every field 1 of wire type want_wt to
+ * take(), which consumes its body (the last occurrence wins, as protobuf requires). Errors
+ * are prefixed with the message name. */
+typedef int (*health_take_fn)(pr__rd *r, uint64_t val, size_t body, size_t start, void *ctx,
+                              mr_err *e);
+static int health_decode(grpc_byte_buffer *bb, const char *msg, const char *field1,
+                         unsigned want_wt, health_take_fn take, void *ctx, mr_err *e) {
   pr_seg *segs = NULL;
   size_t n = 0;
-  grpc_slice hold;
   pr__rd r;
-  int st = PR_HEALTH_UNKNOWN;
 
-  MR_ASSERT(bb && status);
-  int rc = pr_bb_segs(bb, &segs, &n, &hold, e);
-  if (rc) return mr_err_prefix(e, rc, "HealthCheckResponse");
+  int rc = pr_bb_segs(bb, &segs, &n, e);
+  if (rc) return mr_err_prefix(e, rc, "%s", msg);
   pr__rd_init(&r, segs, n);
   while (pr__rd_left(&r) > 0) {
     uint32_t field;
@@ -212,25 +214,66 @@ int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e) {
     size_t body, start;
     rc = pr__rd_field(&r, &field, &wt, &val, &body, &start, e);
     if (rc) {
-      mr_err_prefix(e, rc, "HealthCheckResponse");
+      mr_err_prefix(e, rc, "%s", msg);
       goto out_free;
     }
-    if (field == 1) {
-      if (wt != PR__WT_VARINT) {
-        rc = mr_err_set(e, MR_EFORMAT,
-                        "HealthCheckResponse: field 1 (status) at byte %zu has wire type %u, "
-                        "must be 0 (varint)",
-                        start, wt);
-        goto out_free;
-      }
-      st = (int)(int32_t)(uint32_t)val; /* int32 enum: keep the low 32 bits; last wins */
+    if (field != 1) {
+      pr__rd_skip(&r, body); /* unknown fields */
+      continue;
     }
-    pr__rd_skip(&r, body); /* unknown fields and fixed/len bodies */
+    if (wt != want_wt) {
+      rc = mr_err_set(e, MR_EFORMAT, "%s: field 1 (%s) at byte %zu has wire type %u, must be %u",
+                      msg, field1, start, wt, want_wt);
+      goto out_free;
+    }
+    rc = take(&r, val, body, start, ctx, e);
+    if (rc) goto out_free;
   }
-  *status = st;
 out_free:
   mr_free(segs);
-  grpc_slice_unref(hold);
+  return rc;
+}
+
+static int health_take_status(pr__rd *r, uint64_t val, size_t body, size_t start, void *ctx,
+                              mr_err *e) {
+  *(int *)ctx = (int)(int32_t)(uint32_t)val; /* int32 enum: keep the low 32 bits */
+  return 0;
+}
+
+int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e) {
+  int st = PR_HEALTH_UNKNOWN;
+  MR_ASSERT(bb && status);
+  int rc = health_decode(bb, "HealthCheckResponse", "status", PR__WT_VARINT, health_take_status,
+                         &st, e);
+  if (rc == 0) *status = st;
+  return rc;
+}
+
+typedef struct health_service {
+  char *buf;
+  size_t cap;
+} health_service;
+
+static int health_take_service(pr__rd *r, uint64_t val, size_t body, size_t start, void *ctx,
+                               mr_err *e) {
+  health_service *hs = ctx;
+  if (body >= hs->cap)
+    return mr_err_set(e, MR_EFORMAT,
+                      "HealthCheckRequest: field 1 (service) at byte %zu: name of %zu bytes, at "
+                      "most %zu",
+                      start, body, hs->cap - 1);
+  pr__rd_copy(r, (uint8_t *)hs->buf, body);
+  hs->buf[body] = '\0';
+  return 0;
+}
+
+int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr_err *e) {
+  MR_ASSERT(bb && service && cap > 0);
+  health_service hs = {service, cap};
+  service[0] = '\0';
+  int rc = health_decode(bb, "HealthCheckRequest", "service", PR__WT_LEN, health_take_service,
+                         &hs, e);
+  if (rc) service[0] = '\0';
   return rc;
 }
 
@@ -267,6 +310,30 @@ grpc_status_code pr_status_from_mr(int code) {
   case MR_ENOTFOUND: return GRPC_STATUS_NOT_FOUND;
   default: return GRPC_STATUS_INTERNAL;
   }
+}
+
+const char *pr_status_name(grpc_status_code st) {
+  static const char *const names[] = {
+      [GRPC_STATUS_OK] = "OK",
+      [GRPC_STATUS_CANCELLED] = "CANCELLED",
+      [GRPC_STATUS_UNKNOWN] = "UNKNOWN",
+      [GRPC_STATUS_INVALID_ARGUMENT] = "INVALID_ARGUMENT",
+      [GRPC_STATUS_DEADLINE_EXCEEDED] = "DEADLINE_EXCEEDED",
+      [GRPC_STATUS_NOT_FOUND] = "NOT_FOUND",
+      [GRPC_STATUS_ALREADY_EXISTS] = "ALREADY_EXISTS",
+      [GRPC_STATUS_PERMISSION_DENIED] = "PERMISSION_DENIED",
+      [GRPC_STATUS_RESOURCE_EXHAUSTED] = "RESOURCE_EXHAUSTED",
+      [GRPC_STATUS_FAILED_PRECONDITION] = "FAILED_PRECONDITION",
+      [GRPC_STATUS_ABORTED] = "ABORTED",
+      [GRPC_STATUS_OUT_OF_RANGE] = "OUT_OF_RANGE",
+      [GRPC_STATUS_UNIMPLEMENTED] = "UNIMPLEMENTED",
+      [GRPC_STATUS_INTERNAL] = "INTERNAL",
+      [GRPC_STATUS_UNAVAILABLE] = "UNAVAILABLE",
+      [GRPC_STATUS_DATA_LOSS] = "DATA_LOSS",
+      [GRPC_STATUS_UNAUTHENTICATED] = "UNAUTHENTICATED",
+  };
+  if ((unsigned)st < sizeof names / sizeof names[0] && names[st]) return names[st];
+  return "STATUS?";
 }
 
 /* The inverse picks the first MR code of each status above; statuses we never send

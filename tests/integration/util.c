@@ -292,9 +292,8 @@ int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void
                       size_t *out_len) {
   pr_seg *segs = NULL;
   size_t n = 0;
-  grpc_slice hold;
   mr_err e;
-  int rc = pr_bb_segs(bb, &segs, &n, &hold, &e);
+  int rc = pr_bb_segs(bb, &segs, &n, &e);
   if (rc) return rc;
   pr_split sp;
   memset(&sp, 0, sizeof sp);
@@ -308,7 +307,6 @@ int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void
   }
   pr_split_free(&sp);
   mr_free(segs);
-  grpc_slice_unref(hold);
   return rc;
 }
 

@@ -229,10 +229,9 @@ static void fs_forward(fs_call *fc) {
     int n = atomic_fetch_add(&f->n_forward, 1) + 1;
     pr_seg *segs;
     size_t nseg;
-    grpc_slice hold;
     Moerpc__V1__ForwardRequest *q = NULL;
     mr_err e;
-    MR_ASSERT(pr_bb_segs(bb, &segs, &nseg, &hold, &e) == 0);
+    MR_ASSERT(pr_bb_segs(bb, &segs, &nseg, &e) == 0);
     MR_ASSERT(pr_forward_request_decode(segs, nseg, &sp, &q, &e) == 0);
     if ((int)q->n_tokens > atomic_load(&f->max_seen_t)) atomic_store(&f->max_seen_t, (int)q->n_tokens);
     enum fs_mode m = (f->o.mode_count == 0 || n <= f->o.mode_count) ? f->o.mode : FS_NORMAL;
@@ -271,7 +270,6 @@ static void fs_forward(fs_call *fc) {
     }
     moerpc__v1__forward_request__free_unpacked(q, NULL);
     mr_free(segs);
-    grpc_slice_unref(hold);
     grpc_byte_buffer_destroy(bb);
     if (end) goto out;
   }
