@@ -122,26 +122,56 @@ out_close:
   return rc;
 }
 
-size_t mr_idset_format(const mr_idset *s, char *buf, size_t len) {
-  size_t need = 0;
-  if (len) buf[0] = '\0';
-  uint32_t i = 0;
-  while (i < s->limit) {
-    if (!mr_idset_has(s, i)) {
-      i++;
-      continue;
-    }
-    uint32_t j = i;
-    while (j + 1 < s->limit && mr_idset_has(s, j + 1)) j++;
-    char item[32];
-    int n = j > i ? snprintf(item, sizeof item, "%s%u-%u", need ? "," : "", i, j)
-                  : snprintf(item, sizeof item, "%s%u", need ? "," : "", i);
-    /* Copy what fits, keep counting what would be needed (snprintf semantics). */
-    if (need + (size_t)n < len) memcpy(buf + need, item, (size_t)n + 1);
-    else if (need < len) buf[need] = '\0';
-    need += (size_t)n;
-    i = j + 1;
-    if (j == UINT32_MAX) break;
+void mr_idlist_init(mr_idlist *w, char *buf, size_t len) {
+  w->buf = buf;
+  w->len = buf ? len : 0;
+  w->need = 0;
+  w->first = w->last = 0;
+  w->open = false;
+  if (w->len) buf[0] = '\0';
+}
+
+/* Appends the pending run as one item; copies it only if the whole item fits (the text is
+ * cut at an item, never inside one), counting its length either way. */
+static void idlist_flush(mr_idlist *w) {
+  if (!w->open) return;
+  char item[32];
+  const char *sep = w->need ? "," : "";
+  int n = w->last > w->first ? snprintf(item, sizeof item, "%s%u-%u", sep, w->first, w->last)
+                             : snprintf(item, sizeof item, "%s%u", sep, w->first);
+  if (w->need + (size_t)n < w->len) memcpy(w->buf + w->need, item, (size_t)n + 1);
+  w->need += (size_t)n;
+  w->open = false;
+}
+
+void mr_idlist_add(mr_idlist *w, uint32_t id) {
+  if (w->open && w->last != UINT32_MAX && id == w->last + 1) {
+    w->last = id;
+    return;
   }
-  return need;
+  idlist_flush(w);
+  w->first = w->last = id;
+  w->open = true;
+}
+
+size_t mr_idlist_end(mr_idlist *w, bool ellipsis) {
+  idlist_flush(w);
+  if (ellipsis && w->need >= w->len && w->len > 4) {
+    size_t pos = strlen(w->buf);
+    if (pos > w->len - 4) pos = w->len - 4;
+    memcpy(w->buf + pos, "...", 4);
+  }
+  return w->need;
+}
+
+void mr_idlist_add_set(mr_idlist *w, const mr_idset *s) {
+  for (uint32_t i = 0; i < s->limit; i++)
+    if (mr_idset_has(s, i)) mr_idlist_add(w, i);
+}
+
+size_t mr_idset_format(const mr_idset *s, char *buf, size_t len) {
+  mr_idlist w;
+  mr_idlist_init(&w, buf, len);
+  mr_idlist_add_set(&w, s);
+  return mr_idlist_end(&w, false);
 }

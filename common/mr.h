@@ -213,8 +213,36 @@ static inline bool mr_idset_has(const mr_idset *s, uint32_t id) {
 }
 void mr_idset_add(mr_idset *s, uint32_t id); /* id must be < limit */
 uint32_t mr_idset_count(const mr_idset *s);
-/* Writes the canonical spec ("0-7,12") into buf; returns the length it needed. */
+/* Writes the canonical spec ("0-7,12") into buf; returns the length it needed (mr_idlist). */
 size_t mr_idset_format(const mr_idset *s, char *buf, size_t len);
+
+/* A writer of id lists in the same syntax, for any source of ids: ids added in increasing
+ * order come out as "0-3,7,9-10" (runs of consecutive ids as ranges). It never writes past
+ * buf[len - 1] and never allocates; like snprintf it keeps counting the length the whole
+ * text needs. Every message that lists ids is written with it, so they all read alike:
+ *
+ *   mr_idlist w;
+ *   mr_idlist_init(&w, buf, sizeof buf);
+ *   for (uint32_t l = 0; l < n; l++) if (served[l]) mr_idlist_add(&w, l);
+ *   mr_idlist_end(&w, true);
+ */
+typedef struct mr_idlist {
+  char *buf;
+  size_t len;           /* bytes at buf (0: only count) */
+  size_t need;          /* bytes the text written so far needs, NUL not counted */
+  uint32_t first, last; /* the run not written yet */
+  bool open;            /* a run is pending */
+} mr_idlist;
+void mr_idlist_init(mr_idlist *w, char *buf, size_t len);
+/* Adds id: one past the previous id extends the current range, anything else starts a new
+ * item. */
+void mr_idlist_add(mr_idlist *w, uint32_t id);
+/* Adds every id of s, in increasing order. */
+void mr_idlist_add_set(mr_idlist *w, const mr_idset *s);
+/* Writes the pending run and returns the length the whole text needs. A text that does not
+ * fit is cut after the last whole item; with ellipsis (and len > 4) it then ends in "...",
+ * so that a message says it was cut. */
+size_t mr_idlist_end(mr_idlist *w, bool ellipsis);
 
 /* ---------------------------------------------------------------------------------------
  * Safetensors reader. Opens one file, a directory with model.safetensors, or a directory

@@ -51,13 +51,11 @@ static int es__file_err(mr_err *e, int rc, const char *fmt, ...) {
 
 /* Formats the MoE layers of c as an id-set spec, for error messages. */
 static void es__moe_layers_str(const mr_model_config *c, char *buf, size_t len) {
-  mr_idset m;
-  buf[0] = '\0';
-  if (mr_idset_init(&m, c->num_layers) != 0) return;
+  mr_idlist w;
+  mr_idlist_init(&w, buf, len);
   for (uint32_t l = 0; l < c->num_layers; l++)
-    if (c->is_moe[l]) mr_idset_add(&m, l);
-  if (mr_idset_format(&m, buf, len) >= len && len > 4) memcpy(buf + len - 4, "...", 4);
-  mr_idset_close(&m);
+    if (c->is_moe[l]) mr_idlist_add(&w, l);
+  mr_idlist_end(&w, true);
 }
 
 /* Resolves --layers: "all" means every MoE layer; an explicit set must name MoE layers only. */

@@ -17,30 +17,20 @@
 /* Formats an id set for an error message into buf, cut with "..." if it does not fit, so
  * that a message never overflows mr_err.msg however sparse the set is. */
 static const char *es__set_str(const mr_idset *s, char *buf, size_t len) {
-  size_t need = mr_idset_format(s, buf, len);
-  if (need >= len && len > 4) memcpy(buf + len - 4, "...", 4);
+  mr_idlist w;
+  mr_idlist_init(&w, buf, len);
+  mr_idlist_add_set(&w, s);
+  mr_idlist_end(&w, true);
   return buf;
 }
 
-/* Formats the layers served (lim->owned[l] != NULL) as an id-set spec ("0-3,7"), cut with
- * "..." if it does not fit. Written here rather than through mr_idset because building an
- * idset would allocate, and this function must stay pure. */
+/* Formats the layers served (lim->owned[l] != NULL) the same way, "none" if there are none. */
 static const char *es__layers_str(const es_limits *lim, char *buf, size_t len) {
-  size_t pos = 0;
-  bool cut = false;
-  buf[0] = '\0';
-  for (uint32_t l = 0; l < lim->num_layers && !cut; l++) {
-    if (!lim->owned[l]) continue;
-    uint32_t end = l;
-    while (end + 1 < lim->num_layers && lim->owned[end + 1]) end++;
-    int n = end > l ? snprintf(buf + pos, len - pos, "%s%" PRIu32 "-%" PRIu32, pos ? "," : "", l, end)
-                    : snprintf(buf + pos, len - pos, "%s%" PRIu32, pos ? "," : "", l);
-    if (n < 0 || (size_t)n >= len - pos) cut = true;
-    else pos += (size_t)n;
-    l = end;
-  }
-  if (cut && len > 4) memcpy(buf + len - 4, "...", 4);
-  if (pos == 0 && !cut) snprintf(buf, len, "none");
+  mr_idlist w;
+  mr_idlist_init(&w, buf, len);
+  for (uint32_t l = 0; l < lim->num_layers; l++)
+    if (lim->owned[l]) mr_idlist_add(&w, l);
+  if (mr_idlist_end(&w, true) == 0) snprintf(buf, len, "none");
   return buf;
 }
 

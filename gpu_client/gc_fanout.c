@@ -179,24 +179,6 @@ void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
   }
 }
 
-size_t gc__format_ids(const uint32_t *list, size_t n, char *buf, size_t len) {
-  size_t need = 0;
-  if (len) buf[0] = '\0';
-  size_t i = 0;
-  while (i < n) {
-    size_t j = i;
-    while (j + 1 < n && list[j + 1] == list[j] + 1) j++;
-    char tmp[32];
-    int w = j > i ? snprintf(tmp, sizeof tmp, "%s%u-%u", need ? "," : "", list[i], list[j])
-                  : snprintf(tmp, sizeof tmp, "%s%u", need ? "," : "", list[i]);
-    if (need + (size_t)w < len) memcpy(buf + need, tmp, (size_t)w + 1);
-    else if (len) buf[need < len ? need : len - 1] = '\0';
-    need += (size_t)w;
-    i = j + 1;
-  }
-  return need;
-}
-
 /* Most layers described in detail by the coverage message. */
 #define GC__COVERAGE_DETAIL 3
 
@@ -204,7 +186,6 @@ uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const 
                             char *msg, size_t len) {
   uint32_t bad = 0;
   size_t pos = 0;
-  uint32_t *missing = mr_malloc((size_t)E * sizeof *missing);
   if (len) msg[0] = '\0';
   for (uint32_t l = 0; l < L; l++) {
     uint32_t owned = 0;
@@ -213,15 +194,11 @@ uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const 
     bad++;
     if (bad > GC__COVERAGE_DETAIL || pos + 1 >= len) continue;
     char ids[256];
-    if (missing) {
-      uint32_t nm = 0;
-      for (uint32_t x = 0; x < E; x++)
-        if (owner[(size_t)l * E + x] == GC_OWNER_NONE) missing[nm++] = x;
-      if (gc__format_ids(missing, nm, ids, sizeof ids) >= sizeof ids)
-        snprintf(ids + sizeof ids - 5, 5, "...");
-    } else {
-      snprintf(ids, sizeof ids, "%u of %u", E - owned, E);
-    }
+    mr_idlist missing;
+    mr_idlist_init(&missing, ids, sizeof ids);
+    for (uint32_t x = 0; x < E; x++)
+      if (owner[(size_t)l * E + x] == GC_OWNER_NONE) mr_idlist_add(&missing, x);
+    mr_idlist_end(&missing, true);
     int w = snprintf(msg + pos, len - pos, "%slayer %u: expert%s %s %s owned by no server and not "
                      "local", pos ? "; " : "", l, E - owned == 1 ? "" : "s", ids,
                      E - owned == 1 ? "is" : "are");
@@ -230,7 +207,6 @@ uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const 
   if (bad > GC__COVERAGE_DETAIL && pos + 1 < len)
     snprintf(msg + pos, len - pos, "; and %u more incomplete layer%s", bad - GC__COVERAGE_DETAIL,
              bad - GC__COVERAGE_DETAIL == 1 ? "" : "s");
-  mr_free(missing);
   return bad;
 }
 

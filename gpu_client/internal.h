@@ -112,9 +112,6 @@ void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
 uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const uint8_t *must,
                             char *msg, size_t len);
 
-/* "0-3,7" of the ids in list[0..n) (sorted or not) into buf; returns the length needed. */
-size_t gc__format_ids(const uint32_t *list, size_t n, char *buf, size_t len);
-
 /* ---- the cluster ------------------------------------------------------------------------- */
 
 typedef struct gc__req gc__req;

@@ -176,15 +176,15 @@ static int info_opt(void *ctx, int opt, const char *arg) {
 static void owner_line(const gc_cluster *c, uint32_t l, char *buf, size_t len) {
   gc_cluster_info ci;
   gc_cluster_info_get(c, &ci);
-  uint32_t *ids = malloc(ci.num_experts * sizeof *ids);
   size_t pos = 0;
   buf[0] = '\0';
-  if (!ids) return;
   for (int o = -2; o < (int)ci.n_servers; o++) { /* local, none, then servers */
-    size_t n = 0;
+    char list[4096];
+    mr_idlist w;
+    mr_idlist_init(&w, list, sizeof list);
     for (uint32_t x = 0; x < ci.num_experts; x++)
-      if (gc_cluster_owner(c, l, x) == o) ids[n++] = x;
-    if (!n) continue;
+      if (gc_cluster_owner(c, l, x) == o) mr_idlist_add(&w, x);
+    if (mr_idlist_end(&w, true) == 0) continue;
     char name[80];
     gc_server_info si;
     if (o == GC_OWNER_LOCAL) snprintf(name, sizeof name, "local");
@@ -193,13 +193,10 @@ static void owner_line(const gc_cluster *c, uint32_t l, char *buf, size_t len) {
       gc_server_info_get(c, (uint32_t)o, &si, NULL);
       snprintf(name, sizeof name, "%s", si.name);
     }
-    char list[4096];
-    gc__format_ids(ids, n, list, sizeof list);
-    int w = snprintf(buf + pos, len - pos, "%s%s:%s", pos ? " " : "", name, list);
-    if (w < 0 || (size_t)w >= len - pos) break;
-    pos += (size_t)w;
+    int n = snprintf(buf + pos, len - pos, "%s%s:%s", pos ? " " : "", name, list);
+    if (n < 0 || (size_t)n >= len - pos) break;
+    pos += (size_t)n;
   }
-  free(ids);
 }
 
 static int cmd_info(int argc, char **argv) {

@@ -326,19 +326,6 @@ MT_TEST(coverage_must_and_unowned_layers) {
   MT_EQ_INT(tiny[19], 'x');
 }
 
-MT_TEST(format_ids) {
-  char buf[64];
-  const uint32_t a[] = {0, 1, 2, 3, 7, 9, 10};
-  MT_EQ_INT(gc__format_ids(a, 7, buf, sizeof buf), strlen("0-3,7,9-10"));
-  MT_EQ_STR(buf, "0-3,7,9-10");
-  MT_EQ_INT(gc__format_ids(a, 0, buf, sizeof buf), 0);
-  MT_EQ_STR(buf, "");
-  char small[5];
-  size_t need = gc__format_ids(a, 7, small, sizeof small);
-  MT_EQ_INT(need, 10);
-  MT_TRUE(strlen(small) < sizeof small);
-}
-
 /* ---- weight formats --------------------------------------------------------------------------- */
 
 MT_TEST(weight_format_parse) {

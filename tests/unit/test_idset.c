@@ -105,6 +105,37 @@ MT_TEST(limit_zero_and_large) {
   mr_idset_close(&s);
 }
 
+MT_TEST(idlist_from_any_source) {
+  char buf[64];
+  const uint32_t a[] = {0, 1, 2, 3, 7, 9, 10};
+  mr_idlist w;
+  mr_idlist_init(&w, buf, sizeof buf);
+  for (int i = 0; i < 7; i++) mr_idlist_add(&w, a[i]);
+  MT_EQ_INT(mr_idlist_end(&w, false), strlen("0-3,7,9-10"));
+  MT_EQ_STR(buf, "0-3,7,9-10");
+  mr_idlist_init(&w, buf, sizeof buf);
+  MT_EQ_INT(mr_idlist_end(&w, true), 0);
+  MT_EQ_STR(buf, "");
+  /* Too small: counts what it needs, cut at a whole item, never overrun. */
+  char small[5];
+  memset(small, 'x', sizeof small);
+  mr_idlist_init(&w, small, sizeof small);
+  for (int i = 0; i < 7; i++) mr_idlist_add(&w, a[i]);
+  MT_EQ_INT(mr_idlist_end(&w, false), 10);
+  MT_EQ_STR(small, "0-3");
+  /* With an ellipsis the cut is visible; the largest id ends a range safely. */
+  char cut[9];
+  mr_idlist_init(&w, cut, sizeof cut);
+  for (int i = 0; i < 7; i++) mr_idlist_add(&w, a[i]);
+  mr_idlist_add(&w, UINT32_MAX - 1);
+  mr_idlist_add(&w, UINT32_MAX);
+  MT_EQ_INT(mr_idlist_end(&w, true), strlen("0-3,7,9-10,4294967294-4294967295"));
+  MT_EQ_STR(cut, "0-3,7...");
+  mr_idlist_init(&w, NULL, 0);
+  mr_idlist_add(&w, 12);
+  MT_EQ_INT(mr_idlist_end(&w, true), 2);
+}
+
 MT_TEST(init_add_format_truncation) {
   mr_idset s;
   MT_OK(mr_idset_init(&s, 100), (mr_err *)NULL);
