@@ -351,3 +351,23 @@ int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expe
                     expert, mixtral[p]);
   return snprintf(buf, len, "model.layers.%u.mlp.experts.%u.%s.weight", layer, expert, hf[p]);
 }
+
+int mr_config_expert_tensors(const mr_model_config *c, const mr_st *st, uint32_t layer,
+                             uint32_t expert, const mr_st_tensor *out[3], mr_err *e) {
+  static const char *const proj[] = {"gate", "up", "down"};
+  const uint64_t gate_up[2] = {c->moe_intermediate, c->hidden_size};
+  const uint64_t down[2] = {c->hidden_size, c->moe_intermediate};
+  char key[256];
+  for (int p = MR_PROJ_GATE; p <= MR_PROJ_DOWN; p++) {
+    mr_config_expert_key(c, layer, expert, (mr_proj)p, key, sizeof key);
+    int rc = mr_st_expect(st, key, 2, p == MR_PROJ_DOWN ? down : gate_up, &out[p], e);
+    if (rc) return mr_err_prefix(e, rc, "layer %u expert %u %s", layer, expert, proj[p]);
+  }
+  if (out[0]->dtype != out[1]->dtype || out[0]->dtype != out[2]->dtype)
+    return mr_err_set(e, MR_EFORMAT,
+                      "layer %u expert %u: gate/up/down have different dtypes (%s in %s, %s in "
+                      "%s, %s in %s); they must match",
+                      layer, expert, out[0]->dtype_name, out[0]->file, out[1]->dtype_name,
+                      out[1]->file, out[2]->dtype_name, out[2]->file);
+  return 0;
+}

@@ -331,6 +331,15 @@ uint32_t mr_config_num_moe_layers(const mr_model_config *c);
  * buf, e.g. "model.layers.3.mlp.experts.17.gate_proj.weight"; returns snprintf's result. */
 int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expert, mr_proj p,
                          char *buf, size_t len);
+/* Finds the three projections of routed expert `expert` of layer `layer` in st, under the
+ * checkpoint names of c's architecture, and checks them against the shapes c implies:
+ * gate and up [moe_intermediate, hidden], down [hidden, moe_intermediate] (HF nn.Linear),
+ * a float dtype, one dtype for all three. out[MR_PROJ_GATE..MR_PROJ_DOWN] point into st.
+ * The one place where the server, the client and the tests find an expert's weights.
+ * Errors: those of mr_st_expect (naming the file, the tensor and both shapes), prefixed
+ * with "layer L expert X gate|up|down"; MR_EFORMAT when the three dtypes differ. */
+int mr_config_expert_tensors(const mr_model_config *c, const mr_st *st, uint32_t layer,
+                             uint32_t expert, const mr_st_tensor *out[3], mr_err *e);
 
 /* Fingerprint of a model: 16 hex chars over config.json and every shard's header and a
  * sample of its data, identical on every server that opens the same files. */

@@ -19,21 +19,6 @@
 
 #include "internal.h"
 
-/* The three projections of one expert, and their HF shapes: gate, up [I, H]; down [H, I]. */
-static void es__proj_shape(const mr_model_config *c, mr_proj p, uint64_t shape[2]) {
-  if (p == MR_PROJ_DOWN) {
-    shape[0] = c->hidden_size;
-    shape[1] = c->moe_intermediate;
-  } else {
-    shape[0] = c->moe_intermediate;
-    shape[1] = c->hidden_size;
-  }
-}
-
-static const char *es__proj_name(mr_proj p) {
-  return p == MR_PROJ_GATE ? "gate" : p == MR_PROJ_UP ? "up" : "down";
-}
-
 /* Prefixes e->msg with "where: " and recodes a file error: it is the model's fault, not a
  * flag's, so MR_EINVAL (kept for flags only, see es.h) becomes MR_EFORMAT. Returns the code. */
 static int es__file_err(mr_err *e, int rc, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
@@ -139,23 +124,8 @@ static void es__progress_log(es_progress *p, bool final) {
 /* Step 3: finds the three tensors of (layer, expert), checks dtype and shape. */
 static int es__expect_expert(es_server *s, const mr_st *st, uint32_t l, uint32_t x,
                              const mr_st_tensor *t[3], mr_err *e) {
-  char key[256];
-  for (int p = 0; p < 3; p++) {
-    uint64_t shape[2];
-    es__proj_shape(&s->cfg, (mr_proj)p, shape);
-    mr_config_expert_key(&s->cfg, l, x, (mr_proj)p, key, sizeof key);
-    int rc = mr_st_expect(st, key, 2, shape, &t[p], e);
-    if (rc)
-      return es__file_err(e, rc, "model %s: layer %" PRIu32 " expert %" PRIu32 " %s", s->model_dir,
-                          l, x, es__proj_name((mr_proj)p));
-  }
-  if (t[0]->dtype != t[1]->dtype || t[0]->dtype != t[2]->dtype)
-    return mr_err_set(e, MR_EFORMAT,
-                      "model %s: layer %" PRIu32 " expert %" PRIu32 ": gate/up/down have different "
-                      "dtypes (%s in %s, %s in %s, %s in %s); they must match",
-                      s->model_dir, l, x, t[0]->dtype_name, t[0]->file, t[1]->dtype_name,
-                      t[1]->file, t[2]->dtype_name, t[2]->file);
-  return 0;
+  int rc = mr_config_expert_tensors(&s->cfg, st, l, x, t, e);
+  return rc ? es__file_err(e, rc, "model %s", s->model_dir) : 0;
 }
 
 int es__load(es_server *s, mr_err *e) {

@@ -12,25 +12,6 @@
 
 #include "internal.h"
 
-int gc__expert_load(kn_layer *L, const mr_st *st, const mr_model_config *cfg, uint32_t layer,
-                    uint32_t expert, mr_err *e) {
-  const kn_layer_desc *d = kn_layer_get_desc(L);
-  const uint64_t shape_in[2] = {d->inter, d->hidden};  /* gate, up: [I, H] */
-  const uint64_t shape_out[2] = {d->hidden, d->inter}; /* down: [H, I] */
-  const mr_st_tensor *t[3];
-  char key[256];
-  for (int p = 0; p < 3; p++) {
-    mr_config_expert_key(cfg, layer, expert, (mr_proj)p, key, sizeof key);
-    int rc = mr_st_expect(st, key, 2, p == MR_PROJ_DOWN ? shape_out : shape_in, &t[p], e);
-    if (rc) return rc;
-  }
-  if (t[1]->dtype != t[0]->dtype || t[2]->dtype != t[0]->dtype)
-    return mr_err_set(e, MR_EFORMAT, "layer %u expert %u: gate/up/down have dtypes %s/%s/%s, "
-                      "must be one dtype", layer, expert, t[0]->dtype_name, t[1]->dtype_name,
-                      t[2]->dtype_name);
-  return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
-}
-
 int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
   mr_model_config cfg;
   mr_idset layers = {0}, experts = {0};
@@ -72,7 +53,11 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
     }
     for (uint32_t x = 0; x < c->E; x++) {
       if (!mr_idset_has(&experts, x)) continue;
-      rc = gc__expert_load(c->local_layers[l], st, &cfg, l, x, e);
+      const mr_st_tensor *t[3];
+      rc = mr_config_expert_tensors(&cfg, st, l, x, t, e);
+      if (!rc)
+        rc = kn_layer_load_expert(c->local_layers[l], x, t[MR_PROJ_GATE]->data,
+                                  t[MR_PROJ_UP]->data, t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
       if (rc) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;

@@ -271,10 +271,6 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e);
 int gc__local_forward(gc_cluster *c, gc_pending *p, uint32_t part, const void *x_rows,
                       mr_err *e);
 void gc__local_free(gc_cluster *c);
-/* Loads one expert (gate/up/down of cfg's checkpoint keys, shapes checked against L's
- * description) from st into L. Used for local experts and by moerpc-client verify. */
-int gc__expert_load(kn_layer *L, const mr_st *st, const mr_model_config *cfg, uint32_t layer,
-                    uint32_t expert, mr_err *e);
 
 /* gc_stream.c */
 int gc__streams_start(gc_cluster *c, mr_err *e);

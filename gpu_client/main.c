@@ -23,7 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "moerpc_client.h"
 
 #define PROG "moerpc-client"
 #define MAX_T_LIST 32
@@ -452,8 +452,13 @@ static int verify_layer_ref(kn_engine *eng, const mr_st *st, const mr_model_conf
                      .num_experts = ci->num_experts, .format = fmt, .group = group};
   int rc = kn_layer_new(out, eng, &d, e);
   if (rc) return rc;
-  for (uint32_t x = 0; x < ci->num_experts && !rc; x++)
-    rc = gc__expert_load(*out, st, cfg, l, x, e);
+  for (uint32_t x = 0; x < ci->num_experts && !rc; x++) {
+    const mr_st_tensor *t[3];
+    rc = mr_config_expert_tensors(cfg, st, l, x, t, e);
+    if (!rc)
+      rc = kn_layer_load_expert(*out, x, t[MR_PROJ_GATE]->data, t[MR_PROJ_UP]->data,
+                                t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
+  }
   return rc;
 }
 

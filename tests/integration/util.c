@@ -328,13 +328,7 @@ int itu_ref_forward(const char *model, uint32_t layer, kn_format format, uint32_
     int32_t x = a->ids[i];
     if (x < 0 || (uint32_t)x >= cfg.num_experts || kn_layer_has_expert(L, (uint32_t)x)) continue;
     const mr_st_tensor *t[3];
-    for (int p = 0; p < 3; p++) {
-      char key[256];
-      mr_config_expert_key(&cfg, layer, (uint32_t)x, (mr_proj)p, key, sizeof key);
-      uint64_t shp[2] = {p == 2 ? cfg.hidden_size : cfg.moe_intermediate,
-                         p == 2 ? cfg.moe_intermediate : cfg.hidden_size};
-      if ((rc = mr_st_expect(st, key, 2, shp, &t[p], e))) goto out;
-    }
+    if ((rc = mr_config_expert_tensors(&cfg, st, layer, (uint32_t)x, t, e))) goto out;
     if ((rc = kn_layer_load_expert(L, (uint32_t)x, t[0]->data, t[1]->data, t[2]->data,
                                    t[0]->dtype, e)))
       goto out;

@@ -795,6 +795,19 @@ static void check_model(const char *dir, uint32_t L, uint32_t E, uint32_t H, uin
         MT_OK(mr_st_expect(st, key, 2, shape, &t, &e), &e);
         MT_EQ_INT(t->dtype, MR_DTYPE_BF16);
       }
+  /* The lookup the server and the client share finds the same tensors, and names the
+   * expert and the projection when the config disagrees with the weights. */
+  const mr_st_tensor *t3[3];
+  MT_OK(mr_config_expert_tensors(&c, st, L - 1, E - 1, t3, &e), &e);
+  MT_EQ_U64(t3[MR_PROJ_GATE]->shape[0], I);
+  MT_EQ_U64(t3[MR_PROJ_DOWN]->shape[0], H);
+  MT_CONTAINS(t3[MR_PROJ_UP]->name, "up_proj");
+  mr_model_config bad = c;
+  bad.moe_intermediate = I + 1;
+  MT_EQ_INT(mr_config_expert_tensors(&bad, st, 0, 1, t3, &e), MR_EMISMATCH);
+  MT_CONTAINS(e.msg, "layer 0 expert 1 gate: ");
+  MT_CONTAINS(e.msg, "model.layers.0.mlp.experts.1.gate_proj.weight");
+  MT_EQ_INT(mr_config_expert_tensors(&c, st, 0, E, t3, &e), MR_ENOTFOUND);
   uint64_t router[2] = {E, H};
   char key[64];
   snprintf(key, sizeof key, "model.layers.%u.mlp.gate.weight", L - 1);
