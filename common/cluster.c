@@ -170,14 +170,8 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
   memset(c, 0, sizeof *c);
   if (!label) label = "cluster file";
   cJSON *root = NULL;
-  int rc = mr__json_parse(json, len, label, &root, e);
+  int rc = mr__json_parse_object(json, len, label, &root, e);
   if (rc) return rc;
-  if (!cJSON_IsObject(root)) {
-    char desc[96];
-    mr__json_describe(root, desc, sizeof desc);
-    rc = mr_err_set(e, MR_EFORMAT, "%s: top level is %s, must be a JSON object", label, desc);
-    goto out_free_root;
-  }
   if ((rc = mr__json_check_keys(root, keys, label, "the top level", e))) goto out_free_root;
 
   const cJSON *jm = cJSON_GetObjectItemCaseSensitive(root, "model");

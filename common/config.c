@@ -282,14 +282,8 @@ int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const ch
   memset(cfg, 0, sizeof *cfg);
   if (!label) label = "config.json";
   cJSON *root = NULL;
-  int rc = mr__json_parse(json, len, label, &root, e);
+  int rc = mr__json_parse_object(json, len, label, &root, e);
   if (rc) return rc;
-  if (!cJSON_IsObject(root)) {
-    char desc[96];
-    mr__json_describe(root, desc, sizeof desc);
-    rc = mr_err_set(e, MR_EFORMAT, "%s: top level is %s, must be a JSON object", label, desc);
-    goto out_free_root;
-  }
   cfg_ctx c = {.root = root, .label = label, .e = e};
   cfg->routed_scaling_factor = 1.0f;
   if ((rc = cfg_arch(&c, cfg))) goto out_free_root;

@@ -78,6 +78,10 @@ int mr__json_check_keys(const cJSON *obj, const char *const *allowed, const char
 /* Parses text of len bytes with cJSON. Allocation goes through cJSON's own hooks; the
  * caller deletes the result with cJSON_Delete. Only whitespace may follow the value. */
 int mr__json_parse(const char *text, size_t len, const char *label, cJSON **out, mr_err *e);
+/* The prologue of every JSON reader here: mr__json_parse, then the value must be an object,
+ * else MR_EFORMAT "<label>: top level is <value>, must be a JSON object". */
+int mr__json_parse_object(const char *text, size_t len, const char *label, cJSON **out,
+                          mr_err *e);
 
 /* Joins dir and name into buf ("dir/name"); returns MR_ERANGE if it does not fit. */
 int mr__path_join(char *buf, size_t len, const char *dir, const char *name);

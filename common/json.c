@@ -128,3 +128,14 @@ int mr__json_parse(const char *text, size_t len, const char *label, cJSON **out,
   *out = root;
   return 0;
 }
+
+int mr__json_parse_object(const char *text, size_t len, const char *label, cJSON **out,
+                          mr_err *e) {
+  int rc = mr__json_parse(text, len, label, out, e);
+  if (rc || cJSON_IsObject(*out)) return rc;
+  char desc[96];
+  mr__json_describe(*out, desc, sizeof desc);
+  cJSON_Delete(*out);
+  *out = NULL;
+  return mr_err_set(e, MR_EFORMAT, "%s: top level is %s, must be a JSON object", label, desc);
+}

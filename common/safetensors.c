@@ -328,14 +328,8 @@ static int st_parse_shard(mr_st *st, st_shard *sh, mr_err *e) {
 
   char hlabel[4200];
   snprintf(hlabel, sizeof hlabel, "%s: header", label);
-  rc = mr__json_parse((const char *)sh->buf + 8, (size_t)hlen, hlabel, &root, e);
+  rc = mr__json_parse_object((const char *)sh->buf + 8, (size_t)hlen, hlabel, &root, e);
   if (rc) return rc;
-  if (!cJSON_IsObject(root)) {
-    char desc[96];
-    mr__json_describe(root, desc, sizeof desc);
-    rc = mr_err_set(e, MR_EFORMAT, "%s: header is %s, must be a JSON object", label, desc);
-    goto out_free_root;
-  }
   size_t n = (size_t)cJSON_GetArraySize(root);
   ranges = mr_malloc((n ? n : 1) * sizeof *ranges);
   if (!ranges) {
@@ -497,10 +491,9 @@ static int st_open_index(mr_st *st, const char *dir, const char *index_path, mr_
 
   rc = mr_file_read(index_path, MR__JSON_MAX_BYTES, &text, &len, e);
   if (rc) return rc;
-  rc = mr__json_parse(text, len, index_path, &root, e);
+  rc = mr__json_parse_object(text, len, index_path, &root, e);
   if (rc) goto out_free_text;
-  const cJSON *wm = cJSON_IsObject(root) ? cJSON_GetObjectItemCaseSensitive(root, "weight_map")
-                                         : NULL;
+  const cJSON *wm = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
   if (!cJSON_IsObject(wm)) {
     char desc[96];
     mr__json_describe(wm, desc, sizeof desc);
