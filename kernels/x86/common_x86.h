@@ -1,7 +1,8 @@
 /*
  * kernels/x86/common_x86.h - what the x86 kernel files (moe_avx2.c, moe_avx512.c) share:
- * the layout of the prepared activations, in plain C (no intrinsics, so that each file
- * keeps its own ISA flags).
+ * the layout of the prepared activations, the exp approximation of silu and the table
+ * entries, in plain C or macros over intrinsics the including file names (so that each
+ * file keeps its own ISA flags).
  *
  * "Prepared activations" are the n token vectors of one step converted once into the form
  * a kernel multiplies: the inputs x of gate/up (kn__kernel.prep, written into the task's
@@ -104,6 +105,36 @@ static inline void kn__x86_f32eo_convert(const kn__x86_acts *a, uint32_t n, cons
       }
   }
 }
+
+/* exp(x) for silu: one approximation for every x86 kernel (the Cephes expf polynomial).
+ * x = n ln2 + r with n = round(x log2(e)) and |r| <= ln2 / 2, ln2 split into a part with
+ * few mantissa bits (so that n * LN2_HI is exact) and a correction; exp(r) ~ 1 + r +
+ * r^2 P(r) with the degree-5 P below, ~1 ulp. Scaling by 2^n is left to each ISA file
+ * (AVX-512: vscalefps; AVX2: n written into the exponent field, which bounds x). */
+#define KN__EXP_LOG2E 1.44269504088896341f
+#define KN__EXP_LN2_HI 0.693359375f
+#define KN__EXP_LN2_LO -2.12194440e-4f
+#define KN__EXP_P0 1.9875691500e-4f
+#define KN__EXP_P1 1.3981999507e-3f
+#define KN__EXP_P2 8.3334519073e-3f
+#define KN__EXP_P3 4.1665795894e-2f
+#define KN__EXP_P4 1.6666665459e-1f
+#define KN__EXP_P5 5.0000001201e-1f
+/* Defines `V name(V x, V n)` = exp(x - n ln2) by the polynomial above, for the vector type
+ * V with its set1 / fmadd / fnmadd / mul / add intrinsics (so each file keeps its own ISA
+ * flags and the numbers stay one definition). */
+#define KN__X86_EXP_POLY(name, V, set1, fmadd, fnmadd, mul, add)                              \
+  static inline __attribute__((always_inline)) V name(V x, V n) {                           \
+    V r = fnmadd(n, set1(KN__EXP_LN2_HI), x);                                                \
+    r = fnmadd(n, set1(KN__EXP_LN2_LO), r);                                                  \
+    V p = set1(KN__EXP_P0);                                                                  \
+    p = fmadd(p, r, set1(KN__EXP_P1));                                                       \
+    p = fmadd(p, r, set1(KN__EXP_P2));                                                       \
+    p = fmadd(p, r, set1(KN__EXP_P3));                                                       \
+    p = fmadd(p, r, set1(KN__EXP_P4));                                                       \
+    p = fmadd(p, r, set1(KN__EXP_P5));                                                       \
+    return fmadd(p, mul(r, r), add(r, set1(1.0f)));                                          \
+  }
 
 /* Table entries. Each ISA file defines, for its variant enum V, the static functions
  * gate_up_run / down_run / tmp_floats_of / prep_bytes_of / prep_of; KN__X86_ENTRY(V, id)

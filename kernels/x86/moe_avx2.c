@@ -68,24 +68,18 @@ AI __m256 hsum8_ps(const __m256 *v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
 }
 
-/* exp(x) to ~1 ulp on [-87, 88] (Cephes expf polynomial, 2^n built in the exponent field);
- * x is clamped to that range, so exp(-g) for g < -88 is ~1.6e38 instead of inf and silu
- * gives ~-6e-37 instead of -0 there. The clamps keep NaN (vmaxps / vminps return their
+/* exp(x) to ~1 ulp on [-87, 88] (the polynomial of common_x86.h, 2^n built in the exponent
+ * field); x is clamped to that range, so exp(-g) for g < -88 is ~1.6e38 instead of inf and
+ * silu gives ~-6e-37 instead of -0 there. The clamps keep NaN (vmaxps / vminps return their
  * second operand when either is NaN). */
+KN__X86_EXP_POLY(exp_poly, __m256, _mm256_set1_ps, _mm256_fmadd_ps, _mm256_fnmadd_ps,
+                 _mm256_mul_ps, _mm256_add_ps)
 AI __m256 exp_ps(__m256 x) {
   x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
   x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(KN__EXP_LOG2E)),
                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256 p = exp_poly(x, n);
   /* n in [-126, 127]: 2^n = (n + 127) << 23 as a float. */
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));

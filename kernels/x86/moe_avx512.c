@@ -151,24 +151,17 @@ AI __m512i hsum16_epi32(const __m512i *v) {
                           _mm512_shuffle_i32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp(x) to ~1 ulp (Cephes expf polynomial after x = n ln2 + r, |r| <= ln2 / 2), scaled
- * by vscalefps, which gives inf above ~88.7 and 0 below ~-104 like expf. The clamps keep
- * NaN (vmaxps / vminps return their second operand when either is NaN). */
+/* exp(x) to ~1 ulp (the polynomial of common_x86.h), scaled by vscalefps, which gives inf
+ * above ~88.7 and 0 below ~-104 like expf. The clamps keep NaN (vmaxps / vminps return
+ * their second operand when either is NaN). */
+KN__X86_EXP_POLY(exp_poly, __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
+                 _mm512_mul_ps, _mm512_add_ps)
 AI __m512 exp_ps(__m512 x) {
   x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
   x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KN__EXP_LOG2E)),
                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_scalef_ps(exp_poly(x, n), n);
 }
 
 /* silu(g) = g / (1 + exp(-g)), like kn__silu (-0 for g < -88, g for large g). */
