@@ -26,13 +26,16 @@
  *
  * Also here: es_forward_validate, the pure validation of a decoded ForwardRequest against
  * the server's limits, public so that the unit test and the fuzzer reach it directly.
+ *
+ * This header needs neither gRPC nor the generated protobuf code: the decoded request is
+ * an incomplete type here, defined by proto/pr.h (moe.pb-c.h) for the code that builds
+ * or reads one.
  */
 #ifndef ES_H
 #define ES_H
 
 #include "../common/mr.h"
 #include "../kernels/kn.h"
-#include "../proto/pr.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,6 +103,9 @@ void es_server_free(es_server *s);
 
 /* ---- request validation ---------------------------------------------------------------- */
 
+/* A ForwardRequest header as pr_forward_request_decode returns it (proto/pr.h). */
+struct Moerpc__V1__ForwardRequest;
+
 /* What a server accepts. Every pointer is borrowed and read-only. */
 typedef struct es_limits {
   uint32_t num_layers;         /* layers of the model; valid layer ids are < num_layers */
@@ -125,7 +131,7 @@ typedef struct es_limits {
  * max_tokens, the two lengths, every id's range, every id's ownership, dtype, hidden length,
  * weights. (Ranges of all ids come before ownership so that a malformed request is always
  * INVALID_ARGUMENT, whatever its other ids are.) */
-int es_forward_validate(const Moerpc__V1__ForwardRequest *req, size_t hidden_len,
+int es_forward_validate(const struct Moerpc__V1__ForwardRequest *req, size_t hidden_len,
                         const es_limits *lim, mr_err *e);
 
 #ifdef __cplusplus

@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../proto/pr.h"
 #include "es.h"
 
 /* Formats an id set for an error message into buf, cut with "..." if it does not fit, so

@@ -53,6 +53,7 @@
 #include <stdatomic.h>
 #include <uv.h>
 
+#include "../proto/pr.h"
 #include "es.h"
 
 /* ---- buffer and job pool (es_pool.c) --------------------------------------------------- */

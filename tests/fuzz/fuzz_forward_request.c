@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "expert_server/es.h"
+#include "proto/pr.h"
 
 #define H 64
 #define E 16

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "expert_server/es.h"
+#include "proto/pr.h"
 #include "tests/unit/mt.h"
 
 #define H 64
