@@ -1,13 +1,17 @@
 # moerpc - root Makefile. Builds everything into $(BUILD) (build/ by default).
 #
 #   make                  libraries, binaries (build/bin) and tests
-#   make test             unit + fuzz-corpus replay + integration tests
+#   make test             unit + fuzz-corpus replay + integration tests (test-unit, test-fuzz,
+#                         test-integration: one group)
 #   make demo             model + two servers + verify + bench-rpc (see deploy/demo.sh)
+#   make bench            a quick kernel and RPC benchmark, JSON lines in build/bench/
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
-#   make have-not         the "have-not" build (no AVX2/AVX-512/AMX/hwloc/numa/CUDA) + unit tests
+#   make have-not         the "have-not" build (no AVX2/AVX-512, hwloc, libnuma) + unit tests
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
 #
 # Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
+# Only proto and the code above it include the generated protobuf-c header, so only their
+# objects wait for protoc-c.
 
 SANITIZER ?=
 ifeq ($(SANITIZER),)
@@ -18,21 +22,18 @@ endif
 
 CC      ?= gcc
 CLANG   ?= clang
-NVCC    ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 PROTOC_C ?= protoc-c
 
 HAVE_HWLOC  ?= 1
 HAVE_NUMA   ?= 1
 HAVE_AVX2   ?= 1
 HAVE_AVX512 ?= 1
-HAVE_AMX    ?= 1
-HAVE_CUDA   ?= $(if $(NVCC),1,0)
 
 STD   = -std=gnu11
 WARN  = -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes -Wvla -Werror=implicit-function-declaration
 OPT  ?= -O2 -g
 DEFS  = -DMR_HAVE_HWLOC=$(HAVE_HWLOC) -DMR_HAVE_NUMA=$(HAVE_NUMA) -DMR_HAVE_AVX2=$(HAVE_AVX2) \
-        -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_AMX=$(HAVE_AMX) -DMR_HAVE_CUDA=$(HAVE_CUDA)
+        -DMR_HAVE_AVX512=$(HAVE_AVX512)
 INC   = -I. -I$(BUILD)/gen -I$(BUILD)/gen/proto
 
 ifeq ($(SANITIZER),address)
@@ -51,7 +52,6 @@ LDFLAGS = $(SAN) -pthread $(EXTRA_LDFLAGS)
 # Per-ISA flags: only the files of that ISA get them (STYLE.md 11).
 ISA_AVX2   = -mavx2 -mfma -mf16c
 ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mfma -mf16c
-ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-int8 -mamx-bf16
 
 GRPC_LIBS = -lgrpc -lgpr
 EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm
@@ -76,28 +76,27 @@ GEN_PB_H   = $(BUILD)/gen/proto/moe.pb-c.h
 
 MR_SRC  = $(wildcard common/*.c)
 PR_SRC  = $(wildcard proto/*.c)
-KN_SRC  = $(wildcard kernels/*.c) $(wildcard kernels/x86/*_ref.c)
+KN_SRC  = $(wildcard kernels/*.c)
 ifeq ($(HAVE_AVX2),1)
 KN_SRC += $(wildcard kernels/x86/*_avx2.c)
 endif
 ifeq ($(HAVE_AVX512),1)
 KN_SRC += $(wildcard kernels/x86/*_avx512.c)
 endif
-ifeq ($(HAVE_AMX),1)
-KN_SRC += $(wildcard kernels/x86/*_amx.c)
-endif
 ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
-GC_SRC  = $(filter-out gpu_client/main.c,$(wildcard gpu_client/*.c))
-PL_SRC  = $(filter-out placement/main.c,$(wildcard placement/*.c))
+# moerpc-client is main.c (the command table) plus one cli_<group>.c per group of
+# subcommands; the rest of gpu_client/ is the library.
+CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
+GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
-MR_OBJ = $(call obj,$(MR_SRC))
-PR_OBJ = $(call obj,$(PR_SRC)) $(BUILD)/obj/gen/moe.pb-c.o
-KN_OBJ = $(call obj,$(KN_SRC))
-ES_OBJ = $(call obj,$(ES_SRC))
-GC_OBJ = $(call obj,$(GC_SRC))
-PL_OBJ = $(call obj,$(PL_SRC))
+MR_OBJ  = $(call obj,$(MR_SRC))
+PR_OBJ  = $(call obj,$(PR_SRC)) $(BUILD)/obj/gen/moe.pb-c.o
+KN_OBJ  = $(call obj,$(KN_SRC))
+ES_OBJ  = $(call obj,$(ES_SRC))
+GC_OBJ  = $(call obj,$(GC_SRC))
+CLI_OBJ = $(call obj,$(CLI_SRC))
 
 LIB_MR = $(BUILD)/lib/libmr.a
 LIB_PR = $(BUILD)/lib/libpr.a
@@ -105,12 +104,10 @@ LIB_KN = $(BUILD)/lib/libkn.a
 LIB_ES = $(BUILD)/lib/libes.a
 LIB_GC = $(BUILD)/lib/libmoerpc-client.a
 SO_GC  = $(BUILD)/lib/libmoerpc-client.so
-LIB_PL = $(BUILD)/lib/libpl.a
-LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_PL) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
        $(BUILD)/bin/moerpc-bench-kernels
-BINS += $(if $(wildcard placement/main.c),$(BUILD)/bin/moerpc-place)
 
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
@@ -121,19 +118,12 @@ ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
 TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
 
-CUDA_SRC = $(wildcard kernels/cuda/*.cu)
-ifeq ($(HAVE_CUDA),1)
-CUDA_OBJ = $(patsubst %.cu,$(BUILD)/obj/%.cu.o,$(CUDA_SRC))
-LIB_KN_CUDA = $(if $(CUDA_SRC),$(BUILD)/lib/libkn_cuda.a)
-CUDA_TESTS = $(if $(CUDA_SRC),$(BUILD)/tests/cuda_link_check)
-endif
-
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo fuzz clean help bench
-all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS) $(LIB_KN_CUDA) $(CUDA_TESTS)
+.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz have-not clean help
+all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
-	@sed -n '1,12p' Makefile
+	@sed -n '1,/^$$/p' Makefile
 
 # ---- generated protobuf-c code ---------------------------------------------------------
 $(GEN_PB_C) $(GEN_PB_H): proto/moe.proto
@@ -144,24 +134,26 @@ $(BUILD)/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -w -c $< -o $@
 
-# Every object may include pr.h -> moe.pb-c.h, so generate it first.
+# Code above proto/ may include pr.h -> moe.pb-c.h, so its objects wait for protoc-c (the
+# first time; -MMD records the real dependencies after that). common/, kernels/ and the
+# tools and benchmarks built on them only never include it, so they compile at once.
 $(BUILD)/obj/%.o: %.c | $(GEN_PB_H)
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
-$(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c | $(GEN_PB_H)
+define no_gen_rule
+$(BUILD)/obj/$(1)/%.o: $(1)/%.c
+	@mkdir -p $$(dir $$@)
+	$$(call say,CC,$$<)$$(Q)$$(CC) $$(CFLAGS) -c $$< -o $$@
+endef
+$(foreach d,common kernels tests/bench tests/conformance,$(eval $(call no_gen_rule,$(d))))
+
+$(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX2) -c $< -o $@
-$(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c | $(GEN_PB_H)
+$(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
-$(BUILD)/obj/kernels/x86/%_amx.o: kernels/x86/%_amx.c | $(GEN_PB_H)
-	@mkdir -p $(dir $@)
-	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AMX) -c $< -o $@
-
-$(BUILD)/obj/%.cu.o: %.cu
-	@mkdir -p $(dir $@)
-	$(NVCC) -O2 -std=c++17 -Xcompiler -fPIC -I. -arch=sm_90 -c $< -o $@
 
 # ---- libraries --------------------------------------------------------------------------
 define mklib
@@ -174,8 +166,6 @@ $(LIB_PR): $(PR_OBJ) ; $(mklib)
 $(LIB_KN): $(KN_OBJ) ; $(mklib)
 $(LIB_ES): $(ES_OBJ) ; $(mklib)
 $(LIB_GC): $(GC_OBJ) ; $(mklib)
-$(LIB_PL): $(PL_OBJ) ; $(mklib)
-$(LIB_KN_CUDA): $(CUDA_OBJ) ; $(mklib)
 
 $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
@@ -185,16 +175,13 @@ $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 $(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
-$(BUILD)/bin/moerpc-client: $(BUILD)/obj/gpu_client/main.o $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+$(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
-	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
-$(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
@@ -219,7 +206,7 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) $(INC) -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer
 $(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB_C)
 	@mkdir -p $(dir $@)
-	$(CLANG) $(FUZZ_CFLAGS) -o $@ $< $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c %_amx.c,$(KN_SRC)) \
+	$(CLANG) $(FUZZ_CFLAGS) -o $@ $< $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) \
 	    $(ES_SRC) $(GEN_PB_C) -DMR_FUZZ_NO_ISA=1 $(EXT_LIBS) -lpthread
 fuzz: $(FUZZ_BINS)
 
@@ -228,28 +215,28 @@ $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
-$(BUILD)/tests/cuda_link_check: tests/unit/cuda_link_check.c $(LIB_KN_CUDA)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -o $@ $< $(LIB_KN_CUDA) -L/usr/local/cuda/lib64 -lcudart -lcublas -lstdc++ $(LDFLAGS)
-
 test: all
 	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) tests/run.sh
 
 test-unit: all
 	@BUILD=$(BUILD) tests/run.sh unit
+test-fuzz: all
+	@BUILD=$(BUILD) tests/run.sh fuzz
 test-integration: all
 	@BUILD=$(BUILD) tests/run.sh integration
 
 demo:
 	@deploy/demo.sh
 
-# The "have-not" build: no AVX2/AVX-512/AMX kernels, no hwloc/libnuma, no CUDA; proves every
-# fallback compiles and passes the unit tests (STYLE.md 15).
-HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_AMX=0 HAVE_HWLOC=0 HAVE_NUMA=0 HAVE_CUDA=0
+# The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma; proves every fallback
+# compiles and passes the unit tests (STYLE.md 15). (There are no AMX or CUDA sources yet,
+# so there is nothing of theirs to leave out.)
+HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_HWLOC=0 HAVE_NUMA=0
 have-not:
 	@$(MAKE) --no-print-directory BUILD=build/have-not $(HAVE_NOT) all
 	@BUILD=build/have-not tests/run.sh unit
 
+# A quick subset of both benchmarks (tests/bench/README.md); JSON lines in $(BUILD)/bench/.
 bench: all
 	@BUILD=$(BUILD) tests/bench/run.sh
 
