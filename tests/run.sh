@@ -3,7 +3,9 @@
 #   tests/run.sh [unit|fuzz|integration|conformance|all] [filter]
 # Each test binary runs its cases in forked processes with a timeout (tests/unit/mt.h);
 # each binary or script also runs under an outer timeout here. The last line is the total,
-# "N passed, N failed". Logs of failures are printed; all logs stay in $BUILD/test-logs.
+# "N passed, N failed, N skipped" (a case that found nothing to test here, e.g. no fast
+# path on this CPU, is skipped, never passed). Logs of failures are printed; all logs stay
+# in $BUILD/test-logs.
 set -u
 BUILD=${BUILD:-build}
 what=${1:-all}
@@ -15,18 +17,21 @@ logs="$BUILD/test-logs"
 # gRPC and abseil are not TSan-instrumented: see tests/tsan.supp.
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
 mkdir -p "$logs"
-passed=0; failed=0; failed_names=()
+passed=0; failed=0; skipped=0; failed_names=()
+last_skipped=0
 
-count_from_log() { # adds every "N passed, N failed" line of the log (else 1 case)
+count_from_log() { # adds every "N passed, N failed[, N skipped]" line of the log (else 1 case)
   local log=$1 rc=$2 name=$3
-  local p=0 f=0 any=0 line
+  local p=0 f=0 s=0 any=0 line
   while IFS= read -r line; do
-    local lp=${line%% passed*} lf=${line#*passed, }
+    local lp=${line%% passed*} lf=${line#*passed, } ls=0
     lf=${lf%% failed*}
-    p=$((p + lp)); f=$((f + lf)); any=1
-  done < <(grep -oE '[0-9]+ passed, [0-9]+ failed' "$log")
+    [[ $line == *skipped ]] && { ls=${line##*failed, }; ls=${ls%% skipped}; }
+    p=$((p + lp)); f=$((f + lf)); s=$((s + ls)); any=1
+  done < <(grep -oE '[0-9]+ passed, [0-9]+ failed(, [0-9]+ skipped)?' "$log")
+  last_skipped=$s
   if [ $any = 1 ]; then
-    passed=$((passed + p)); failed=$((failed + f))
+    passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
     if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then failed=$((failed + 1)); fi
   elif [ "$rc" -eq 0 ]; then
     passed=$((passed + 1))
@@ -45,14 +50,16 @@ run_one() { # name timeout_s cmd...
   timeout --kill-after=10 "$tmo" "$@" >"$log" 2>&1
   local rc=$?
   local dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+  count_from_log "$log" $rc "$name"
   if [ $rc -eq 0 ]; then
-    echo "ok   $name (${dt}s)"
+    local skips=""
+    [ "$last_skipped" -gt 0 ] && skips=", $last_skipped skipped: $(grep -hE '^skip ' "$log" | cut -c6- | sed 's/^[^.]*\.//' | tr '\n' ' ' | sed 's/ $//')"
+    echo "ok   $name (${dt}s$skips)"
   else
     [ $rc -eq 124 ] && echo "  (timed out after ${tmo}s)" >>"$log"
     echo "FAIL $name (rc=$rc, ${dt}s) -- last lines of $log:"
     tail -n 40 "$log" | sed 's/^/    /'
   fi
-  count_from_log "$log" $rc "$name"
 }
 
 if [ "$what" = all ] || [ "$what" = unit ]; then
@@ -88,5 +95,5 @@ fi
 
 echo
 if [ ${#failed_names[@]} -gt 0 ]; then echo "failed: ${failed_names[*]}"; fi
-echo "$passed passed, $failed failed"
+echo "$passed passed, $failed failed, $skipped skipped"
 [ "$failed" -eq 0 ]

@@ -4,10 +4,12 @@
  *   MT_TEST(name) { MT_EQ_INT(a, b); MT_NEAR(x, y, tol); MT_TRUE(c); ... }
  *   MT_MAIN()     -- at the end of the file
  *
- * Each test runs in its own forked process with a timeout (MT_TIMEOUT_S, default 60 s,
- * env MT_TIMEOUT), like libuv's runner: a crash or a hang fails that test alone. Asserts
- * print both values and file:line. `./test_x name` runs one test in-process (for gdb).
- * The last line is "<binary>: N passed, N failed".
+ * Each test runs in its own forked process with a timeout (default 60 s, env MT_TIMEOUT),
+ * like libuv's runner: a crash or a hang fails that test alone. Asserts print both values
+ * and file:line. A test that finds nothing to test here (no fast path on this CPU or in
+ * this build) ends with MT_SKIP("why") and is counted as skipped, never as passed.
+ * `./test_x name` runs one test in-process (for gdb). The last line is
+ * "<binary>: N passed, N failed, N skipped" (tests/run.sh adds them up).
  */
 #ifndef MT_H
 #define MT_H
@@ -45,6 +47,17 @@ static int mt__failed_here;
     fprintf(stderr, "\n");                                                             \
     mt__failed_here = 1;                                                               \
     exit(1);                                                                           \
+  } while (0)
+
+/* Ends the test as skipped, printing why (exit status MT__SKIP_EXIT of the forked case). */
+#define MT__SKIP_EXIT 77
+#define MT_SKIP(...)                                                                   \
+  do {                                                                                 \
+    printf("  skipped: ");                                                             \
+    printf(__VA_ARGS__);                                                               \
+    printf("\n");                                                                      \
+    fflush(NULL);                                                                      \
+    exit(MT__SKIP_EXIT);                                                               \
   } while (0)
 
 #define MT_TRUE(c)                                                                     \
@@ -99,10 +112,11 @@ static int mt__failed_here;
     if (mt_rc_ != 0) MT__FAIL("%s failed: %d %s", #call, mt_rc_, mt_e_ ? mt_e_->msg : ""); \
   } while (0)
 
+enum { MT__PASSED = 0, MT__FAILED = 1, MT__SKIPPED = 2 };
 static int mt__run_one(const struct mt_case *c, int timeout_s) {
   fflush(NULL);
   pid_t pid = fork();
-  if (pid < 0) { perror("fork"); return 1; }
+  if (pid < 0) { perror("fork"); return MT__FAILED; }
   if (pid == 0) {
     alarm((unsigned)timeout_s);
     c->fn();
@@ -111,11 +125,12 @@ static int mt__run_one(const struct mt_case *c, int timeout_s) {
   }
   int st = 0;
   while (waitpid(pid, &st, 0) < 0) {}
-  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return 0;
+  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) return MT__PASSED;
+  if (WIFEXITED(st) && WEXITSTATUS(st) == MT__SKIP_EXIT) return MT__SKIPPED;
   if (WIFSIGNALED(st))
     fprintf(stderr, "  %s: killed by signal %d%s\n", c->name, WTERMSIG(st),
             WTERMSIG(st) == SIGALRM ? " (timeout)" : "");
-  return 1;
+  return MT__FAILED;
 }
 
 static int mt__main(int argc, char **argv) {
@@ -131,18 +146,24 @@ static int mt__main(int argc, char **argv) {
     printf("%s: ok\n", prog);
     return 0;
   }
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, skipped = 0;
   for (int i = 0; i < mt__ncases; i++) {
-    if (mt__run_one(&mt__cases[i], timeout_s) == 0) {
+    switch (mt__run_one(&mt__cases[i], timeout_s)) {
+    case MT__PASSED:
       passed++;
       printf("ok   %s.%s\n", prog, mt__cases[i].name);
-    } else {
+      break;
+    case MT__SKIPPED:
+      skipped++;
+      printf("skip %s.%s\n", prog, mt__cases[i].name);
+      break;
+    default:
       failed++;
       printf("FAIL %s.%s\n", prog, mt__cases[i].name);
     }
     fflush(stdout);
   }
-  printf("%s: %d passed, %d failed\n", prog, passed, failed);
+  printf("%s: %d passed, %d failed, %d skipped\n", prog, passed, failed, skipped);
   return failed ? 1 : 0;
 }
 #define MT_MAIN()                                                                      \
