@@ -4,6 +4,7 @@
  * documented limits (server count, unique names, deadline range, canonical round trip).
  */
 #include "common/mr.h"
+#include "tests/fuzz/fuzz.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +39,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mr_err e;
   check_idset(data, size);
   int rc = mr_cluster_parse(&c, (const char *)data, size, "fuzz", &e);
+  fuzz_verdict_set(rc == 0);
   if (rc != 0) {
     if (rc > 0 || e.msg[0] == '\0' || c.n_servers != 0) abort();
     return 0;

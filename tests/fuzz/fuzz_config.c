@@ -3,6 +3,7 @@
  * config must satisfy the ranges the reader promises in mr.h.
  */
 #include "common/mr.h"
+#include "tests/fuzz/fuzz.h"
 
 #include <stdlib.h>
 
@@ -12,6 +13,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   static mr_model_config c; /* ~1.2 KiB; static keeps deep fuzz stacks small */
   mr_err e;
   int rc = mr_config_parse(&c, (const char *)data, size, "fuzz", &e);
+  fuzz_verdict_set(rc == 0);
   if (rc != 0) {
     if (rc > 0 || e.msg[0] == '\0') abort();
     return 0;

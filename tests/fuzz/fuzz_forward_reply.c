@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "proto/pr.h"
+#include "tests/fuzz/fuzz.h"
 
 #define MAXSEG 8
 
@@ -42,6 +43,7 @@ static bool inside(const pr_seg *segs, size_t n, const pr_seg *v) {
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
+  fuzz_verdict_set(false); /* until the decode says otherwise */
   if (size < 1) return 0;
   size_t nseg = 1 + (data[0] & 7u);
   if (size < 2 * nseg - 1) nseg = (size + 1) / 2; /* too short for its cut bytes: fewer */
@@ -77,6 +79,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mr_err_clear(&e);
   int rc = pr_forward_reply_decode(segs, nseg, &split, &rep, &e);
   Moerpc__V1__ForwardReply *ref = moerpc__v1__forward_reply__unpack(NULL, len, msg);
+  fuzz_verdict_set(rc == 0);
 
   if (rc) {
     if (rc != MR_EFORMAT && rc != MR_ENOMEM) fuzz_fail("undocumented code", mr_err_name(rc));

@@ -26,6 +26,7 @@
 
 #include "expert_server/es.h"
 #include "proto/pr.h"
+#include "tests/fuzz/fuzz.h"
 
 #define H 64
 #define E 16
@@ -51,6 +52,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   }
   const es_limits lim = {.num_layers = NL, .num_experts = E, .hidden_size = H,
                          .max_tokens = MAXTOK, .is_moe = is_moe, .owned = owned};
+  fuzz_verdict_set(false); /* until decode and validation accept it */
   if (size < 2) return 0;
 
   /* Cut points: a small LCG from the seed; sorted so that segments are in order. */
@@ -99,6 +101,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         fuzz_fail("undocumented validation code", mr_err_name(rc));
       if (!e.msg[0]) fuzz_fail("validation failed without a message", mr_err_name(rc));
     } else {
+      fuzz_verdict_set(true);
       /* What the compute thread relies on. */
       size_t slots = (size_t)req->n_tokens * req->top_k;
       size_t esize = mr_dtype_size((mr_dtype)req->dtype);

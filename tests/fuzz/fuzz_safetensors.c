@@ -4,6 +4,7 @@
  * input (touched here, so ASan sees any escape) and lookups must be consistent.
  */
 #include "common/mr.h"
+#include "tests/fuzz/fuzz.h"
 
 #include <stdbool.h>
 #include <stdlib.h>
@@ -20,6 +21,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mr_st *st = NULL;
   mr_err e;
   int rc = mr_st_parse_buffer(&st, data, size, "fuzz", &e);
+  fuzz_verdict_set(rc == 0);
   if (rc != 0) {
     if (st != NULL || rc > 0 || e.msg[0] == '\0') abort(); /* contract: code + message */
     return 0;

@@ -191,28 +191,28 @@ int main(int argc, char **argv) {
   {
     static const uint8_t junk[] = {0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
                                    0xff, 0xff, 0x0f, 0x7a, 0x99};
-    put("garbage_long_varint", 2, 3, junk, sizeof junk);
+    put("bad_long_varint", 2, 3, junk, sizeof junk);
     size_t n = pack(&REQ(.id = 30, .layer = 0, .n_tokens = 4, .top_k = 2, .dtype = 1), buf, sizeof buf);
-    put("garbage_truncated_payload", 3, 30, buf, n - 100);
+    put("bad_truncated_payload", 3, 30, buf, n - 100);
     /* Field 15 with wire type 0 (varint) instead of 2. */
     n = pack(&REQ(.id = 31, .layer = 0, .n_tokens = 1, .top_k = 1, .dtype = 1, .hidden_len = -2), buf, sizeof buf);
     buf[n++] = 0x78;
     buf[n++] = 0x01;
-    put("garbage_payload_wire_type", 1, 0, buf, n);
+    put("bad_payload_wire_type", 1, 0, buf, n);
     /* A length that runs past the end of the message. */
     n = pack(&REQ(.id = 32, .layer = 0, .n_tokens = 1, .top_k = 1, .dtype = 1, .hidden_len = -2), buf, sizeof buf);
     buf[n++] = 0x7a;
     n += varint(buf + n, 1u << 30);
     buf[n++] = 0;
-    put("garbage_length_past_end", 2, 31, buf, n);
+    put("bad_length_past_end", 2, 31, buf, n);
     /* Packed ids whose length cuts a varint in half. */
     static const uint8_t cut_ids[] = {0x08, 0x01, 0x2a, 0x03, 0x01, 0xff, 0xff};
-    put("garbage_packed_ids_cut", 3, 32, cut_ids, sizeof cut_ids);
+    put("bad_packed_ids_cut", 3, 32, cut_ids, sizeof cut_ids);
     /* Field number 0. */
     static const uint8_t field0[] = {0x00, 0x01};
-    put("garbage_field_zero", 1, 0, field0, sizeof field0);
+    put("bad_field_zero", 1, 0, field0, sizeof field0);
     /* The empty message: all defaults, n_tokens 0. */
-    put("empty_message", 1, 0, buf, 0);
+    put("bad_empty_message", 1, 0, buf, 0);
   }
   printf("wrote %d seeds into %s\n", written, outdir);
   return 0;

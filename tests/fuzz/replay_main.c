@@ -2,13 +2,15 @@
  * replay_main.c - runs a libFuzzer target over a saved corpus without libFuzzer, so that
  * `make test` replays every corpus with any compiler (SQLite's fuzzcheck does the same).
  *
- *   replay_fuzz_x DIR_OR_FILE...
+ *   replay_fuzz_x [-v] DIR_OR_FILE...
  *
  * Each input runs in its own forked process with a timeout, so that one crashing or
  * hanging input fails alone and the others still run. An input passes if
- * LLVMFuzzerTestOneInput returns without crashing. The input is copied into a buffer of
- * exactly its size so that an instrumented build catches a read past its end. Prints
- * "<n> inputs replayed" and then "N passed, N failed" (the line tests/run.sh counts).
+ * LLVMFuzzerTestOneInput returns without crashing and, for a named seed, with the verdict
+ * its name promises (fuzz.h): ok_* accepted, bad_* refused. The input is copied into a
+ * buffer of exactly its size so that an instrumented build catches a read past its end.
+ * -v prints every input's verdict. Prints "<n> inputs replayed (<a> ok_ accepted, <r> bad_
+ * refused)" and then "N passed, N failed" (the line tests/run.sh counts).
  */
 #include <dirent.h>
 #include <signal.h>
@@ -20,12 +22,30 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "tests/fuzz/fuzz.h"
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 #define REPLAY_TIMEOUT_S 20
 #define REPLAY_MAX_INPUT ((size_t)64 << 20)
+/* The child's exit status carries the target's verdict back: REPLAY_EXIT_BASE + verdict. */
+#define REPLAY_EXIT_BASE 40
 
-static int passed, failed, replayed;
+static int passed, failed, replayed, ok_accepted, bad_refused;
+static bool verbose;
+
+/* What the file's name promises: FUZZ_ACCEPTED (ok_*), FUZZ_REFUSED (bad_*) or nothing. */
+static int expected_verdict(const char *path) {
+  const char *base = strrchr(path, '/');
+  base = base ? base + 1 : path;
+  if (strncmp(base, "ok_", 3) == 0) return FUZZ_ACCEPTED;
+  if (strncmp(base, "bad_", 4) == 0) return FUZZ_REFUSED;
+  return FUZZ_NO_VERDICT;
+}
+
+static const char *verdict_name(int v) {
+  return v == FUZZ_ACCEPTED ? "accepted" : v == FUZZ_REFUSED ? "refused" : "no verdict";
+}
 
 static void replay_file(const char *path) {
   FILE *f = fopen(path, "rb");
@@ -62,14 +82,26 @@ static void replay_file(const char *path) {
   }
   if (pid == 0) {
     alarm(REPLAY_TIMEOUT_S);
+    fuzz_verdict = FUZZ_NO_VERDICT;
     LLVMFuzzerTestOneInput(size ? buf : NULL, size);
-    _exit(0);
+    _exit(REPLAY_EXIT_BASE + fuzz_verdict);
   }
   free(buf);
   int st = 0;
   while (waitpid(pid, &st, 0) < 0) {
   }
-  if (WIFEXITED(st) && WEXITSTATUS(st) == 0) {
+  int code = WIFEXITED(st) ? WEXITSTATUS(st) - REPLAY_EXIT_BASE : -1;
+  if (code >= FUZZ_NO_VERDICT && code <= FUZZ_REFUSED) {
+    int want = expected_verdict(path);
+    if (verbose) printf("%-8s %s\n", verdict_name(code), path);
+    if (want != FUZZ_NO_VERDICT && code != want) {
+      fprintf(stderr, "FAIL %s: %s by the target, but its name promises %s\n", path,
+              verdict_name(code), verdict_name(want));
+      failed++;
+      return;
+    }
+    ok_accepted += want == FUZZ_ACCEPTED;
+    bad_refused += want == FUZZ_REFUSED;
     passed++;
     return;
   }
@@ -130,12 +162,18 @@ static void replay_path(const char *path) {
 }
 
 int main(int argc, char **argv) {
-  if (argc < 2) {
-    fprintf(stderr, "usage: %s CORPUS_DIR_OR_FILE...\n", argv[0]);
+  int first = 1;
+  if (argc > 1 && strcmp(argv[1], "-v") == 0) {
+    verbose = true;
+    first = 2;
+  }
+  if (argc <= first) {
+    fprintf(stderr, "usage: %s [-v] CORPUS_DIR_OR_FILE...\n", argv[0]);
     return 2;
   }
-  for (int i = 1; i < argc; i++) replay_path(argv[i]);
-  printf("%d inputs replayed\n", replayed);
+  for (int i = first; i < argc; i++) replay_path(argv[i]);
+  printf("%d inputs replayed (%d ok_ accepted, %d bad_ refused)\n", replayed, ok_accepted,
+         bad_refused);
   printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
