@@ -215,8 +215,9 @@ $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
+# MOERPC_SAN_FLAGS: what a test that compiles a helper against our libraries must add.
 test: all
-	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) tests/run.sh
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh
 
 test-unit: all
 	@BUILD=$(BUILD) tests/run.sh unit

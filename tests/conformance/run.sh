@@ -21,7 +21,7 @@ if ! "$VENV/bin/python" -c 'import torch, transformers, safetensors' >/dev/null 
   "$VENV/bin/pip" install -q --disable-pip-version-check "${PY_PKGS[@]}"
 fi
 
-make -s BUILD="$BUILD" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" "$BUILD/bin/moerpc-mkmodel"
+make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" "$BUILD/bin/moerpc-mkmodel"
 rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1

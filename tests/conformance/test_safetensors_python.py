@@ -226,8 +226,10 @@ def run(root, tmp, libmr, mkmodel):
     helper = os.path.join(tmp, "st_helper")
     with open(src, "w") as f:
         f.write(HELPER_C)
-    subprocess.run([cc, "-std=gnu11", "-O1", "-I", root, "-o", helper, src, libmr, "-lcjson",
-                    "-lm", "-pthread"], check=True)
+    # A sanitizer build's libmr.a needs the same flags (make test passes them).
+    san = os.environ.get("MOERPC_SAN_FLAGS", "").split()
+    subprocess.run([cc, "-std=gnu11", "-O1", *san, "-I", root, "-o", helper, src, libmr,
+                    "-lcjson", "-lm", "-pthread"], check=True)
 
     # 1. C writer -> Python reader, and byte identity with the reference writer.
     mine = os.path.join(tmp, "c_written.safetensors")
