@@ -18,8 +18,6 @@
 #include <string.h>
 #include <strings.h>
 
-#define CLUSTER_DEFAULT_DEADLINE_MS 5000u
-#define CLUSTER_MAX_DEADLINE_MS 600000u
 /* Syntax check of the local id sets without the model: the largest ids any model may have. */
 #define CLUSTER_MAX_EXPERT_ID 65536u
 
@@ -178,11 +176,11 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
   if (jm && (rc = cluster_str(jm, label, "model", c->model, sizeof c->model, true, e)))
     goto out_free_root;
 
-  c->deadline_ms = CLUSTER_DEFAULT_DEADLINE_MS;
+  c->deadline_ms = MR_CLUSTER_DEFAULT_DEADLINE_MS;
   const cJSON *jd = cJSON_GetObjectItemCaseSensitive(root, "deadline_ms");
   if (jd) {
     uint64_t v;
-    if ((rc = mr__json_u64(jd, label, "deadline_ms", 1, CLUSTER_MAX_DEADLINE_MS, &v, e)))
+    if ((rc = mr__json_u64(jd, label, "deadline_ms", 1, MR_CLUSTER_MAX_DEADLINE_MS, &v, e)))
       goto out_free_root;
     c->deadline_ms = (uint32_t)v;
   }

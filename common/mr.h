@@ -349,12 +349,16 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
  * Cluster file (JSON):
  * {
  *   "model": "/path/to/model",            optional: the client loads local experts from it
- *   "deadline_ms": 5000,                  optional: per-request deadline (default 5000)
+ *   "deadline_ms": 5000,                  optional: per-request deadline, ms
  *   "servers": [ {"name": "s0", "address": "127.0.0.1:50051"}, ... ],
  *   "local": {"layers": "all", "experts": "0-3"}   optional: experts the client computes
  * }
  */
 #define MR_CLUSTER_MAX_SERVERS 256
+/* deadline_ms when the file has none, and the largest one accepted (also for the
+ * client's own deadline options): 5 s and 10 minutes. */
+#define MR_CLUSTER_DEFAULT_DEADLINE_MS 5000u
+#define MR_CLUSTER_MAX_DEADLINE_MS 600000u
 typedef struct mr_cluster_server {
   char name[64];
   char address[256]; /* host:port, passed to gRPC as "ipv4:" / "ipv6:" / dns target */
@@ -368,7 +372,7 @@ typedef struct mr_cluster_file {
   char local_experts[1024];
 } mr_cluster_file;
 /* Reads and validates a cluster file (servers 1..MR_CLUSTER_MAX_SERVERS, unique names and
- * addresses, deadline 1..600000 ms). */
+ * addresses, deadline 1..MR_CLUSTER_MAX_DEADLINE_MS). */
 int mr_cluster_load(mr_cluster_file *c, const char *path, mr_err *e);
 int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const char *label,
                      mr_err *e);

@@ -56,7 +56,7 @@ typedef struct es_server_opts {
   uint32_t group;            /* int4 group size along K: 32, 64 or 128 (int4 only) */
   uint32_t grpc_threads;     /* gRPC threads = completion queues, 1..64 */
   uint32_t drain_timeout_ms; /* bound on answering accepted requests during a drain */
-  uint32_t metrics_interval_ms; /* period of the metrics log line (10000), 0 = never */
+  uint32_t metrics_interval_ms; /* period of the metrics log line, 0 = never */
   bool handle_signals;       /* install SIGTERM/SIGINT handlers in es_server_run */
 } es_server_opts;
 
@@ -64,12 +64,14 @@ typedef struct es_server_opts {
 #define ES_DEFAULT_MAX_TOKENS 1024u
 #define ES_MAX_MAX_TOKENS 65536u
 #define ES_DEFAULT_GROUP 64u
+#define ES_DEFAULT_GRPC_THREADS 1u
 #define ES_MAX_GRPC_THREADS 64u
+#define ES_DEFAULT_METRICS_INTERVAL_MS 10000u
 #define ES_DEFAULT_DRAIN_TIMEOUT_MS 10000u
 #define ES_MAX_DRAIN_TIMEOUT_MS 3600000u
 #define ES_MAX_THREADS 4096u
 
-/* Fills o with the defaults above (layers "all", numa "auto", 1 gRPC thread, signals on).
+/* Fills o with the defaults above (layers "all", numa "auto", signals on).
  * model_dir and experts stay NULL: the caller must set them. */
 void es_server_opts_init(es_server_opts *o);
 

@@ -31,6 +31,9 @@
 
 #define ES_DRAIN_TICK_MS 20
 #define ES_DRAIN_CALLS_MIN_MS 1000
+/* After every call has ended, how long to wait for gRPC's shutdown notification (the
+ * transports closing) before cancelling whatever still holds it up. */
+#define ES_DRAIN_SHUTDOWN_GRACE_MS 5000
 
 static uint64_t es__now_ms(void) { return mr_now_ns() / 1000000u; }
 
@@ -106,7 +109,7 @@ static void es__drain_step(es_server *s) {
   case ES_PHASE_DRAIN_SHUTDOWN:
     if (!atomic_load(&s->shutdown_notified)) {
       /* Every call has ended; the notification follows once the transports close. */
-      if (now >= s->calls_deadline_ms + 5000 && !s->cancelled_all) {
+      if (now >= s->calls_deadline_ms + ES_DRAIN_SHUTDOWN_GRACE_MS && !s->cancelled_all) {
         grpc_server_cancel_all_calls(s->gs);
         s->cancelled_all = true;
       }

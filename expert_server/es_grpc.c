@@ -25,6 +25,9 @@
 #define ES_PREPOST_STREAM 8
 /* The service name the health check answers for, besides "" (the whole server). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
+/* Largest HelloRequest or StatsRequest accepted: both are a few scalars and a client name,
+ * so anything near this is not a real client. */
+#define ES_MAX_CONTROL_REQUEST_BYTES (64u << 10)
 
 static const char *const es__method_path[ES_M_COUNT] = {
     [ES_M_HELLO] = PR_METHOD_HELLO,
@@ -208,8 +211,8 @@ static void es__on_hello(es_rpc *r) {
   mr_err_clear(&e);
   Moerpc__V1__HelloRequest *req = NULL;
   if (r->payload) {
-    int rc = pr_decode(r->payload, &moerpc__v1__hello_request__descriptor, 1u << 16,
-                       (ProtobufCMessage **)&req, &e);
+    int rc = pr_decode(r->payload, &moerpc__v1__hello_request__descriptor,
+                       ES_MAX_CONTROL_REQUEST_BYTES, (ProtobufCMessage **)&req, &e);
     if (rc) {
       snprintf(msg, sizeof msg, "HelloRequest does not decode: %s", e.msg);
       es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
@@ -240,8 +243,8 @@ static void es__on_stats(es_rpc *r) {
   mr_err_clear(&e);
   Moerpc__V1__StatsRequest *req = NULL;
   if (r->payload) {
-    int rc = pr_decode(r->payload, &moerpc__v1__stats_request__descriptor, 1u << 16,
-                       (ProtobufCMessage **)&req, &e);
+    int rc = pr_decode(r->payload, &moerpc__v1__stats_request__descriptor,
+                       ES_MAX_CONTROL_REQUEST_BYTES, (ProtobufCMessage **)&req, &e);
     if (rc) {
       snprintf(msg, sizeof msg, "StatsRequest does not decode: %s", e.msg);
       es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, msg, NULL);
@@ -383,7 +386,6 @@ static void *es__cq_main(void *arg) {
 
 int es__grpc_start(es_server *s, mr_err *e) {
   grpc_server_start(s->gs);
-  s->grpc_started = true;
   for (uint32_t i = 0; i < s->n_cqts; i++) {
     int err = pthread_create(&s->cqts[i].thread, NULL, es__cq_main, &s->cqts[i]);
     if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start gRPC thread %u: error %d", i, err);

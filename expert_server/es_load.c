@@ -75,21 +75,21 @@ out_close_parsed:
   return rc;
 }
 
-/* The largest message either side may send, from max_tokens: a request is max_tokens rows of
- * hidden (at most 4 bytes per element) plus its ids and weights (at most num_experts slots per
- * token, an int32 varint takes up to 10 bytes, a float 4) plus a little framing. */
+/* The largest message either side may send, from max_tokens (pr_forward_max_bytes); gRPC
+ * counts message sizes in an int. */
 static int es__message_limit(es_server *s, mr_err *e) {
   const mr_model_config *c = &s->cfg;
-  uint64_t per_token = (uint64_t)c->hidden_size * 4u + (uint64_t)c->num_experts * 14u;
-  uint64_t bytes = (uint64_t)s->opts.max_tokens * per_token + 4096u;
-  if (bytes > (uint64_t)INT_MAX)
+  uint64_t bytes = pr_forward_max_bytes(s->opts.max_tokens, c->hidden_size, c->num_experts);
+  if (bytes > (uint64_t)INT_MAX) {
+    uint64_t per_token = pr_forward_token_bytes(c->hidden_size, c->num_experts);
     return mr_err_set(e, MR_EINVAL,
                       "--max-tokens %" PRIu32 " is too large for this model: a request could be "
                       "%" PRIu64 " bytes (hidden_size %" PRIu32 ", num_experts %" PRIu32
                       "), over the 2 GiB gRPC message limit; at most %" PRIu64 " tokens",
                       s->opts.max_tokens, bytes, c->hidden_size, c->num_experts,
-                      ((uint64_t)INT_MAX - 4096u) / per_token);
-  s->max_message_bytes = bytes < (4u << 20) ? (int)(4u << 20) : (int)bytes;
+                      ((uint64_t)INT_MAX - PR_FORWARD_FRAMING_BYTES) / per_token);
+  }
+  s->max_message_bytes = (int)bytes;
   return 0;
 }
 

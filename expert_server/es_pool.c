@@ -15,6 +15,11 @@
 
 /* The header sits in the first cache line; data starts on the next one. */
 #define ES_BUF_HDR 64u
+/* Buffers kept per size class: cache_bytes / class size, within these bounds. */
+#define ES_POOL_KEEP_MIN 2u
+#define ES_POOL_KEEP_MAX 64u
+/* Job records kept for reuse; more requests than this in flight at once are rare. */
+#define ES_POOL_JOBS_MAX 1024u
 
 int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes) {
   memset(p, 0, sizeof *p);
@@ -22,8 +27,8 @@ int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes) {
   for (uint32_t c = 0; c < ES_POOL_CLASSES; c++) {
     size_t sz = ES_POOL_MIN << c;
     size_t keep = cache_bytes / sz;
-    if (keep > 64) keep = 64;
-    if (keep < 2) keep = 2;
+    if (keep > ES_POOL_KEEP_MAX) keep = ES_POOL_KEEP_MAX;
+    if (keep < ES_POOL_KEEP_MIN) keep = ES_POOL_KEEP_MIN;
     p->keep[c] = (uint32_t)keep;
     if (sz >= max_bytes) break;
   }
@@ -124,7 +129,7 @@ void es__job_put(es_pool *p, es_job *j) {
   if (!j) return;
   atomic_fetch_sub(&p->out_jobs, 1);
   pthread_mutex_lock(&p->lock);
-  if (p->nfree_jobs < 1024) {
+  if (p->nfree_jobs < ES_POOL_JOBS_MAX) {
     j->next = p->free_jobs;
     p->free_jobs = j;
     p->nfree_jobs++;

@@ -12,6 +12,13 @@
 
 #include "internal.h"
 
+/* First block of the compute arena (merged inputs, fp32 output, kernel scratch): about 32
+ * tokens x 8 slots of a qwen3-30b-a3b layer (kernels/README.md); a larger batch grows it,
+ * and the arena keeps its largest block. */
+#define ES_COMPUTE_ARENA_BLOCK ((size_t)4 << 20)
+/* Request/reply buffers the pool keeps per size class, in bytes (es_pool.c). */
+#define ES_POOL_CACHE_BYTES ((size_t)64 << 20)
+
 void es_server_opts_init(es_server_opts *o) {
   memset(o, 0, sizeof *o);
   o->listen = ES_DEFAULT_LISTEN;
@@ -21,9 +28,9 @@ void es_server_opts_init(es_server_opts *o) {
   o->quant_set = false;
   o->quant = KN_FMT_BF16;
   o->group = ES_DEFAULT_GROUP;
-  o->grpc_threads = 1;
+  o->grpc_threads = ES_DEFAULT_GRPC_THREADS;
   o->drain_timeout_ms = ES_DEFAULT_DRAIN_TIMEOUT_MS;
-  o->metrics_interval_ms = 10000;
+  o->metrics_interval_ms = ES_DEFAULT_METRICS_INTERVAL_MS;
   o->handle_signals = true;
 }
 
@@ -73,7 +80,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_cond, NULL);
   s->hello_reply = grpc_empty_slice();
-  mr_arena_init(&s->arena, 4u << 20);
+  mr_arena_init(&s->arena, ES_COMPUTE_ARENA_BLOCK);
 
   s->opts = *opts;
   s->model_dir = es__dup(opts->model_dir, &rc);
@@ -103,7 +110,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   for (size_t i = 0; i < ncnt; i++) atomic_init(&s->tokens[i], 0);
   /* Buffers hold at most one request's hidden rows: max_tokens * H * 4 bytes (f32). */
   size_t max_buf = (size_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
-  if ((rc = es__pool_init(&s->pool, max_buf, 64u << 20))) {
+  if ((rc = es__pool_init(&s->pool, max_buf, ES_POOL_CACHE_BYTES))) {
     mr_err_set(e, rc, "cannot create the buffer pool");
     goto out_free_server;
   }

@@ -249,7 +249,6 @@ struct es_server {
   es_cqt *cqts;
   uint32_t n_cqts;
   int port;
-  bool grpc_started;       /* grpc_server_start called, CQ threads started */
   bool shutdown_called;    /* grpc_server_shutdown_and_notify called */
   grpc_slice hello_reply;  /* the constant HelloReply, packed once */
   es_tag t_shutdown;
@@ -296,7 +295,6 @@ struct es_server {
   uv_timer_t metrics_timer, drain_timer;
   bool loop_inited, run_called;
   es_phase phase;
-  int signals_seen;
   int run_rc;
   uint64_t drain_t0_ms, drain_deadline_ms, calls_deadline_ms;
   bool cancelled_all;

@@ -29,7 +29,9 @@
 /* Message limit of the control channels: a HelloReply of a large model lists every owned
  * expert (61 layers x 256 experts is ~40 KB), Stats counts up to L x E entries. */
 #define GC__CTL_MAX_BYTES (64 << 20)
-#define GC__DEFAULT_CONNECT_MS 10000u
+/* How long a unary round waits past its calls' deadline before cancelling them (a call with
+ * a finite deadline ends by itself; this bounds a gRPC that would not). */
+#define GC__UNARY_DRAIN_MARGIN_MS 5000
 /* Reconnect backoff after a server went away: gRPC's default grows to 120 s, far longer
  * than a server restart; a short cap lets a restarted server serve again within ~2 s. */
 #define GC__RECONNECT_INITIAL_MS 200
@@ -71,7 +73,7 @@ typedef struct gc__unary {
   grpc_status_code status;
   grpc_slice details;
   const char *error_string;
-  bool done, batch_ok;
+  bool done;
 } gc__unary;
 
 static void unary_round(grpc_channel *const *chs, size_t n, const char *method,
@@ -115,7 +117,8 @@ static void unary_round(grpc_channel *const *chs, size_t n, const char *method,
 
   size_t done = 0;
   bool cancelled = false;
-  gpr_timespec drain = gpr_time_add(deadline, gpr_time_from_millis(5000, GPR_TIMESPAN));
+  gpr_timespec drain =
+      gpr_time_add(deadline, gpr_time_from_millis(GC__UNARY_DRAIN_MARGIN_MS, GPR_TIMESPAN));
   while (done < started) {
     grpc_event ev = grpc_completion_queue_next(cq, cancelled ? gpr_inf_future(GPR_CLOCK_MONOTONIC)
                                                              : drain, NULL);
@@ -128,7 +131,6 @@ static void unary_round(grpc_channel *const *chs, size_t n, const char *method,
     MR_ASSERT(ev.type == GRPC_OP_COMPLETE);
     gc__unary *x = ev.tag;
     x->done = true;
-    x->batch_ok = ev.success != 0;
     done++;
   }
   grpc_completion_queue_shutdown(cq);
@@ -364,9 +366,10 @@ static int cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_opt
                       sizeof c->model_dir - 1);
   snprintf(c->model_dir, sizeof c->model_dir, "%s", model);
   c->deadline_ms = c->opts.deadline_ms ? c->opts.deadline_ms : file->deadline_ms;
-  if (c->deadline_ms == 0) c->deadline_ms = 5000;
-  if (c->deadline_ms > 600000)
-    return mr_err_set(e, MR_EINVAL, "deadline_ms = %u, must be 1..600000", c->deadline_ms);
+  if (c->deadline_ms == 0) c->deadline_ms = MR_CLUSTER_DEFAULT_DEADLINE_MS;
+  if (c->deadline_ms > MR_CLUSTER_MAX_DEADLINE_MS)
+    return mr_err_set(e, MR_EINVAL, "deadline_ms = %u, must be 1..%u", c->deadline_ms,
+                      MR_CLUSTER_MAX_DEADLINE_MS);
   if (file->n_servers < 1 || file->n_servers > MR_CLUSTER_MAX_SERVERS)
     return mr_err_set(e, MR_EINVAL, "cluster: %u servers, must be 1..%d", file->n_servers,
                       MR_CLUSTER_MAX_SERVERS);
@@ -412,7 +415,7 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     }
   }
   uint32_t connect_ms = c->opts.connect_timeout_ms ? c->opts.connect_timeout_ms
-                                                   : GC__DEFAULT_CONNECT_MS;
+                                                   : GC_DEFAULT_CONNECT_TIMEOUT_MS;
   rc = hello_all(c, connect_ms, e);
   if (rc) goto out_close;
 

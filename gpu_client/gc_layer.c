@@ -246,7 +246,6 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
       memset(r, 0, sizeof *r);
       r->p = p;
       r->s = &c->streams[pt->target];
-      r->part = i;
       r->row0 = row0;
       r->n_tokens = pt->n_tokens - row0 < mt ? pt->n_tokens - row0 : mt;
       r->id = atomic_fetch_add(&c->next_id, 1);

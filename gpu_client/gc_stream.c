@@ -4,7 +4,7 @@
  *
  * A stream is a sequence of gRPC calls (gc__call): the live one (s->cur) and, after a
  * break, old ones that still wait for their last batches to complete. Each live call has
- * at most three batches in flight, as gRPC core requires (notes/grpc-core.md section 5):
+ * at most three batches in flight, as gRPC core requires (docs/DESIGN.md section 8):
  *
  *   t_start   SEND_INITIAL_METADATA (WAIT_FOR_READY on a first open, fail-fast on a
  *             reopen after a break, so a server that is gone fails requests at once
@@ -518,9 +518,8 @@ int gc__streams_start(gc_cluster *c, mr_err *e) {
     s->idx = i;
     s->srv = &c->servers[i];
     pthread_mutex_init(&s->lock, NULL);
-    /* Room for a full request or reply at the server's max_tokens in fp32, plus the
-     * header (ids and weights). */
-    uint64_t max = (uint64_t)s->srv->max_tokens * c->H * 4u + PR_MAX_HEADER_BYTES + 65536u;
+    /* Room for a full request or reply at the server's max_tokens: the server's own limit. */
+    uint64_t max = pr_forward_max_bytes(s->srv->max_tokens, c->H, c->E);
     s->ch = gc__channel_new(s->srv, max > INT_MAX ? INT_MAX : (int)max);
     s->inited = true;
     if (!s->ch)

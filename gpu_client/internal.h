@@ -148,7 +148,6 @@ enum gc__req_state { GC__REQ_QUEUED, GC__REQ_SENT, GC__REQ_DONE };
 struct gc__req {
   gc_pending *p;
   gc__stream *s;
-  uint32_t part;            /* index into p->plan.parts */
   uint32_t row0, n_tokens;  /* rows [row0, row0 + n) of the part */
   uint64_t id;
   enum gc__req_state state; /* under s->lock until unlinked */

@@ -63,6 +63,9 @@ typedef struct gc_pending gc_pending;
 /* Most slots per token. */
 #define GC_MAX_TOP_K 1024u
 
+/* Deadline of the Hello round at open when gc_options.connect_timeout_ms is 0. */
+#define GC_DEFAULT_CONNECT_TIMEOUT_MS 10000u
+
 /* Values of gc_cluster_owner() besides a server index. */
 #define GC_OWNER_NONE (-1)
 #define GC_OWNER_LOCAL (-2)
@@ -70,9 +73,11 @@ typedef struct gc_pending gc_pending;
 typedef struct gc_options {
   /* Sent as HelloRequest.client_name (servers log it). NULL = "moerpc-client". */
   const char *client_name;
-  /* Per-request deadline in ms from submit; 0 = the cluster file's deadline_ms. */
+  /* Per-request deadline in ms from submit, 1..MR_CLUSTER_MAX_DEADLINE_MS; 0 = the cluster
+   * file's deadline_ms. */
   uint32_t deadline_ms;
-  /* Deadline of the Hello round at open (all servers at once), ms; 0 = 10000. Servers
+  /* Deadline of the Hello round at open (all servers at once), ms; 0 =
+   * GC_DEFAULT_CONNECT_TIMEOUT_MS. Servers
    * that are still starting are waited for up to this long. */
   uint32_t connect_timeout_ms;
   /* Model directory; overrides the cluster file's "model". NULL or "" = the file's.

@@ -426,8 +426,8 @@ struct kn_engine {
   mr_arena scratch;           /* used by kn_moe_forward when the caller passes none */
 };
 
-/* Registration of the kernels of each ISA. The REF one lives in kn_ref.c; phase 2 adds
- * kn__avx2_register etc. in kernels/x86/ and lists them in kn.c. */
+/* Registration of the kernels of each ISA. The REF one lives in kn_ref.c, the fast paths'
+ * (kn__avx2_register, kn__avx512_register) in kernels/x86/; kn.c lists them all. */
 void kn__ref_register(kn__kernel_table *t);
 
 /* Checks a request against L (shape, dtype, ids, weights) before anything is computed;

@@ -167,9 +167,8 @@ static const char *isa_missing(const kn__cpu *c, kn_isa isa) {
 
 /* ---- engine ------------------------------------------------------------------------ */
 
-/* The registration function of every ISA built into this binary. Phase 2 adds
- * { KN_ISA_AVX2, kn__avx2_register } etc. here under #if MR_HAVE_AVX2 (and so on), never
- * in a build with MR_FUZZ_NO_ISA, which leaves the ISA files out. */
+/* The registration function of every ISA built into this binary: the fast paths under
+ * #if MR_HAVE_<ISA>, never in a build with MR_FUZZ_NO_ISA, which leaves the ISA files out. */
 static const struct {
   kn_isa isa;
   void (*reg)(kn__kernel_table *t);
@@ -750,14 +749,13 @@ typedef struct fwd_job {
   const kn__kernel *kern;
   const kn_moe_args *a;
   uint32_t H;
-  uint32_t n_used;            /* experts with at least one pair */
-  const uint32_t *used;       /* [n_used], ascending */
+  const uint32_t *used;       /* experts with at least one pair, ascending (w_in's items) */
   const uint32_t *start;      /* [E + 1] */
   const uint32_t *tok;        /* [pairs]: token of sorted pair p */
   const uint32_t *pos;        /* [T * k]: sorted position of pair (t, slot); -1 slots unused */
   float *xg;                  /* [pairs, H]: fp32 input of sorted pair p */
   unsigned char *xq;          /* prepared inputs (kern->prep), expert used[u] at xq_off[u] */
-  const size_t *xq_off;       /* [n_used] */
+  const size_t *xq_off;       /* [w_in's items] */
   float *h[KN_MAX_NODES];     /* [pairs, I_s]: intermediate of slice s */
   float *y[KN_MAX_NODES];     /* [pairs, H]: output of slice s (NULL: empty slice) */
   float *tmp;                 /* [n_workers][tmp_stride]: kernel scratch per worker */
@@ -918,7 +916,6 @@ int kn_moe_forward(kn_engine *eng, const kn_layer *L, const kn_moe_args *a, mr_a
   }
   for (uint32_t x = 0, u = 0; x < E; x++)
     if (start[x + 1] > start[x]) used[u++] = x;
-  j.n_used = n_used;
   j.used = used;
   j.start = start;
   j.tok = tok;

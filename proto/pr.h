@@ -45,6 +45,26 @@ extern "C" {
  * slots fit easily (16 MiB). */
 #define PR_MAX_HEADER_BYTES (16u << 20)
 
+/* Message sizes. gRPC refuses a message over its default limit (4 MiB) unless both sides
+ * raise GRPC_ARG_MAX_{RECEIVE,SEND}_MESSAGE_LENGTH (pr_channel_args); server and client
+ * raise them to pr_forward_max_bytes of the server's max_tokens. */
+#define PR_GRPC_DEFAULT_MAX_MESSAGE_BYTES (4u << 20)
+/* Header bytes one slot of a ForwardRequest may take: its id as an int32 varint (up to 10
+ * bytes; -1 takes all 10) and its float weight (4). */
+#define PR_FORWARD_SLOT_BYTES 14u
+/* An upper bound of the tags, lengths and scalar fields of a Forward message. */
+#define PR_FORWARD_FRAMING_BYTES 4096u
+/* The most bytes one token adds to a ForwardRequest or ForwardReply: its row of hidden_size
+ * elements at 4 bytes (the f32 wire, the largest) and num_experts slots (top_k is at most
+ * num_experts). */
+uint64_t pr_forward_token_bytes(uint32_t hidden_size, uint32_t num_experts);
+/* The largest Forward message of up to max_tokens tokens: max_tokens * token bytes + the
+ * framing, never below PR_GRPC_DEFAULT_MAX_MESSAGE_BYTES. */
+uint64_t pr_forward_max_bytes(uint32_t max_tokens, uint32_t hidden_size, uint32_t num_experts);
+/* Period of the HTTP/2 keepalive ping on every channel and server: finds a dead peer on an
+ * idle long-lived stream well before TCP would. */
+#define PR_KEEPALIVE_TIME_MS 30000
+
 /* A read-only view of bytes. */
 typedef struct pr_seg {
   const uint8_t *p;
@@ -128,8 +148,8 @@ grpc_byte_buffer *pr_health_request_encode(const char *service);
 int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr_err *e);
 
 /* ---- gRPC helpers shared by server and client ---------------------------------------- */
-/* Fills args[0..3) with max send/receive message length = max_bytes (and returns 2 + 1
- * for a keepalive arg); args_out must have room for 4 grpc_arg. */
+/* Fills args[0..3) with max send/receive message length = max_bytes and the keepalive
+ * period (PR_KEEPALIVE_TIME_MS); returns 3. args_out must have room for 3 grpc_arg. */
 size_t pr_channel_args(grpc_arg *args_out, int max_bytes);
 /* Converts an MR_E* code to the gRPC status of docs/DESIGN.md section 4 and back. */
 grpc_status_code pr_status_from_mr(int code);

@@ -286,12 +286,20 @@ size_t pr_channel_args(grpc_arg *args_out, int max_bytes) {
   args_out[1].type = GRPC_ARG_INTEGER;
   args_out[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
   args_out[1].value.integer = max_bytes;
-  /* A keepalive ping every 30 s finds a dead peer on an idle long-lived stream well before
-   * TCP would. */
   args_out[2].type = GRPC_ARG_INTEGER;
   args_out[2].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
-  args_out[2].value.integer = 30000;
+  args_out[2].value.integer = PR_KEEPALIVE_TIME_MS;
   return 3;
+}
+
+uint64_t pr_forward_token_bytes(uint32_t hidden_size, uint32_t num_experts) {
+  return (uint64_t)hidden_size * 4u + (uint64_t)num_experts * PR_FORWARD_SLOT_BYTES;
+}
+
+uint64_t pr_forward_max_bytes(uint32_t max_tokens, uint32_t hidden_size, uint32_t num_experts) {
+  uint64_t bytes = (uint64_t)max_tokens * pr_forward_token_bytes(hidden_size, num_experts) +
+                   PR_FORWARD_FRAMING_BYTES;
+  return bytes < PR_GRPC_DEFAULT_MAX_MESSAGE_BYTES ? PR_GRPC_DEFAULT_MAX_MESSAGE_BYTES : bytes;
 }
 
 grpc_status_code pr_status_from_mr(int code) {

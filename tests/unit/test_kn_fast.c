@@ -381,8 +381,8 @@ static void naive_layer(const model *m, const req *r, float *out) {
 }
 
 /* The fast paths, activation rounding included, stay within the layer budgets of
- * DESIGN.md section 5 against the fp32 model on bf16 weights (int4: the limits of
- * test_kn_ref, which explains why DESIGN.md's 6e-2 is out of reach for any 4-bit grid). */
+ * docs/DESIGN.md section 5 against the fp32 model on bf16 weights (int4: the limits of
+ * test_kn_ref, which explains why no 4-bit grid reaches the 6e-2 first asked for). */
 MT_TEST(fast_layer_error_within_design_budget) {
   const uint32_t H = 512, I = 256;
   model m = model_make(H, I, 8, 0.02f, 60);
