@@ -26,7 +26,12 @@
 #include "moerpc_client.h"
 
 #define PROG "moerpc-client"
+/* Most values of a --tokens list. */
 #define MAX_T_LIST 32
+/* Room for a subcommand's help text (its own part and the common options). */
+#define HELP_BYTES 8192
+/* Room for one line of `info`'s ownership map ("s0:0-7 s1:8-15 local:16-17"). */
+#define OWNER_LINE_BYTES 8192
 
 /* ---- shared options ------------------------------------------------------------------- */
 
@@ -47,12 +52,19 @@ enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, O
       {"connect-timeout-ms", required_argument, NULL, OPT_CONNECT},                    \
       {"log", required_argument, NULL, OPT_LOG}, {"help", no_argument, NULL, OPT_HELP}
 
-static const char COMMON_HELP[] =
-    "  --cluster FILE           cluster file (JSON: servers, model, local experts)  required\n"
-    "  --deadline-ms N          per-request deadline, 1..600000 (default: the file's)\n"
-    "  --connect-timeout-ms N   deadline of the Hello round at start, 1..600000 (default 10000)\n"
-    "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
-    "  --help                   this text\n";
+/* Writes a subcommand's help: its own text, then the common options. */
+static void help_text(char *buf, size_t len, const char *own) {
+  snprintf(buf, len,
+           "%s"
+           "  --cluster FILE           cluster file (JSON: servers, model, local experts)  "
+           "required\n"
+           "  --deadline-ms N          per-request deadline, 1..%u (default: the file's)\n"
+           "  --connect-timeout-ms N   deadline of the Hello round at start, 1..%u (default %u)\n"
+           "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
+           "  --help                   this text\n",
+           own, MR_CLUSTER_MAX_DEADLINE_MS, MR_CLUSTER_MAX_DEADLINE_MS,
+           GC_DEFAULT_CONNECT_TIMEOUT_MS);
+}
 
 static bool parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   char *end = NULL;
@@ -80,9 +92,11 @@ static int common_opt(cli *o, int opt, const char *arg) {
   int lvl;
   switch (opt) {
   case OPT_CLUSTER: o->cluster = arg; return 1;
-  case OPT_DEADLINE: return parse_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
+  case OPT_DEADLINE:
+    return parse_u32("--deadline-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->deadline_ms) ? 1 : -1;
   case OPT_CONNECT:
-    return parse_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_ms) ? 1 : -1;
+    return parse_u32("--connect-timeout-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->connect_ms)
+               ? 1 : -1;
   case OPT_LOG:
     if (mr_log_parse_level(arg, &lvl) != 0) {
       fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);
@@ -151,6 +165,17 @@ static int parse_args(int argc, char **argv, const struct option *lo, const char
   return 0;
 }
 
+/* The first step of every subcommand: parse_args with its own help text (own_help, then the
+ * common options). Returns -1 to go on, else the exit status (0 after --help, 2 on a usage
+ * error). */
+static int parse_command(int argc, char **argv, const struct option *lo, const char *own_help,
+                         cli *o, opt_fn extra, void *ctx) {
+  char help[HELP_BYTES];
+  help_text(help, sizeof help, own_help);
+  int pr = parse_args(argc, argv, lo, help, o, extra, ctx);
+  return pr == 0 ? -1 : pr == 1 ? 0 : 2;
+}
+
 /* ---- info -------------------------------------------------------------------------------- */
 
 static const char INFO_HELP[] =
@@ -179,7 +204,7 @@ static void owner_line(const gc_cluster *c, uint32_t l, char *buf, size_t len) {
   size_t pos = 0;
   buf[0] = '\0';
   for (int o = -2; o < (int)ci.n_servers; o++) { /* local, none, then servers */
-    char list[4096];
+    char list[OWNER_LINE_BYTES];
     mr_idlist w;
     mr_idlist_init(&w, list, sizeof list);
     for (uint32_t x = 0; x < ci.num_experts; x++)
@@ -205,10 +230,8 @@ static int cmd_info(int argc, char **argv) {
                                       {"model", required_argument, NULL, OPT_MODEL},
                                       {"no-local", no_argument, NULL, OPT_NO_LOCAL},
                                       {0, 0, 0, 0}};
-  char help[4096];
-  snprintf(help, sizeof help, "%s%s", INFO_HELP, COMMON_HELP);
-  int pr = parse_args(argc, argv, lo, help, &o, info_opt, &o);
-  if (pr) return pr == 1 ? 0 : 2;
+  int pr = parse_command(argc, argv, lo, INFO_HELP, &o, info_opt, &o);
+  if (pr >= 0) return pr;
   gc_cluster *c = NULL;
   if (open_cluster(&o, &c)) return 1;
   gc_cluster_info ci;
@@ -229,7 +252,7 @@ static int cmd_info(int argc, char **argv) {
   }
   /* Ownership, consecutive layers with the same owners on one line. */
   printf("ownership:\n");
-  char prev[8192] = "", cur[8192];
+  char prev[OWNER_LINE_BYTES] = "", cur[OWNER_LINE_BYTES];
   uint32_t first = 0;
   for (uint32_t l = 0; l <= ci.num_layers; l++) {
     if (l < ci.num_layers) owner_line(c, l, cur, sizeof cur);
@@ -281,10 +304,8 @@ static int cmd_stats(int argc, char **argv) {
                                       {"reset", no_argument, NULL, OPT_RESET},
                                       {"all", no_argument, NULL, OPT_ALL},
                                       {0, 0, 0, 0}};
-  char help[4096];
-  snprintf(help, sizeof help, "%s%s", STATS_HELP, COMMON_HELP);
-  int pr = parse_args(argc, argv, lo, help, &o, stats_opt, &sc);
-  if (pr) return pr == 1 ? 0 : 2;
+  int pr = parse_command(argc, argv, lo, STATS_HELP, &o, stats_opt, &sc);
+  if (pr >= 0) return pr;
   o.no_local = true; /* stats needs no local experts */
   gc_cluster *c = NULL;
   if (open_cluster(&o, &c)) return 1;
@@ -445,21 +466,178 @@ static void route(const float *W, uint32_t E, uint32_t H, const float *x, uint32
     for (uint32_t j = 0; j < k; j++) w[j] = (float)(w[j] / sel);
 }
 
-static int verify_layer_ref(kn_engine *eng, const mr_st *st, const mr_model_config *cfg,
-                            const gc_cluster_info *ci, kn_format fmt, uint32_t group,
-                            uint32_t l, kn_layer **out, mr_err *e) {
-  kn_layer_desc d = {.hidden = ci->hidden_size, .inter = ci->intermediate_size,
-                     .num_experts = ci->num_experts, .format = fmt, .group = group};
-  int rc = kn_layer_new(out, eng, &d, e);
+/* Default tolerance (relative L2) of a layer: the larger of the wire's rounding and the
+ * servers' kernels' (VERIFY_HELP gives the reasons). */
+static double verify_default_tol(mr_dtype wire, kn_format weights) {
+  double w = wire == MR_DTYPE_F32 ? 1e-5 : wire == MR_DTYPE_F16 ? 2e-3 : 1e-2;
+  double k = weights == KN_FMT_F32 || weights == KN_FMT_F16 ? 1e-5
+             : weights == KN_FMT_BF16                     ? 1e-2
+                                                          : 5e-2;
+  return w > k ? w : k;
+}
+
+/* Everything one verify run holds: the cluster, the model, the reference engine and the
+ * buffers of one layer call (T tokens). Filled by verify_setup, freed by verify_close. */
+typedef struct verify_run {
+  const verify_ctx *v;
+  gc_cluster *c;
+  gc_cluster_info ci;
+  mr_model_config cfg;
+  mr_st *st;
+  kn_engine *eng;            /* the reference (KN_ISA_REF, one thread) */
+  kn_format fmt;             /* the servers' weight format, which the reference packs too */
+  uint32_t group;
+  uint32_t H, E, T, k;
+  float *W;                  /* [E, H] the router of the current layer, fp32 */
+  float *xf, *prob, *wts;    /* [T, H] x as fp32; [E] router probabilities; [T, k] weights */
+  int32_t *ids;              /* [T, k] */
+  void *xw;                  /* [T, H] x in the wire dtype */
+  float *out, *out_ref;      /* [T, H] the cluster's and the reference's output */
+  uint64_t seed;
+} verify_run;
+
+/* One layer's outcome. */
+typedef struct verify_layer_result {
+  double rel, rel1;          /* relative L2 at T and at T = 1 (NAN if not measured) */
+  double rtt_ms;             /* the T-token call's submit + wait */
+  bool empty_ok;             /* the all-empty token's output row is exactly 0 */
+  int call_rc;               /* the cluster's error (0: both calls answered) */
+  bool call_rc_t1;           /* ... and it was the T = 1 call's */
+  mr_err call_err;
+} verify_layer_result;
+
+static void verify_close(verify_run *r) {
+  kn_engine_free(r->eng);
+  mr_st_close(r->st);
+  free(r->W);
+  free(r->xf);
+  free(r->xw);
+  free(r->out);
+  free(r->out_ref);
+  free(r->prob);
+  free(r->ids);
+  free(r->wts);
+}
+
+/* Step 1: the model, the reference engine, the tolerance, the buffers. */
+static int verify_setup(verify_run *r, verify_ctx *v, mr_err *e) {
+  int rc;
+  if ((rc = gc_weight_format_parse(r->ci.weight_format, &r->fmt, &r->group, e)) ||
+      (rc = mr_config_load(&r->cfg, r->ci.model_dir, e)) ||
+      (rc = mr_st_open(&r->st, r->ci.model_dir, e)))
+    return rc;
+  if (!v->tol_set) v->tol = verify_default_tol(v->dt, r->fmt);
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 1};
+  if ((rc = kn_engine_new(&r->eng, &eo, e))) return rc;
+
+  r->H = r->ci.hidden_size;
+  r->E = r->ci.num_experts;
+  r->T = v->T;
+  r->k = r->cfg.top_k;
+  r->seed = v->seed;
+  const size_t TH = (size_t)r->T * r->H, Tk = (size_t)r->T * r->k;
+  r->W = malloc((size_t)r->E * r->H * sizeof *r->W);
+  r->xf = malloc(TH * sizeof *r->xf);
+  r->xw = malloc(TH * mr_dtype_size(v->dt));
+  r->out = malloc(TH * sizeof *r->out);
+  r->out_ref = malloc(TH * sizeof *r->out_ref);
+  r->prob = malloc(r->E * sizeof *r->prob);
+  r->ids = malloc(Tk * sizeof *r->ids);
+  r->wts = malloc(Tk * sizeof *r->wts);
+  if (!r->W || !r->xf || !r->xw || !r->out || !r->out_ref || !r->prob || !r->ids || !r->wts)
+    return mr_err_set(e, MR_ENOMEM, "verify buffers: out of memory");
+  return 0;
+}
+
+/* Step 2 of a layer: T random hidden states, routed by the layer's own router on what the
+ * servers will see (x rounded to the wire dtype); the last token (T >= 2) gets no slot. */
+static int verify_inputs(verify_run *r, uint32_t l, mr_err *e) {
+  const uint32_t H = r->H, E = r->E, T = r->T, k = r->k;
+  char key[256];
+  snprintf(key, sizeof key,
+           r->cfg.arch == MR_ARCH_MIXTRAL ? "model.layers.%u.block_sparse_moe.gate.weight"
+                                          : "model.layers.%u.mlp.gate.weight",
+           l);
+  const mr_st_tensor *rt;
+  const uint64_t rshape[2] = {E, H};
+  int rc = mr_st_expect(r->st, key, 2, rshape, &rt, e);
   if (rc) return rc;
-  for (uint32_t x = 0; x < ci->num_experts && !rc; x++) {
+  mr_convert_to_f32(r->W, rt->data, rt->dtype, (size_t)E * H);
+
+  for (size_t i = 0; i < (size_t)T * H; i++) r->xf[i] = gauss(&r->seed);
+  mr_convert_from_f32(r->xw, r->v->dt, r->xf, (size_t)T * H);
+  mr_convert_to_f32(r->xf, r->xw, r->v->dt, (size_t)T * H);
+  for (uint32_t t = 0; t < T; t++)
+    route(r->W, E, H, r->xf + (size_t)t * H, k, r->cfg.norm_topk_prob, r->prob,
+          r->ids + (size_t)t * k, r->wts + (size_t)t * k);
+  if (T >= 2)
+    for (uint32_t j = 0; j < k; j++) r->ids[(size_t)(T - 1) * k + j] = -1;
+  return 0;
+}
+
+/* Step 3 of a layer: its experts packed in the servers' format, for kn_ref. */
+static int verify_layer_ref(const verify_run *r, uint32_t l, kn_layer **out, mr_err *e) {
+  kn_layer_desc d = {.hidden = r->H, .inter = r->ci.intermediate_size,
+                     .num_experts = r->E, .format = r->fmt, .group = r->group};
+  int rc = kn_layer_new(out, r->eng, &d, e);
+  for (uint32_t x = 0; x < r->E && !rc; x++) {
     const mr_st_tensor *t[3];
-    rc = mr_config_expert_tensors(cfg, st, l, x, t, e);
+    rc = mr_config_expert_tensors(&r->cfg, r->st, l, x, t, e);
     if (!rc)
       rc = kn_layer_load_expert(*out, x, t[MR_PROJ_GATE]->data, t[MR_PROJ_UP]->data,
                                 t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
   }
   return rc;
+}
+
+/* Step 4 of a layer: the call through the cluster at T tokens and at T = 1, each against
+ * kn_ref on the same inputs. A failed cluster call is the layer's result (res->call_rc);
+ * the return value is a failure of the reference itself. */
+static int verify_compare(verify_run *r, uint32_t l, const kn_layer *ref, verify_layer_result *res,
+                          mr_err *e) {
+  const uint32_t H = r->H, T = r->T;
+  gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = r->k, .ids = r->ids, .weights = r->wts,
+                    .x = r->xw, .dtype = r->v->dt};
+  kn_moe_args a = {.n_tokens = T, .top_k = r->k, .ids = r->ids, .weights = r->wts, .x = r->xw,
+                   .x_dtype = r->v->dt, .out = r->out_ref};
+  res->rel = res->rel1 = NAN;
+  uint64_t t0 = mr_now_ns();
+  res->call_rc = gc_layer_forward(r->c, &q, r->out, &res->call_err);
+  res->rtt_ms = (double)(mr_now_ns() - t0) / 1e6;
+  if (res->call_rc) return 0;
+  int rc = kn_ref_moe_forward(ref, &a, e);
+  if (rc) return rc;
+  res->rel = kn_rel_l2(r->out, r->out_ref, (size_t)T * H);
+  res->empty_ok = true;
+  if (T >= 2)
+    for (uint32_t h = 0; h < H; h++) res->empty_ok &= r->out[(size_t)(T - 1) * H + h] == 0.0f;
+
+  /* T = 1: the first token alone. */
+  q.n_tokens = a.n_tokens = 1;
+  res->call_rc = gc_layer_forward(r->c, &q, r->out, &res->call_err);
+  res->call_rc_t1 = res->call_rc != 0;
+  if (res->call_rc) return 0;
+  if ((rc = kn_ref_moe_forward(ref, &a, e))) return rc;
+  res->rel1 = kn_rel_l2(r->out, r->out_ref, H);
+  return 0;
+}
+
+/* Step 5 of a layer: its line of the table; true if it passed. */
+static bool verify_report_layer(const verify_run *r, uint32_t l, const verify_layer_result *res) {
+  if (res->call_rc && !res->call_rc_t1) {
+    printf("%-6u %-5u %-12s %-12s %-9.3f FAIL %s: %s\n", l, r->T, "-", "-", res->rtt_ms,
+           mr_err_name(res->call_rc), res->call_err.msg);
+    return false;
+  }
+  if (res->call_rc) {
+    printf("%-6u %-5u %-12.3e %-12s %-9.3f FAIL (T=1) %s: %s\n", l, r->T, res->rel, "-",
+           res->rtt_ms, mr_err_name(res->call_rc), res->call_err.msg);
+    return false;
+  }
+  bool ok = res->rel <= r->v->tol && res->rel1 <= r->v->tol && res->empty_ok;
+  printf("%-6u %-5u %-12.3e %-12.3e %-9.3f %s%s\n", l, r->T, res->rel, res->rel1, res->rtt_ms,
+         ok ? "ok" : "FAIL", res->empty_ok ? "" : " (empty token's output is not 0)");
+  return ok;
 }
 
 static int cmd_verify(int argc, char **argv) {
@@ -473,142 +651,50 @@ static int cmd_verify(int argc, char **argv) {
                                       {"seed", required_argument, NULL, OPT_SEED},
                                       {"tol", required_argument, NULL, OPT_TOL},
                                       {0, 0, 0, 0}};
-  char help[8192];
-  snprintf(help, sizeof help, "%s%s", VERIFY_HELP, COMMON_HELP);
-  int pr = parse_args(argc, argv, lo, help, &o, verify_opt, &v);
-  if (pr) return pr == 1 ? 0 : 2;
+  int pr = parse_command(argc, argv, lo, VERIFY_HELP, &o, verify_opt, &v);
+  if (pr >= 0) return pr;
 
-  int status = 1;
-  gc_cluster *c = NULL;
-  mr_st *st = NULL;
-  kn_engine *eng = NULL;
+  verify_run r = {.v = &v};
   kn_layer *ref = NULL;
-  float *W = NULL, *xf = NULL, *out = NULL, *out_ref = NULL, *prob = NULL, *wts = NULL;
-  int32_t *ids = NULL;
-  void *xw = NULL;
-  mr_model_config cfg;
   mr_err e;
   mr_err_clear(&e);
-  int rc;
-
-  if (open_cluster(&o, &c)) return 1;
-  gc_cluster_info ci;
-  gc_cluster_info_get(c, &ci);
-  if (!ci.model_dir[0]) {
+  int status = 1, rc = 0;
+  if (open_cluster(&o, &r.c)) return 1;
+  gc_cluster_info_get(r.c, &r.ci);
+  if (!r.ci.model_dir[0]) {
     fprintf(stderr, PROG " verify: needs the model: set \"model\" in the cluster file or pass "
             "--model DIR\n");
     goto out;
   }
-  kn_format fmt;
-  uint32_t group;
-  if ((rc = gc_weight_format_parse(ci.weight_format, &fmt, &group, &e)) ||
-      (rc = mr_config_load(&cfg, ci.model_dir, &e)) || (rc = mr_st_open(&st, ci.model_dir, &e)))
-    goto out_err;
-  if (!v.tol_set) {
-    double wire = v.dt == MR_DTYPE_F32 ? 1e-5 : v.dt == MR_DTYPE_F16 ? 2e-3 : 1e-2;
-    double kern = fmt == KN_FMT_F32 || fmt == KN_FMT_F16 ? 1e-5 : fmt == KN_FMT_BF16 ? 1e-2 : 5e-2;
-    v.tol = wire > kern ? wire : kern;
-  }
-  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 1};
-  if ((rc = kn_engine_new(&eng, &eo, &e))) goto out_err;
-
-  const uint32_t H = ci.hidden_size, E = ci.num_experts, T = v.T, k = cfg.top_k;
-  const size_t xs = mr_dtype_size(v.dt);
-  W = malloc((size_t)E * H * sizeof *W);
-  xf = malloc((size_t)T * H * sizeof *xf);
-  xw = malloc((size_t)T * H * xs);
-  out = malloc((size_t)T * H * sizeof *out);
-  out_ref = malloc((size_t)T * H * sizeof *out_ref);
-  prob = malloc(E * sizeof *prob);
-  ids = malloc((size_t)T * k * sizeof *ids);
-  wts = malloc((size_t)T * k * sizeof *wts);
-  if (!W || !xf || !xw || !out || !out_ref || !prob || !ids || !wts) {
-    rc = mr_err_set(&e, MR_ENOMEM, "verify buffers: out of memory");
-    goto out_err;
-  }
+  if ((rc = verify_setup(&r, &v, &e))) goto out_err;
   mr_log(MR_LOG_INFO, "verify: %u MoE layers, T=%u, k=%u, wire %s, reference format %s, tol %g",
-         mr_config_num_moe_layers(&cfg), T, k, mr_dtype_name(v.dt), ci.weight_format, v.tol);
+         mr_config_num_moe_layers(&r.cfg), r.T, r.k, mr_dtype_name(v.dt), r.ci.weight_format,
+         v.tol);
   printf("%-6s %-5s %-12s %-12s %-9s %s\n", "layer", "T", "rel_l2", "rel_l2(T=1)", "rtt_ms",
          "result");
 
   double worst = 0;
   uint32_t worst_layer = 0, n_layers = 0, n_fail = 0;
-  uint64_t seed = v.seed;
-  for (uint32_t l = 0; l < cfg.num_layers; l++) {
-    if (!mr_config_is_moe_layer(&cfg, l)) continue;
+  for (uint32_t l = 0; l < r.cfg.num_layers; l++) {
+    if (!mr_config_is_moe_layer(&r.cfg, l)) continue;
     n_layers++;
-    /* Router weights of this layer, as fp32. */
-    char key[256];
-    snprintf(key, sizeof key,
-             cfg.arch == MR_ARCH_MIXTRAL ? "model.layers.%u.block_sparse_moe.gate.weight"
-                                         : "model.layers.%u.mlp.gate.weight",
-             l);
-    const mr_st_tensor *rt;
-    const uint64_t rshape[2] = {E, H};
-    if ((rc = mr_st_expect(st, key, 2, rshape, &rt, &e))) goto out_err;
-    mr_convert_to_f32(W, rt->data, rt->dtype, (size_t)E * H);
-
-    for (size_t i = 0; i < (size_t)T * H; i++) xf[i] = gauss(&seed);
-    mr_convert_from_f32(xw, v.dt, xf, (size_t)T * H);
-    mr_convert_to_f32(xf, xw, v.dt, (size_t)T * H); /* route on what the servers see */
-    for (uint32_t t = 0; t < T; t++)
-      route(W, E, H, xf + (size_t)t * H, k, cfg.norm_topk_prob, prob, ids + (size_t)t * k,
-            wts + (size_t)t * k);
-    if (T >= 2)
-      for (uint32_t j = 0; j < k; j++) ids[(size_t)(T - 1) * k + j] = -1;
-
-    if ((rc = verify_layer_ref(eng, st, &cfg, &ci, fmt, group, l, &ref, &e))) goto out_err;
-
-    gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = k, .ids = ids, .weights = wts,
-                      .x = xw, .dtype = v.dt};
-    uint64_t t0 = mr_now_ns();
-    rc = gc_layer_forward(c, &q, out, &e);
-    double rtt_ms = (double)(mr_now_ns() - t0) / 1e6;
-    if (rc) {
-      printf("%-6u %-5u %-12s %-12s %-9.3f FAIL %s: %s\n", l, T, "-", "-", rtt_ms,
-             mr_err_name(rc), e.msg);
-      n_fail++;
-      goto next_layer;
-    }
-    kn_moe_args a = {.n_tokens = T, .top_k = k, .ids = ids, .weights = wts, .x = xw,
-                     .x_dtype = v.dt, .out = out_ref};
-    if ((rc = kn_ref_moe_forward(ref, &a, &e))) goto out_err;
-    double rel = kn_rel_l2(out, out_ref, (size_t)T * H);
-    bool empty_ok = true;
-    if (T >= 2)
-      for (uint32_t h = 0; h < H; h++) empty_ok &= out[(size_t)(T - 1) * H + h] == 0.0f;
-
-    /* T = 1: the first token alone. */
-    q.n_tokens = 1;
-    a.n_tokens = 1;
-    double rel1 = NAN;
-    rc = gc_layer_forward(c, &q, out, &e);
-    if (rc) {
-      printf("%-6u %-5u %-12.3e %-12s %-9.3f FAIL (T=1) %s: %s\n", l, T, rel, "-", rtt_ms,
-             mr_err_name(rc), e.msg);
-      n_fail++;
-      goto next_layer;
-    }
-    if ((rc = kn_ref_moe_forward(ref, &a, &e))) goto out_err;
-    rel1 = kn_rel_l2(out, out_ref, H);
-
-    bool ok = rel <= v.tol && rel1 <= v.tol && empty_ok;
-    if (!ok) n_fail++;
-    double lw = rel > rel1 ? rel : rel1;
-    if (lw > worst || n_layers == 1) {
+    verify_layer_result res = {0};
+    if ((rc = verify_inputs(&r, l, &e)) || (rc = verify_layer_ref(&r, l, &ref, &e)) ||
+        (rc = verify_compare(&r, l, ref, &res, &e)))
+      goto out_err;
+    if (!verify_report_layer(&r, l, &res)) n_fail++;
+    double lw = res.rel > res.rel1 ? res.rel : res.rel1;
+    if (!res.call_rc && (lw > worst || n_layers == 1)) {
       worst = lw;
       worst_layer = l;
     }
-    printf("%-6u %-5u %-12.3e %-12.3e %-9.3f %s%s\n", l, T, rel, rel1, rtt_ms,
-           ok ? "ok" : "FAIL", empty_ok ? "" : " (empty token's output is not 0)");
-  next_layer:
     fflush(stdout);
     kn_layer_free(ref);
     ref = NULL;
   }
   printf("verify: %u MoE layers, %u failed; worst rel_l2 %.3e (layer %u); tol %g (%s wire, "
          "%s weights)\n", n_layers, n_fail, worst, worst_layer, v.tol, mr_dtype_name(v.dt),
-         ci.weight_format);
+         r.ci.weight_format);
   status = n_fail ? 1 : 0;
   goto out;
 out_err:
@@ -616,18 +702,9 @@ out_err:
   status = 1;
 out:
   kn_layer_free(ref);
-  kn_engine_free(eng);
-  mr_st_close(st);
-  free(W);
-  free(xf);
-  free(xw);
-  free(out);
-  free(out_ref);
-  free(prob);
-  free(ids);
-  free(wts);
+  verify_close(&r);
   mr_log(MR_LOG_INFO, "verify done (%s); closing", status ? "FAILED" : "passed");
-  gc_cluster_close(c);
+  gc_cluster_close(r.c);
   return status;
 }
 
@@ -848,7 +925,167 @@ out:
   return rc;
 }
 
-static int cmd_bench(int argc, char **argv) {
+/* What bench-rpc measures: one server, one layer where the owner map routes experts to it,
+ * and one call's inputs for the largest T (smaller T use its first rows). */
+typedef struct bench_target {
+  int server;                /* index in the cluster */
+  gc_server_info info;
+  uint32_t layer;
+  uint32_t *owned;           /* [n_owned] experts of layer routed to the server */
+  uint32_t n_owned;
+  uint32_t k;                /* slots per token, at most n_owned */
+  uint32_t tmax;             /* the largest T asked for */
+  int32_t *ids;              /* [tmax, k]: the owned experts in turn */
+  float *w;                  /* [tmax, k]: 1 / k */
+  uint8_t *x;                /* [tmax, H] N(0, 1) in the wire dtype */
+  float *out;                /* [tmax, H] */
+} bench_target;
+
+/* Latencies of one T, in µs, iters each. */
+typedef struct bench_samples {
+  uint64_t *grpc;            /* submit + wait */
+  uint64_t *tcp;             /* the raw TCP round trip of the same byte counts */
+  uint64_t *compute;         /* the server's compute_us of the same call */
+  uint64_t *net;             /* grpc - compute: transport, framing and queueing */
+  uint32_t req_bytes, reply_bytes;
+} bench_samples;
+
+static void bench_target_close(bench_target *t) {
+  free(t->owned);
+  free(t->ids);
+  free(t->w);
+  free(t->x);
+  free(t->out);
+}
+
+static void bench_samples_close(bench_samples *sm) {
+  free(sm->grpc);
+  free(sm->tcp);
+  free(sm->compute);
+  free(sm->net);
+}
+
+/* Step 1: the server (--server, else the first with experts) and the first layer where the
+ * owner map (not just its Hello) routes experts to it. */
+static int bench_pick(gc_cluster *c, const gc_cluster_info *ci, const bench_ctx *b,
+                      const char *cluster, bench_target *t) {
+  t->owned = malloc(ci->num_experts * sizeof *t->owned);
+  if (!t->owned) {
+    fprintf(stderr, PROG " bench-rpc: out of memory\n");
+    return -1;
+  }
+  int first = 0;
+  if (b->server) {
+    first = gc_cluster_find_server(c, b->server);
+    if (first < 0) {
+      fprintf(stderr, PROG " bench-rpc: --server \"%s\" is not in %s\n", b->server, cluster);
+      return -1;
+    }
+  }
+  int last = b->server ? first : (int)ci->n_servers - 1;
+  for (int s = first; s <= last && !t->n_owned; s++)
+    for (uint32_t l = 0; l < ci->num_layers && !t->n_owned; l++) {
+      for (uint32_t x = 0; x < ci->num_experts; x++)
+        if (gc_cluster_owner(c, l, x) == s) t->owned[t->n_owned++] = x;
+      t->server = s;
+      t->layer = l;
+    }
+  if (!t->n_owned) {
+    fprintf(stderr, PROG " bench-rpc: %s owns no expert to route to\n",
+            b->server ? b->server : "no server");
+    return -1;
+  }
+  gc_server_info_get(c, (uint32_t)t->server, &t->info, NULL);
+  t->k = b->top_k;
+  if (!t->k) {
+    mr_model_config cfg;
+    t->k = ci->model_dir[0] && mr_config_load(&cfg, ci->model_dir, NULL) == 0 ? cfg.top_k : 8;
+  }
+  if (t->k > t->n_owned) t->k = t->n_owned;
+  return 0;
+}
+
+/* Step 2: the inputs of the largest call and the sample arrays. */
+static int bench_inputs(const gc_cluster_info *ci, const bench_ctx *b, bench_target *t,
+                        bench_samples *sm) {
+  for (uint32_t i = 0; i < b->n_tokens; i++)
+    if (b->tokens[i] > t->tmax) t->tmax = b->tokens[i];
+  const size_t xs = mr_dtype_size(b->dt), Tk = (size_t)t->tmax * t->k;
+  const size_t TH = (size_t)t->tmax * ci->hidden_size;
+  sm->grpc = malloc(b->iters * sizeof *sm->grpc);
+  sm->tcp = malloc(b->iters * sizeof *sm->tcp);
+  sm->compute = malloc(b->iters * sizeof *sm->compute);
+  sm->net = malloc(b->iters * sizeof *sm->net);
+  t->ids = malloc(Tk * sizeof *t->ids);
+  t->w = malloc(Tk * sizeof *t->w);
+  t->x = malloc(TH * xs);
+  t->out = malloc(TH * sizeof *t->out);
+  if (!sm->grpc || !sm->tcp || !sm->compute || !sm->net || !t->ids || !t->w || !t->x || !t->out) {
+    fprintf(stderr, PROG " bench-rpc: out of memory\n");
+    return -1;
+  }
+  uint64_t seed = 7;
+  for (size_t i = 0; i < TH; i++) {
+    float f = gauss(&seed);
+    mr_convert_from_f32(t->x + i * xs, b->dt, &f, 1);
+  }
+  for (size_t i = 0; i < Tk; i++) {
+    t->ids[i] = (int32_t)t->owned[i % t->n_owned];
+    t->w[i] = 1.0f / (float)t->k;
+  }
+  return 0;
+}
+
+/* Step 3 for one T: warm-up, then iters layer calls through the cluster, each with the
+ * server's compute_us; the request and reply sizes of the last call. */
+static int bench_grpc(gc_cluster *c, const bench_ctx *b, const bench_target *t, uint32_t T,
+                      bench_samples *sm, mr_err *e) {
+  gc_layer_req q = {.layer = t->layer, .n_tokens = T, .top_k = t->k, .ids = t->ids,
+                    .weights = t->w, .x = t->x, .dtype = b->dt};
+  gc_server_counters ct;
+  for (uint32_t i = 0; i < b->warmup + b->iters; i++) {
+    uint64_t t0 = mr_now_ns();
+    int rc = gc_layer_forward(c, &q, t->out, e);
+    uint64_t dt_us = (mr_now_ns() - t0) / 1000u;
+    if (rc) return rc;
+    if (i < b->warmup) continue;
+    gc_server_counters_get(c, (uint32_t)t->server, false, &ct, NULL);
+    sm->grpc[i - b->warmup] = dt_us;
+    sm->compute[i - b->warmup] = ct.last_compute_us;
+    sm->net[i - b->warmup] = dt_us > ct.last_compute_us ? dt_us - ct.last_compute_us : 0;
+  }
+  gc_server_counters_get(c, (uint32_t)t->server, false, &ct, NULL);
+  sm->req_bytes = (uint32_t)ct.last_req_bytes;
+  sm->reply_bytes = (uint32_t)ct.last_reply_bytes;
+  return 0;
+}
+
+/* Step 4 for one T: percentiles of the same run, as a table line and a JSON line. */
+static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, bench_samples *sm) {
+  const uint32_t n = b->iters;
+  qsort(sm->grpc, n, sizeof *sm->grpc, cmp_u64);
+  qsort(sm->tcp, n, sizeof *sm->tcp, cmp_u64);
+  qsort(sm->compute, n, sizeof *sm->compute, cmp_u64);
+  qsort(sm->net, n, sizeof *sm->net, cmp_u64);
+  double gp50 = pct(sm->grpc, n, 50), gp99 = pct(sm->grpc, n, 99), gmean = mean_u64(sm->grpc, n);
+  double tp50 = pct(sm->tcp, n, 50), tp99 = pct(sm->tcp, n, 99);
+  double ratio = tp50 > 0 ? gp50 / tp50 : 0;
+  double cp50 = pct(sm->compute, n, 50), np50 = pct(sm->net, n, 50);
+  printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %.0f\n", T,
+         sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50);
+  if (b->json)
+    printf("{\"bench\":\"rpc\",\"tokens\":%u,\"req_bytes\":%u,\"reply_bytes\":%u,"
+           "\"grpc_p50_us\":%.1f,\"grpc_p99_us\":%.1f,\"grpc_mean_us\":%.1f,"
+           "\"tcp_p50_us\":%.1f,\"tcp_p99_us\":%.1f,\"ratio_p50\":%.3f,"
+           "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
+           "\"ratio_minus_compute_p50\":%.3f,\"server\":\"%s\",\"dtype\":\"%s\","
+           "\"top_k\":%u,\"iters\":%u}\n",
+           T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50,
+           tp50 > 0 ? np50 / tp50 : 0, t->info.name, mr_dtype_name(b->dt), t->k, n);
+  fflush(stdout);
+}
+
+static int cmd_bench_rpc(int argc, char **argv) {
   cli o = {0};
   bench_ctx b = {.tokens = {1, 16, 256}, .n_tokens = 3, .iters = 200, .warmup = 20,
                  .dt = MR_DTYPE_BF16};
@@ -861,12 +1098,11 @@ static int cmd_bench(int argc, char **argv) {
                                       {"top-k", required_argument, NULL, OPT_TOPK},
                                       {"json", no_argument, NULL, OPT_JSON},
                                       {0, 0, 0, 0}};
-  char help[8192];
-  snprintf(help, sizeof help, "%s%s", BENCH_HELP, COMMON_HELP);
-  int pr = parse_args(argc, argv, lo, help, &o, bench_opt, &b);
-  if (pr) return pr == 1 ? 0 : 2;
+  int pr = parse_command(argc, argv, lo, BENCH_HELP, &o, bench_opt, &b);
+  if (pr >= 0) return pr;
   o.no_local = true; /* one server, one RPC: local experts would only add noise */
 
+  /* The peer is forked before gRPC starts any thread. */
   tcp_peer tp = {0};
   if (tcp_peer_start(&tp) != 0) {
     fprintf(stderr, PROG " bench-rpc: could not start the TCP peer on 127.0.0.1: %s\n",
@@ -875,153 +1111,46 @@ static int cmd_bench(int argc, char **argv) {
   }
   int status = 1;
   gc_cluster *c = NULL;
-  uint64_t *g_lat = NULL, *t_lat = NULL, *comp = NULL, *net = NULL;
-  int32_t *ids = NULL;
-  float *w = NULL, *out = NULL;
-  uint8_t *x = NULL;
-  uint32_t *owned = NULL;
+  bench_target t = {0};
+  bench_samples sm = {0};
   mr_err e;
   mr_err_clear(&e);
   if (open_cluster(&o, &c)) goto out;
   gc_cluster_info ci;
   gc_cluster_info_get(c, &ci);
-
-  /* The server, and a layer where it owns experts (owner map, not just announced). */
-  int si = -1;
-  uint32_t layer = 0, n_owned = 0;
-  owned = malloc(ci.num_experts * sizeof *owned);
-  if (!owned) goto out;
-  if (b.server) {
-    si = gc_cluster_find_server(c, b.server);
-    if (si < 0) {
-      fprintf(stderr, PROG " bench-rpc: --server \"%s\" is not in %s\n", b.server, o.cluster);
-      goto out;
-    }
-  }
-  for (int s = b.server ? si : 0; s < (int)ci.n_servers && !n_owned; s++) {
-    for (uint32_t l = 0; l < ci.num_layers && !n_owned; l++) {
-      for (uint32_t x_ = 0; x_ < ci.num_experts; x_++)
-        if (gc_cluster_owner(c, l, x_) == s) owned[n_owned++] = x_;
-      if (n_owned) {
-        si = s;
-        layer = l;
-      }
-    }
-    if (b.server) break;
-  }
-  if (!n_owned) {
-    fprintf(stderr, PROG " bench-rpc: %s owns no expert to route to\n",
-            b.server ? b.server : "no server");
-    goto out;
-  }
-  gc_server_info sinfo;
-  gc_server_info_get(c, (uint32_t)si, &sinfo, NULL);
-  uint32_t k = b.top_k;
-  if (!k) {
-    mr_model_config cfg;
-    k = ci.model_dir[0] && mr_config_load(&cfg, ci.model_dir, NULL) == 0 ? cfg.top_k : 8;
-  }
-  if (k > n_owned) k = n_owned;
-  uint32_t tmax = 0;
-  for (uint32_t i = 0; i < b.n_tokens; i++) tmax = b.tokens[i] > tmax ? b.tokens[i] : tmax;
-  size_t xs = mr_dtype_size(b.dt);
-  g_lat = malloc(b.iters * sizeof *g_lat);
-  t_lat = malloc(b.iters * sizeof *t_lat);
-  comp = malloc(b.iters * sizeof *comp);
-  net = malloc(b.iters * sizeof *net);
-  ids = malloc((size_t)tmax * k * sizeof *ids);
-  w = malloc((size_t)tmax * k * sizeof *w);
-  x = malloc((size_t)tmax * ci.hidden_size * xs);
-  out = malloc((size_t)tmax * ci.hidden_size * sizeof *out);
-  if (!g_lat || !t_lat || !comp || !net || !ids || !w || !x || !out) {
-    fprintf(stderr, PROG " bench-rpc: out of memory\n");
-    goto out;
-  }
-  uint64_t seed = 7;
-  for (size_t i = 0; i < (size_t)tmax * ci.hidden_size; i++) {
-    float f = gauss(&seed);
-    mr_convert_from_f32(x + i * xs, b.dt, &f, 1);
-  }
-  for (uint32_t t = 0; t < tmax; t++)
-    for (uint32_t j = 0; j < k; j++) {
-      ids[(size_t)t * k + j] = (int32_t)owned[(t * k + j) % n_owned];
-      w[(size_t)t * k + j] = 1.0f / (float)k;
-    }
+  if (bench_pick(c, &ci, &b, o.cluster, &t) || bench_inputs(&ci, &b, &t, &sm)) goto out;
   mr_log(MR_LOG_INFO, "bench-rpc: server %s (%s), layer %u, k=%u, %s wire, %u iterations "
-         "(+%u warm-up)", sinfo.name, sinfo.address, layer, k, mr_dtype_name(b.dt), b.iters,
-         b.warmup);
+         "(+%u warm-up)", t.info.name, t.info.address, t.layer, t.k, mr_dtype_name(b.dt),
+         b.iters, b.warmup);
   printf("%-6s %-10s %-10s %-10s %-10s %-10s %-10s %-10s %-8s %-12s %s\n", "T", "req_B",
          "reply_B", "grpc_p50", "grpc_p99", "grpc_mean", "tcp_p50", "tcp_p99", "ratio",
          "compute_p50", "grpc-compute_p50");
   status = 0;
   for (uint32_t ti = 0; ti < b.n_tokens; ti++) {
     uint32_t T = b.tokens[ti];
-    if (T > sinfo.max_tokens) {
+    if (T > t.info.max_tokens) {
       printf("%-6u skipped: above %s's max_tokens %u (the call would be split into several "
-             "requests)\n", T, sinfo.name, sinfo.max_tokens);
+             "requests)\n", T, t.info.name, t.info.max_tokens);
       continue;
     }
-    gc_layer_req q = {.layer = layer, .n_tokens = T, .top_k = k, .ids = ids, .weights = w,
-                      .x = x, .dtype = b.dt};
-    gc_server_counters ct;
-    int rc = 0;
-    for (uint32_t i = 0; i < b.warmup + b.iters && !rc; i++) {
-      uint64_t t0 = mr_now_ns();
-      rc = gc_layer_forward(c, &q, out, &e);
-      uint64_t dt_us = (mr_now_ns() - t0) / 1000u;
-      if (rc || i < b.warmup) continue;
-      gc_server_counters_get(c, (uint32_t)si, false, &ct, NULL);
-      g_lat[i - b.warmup] = dt_us;
-      comp[i - b.warmup] = ct.last_compute_us;
-      /* What the round trip costs beyond the server's compute: transport, queueing,
-       * framing on both sides. */
-      net[i - b.warmup] = dt_us > ct.last_compute_us ? dt_us - ct.last_compute_us : 0;
-    }
+    int rc = bench_grpc(c, &b, &t, T, &sm, &e);
     if (rc) {
       fprintf(stderr, PROG " bench-rpc: T=%u: %s: %s\n", T, mr_err_name(rc), e.msg);
       status = 1;
       break;
     }
-    gc_server_counters_get(c, (uint32_t)si, false, &ct, NULL);
-    uint32_t req_b = (uint32_t)ct.last_req_bytes, rep_b = (uint32_t)ct.last_reply_bytes;
-    if (tcp_pingpong(&tp, req_b, rep_b, b.warmup, b.iters, t_lat) != 0) {
+    if (tcp_pingpong(&tp, sm.req_bytes, sm.reply_bytes, b.warmup, b.iters, sm.tcp) != 0) {
       fprintf(stderr, PROG " bench-rpc: T=%u: TCP ping-pong on 127.0.0.1:%d failed: %s\n", T,
               tp.port, strerror(errno));
       status = 1;
       break;
     }
-    qsort(g_lat, b.iters, sizeof *g_lat, cmp_u64);
-    qsort(t_lat, b.iters, sizeof *t_lat, cmp_u64);
-    qsort(comp, b.iters, sizeof *comp, cmp_u64);
-    qsort(net, b.iters, sizeof *net, cmp_u64);
-    double gp50 = pct(g_lat, b.iters, 50), gp99 = pct(g_lat, b.iters, 99);
-    double tp50 = pct(t_lat, b.iters, 50), tp99 = pct(t_lat, b.iters, 99);
-    double ratio = tp50 > 0 ? gp50 / tp50 : 0;
-    double cp50 = pct(comp, b.iters, 50), np50 = pct(net, b.iters, 50);
-    printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %.0f\n", T,
-           req_b, rep_b, gp50, gp99, mean_u64(g_lat, b.iters), tp50, tp99, ratio, cp50, np50);
-    if (b.json)
-      printf("{\"bench\":\"rpc\",\"tokens\":%u,\"req_bytes\":%u,\"reply_bytes\":%u,"
-             "\"grpc_p50_us\":%.1f,\"grpc_p99_us\":%.1f,\"grpc_mean_us\":%.1f,"
-             "\"tcp_p50_us\":%.1f,\"tcp_p99_us\":%.1f,\"ratio_p50\":%.3f,"
-             "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
-             "\"ratio_minus_compute_p50\":%.3f,\"server\":\"%s\",\"dtype\":\"%s\","
-             "\"top_k\":%u,\"iters\":%u}\n",
-             T, req_b, rep_b, gp50, gp99, mean_u64(g_lat, b.iters), tp50, tp99, ratio, cp50,
-             np50, tp50 > 0 ? np50 / tp50 : 0, sinfo.name, mr_dtype_name(b.dt), k, b.iters);
-    fflush(stdout);
+    bench_report(&b, &t, T, &sm);
   }
 out:
   tcp_peer_stop(&tp);
-  free(g_lat);
-  free(t_lat);
-  free(comp);
-  free(net);
-  free(ids);
-  free(w);
-  free(x);
-  free(out);
-  free(owned);
+  bench_samples_close(&sm);
+  bench_target_close(&t);
   if (c) mr_log(MR_LOG_INFO, "bench-rpc done; closing");
   gc_cluster_close(c);
   return status;
@@ -1029,17 +1158,28 @@ out:
 
 /* ---- main ----------------------------------------------------------------------------------- */
 
+/* The subcommands, in the order `--help` lists them. run gets argv from the command's name
+ * on. A group of subcommands in its own file (gpu_client/cli_<group>.c, linked into this
+ * binary by the Makefile) adds its lines here and a declaration of its entry points. */
+typedef struct command {
+  const char *name;
+  int (*run)(int argc, char **argv);
+  const char *summary;
+} command;
+static const command commands[] = {
+    {"info", cmd_info, "Hello every server; print the cluster, model and ownership"},
+    {"verify", cmd_verify, "every MoE layer through the cluster vs a local reference"},
+    {"bench-rpc", cmd_bench_rpc, "per-request round trip to one server vs raw TCP"},
+    {"stats", cmd_stats, "Stats of every server"},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
 static void usage(FILE *f) {
-  fprintf(f,
-          "usage: moerpc-client COMMAND --cluster FILE [options]\n"
-          "\n"
-          "commands:\n"
-          "  info        Hello every server; print the cluster, model and ownership\n"
-          "  verify      every MoE layer through the cluster vs a local reference\n"
-          "  bench-rpc   per-request round trip to one server vs raw TCP\n"
-          "  stats       Stats of every server\n"
-          "\n"
-          "moerpc-client COMMAND --help describes each. Exit status: 0 ok, 1 failure, 2 usage.\n");
+  fprintf(f, "usage: moerpc-client COMMAND --cluster FILE [options]\n\ncommands:\n");
+  for (size_t i = 0; i < N_COMMANDS; i++)
+    fprintf(f, "  %-11s %s\n", commands[i].name, commands[i].summary);
+  fprintf(f, "\nmoerpc-client COMMAND --help describes each. Exit status: 0 ok, 1 failure, 2 "
+             "usage.\n");
 }
 
 int main(int argc, char **argv) {
@@ -1054,10 +1194,8 @@ int main(int argc, char **argv) {
     usage(stdout);
     return 0;
   }
-  if (strcmp(cmd, "info") == 0) return cmd_info(argc - 1, argv + 1);
-  if (strcmp(cmd, "verify") == 0) return cmd_verify(argc - 1, argv + 1);
-  if (strcmp(cmd, "bench-rpc") == 0) return cmd_bench(argc - 1, argv + 1);
-  if (strcmp(cmd, "stats") == 0) return cmd_stats(argc - 1, argv + 1);
+  for (size_t i = 0; i < N_COMMANDS; i++)
+    if (strcmp(cmd, commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
   fprintf(stderr, PROG ": unknown command \"%s\"\n\n", cmd);
   usage(stderr);
   return 2;
