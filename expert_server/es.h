@@ -3,7 +3,7 @@
  *
  * An es_server owns a set of (layer, expert) pairs of one MoE model, keeps their packed
  * weights in memory (kernels/kn.h) and answers ForwardRequests over gRPC (proto/moe.proto,
- * DESIGN.md section 4). Life cycle:
+ * docs/DESIGN.md section 4). Life cycle:
  *
  *   es_server_opts o; es_server_opts_init(&o); o.model_dir = ...; o.experts = ...;
  *   es_server *s; es_server_new(&s, &o, &e);   loads the owned experts, binds the port

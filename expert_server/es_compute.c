@@ -4,7 +4,7 @@
  * The CQ threads push validated jobs; the compute thread pops the oldest job and takes with
  * it every queued job of the same layer and dtype that still fits in max_tokens (looking at
  * most ES_MERGE_SCAN jobs deep, taking at most ES_MERGE_MAX). The merged jobs run as one
- * kn_moe_forward call (DESIGN.md section 3, step 6): each expert's weights are then read once
+ * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read once
  * for the tokens of every client that asked for it, which is what decode-time traffic from
  * several GPU workers needs, since a decode step is bound by weight bandwidth.
  *

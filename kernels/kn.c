@@ -572,7 +572,7 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       for (uint32_t r = j0; r < j1; r++) {
         /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
          * the slice's band, so that the packed values do not depend on the slice count and
-         * a layer gives the same result on any number of nodes (DESIGN.md section 5). */
+         * a layer gives the same result on any number of nodes (docs/DESIGN.md section 5). */
         float s8 = 0.0f;
         if (f == KN_FMT_INT8) {
           if (!load_row(j, row, KN__DOWN, (size_t)r * I, I, r, 0)) continue;

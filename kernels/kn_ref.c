@@ -3,7 +3,7 @@
  * entries of the kernel table, kn_ref_moe_forward and the textbook kn_ref_expert_f32.
  *
  * Everything here is plain fp32 C with no attempt at speed: it is what every fast path is
- * compared with (DESIGN.md section 5), and is itself compared with PyTorch in
+ * compared with (docs/DESIGN.md section 5), and is itself compared with PyTorch in
  * tests/conformance/. Dot products accumulate in fp32, left to right, like the fast paths
  * (which only reorder the sum).
  */

@@ -59,7 +59,7 @@
  *              the final convert (|acc| < 2^31 for K <= 65536, see tile()). The 8-bit
  *              activations cost 1.0e-2 .. 2.2e-2 relative L2 per layer against the
  *              reference, mostly from h (silu(g) * u has heavy tails, so amax / 127 is
- *              coarse); 2.1e-2 against the fp32 model, within DESIGN.md's 2.5e-2.
+ *              coarse); 2.1e-2 against the fp32 model, within docs/DESIGN.md's 2.5e-2.
  *   int4_int8  the same offset trick per nibble: byte ^ 0x88 turns both two's-complement
  *              nibbles v into v + 8 in 0..15, so lo = b & 0xf, hi = (b >> 4) & 0xf are the
  *              u8 operands of vpdpbusd directly (no sign extension, no LUT). lo holds the

@@ -9,7 +9,7 @@ index-added per token), run in float32 on CPU over the same weights the kernel s
   * int8 / int4 layers: the weights quantized here, in torch, by the rule documented in
     kernels/internal.h (an independent implementation of the format) -> rel L2 <= 1e-5;
     and, as a quality check, against the unquantized bf16 weights under the bounds of
-    tests/unit/test_kn_ref.c (int8: DESIGN.md's 2.5e-2; int4: see that test's comment).
+    tests/unit/test_kn_ref.c (int8: docs/DESIGN.md's 2.5e-2; int4: see that test's comment).
 
 Each case runs tests/.../kn_ref_cli on a safetensors file written here, both through
 kn_ref_moe_forward and through kn_moe_forward with 1 and 3 slices.

@@ -1,6 +1,6 @@
 /*
  * itest_bad_input.c - a real moerpc-server on loopback gets every kind of bad request a
- * peer can send; each is answered with the status of DESIGN.md section 4 and a message
+ * peer can send; each is answered with the status of docs/DESIGN.md section 4 and a message
  * naming the field, and the same stream then still answers a good request correctly.
  * Also: Hello version check, health service, Stats counters.
  */

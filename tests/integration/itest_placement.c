@@ -1,5 +1,5 @@
 /*
- * itest_placement.c - placement must not change results (DESIGN.md section 5), and a dead
+ * itest_placement.c - placement must not change results (docs/DESIGN.md section 5), and a dead
  * or slow server is an error naming it, never a hang.
  *
  * Real processes on loopback: servers A (experts 0-7), B (8-15) and C (all) over one model;

@@ -38,7 +38,7 @@ int itu_server_start(itu_server *s, const char *model, const char *extra, const 
                      int timeout_ms);
 /* MOERPC_ISA for servers started from now on (NULL: inherit). Tests that compare servers
  * with kn_ref at 1e-5 force "ref": fast paths are only within the format tolerances of
- * DESIGN.md section 5 of the reference. */
+ * docs/DESIGN.md section 5 of the reference. */
 void itu_server_isa(const char *isa);
 /* Sends sig and waits up to timeout_ms for the exit; *status gets the wait status.
  * Kills with SIGKILL after the timeout and returns -1. */

@@ -22,7 +22,7 @@
  *   TOL_BF16X = 1e-2  AVX-512 bf16 weights x bf16 activations (vdpbf16ps): x and h are
  *                     rounded to bf16 (relative error <= 2^-9 per element, ~2^-9 / sqrt(3)
  *                     rms), which gives ~1.5e-3 per matrix product and ~3e-3 for the
- *                     layer (measured 1e-3 .. 4e-3). The DESIGN.md section 5 budget for a
+ *                     layer (measured 1e-3 .. 4e-3). The docs/DESIGN.md section 5 budget for a
  *                     bf16 layer is 1e-2 and the layer error against fp32 is checked
  *                     against it below.
  *   TOL_Q8X = 3e-2    AVX-512 int8/int4 weights x int8 activations (vpdpbusd): x and h are
@@ -31,7 +31,7 @@
  *                     i.e. ~1% of rms for Gaussian x (amax ~ 4 sigma) and ~1.5-2% for h,
  *                     whose silu(g) * u has heavier tails (amax ~ 6-8 sigma). Measured
  *                     1.0e-2 .. 2.2e-2 over the cases here; 3e-2 leaves ~1.4x margin.
- *                     The layer error against the fp32 model stays under DESIGN.md's
+ *                     The layer error against the fp32 model stays under docs/DESIGN.md's
  *                     int8 limit of 2.5e-2, checked below.
  *
  * Also: the engine picks the expected kernel per format (a silent fall-back to REF fails
@@ -349,7 +349,7 @@ MT_TEST(avx512_bf16_without_bf16_extension) {
 #endif
 }
 
-/* ---- the whole layer against the fp32 model (DESIGN.md section 5) ------------------ */
+/* ---- the whole layer against the fp32 model (docs/DESIGN.md section 5) ------------------ */
 
 /* The naive layer in double over m's fp32 weights (before any rounding). */
 static void naive_layer(const model *m, const req *r, float *out) {

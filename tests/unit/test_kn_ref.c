@@ -7,7 +7,7 @@
  *   2. kn_moe_forward (grouping by expert, slices, kernel table) against kn_ref, for every
  *      format, token count, slot pattern, input dtype and slice count;
  *   3. the quantized formats against the fp32 reference under the tolerances of
- *      DESIGN.md section 5, and their packing (round-trip bounds, nibble layout).
+ *      docs/DESIGN.md section 5, and their packing (round-trip bounds, nibble layout).
  * Plus every refused input: bad ids, experts not held, bad descs, non-finite weights.
  */
 #include "kernels/internal.h"
@@ -250,7 +250,8 @@ MT_TEST(isa_detect_matches_cpuinfo) {
   kn_isa best = kn_isa_detect();
   const kn__cpu *c = kn__cpu_get();
   MT_EQ_INT(best, c->best);
-  if (!cpuinfo_flags(flags, sizeof flags)) MT_SKIP("no flags line in /proc/cpuinfo to compare with");
+  if (!cpuinfo_flags(flags, sizeof flags))
+    MT_SKIP("no flags line in /proc/cpuinfo to compare with");
   bool avx2 = has_flag(flags, "avx2") && has_flag(flags, "fma") && has_flag(flags, "f16c");
   bool avx512 = avx2 && has_flag(flags, "avx512f") && has_flag(flags, "avx512bw") &&
                 has_flag(flags, "avx512vl") && has_flag(flags, "avx512dq");

@@ -1030,7 +1030,8 @@ MT_TEST(health_framing) {
   MT_OK(pr_health_request_decode(bb, svc, sizeof svc, e), e);
   MT_EQ_STR(svc, longname);
   MT_EQ_INT(pr_health_request_decode(bb, svc, 299, e), MR_EFORMAT);
-  MT_CONTAINS(e->msg, "HealthCheckRequest: field 1 (service) at byte 0: name of 299 bytes, at most 298");
+  MT_CONTAINS(e->msg,
+              "HealthCheckRequest: field 1 (service) at byte 0: name of 299 bytes, at most 298");
   MT_EQ_STR(svc, "");
   grpc_byte_buffer_destroy(bb);
   bb = pr_health_request_encode("");
@@ -1092,7 +1093,7 @@ MT_TEST(status_mapping) {
   };
   for (size_t i = 0; i < sizeof fwd / sizeof fwd[0]; i++)
     MT_EQ_INT(pr_status_from_mr(fwd[i].mr), fwd[i].st);
-  /* DESIGN.md section 4 numbers, literally. */
+  /* docs/DESIGN.md section 4 numbers, literally. */
   MT_EQ_INT(pr_status_from_mr(MR_EINVAL), 3);
   MT_EQ_INT(pr_status_from_mr(MR_EPRECOND), 9);
   MT_EQ_INT(pr_status_from_mr(MR_EEXHAUSTED), 8);
