@@ -482,8 +482,9 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
  *
  * kn_linear_forward cuts [0, T) into tiles of at most KN__LINEAR_TILE_MAX tokens (fewer
  * when the activations of a tile would exceed KN__LINEAR_TILE_BYTES) and [0, N) into blocks
- * of KN__LINEAR_ROW_UNIT multiples; items (block, tile), block-major, form one work list
- * (kn__work_init with n_groups = 1) that every worker of every group claims from. The
+ * of KN__LINEAR_ROW_UNIT multiples, guided (large first, one unit at the end); items
+ * (block, tile), block-major, form one work list (kn__work_init with n_groups = 1) that
+ * every worker of every group claims from. The
  * layer view is never passed to kn_layer_free or kn_moe_forward; its limits are those of
  * kn.h (N up to KN_LINEAR_MAX_OUT, above KN_MAX_DIM: nothing in the down kernels limits
  * the output rows, while K <= KN_MAX_DIM keeps the int8 accumulator bound).
@@ -498,8 +499,16 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
 #define KN__LINEAR_TILE_MAX 256u
 #define KN__LINEAR_TILE_MIN 16u
 #define KN__LINEAR_TILE_BYTES (512u << 10)
-/* Output-row blocks are multiples of this (the kernels' row tiles are 16, 8 or 4 rows). */
+/* Output-row blocks are multiples of this (the kernels' row tiles are 16, 8 or 4 rows)
+ * and, guided, each takes 1 / (KN__LINEAR_GUIDED_DIV * workers) of the rows left. On the
+ * 2-core Zen 4 VM, divisors 1..16 and units 32 / 64 read at the same rate at T = 1 (within
+ * the host's noise, 4096x2048 and 512x2048 bf16); 2 keeps the first blocks long. */
 #define KN__LINEAR_ROW_UNIT 64u
+#define KN__LINEAR_GUIDED_DIV 2u
+/* Smallest block of a compute-bound call (tiles of more than KN__LINEAR_TILE_MIN tokens),
+ * unless N is too small to give every worker two items. 4096x2048 on 2 cores, bf16 / int8
+ * / int4 at T = 1024: 0.69 / 1.39 / 1.00 TFLOP/s with it, 0.67 / 1.13 / 0.82 with 64. */
+#define KN__LINEAR_PREFILL_ROWS 1024u
 
 struct kn_linear {
   kn_layer L;           /* the one-expert, one-slice view the kernels read (see above) */

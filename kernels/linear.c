@@ -260,7 +260,8 @@ typedef struct lin_job {
   const float *x;          /* [T, K] */
   float *y;                /* [T, N] */
   uint32_t T, tile, n_tiles; /* tokens per tile (the last may be short), tiles */
-  uint32_t rows, n_blocks; /* output rows per block (the last may be short), blocks */
+  uint32_t n_blocks;       /* output-row blocks */
+  const uint32_t *bounds;  /* [n_blocks + 1]: block b is rows bounds[b] .. bounds[b + 1] - 1 */
   float *tmp;              /* [n_workers][tmp_stride]: kernel scratch per worker */
   size_t tmp_stride;
   kn__work work;
@@ -273,7 +274,7 @@ static void lin_fwd_fn(void *arg, const kn__pool_ctx *c) {
   uint32_t g, it;
   while (kn__work_claim(&j->work, c, &g, &it)) {
     const uint32_t b = it / j->n_tiles, tl = it % j->n_tiles;
-    const uint32_t j0 = b * j->rows, j1 = j0 + j->rows < N ? j0 + j->rows : N;
+    const uint32_t j0 = j->bounds[b], j1 = j->bounds[b + 1];
     const uint32_t t0 = tl * j->tile, n = t0 + j->tile < j->T ? j->tile : j->T - t0;
     const float *xt = j->x + (size_t)t0 * K;
     /* The down kernels only read h: x stands in for it (internal.h section E). */
@@ -301,15 +302,34 @@ static uint32_t lin_tile_tokens(const kn__kernel *k, const kn_layer *L, uint32_t
   return (uint32_t)tile;
 }
 
-/* Output rows per block: about 16 items per worker over all tiles (dynamic claiming evens
- * out cores that run at different speeds), in multiples of KN__LINEAR_ROW_UNIT rows. */
-static uint32_t lin_block_rows(uint32_t N, uint32_t n_tiles, uint32_t workers) {
-  if (workers <= 1) return N;
-  const uint64_t want = 16ull * workers;
-  const uint64_t per_tile = (want + n_tiles - 1) / n_tiles;
-  uint64_t bs = (N + per_tile - 1) / per_tile;
-  bs = (bs + KN__LINEAR_ROW_UNIT - 1) / KN__LINEAR_ROW_UNIT * KN__LINEAR_ROW_UNIT;
-  return bs > N ? N : (uint32_t)bs;
+/* Output-row blocks, guided: each takes about 1 / (KN__LINEAR_GUIDED_DIV * workers) of the
+ * rows still left, in multiples of KN__LINEAR_ROW_UNIT rows: big blocks first (long
+ * sequential streams through W), small ones last, so that the workers finish together
+ * even when one of them started late or runs slower (a shared core). Tiles of more than
+ * KN__LINEAR_TILE_MIN tokens (compute-bound) take blocks of at least
+ * KN__LINEAR_PREFILL_ROWS rows, or fewer when that would leave fewer than two items per
+ * worker: each call converts the tile's activations once (the down kernels' tmp) and
+ * restarts its tile pipeline, which small blocks pay too often. Writes the bounds (block
+ * b is rows bounds[b] .. bounds[b + 1] - 1) when bounds is not NULL; returns the count. */
+static uint32_t lin_blocks(uint32_t N, uint32_t workers, uint32_t tile, uint32_t n_tiles, uint32_t *bounds) {
+  const uint64_t unit = KN__LINEAR_ROW_UNIT, div = (uint64_t)KN__LINEAR_GUIDED_DIV * workers;
+  uint64_t min_rows = unit;
+  if (tile > KN__LINEAR_TILE_MIN) {
+    min_rows = (uint64_t)N * n_tiles / (2ull * workers) / unit * unit;
+    if (min_rows > KN__LINEAR_PREFILL_ROWS) min_rows = KN__LINEAR_PREFILL_ROWS;
+    if (min_rows < unit) min_rows = unit;
+  }
+  uint32_t nb = 0, at = 0;
+  if (bounds) bounds[0] = 0;
+  while (at < N) {
+    uint64_t bs = workers <= 1 ? N : ((uint64_t)(N - at) + div - 1) / div;
+    bs = (bs + unit - 1) / unit * unit;
+    if (bs < min_rows) bs = min_rows;
+    at = bs >= N - at ? N : at + (uint32_t)bs;
+    nb++;
+    if (bounds) bounds[nb] = at;
+  }
+  return nb;
 }
 
 int kn_linear_forward(kn_engine *eng, const kn_linear *lin, uint32_t T, const float *x, float *y,
@@ -322,9 +342,15 @@ int kn_linear_forward(kn_engine *eng, const kn_linear *lin, uint32_t T, const fl
   lin_job j = {.L = L, .kern = eng->kern[L->d.format], .x = x, .y = y, .T = T};
   j.tile = lin_tile_tokens(j.kern, L, T);
   j.n_tiles = (T + j.tile - 1) / j.tile;
-  j.rows = lin_block_rows(N, j.n_tiles, nw);
-  j.n_blocks = (N + j.rows - 1) / j.rows;
+  j.n_blocks = lin_blocks(N, nw, j.tile, j.n_tiles, NULL);
   mr_arena *ar = scratch ? scratch : &eng->scratch;
+  uint32_t *bounds = mr_arena_alloc(ar, ((size_t)j.n_blocks + 1) * sizeof *bounds, KN_PACK_ALIGN);
+  if (!bounds) {
+    rc = mr_err_set(e, MR_ENOMEM, "kn_linear_forward: out of scratch memory (%u row blocks)", j.n_blocks);
+    goto out_reset;
+  }
+  lin_blocks(N, nw, j.tile, j.n_tiles, bounds);
+  j.bounds = bounds;
   j.tmp_stride = (j.kern->tmp_floats(L, 0, j.tile) + 15) & ~(size_t)15; /* whole cache lines */
   const size_t tmp_bytes = j.tmp_stride * nw * sizeof(float);
   j.tmp = mr_arena_alloc(ar, tmp_bytes + 1, KN_PACK_ALIGN);
