@@ -17,6 +17,9 @@
  *              per NUMA node of the engine; slice n lives on node n.
  *   kn_moe_args  one request: T tokens, k slots each.
  *
+ * and, for the dense rest of a model, kn_linear (y = x W^T on the same engine, through
+ * the same kernels; end of this file) and kn_engine_run, a parallel-for on its workers.
+ *
  * Data flow of kn_moe_forward: group (token, slot) pairs by expert (counting sort), then
  * per expert and per node slice: gate/up GEMM over the tokens of that expert, silu(g) * u,
  * down GEMM, scaled by the slot weight and accumulated into the node's fp32 partial
@@ -166,6 +169,7 @@ typedef struct kn_linear kn_linear;
  * field and its limit; MR_ENOMEM when the weights (kn_linear_bytes) cannot be allocated. */
 int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in,
                   kn_format fmt, uint32_t group, mr_err *e);
+/* Frees lin and its packed weights (no load or forward may be using it). */
 void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
 /* Packs rows [row0, row0 + n_rows) of W from w ([n_rows, n_in] of dtype src), so that
  * several checkpoint tensors (q, k, v) can be concatenated into one linear.

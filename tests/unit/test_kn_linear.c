@@ -24,7 +24,8 @@
  * Also: the REF kernel on the engine is bitwise the reference; results do not depend on
  * the thread count; loading in row bands equals one load (packed bytes and outputs);
  * n_out > 65536; a NaN in one token stays in its row; bad arguments are refused with the
- * field named and y untouched; kn_engine_run hands out every item exactly once.
+ * field named and y untouched; out of memory anywhere is MR_ENOMEM with nothing leaked;
+ * kn_engine_run hands out every item exactly once.
  */
 #include "kernels/internal.h"
 #include "tests/unit/mt.h"
@@ -520,6 +521,57 @@ MT_TEST(linear_bad_arguments) {
   kn_linear_free(lin);
   free(w);
   kn_engine_free(eng);
+}
+
+/* Out of memory at every allocation of new, load and forward: MR_ENOMEM, nothing leaked
+ * (ASan), the linear unchanged, and the next call works. */
+MT_TEST(linear_out_of_memory) {
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  const uint32_t N = 70, K = 33, T = 20;
+  float *w = randn((size_t)N * K, 0.05f, 80), *x = randn((size_t)T * K, 1.0f, 81);
+  float *y = malloc((size_t)T * N * 4), *ref = malloc((size_t)T * N * 4);
+  mr_err e = {0};
+  kn_linear *lin = NULL;
+  int failures = 0;
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_new(&lin, eng, N, K, KN_FMT_INT8, 0, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_TRUE(lin == NULL);
+    failures++;
+  }
+  MT_EQ_INT(failures, 3); /* the struct, the row bitmap, the weights */
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_load_rows(lin, 0, N, w, MR_DTYPE_F32, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_EQ_INT(kn_linear_rows_loaded(lin), 0);
+  }
+  MT_EQ_INT(kn_linear_rows_loaded(lin), N);
+  MT_OK(kn_ref_linear_forward(lin, T, x, ref, &e), ep(&e));
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_forward(eng, lin, T, x, y, NULL, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_CONTAINS(e.msg, "scratch");
+  }
+  MT_OK(kn_linear_forward(eng, lin, T, x, y, NULL, &e), ep(&e));
+  MT_LE(kn_rel_l2(y, ref, (size_t)T * N), tolerance(eng, KN_FMT_INT8));
+  mr_alloc_fail_after(1);
+  MT_EQ_INT(kn_ref_linear_forward(lin, T, x, ref, &e), MR_ENOMEM);
+  mr_alloc_fail_after(0);
+  kn_linear_free(lin);
+  kn_engine_free(eng);
+  free(w);
+  free(x);
+  free(y);
+  free(ref);
 }
 
 /* ---- kn_engine_run ----------------------------------------------------------------- */
