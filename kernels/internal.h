@@ -356,6 +356,10 @@ typedef struct kn__plan {
 int kn__plan_make(kn__plan *p, const kn__topo *t, const char *numa, uint32_t threads,
                   uint32_t force_split, mr_err *e);
 void kn__plan_close(kn__plan *p); /* a zeroed p is fine */
+/* Pins the calling thread to the PUs of worker 0's core in t (its node's PUs when the
+ * node has fewer cores than workers), the core the plan keeps free of pool threads.
+ * Returns 0 or an errno (EPERM, EINVAL, ...). For kn_engine_pin_caller. */
+int kn__pin_caller(const kn__plan *plan, const kn__topo *t);
 
 typedef struct kn__pool kn__pool;
 typedef struct kn__pool_ctx {

@@ -304,6 +304,15 @@ uint32_t kn_engine_threads(const kn_engine *eng) { return eng->plan.n_workers; }
 
 uint32_t kn_engine_nodes(const kn_engine *eng) { return eng->n_nodes; }
 
+int kn_engine_pin_caller(kn_engine *eng, mr_err *e) {
+  if (!eng) return mr_err_set(e, MR_EINVAL, "kn_engine_pin_caller: engine is required");
+  const int err = kn__pin_caller(&eng->plan, &eng->topo);
+  if (err)
+    return mr_err_set(e, MR_ENOTSUP, "kn_engine_pin_caller: pinning the calling thread failed: %s "
+                      "(the engine works unpinned)", strerror(err));
+  return 0;
+}
+
 /* ---- packing ----------------------------------------------------------------------- */
 
 size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G) {

@@ -88,6 +88,15 @@ void kn_engine_free(kn_engine *eng); /* NULL is a no-op; joins the workers */
 kn_isa kn_engine_isa(const kn_engine *eng, kn_format f);
 uint32_t kn_engine_threads(const kn_engine *eng);
 uint32_t kn_engine_nodes(const kn_engine *eng); /* number of weight slices per expert */
+/* Pins the calling thread to the core the engine keeps for worker 0 (the thread that calls
+ * kn_moe_forward, kn_linear_forward or kn_engine_run takes part as worker 0; the pool
+ * threads are pinned to the other cores). Optional: unpinned, the OS may put the caller on
+ * a pool thread's core and leave its own idle, which halves a call's speed for as long as
+ * it stays there (seen on a 2-core VM: 2-4x slower decode passes). Call it once from the
+ * thread that will make the calls (a runner's or server's compute thread), not from one
+ * that has other work elsewhere. Returns 0, MR_EINVAL for a NULL eng, MR_ENOTSUP when
+ * the OS refuses (containers): the engine then works as before. */
+int kn_engine_pin_caller(kn_engine *eng, mr_err *e);
 
 typedef struct kn_layer_desc {
   uint32_t hidden;      /* H, 1..65536 */

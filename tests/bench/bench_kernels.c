@@ -35,7 +35,8 @@
  * all of them exceed 4x the LLC (so no call finds its weights in cache), are called back
  * to back, once each, as a runner's layers would be; us = that pass's time / copies
  * (median over the repeats, after one warm-up pass); read_gbps: the plain read of the
- * same bytes right after each pass; tflops = 2 N K T / time. "qwen3-30b-a3b" stands for
+ * same bytes right after each pass; tflops = 2 N K T / time. The calling thread is pinned
+ * to worker 0's core (kn_engine_pin_caller) first. "qwen3-30b-a3b" stands for
  * its attention and head: 4096x2048 (q), 512x2048 (k, v), 2048x4096 (o), 5120x2048 (fused
  * qkv), 151936x2048 (lm_head).
  */
@@ -969,7 +970,7 @@ static int lin_case(const opts *o, kn_engine *eng, team *tm, const lin_set *ls, 
 
 /* Every (format, shape, isa, T) of --linear; returns the number of failed cases. */
 static int linear_run(const opts *o, kn_engine *const *eng, kn_engine *any, team *tm, const uint8_t *rbuf,
-                      size_t rbuf_bytes, double *peak, bool *peak_done) {
+                      size_t rbuf_bytes, double *peak, bool *peak_done, bool pinned) {
   int failures = 0;
   const uint32_t threads = kn_engine_threads(any);
   fprintf(stderr, "%-12s %-8s %-6s %-18s %5s %3s %4s %11s %9s %8s %8s %6s %8s %8s %6s\n", "linear", "format",
@@ -1013,11 +1014,11 @@ static int linear_run(const opts *o, kn_engine *const *eng, kn_engine *any, team
                   r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, 100.0 * pr);
           if (o->json)
             printf("{\"mode\":\"linear\",\"shape\":\"%s\",\"n_out\":%u,\"n_in\":%u,\"format\":\"%s\",\"group\":%u,"
-                   "\"isa\":\"%s\",\"kernel\":\"%s\",\"tokens\":%u,\"threads\":%u,\"copies\":%u,\"repeats\":%u,"
+                   "\"isa\":\"%s\",\"kernel\":\"%s\",\"tokens\":%u,\"threads\":%u,\"caller_pinned\":%s,\"copies\":%u,\"repeats\":%u,"
                    "\"us\":%.2f,\"us_min\":%.2f,\"weight_mb\":%.3f,\"weight_gbps\":%.3f,\"read_gbps\":%.3f,"
                    "\"bw_ratio\":%.4f,\"tflops\":%.5f,\"peak_tflops\":%.5f,\"peak_kind\":\"%s\",\"peak_ratio\":%.4f}\n",
                    sname, ls.N, ls.K, kn_format_name(f), f == KN_FMT_INT4 ? o->group : 0, kn_isa_name(isa_used),
-                   kname, T, threads, ls.n, r.repeats, r.us, r.us_min, ls.bytes / 1e6, r.weight_gbps, r.read_gbps,
+                   kname, T, threads, pinned ? "true" : "false", ls.n, r.repeats, r.us, r.us_min, ls.bytes / 1e6, r.weight_gbps, r.read_gbps,
                    r.bw_ratio, r.tflops, pt, peak_names[pk], pr);
           fflush(stdout);
         }
@@ -1069,7 +1070,11 @@ int main(int argc, char **argv) {
   if (o.n_lin) {
     fprintf(stderr, "# moerpc-bench-kernels --linear: %d shape(s), %u thread(s), LLC %.0f MiB\n", o.n_lin, threads,
             llc / 1048576.0);
-    failures += linear_run(&o, eng, any, &tm, rbuf, rbuf_bytes, peak, peak_done);
+    /* The calling thread is worker 0: pinned to its core, the OS cannot park it on the
+     * pool thread's core (which made whole passes 2-4x slower on the 2-core VM). */
+    const bool pinned = kn_engine_pin_caller(any, &e) == 0;
+    if (!pinned) fprintf(stderr, "# %s\n", e.msg);
+    failures += linear_run(&o, eng, any, &tm, rbuf, rbuf_bytes, peak, peak_done, pinned);
     goto out_done;
   }
   fprintf(stderr, "# moerpc-bench-kernels: %s H=%u I=%u E=%u k=%u, %u thread(s), LLC %.0f MiB\n",

@@ -27,10 +27,12 @@
  * field named and y untouched; out of memory anywhere is MR_ENOMEM with nothing leaked;
  * kn_engine_run hands out every item exactly once.
  */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_* */
 #include "kernels/internal.h"
 #include "tests/unit/mt.h"
 
 #include <pthread.h>
+#include <sched.h>
 
 #define TOL_FP32 1e-5
 #define TOL_BF16X 1e-2
@@ -636,6 +638,33 @@ MT_TEST(engine_run_covers_every_item_once) {
     for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
     kn_engine_free(eng);
   }
+}
+
+/* kn_engine_pin_caller puts the calling thread on worker 0's core: the PUs the plan keeps
+ * free of pool threads, and no others. */
+MT_TEST(engine_pin_caller_takes_worker0_core) {
+  mr_err e = {0};
+  MT_EQ_INT(kn_engine_pin_caller(NULL, &e), MR_EINVAL);
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  int rc = kn_engine_pin_caller(eng, &e);
+  if (rc != 0) {
+    MT_EQ_INT(rc, MR_ENOTSUP);
+    printf("  SKIP: the OS refused the pin: %s\n", e.msg);
+    kn_engine_free(eng);
+    return;
+  }
+  const kn__worker_spec *w0 = &eng->plan.w[0];
+  const kn__topo *t = &eng->topo;
+  const uint32_t c0 = w0->core == KN__CORE_NODE ? t->node_core0[w0->node] : w0->core;
+  const uint32_t c1 = w0->core == KN__CORE_NODE ? t->node_core0[w0->node + 1] : w0->core + 1;
+  cpu_set_t want, got;
+  CPU_ZERO(&want);
+  for (uint32_t i = t->core_pu0[c0]; i < t->core_pu0[c1]; i++) CPU_SET(t->pu[i], &want);
+  MT_EQ_INT(sched_getaffinity(0, sizeof got, &got), 0);
+  MT_TRUE(CPU_EQUAL(&want, &got));
+  printf("  caller pinned to %d PU(s), cpu %d now\n", CPU_COUNT(&got), sched_getcpu());
+  run_and_check(eng, 1000); /* still works */
+  kn_engine_free(eng);
 }
 
 MT_MAIN()
