@@ -138,6 +138,8 @@ static inline uint32_t kn__ngroups(uint32_t K, uint32_t G) { return (K + G - 1) 
 
 /* Bytes of one packed row of K elements in format f (group G for INT4). */
 size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G);
+/* fp32 scales of one packed row of K elements: INT8 1, INT4 ceil(K / G), else 0. */
+size_t kn__row_scales(kn_format f, uint32_t K, uint32_t G);
 
 /* Splits I rows into n slices as evenly as possible in whole units of `unit` rows
  * (KN_SLICE_ALIGN, or the INT4 group when larger): every slice starts at a multiple of
@@ -159,6 +161,12 @@ void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst);
 /* Quantizes a row of K fp32 values with the INT4 rule of section A (group G): writes
  * ng * G / 2 bytes at dst and ng scales at scale. */
 void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale);
+/* Stores one fp32 row of K (finite) elements in format f at dst, its scales at scale
+ * (kn__row_scales of them; unused for float formats). For INT8, int8_scale is the row's
+ * scale (amax of the full HF row / 127); INT4 computes its group scales itself. The one
+ * packer of section A: the expert loader and the dense-layer loader (linear.c) use it. */
+void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
+                  void *dst, float *scale);
 
 /* ---------------------------------------------------------------------------------------
  * C. The engine and its kernel table.
@@ -348,6 +356,10 @@ typedef struct kn__plan {
 int kn__plan_make(kn__plan *p, const kn__topo *t, const char *numa, uint32_t threads,
                   uint32_t force_split, mr_err *e);
 void kn__plan_close(kn__plan *p); /* a zeroed p is fine */
+/* Pins the calling thread to the PUs of worker 0's core in t (its node's PUs when the
+ * node has fewer cores than workers), the core the plan keeps free of pool threads.
+ * Returns 0 or an errno (EPERM, EINVAL, ...). For kn_engine_pin_caller. */
+int kn__pin_caller(const kn__plan *plan, const kn__topo *t);
 
 typedef struct kn__pool kn__pool;
 typedef struct kn__pool_ctx {
@@ -456,5 +468,66 @@ void kn__avx512_register(kn__kernel_table *t);
  * AVX512_BF16 / AVX512_VNNI): lets tests run the paths of CPUs they are not on, e.g. the
  * fp32 bf16 kernel of an AVX-512 CPU without BF16. Never pass features the CPU lacks. */
 void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
+
+/* ---------------------------------------------------------------------------------------
+ * E. Dense linear layers (linear.c; API in kn.h).
+ *
+ * A kn_linear holds W [N = n_out, K = n_in] packed exactly like the down matrix of one
+ * expert of a one-slice layer (section A: row-major over the N output rows, K contiguous,
+ * INT8 one scale per row, INT4 ceil(K / G) scales per row), and carries that layer as a
+ * view, so that the down kernels of the table compute it unchanged:
+ *
+ *   lin->L:  d.hidden = N, d.inter = slice_len[0] = K, d.num_experts = 1, n_slices = 1,
+ *            w[0] = &lin->w (down = W, down_scale = its scales; gate/up NULL, never read)
+ *   task:    .h = x + t0 * K   (the "intermediate" rows of a token tile, [n, K], read only)
+ *            .y = y + t0 * N   ([n, N]: written at rows [j0, j1) of each token)
+ *            .n = tokens of the tile, .tmp = the worker's scratch (tmp_floats(L, 0, n))
+ *   kern->down(&task, j0, j1):  y[r, j] = W[j, :] . x[r, :]   for j in [j0, j1), r < n
+ *
+ * kn_linear_forward cuts [0, T) into tiles of at most KN__LINEAR_TILE_MAX tokens (fewer
+ * when the activations of a tile would exceed KN__LINEAR_TILE_BYTES) and [0, N) into blocks
+ * of KN__LINEAR_ROW_UNIT multiples, guided (large first, one unit at the end); items
+ * (block, tile), block-major, form one work list (kn__work_init with n_groups = 1) that
+ * every worker of every group claims from. The
+ * layer view is never passed to kn_layer_free or kn_moe_forward; its limits are those of
+ * kn.h (N up to KN_LINEAR_MAX_OUT, above KN_MAX_DIM: nothing in the down kernels limits
+ * the output rows, while K <= KN_MAX_DIM keeps the int8 accumulator bound).
+ */
+#define KN_LINEAR_MAX_OUT 262144u       /* n_out */
+#define KN_LINEAR_MAX_IN KN_MAX_DIM     /* n_in */
+#define KN_LINEAR_MAX_TOKENS 65536u     /* T per kn_linear_forward */
+/* Token tiles: at most this many tokens, and activations of at most this many bytes per
+ * tile (about half an L2: the compute tiles re-read them for every 4 weight rows), but
+ * never fewer than KN__LINEAR_TILE_MIN tokens (so that each weight row serves enough of
+ * them to stay compute-bound). */
+#define KN__LINEAR_TILE_MAX 256u
+#define KN__LINEAR_TILE_MIN 16u
+#define KN__LINEAR_TILE_BYTES (512u << 10)
+/* Output-row blocks are multiples of this (the kernels' row tiles are 16, 8 or 4 rows)
+ * and, guided, each takes 1 / (KN__LINEAR_GUIDED_DIV * workers) of the rows left. On the
+ * 2-core Zen 4 VM, divisors 1..16 and units 32 / 64 read at the same rate at T = 1 (within
+ * the host's noise, 4096x2048 and 512x2048 bf16); 2 keeps the first blocks long. */
+#define KN__LINEAR_ROW_UNIT 64u
+#define KN__LINEAR_GUIDED_DIV 2u
+/* Smallest block of a compute-bound call (tiles of more than KN__LINEAR_TILE_MIN tokens),
+ * unless N is too small to give every worker two items. 4096x2048 on 2 cores, bf16 / int8
+ * / int4 at T = 1024: 0.69 / 1.39 / 1.00 TFLOP/s with it, 0.67 / 1.13 / 0.82 with 64. */
+#define KN__LINEAR_PREFILL_ROWS 1024u
+
+struct kn_linear {
+  kn_layer L;           /* the one-expert, one-slice view the kernels read (see above) */
+  kn__slice_w w;        /* the slice; w.mem holds W and its scales */
+  kn__slice_w *wp;      /* = &w: L.w points here */
+  uint64_t owned;       /* L.owned: expert 0 */
+  uint64_t *loaded;     /* bitmap of N bits: row packed (owned) */
+  uint32_t n_loaded;    /* rows with their bit set */
+  uint64_t weight_bytes;/* N * (row bytes + scale bytes): what one forward reads */
+};
+
+/* Checks a forward (lin, T, x, y) before anything is computed; shared by
+ * kn_linear_forward and kn_ref_linear_forward so that both refuse the same inputs with
+ * the same messages. who: the function name for the messages. */
+int kn__linear_validate(const kn_linear *lin, uint32_t T, const float *x, const float *y,
+                        const char *who, mr_err *e);
 
 #endif /* KN_INTERNAL_H */

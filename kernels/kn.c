@@ -303,6 +303,15 @@ uint32_t kn_engine_threads(const kn_engine *eng) { return eng->plan.n_workers; }
 
 uint32_t kn_engine_nodes(const kn_engine *eng) { return eng->n_nodes; }
 
+int kn_engine_pin_caller(kn_engine *eng, mr_err *e) {
+  if (!eng) return mr_err_set(e, MR_EINVAL, "kn_engine_pin_caller: engine is required");
+  const int err = kn__pin_caller(&eng->plan, &eng->topo);
+  if (err)
+    return mr_err_set(e, MR_ENOTSUP, "kn_engine_pin_caller: pinning the calling thread failed: %s "
+                      "(the engine works unpinned)", strerror(err));
+  return 0;
+}
+
 /* ---- packing ----------------------------------------------------------------------- */
 
 size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G) {
@@ -317,8 +326,7 @@ size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G) {
   return 0;
 }
 
-/* Scales of one row of K elements. */
-static size_t row_scales(kn_format f, uint32_t K, uint32_t G) {
+size_t kn__row_scales(kn_format f, uint32_t K, uint32_t G) {
   if (f == KN_FMT_INT8) return 1;
   if (f == KN_FMT_INT4) return kn__ngroups(K, G);
   return 0;
@@ -336,8 +344,8 @@ static slice_layout slice_layout_of(const kn_layer *L, uint32_t s) {
   uint32_t H = L->d.hidden, Is = L->slice_len[s], G = L->d.group;
   size_t gu = (size_t)Is * kn__row_bytes(f, H, G);
   size_t dn = (size_t)H * kn__row_bytes(f, Is, G);
-  size_t gus = (size_t)Is * row_scales(f, H, G) * sizeof(float);
-  size_t dns = (size_t)H * row_scales(f, Is, G) * sizeof(float);
+  size_t gus = (size_t)Is * kn__row_scales(f, H, G) * sizeof(float);
+  size_t dns = (size_t)H * kn__row_scales(f, Is, G) * sizeof(float);
   slice_layout l;
   l.gate = 0;
   l.up = align_up(l.gate + gu);
@@ -411,10 +419,8 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
   }
 }
 
-/* Stores one fp32 row of K elements in format f at dst (+ its scales at scale). For INT8,
- * int8_scale is the row's scale (amax of the full HF row / 127, see load_expert). */
-static void pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
-                     void *dst, float *scale) {
+void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
+                  void *dst, float *scale) {
   switch (f) {
     case KN_FMT_F32: memcpy(dst, src, (size_t)K * 4); break;
     case KN_FMT_F16: mr_convert_from_f32(dst, MR_DTYPE_F16, src, K); break;
@@ -424,7 +430,7 @@ static void pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, floa
       kn__quant_row_int8(src, K, int8_scale, dst);
       break;
     case KN_FMT_INT4: kn__quant_row_int4(src, K, G, dst, scale); break;
-    default: MR_ASSERT(!"pack_row: bad format");
+    default: MR_ASSERT(!"kn__pack_row: bad format");
   }
 }
 
@@ -556,17 +562,17 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
     kn__slice_w *ws = &j->w[s];
     const uint32_t off = L->slice_off[s], Is = L->slice_len[s];
     if (item < j->gu_items[s]) {
-      const size_t rb = kn__row_bytes(f, H, G), sc = row_scales(f, H, G);
+      const size_t rb = kn__row_bytes(f, H, G), sc = kn__row_scales(f, H, G);
       const uint32_t i0 = item * LOAD_BLOCK, i1 = i0 + LOAD_BLOCK < Is ? i0 + LOAD_BLOCK : Is;
       void *dsts[2] = {ws->gate, ws->up};
       float *scs[2] = {ws->gate_scale, ws->up_scale};
       for (uint32_t i = i0; i < i1; i++)
         for (int p = 0; p < 2; p++)
           if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
-            pack_row(f, G, row, H, kn__amax(row, H) / 127.0f, (char *)dsts[p] + i * rb,
+            kn__pack_row(f, G, row, H, kn__amax(row, H) / 127.0f, (char *)dsts[p] + i * rb,
                      scs[p] ? scs[p] + i * sc : NULL);
     } else {
-      const size_t rb = kn__row_bytes(f, Is, G), sc = row_scales(f, Is, G);
+      const size_t rb = kn__row_bytes(f, Is, G), sc = kn__row_scales(f, Is, G);
       const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
       const uint32_t j1 = j0 + LOAD_BLOCK < H ? j0 + LOAD_BLOCK : H;
       for (uint32_t r = j0; r < j1; r++) {
@@ -579,7 +585,7 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
           s8 = kn__amax(row, I) / 127.0f;
         }
         if (load_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off))
-          pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb,
+          kn__pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb,
                    ws->down_scale ? ws->down_scale + r * sc : NULL);
       }
     }

@@ -17,6 +17,9 @@
  *              per NUMA node of the engine; slice n lives on node n.
  *   kn_moe_args  one request: T tokens, k slots each.
  *
+ * and, for the dense rest of a model, kn_linear (y = x W^T on the same engine, through
+ * the same kernels; end of this file) and kn_engine_run, a parallel-for on its workers.
+ *
  * Data flow of kn_moe_forward: group (token, slot) pairs by expert (counting sort), then
  * per expert and per node slice: gate/up GEMM over the tokens of that expert, silu(g) * u,
  * down GEMM, scaled by the slot weight and accumulated into the node's fp32 partial
@@ -85,6 +88,15 @@ void kn_engine_free(kn_engine *eng); /* NULL is a no-op; joins the workers */
 kn_isa kn_engine_isa(const kn_engine *eng, kn_format f);
 uint32_t kn_engine_threads(const kn_engine *eng);
 uint32_t kn_engine_nodes(const kn_engine *eng); /* number of weight slices per expert */
+/* Pins the calling thread to the core the engine keeps for worker 0 (the thread that calls
+ * kn_moe_forward, kn_linear_forward or kn_engine_run takes part as worker 0; the pool
+ * threads are pinned to the other cores). Optional: unpinned, the OS may put the caller on
+ * a pool thread's core and leave its own idle, which halves a call's speed for as long as
+ * it stays there (seen on a 2-core VM: 2-4x slower decode passes). Call it once from the
+ * thread that will make the calls (a runner's or server's compute thread), not from one
+ * that has other work elsewhere. Returns 0, MR_EINVAL for a NULL eng, MR_ENOTSUP when
+ * the OS refuses (containers): the engine then works as before. */
+int kn_engine_pin_caller(kn_engine *eng, mr_err *e);
 
 typedef struct kn_layer_desc {
   uint32_t hidden;      /* H, 1..65536 */
@@ -137,6 +149,82 @@ void kn_ref_expert_f32(const float *gate, const float *up, const float *down, ui
 
 /* Relative L2 error ||y - ref|| / ||ref|| (0 when both are zero). */
 double kn_rel_l2(const float *y, const float *ref, size_t n);
+
+/* ---- dense layers ---------------------------------------------------------------------
+ * y[T, N] = x[T, K] W^T (nn.Linear without bias), W [N, K] row-major as in HF checkpoints.
+ * Stored in a kn_format (f32/f16/bf16 as given, int8/int4 quantized per row/group at load),
+ * packed like the "down" matrix of an expert (row-major over output rows, K contiguous).
+ *
+ * A kn_linear is computed by the down kernels of the engine's kernel table (the same fast
+ * paths as kn_moe_forward, with the same activation handling: bf16 rounding of x on the
+ * AVX-512 bf16 path, per-token int8 quantization of x on the VNNI int8/int4 paths), its
+ * output rows cut into blocks that all of the engine's workers claim from one list, and
+ * its tokens into tiles of at most 256 (so that per-call scratch stays bounded and each
+ * weight row is reused across the tokens of a tile). One weight slice, on the engine's
+ * first NUMA node (mapped there when the engine places slices, internal.h section D):
+ * workers of other nodes read it remotely.
+ *
+ * Limits: n_out (N) 1..262144 (an lm_head of a 262144-word vocabulary), n_in (K) 1..65536
+ * (the int8 accumulator bound of the VNNI kernels), T 0..65536 per call.
+ *
+ * Threads: a kn_linear is written by kn_linear_load_rows only and read-only otherwise;
+ * forwards on it (from any engines, each with its own scratch) may run concurrently, but
+ * not with a load of it. */
+typedef struct kn_linear kn_linear;
+/* Creates an empty linear of n_out x n_in weights in format fmt (group: INT4 group size
+ * along K, 32, 64 or 128; ignored otherwise) and allocates its packed weights (the caller
+ * frees it with kn_linear_free). eng packs the rows on its workers: it must outlive the
+ * kn_linear_load_rows calls; forwards may use any engine. Errors: MR_EINVAL naming the
+ * field and its limit; MR_ENOMEM when the weights (kn_linear_bytes) cannot be allocated. */
+int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in,
+                  kn_format fmt, uint32_t group, mr_err *e);
+/* Frees lin and its packed weights (no load or forward may be using it). */
+void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
+/* Packs rows [row0, row0 + n_rows) of W from w ([n_rows, n_in] of dtype src), so that
+ * several checkpoint tensors (q, k, v) can be concatenated into one linear.
+ * Packs (converts or quantizes) on the engine's workers, the caller taking part; w is not
+ * kept. Loading a row again replaces it; every row must be loaded before a forward.
+ * n_rows = 0 is a no-op. Errors: MR_EINVAL (NULL lin or w, src not f32/f16/bf16, a
+ * non-finite weight, named by row and column: then rows of the band may have been
+ * overwritten, and the whole band counts as not loaded), MR_ERANGE (the band goes past
+ * n_out). */
+int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w,
+                        mr_dtype src, mr_err *e);
+uint32_t kn_linear_n_out(const kn_linear *lin);
+uint32_t kn_linear_n_in(const kn_linear *lin);
+kn_format kn_linear_format(const kn_linear *lin);
+uint32_t kn_linear_group(const kn_linear *lin);      /* INT4 group size; 0 for other formats */
+uint32_t kn_linear_rows_loaded(const kn_linear *lin); /* distinct rows loaded so far */
+uint64_t kn_linear_bytes(const kn_linear *lin);    /* packed weight bytes (what one call reads) */
+/* y (fp32 [T, n_out], overwritten) = x (fp32 [T, n_in]) W^T, on the engine's workers
+ * (the caller is one of them). scratch: per-call arena, may be NULL. T = 0 is a no-op.
+ * Errors (MR_EINVAL/ERANGE naming the field) before anything is computed.
+ * In full: returns when y is written. scratch is not reset (the caller resets it, as for
+ * kn_moe_forward); NULL uses the engine's own arena, which is only safe when no other
+ * forward with a NULL scratch runs on this engine at the same time. Calls on one engine
+ * are serialised by its pool; they must not be made from inside a kn_engine_run item.
+ * Errors: MR_EINVAL for a NULL eng, lin, x or y; MR_ERANGE for T > 65536; MR_EPRECOND
+ * when some row of W was never loaded (naming the first); MR_ENOMEM for scratch. y is
+ * untouched on error. x is not scanned for NaN (a NaN in a token stays in that token's
+ * row of y). */
+int kn_linear_forward(kn_engine *eng, const kn_linear *lin, uint32_t T, const float *x,
+                      float *y, mr_arena *scratch, mr_err *e);
+/* The scalar reference: fp32 math over the stored (dequantized) weights, one thread.
+ * Same contract and errors as kn_linear_forward (on the calling thread only); x is used
+ * as is, in fp32, whatever the format: the fast paths differ from it by their activation
+ * rounding and summation order. */
+int kn_ref_linear_forward(const kn_linear *lin, uint32_t T, const float *x, float *y, mr_err *e);
+
+/* Runs fn(arg, item, worker) for item = 0 .. n_items-1 on the engine's workers (the caller
+ * is worker 0), each item exactly once, claimed dynamically; returns when all are done.
+ * worker < kn_engine_threads(eng). Calls on one engine are serialised like kn_moe_forward.
+ * Every write fn makes happens-before the return; items run concurrently, so what they
+ * write must be disjoint (or synchronised by fn). fn must not call kn_engine_run,
+ * kn_linear_forward, kn_moe_forward or kn_layer_load_expert on the same engine: the pool
+ * runs one job at a time, so that would deadlock. n_items = 0 returns at once. A NULL eng
+ * or fn is a programming error and aborts (MR_ASSERT). */
+typedef void (*kn_item_fn)(void *arg, uint32_t item, uint32_t worker);
+void kn_engine_run(kn_engine *eng, uint32_t n_items, kn_item_fn fn, void *arg);
 
 #ifdef __cplusplus
 }

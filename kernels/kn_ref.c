@@ -1,6 +1,7 @@
 /*
  * kn_ref.c - the scalar reference: the decoder of the canonical packed layout, the REF
- * entries of the kernel table, kn_ref_moe_forward and the textbook kn_ref_expert_f32.
+ * entries of the kernel table, kn_ref_moe_forward, kn_ref_linear_forward and the textbook
+ * kn_ref_expert_f32.
  *
  * Everything here is plain fp32 C with no attempt at speed: it is what every fast path is
  * compared with (docs/DESIGN.md section 5), and is itself compared with PyTorch in
@@ -141,6 +142,24 @@ int kn_ref_moe_forward(const kn_layer *L, const kn_moe_args *a, mr_err *e) {
       for (uint32_t o = 0; o < H; o++) out[o] += w * y[o];
     }
   }
+  mr_free(buf);
+  return 0;
+}
+
+/* ---- kn_ref_linear_forward --------------------------------------------------------- */
+
+/* The REF down kernel over the whole matrix and all T tokens at once (internal.h section
+ * E): each row decoded once into buf, then its dot product with every token, in fp32 left
+ * to right. */
+int kn_ref_linear_forward(const kn_linear *lin, uint32_t T, const float *x, float *y, mr_err *e) {
+  int rc = kn__linear_validate(lin, T, x, y, "kn_ref_linear_forward", e);
+  if (rc || T == 0) return rc;
+  const kn_layer *L = &lin->L;
+  float *buf = mr_malloc((size_t)L->d.inter * sizeof(float)); /* one decoded row */
+  if (!buf) return mr_err_set(e, MR_ENOMEM, "kn_ref_linear_forward: out of memory");
+  const kn__task t = {.L = L, .slice = 0, .w = L->w[0], .n = T, .x = x, .xq = NULL,
+                      .h = (float *)x /* read only */, .y = y, .tmp = buf};
+  ref_down(&t, 0, L->d.hidden);
   mr_free(buf);
   return 0;
 }

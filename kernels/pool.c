@@ -464,6 +464,16 @@ static int pin_self(void *hw, const uint32_t *pus, uint32_t n_pus) {
   return pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 }
 
+int kn__pin_caller(const kn__plan *plan, const kn__topo *t) {
+  const kn__worker_spec *ws = &plan->w[0];
+  uint32_t c0 = ws->core, c1 = ws->core + 1;
+  if (ws->core == KN__CORE_NODE) {
+    c0 = t->node_core0[ws->node];
+    c1 = t->node_core0[ws->node + 1];
+  }
+  return pin_self(t->hw, t->pu + t->core_pu0[c0], t->core_pu0[c1] - t->core_pu0[c0]);
+}
+
 static void *pool_main(void *arg) {
   pool_thread *me = arg;
   kn__pool *p = me->pool;

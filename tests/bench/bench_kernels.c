@@ -26,6 +26,19 @@
  *     int4), vfmadd231ps (f32, f16, and bf16/int8/int4 without BF16/VNNI); peak_kind
  *     names it; peak_ratio = tflops / peak_tflops.
  * JSON lines on stdout with --json; a human table on stderr always.
+ *
+ *   moerpc-bench-kernels --linear NxK[,NxK...]|qwen3-30b-a3b [--tokens ...] [--format ...]
+ *                        [--isa ...] [--threads N] [--group G] [--repeats N] [--max-gb G]
+ *
+ * Dense layers instead (kn_linear_forward, y[T, N] = x[T, K] W^T), per (shape N x K,
+ * format, isa, tokens T): `copies` distinct packed copies of W, enough that the bytes of
+ * all of them exceed 4x the LLC (so no call finds its weights in cache), are called back
+ * to back, once each, as a runner's layers would be; us = that pass's time / copies
+ * (median over the repeats, after one warm-up pass); read_gbps: the plain read of the
+ * same bytes right after each pass; tflops = 2 N K T / time. The calling thread is pinned
+ * to worker 0's core (kn_engine_pin_caller) first. "qwen3-30b-a3b" stands for
+ * its attention and head: 4096x2048 (q), 512x2048 (k, v), 2048x4096 (o), 5120x2048 (fused
+ * qkv), 151936x2048 (lm_head).
  */
 #include "kernels/internal.h"
 
@@ -68,6 +81,8 @@ typedef struct opts {
   uint64_t seed;
   bool json;
   bool streams; /* --streams: the row-interleaving read test instead of the cases */
+  uint32_t lin_n[MAX_LIST], lin_k[MAX_LIST]; /* --linear: dense-layer shapes N x K */
+  int n_lin;
 } opts;
 
 static void usage(FILE *f) {
@@ -75,6 +90,8 @@ static void usage(FILE *f) {
           "usage: moerpc-bench-kernels [--shape qwen3-30b-a3b|deepseek-v3] [--tokens 1,4,16]\n"
           "         [--format bf16,int8,int4] [--isa avx512,ref] [--threads N] [--layers N]\n"
           "         [--group 32|64|128] [--repeats N] [--max-gb G] [--llc-mb M] [--seed S] [--json]\n"
+          "       moerpc-bench-kernels --linear NxK[,NxK...]|qwen3-30b-a3b [--tokens ...] [--format ...]\n"
+          "         [--isa ...] [--threads N] [--group G] [--repeats N] [--max-gb G] [--json]   (dense layers)\n"
           "       moerpc-bench-kernels --streams   (one thread: reading R rows side by side vs one after another)\n");
 }
 
@@ -125,6 +142,23 @@ static int one_isa(const char *s, void *out, int i) {
   }
   return 0;
 }
+/* The dense layers of qwen3-30b-a3b: q, k (= v), o, fused qkv, lm_head. */
+static const uint32_t qwen3_linear[5][2] = {{4096, 2048}, {512, 2048}, {2048, 4096}, {5120, 2048}, {151936, 2048}};
+static int one_linear(const char *s, void *out, int i) {
+  uint32_t(*nk)[2] = out;
+  char *end, *end2;
+  unsigned long n = strtoul(s, &end, 10), k = 0;
+  if (end != s && *end == 'x') k = strtoul(end + 1, &end2, 10);
+  if (end == s || *end != 'x' || *end2 || n < 1 || n > KN_LINEAR_MAX_OUT || k < 1 || k > KN_LINEAR_MAX_IN) {
+    fprintf(stderr, "--linear: \"%s\" must be NxK with N in 1..%u and K in 1..%u, or qwen3-30b-a3b\n", s,
+            KN_LINEAR_MAX_OUT, KN_LINEAR_MAX_IN);
+    return -1;
+  }
+  nk[i][0] = (uint32_t)n;
+  nk[i][1] = (uint32_t)k;
+  return 0;
+}
+
 static int parse_num(const char *flag, const char *s, double lo, double hi, double *out) {
   char *end;
   double v = strtod(s, &end);
@@ -179,6 +213,18 @@ static int parse_args(int argc, char **argv, opts *o) {
       if (!o->sh) {
         fprintf(stderr, "--shape = \"%s\": must be qwen3-30b-a3b or deepseek-v3\n", val);
         return -1;
+      }
+    } else if (strcmp(a, "--linear") == 0) {
+      uint32_t nk[MAX_LIST][2];
+      if (strcmp(val, "qwen3-30b-a3b") == 0) {
+        o->n_lin = 5;
+        memcpy(nk, qwen3_linear, sizeof qwen3_linear);
+      } else if (parse_list(val, MAX_LIST, one_linear, nk, &o->n_lin)) {
+        return -1;
+      }
+      for (int q = 0; q < o->n_lin; q++) {
+        o->lin_n[q] = nk[q][0];
+        o->lin_k[q] = nk[q][1];
       }
     } else if (strcmp(a, "--tokens") == 0) {
       if (parse_list(val, MAX_LIST, one_token, o->tokens, &o->n_tokens)) return -1;
@@ -791,6 +837,198 @@ static int streams_test(void) {
   return 0;
 }
 
+/* ---- --linear: dense layers --------------------------------------------------------- */
+
+/* One shape and format: `n` packed copies of one random bf16 W (values ~U(-0.05, 0.05)). */
+typedef struct lin_set {
+  uint32_t N, K, n;
+  kn_format f;
+  kn_linear **lin;
+  uint64_t bytes; /* kn_linear_bytes of one copy */
+} lin_set;
+
+static void lin_set_free(lin_set *ls) {
+  for (uint32_t c = 0; c < ls->n && ls->lin; c++) kn_linear_free(ls->lin[c]);
+  free(ls->lin);
+  ls->lin = NULL;
+}
+
+static int lin_set_make(const opts *o, kn_engine *eng, uint32_t N, uint32_t K, kn_format f, lin_set *ls) {
+  memset(ls, 0, sizeof *ls);
+  ls->N = N;
+  ls->K = K;
+  ls->f = f;
+  mr_err e = {0};
+  kn_linear *probe = NULL;
+  if (kn_linear_new(&probe, eng, N, K, f, o->group, &e) != 0) {
+    fprintf(stderr, "linear %ux%u %s: %s\n", N, K, kn_format_name(f), e.msg);
+    return -1;
+  }
+  ls->bytes = kn_linear_bytes(probe);
+  kn_linear_free(probe);
+  const double llc = o->llc_mb > 0 ? o->llc_mb * 1048576.0 : llc_bytes();
+  ls->n = (uint32_t)ceil(4.0 * llc / (double)ls->bytes);
+  if (ls->n < 1) ls->n = 1;
+  if ((double)ls->n * ls->bytes > o->max_gb * 1e9) ls->n = (uint32_t)(o->max_gb * 1e9 / (double)ls->bytes);
+  if (ls->n < 1) {
+    fprintf(stderr, "linear %ux%u %s: %.1f MB does not fit in --max-gb %.1f\n", N, K, kn_format_name(f),
+            ls->bytes / 1e6, o->max_gb);
+    return -1;
+  }
+  const size_t nk = (size_t)N * K;
+  uint16_t *src = malloc(nk * sizeof(uint16_t));
+  ls->lin = calloc(ls->n, sizeof *ls->lin);
+  if (!src || !ls->lin) {
+    free(src);
+    fprintf(stderr, "linear %ux%u: out of memory for the source weights\n", N, K);
+    return -1;
+  }
+  uint64_t ws = o->seed + 99;
+  for (size_t i = 0; i < nk; i++)
+    src[i] = mr_f32_to_bf16(((float)(rng_next(&ws) >> 40) / 16777216.0f - 0.5f) * 0.1f);
+  uint64_t t0 = mr_now_ns();
+  int rc = 0;
+  for (uint32_t c = 0; c < ls->n && rc == 0; c++) {
+    rc = kn_linear_new(&ls->lin[c], eng, N, K, f, o->group, &e);
+    if (rc == 0) rc = kn_linear_load_rows(ls->lin[c], 0, N, src, MR_DTYPE_BF16, &e);
+    if (rc) fprintf(stderr, "linear %ux%u copy %u: %s\n", N, K, c, e.msg);
+  }
+  free(src);
+  if (rc) return -1;
+  fprintf(stderr, "# linear %ux%u %s: %u copies of %.2f MB loaded in %.1f s\n", N, K, kn_format_name(f), ls->n,
+          ls->bytes / 1e6, (mr_now_ns() - t0) / 1e9);
+  return 0;
+}
+
+typedef struct lin_result {
+  double us, us_min, weight_gbps, read_gbps, bw_ratio, tflops;
+  uint32_t repeats;
+} lin_result;
+
+/* One (set, engine, T) case: one warm-up pass over the copies, then `repeats` timed passes,
+ * each followed by the plain read of the pass's bytes. */
+static int lin_case(const opts *o, kn_engine *eng, team *tm, const lin_set *ls, uint32_t T, const uint8_t *rbuf,
+                    size_t rbuf_bytes, lin_result *res) {
+  const uint32_t reps = repeats_for(o, T);
+  float *x = malloc((size_t)T * ls->K * sizeof(float)), *y = malloc((size_t)T * ls->N * sizeof(float));
+  double *us = malloc((reps + 1) * sizeof(double)), *gbr = malloc((reps + 1) * sizeof(double));
+  if (!x || !y || !us || !gbr) {
+    fprintf(stderr, "linear %ux%u T=%u: out of memory for x / y\n", ls->N, ls->K, T);
+    free(x), free(y), free(us), free(gbr);
+    return -1;
+  }
+  uint64_t xs = o->seed + T;
+  for (size_t i = 0; i < (size_t)T * ls->K; i++) x[i] = (float)(rng_next(&xs) >> 40) / 8388608.0f - 1.0f;
+  memset(y, 0, (size_t)T * ls->N * sizeof(float)); /* fault y in before timing */
+  mr_arena ar; /* sized so that its first block holds a call's scratch */
+  mr_arena_init(&ar, (size_t)16 << 20);
+  const int simd = kn__cpu_get()->best >= KN_ISA_AVX512 ? 2 : kn__cpu_get()->best >= KN_ISA_AVX2 ? 1 : 0;
+  size_t roff = 0;
+  int n = 0, rc = 0;
+  mr_err e = {0};
+  for (uint32_t r = 0; r <= reps && rc == 0; r++) {
+    uint64_t t0 = mr_now_ns();
+    for (uint32_t c = 0; c < ls->n && rc == 0; c++) {
+      rc = kn_linear_forward(eng, ls->lin[c], T, x, y, &ar, &e);
+      mr_arena_reset(&ar);
+    }
+    uint64_t dt = mr_now_ns() - t0;
+    if (rc) {
+      fprintf(stderr, "kn_linear_forward: %s\n", e.msg);
+      break;
+    }
+    size_t rb = (size_t)((double)ls->bytes * ls->n);
+    if (rb > rbuf_bytes / 2) rb = rbuf_bytes / 2;
+    rb &= ~(size_t)255;
+    if (roff + rb > rbuf_bytes) roff = 0;
+    read_job rj = {rbuf + roff, rb, simd};
+    uint64_t rns = team_run(tm, read_fn, &rj);
+    roff += rb;
+    if (r == 0) continue; /* warm-up pass */
+    us[n] = dt / 1e3 / ls->n;
+    gbr[n] = rb / (double)rns;
+    n++;
+  }
+  if (rc == 0) {
+    double us_min = us[0];
+    for (int i = 1; i < n; i++) us_min = us[i] < us_min ? us[i] : us_min;
+    res->repeats = (uint32_t)n;
+    res->us = median(us, n);
+    res->us_min = us_min;
+    res->weight_gbps = (double)ls->bytes / (res->us * 1e3);
+    res->read_gbps = median(gbr, n);
+    res->bw_ratio = res->weight_gbps / res->read_gbps;
+    res->tflops = 2.0 * ls->N * ls->K * (double)T / (res->us * 1e-6) / 1e12;
+  }
+  mr_arena_close(&ar);
+  free(x);
+  free(y);
+  free(us);
+  free(gbr);
+  return rc ? -1 : 0;
+}
+
+/* Every (format, shape, isa, T) of --linear; returns the number of failed cases. */
+static int linear_run(const opts *o, kn_engine *const *eng, kn_engine *any, team *tm, const uint8_t *rbuf,
+                      size_t rbuf_bytes, double *peak, bool *peak_done, bool pinned) {
+  int failures = 0;
+  const uint32_t threads = kn_engine_threads(any);
+  fprintf(stderr, "%-12s %-8s %-6s %-18s %5s %3s %4s %11s %9s %8s %8s %6s %8s %8s %6s\n", "linear", "format",
+          "isa", "kernel", "T", "thr", "cp", "us", "weightMB", "wGB/s", "readGB/s", "bw", "TFLOP/s", "peak",
+          "peak%");
+  for (int fi = 0; fi < o->n_fmt; fi++) {
+    const kn_format f = o->fmt[fi];
+    const peak_kind pk = peak_for(f);
+    if (!peak_done[pk]) {
+      peak[pk] = peak_measure(tm, pk);
+      peak_done[pk] = true;
+    }
+    char fname[24];
+    if (f == KN_FMT_INT4)
+      snprintf(fname, sizeof fname, "int4-g%u", o->group);
+    else
+      snprintf(fname, sizeof fname, "%s", kn_format_name(f));
+    for (int si = 0; si < o->n_lin; si++) {
+      lin_set ls;
+      if (lin_set_make(o, any, o->lin_n[si], o->lin_k[si], f, &ls) != 0) {
+        failures++;
+        lin_set_free(&ls);
+        continue;
+      }
+      char sname[32];
+      snprintf(sname, sizeof sname, "%ux%u", ls.N, ls.K);
+      for (int ii = 0; ii < o->n_isa; ii++) {
+        if (!eng[ii]) continue;
+        const char *kname = eng[ii]->kern[f]->name;
+        const kn_isa isa_used = kn_engine_isa(eng[ii], f);
+        for (int ti = 0; ti < o->n_tokens; ti++) {
+          const uint32_t T = o->tokens[ti];
+          lin_result r;
+          if (lin_case(o, eng[ii], tm, &ls, T, rbuf, rbuf_bytes, &r) != 0) {
+            failures++;
+            continue;
+          }
+          const double pt = peak[pk] / 1e12, pr = pt > 0 ? r.tflops / pt : 0.0;
+          fprintf(stderr, "%-12s %-8s %-6s %-18s %5u %3u %4u %11.1f %9.2f %8.2f %8.2f %6.3f %8.4f %8.4f %5.1f%%\n",
+                  sname, fname, kn_isa_name(isa_used), kname, T, threads, ls.n, r.us, ls.bytes / 1e6,
+                  r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, 100.0 * pr);
+          if (o->json)
+            printf("{\"mode\":\"linear\",\"shape\":\"%s\",\"n_out\":%u,\"n_in\":%u,\"format\":\"%s\",\"group\":%u,"
+                   "\"isa\":\"%s\",\"kernel\":\"%s\",\"tokens\":%u,\"threads\":%u,\"caller_pinned\":%s,\"copies\":%u,\"repeats\":%u,"
+                   "\"us\":%.2f,\"us_min\":%.2f,\"weight_mb\":%.3f,\"weight_gbps\":%.3f,\"read_gbps\":%.3f,"
+                   "\"bw_ratio\":%.4f,\"tflops\":%.5f,\"peak_tflops\":%.5f,\"peak_kind\":\"%s\",\"peak_ratio\":%.4f}\n",
+                   sname, ls.N, ls.K, kn_format_name(f), f == KN_FMT_INT4 ? o->group : 0, kn_isa_name(isa_used),
+                   kname, T, threads, pinned ? "true" : "false", ls.n, r.repeats, r.us, r.us_min, ls.bytes / 1e6, r.weight_gbps, r.read_gbps,
+                   r.bw_ratio, r.tflops, pt, peak_names[pk], pr);
+          fflush(stdout);
+        }
+      }
+      lin_set_free(&ls);
+    }
+  }
+  return failures;
+}
+
 int main(int argc, char **argv) {
   opts o;
   if (parse_args(argc, argv, &o) != 0) return 2;
@@ -829,6 +1067,16 @@ int main(int argc, char **argv) {
   }
   memset(rbuf, 1, rbuf_bytes);
 
+  if (o.n_lin) {
+    fprintf(stderr, "# moerpc-bench-kernels --linear: %d shape(s), %u thread(s), LLC %.0f MiB\n", o.n_lin, threads,
+            llc / 1048576.0);
+    /* The calling thread is worker 0: pinned to its core, the OS cannot park it on the
+     * pool thread's core (which made whole passes 2-4x slower on the 2-core VM). */
+    const bool pinned = kn_engine_pin_caller(any, &e) == 0;
+    if (!pinned) fprintf(stderr, "# %s\n", e.msg);
+    failures += linear_run(&o, eng, any, &tm, rbuf, rbuf_bytes, peak, peak_done, pinned);
+    goto out_done;
+  }
   fprintf(stderr, "# moerpc-bench-kernels: %s H=%u I=%u E=%u k=%u, %u thread(s), LLC %.0f MiB\n",
           sh->name, sh->H, sh->I, sh->E, sh->k, threads, llc / 1048576.0);
   fprintf(stderr, "%-14s %-6s %-6s %-18s %5s %3s %11s %9s %8s %8s %6s %8s %8s %6s\n", "shape", "format",
@@ -885,6 +1133,7 @@ int main(int argc, char **argv) {
     }
     fmt_free(&fr, o.n_tokens);
   }
+out_done:
   team_stop(&tm);
   mr_free_aligned(rbuf);
   for (int i = 0; i < o.n_isa; i++) kn_engine_free(eng[i]);

@@ -1,0 +1,670 @@
+/*
+ * test_kn_linear.c - dense linear layers (kn_linear_*) and the parallel-for kn_engine_run.
+ *
+ * Every format (f32, f16, bf16, int8, int4 g32/g64/g128) on every ISA this build and CPU
+ * run (REF, AVX2, AVX-512; an ISA that is missing is printed as SKIP with the reason, and
+ * AMX has no kernels), over shapes with odd n_out / n_in (not multiples of 32 or 64) and
+ * T = 1, 3, 17, 300 (and 1100 on the smallest shape: several token tiles), is compared
+ *   - with kn_ref_linear_forward on the same stored weights, under the tolerance of the
+ *     kernel's activation handling (the names and reasons are those of test_kn_fast.c);
+ *   - with an fp64 textbook matmul over the dequantized weights, computed here from the
+ *     source weights by the rules of internal.h section A (and checked bitwise against the
+ *     layout decoder kn__row_to_f32), under the same tolerance; the reference itself
+ *     must match it to TOL_REF_F64.
+ *
+ * Named tolerances (relative L2 over the whole [T, n_out] output):
+ *   TOL_FP32   = 1e-5  fp32 math on fp32 activations (AVX2 every format, AVX-512 f32/f16):
+ *                      only the summation order differs (8/16 partial sums and a tree).
+ *   TOL_BF16X  = 1e-2  AVX-512 bf16 x bf16 (vdpbf16ps): x rounded to bf16, relative error
+ *                      <= 2^-9 per element, ~1.5e-3 per matrix product.
+ *   TOL_Q8X    = 3e-2  AVX-512 VNNI int8/int4 x int8: x quantized per token, amax / 127;
+ *                      ~1% of rms for Gaussian x.
+ *   TOL_REF_F64 = 1e-5 the reference (fp32 running sums, K <= 1000 here) against fp64.
+ *
+ * Also: the REF kernel on the engine is bitwise the reference; results do not depend on
+ * the thread count; loading in row bands equals one load (packed bytes and outputs);
+ * n_out > 65536; a NaN in one token stays in its row; bad arguments are refused with the
+ * field named and y untouched; out of memory anywhere is MR_ENOMEM with nothing leaked;
+ * kn_engine_run hands out every item exactly once.
+ */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_* */
+#include "kernels/internal.h"
+#include "tests/unit/mt.h"
+
+#include <pthread.h>
+#include <sched.h>
+
+#define TOL_FP32 1e-5
+#define TOL_BF16X 1e-2
+#define TOL_Q8X 3e-2
+#define TOL_REF_F64 1e-5
+
+static inline const mr_err *ep(const mr_err *e) { return e; }
+
+/* ---- helpers (deterministic inputs) ------------------------------------------------ */
+
+static uint64_t rng_s;
+static void rng_seed(uint64_t s) { rng_s = s * 0x9E3779B97F4A7C15ull + 0x1234567ull; }
+static uint32_t rng_u32(void) {
+  rng_s ^= rng_s << 13;
+  rng_s ^= rng_s >> 7;
+  rng_s ^= rng_s << 17;
+  return (uint32_t)(rng_s >> 11);
+}
+static float rng_normal(void) {
+  double u1 = ((rng_u32() & 0xffffff) + 1.0) / 16777217.0, u2 = (rng_u32() & 0xffffff) / 16777216.0;
+  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+static float *randn(size_t n, float scale, uint64_t seed) {
+  float *v = malloc(n * sizeof(float));
+  MT_TRUE(v != NULL);
+  rng_seed(seed);
+  for (size_t i = 0; i < n; i++) v[i] = scale * rng_normal();
+  return v;
+}
+
+/* The ISAs to test: every one this build and CPU can run (REF always). Prints a SKIP line
+ * for each that is not, with the reason, so that a missing ISA never passes silently. */
+static int test_isas(kn_isa *out) {
+  int n = 0;
+  kn_isa best = kn_isa_detect();
+  out[n++] = KN_ISA_REF;
+#if MR_HAVE_AVX2
+  if (best >= KN_ISA_AVX2)
+    out[n++] = KN_ISA_AVX2;
+  else
+    printf("  SKIP isa avx2: not on this CPU (best %s)\n", kn_isa_name(best));
+#else
+  printf("  SKIP isa avx2: not in this build (HAVE_AVX2=0)\n");
+#endif
+#if MR_HAVE_AVX512
+  if (best >= KN_ISA_AVX512)
+    out[n++] = KN_ISA_AVX512;
+  else
+    printf("  SKIP isa avx512: not on this CPU (best %s)\n", kn_isa_name(best));
+#else
+  printf("  SKIP isa avx512: not in this build (HAVE_AVX512=0)\n");
+#endif
+  printf("  SKIP isa amx: no AMX kernels exist (CPU best %s)\n", kn_isa_name(best));
+  (void)best;
+  return n;
+}
+
+/* The ISA format f must run on in an engine forced to isa (AVX-512 without VNNI leaves
+ * int8/int4 on AVX2), and the tolerance of the kernel the engine picked. */
+static kn_isa expected_isa(kn_isa isa, kn_format f) {
+  if (isa == KN_ISA_AVX512 && (f == KN_FMT_INT8 || f == KN_FMT_INT4) && !kn__cpu_get()->avx512_vnni)
+    return KN_ISA_AVX2;
+  return isa;
+}
+static double tolerance(const kn_engine *eng, kn_format f) {
+  const char *name = eng->kern[f]->name;
+  if (strcmp(name, "avx512_bf16_bf16") == 0) return TOL_BF16X;
+  if (strcmp(name, "avx512_int8_int8") == 0 || strcmp(name, "avx512_int4_int8") == 0) return TOL_Q8X;
+  return TOL_FP32;
+}
+
+static kn_engine *engine_make(kn_isa isa, uint32_t threads) {
+  kn_engine *eng = NULL;
+  mr_err e = {0};
+  unsetenv("MOERPC_ISA");
+  kn_engine_opts o = {.isa = isa, .threads = threads};
+  MT_OK(kn_engine_new(&eng, &o, &e), ep(&e));
+  return eng;
+}
+
+static kn_linear *linear_make(kn_engine *eng, uint32_t N, uint32_t K, kn_format f, uint32_t G,
+                              const float *w) {
+  kn_linear *lin = NULL;
+  mr_err e = {0};
+  MT_OK(kn_linear_new(&lin, eng, N, K, f, G, &e), ep(&e));
+  MT_OK(kn_linear_load_rows(lin, 0, N, w, MR_DTYPE_F32, &e), ep(&e));
+  MT_EQ_INT(kn_linear_rows_loaded(lin), N);
+  return lin;
+}
+
+/* The weights as stored, dequantized, computed from w [N, K] by the rules of internal.h
+ * section A, independently of the packer: rounding for f16/bf16; int8 per row
+ * (amax / 127) and int4 per group of G (amax / 7), round to nearest even. */
+static float *dequant(const float *w, uint32_t N, uint32_t K, kn_format f, uint32_t G) {
+  float *d = malloc((size_t)N * K * sizeof(float));
+  MT_TRUE(d != NULL);
+  for (uint32_t j = 0; j < N; j++) {
+    const float *r = w + (size_t)j * K;
+    float *o = d + (size_t)j * K;
+    switch (f) {
+      case KN_FMT_F32: memcpy(o, r, K * sizeof(float)); break;
+      case KN_FMT_F16:
+        for (uint32_t k = 0; k < K; k++) o[k] = mr_f16_to_f32(mr_f32_to_f16(r[k]));
+        break;
+      case KN_FMT_BF16:
+        for (uint32_t k = 0; k < K; k++) o[k] = mr_bf16_to_f32(mr_f32_to_bf16(r[k]));
+        break;
+      case KN_FMT_INT8:
+      case KN_FMT_INT4: {
+        const uint32_t span = f == KN_FMT_INT8 ? K : G;
+        const float qmax = f == KN_FMT_INT8 ? 127.0f : 7.0f;
+        for (uint32_t k0 = 0; k0 < K; k0 += span) {
+          const uint32_t k1 = k0 + span < K ? k0 + span : K;
+          float amax = 0.0f;
+          for (uint32_t k = k0; k < k1; k++) amax = fabsf(r[k]) > amax ? fabsf(r[k]) : amax;
+          const float s = amax / qmax;
+          for (uint32_t k = k0; k < k1; k++) {
+            float q = s > 0.0f ? nearbyintf(r[k] / s) : 0.0f;
+            q = q > qmax ? qmax : q < -qmax ? -qmax : q;
+            o[k] = q * s;
+          }
+        }
+        break;
+      }
+      default: MT_TRUE(!"bad format");
+    }
+  }
+  return d;
+}
+
+/* The stored weights, through the one decoder of the layout, equal dequant() (as values:
+ * the decoder gives +0 where dequant's q * s may give -0). */
+static void check_stored(const kn_linear *lin, const float *wd) {
+  const uint32_t N = kn_linear_n_out(lin), K = kn_linear_n_in(lin);
+  float *row = malloc(K * sizeof(float));
+  uint32_t bad = 0;
+  for (uint32_t j = 0; j < N; j++) {
+    kn__row_to_f32(&lin->L, 0, &lin->w, KN__DOWN, j, row);
+    for (uint32_t k = 0; k < K; k++)
+      if (row[k] != wd[(size_t)j * K + k] && bad++ < 5)
+        printf("  stored W[%u, %u] = %.9g, expected %.9g\n", j, k, (double)row[k], (double)wd[(size_t)j * K + k]);
+  }
+  MT_EQ_INT(bad, 0);
+  free(row);
+}
+
+/* y = x wd^T in double. */
+static void matmul_f64(const float *wd, uint32_t N, uint32_t K, uint32_t T, const float *x, float *y) {
+  for (uint32_t t = 0; t < T; t++)
+    for (uint32_t j = 0; j < N; j++) {
+      double s = 0.0;
+      for (uint32_t k = 0; k < K; k++) s += (double)wd[(size_t)j * K + k] * x[(size_t)t * K + k];
+      y[(size_t)t * N + j] = (float)s;
+    }
+}
+
+static float *nan_buf(size_t n) {
+  float *y = malloc(n * sizeof(float));
+  MT_TRUE(y != NULL);
+  for (size_t i = 0; i < n; i++) y[i] = NAN;
+  return y;
+}
+
+/* ---- every format x ISA x shape x T, against the reference and fp64 ------------------ */
+
+static const uint32_t shapes[5][2] = {{67, 45}, {200, 136}, {130, 1000}, {256, 192}, {5, 3}};
+
+static void check_format(kn_format f, uint32_t G) {
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  kn_engine *eng[KN_ISA_COUNT];
+  for (int i = 0; i < n_isa; i++) {
+    eng[i] = engine_make(isas[i], 0);
+    MT_EQ_INT(kn_engine_isa(eng[i], f), expected_isa(isas[i], f));
+  }
+  const uint32_t Ts[5] = {1, 3, 17, 300, 1100};
+  double worst[KN_ISA_COUNT] = {0}, worst_ref = 0.0;
+  int cases = 0;
+  for (int sh = 0; sh < 5; sh++) {
+    const uint32_t N = shapes[sh][0], K = shapes[sh][1];
+    float *w = randn((size_t)N * K, 0.05f, 100 + sh);
+    float *wd = dequant(w, N, K, f, G);
+    kn_linear *lin = linear_make(eng[0], N, K, f, G, w);
+    MT_EQ_INT(kn_linear_format(lin), f);
+    MT_EQ_INT(kn_linear_group(lin), f == KN_FMT_INT4 ? G : 0);
+    MT_EQ_U64(kn_linear_bytes(lin), (uint64_t)N * (kn__row_bytes(f, K, G) + 4 * kn__row_scales(f, K, G)));
+    check_stored(lin, wd);
+    for (int ti = 0; ti < 5; ti++) {
+      const uint32_t T = Ts[ti];
+      if (T == 1100 && sh != 0) continue;
+      const size_t TN = (size_t)T * N;
+      float *x = randn((size_t)T * K, 1.0f, 7 * T + sh);
+      float *y64 = malloc(TN * sizeof(float)), *ref = nan_buf(TN), *y = malloc(TN * sizeof(float));
+      matmul_f64(wd, N, K, T, x, y64);
+      mr_err e = {0};
+      MT_OK(kn_ref_linear_forward(lin, T, x, ref, &e), ep(&e));
+      const double err_ref = kn_rel_l2(ref, y64, TN);
+      if (err_ref > worst_ref) worst_ref = err_ref;
+      MT_LE(err_ref, TOL_REF_F64);
+      for (int i = 0; i < n_isa; i++) {
+        for (size_t q = 0; q < TN; q++) y[q] = NAN; /* must all be overwritten */
+        MT_OK(kn_linear_forward(eng[i], lin, T, x, y, NULL, &e), ep(&e));
+        for (size_t q = 0; q < TN; q++) MT_TRUE(isfinite(y[q]));
+        const double tol = tolerance(eng[i], f);
+        const double e_ref = kn_rel_l2(y, ref, TN), e_64 = kn_rel_l2(y, y64, TN);
+        if (e_ref > tol || e_64 > tol)
+          printf("  %s %ux%u T=%u: rel L2 %.3g vs ref, %.3g vs fp64 (tol %.0e)\n", eng[i]->kern[f]->name,
+                 N, K, T, e_ref, e_64, tol);
+        MT_LE(e_ref, tol);
+        MT_LE(e_64, tol);
+        if (e_ref > worst[i]) worst[i] = e_ref;
+        if (isas[i] == KN_ISA_REF) MT_EQ_INT(memcmp(y, ref, TN * sizeof(float)), 0);
+        cases++;
+      }
+      free(x);
+      free(y64);
+      free(ref);
+      free(y);
+    }
+    kn_linear_free(lin);
+    free(w);
+    free(wd);
+  }
+  for (int i = 0; i < n_isa; i++) {
+    printf("  %-18s %s g%u: worst rel L2 vs ref %.3g (tol %.0e)\n", eng[i]->kern[f]->name,
+           kn_format_name(f), G, worst[i], tolerance(eng[i], f));
+    kn_engine_free(eng[i]);
+  }
+  printf("  reference vs fp64: worst %.3g (tol %.0e); %d fast cases\n", worst_ref, TOL_REF_F64, cases);
+}
+
+MT_TEST(linear_matches_ref_and_f64_f32) { check_format(KN_FMT_F32, 0); }
+MT_TEST(linear_matches_ref_and_f64_f16) { check_format(KN_FMT_F16, 0); }
+MT_TEST(linear_matches_ref_and_f64_bf16) { check_format(KN_FMT_BF16, 0); }
+MT_TEST(linear_matches_ref_and_f64_int8) { check_format(KN_FMT_INT8, 0); }
+MT_TEST(linear_matches_ref_and_f64_int4_g32) { check_format(KN_FMT_INT4, 32); }
+MT_TEST(linear_matches_ref_and_f64_int4_g64) { check_format(KN_FMT_INT4, 64); }
+MT_TEST(linear_matches_ref_and_f64_int4_g128) { check_format(KN_FMT_INT4, 128); }
+
+/* ---- n_out above the MoE limit (an lm_head-like matrix) ----------------------------- */
+
+MT_TEST(linear_n_out_above_65536) {
+  const uint32_t N = 70000, K = 64;
+  MT_TRUE(N > KN_MAX_DIM);
+  const kn_format fmts[7] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_INT4, KN_FMT_INT4};
+  const uint32_t groups[7] = {0, 0, 0, 0, 32, 64, 128};
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  float *w = randn((size_t)N * K, 0.05f, 900);
+  const uint32_t T = 3;
+  float *x = randn((size_t)T * K, 1.0f, 901);
+  const size_t TN = (size_t)T * N;
+  float *y64 = malloc(TN * 4), *ref = malloc(TN * 4), *y = malloc(TN * 4);
+  for (int i = 0; i < n_isa; i++) {
+    kn_engine *eng = engine_make(isas[i], 0);
+    for (int fi = 0; fi < 7; fi++) {
+      kn_linear *lin = linear_make(eng, N, K, fmts[fi], groups[fi], w);
+      float *wd = dequant(w, N, K, fmts[fi], groups[fi]);
+      matmul_f64(wd, N, K, T, x, y64);
+      mr_err e = {0};
+      MT_OK(kn_ref_linear_forward(lin, T, x, ref, &e), ep(&e));
+      MT_LE(kn_rel_l2(ref, y64, TN), TOL_REF_F64);
+      for (uint32_t t = 1; t <= T; t += 2) { /* T = 1 (decode tiles) and 3 */
+        for (size_t q = 0; q < TN; q++) y[q] = NAN;
+        MT_OK(kn_linear_forward(eng, lin, t, x, y, NULL, &e), ep(&e));
+        const double tol = tolerance(eng, fmts[fi]);
+        const double er = kn_rel_l2(y, ref, (size_t)t * N), e64 = kn_rel_l2(y, y64, (size_t)t * N);
+        printf("  %-18s g%-3u %ux%u T=%u: rel L2 %.3g vs ref, %.3g vs fp64\n", eng->kern[fmts[fi]]->name,
+               groups[fi], N, K, t, er, e64);
+        MT_LE(er, tol);
+        MT_LE(e64, tol);
+        for (size_t q = (size_t)t * N; q < TN; q++) MT_TRUE(isnan(y[q])); /* rows of T only */
+      }
+      free(wd);
+      kn_linear_free(lin);
+    }
+    kn_engine_free(eng);
+  }
+  free(w);
+  free(x);
+  free(y64);
+  free(ref);
+  free(y);
+}
+
+/* ---- threads, bands, special inputs ------------------------------------------------ */
+
+/* The split of rows over workers does not change a bit of y (each row's result depends
+ * only on its weights and the token tile, which depends on T alone). */
+MT_TEST(linear_result_independent_of_thread_count) {
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  const uint32_t N = 333, K = 200, T = 37;
+  float *w = randn((size_t)N * K, 0.05f, 40), *x = randn((size_t)T * K, 1.0f, 41);
+  float *y1 = malloc((size_t)T * N * 4), *y3 = malloc((size_t)T * N * 4);
+  const kn_format fmts[5] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  for (int i = 0; i < n_isa; i++) {
+    kn_engine *e1 = engine_make(isas[i], 1), *e3 = engine_make(isas[i], 3);
+    MT_EQ_INT(kn_engine_threads(e3), 3);
+    for (int fi = 0; fi < 5; fi++) {
+      kn_linear *lin = linear_make(e3, N, K, fmts[fi], 64, w);
+      mr_err e = {0};
+      mr_arena ar;
+      mr_arena_init(&ar, 1u << 16);
+      for (uint32_t t = 1; t <= T; t += 12) {
+        MT_OK(kn_linear_forward(e1, lin, t, x, y1, NULL, &e), ep(&e));
+        MT_OK(kn_linear_forward(e3, lin, t, x, y3, &ar, &e), ep(&e)); /* caller's arena */
+        mr_arena_reset(&ar);
+        MT_EQ_INT(memcmp(y1, y3, (size_t)t * N * 4), 0);
+      }
+      mr_arena_close(&ar);
+      kn_linear_free(lin);
+    }
+    kn_engine_free(e1);
+    kn_engine_free(e3);
+  }
+  free(w);
+  free(x);
+  free(y1);
+  free(y3);
+}
+
+/* Loading in row bands (odd sizes, out of order, from separate tensors as q/k/v would be)
+ * gives the same packed bytes and outputs as one load; so does a bf16 source in bands. */
+MT_TEST(linear_bands_equal_one_load) {
+  const uint32_t N = 200, K = 136, T = 5;
+  const uint32_t cut[4] = {0, 37, 101, 200};
+  const int order[3] = {2, 0, 1};
+  float *w = randn((size_t)N * K, 0.05f, 50), *x = randn((size_t)T * K, 1.0f, 51);
+  uint16_t *wb = malloc((size_t)N * K * 2);
+  mr_convert_from_f32(wb, MR_DTYPE_BF16, w, (size_t)N * K);
+  float *y1 = malloc((size_t)T * N * 4), *y2 = malloc((size_t)T * N * 4);
+  const kn_format fmts[7] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_INT4, KN_FMT_INT4};
+  const uint32_t groups[7] = {0, 0, 0, 0, 32, 64, 128};
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 0);
+  for (int fi = 0; fi < 7; fi++) {
+    for (int srci = 0; srci < 2; srci++) {
+      const mr_dtype dt = srci ? MR_DTYPE_BF16 : MR_DTYPE_F32;
+      const size_t esz = srci ? 2 : 4;
+      const char *src = srci ? (const char *)wb : (const char *)w;
+      kn_linear *one = NULL, *band = NULL;
+      mr_err e = {0};
+      MT_OK(kn_linear_new(&one, eng, N, K, fmts[fi], groups[fi], &e), ep(&e));
+      MT_OK(kn_linear_new(&band, eng, N, K, fmts[fi], groups[fi], &e), ep(&e));
+      MT_OK(kn_linear_load_rows(one, 0, N, src, dt, &e), ep(&e));
+      for (int b = 0; b < 3; b++) {
+        const int q = order[b];
+        /* each band its own copy, as separate checkpoint tensors are */
+        const size_t n = (size_t)(cut[q + 1] - cut[q]) * K * esz;
+        char *part = malloc(n);
+        memcpy(part, src + (size_t)cut[q] * K * esz, n);
+        MT_OK(kn_linear_load_rows(band, cut[q], cut[q + 1] - cut[q], part, dt, &e), ep(&e));
+        free(part);
+        if (b < 2) MT_TRUE(kn_linear_rows_loaded(band) < N);
+      }
+      MT_EQ_INT(kn_linear_rows_loaded(band), N);
+      /* loading a band again changes nothing */
+      MT_OK(kn_linear_load_rows(band, cut[1], cut[2] - cut[1], src + (size_t)cut[1] * K * esz, dt, &e), ep(&e));
+      MT_EQ_INT(kn_linear_rows_loaded(band), N);
+      const size_t wbytes = (size_t)N * kn__row_bytes(fmts[fi], K, groups[fi]);
+      MT_EQ_INT(memcmp(one->w.down, band->w.down, wbytes), 0);
+      if (one->w.down_scale)
+        MT_EQ_INT(memcmp(one->w.down_scale, band->w.down_scale,
+                         (size_t)N * kn__row_scales(fmts[fi], K, groups[fi]) * 4), 0);
+      MT_OK(kn_linear_forward(eng, one, T, x, y1, NULL, &e), ep(&e));
+      MT_OK(kn_linear_forward(eng, band, T, x, y2, NULL, &e), ep(&e));
+      MT_EQ_INT(memcmp(y1, y2, (size_t)T * N * 4), 0);
+      kn_linear_free(one);
+      kn_linear_free(band);
+    }
+  }
+  kn_engine_free(eng);
+  free(w);
+  free(wb);
+  free(x);
+  free(y1);
+  free(y2);
+}
+
+/* A NaN in one token's x makes that token's row non-finite and leaves the others as the
+ * reference computes them (per-token activation scales must not leak); zero x gives 0. */
+MT_TEST(linear_nan_token_stays_in_its_row) {
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  const uint32_t N = 96, K = 80, T = 6;
+  float *w = randn((size_t)N * K, 0.05f, 60), *x = randn((size_t)T * K, 1.0f, 61);
+  x[2 * K + 5] = NAN;
+  float *ref = malloc((size_t)T * N * 4), *y = malloc((size_t)T * N * 4);
+  const kn_format fmts[5] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  for (int i = 0; i < n_isa; i++) {
+    kn_engine *eng = engine_make(isas[i], 0);
+    for (int fi = 0; fi < 5; fi++) {
+      kn_linear *lin = linear_make(eng, N, K, fmts[fi], 32, w);
+      mr_err e = {0};
+      MT_OK(kn_ref_linear_forward(lin, T, x, ref, &e), ep(&e));
+      MT_OK(kn_linear_forward(eng, lin, T, x, y, NULL, &e), ep(&e));
+      for (uint32_t t = 0; t < T; t++) {
+        if (t == 2) {
+          for (uint32_t j = 0; j < N; j++) MT_FALSE(isfinite(y[2 * N + j]));
+          continue;
+        }
+        MT_LE(kn_rel_l2(y + (size_t)t * N, ref + (size_t)t * N, N), tolerance(eng, fmts[fi]));
+      }
+      float *z = calloc((size_t)T * K, 4);
+      MT_OK(kn_linear_forward(eng, lin, T, z, y, NULL, &e), ep(&e));
+      for (size_t q = 0; q < (size_t)T * N; q++) MT_TRUE(y[q] == 0.0f);
+      free(z);
+      kn_linear_free(lin);
+    }
+    kn_engine_free(eng);
+  }
+  free(w);
+  free(x);
+  free(ref);
+  free(y);
+}
+
+/* ---- bad arguments ----------------------------------------------------------------- */
+
+#define EXPECT_ERR(call, code, text)          \
+  do {                                        \
+    mr_err e_ = {0};                          \
+    mr_err *e = &e_;                          \
+    MT_EQ_INT((call), (code));                \
+    MT_CONTAINS(e_.msg, (text));              \
+    printf("  refused: %s\n", e_.msg);        \
+  } while (0)
+
+MT_TEST(linear_bad_arguments) {
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  kn_linear *lin = NULL;
+  /* kn_linear_new */
+  EXPECT_ERR(kn_linear_new(&lin, NULL, 8, 8, KN_FMT_BF16, 0, e), MR_EINVAL, "engine");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 0, 8, KN_FMT_BF16, 0, e), MR_EINVAL, "n_out = 0, must be in 1..262144");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 262145, 8, KN_FMT_BF16, 0, e), MR_EINVAL, "n_out = 262145");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 8, 0, KN_FMT_BF16, 0, e), MR_EINVAL, "n_in = 0, must be in 1..65536");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 8, 65537, KN_FMT_BF16, 0, e), MR_EINVAL, "n_in = 65537");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 8, 8, (kn_format)99, 0, e), MR_EINVAL, "format = 99");
+  EXPECT_ERR(kn_linear_new(&lin, eng, 8, 8, KN_FMT_INT4, 16, e), MR_EINVAL, "group = 16");
+  MT_TRUE(lin == NULL);
+  mr_err err = {0};
+  /* the limits themselves are accepted */
+  MT_OK(kn_linear_new(&lin, eng, KN_LINEAR_MAX_OUT, 1, KN_FMT_INT8, 0, &err), ep(&err));
+  kn_linear_free(lin);
+  MT_OK(kn_linear_new(&lin, eng, 1, KN_LINEAR_MAX_IN, KN_FMT_INT4, 128, &err), ep(&err));
+  kn_linear_free(lin);
+  kn_linear_free(NULL);
+
+  const uint32_t N = 10, K = 7;
+  MT_OK(kn_linear_new(&lin, eng, N, K, KN_FMT_F32, 0, &err), ep(&err));
+  float *w = randn((size_t)N * K, 0.05f, 70), x[3 * 7] = {0}, y[3 * 10];
+  for (int i = 0; i < 30; i++) y[i] = 42.0f;
+  /* kn_linear_load_rows */
+  EXPECT_ERR(kn_linear_load_rows(NULL, 0, 1, w, MR_DTYPE_F32, e), MR_EINVAL, "lin is required");
+  EXPECT_ERR(kn_linear_load_rows(lin, 8, 3, w, MR_DTYPE_F32, e), MR_ERANGE, "n_out = 10");
+  EXPECT_ERR(kn_linear_load_rows(lin, 11, 0, w, MR_DTYPE_F32, e), MR_ERANGE, "row0 = 11");
+  EXPECT_ERR(kn_linear_load_rows(lin, UINT32_MAX, 2, w, MR_DTYPE_F32, e), MR_ERANGE, "n_out = 10");
+  EXPECT_ERR(kn_linear_load_rows(lin, 0, 1, NULL, MR_DTYPE_F32, e), MR_EINVAL, "w is required");
+  EXPECT_ERR(kn_linear_load_rows(lin, 0, 1, w, (mr_dtype)9, e), MR_EINVAL, "src dtype = 9");
+  MT_OK(kn_linear_load_rows(lin, 10, 0, NULL, MR_DTYPE_F32, &err), ep(&err)); /* empty band */
+  MT_EQ_INT(kn_linear_rows_loaded(lin), 0);
+  /* kn_linear_forward before every row is loaded */
+  EXPECT_ERR(kn_linear_forward(eng, lin, 3, x, y, NULL, e), MR_EPRECOND, "row 0 of W [10 x 7] is not loaded");
+  MT_OK(kn_linear_load_rows(lin, 0, 4, w, MR_DTYPE_F32, &err), ep(&err));
+  MT_OK(kn_linear_load_rows(lin, 6, 4, w + 6 * K, MR_DTYPE_F32, &err), ep(&err));
+  EXPECT_ERR(kn_linear_forward(eng, lin, 3, x, y, NULL, e), MR_EPRECOND, "row 4 of W");
+  EXPECT_ERR(kn_ref_linear_forward(lin, 3, x, y, e), MR_EPRECOND, "(8 of 10 rows are)");
+  /* a non-finite weight: refused naming row and column; the band is then not loaded */
+  w[5 * K + 3] = INFINITY;
+  EXPECT_ERR(kn_linear_load_rows(lin, 2, 6, w + 2 * K, MR_DTYPE_F32, e), MR_EINVAL, "W[row 5, column 3] = inf");
+  MT_EQ_INT(kn_linear_rows_loaded(lin), 4); /* rows 0-1 and 8-9 */
+  w[5 * K + 3] = 0.0f;
+  MT_OK(kn_linear_load_rows(lin, 0, N, w, MR_DTYPE_F32, &err), ep(&err));
+  MT_EQ_INT(kn_linear_rows_loaded(lin), N);
+  /* kn_linear_forward / kn_ref_linear_forward */
+  EXPECT_ERR(kn_linear_forward(NULL, lin, 3, x, y, NULL, e), MR_EINVAL, "engine is required");
+  EXPECT_ERR(kn_linear_forward(eng, NULL, 3, x, y, NULL, e), MR_EINVAL, "lin is required");
+  EXPECT_ERR(kn_linear_forward(eng, lin, 3, NULL, y, NULL, e), MR_EINVAL, "x and y are required");
+  EXPECT_ERR(kn_linear_forward(eng, lin, 3, x, NULL, NULL, e), MR_EINVAL, "x and y are required");
+  EXPECT_ERR(kn_linear_forward(eng, lin, 65537, x, y, NULL, e), MR_ERANGE, "T = 65537, must be in 0..65536");
+  EXPECT_ERR(kn_ref_linear_forward(NULL, 3, x, y, e), MR_EINVAL, "lin is required");
+  EXPECT_ERR(kn_ref_linear_forward(lin, 65537, x, y, e), MR_ERANGE, "T = 65537");
+  for (int i = 0; i < 30; i++) MT_TRUE(y[i] == 42.0f); /* untouched by every refusal */
+  MT_OK(kn_linear_forward(eng, lin, 0, NULL, NULL, NULL, &err), ep(&err)); /* T = 0: no-op */
+  MT_OK(kn_ref_linear_forward(lin, 0, NULL, NULL, &err), ep(&err));
+  MT_OK(kn_linear_forward(eng, lin, 3, x, y, NULL, &err), ep(&err));
+  for (int i = 0; i < 30; i++) MT_TRUE(y[i] == 0.0f); /* x = 0 */
+  kn_linear_free(lin);
+  free(w);
+  kn_engine_free(eng);
+}
+
+/* Out of memory at every allocation of new, load and forward: MR_ENOMEM, nothing leaked
+ * (ASan), the linear unchanged, and the next call works. */
+MT_TEST(linear_out_of_memory) {
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  const uint32_t N = 70, K = 33, T = 20;
+  float *w = randn((size_t)N * K, 0.05f, 80), *x = randn((size_t)T * K, 1.0f, 81);
+  float *y = malloc((size_t)T * N * 4), *ref = malloc((size_t)T * N * 4);
+  mr_err e = {0};
+  kn_linear *lin = NULL;
+  int failures = 0;
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_new(&lin, eng, N, K, KN_FMT_INT8, 0, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_TRUE(lin == NULL);
+    failures++;
+  }
+  MT_EQ_INT(failures, 3); /* the struct, the row bitmap, the weights */
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_load_rows(lin, 0, N, w, MR_DTYPE_F32, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_EQ_INT(kn_linear_rows_loaded(lin), 0);
+  }
+  MT_EQ_INT(kn_linear_rows_loaded(lin), N);
+  MT_OK(kn_ref_linear_forward(lin, T, x, ref, &e), ep(&e));
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_forward(eng, lin, T, x, y, NULL, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_CONTAINS(e.msg, "scratch");
+  }
+  MT_OK(kn_linear_forward(eng, lin, T, x, y, NULL, &e), ep(&e));
+  MT_LE(kn_rel_l2(y, ref, (size_t)T * N), tolerance(eng, KN_FMT_INT8));
+  mr_alloc_fail_after(1);
+  MT_EQ_INT(kn_ref_linear_forward(lin, T, x, ref, &e), MR_ENOMEM);
+  mr_alloc_fail_after(0);
+  kn_linear_free(lin);
+  kn_engine_free(eng);
+  free(w);
+  free(x);
+  free(y);
+  free(ref);
+}
+
+/* ---- kn_engine_run ----------------------------------------------------------------- */
+
+typedef struct run_check {
+  uint32_t threads;
+  uint32_t *hits;     /* [n]: atomic counts */
+  uint32_t *val;      /* [n]: plain writes, read after the run */
+  uint32_t bad_worker;
+  uint32_t per_worker[8];
+} run_check;
+
+static void run_item(void *arg, uint32_t item, uint32_t worker) {
+  run_check *c = arg;
+  __atomic_fetch_add(&c->hits[item], 1, __ATOMIC_RELAXED);
+  c->val[item] = item * 3 + 1;
+  if (worker >= c->threads) __atomic_store_n(&c->bad_worker, 1, __ATOMIC_RELAXED);
+  else __atomic_fetch_add(&c->per_worker[worker], 1, __ATOMIC_RELAXED);
+}
+
+static void run_and_check(kn_engine *eng, uint32_t n) {
+  run_check c = {.threads = kn_engine_threads(eng)};
+  c.hits = calloc(n + 1, sizeof *c.hits);
+  c.val = calloc(n + 1, sizeof *c.val);
+  kn_engine_run(eng, n, run_item, &c);
+  for (uint32_t i = 0; i < n; i++) {
+    if (c.hits[i] != 1) printf("  item %u of %u ran %u times\n", i, n, c.hits[i]);
+    MT_EQ_INT(c.hits[i], 1);
+    MT_EQ_INT(c.val[i], i * 3 + 1);
+  }
+  MT_EQ_INT(c.hits[n], 0);
+  MT_EQ_INT(c.bad_worker, 0);
+  uint32_t sum = 0;
+  for (uint32_t w = 0; w < c.threads; w++) sum += c.per_worker[w];
+  MT_EQ_INT(sum, n);
+  free(c.hits);
+  free(c.val);
+}
+
+typedef struct run_thread_arg {
+  kn_engine *eng;
+  uint32_t n, rounds;
+} run_thread_arg;
+static void *run_thread(void *p) {
+  run_thread_arg *a = p;
+  for (uint32_t r = 0; r < a->rounds; r++) run_and_check(a->eng, a->n + r);
+  return NULL;
+}
+
+MT_TEST(engine_run_covers_every_item_once) {
+  const uint32_t threads[2] = {2, 3};
+  const uint32_t ns[7] = {0, 1, 2, 3, 7, 1000, 100000};
+  for (int ti = 0; ti < 2; ti++) {
+    kn_engine *eng = engine_make(KN_ISA_COUNT, threads[ti]);
+    MT_EQ_INT(kn_engine_threads(eng), threads[ti]);
+    for (int ni = 0; ni < 7; ni++) run_and_check(eng, ns[ni]);
+    for (uint32_t r = 0; r < 200; r++) run_and_check(eng, 1 + r % 9); /* back to back */
+    /* two threads calling at once: the pool runs one job at a time */
+    pthread_t th[2];
+    run_thread_arg a[2] = {{eng, 500, 20}, {eng, 77, 20}};
+    for (int i = 0; i < 2; i++) MT_EQ_INT(pthread_create(&th[i], NULL, run_thread, &a[i]), 0);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    kn_engine_free(eng);
+  }
+}
+
+/* kn_engine_pin_caller puts the calling thread on worker 0's core: the PUs the plan keeps
+ * free of pool threads, and no others. */
+MT_TEST(engine_pin_caller_takes_worker0_core) {
+  mr_err e = {0};
+  MT_EQ_INT(kn_engine_pin_caller(NULL, &e), MR_EINVAL);
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  int rc = kn_engine_pin_caller(eng, &e);
+  if (rc != 0) {
+    MT_EQ_INT(rc, MR_ENOTSUP);
+    printf("  SKIP: the OS refused the pin: %s\n", e.msg);
+    kn_engine_free(eng);
+    return;
+  }
+  const kn__worker_spec *w0 = &eng->plan.w[0];
+  const kn__topo *t = &eng->topo;
+  const uint32_t c0 = w0->core == KN__CORE_NODE ? t->node_core0[w0->node] : w0->core;
+  const uint32_t c1 = w0->core == KN__CORE_NODE ? t->node_core0[w0->node + 1] : w0->core + 1;
+  cpu_set_t want, got;
+  CPU_ZERO(&want);
+  for (uint32_t i = t->core_pu0[c0]; i < t->core_pu0[c1]; i++) CPU_SET(t->pu[i], &want);
+  MT_EQ_INT(sched_getaffinity(0, sizeof got, &got), 0);
+  MT_TRUE(CPU_EQUAL(&want, &got));
+  printf("  caller pinned to %d PU(s), cpu %d now\n", CPU_COUNT(&got), sched_getcpu());
+  run_and_check(eng, 1000); /* still works */
+  kn_engine_free(eng);
+}
+
+MT_MAIN()
