@@ -333,6 +333,15 @@ def cpu_model():
     return "unknown"
 
 
+def loadavg():
+    """1-minute load average: on a shared 2-core host other jobs skew both sides."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError):
+        return None
+
+
 def mkmodel(args, out, mk_args):
     cfg = os.path.join(out, "config.json")
     stamp = os.path.join(out, ".mkmodel-args")
@@ -481,6 +490,7 @@ def run_format(args, py, model, fmt, cpu):
     ours_p, ours_d, ll_p, ll_d = [], [], [], []
     note = None if not args.only_llama else "--only-llama"
     t_load = ask({"op": "ping"})["load_s"]
+    load_before = loadavg()
     for rep in range(-1, args.repeats):        # rep -1: untimed warm-up of both
         if note is None:
             res, note = moerpc_bench(args, model)
@@ -503,7 +513,8 @@ def run_format(args, py, model, fmt, cpu):
     out = {"format": fmt, "threads": args.threads, "prompt_len": args.prompt_len,
            "decode": args.decode, "batch": 1, "repeats": args.repeats, "cpu": cpu,
            "model": model, "gguf": g, "gguf_gib": round(os.path.getsize(g) / 2**30, 3),
-           "llama_load_s": round(t_load, 2),
+           "llama_load_s": round(t_load, 2), "loadavg_before": load_before,
+           "loadavg_after": loadavg(),
            "llama_prefill_tok_s": round(lp, 2), "moerpc_prefill_tok_s": op,
            "prefill_ratio": round(op / lp, 3) if op else None,
            "llama_decode_tok_s": round(ld, 3), "moerpc_decode_tok_s": od,
