@@ -5,9 +5,10 @@ Three small random checkpoints are written by transformers itself (save_pretrain
 safetensors), with fixed seeds:
 
   qwen3moe-a  Qwen3MoeForCausalLM, hidden 64, 4 layers, 8 experts top-2, 4 heads / 2 kv
-              heads, head_dim 16 (!= hidden/heads), vocab 256, rope_theta 1e6, layer 1
-              dense (mlp_only_layers=[1], intermediate 96), moe_intermediate 32,
-              norm_topk_prob, untied lm_head; bf16, SHARDED (model.safetensors.index.json)
+              heads, head_dim 32 (!= hidden/heads = 16: q_proj is [128, 64]), vocab 256,
+              rope_theta 1e6, layer 1 dense (mlp_only_layers=[1], intermediate 96),
+              moe_intermediate 32, norm_topk_prob, untied lm_head; bf16, SHARDED
+              (model.safetensors.index.json)
   qwen3moe-b  the same with norm_topk_prob False, tied embeddings (no lm_head.weight in the
               file), decoder_sparse_step 2 (layers 0 and 2 dense); f32, one file
   mixtral-c   MixtralForCausalLM, hidden 64, 3 layers, 4 experts top-2, 4 heads / 2 kv
@@ -66,7 +67,7 @@ T_PROMPT = 12
 
 def qwen_config(**over):
     kw = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
               num_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-6,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6},
               max_position_embeddings=512, use_sliding_window=False)
