@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c) and
-# kn_moe_forward against PyTorch + transformers (tests/conformance/README.md).
+# tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
+# kn_moe_forward and the whole-model runner (moerpc-client logits) against PyTorch +
+# transformers (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -8,7 +9,7 @@
 # Builds $BUILD/tests/kn_ref_cli, installs the pinned Python packages into the venv when
 # they are missing (about 1 minute and 5.5 GB: PyPI's torch wheel pulls the CUDA runtime
 # libraries, which it needs even to import on CPU), then runs the check. Exits non-zero
-# on any mismatch; the last line is "conformance: N passed, N failed".
+# on any mismatch; each script ends with its own "...: N passed, N failed" line.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
@@ -21,8 +22,10 @@ if ! "$VENV/bin/python" -c 'import torch, transformers, safetensors' >/dev/null 
   "$VENV/bin/pip" install -q --disable-pip-version-check "${PY_PKGS[@]}"
 fi
 
-make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" "$BUILD/bin/moerpc-mkmodel"
+make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" \
+  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client"
 rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1
+"$VENV/bin/python" tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
 exit $rc
