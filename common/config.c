@@ -159,6 +159,58 @@ static int cfg_arch(const cfg_ctx *c, mr_model_config *cfg) {
                     c->label, name);
 }
 
+/* The fields only a whole-model runner reads (attention, RoPE, head). transformers 5 moved
+ * rope_theta and the scaling type into "rope_parameters"; 4.x writes "rope_theta" and
+ * "rope_scaling" at the top level. Both are read; the nested value wins. */
+static int cfg_runner(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  float def_theta = cfg->arch == MR_ARCH_MIXTRAL ? 1e6f : 10000.0f;
+  if ((rc = cfg_float(c, "rope_theta", def_theta, 0.0, 1e12, &cfg->rope_theta))) return rc;
+  snprintf(cfg->rope_type, sizeof cfg->rope_type, "default");
+  static const char *const rope_keys[] = {"rope_scaling", "rope_parameters"};
+  for (int i = 0; i < 2; i++) {
+    const cJSON *rp = cfg_get(c, rope_keys[i]);
+    if (!rp) continue;
+    if (!cJSON_IsObject(rp)) {
+      char desc[96];
+      mr__json_describe(rp, desc, sizeof desc);
+      return mr_err_set(c->e, MR_EFORMAT, "%s: %s = %s, must be an object or null", c->label,
+                        rope_keys[i], desc);
+    }
+    cfg_ctx sub = {.root = rp, .label = c->label, .e = c->e};
+    if ((rc = cfg_float(&sub, "rope_theta", cfg->rope_theta, 0.0, 1e12, &cfg->rope_theta)))
+      return mr_err_prefix(c->e, rc, "%s", rope_keys[i]);
+    const cJSON *t = cfg_get(&sub, "rope_type");
+    if (!t) t = cfg_get(&sub, "type");
+    if (t) {
+      if (!cJSON_IsString(t) || strlen(t->valuestring) >= sizeof cfg->rope_type) {
+        char desc[96];
+        mr__json_describe(t, desc, sizeof desc);
+        return mr_err_set(c->e, MR_EFORMAT, "%s: %s.rope_type = %s, must be a string of at "
+                          "most %zu bytes", c->label, rope_keys[i], desc,
+                          sizeof cfg->rope_type - 1);
+      }
+      snprintf(cfg->rope_type, sizeof cfg->rope_type, "%s", t->valuestring);
+    }
+  }
+  if ((rc = cfg_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings))) return rc;
+  if ((rc = cfg_bool(c, "attention_bias", false, &cfg->attention_bias))) return rc;
+  cfg->qk_norm = cfg->arch == MR_ARCH_QWEN3_MOE && strcmp(cfg->arch_name, "Qwen3MoeForCausalLM") == 0;
+  if (cfg->arch == MR_ARCH_QWEN3_MOE && strcmp(cfg->arch_name, "Qwen2MoeForCausalLM") == 0)
+    cfg->attention_bias = true; /* Qwen2-MoE always has q/k/v biases */
+  /* Qwen's sliding_window only applies with use_sliding_window; Mixtral's always does. */
+  bool use_sw = cfg->arch == MR_ARCH_MIXTRAL;
+  if (cfg->arch == MR_ARCH_QWEN3_MOE &&
+      (rc = cfg_bool(c, "use_sliding_window", false, &use_sw)))
+    return rc;
+  uint32_t sw = 0;
+  if ((rc = cfg_u32(c, "sliding_window", false, 0, 0, UINT32_MAX, &sw))) return rc;
+  cfg->sliding_window = use_sw ? sw : 0;
+  if ((rc = cfg_u32(c, "max_position_embeddings", false, 0, 0, UINT32_MAX, &cfg->max_position)))
+    return rc;
+  return 0;
+}
+
 /* Fields every family shares. */
 static int cfg_common(const cfg_ctx *c, mr_model_config *cfg) {
   int rc;
@@ -201,7 +253,7 @@ static int cfg_common(const cfg_ctx *c, mr_model_config *cfg) {
                       cfg->head_dim, CFG_MAX_HEAD_DIM);
   float def_eps = cfg->arch == MR_ARCH_MIXTRAL ? 1e-5f : 1e-6f;
   if ((rc = cfg_float(c, "rms_norm_eps", def_eps, 0.0, 1.0, &cfg->rms_norm_eps))) return rc;
-  return 0;
+  return cfg_runner(c, cfg);
 }
 
 static int cfg_experts(const cfg_ctx *c, mr_model_config *cfg, const char *experts_key,
@@ -216,7 +268,11 @@ static int cfg_experts(const cfg_ctx *c, mr_model_config *cfg, const char *exper
 
 static int cfg_qwen(const cfg_ctx *c, mr_model_config *cfg) {
   int rc;
-  if ((rc = cfg_experts(c, cfg, "num_experts", "moe_intermediate_size"))) return rc;
+  /* transformers 5 saves Qwen3-MoE's expert count as num_local_experts (its attribute map
+   * renamed num_experts); 4.x and the released checkpoints write num_experts. */
+  const char *ekey = !cfg_get(c, "num_experts") && cfg_get(c, "num_local_experts")
+                         ? "num_local_experts" : "num_experts";
+  if ((rc = cfg_experts(c, cfg, ekey, "moe_intermediate_size"))) return rc;
   if ((rc = cfg_u32(c, "intermediate_size", false, 0, 0, CFG_MAX_INTER,
                     &cfg->dense_intermediate)))
     return rc;

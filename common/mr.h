@@ -315,6 +315,14 @@ typedef struct mr_model_config {
   float routed_scaling_factor; /* 1.0 unless the config says otherwise */
   float rms_norm_eps;
   uint8_t is_moe[MR_MAX_LAYERS]; /* 1 if layer l has routed experts */
+  /* What a whole-model runner needs besides the experts (gpu_client/model.h). */
+  float rope_theta;            /* rope_theta, or rope_parameters.rope_theta (transformers 5) */
+  char rope_type[32];          /* rope_scaling / rope_parameters rope_type; "default" if none */
+  bool tie_word_embeddings;    /* lm_head shares embed_tokens (default false) */
+  bool attention_bias;         /* q/k/v (and o) projections have biases (Qwen attention_bias) */
+  bool qk_norm;                /* per-head RMSNorm of q and k before RoPE (Qwen3) */
+  uint32_t sliding_window;     /* attention window in tokens, 0 = none */
+  uint32_t max_position;       /* max_position_embeddings, 0 if absent */
 } mr_model_config;
 /* Reads config.json at path (a file, or a directory containing config.json). Validates
  * ranges (hidden 1..65536, experts 1..65536, top_k 1..num_experts, layers 1..MR_MAX_LAYERS)
@@ -376,6 +384,40 @@ typedef struct mr_cluster_file {
 int mr_cluster_load(mr_cluster_file *c, const char *path, mr_err *e);
 int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const char *label,
                      mr_err *e);
+
+/* ---------------------------------------------------------------------------------------
+ * Placement file (JSON): which experts the client computes itself ("local", the hot set)
+ * and, optionally, which server computes each cold expert. Written by hand or by
+ * moerpc-place; read by the model runner (gpu_client/model.h).
+ * {
+ *   "format": "moerpc-placement", "version": 1,
+ *   "model_fingerprint": "0123456789abcdef",   optional: checked against the servers
+ *   "num_layers": 48, "num_experts": 128,
+ *   "layers": [
+ *     {"layer": 0, "local": "0-3,17",             id set (see mr_idset_parse), optional
+ *      "remote": {"s0": "4-63", "s1": "64-127"}}, optional: server name -> id set
+ *     ...
+ *   ]
+ * }
+ * Layers not listed have no local expert and default routing (the first server of the
+ * cluster file that announces the pair). A pair may be local or on one server, not both.
+ */
+#define MR_PLACEMENT_MAX_SERVERS MR_CLUSTER_MAX_SERVERS
+typedef struct mr_placement {
+  uint32_t num_layers, num_experts;
+  char model_fingerprint[64];  /* "" when absent */
+  uint8_t *local;              /* [L * E] 1 = the client computes it (owned) */
+  int32_t *route;              /* [L * E] index into server[] or -1 (owned) */
+  uint32_t n_servers;          /* distinct server names used in "remote" */
+  char (*server)[64];          /* [n_servers] names, in order of first use (owned) */
+  uint64_t n_local;            /* pairs marked local */
+} mr_placement;
+/* Reads and validates a placement file; errors name the file, the field and the limit.
+ * The caller releases p with mr_placement_close (also after a failure). */
+int mr_placement_load(mr_placement *p, const char *path, mr_err *e);
+int mr_placement_parse(mr_placement *p, const char *json, size_t len, const char *label,
+                       mr_err *e);
+void mr_placement_close(mr_placement *p);
 
 /* Reads a whole file into a NUL-terminated heap buffer (caller frees with mr_free);
  * refuses files over max_bytes. */

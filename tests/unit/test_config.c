@@ -64,6 +64,49 @@ MT_TEST(qwen3_moe) {
   MT_EQ_STR(tiny, "model.l");
 }
 
+/* What the runner reads: RoPE, head, biases, window; and transformers 5's spelling of
+ * Qwen3-MoE configs (num_local_experts, rope_parameters). */
+MT_TEST(runner_fields_and_transformers5_names) {
+  mr_model_config c;
+  mr_err e;
+  MT_OK(parse(&c, qwen3_30b, &e), &e);
+  MT_NEAR(c.rope_theta, 1e6, 1e-3);
+  MT_EQ_STR(c.rope_type, "default");
+  MT_FALSE(c.tie_word_embeddings);
+  MT_FALSE(c.attention_bias);
+  MT_TRUE(c.qk_norm);
+  MT_EQ_INT(c.sliding_window, 0);
+  MT_EQ_INT(c.max_position, 40960);
+  static const char *v5 =
+      "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"hidden_size\": 64,"
+      " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"num_attention_heads\": 4,"
+      " \"num_key_value_heads\": 2, \"head_dim\": 16, \"moe_intermediate_size\": 32,"
+      " \"num_local_experts\": 8, \"num_experts_per_tok\": 2, \"tie_word_embeddings\": true,"
+      " \"rope_parameters\": {\"rope_theta\": 5000.0, \"rope_type\": \"default\"},"
+      " \"sliding_window\": 64, \"use_sliding_window\": false}";
+  MT_OK(parse(&c, v5, &e), &e);
+  MT_EQ_INT(c.num_experts, 8);
+  MT_NEAR(c.rope_theta, 5000.0, 1e-3);
+  MT_TRUE(c.tie_word_embeddings);
+  MT_EQ_INT(c.sliding_window, 0); /* Qwen: only with use_sliding_window */
+  static const char *yarn =
+      "{\"architectures\": [\"MixtralForCausalLM\"], \"hidden_size\": 64,"
+      " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"num_attention_heads\": 4,"
+      " \"intermediate_size\": 32, \"num_local_experts\": 4, \"num_experts_per_tok\": 2,"
+      " \"sliding_window\": 4096, \"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4}}";
+  MT_OK(parse(&c, yarn, &e), &e);
+  MT_EQ_STR(c.rope_type, "yarn");
+  MT_EQ_INT(c.sliding_window, 4096); /* Mixtral: always */
+  MT_NEAR(c.rope_theta, 1e6, 1e-3);  /* Mixtral's default */
+  static const char *bad =
+      "{\"architectures\": [\"MixtralForCausalLM\"], \"hidden_size\": 64,"
+      " \"num_hidden_layers\": 2, \"vocab_size\": 256, \"num_attention_heads\": 4,"
+      " \"intermediate_size\": 32, \"num_local_experts\": 4, \"num_experts_per_tok\": 2,"
+      " \"rope_parameters\": {\"rope_theta\": -1}}";
+  MT_TRUE(parse(&c, bad, &e) != 0);
+  MT_CONTAINS(e.msg, "rope_theta");
+}
+
 MT_TEST(qwen2_moe_sparse_step_and_mlp_only) {
   mr_model_config c;
   mr_err e;
