@@ -569,8 +569,9 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       for (uint32_t i = i0; i < i1; i++)
         for (int p = 0; p < 2; p++)
           if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
-            kn__pack_row(f, G, row, H, kn__amax(row, H) / 127.0f, (char *)dsts[p] + i * rb,
-                     scs[p] ? scs[p] + i * sc : NULL);
+            kn__pack_row(f, G, row, H, f == KN_FMT_INT8 ? kn__amax(row, H) / 127.0f : 0.0f,
+                         (char *)dsts[p] + i * rb,
+                         scs[p] ? scs[p] + i * sc : NULL);
     } else {
       const size_t rb = kn__row_bytes(f, Is, G), sc = kn__row_scales(f, Is, G);
       const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
