@@ -393,6 +393,52 @@ static int cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_opt
   return 0;
 }
 
+/* Applies gc_options.caller_local to local[] and checks gc_options.route against the
+ * servers' Hellos, before anything is routed: sizes must be the servers' L * E, a routed
+ * server must exist and announce the pair, and a pair cannot be both local and routed. */
+static int caller_placement_check(gc_cluster *c, uint8_t *local, mr_err *e) {
+  const size_t pairs = (size_t)c->L * c->E;
+  const gc_options *o = &c->opts;
+  if (o->caller_local) {
+    if (o->caller_local_len != pairs)
+      return mr_err_set(e, MR_EMISMATCH, "caller-local experts: %zu entries given, the "
+                        "servers' model has %u layers x %u experts = %zu", o->caller_local_len,
+                        c->L, c->E, pairs);
+    for (size_t i = 0; i < pairs; i++) {
+      if (!o->caller_local[i]) continue;
+      if (local[i])
+        return mr_err_set(e, MR_EINVAL, "layer %zu expert %zu is both in the cluster file's "
+                          "\"local\" section and computed by the caller", i / c->E, i % c->E);
+      local[i] = GC__LOCAL_CALLER;
+      c->caller_pairs++;
+    }
+  }
+  if (o->route) {
+    if (o->route_len != pairs)
+      return mr_err_set(e, MR_EMISMATCH, "placement routing: %zu entries given, the servers' "
+                        "model has %u layers x %u experts = %zu", o->route_len, c->L, c->E,
+                        pairs);
+    for (size_t i = 0; i < pairs; i++) {
+      int32_t s = o->route[i];
+      if (s < 0) continue;
+      if ((uint32_t)s >= c->n_servers)
+        return mr_err_set(e, MR_ERANGE, "placement: layer %zu expert %zu is routed to server "
+                          "index %d, the cluster has %u servers", i / c->E, i % c->E, s,
+                          c->n_servers);
+      if (local[i])
+        return mr_err_set(e, MR_EINVAL, "placement: layer %zu expert %zu is both local and "
+                          "routed to " GC__SRV_FMT, i / c->E, i % c->E,
+                          GC__SRV_ARGS(&c->servers[s]));
+      const uint64_t *ann = c->servers[s].announce;
+      if (!ann || !(ann[i >> 6] >> (i & 63) & 1u))
+        return mr_err_set(e, MR_EPRECOND, "placement: layer %zu expert %zu is placed on "
+                          GC__SRV_FMT ", which does not own it (its Hello does not announce it)",
+                          i / c->E, i % c->E, GC__SRV_ARGS(&c->servers[s]));
+    }
+  }
+  return 0;
+}
+
 int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
                            const gc_options *opts, mr_err *e) {
   uint8_t *must = NULL, *local = NULL;
@@ -459,6 +505,9 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     if (rc) goto out_close;
   }
 
+  rc = caller_placement_check(c, local, e);
+  if (rc) goto out_close;
+
   const uint64_t **ann = mr_calloc(c->n_servers, sizeof *ann);
   uint64_t *assigned = mr_calloc(c->n_servers, sizeof *assigned);
   if (!ann || !assigned) {
@@ -468,7 +517,7 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     goto out_close;
   }
   for (uint32_t i = 0; i < c->n_servers; i++) ann[i] = c->servers[i].announce;
-  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, assigned);
+  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, c->opts.route, assigned);
   for (uint32_t i = 0; i < c->n_servers; i++) {
     c->servers[i].assigned = assigned[i];
     if (assigned[i] == 0)
@@ -548,6 +597,7 @@ void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out) {
   out->n_servers = c->n_servers;
   out->deadline_ms = c->deadline_ms;
   out->local_pairs = c->local_pairs;
+  out->caller_pairs = c->caller_pairs;
   snprintf(out->model_dir, sizeof out->model_dir, "%s", c->model_dir);
 }
 

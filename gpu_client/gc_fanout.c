@@ -51,6 +51,7 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
                           "num_experts %u",
                           layer, i, t, j, id, E);
       int32_t o = owner_row[id];
+      if (o == GC_OWNER_CALLER) continue; /* the caller computes it: skipped like -1 */
       if (o == GC_OWNER_NONE)
         return mr_err_set(e, MR_EPRECOND,
                           "layer %u expert %d (ids[%zu], token %u) is owned by no server and "
@@ -93,7 +94,7 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
     for (uint32_t j = 0; j < k; j++) {
       size_t i = (size_t)t * k + j;
       int32_t id = ids[i];
-      if (id == -1) continue;
+      if (id == -1 || owner_row[id] == GC_OWNER_CALLER) continue;
       int32_t o = owner_row[id];
       uint32_t tg = o == GC_OWNER_LOCAL ? n_servers : (uint32_t)o;
       gc__part *pt = &p->parts[part_of[tg]];
@@ -157,14 +158,17 @@ void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, c
 }
 
 void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
-                     const uint64_t *const *announce, const uint8_t *local, uint64_t *assigned) {
+                     const uint64_t *const *announce, const uint8_t *local, const int32_t *route,
+                     uint64_t *assigned) {
   if (assigned) memset(assigned, 0, n_servers * sizeof *assigned);
   for (uint32_t l = 0; l < L; l++) {
     for (uint32_t x = 0; x < E; x++) {
       size_t i = (size_t)l * E + x;
       int32_t o = GC_OWNER_NONE;
       if (local && local[i]) {
-        o = GC_OWNER_LOCAL;
+        o = local[i] == GC__LOCAL_CALLER ? GC_OWNER_CALLER : GC_OWNER_LOCAL;
+      } else if (route && route[i] >= 0 && (uint32_t)route[i] < n_servers) {
+        o = route[i];
       } else {
         for (uint32_t s = 0; s < n_servers; s++) {
           if (announce[s] && (announce[s][i >> 6] >> (i & 63) & 1u)) {

@@ -80,6 +80,7 @@ static gc_pending *pending_get(gc_cluster *c, mr_err *e) {
   p->reqs = NULL;
   p->part_out = NULL;
   p->local_rc = 0;
+  p->t_last_reply_ns = p->local_ns = p->t_sent_ns = 0;
   mr_err_clear(&p->local_err);
   memset(&p->plan, 0, sizeof p->plan);
   atomic_store(&p->refs, 1);
@@ -140,6 +141,7 @@ void gc__req_complete(gc__req *r, int rc, const mr_err *err) {
                             (unsigned long long)r->id, mr_strerror(rc));
     p->n_done++;
     if (rc) p->failed = true;
+    else p->t_last_reply_ns = mr_now_ns();
     if (rc || p->n_done == p->n_reqs) pthread_cond_broadcast(&p->cond);
   }
   pthread_mutex_unlock(&p->lock);
@@ -269,10 +271,13 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
     }
   }
 
+  p->t_sent_ns = mr_now_ns(); /* every request is with the transport */
   /* The servers work on their parts while this thread computes the local one. */
   for (uint32_t i = 0; i < np; i++) {
     if (p->plan.parts[i].target != GC_OWNER_LOCAL) continue;
+    uint64_t t0 = mr_now_ns();
     p->local_rc = gc__local_forward(c, p, i, x_part[i], &p->local_err);
+    p->local_ns += mr_now_ns() - t0;
     if (p->local_rc)
       mr_err_prefix(&p->local_err, p->local_rc, "layer %u: local experts", q->layer);
   }
@@ -294,8 +299,16 @@ static void abs_from_ns(struct timespec *ts, uint64_t ns) {
   ts->tv_nsec = (long)(ns % 1000000000u);
 }
 
+bool gc_pending_empty(const gc_pending *p) { return p->plan.n_parts == 0; }
+
 int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
-  MR_ASSERT(c && p && p->c == c && out);
+  return gc_layer_wait_ex(c, p, out, 0, NULL, e);
+}
+
+int gc_layer_wait_ex(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
+                     gc_call_timing *t, mr_err *e) {
+  MR_ASSERT(c && p && p->c == c && (out || p->plan.n_parts == 0));
+  const uint64_t t_wait0 = mr_now_ns();
   struct timespec ts;
   abs_from_ns(&ts, p->deadline_ns);
   pthread_mutex_lock(&p->lock);
@@ -306,7 +319,15 @@ int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
   /* From here on no other thread writes the requests' result fields. */
   p->closed = true;
   bool timed_out = p->n_done < p->n_reqs && !p->failed;
+  const uint64_t t_reply = p->t_last_reply_ns;
   pthread_mutex_unlock(&p->lock);
+  if (t) {
+    t->wait_us = (mr_now_ns() - t_wait0) / 1000u;
+    t->rpc_us = p->n_reqs && t_reply > p->t_sent_ns ? (t_reply - p->t_sent_ns) / 1000u : 0;
+    t->submit_us = (p->t_sent_ns - p->t_submit_ns) / 1000u;
+    t->local_us = p->local_ns / 1000u;
+    t->requests = p->n_reqs;
+  }
 
   /* The first failure in part order (servers in file order), so that the same fault gives
    * the same message whichever reply came first. */
@@ -357,7 +378,8 @@ int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
     goto out_unref;
   }
 
-  memset(out, 0, (size_t)p->plan.n_tokens * c->H * sizeof *out);
+  if (out && !(flags & GC_WAIT_ACCUMULATE))
+    memset(out, 0, (size_t)p->plan.n_tokens * c->H * sizeof *out);
   for (uint32_t i = 0; i < p->plan.n_parts; i++) {
     const gc__part *pt = &p->plan.parts[i];
     gc__scatter_add(out, c->H, pt->rows, pt->n_tokens, p->part_out[i],
@@ -366,6 +388,21 @@ int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
 out_unref:
   gc__pending_unref(p);
   return rc;
+}
+
+void gc_layer_cancel(gc_cluster *c, gc_pending *p) {
+  if (!p) return;
+  MR_ASSERT(p->c == c);
+  pthread_mutex_lock(&p->lock);
+  p->closed = true; /* from here on late results are ignored */
+  pthread_mutex_unlock(&p->lock);
+  for (uint32_t i = 0; i < p->n_reqs; i++) {
+    gc__req *r = &p->reqs[i];
+    if (r->done) continue;
+    enum gc__req_state st;
+    if (gc__stream_forget(r->s, r, false, &st)) gc__pending_unref(p);
+  }
+  gc__pending_unref(p);
 }
 
 int gc_layer_forward(gc_cluster *c, const gc_layer_req *q, float *out, mr_err *e) {

@@ -33,10 +33,15 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
 
   rc = mr_st_open(&st, c->model_dir, e);
   if (rc) goto out;
-  rc = kn_engine_new(&c->local_eng, &c->opts.local_engine, e);
-  if (rc) {
-    mr_err_prefix(e, rc, "local experts: kernel engine");
-    goto out;
+  if (c->opts.shared_engine) {
+    c->local_eng = c->opts.shared_engine;
+  } else {
+    rc = kn_engine_new(&c->local_eng, &c->opts.local_engine, e);
+    if (rc) {
+      mr_err_prefix(e, rc, "local experts: kernel engine");
+      goto out;
+    }
+    c->own_local_eng = true;
   }
   c->local_layers = mr_calloc(c->L, sizeof *c->local_layers);
   if (!c->local_layers) {
@@ -62,7 +67,7 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;
       }
-      local[(size_t)l * c->E + x] = 1;
+      local[(size_t)l * c->E + x] = GC__LOCAL_LIB;
       c->local_pairs++;
     }
   }
@@ -102,6 +107,7 @@ void gc__local_free(gc_cluster *c) {
     for (uint32_t l = 0; l < c->L; l++) kn_layer_free(c->local_layers[l]);
   mr_free(c->local_layers);
   c->local_layers = NULL;
-  kn_engine_free(c->local_eng);
+  if (c->own_local_eng) kn_engine_free(c->local_eng);
   c->local_eng = NULL;
+  c->own_local_eng = false;
 }

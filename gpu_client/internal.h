@@ -95,13 +95,18 @@ void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, c
                      mr_dtype dt);
 
 /*
- * Builds the owner map (L * E entries) from announced ownership: local[] (L * E flags, or
- * NULL) wins, then the first server in index order whose announce[s] bit is set.
- * announce[s] is a bitset over layer * E + expert. assigned[s] (n_servers entries, may be
- * NULL) gets the pairs routed to each server.
+ * Builds the owner map (L * E entries) from announced ownership: local[] (L * E entries, or
+ * NULL; GC__LOCAL_LIB = the library computes it, GC__LOCAL_CALLER = the caller does) wins,
+ * then route[] (L * E server indices, -1 = none, or NULL; the caller has checked that the
+ * server announces the pair), then the first server in index order whose announce[s] bit
+ * is set. announce[s] is a bitset over layer * E + expert. assigned[s] (n_servers
+ * entries, may be NULL) gets the pairs routed to each server.
  */
+#define GC__LOCAL_LIB 1
+#define GC__LOCAL_CALLER 2
 void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
-                     const uint64_t *const *announce, const uint8_t *local, uint64_t *assigned);
+                     const uint64_t *const *announce, const uint8_t *local, const int32_t *route,
+                     uint64_t *assigned);
 
 /*
  * Checks that every layer l with must[l] != 0, or with at least one owned expert, has all
@@ -111,6 +116,18 @@ void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
  */
 uint32_t gc__coverage_check(const int32_t *owner, uint32_t L, uint32_t E, const uint8_t *must,
                             char *msg, size_t len);
+
+/*
+ * The deferral split of one layer call (gc_moe.c, kt-kernel's select_deferred_experts): a
+ * token's non-empty slots are ranked by weight (ties keep the earlier slot); a slot ranked
+ * at or below k - K (0-based rank >= k - K) whose owner_row entry is a server (>= 0) goes
+ * to def[], every other slot stays in now[] (so library-local and caller-local ones are
+ * never deferred; ids out of range stay in now[] for submit to report). Both are [T * k]
+ * with -1 where a slot went to the other. Returns the number of deferred slots.
+ */
+uint32_t gc__defer_split(const int32_t *owner_row, uint32_t E, uint32_t T, uint32_t k,
+                         uint32_t K, const int32_t *ids, const float *weights, int32_t *now,
+                         int32_t *def);
 
 /* ---- the cluster ------------------------------------------------------------------------- */
 
@@ -214,6 +231,9 @@ struct gc_pending {
   bool failed;              /* a request failed (wake the waiter early) */
   bool closed;              /* the waiter gave up or finished; late results are ignored */
   uint64_t t_submit_ns, deadline_ns;
+  uint64_t t_sent_ns;       /* submit handed the last request to the transport */
+  uint64_t t_last_reply_ns; /* latest OK reply of its requests (under lock), 0 = none */
+  uint64_t local_ns;        /* library-local experts computed in submit */
   uint32_t layer, H;
   mr_dtype dtype;
   gc__plan plan;
@@ -242,9 +262,11 @@ struct gc_cluster {
   gc__stream *streams;      /* [n_servers] */
   int32_t *owner;           /* [L * E] */
   /* local experts (gc_local.c) */
-  kn_engine *local_eng;
+  kn_engine *local_eng;     /* own, or opts.shared_engine */
+  bool own_local_eng;
   kn_layer **local_layers;  /* [L], NULL where no local expert */
   uint64_t local_pairs;
+  uint64_t caller_pairs;    /* pairs of opts.caller_local */
   pthread_mutex_t local_lock;
   /* I/O */
   bool grpc_inited;

@@ -68,7 +68,8 @@ typedef struct gc_pending gc_pending;
 
 /* Values of gc_cluster_owner() besides a server index. */
 #define GC_OWNER_NONE (-1)
-#define GC_OWNER_LOCAL (-2)
+#define GC_OWNER_LOCAL (-2)  /* computed by the library (the cluster file's "local" section) */
+#define GC_OWNER_CALLER (-3) /* computed by the caller itself (gc_options.caller_local) */
 
 typedef struct gc_options {
   /* Sent as HelloRequest.client_name (servers log it). NULL = "moerpc-client". */
@@ -92,6 +93,22 @@ typedef struct gc_options {
   uint32_t local_group;
   /* Kernel engine of the local experts (ISA, threads, NUMA); see kernels/kn.h. */
   kn_engine_opts local_engine;
+  /* An engine to compute local experts on instead of a new one (not owned; must outlive
+   * the cluster). A model runner passes its own so that one pool serves everything. */
+  kn_engine *shared_engine;
+  /* Pairs the caller computes itself, e.g. hot experts on the GPU: caller_local[l * E + x]
+   * != 0 for (layer l, expert x), caller_local_len = num_layers * num_experts of the
+   * servers' model (checked at open), or NULL / 0 for none. They count as covered, are
+   * never routed to a server, and submit skips their slots as if they were -1 (the
+   * contract of kt-kernel's gpu_experts_mask). Read at open only. */
+  const uint8_t *caller_local;
+  size_t caller_local_len;
+  /* A placement's routing: route[l * E + x] = index of the server (cluster file order) that
+   * must compute (l, x), or -1 for the default rule (first announcing server); route_len =
+   * num_layers * num_experts, or NULL / 0. A server named for a pair it does not announce
+   * is refused at open (MR_EPRECOND naming layer, expert and server). Read at open only. */
+  const int32_t *route;
+  size_t route_len;
 } gc_options;
 /* Fills o with the defaults above. */
 void gc_options_init(gc_options *o);
@@ -158,6 +175,72 @@ int gc_layer_wait(gc_cluster *c, gc_pending *pending, float *out, mr_err *e);
 /* gc_layer_submit + gc_layer_wait. */
 int gc_layer_forward(gc_cluster *c, const gc_layer_req *req, float *out, mr_err *e);
 
+/* Where the time of one layer call went (microseconds), for overlap accounting. */
+typedef struct gc_call_timing {
+  uint64_t submit_us; /* the caller's own time in submit: split, gather, encode, queue */
+  uint64_t rpc_us;    /* requests queued -> the last server reply arrived (0: no server
+                       * part); what overlap can hide: rpc_us - wait_us */
+  uint64_t wait_us;   /* time the caller spent blocked in the wait */
+  uint64_t local_us;  /* library-local experts computed inside submit */
+  uint32_t requests;  /* ForwardRequests sent */
+} gc_call_timing;
+#define GC_WAIT_ACCUMULATE 1u /* add the sum into out instead of overwriting it */
+/* gc_layer_wait with options: flags GC_WAIT_ACCUMULATE; t (may be NULL) gets the timing.
+ * out may be NULL when the call has no part at all (gc_pending_empty). */
+int gc_layer_wait_ex(gc_cluster *c, gc_pending *pending, float *out, uint32_t flags,
+                     gc_call_timing *t, mr_err *e);
+/* Gives up a submitted call without waiting for it: requests still queued or in flight are
+ * forgotten (their late replies are dropped) and pending is freed. NULL is a no-op. */
+void gc_layer_cancel(gc_cluster *c, gc_pending *pending);
+/* True when the submitted call had no slot for any server or the library (all empty or
+ * caller-local): its wait returns at once and adds nothing. */
+bool gc_pending_empty(const gc_pending *pending);
+
+/* ---- overlap and deferral across MoE layers (kt-kernel's semantics) -------------------
+ *
+ * A gc_moe drives the MoE layers of one forward pass in order. Per layer:
+ *
+ *   gc_moe_submit   right after routing: the slots of pairs the caller computes
+ *                   (caller_local) are skipped. A token's slots are ranked by weight
+ *                   (empty slots last, ties keep the earlier slot); its slots ranked below
+ *                   the top (top_k - max_deferred) that a server computes go out as a
+ *                   separate DEFERRED call (hot ones are never deferred); the others as
+ *                   the IMMEDIATE call.
+ *                   last = true (the last MoE layer) defers nothing.
+ *   ... the caller computes its hot and shared experts while both are in flight ...
+ *   gc_moe_wait     waits for this layer's immediate call and for the deferred call of the
+ *                   previous gc_moe_submit, and adds both into out ([T, H] fp32): the
+ *                   deferred result of layer l (computed on layer l's input) lands in layer
+ *                   l+1's output, so its RPC overlaps layer l+1's attention.
+ *
+ * With max_deferred = 0 it is plain overlap: one call per layer, exact results. With
+ * max_deferred > 0 results change by design (the deferred experts see an older hidden
+ * state); callers report the difference. Every layer of one pass must have the same T.
+ * One thread drives a gc_moe; several gc_moe may share one cluster.
+ */
+typedef struct gc_moe gc_moe;
+typedef struct gc_moe_timing {
+  gc_call_timing now;      /* this layer's immediate call */
+  gc_call_timing deferred; /* the previous layer's deferred call, waited here */
+  uint32_t deferred_slots; /* slots this layer's submit deferred */
+} gc_moe_timing;
+/* A driver over cluster c (not owned; must outlive it). MR_ENOMEM only. */
+int gc_moe_new(gc_moe **out, gc_cluster *c, uint32_t max_deferred, mr_err *e);
+/* Waits out and drops any call still in flight, then frees. NULL is a no-op. */
+void gc_moe_free(gc_moe *m);
+uint32_t gc_moe_max_deferred(const gc_moe *m);
+/* Starts layer req->layer (see above). A previous submit must have been waited. Errors as
+ * gc_layer_submit; on error nothing of this layer is in flight (a deferred call of the
+ * previous layer stays pending until gc_moe_wait or gc_moe_abort). */
+int gc_moe_submit(gc_moe *m, const gc_layer_req *req, bool last, mr_err *e);
+/* Waits as described above; out += immediate + previous deferred. t may be NULL. On error
+ * everything in flight is dropped (the pass cannot go on). */
+int gc_moe_wait(gc_moe *m, float *out, gc_moe_timing *t, mr_err *e);
+/* Drops every call in flight (after an error elsewhere, or to end a pass early). */
+void gc_moe_abort(gc_moe *m);
+/* True while a deferred call waits for the next layer. */
+bool gc_moe_has_deferred(const gc_moe *m);
+
 /* ---- cluster information (valid from open to close; any thread) ------------------------ */
 
 typedef struct gc_cluster_info {
@@ -167,7 +250,8 @@ typedef struct gc_cluster_info {
   uint32_t max_tokens;     /* smallest max_tokens of all servers */
   uint32_t n_servers;
   uint32_t deadline_ms;    /* per-request deadline in effect */
-  uint64_t local_pairs;    /* (layer, expert) pairs computed locally */
+  uint64_t local_pairs;    /* (layer, expert) pairs computed locally by the library */
+  uint64_t caller_pairs;   /* pairs the caller computes (gc_options.caller_local) */
   char model_dir[1024];    /* "" when no model is known */
 } gc_cluster_info;
 void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out);

@@ -265,13 +265,13 @@ MT_TEST(owner_build_local_first_then_first_server) {
   local[1 * E + 3] = 1;
   int32_t owner[L * E];
   uint64_t assigned[2];
-  gc__owner_build(owner, L, E, 2, ann, local, assigned);
+  gc__owner_build(owner, L, E, 2, ann, local, NULL, assigned);
   const int32_t want[L * E] = {0, 0, 0, 1, 1, 1, 1, GC_OWNER_LOCAL};
   for (int i = 0; i < L * E; i++) MT_EQ_INT(owner[i], want[i]);
   MT_EQ_INT(assigned[0], 3);
   MT_EQ_INT(assigned[1], 4);
   /* Without local experts, layer 1 expert 3 goes to s1. */
-  gc__owner_build(owner, L, E, 2, ann, NULL, NULL);
+  gc__owner_build(owner, L, E, 2, ann, NULL, NULL, NULL);
   MT_EQ_INT(owner[1 * E + 3], 1);
 }
 
@@ -348,6 +348,36 @@ MT_TEST(weight_format_parse) {
   MT_EQ_INT(gc_weight_format_parse("fp8", &f, &g, e), MR_EINVAL);
   MT_CONTAINS(e->msg, "weight_format \"fp8\" is unknown");
   MT_EQ_INT(gc_weight_format_parse("", &f, &g, e), MR_EINVAL);
+}
+
+/* Deferral split: the K lowest-ranked server slots of each token go to def[]. */
+MT_TEST(defer_split_ranks_ties_and_owners) {
+  /* experts 0-3 on server 0, 4 on server 1, 5 caller-local, 6 library-local */
+  const int32_t owner[7] = {0, 0, 0, 0, 1, GC_OWNER_CALLER, GC_OWNER_LOCAL};
+  const uint32_t k = 4;
+  const int32_t ids[3 * 4] = {0, 1, 2, 3,    /* weights 0.4 0.3 0.2 0.1: defer 2, 3 */
+                              5, 6, 4, 1,    /* lowest two are 4 (server) and 1 (server) */
+                              2, 3, -1, 0};  /* ties at 0.25: the latest of three goes */
+  const float w[3 * 4] = {0.4f, 0.3f, 0.2f, 0.1f, 0.5f, 0.3f, 0.15f, 0.05f,
+                          0.25f, 0.25f, 0.0f, 0.25f};
+  int32_t now[12], def[12];
+  uint32_t n = gc__defer_split(owner, 7, 3, k, 2, ids, w, now, def);
+  const int32_t want_now[12] = {0, 1, -1, -1, 5, 6, -1, -1, 2, 3, -1, -1};
+  const int32_t want_def[12] = {-1, -1, 2, 3, -1, -1, 4, 1, -1, -1, -1, 0};
+  for (int i = 0; i < 12; i++) {
+    MT_EQ_INT(now[i], want_now[i]);
+    MT_EQ_INT(def[i], want_def[i]);
+  }
+  MT_EQ_INT(n, 5);
+  /* hot slots in the low ranks are not deferred: only the server ones move */
+  const int32_t ids2[4] = {5, 6, 0, 1};
+  const float w2[4] = {0.1f, 0.2f, 0.3f, 0.4f};
+  n = gc__defer_split(owner, 7, 1, 4, 2, ids2, w2, now, def);
+  MT_EQ_INT(n, 0);
+  for (int i = 0; i < 4; i++) MT_EQ_INT(now[i], ids2[i]);
+  /* K = 0 defers nothing; K >= k defers every server slot */
+  MT_EQ_INT(gc__defer_split(owner, 7, 3, k, 0, ids, w, now, def), 0);
+  MT_EQ_INT(gc__defer_split(owner, 7, 3, k, 4, ids, w, now, def), 9);
 }
 
 MT_MAIN()
