@@ -1,0 +1,154 @@
+/*
+ * backend.h - the compute backend of the model runner (prefix gc_bk_): the dense parts of a
+ * decoder (projections, norms, RoPE, attention, SiLU*mul, routing) and the hot experts,
+ * behind one table of functions so that the runner (gc_model.c) is the same code on the
+ * CPU and on a GPU.
+ *
+ * Memory model. A backend computes on "device" buffers it allocates (gc_bk_ops.alloc): fp32
+ * activations, the KV cache, norm weights. Weights live in backend objects (gc_bk_linear,
+ * gc_bk_experts) packed at load from host tensors. Host memory for RPC staging comes from
+ * host_alloc (pinned on a GPU). Small per-token metadata (ids, positions, sequence slots,
+ * slot weights) is passed as HOST arrays; a device backend copies what it needs.
+ *
+ * Ordering. Every compute call is ordered after the previous ones (one stream). Calls that
+ * write host memory (to_host, route) are asynchronous on a device: their host outputs are
+ * valid after sync(); on the CPU backend everything is synchronous and sync() is a no-op.
+ * The runner's per-layer sequence for a MoE layer is the contract a device backend is
+ * built for:
+ *
+ *   norm -> route (logits -> top-k ids/weights into host memory) -> to_host (the hidden
+ *   states in the wire dtype, into pinned host memory) -> sync -> RPCs start (host thread)
+ *   -> experts (hot, on the device, overlapping the RPCs) -> wait for the replies ->
+ *   add_host (the cold sum, copied in and added on the stream).
+ *
+ * Errors: int functions return 0 or a negative MR_E* code with e naming the op and limit.
+ * Threads: a backend is driven by one thread at a time (the runner's).
+ *
+ * Implementations: gc_bk_cpu_new (gc_backend_cpu.c: kn kernels on the engine's pool).
+ * A CUDA backend plugs in here (kernels/cuda/, its own issue).
+ */
+#ifndef GC_BACKEND_H
+#define GC_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../common/mr.h"
+#include "../kernels/kn.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct gc_backend gc_backend;
+typedef struct gc_bk_linear gc_bk_linear;   /* y = x W^T, W [n_out, n_in] */
+typedef struct gc_bk_table gc_bk_table;     /* an embedding table [rows, dim] */
+typedef struct gc_bk_experts gc_bk_experts; /* the hot experts of one MoE layer */
+
+/* One attention call over the tokens of a step (any mix of sequences and positions). */
+typedef struct gc_bk_attn {
+  uint32_t n_tokens;        /* T */
+  const uint32_t *seq;      /* [T] host: KV slot of each token (< slots of the cache) */
+  const uint32_t *pos;      /* [T] host: its position; keys 0..pos of its slot are used */
+  uint32_t n_heads, n_kv_heads, head_dim;
+  uint32_t max_seq;         /* positions per KV slot */
+  uint32_t window;          /* sliding window in positions (keys pos-window+1..pos), 0 = none */
+  float scale;              /* applied to q.k (head_dim^-0.5) */
+  const float *q;           /* [T, n_heads * head_dim], row stride ld */
+  const float *k, *v;       /* [T, n_kv_heads * head_dim] new keys / values, row stride ld */
+  size_t ld;                /* row stride of q, k, v in floats */
+  float *k_cache, *v_cache; /* [slots, max_seq, n_kv_heads * head_dim] of this layer */
+  float *out;               /* [T, n_heads * head_dim], contiguous */
+} gc_bk_attn;
+
+/* Routing rule of a MoE layer's router. */
+typedef struct gc_bk_route {
+  uint32_t n_tokens, num_experts, top_k;
+  bool norm_topk;           /* divide the k weights by their sum */
+  const float *logits;      /* [T, E] device */
+  int32_t *ids;             /* [T, k] host out: expert ids by decreasing weight */
+  float *weights;           /* [T, k] host out */
+} gc_bk_route;
+
+typedef struct gc_bk_ops {
+  const char *name; /* "cpu" */
+  void (*destroy)(gc_backend *b);
+
+  /* -- memory ------------------------------------------------------------------------ */
+  void *(*alloc)(gc_backend *b, size_t bytes);      /* device memory, NULL when out */
+  void (*free)(gc_backend *b, void *p);
+  void *(*host_alloc)(gc_backend *b, size_t bytes); /* pinned host memory for staging */
+  void (*host_free)(gc_backend *b, void *p);
+  /* dev[0..n) = host (fp32); host is read before the call returns. */
+  int (*upload)(gc_backend *b, float *dev, const float *host, size_t n, mr_err *e);
+  /* host (dtype dt, n elements) = dev converted; valid after sync. */
+  int (*to_host)(gc_backend *b, void *host, mr_dtype dt, const float *dev, size_t n, mr_err *e);
+  /* dev[0..n) += host[0..n) (fp32); host is read before the call returns. */
+  int (*add_host)(gc_backend *b, float *dev, const float *host, size_t n, mr_err *e);
+  int (*sync)(gc_backend *b, mr_err *e);
+
+  /* -- weights (src: host tensors of dtype src, read during the call) ---------------- */
+  int (*linear_new)(gc_backend *b, gc_bk_linear **out, uint32_t n_out, uint32_t n_in,
+                    kn_format fmt, uint32_t group, mr_err *e);
+  /* Rows [row0, row0 + n_rows) of W from src ([n_rows, n_in]); concatenates tensors. */
+  int (*linear_load)(gc_backend *b, gc_bk_linear *w, uint32_t row0, uint32_t n_rows,
+                     const void *src, mr_dtype dt, mr_err *e);
+  void (*linear_free)(gc_backend *b, gc_bk_linear *w);
+  uint64_t (*linear_bytes)(const gc_bk_linear *w);
+  int (*table_new)(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32_t dim,
+                   const void *src, mr_dtype dt, mr_err *e);
+  void (*table_free)(gc_backend *b, gc_bk_table *t);
+  int (*experts_new)(gc_backend *b, gc_bk_experts **out, const kn_layer_desc *d, mr_err *e);
+  int (*experts_load)(gc_backend *b, gc_bk_experts *x, uint32_t expert, const void *gate,
+                      const void *up, const void *down, mr_dtype src, mr_err *e);
+  void (*experts_free)(gc_backend *b, gc_bk_experts *x);
+  uint64_t (*experts_expert_bytes)(const gc_bk_experts *x);
+
+  /* -- compute ------------------------------------------------------------------------ */
+  /* y[T, n_out] = x[T, n_in] W^T (+ bias[n_out] when bias is not NULL; bias on device). */
+  int (*matmul)(gc_backend *b, const gc_bk_linear *w, uint32_t T, const float *x,
+                const float *bias, float *y, mr_err *e);
+  /* out[t, :] = table[ids[t], :] (fp32); ids host, each < rows (checked by the caller). */
+  int (*embed)(gc_backend *b, const gc_bk_table *t, uint32_t T, const int32_t *ids, float *out,
+               mr_err *e);
+  /* y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w, r < rows, rows of dim floats at
+   * strides ldx / ldy (y may equal x). */
+  int (*rmsnorm)(gc_backend *b, uint32_t rows, uint32_t dim, const float *x, size_t ldx,
+                 const float *w, float eps, float *y, size_t ldy, mr_err *e);
+  /* Rotate-half RoPE in place on n_heads heads of head_dim floats at the start of each of
+   * T rows (stride ld); inv_freq [head_dim / 2] device; pos host [T]. */
+  int (*rope)(gc_backend *b, uint32_t T, uint32_t n_heads, uint32_t head_dim, float *x,
+              size_t ld, const uint32_t *pos, const float *inv_freq, mr_err *e);
+  /* Stores k / v at (seq, pos) in the cache, then causal attention (see gc_bk_attn). */
+  int (*attention)(gc_backend *b, const gc_bk_attn *a, mr_err *e);
+  /* h[t, i] = silu(gu[t, i]) * gu[t, n + i], i < n (gate columns first, then up). */
+  int (*silu_mul)(gc_backend *b, uint32_t T, uint32_t n, const float *gu, float *h, mr_err *e);
+  /* dev[0..n) = 0 */
+  int (*zero)(gc_backend *b, float *dev, size_t n, mr_err *e);
+  /* dst[i, :] = src[rows[i], :], i < n, rows of dim floats (rows host). */
+  int (*gather_rows)(gc_backend *b, float *dst, const float *src, uint32_t dim,
+                     const uint32_t *rows, uint32_t n, mr_err *e);
+  /* y[0..n) += x[0..n) */
+  int (*add)(gc_backend *b, float *y, const float *x, size_t n, mr_err *e);
+  /* Softmax over E, top-k (ties: lower id first), optional renormalisation; host out. */
+  int (*route)(gc_backend *b, const gc_bk_route *r, mr_err *e);
+  /* out[T, H] (fp32, overwritten) = sum over slots with ids >= 0 of w * expert(x); every
+   * non-negative id must be loaded in x (ids / w host [T, k]). */
+  int (*experts)(gc_backend *b, const gc_bk_experts *x, uint32_t T, uint32_t k,
+                 const int32_t *ids, const float *w, const float *in, float *out, mr_err *e);
+} gc_bk_ops;
+
+struct gc_backend {
+  const gc_bk_ops *ops;
+  kn_engine *eng; /* the CPU kernel engine (also used by the client library's local part) */
+};
+
+/* The CPU backend over eng (not owned; must outlive the backend). max_seq sizes the
+ * attention scratch. MR_ENOMEM only. Free with b->ops->destroy(b). */
+int gc_bk_cpu_new(gc_backend **out, kn_engine *eng, uint32_t max_seq, mr_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GC_BACKEND_H */

@@ -1,0 +1,1098 @@
+/*
+ * gc_model.c - the whole-model runner (model.h): loading, the placement of experts, the
+ * forward step and generation.
+ *
+ * Checkpoint names (HF layout; the Mixtral names in brackets):
+ *   model.embed_tokens.weight                       [V, H]
+ *   model.layers.L.input_layernorm.weight           [H]
+ *   model.layers.L.self_attn.{q,k,v,o}_proj.weight  [nh*hd, H] [kv*hd, H] [kv*hd, H] [H, nh*hd]
+ *   model.layers.L.self_attn.{q,k,v,o}_proj.bias    with attention_bias (o optional)
+ *   model.layers.L.self_attn.{q,k}_norm.weight      [hd] (Qwen3)
+ *   model.layers.L.post_attention_layernorm.weight  [H]
+ *   model.layers.L.mlp.gate.weight                  [E, H] router (block_sparse_moe.gate)
+ *   model.layers.L.mlp.experts.X.{gate,up,down}_proj.weight   (block_sparse_moe.experts.X.w1/w3/w2)
+ *   model.layers.L.mlp.{gate,up,down}_proj.weight   dense layers (mlp_only_layers, sparse step)
+ *   model.norm.weight                               [H]
+ *   lm_head.weight                                  [V, H] (absent when tied)
+ *
+ * q, k and v are packed into one linear (rows q | k | v) and a dense MLP's gate and up
+ * into one (rows gate | up), so that one pass over the weights serves them.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+
+#define MODEL_DEFAULT_MAX_SEQ 4096u
+#define MODEL_MAX_SEQ (1u << 20)
+#define MODEL_MAX_BATCH 4096u
+/* Loading progress: a line at most this often. */
+#define MODEL_PROGRESS_NS 2000000000ull
+
+typedef struct model_layer {
+  bool moe;
+  gc_bk_linear *qkv, *o;
+  float *qkv_bias, *o_bias;       /* device, or NULL */
+  float *ln1, *ln2;               /* device [H] */
+  float *q_norm, *k_norm;         /* device [hd], Qwen3 */
+  gc_bk_linear *router;           /* MoE: [E, H] */
+  gc_bk_experts *hot;             /* MoE: the local experts, or NULL when none */
+  uint32_t n_hot;
+  gc_bk_linear *gate_up, *down;   /* dense MLP */
+  float *k_cache, *v_cache;       /* device [max_batch, max_seq, kv*hd] */
+} model_layer;
+
+/* Per-step buffers, grown to the largest T seen. */
+typedef struct model_bufs {
+  uint32_t cap;                   /* tokens they hold */
+  float *x, *h, *qkv, *attn, *y, *router, *gu, *mh;   /* device */
+  int32_t *ids;                   /* host [T * k] routed ids */
+  float *w;                       /* host [T * k] */
+  int32_t *hot_ids;               /* host [T * k] ids with the cold ones -1 */
+  void *wire;                     /* host [T, H] hidden states in the wire dtype */
+  float *cold;                    /* host [T, H] fp32 sum of the servers' parts */
+  uint32_t *pos, *seq;            /* host [T] */
+} model_bufs;
+
+struct gc_model {
+  mr_model_config cfg;
+  gc_model_opts o;
+  char model_dir[1024];
+  kn_engine *eng;
+  gc_backend *bk;
+  gc_cluster *cluster;
+  gc_moe *moe;
+  uint32_t H, V, nh, nkv, hd, E, k, L, Id, Ie;
+  uint32_t n_qkv;                 /* rows of the qkv linear */
+  uint32_t max_seq, max_batch;
+  uint32_t last_moe;              /* index of the last MoE layer */
+  mr_dtype wire;
+  kn_format dense_fmt, expert_fmt;
+  uint32_t expert_group;
+  model_layer *layer;
+  gc_bk_table *embed;
+  gc_bk_linear *head;
+  float *final_norm, *inv_freq, *head_x, *head_out;
+  uint32_t head_cap;
+  uint8_t *local;                 /* [L * E] the client computes it */
+  uint32_t *seq_len;              /* [max_batch] */
+  uint64_t dense_bytes, expert_bytes_one, hot_bytes;
+  uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
+  model_bufs b;
+  gc_model_stats st;
+  gc_layer_stats *lst;
+};
+
+void gc_model_opts_init(gc_model_opts *o) {
+  memset(o, 0, sizeof *o);
+  o->local_experts = -1;
+  o->engine.isa = KN_ISA_COUNT;
+  o->expert_format = KN_FMT_COUNT;
+  o->dense_format = KN_FMT_COUNT;
+}
+
+const mr_model_config *gc_model_config(const gc_model *m) { return &m->cfg; }
+uint32_t gc_model_max_seq(const gc_model *m) { return m->max_seq; }
+uint32_t gc_model_max_batch(const gc_model *m) { return m->max_batch; }
+gc_cluster *gc_model_cluster(gc_model *m) { return m->cluster; }
+kn_engine *gc_model_engine(gc_model *m) { return m->eng; }
+uint64_t gc_model_dense_bytes(const gc_model *m) { return m->dense_bytes; }
+uint64_t gc_model_expert_bytes(const gc_model *m) { return m->expert_bytes_one; }
+bool gc_model_is_local(const gc_model *m, uint32_t l, uint32_t x) {
+  return l < m->L && x < m->E && m->local[(size_t)l * m->E + x];
+}
+bool gc_model_local_rule(uint32_t layer, uint32_t expert, uint32_t n, uint32_t E) {
+  if (n >= E) return true;
+  uint32_t first = (uint32_t)(((uint64_t)layer * n) % E);
+  uint32_t d = (expert + E - first) % E; /* distance from the layer's first local expert */
+  return d < n;
+}
+
+/* ---- loading ----------------------------------------------------------------------------- */
+
+typedef struct loader {
+  gc_model *m;
+  const mr_st *st;
+  uint64_t bytes_total, bytes_done, tensors_done, tensors_total;
+  uint64_t t0, t_last;
+} loader;
+
+static void load_progress(loader *ld, bool final) {
+  if (ld->m->o.quiet) return;
+  uint64_t now = mr_now_ns();
+  if (!final && now - ld->t_last < MODEL_PROGRESS_NS) return;
+  ld->t_last = now;
+  double s = (double)(now - ld->t0) / 1e9, gb = (double)ld->bytes_done / 1e9;
+  double rate = s > 0 ? gb / s : 0;
+  double eta = rate > 0 ? ((double)ld->bytes_total / 1e9 - gb) / rate : 0;
+  mr_log(MR_LOG_INFO, "model: %s %llu/%llu tensors, %.2f/%.2f GB, %.2f GB/s, %s %.0f s",
+         final ? "loaded" : "loading", (unsigned long long)ld->tensors_done,
+         (unsigned long long)ld->tensors_total, gb, (double)ld->bytes_total / 1e9, rate,
+         final ? "took" : "ETA", final ? s : eta);
+}
+
+static void load_count(loader *ld, const mr_st_tensor *t) {
+  ld->bytes_done += t->nbytes;
+  ld->tensors_done++;
+  load_progress(ld, false);
+}
+
+static int get_tensor(loader *ld, const char *name, uint32_t ndim, uint64_t d0, uint64_t d1,
+                      const mr_st_tensor **out, mr_err *e) {
+  const uint64_t shape[2] = {d0, d1};
+  int rc = mr_st_expect(ld->st, name, ndim, shape, out, e);
+  if (rc) return mr_err_prefix(e, rc, "model %s", ld->m->model_dir);
+  return 0;
+}
+
+/* Uploads n host floats into a new device vector *out. */
+static int dev_vec(gc_model *m, const float *host, size_t n, float **out, mr_err *e) {
+  float *dev = m->bk->ops->alloc(m->bk, n * sizeof *dev);
+  if (!dev) return mr_err_set(e, MR_ENOMEM, "a vector of %zu floats: out of memory", n);
+  int rc = m->bk->ops->upload(m->bk, dev, host, n, e);
+  if (rc) {
+    m->bk->ops->free(m->bk, dev);
+    return rc;
+  }
+  m->dense_bytes += (uint64_t)n * sizeof(float);
+  *out = dev;
+  return 0;
+}
+
+/* Reads 1-D tensor name of n elements as fp32 into host[0..n). */
+static int read_vec(loader *ld, const char *name, uint32_t n, float *host, mr_err *e) {
+  const mr_st_tensor *t;
+  int rc = get_tensor(ld, name, 1, n, 0, &t, e);
+  if (rc) return rc;
+  mr_convert_to_f32(host, t->data, t->dtype, n);
+  load_count(ld, t);
+  return 0;
+}
+
+/* A 1-D fp32 device vector from tensor name of n elements (optional: absent -> *out NULL). */
+static int load_vec(loader *ld, const char *name, uint32_t n, bool optional, float **out,
+                    mr_err *e) {
+  *out = NULL;
+  if (optional && !mr_st_find(ld->st, name)) return 0;
+  float *host = mr_malloc((size_t)n * sizeof *host);
+  if (!host) return mr_err_set(e, MR_ENOMEM, "%s: out of memory", name);
+  int rc = read_vec(ld, name, n, host, e);
+  if (!rc) rc = dev_vec(ld->m, host, n, out, e);
+  mr_free(host);
+  return rc;
+}
+
+/* The kn format that keeps weights of dtype dt as they are. */
+static kn_format dense_format_of_dtype(mr_dtype dt) {
+  return dt == MR_DTYPE_F32 ? KN_FMT_F32 : dt == MR_DTYPE_F16 ? KN_FMT_F16 : KN_FMT_BF16;
+}
+
+/* The format a dense weight of dtype dt is kept in. */
+static kn_format dense_format_of(const gc_model *m, mr_dtype dt) {
+  if (m->dense_fmt != KN_FMT_COUNT) return m->dense_fmt;
+  return dense_format_of_dtype(dt);
+}
+
+/* One linear from n_parts tensors stacked by rows (each [rows_i, n_in]). */
+static int load_linear(loader *ld, const char *const *names, const uint32_t *rows,
+                       uint32_t n_parts, uint32_t n_in, gc_bk_linear **out, mr_err *e) {
+  gc_model *m = ld->m;
+  const mr_st_tensor *t[4];
+  uint32_t n_out = 0;
+  MR_ASSERT(n_parts <= 4);
+  for (uint32_t i = 0; i < n_parts; i++) {
+    int rc = get_tensor(ld, names[i], 2, rows[i], n_in, &t[i], e);
+    if (rc) return rc;
+    if (t[i]->dtype != t[0]->dtype)
+      return mr_err_set(e, MR_EFORMAT, "model %s: %s is %s but %s is %s, must be one dtype",
+                        m->model_dir, names[i], t[i]->dtype_name, names[0], t[0]->dtype_name);
+    n_out += rows[i];
+  }
+  int rc = m->bk->ops->linear_new(m->bk, out, n_out, n_in, dense_format_of(m, t[0]->dtype), 64, e);
+  if (rc) return mr_err_prefix(e, rc, "%s", names[0]);
+  uint32_t row0 = 0;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    rc = m->bk->ops->linear_load(m->bk, *out, row0, rows[i], t[i]->data, t[i]->dtype, e);
+    if (rc) return mr_err_prefix(e, rc, "%s", names[i]);
+    row0 += rows[i];
+    load_count(ld, t[i]);
+  }
+  m->dense_bytes += m->bk->ops->linear_bytes(*out);
+  return 0;
+}
+
+static int load_attention(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
+  gc_model *m = ld->m;
+  char qn[128], kn[128], vn[128], on[128], nm[128];
+  snprintf(qn, sizeof qn, "model.layers.%u.self_attn.q_proj.weight", l);
+  snprintf(kn, sizeof kn, "model.layers.%u.self_attn.k_proj.weight", l);
+  snprintf(vn, sizeof vn, "model.layers.%u.self_attn.v_proj.weight", l);
+  snprintf(on, sizeof on, "model.layers.%u.self_attn.o_proj.weight", l);
+  const char *names[3] = {qn, kn, vn};
+  const uint32_t rows[3] = {m->nh * m->hd, m->nkv * m->hd, m->nkv * m->hd};
+  int rc = load_linear(ld, names, rows, 3, m->H, &ly->qkv, e);
+  if (rc) return rc;
+  const char *oname[1] = {on};
+  const uint32_t orows[1] = {m->H};
+  if ((rc = load_linear(ld, oname, orows, 1, m->nh * m->hd, &ly->o, e))) return rc;
+  if (m->cfg.attention_bias) {
+    /* q | k | v biases into one device vector, like the weights. */
+    static const char *const which[3] = {"q", "k", "v"};
+    float *host = mr_malloc((size_t)m->n_qkv * sizeof *host);
+    if (!host) return mr_err_set(e, MR_ENOMEM, "layer %u: q/k/v biases: out of memory", l);
+    size_t off = 0;
+    for (int i = 0; i < 3 && !rc; i++) {
+      snprintf(nm, sizeof nm, "model.layers.%u.self_attn.%s_proj.bias", l, which[i]);
+      rc = read_vec(ld, nm, rows[i], host + off, e);
+      off += rows[i];
+    }
+    if (!rc) rc = dev_vec(m, host, m->n_qkv, &ly->qkv_bias, e);
+    mr_free(host);
+    if (rc) return rc;
+    snprintf(nm, sizeof nm, "model.layers.%u.self_attn.o_proj.bias", l);
+    if ((rc = load_vec(ld, nm, m->H, true, &ly->o_bias, e))) return rc;
+  }
+  if (m->cfg.qk_norm) {
+    snprintf(nm, sizeof nm, "model.layers.%u.self_attn.q_norm.weight", l);
+    if ((rc = load_vec(ld, nm, m->hd, false, &ly->q_norm, e))) return rc;
+    snprintf(nm, sizeof nm, "model.layers.%u.self_attn.k_norm.weight", l);
+    if ((rc = load_vec(ld, nm, m->hd, false, &ly->k_norm, e))) return rc;
+  }
+  snprintf(nm, sizeof nm, "model.layers.%u.input_layernorm.weight", l);
+  if ((rc = load_vec(ld, nm, m->H, false, &ly->ln1, e))) return rc;
+  snprintf(nm, sizeof nm, "model.layers.%u.post_attention_layernorm.weight", l);
+  return load_vec(ld, nm, m->H, false, &ly->ln2, e);
+}
+
+static int load_moe(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
+  gc_model *m = ld->m;
+  char nm[128];
+  const char *blk = m->cfg.arch == MR_ARCH_MIXTRAL ? "block_sparse_moe" : "mlp";
+  snprintf(nm, sizeof nm, "model.layers.%u.%s.gate.weight", l, blk);
+  const char *names[1] = {nm};
+  const uint32_t rows[1] = {m->E};
+  int rc = load_linear(ld, names, rows, 1, m->H, &ly->router, e);
+  if (rc) return rc;
+  for (uint32_t x = 0; x < m->E; x++) ly->n_hot += m->local[(size_t)l * m->E + x];
+  if (ly->n_hot == 0) return 0;
+  kn_layer_desc d = {.hidden = m->H, .inter = m->Ie, .num_experts = m->E,
+                     .format = m->expert_fmt, .group = m->expert_group};
+  if ((rc = m->bk->ops->experts_new(m->bk, &ly->hot, &d, e)))
+    return mr_err_prefix(e, rc, "layer %u: hot experts", l);
+  const uint64_t sin[2] = {m->Ie, m->H}, sout[2] = {m->H, m->Ie};
+  for (uint32_t x = 0; x < m->E; x++) {
+    if (!m->local[(size_t)l * m->E + x]) continue;
+    const mr_st_tensor *t[3];
+    char key[256];
+    for (int p = 0; p < 3; p++) {
+      mr_config_expert_key(&m->cfg, l, x, (mr_proj)p, key, sizeof key);
+      rc = mr_st_expect(ld->st, key, 2, p == MR_PROJ_DOWN ? sout : sin, &t[p], e);
+      if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
+    }
+    if (t[1]->dtype != t[0]->dtype || t[2]->dtype != t[0]->dtype)
+      return mr_err_set(e, MR_EFORMAT, "model %s: layer %u expert %u: gate/up/down have dtypes "
+                        "%s/%s/%s, must be one dtype", m->model_dir, l, x, t[0]->dtype_name,
+                        t[1]->dtype_name, t[2]->dtype_name);
+    rc = m->bk->ops->experts_load(m->bk, ly->hot, x, t[0]->data, t[1]->data, t[2]->data,
+                                  t[0]->dtype, e);
+    if (rc) return mr_err_prefix(e, rc, "layer %u expert %u", l, x);
+    for (int p = 0; p < 3; p++) load_count(ld, t[p]);
+  }
+  m->expert_bytes_one = m->bk->ops->experts_expert_bytes(ly->hot);
+  m->hot_bytes += (uint64_t)ly->n_hot * m->expert_bytes_one;
+  return 0;
+}
+
+static int load_dense_mlp(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
+  gc_model *m = ld->m;
+  char g[128], u[128], d[128];
+  snprintf(g, sizeof g, "model.layers.%u.mlp.gate_proj.weight", l);
+  snprintf(u, sizeof u, "model.layers.%u.mlp.up_proj.weight", l);
+  snprintf(d, sizeof d, "model.layers.%u.mlp.down_proj.weight", l);
+  if (m->Id == 0)
+    return mr_err_set(e, MR_EFORMAT, "model %s: layer %u is dense but config.json has no "
+                      "intermediate_size", m->model_dir, l);
+  const char *gu[2] = {g, u};
+  const uint32_t rows[2] = {m->Id, m->Id};
+  int rc = load_linear(ld, gu, rows, 2, m->H, &ly->gate_up, e);
+  if (rc) return rc;
+  const char *dn[1] = {d};
+  const uint32_t drows[1] = {m->H};
+  return load_linear(ld, dn, drows, 1, m->Id, &ly->down, e);
+}
+
+/* Bytes that loading will read: every tensor we keep. */
+static void load_plan(loader *ld) {
+  gc_model *m = ld->m;
+  const size_t n = mr_st_count(ld->st);
+  for (size_t i = 0; i < n; i++) {
+    const mr_st_tensor *t = mr_st_at(ld->st, i);
+    unsigned l, x;
+    char tail[64];
+    if (sscanf(t->name, "model.layers.%u.mlp.experts.%u.%63s", &l, &x, tail) == 3 ||
+        sscanf(t->name, "model.layers.%u.block_sparse_moe.experts.%u.%63s", &l, &x, tail) == 3) {
+      if (l < m->L && x < m->E && m->local[(size_t)l * m->E + x]) {
+        ld->bytes_total += t->nbytes;
+        ld->tensors_total++;
+      }
+      continue;
+    }
+    ld->bytes_total += t->nbytes;
+    ld->tensors_total++;
+  }
+}
+
+static int load_weights(gc_model *m, const mr_st *st, mr_err *e) {
+  loader ld = {.m = m, .st = st, .t0 = mr_now_ns()};
+  ld.t_last = ld.t0;
+  load_plan(&ld);
+  const mr_st_tensor *t;
+  int rc = get_tensor(&ld, "model.embed_tokens.weight", 2, m->V, m->H, &t, e);
+  if (rc) return rc;
+  if ((rc = m->bk->ops->table_new(m->bk, &m->embed, m->V, m->H, t->data, t->dtype, e)))
+    return rc;
+  load_count(&ld, t);
+  for (uint32_t l = 0; l < m->L; l++) {
+    model_layer *ly = &m->layer[l];
+    ly->moe = m->cfg.is_moe[l];
+    if ((rc = load_attention(&ld, l, ly, e))) return rc;
+    rc = ly->moe ? load_moe(&ld, l, ly, e) : load_dense_mlp(&ld, l, ly, e);
+    if (rc) return rc;
+  }
+  if ((rc = load_vec(&ld, "model.norm.weight", m->H, false, &m->final_norm, e))) return rc;
+  const char *head = mr_st_find(st, "lm_head.weight") && !m->cfg.tie_word_embeddings
+                         ? "lm_head.weight" : "model.embed_tokens.weight";
+  if (!m->cfg.tie_word_embeddings && !mr_st_find(st, "lm_head.weight"))
+    return mr_err_set(e, MR_ENOTFOUND, "model %s: lm_head.weight is missing and "
+                      "tie_word_embeddings is false", m->model_dir);
+  const char *hn[1] = {head};
+  const uint32_t hrows[1] = {m->V};
+  if (m->cfg.tie_word_embeddings) ld.tensors_total++, ld.bytes_total += t->nbytes;
+  if ((rc = load_linear(&ld, hn, hrows, 1, m->H, &m->head, e))) return rc;
+  load_progress(&ld, true);
+  return 0;
+}
+
+/* ---- placement --------------------------------------------------------------------------- */
+
+/* Fills m->local from the options; route (L * E, cluster-file server indices) from a
+ * placement file's "remote". */
+static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **route, mr_err *e) {
+  const size_t pairs = (size_t)m->L * m->E;
+  *route = NULL;
+  if (!m->o.cluster_path) { /* every expert local */
+    for (uint32_t l = 0; l < m->L; l++)
+      if (m->cfg.is_moe[l]) memset(m->local + (size_t)l * m->E, 1, m->E);
+    if (m->o.local_experts >= 0 || m->o.placement_path)
+      mr_log(MR_LOG_WARN, "model: no cluster: every expert is local (--local-experts / "
+             "--placement ignored)");
+    return 0;
+  }
+  if (m->o.local_experts >= 0 && m->o.placement_path)
+    return mr_err_set(e, MR_EINVAL, "--local-experts and --placement are exclusive");
+  if (m->o.local_experts >= 0) {
+    if ((uint32_t)m->o.local_experts > m->E)
+      return mr_err_set(e, MR_ERANGE, "--local-experts = %d, must be 0..num_experts %u",
+                        m->o.local_experts, m->E);
+    for (uint32_t l = 0; l < m->L; l++) {
+      if (!m->cfg.is_moe[l]) continue;
+      for (uint32_t x = 0; x < m->E; x++)
+        m->local[(size_t)l * m->E + x] =
+            gc_model_local_rule(l, x, (uint32_t)m->o.local_experts, m->E);
+    }
+    return 0;
+  }
+  if (m->o.placement_path) {
+    mr_placement p;
+    int rc = mr_placement_load(&p, m->o.placement_path, e);
+    if (rc) return rc;
+    if (p.num_layers != m->L || p.num_experts != m->E) {
+      rc = mr_err_set(e, MR_EMISMATCH, "%s: num_layers = %u, num_experts = %u, the model has "
+                      "%u and %u", m->o.placement_path, p.num_layers, p.num_experts, m->L, m->E);
+      goto out_placement;
+    }
+    int32_t map[MR_PLACEMENT_MAX_SERVERS];
+    for (uint32_t i = 0; i < p.n_servers; i++) {
+      map[i] = -1;
+      for (uint32_t s = 0; s < cf->n_servers; s++)
+        if (strcmp(cf->servers[s].name, p.server[i]) == 0) map[i] = (int32_t)s;
+      if (map[i] < 0) {
+        rc = mr_err_set(e, MR_ENOTFOUND, "%s: server \"%s\" is not in the cluster file %s",
+                        m->o.placement_path, p.server[i], m->o.cluster_path);
+        goto out_placement;
+      }
+    }
+    *route = mr_malloc(pairs * sizeof **route);
+    if (!*route) {
+      rc = mr_err_set(e, MR_ENOMEM, "placement: out of memory");
+      goto out_placement;
+    }
+    for (size_t i = 0; i < pairs; i++) {
+      uint32_t l = (uint32_t)(i / m->E);
+      if (p.local[i] && !m->cfg.is_moe[l]) {
+        rc = mr_err_set(e, MR_EINVAL, "%s: layer %u is a dense layer and has no experts to "
+                        "place", m->o.placement_path, l);
+        goto out_placement;
+      }
+      m->local[i] = p.local[i];
+      (*route)[i] = p.route[i] >= 0 ? map[p.route[i]] : -1;
+    }
+  out_placement:
+    mr_placement_close(&p);
+    if (rc) {
+      mr_free(*route);
+      *route = NULL;
+    }
+    return rc;
+  }
+  /* The cluster file's "local" section: the runner computes those experts itself. */
+  if (cf->local_layers[0] && cf->local_experts[0]) {
+    mr_idset ls, xs;
+    int rc = mr_idset_parse(&ls, cf->local_layers, m->L, "cluster file local.layers", e);
+    if (rc) return rc;
+    rc = mr_idset_parse(&xs, cf->local_experts, m->E, "cluster file local.experts", e);
+    if (rc) {
+      mr_idset_close(&ls);
+      return rc;
+    }
+    for (uint32_t l = 0; l < m->L; l++)
+      for (uint32_t x = 0; x < m->E; x++)
+        m->local[(size_t)l * m->E + x] = m->cfg.is_moe[l] && mr_idset_has(&ls, l) &&
+                                         mr_idset_has(&xs, x);
+    mr_idset_close(&ls);
+    mr_idset_close(&xs);
+  }
+  return 0;
+}
+
+static int cluster_open(gc_model *m, const mr_cluster_file *cf, const int32_t *route,
+                        mr_err *e) {
+  gc_options co;
+  gc_options_init(&co);
+  co.client_name = "moerpc-client model";
+  co.model_dir = m->model_dir;
+  co.no_local = true; /* the runner computes its hot experts itself */
+  co.shared_engine = m->eng;
+  co.deadline_ms = m->o.deadline_ms;
+  co.connect_timeout_ms = m->o.connect_timeout_ms;
+  co.caller_local = m->local;
+  co.caller_local_len = (size_t)m->L * m->E;
+  co.route = route;
+  co.route_len = route ? (size_t)m->L * m->E : 0;
+  int rc = gc_cluster_open_parsed(&m->cluster, cf, &co, e);
+  if (rc) return rc;
+  gc_cluster_info ci;
+  gc_cluster_info_get(m->cluster, &ci);
+  if (ci.num_layers != m->L || ci.num_experts != m->E || ci.hidden_size != m->H)
+    return mr_err_set(e, MR_EMISMATCH, "cluster %s serves a model of %u layers x %u experts, "
+                      "hidden %u; %s has %u x %u, hidden %u", m->o.cluster_path, ci.num_layers,
+                      ci.num_experts, ci.hidden_size, m->model_dir, m->L, m->E, m->H);
+  if (m->o.expert_format == KN_FMT_COUNT) {
+    kn_format f;
+    uint32_t g;
+    if ((rc = gc_weight_format_parse(ci.weight_format, &f, &g, e))) return rc;
+    m->expert_fmt = f;
+    m->expert_group = g ? g : 64;
+  }
+  return gc_moe_new(&m->moe, m->cluster, m->o.max_deferred, e);
+}
+
+/* ---- open / close ------------------------------------------------------------------------ */
+
+static int config_check(gc_model *m, mr_err *e) {
+  const mr_model_config *c = &m->cfg;
+  if (c->arch == MR_ARCH_DEEPSEEK_V3)
+    return mr_err_set(e, MR_ENOTSUP, "model %s: %s (MLA attention, shared experts) is not "
+                      "supported by the runner yet; supported: Qwen3MoeForCausalLM, "
+                      "MixtralForCausalLM", m->model_dir, c->arch_name);
+  if (strcmp(c->rope_type, "default") != 0)
+    return mr_err_set(e, MR_ENOTSUP, "model %s: rope type \"%s\" is not supported (only the "
+                      "default RoPE)", m->model_dir, c->rope_type);
+  if (c->head_dim % 2)
+    return mr_err_set(e, MR_EFORMAT, "model %s: head_dim = %u, RoPE needs an even head_dim",
+                      m->model_dir, c->head_dim);
+  return 0;
+}
+
+static int alloc_state(gc_model *m, mr_err *e) {
+  const size_t pairs = (size_t)m->L * m->E;
+  m->layer = mr_calloc(m->L, sizeof *m->layer);
+  m->local = mr_calloc(pairs, 1);
+  m->seq_len = mr_calloc(m->max_batch, sizeof *m->seq_len);
+  m->lst = mr_calloc(m->L, sizeof *m->lst);
+  m->seen = mr_calloc((m->E + 63) / 64, sizeof *m->seen);
+  if (!m->layer || !m->local || !m->seq_len || !m->lst || !m->seen)
+    return mr_err_set(e, MR_ENOMEM, "model: out of memory");
+  m->st.layer = m->lst;
+  return 0;
+}
+
+static int alloc_caches(gc_model *m, mr_err *e) {
+  const size_t n = (size_t)m->max_batch * m->max_seq * m->nkv * m->hd;
+  for (uint32_t l = 0; l < m->L; l++) {
+    model_layer *ly = &m->layer[l];
+    ly->k_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
+    ly->v_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
+    if (!ly->k_cache || !ly->v_cache)
+      return mr_err_set(e, MR_ENOMEM, "KV cache of layer %u (%u sequences x %u positions x %u "
+                        "floats): out of memory; lower --max-seq or --batch", l, m->max_batch,
+                        m->max_seq, m->nkv * m->hd);
+  }
+  /* inv_freq[i] = 1 / theta^(2i / hd), in fp32 like transformers' default RoPE */
+  const uint32_t half = m->hd / 2;
+  float host[MR_MAX_LAYERS > 4096 ? MR_MAX_LAYERS : 4096];
+  MR_ASSERT(half <= sizeof host / sizeof host[0]);
+  for (uint32_t i = 0; i < half; i++)
+    host[i] = (float)(1.0 / pow((double)m->cfg.rope_theta, (double)(float)(2.0f * i / m->hd)));
+  m->inv_freq = m->bk->ops->alloc(m->bk, half * sizeof(float));
+  if (!m->inv_freq) return mr_err_set(e, MR_ENOMEM, "RoPE table: out of memory");
+  return m->bk->ops->upload(m->bk, m->inv_freq, host, half, e);
+}
+
+int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
+  MR_ASSERT(out && o);
+  *out = NULL;
+  mr_st *st = NULL;
+  int32_t *route = NULL;
+  mr_cluster_file *cf = NULL;
+  if (!o->model_dir || !*o->model_dir) return mr_err_set(e, MR_EINVAL, "--model is required");
+  gc_model *m = mr_calloc(1, sizeof *m);
+  if (!m) return mr_err_set(e, MR_ENOMEM, "model: out of memory");
+  m->o = *o;
+  snprintf(m->model_dir, sizeof m->model_dir, "%s", o->model_dir);
+  int rc = mr_config_load(&m->cfg, m->model_dir, e);
+  if (rc) goto out;
+  if ((rc = config_check(m, e))) goto out;
+  const mr_model_config *c = &m->cfg;
+  m->H = c->hidden_size, m->V = c->vocab_size, m->nh = c->num_heads, m->nkv = c->num_kv_heads;
+  m->hd = c->head_dim, m->E = c->num_experts, m->k = c->top_k, m->L = c->num_layers;
+  m->Id = c->dense_intermediate, m->Ie = c->moe_intermediate;
+  m->n_qkv = (m->nh + 2 * m->nkv) * m->hd;
+  for (uint32_t l = 0; l < m->L; l++)
+    if (c->is_moe[l]) m->last_moe = l;
+  m->max_batch = o->max_batch ? o->max_batch : 1;
+  if (m->max_batch > MODEL_MAX_BATCH) {
+    rc = mr_err_set(e, MR_ERANGE, "--batch = %u, must be 1..%u", m->max_batch, MODEL_MAX_BATCH);
+    goto out;
+  }
+  m->max_seq = o->max_seq ? o->max_seq : MODEL_DEFAULT_MAX_SEQ;
+  if (!o->max_seq && c->max_position && c->max_position < m->max_seq) m->max_seq = c->max_position;
+  if (m->max_seq > MODEL_MAX_SEQ) {
+    rc = mr_err_set(e, MR_ERANGE, "--max-seq = %u, must be 1..%u", m->max_seq, MODEL_MAX_SEQ);
+    goto out;
+  }
+  m->wire = o->wire ? o->wire : MR_DTYPE_BF16;
+  m->dense_fmt = o->dense_format;
+  m->expert_fmt = o->expert_format == KN_FMT_COUNT ? KN_FMT_BF16 : o->expert_format;
+  m->expert_group = o->expert_group ? o->expert_group : 64;
+  if ((rc = alloc_state(m, e))) goto out;
+
+  if (o->cluster_path) {
+    cf = mr_malloc(sizeof *cf);
+    if (!cf) {
+      rc = mr_err_set(e, MR_ENOMEM, "cluster file: out of memory");
+      goto out;
+    }
+    if ((rc = mr_cluster_load(cf, o->cluster_path, e))) goto out;
+  }
+  if ((rc = placement_make(m, cf, &route, e))) goto out;
+  if ((rc = kn_engine_new(&m->eng, &o->engine, e))) goto out;
+  if (o->pin_caller) {
+    mr_err pe;
+    if (kn_engine_pin_caller(m->eng, &pe) != 0)
+      mr_log(MR_LOG_WARN, "model: could not pin the calling thread (%s); running unpinned",
+             pe.msg);
+  }
+  if ((rc = gc_bk_cpu_new(&m->bk, m->eng, m->max_seq, e))) goto out;
+  if (cf && (rc = cluster_open(m, cf, route, e))) goto out;
+  if ((rc = mr_st_open(&st, m->model_dir, e))) goto out;
+  if (!m->cluster && o->expert_format == KN_FMT_COUNT) {
+    /* all local: keep the experts as stored, as the servers do by default */
+    char key[256];
+    mr_config_expert_key(&m->cfg, m->last_moe, 0, MR_PROJ_GATE, key, sizeof key);
+    const mr_st_tensor *t = mr_st_find(st, key);
+    if (t) m->expert_fmt = dense_format_of_dtype(t->dtype);
+  }
+  if ((rc = load_weights(m, st, e))) goto out;
+  if ((rc = alloc_caches(m, e))) goto out;
+  if (!m->expert_bytes_one) { /* no hot expert: size one from its shape and format */
+    kn_layer *tmp = NULL;
+    kn_layer_desc d = {.hidden = m->H, .inter = m->Ie, .num_experts = 1,
+                       .format = m->expert_fmt, .group = m->expert_group};
+    if (kn_layer_new(&tmp, m->eng, &d, NULL) == 0) m->expert_bytes_one = kn_layer_expert_bytes(tmp);
+    kn_layer_free(tmp);
+  }
+  uint64_t n_local = 0;
+  for (size_t i = 0; i < (size_t)m->L * m->E; i++) n_local += m->local[i];
+  mr_log(MR_LOG_INFO, "model open: %s %s, %u layers (%u MoE), H=%u E=%u k=%u, dense %.2f GB, "
+         "%llu hot experts (%.2f GB, %s), %s, backend %s, %u threads, max_seq %u, batch %u, "
+         "max_deferred %u", c->arch_name, m->model_dir, m->L, mr_config_num_moe_layers(c), m->H,
+         m->E, m->k, (double)m->dense_bytes / 1e9, (unsigned long long)n_local,
+         (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
+         m->cluster ? "cold experts on the cluster" : "all experts local", m->bk->ops->name,
+         kn_engine_threads(m->eng), m->max_seq, m->max_batch, m->moe ? o->max_deferred : 0);
+  *out = m;
+  m = NULL;
+out:
+  mr_st_close(st);
+  mr_free(route);
+  mr_free(cf);
+  gc_model_close(m);
+  return rc;
+}
+
+static void bufs_free(gc_model *m) {
+  model_bufs *b = &m->b;
+  float *dev[] = {b->x, b->h, b->qkv, b->attn, b->y, b->router, b->gu, b->mh};
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
+    if (dev[i]) m->bk->ops->free(m->bk, dev[i]);
+  void *host[] = {b->ids, b->w, b->hot_ids, b->wire, b->cold, b->pos, b->seq};
+  for (size_t i = 0; i < sizeof host / sizeof host[0]; i++)
+    if (host[i]) m->bk->ops->host_free(m->bk, host[i]);
+  memset(b, 0, sizeof *b);
+}
+
+void gc_model_close(gc_model *m) {
+  if (!m) return;
+  gc_moe_free(m->moe);
+  gc_cluster_close(m->cluster);
+  if (m->bk) {
+    const gc_bk_ops *op = m->bk->ops;
+    for (uint32_t l = 0; m->layer && l < m->L; l++) {
+      model_layer *ly = &m->layer[l];
+      op->linear_free(m->bk, ly->qkv);
+      op->linear_free(m->bk, ly->o);
+      op->linear_free(m->bk, ly->router);
+      op->linear_free(m->bk, ly->gate_up);
+      op->linear_free(m->bk, ly->down);
+      op->experts_free(m->bk, ly->hot);
+      float *v[] = {ly->qkv_bias, ly->o_bias, ly->ln1, ly->ln2, ly->q_norm, ly->k_norm,
+                    ly->k_cache, ly->v_cache};
+      for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
+        if (v[i]) op->free(m->bk, v[i]);
+    }
+    op->table_free(m->bk, m->embed);
+    op->linear_free(m->bk, m->head);
+    float *v[] = {m->final_norm, m->inv_freq, m->head_x, m->head_out};
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
+      if (v[i]) op->free(m->bk, v[i]);
+    bufs_free(m);
+    op->destroy(m->bk);
+  }
+  kn_engine_free(m->eng);
+  mr_free(m->layer);
+  mr_free(m->local);
+  mr_free(m->seq_len);
+  mr_free(m->lst);
+  mr_free(m->seen);
+  mr_free(m);
+}
+
+void gc_model_seq_reset(gc_model *m, uint32_t seq) {
+  if (seq < m->max_batch) m->seq_len[seq] = 0;
+}
+uint32_t gc_model_seq_len(const gc_model *m, uint32_t seq) {
+  return seq < m->max_batch ? m->seq_len[seq] : 0;
+}
+
+void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset) {
+  *out = m->st;
+  out->layer = m->lst;
+  if (reset) {
+    memset(&m->st, 0, sizeof m->st);
+    m->st.layer = m->lst;
+  }
+}
+
+/* ---- the forward step -------------------------------------------------------------------- */
+
+static int bufs_grow(gc_model *m, uint32_t T, mr_err *e) {
+  model_bufs *b = &m->b;
+  if (T <= b->cap) return 0;
+  bufs_free(m);
+  gc_backend *bk = m->bk;
+  const size_t t = T, H = m->H;
+  const size_t gu = m->Id ? 2 * (size_t)m->Id : 1, mh = m->Id ? m->Id : 1;
+  b->x = bk->ops->alloc(bk, t * H * 4);
+  b->h = bk->ops->alloc(bk, t * H * 4);
+  b->qkv = bk->ops->alloc(bk, t * m->n_qkv * 4);
+  b->attn = bk->ops->alloc(bk, t * m->nh * m->hd * 4);
+  b->y = bk->ops->alloc(bk, t * H * 4);
+  b->router = bk->ops->alloc(bk, t * m->E * 4);
+  b->gu = bk->ops->alloc(bk, t * gu * 4);
+  b->mh = bk->ops->alloc(bk, t * mh * 4);
+  b->ids = bk->ops->host_alloc(bk, t * m->k * 4);
+  b->w = bk->ops->host_alloc(bk, t * m->k * 4);
+  b->hot_ids = bk->ops->host_alloc(bk, t * m->k * 4);
+  b->wire = bk->ops->host_alloc(bk, t * H * mr_dtype_size(m->wire));
+  b->cold = bk->ops->host_alloc(bk, t * H * 4);
+  b->pos = bk->ops->host_alloc(bk, t * 4);
+  b->seq = bk->ops->host_alloc(bk, t * 4);
+  if (!b->x || !b->h || !b->qkv || !b->attn || !b->y || !b->router || !b->gu || !b->mh ||
+      !b->ids || !b->w || !b->hot_ids || !b->wire || !b->cold || !b->pos || !b->seq) {
+    bufs_free(m);
+    return mr_err_set(e, MR_ENOMEM, "step buffers for %u tokens: out of memory", T);
+  }
+  b->cap = T;
+  return 0;
+}
+
+static int step_validate(gc_model *m, const gc_step *s, uint32_t *n_want, mr_err *e) {
+  if (!s || !s->ids || !s->seq || !s->pos || !s->logits)
+    return mr_err_set(e, MR_EINVAL, "step: ids, seq, pos and logits are required");
+  uint64_t cap = (uint64_t)m->max_batch * m->max_seq;
+  if (s->n_tokens < 1 || s->n_tokens > cap)
+    return mr_err_set(e, MR_ERANGE, "step: %u tokens, must be 1..%llu (batch x max_seq)",
+                      s->n_tokens, (unsigned long long)cap);
+  /* Positions must continue each slot's cache in order; check on a copy of the lengths. */
+  uint32_t *l2 = mr_malloc(m->max_batch * sizeof *l2);
+  if (!l2) return mr_err_set(e, MR_ENOMEM, "step: out of memory");
+  memcpy(l2, m->seq_len, m->max_batch * sizeof *l2);
+  int rc = 0;
+  *n_want = 0;
+  for (uint32_t t = 0; t < s->n_tokens && !rc; t++) {
+    if (s->ids[t] < 0 || (uint32_t)s->ids[t] >= m->V)
+      rc = mr_err_set(e, MR_ERANGE, "token %u: id %d is out of the vocabulary (0..%u)", t,
+                      s->ids[t], m->V - 1);
+    else if (s->seq[t] >= m->max_batch)
+      rc = mr_err_set(e, MR_ERANGE, "token %u: sequence slot %u, must be < batch %u", t,
+                      s->seq[t], m->max_batch);
+    else if (s->pos[t] >= m->max_seq)
+      rc = mr_err_set(e, MR_ERANGE, "token %u: position %u, must be < --max-seq %u (the "
+                      "sequence is too long)", t, s->pos[t], m->max_seq);
+    else if (s->pos[t] != l2[s->seq[t]])
+      rc = mr_err_set(e, MR_EINVAL, "token %u: position %u in sequence slot %u, which holds %u "
+                      "tokens: positions must continue the cache in order", t, s->pos[t],
+                      s->seq[t], l2[s->seq[t]]);
+    else
+      l2[s->seq[t]]++;
+    if (!s->want_logits || s->want_logits[t]) (*n_want)++;
+  }
+  mr_free(l2);
+  return rc;
+}
+
+/* Counts the distinct experts a MoE layer's routing activated (for decode_bw_ratio). */
+static void count_experts(gc_model *m, uint32_t T) {
+  memset(m->seen, 0, ((m->E + 63) / 64) * sizeof *m->seen);
+  uint32_t n = 0;
+  for (size_t i = 0; i < (size_t)T * m->k; i++) {
+    int32_t x = m->b.ids[i];
+    if (x < 0) continue;
+    uint64_t bit = 1ull << (x & 63);
+    if (!(m->seen[x >> 6] & bit)) {
+      m->seen[x >> 6] |= bit;
+      n++;
+    }
+  }
+  m->st.expert_bytes_read += (uint64_t)n * m->expert_bytes_one;
+}
+
+static int layer_attention(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &m->layer[l];
+  const gc_bk_ops *op = m->bk->ops;
+  gc_backend *bk = m->bk;
+  model_bufs *b = &m->b;
+  const uint32_t qw = m->nh * m->hd, kvw = m->nkv * m->hd;
+  int rc;
+  if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln1, m->cfg.rms_norm_eps, b->h, m->H, e)))
+    return rc;
+  if ((rc = op->matmul(bk, ly->qkv, T, b->h, ly->qkv_bias, b->qkv, e))) return rc;
+  float *q = b->qkv, *k = b->qkv + qw, *v = b->qkv + qw + kvw;
+  if (ly->q_norm) {
+    /* per-head RMSNorm: the rows are T * heads vectors of hd floats */
+    for (uint32_t t = 0; t < T; t++) {
+      float *row = b->qkv + (size_t)t * m->n_qkv;
+      if ((rc = op->rmsnorm(bk, m->nh, m->hd, row, m->hd, ly->q_norm, m->cfg.rms_norm_eps, row,
+                            m->hd, e)))
+        return rc;
+      if ((rc = op->rmsnorm(bk, m->nkv, m->hd, row + qw, m->hd, ly->k_norm,
+                            m->cfg.rms_norm_eps, row + qw, m->hd, e)))
+        return rc;
+    }
+  }
+  if ((rc = op->rope(bk, T, m->nh, m->hd, q, m->n_qkv, b->pos, m->inv_freq, e))) return rc;
+  if ((rc = op->rope(bk, T, m->nkv, m->hd, k, m->n_qkv, b->pos, m->inv_freq, e))) return rc;
+  gc_bk_attn a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->nh,
+                  .n_kv_heads = m->nkv, .head_dim = m->hd, .max_seq = m->max_seq,
+                  .window = m->cfg.sliding_window, .scale = 1.0f / sqrtf((float)m->hd),
+                  .q = q, .k = k, .v = v, .ld = m->n_qkv, .k_cache = ly->k_cache,
+                  .v_cache = ly->v_cache, .out = b->attn};
+  if ((rc = op->attention(bk, &a, e))) return rc;
+  if ((rc = op->matmul(bk, ly->o, T, b->attn, ly->o_bias, b->y, e))) return rc;
+  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+}
+
+static int layer_dense_mlp(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &m->layer[l];
+  const gc_bk_ops *op = m->bk->ops;
+  gc_backend *bk = m->bk;
+  model_bufs *b = &m->b;
+  int rc;
+  if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h, m->H, e)))
+    return rc;
+  if ((rc = op->matmul(bk, ly->gate_up, T, b->h, NULL, b->gu, e))) return rc;
+  if ((rc = op->silu_mul(bk, T, m->Id, b->gu, b->mh, e))) return rc;
+  if ((rc = op->matmul(bk, ly->down, T, b->mh, NULL, b->y, e))) return rc;
+  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+}
+
+static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &m->layer[l];
+  const gc_bk_ops *op = m->bk->ops;
+  gc_backend *bk = m->bk;
+  model_bufs *b = &m->b;
+  gc_layer_stats *ls = &m->lst[l];
+  const size_t TK = (size_t)T * m->k, TH = (size_t)T * m->H;
+  int rc;
+  if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h, m->H, e)))
+    return rc;
+  if ((rc = op->matmul(bk, ly->router, T, b->h, NULL, b->router, e))) return rc;
+  gc_bk_route r = {.n_tokens = T, .num_experts = m->E, .top_k = m->k,
+                   .norm_topk = m->cfg.norm_topk_prob, .logits = b->router, .ids = b->ids,
+                   .weights = b->w};
+  if ((rc = op->route(bk, &r, e))) return rc;
+  bool remote = m->moe && ly->n_hot < m->E;
+  if (remote && (rc = op->to_host(bk, b->wire, m->wire, b->h, TH, e))) return rc;
+  if ((rc = op->sync(bk, e))) return rc;
+  count_experts(m, T);
+
+  /* The cold slots go out first, so that the servers work while we compute the hot ones. */
+  if (remote) {
+    gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = m->k, .ids = b->ids, .weights = b->w,
+                      .x = b->wire, .dtype = m->wire};
+    if ((rc = gc_moe_submit(m->moe, &q, l == m->last_moe, e))) return rc;
+  }
+  uint64_t t0 = mr_now_ns();
+  bool any_hot = false;
+  for (size_t i = 0; i < TK; i++) {
+    int32_t x = b->ids[i];
+    bool hot = x >= 0 && m->local[(size_t)l * m->E + x];
+    b->hot_ids[i] = hot ? x : -1;
+    any_hot |= hot;
+  }
+  if (any_hot) rc = op->experts(bk, ly->hot, T, m->k, b->hot_ids, b->w, b->h, b->y, e);
+  else rc = op->zero(bk, b->y, TH, e);
+  ls->local_us += (mr_now_ns() - t0) / 1000u;
+  if (rc) {
+    if (remote) gc_moe_abort(m->moe);
+    return rc;
+  }
+  if (remote) {
+    memset(b->cold, 0, TH * sizeof *b->cold);
+    gc_moe_timing tm;
+    if ((rc = gc_moe_wait(m->moe, b->cold, &tm, e))) return rc;
+    ls->wait_us += tm.now.wait_us + tm.deferred.wait_us;
+    ls->rpc_us += tm.now.rpc_us;
+    ls->submit_us += tm.now.submit_us + tm.deferred.submit_us;
+    ls->deferred_rpc_us += tm.deferred.rpc_us;
+    ls->deferred_wait_us += tm.deferred.wait_us;
+    ls->deferred_slots += tm.deferred_slots;
+    if ((rc = op->add_host(bk, b->y, b->cold, TH, e))) return rc;
+  }
+  return op->add(bk, b->x, b->y, TH, e);
+}
+
+static int step_head(gc_model *m, const gc_step *s, uint32_t n_want, mr_err *e) {
+  const gc_bk_ops *op = m->bk->ops;
+  gc_backend *bk = m->bk;
+  int rc;
+  if (n_want > m->head_cap) {
+    if (m->head_x) op->free(bk, m->head_x);
+    if (m->head_out) op->free(bk, m->head_out);
+    m->head_x = op->alloc(bk, (size_t)n_want * m->H * 4);
+    m->head_out = op->alloc(bk, (size_t)n_want * m->V * 4);
+    m->head_cap = m->head_x && m->head_out ? n_want : 0;
+    if (!m->head_cap) return mr_err_set(e, MR_ENOMEM, "logits of %u tokens: out of memory", n_want);
+  }
+  /* gather the rows that want logits, then norm + lm_head on them only */
+  uint32_t j = 0;
+  for (uint32_t t = 0; t < s->n_tokens; t++)
+    if (!s->want_logits || s->want_logits[t]) m->b.pos[j++] = t; /* pos is free by now */
+  if ((rc = op->gather_rows(bk, m->head_x, m->b.x, m->H, m->b.pos, n_want, e))) return rc;
+  if ((rc = op->rmsnorm(bk, n_want, m->H, m->head_x, m->H, m->final_norm, m->cfg.rms_norm_eps,
+                        m->head_x, m->H, e)))
+    return rc;
+  if ((rc = op->matmul(bk, m->head, n_want, m->head_x, NULL, m->head_out, e))) return rc;
+  if ((rc = op->to_host(bk, s->logits, MR_DTYPE_F32, m->head_out, (size_t)n_want * m->V, e)))
+    return rc;
+  return op->sync(bk, e);
+}
+
+int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
+  uint32_t n_want = 0;
+  int rc = step_validate(m, s, &n_want, e);
+  if (rc) return rc;
+  const uint32_t T = s->n_tokens;
+  if ((rc = bufs_grow(m, T, e))) return rc;
+  const uint64_t t0 = mr_now_ns();
+  memcpy(m->b.pos, s->pos, T * sizeof *s->pos);
+  memcpy(m->b.seq, s->seq, T * sizeof *s->seq);
+  if ((rc = m->bk->ops->embed(m->bk, m->embed, T, s->ids, m->b.x, e))) goto fail;
+  for (uint32_t l = 0; l < m->L; l++) {
+    uint64_t ta = mr_now_ns();
+    if ((rc = layer_attention(m, l, T, e))) {
+      mr_err_prefix(e, rc, "layer %u attention", l);
+      goto fail;
+    }
+    m->lst[l].attn_us += (mr_now_ns() - ta) / 1000u;
+    if (m->layer[l].moe) {
+      rc = layer_moe(m, l, T, e);
+    } else {
+      uint64_t tm = mr_now_ns();
+      rc = layer_dense_mlp(m, l, T, e);
+      m->lst[l].local_us += (mr_now_ns() - tm) / 1000u;
+    }
+    if (rc) {
+      mr_err_prefix(e, rc, "layer %u %s", l, m->layer[l].moe ? "MoE" : "MLP");
+      goto fail;
+    }
+  }
+  uint64_t th = mr_now_ns();
+  if ((rc = step_head(m, s, n_want, e))) goto fail;
+  m->st.head_us += (mr_now_ns() - th) / 1000u;
+  for (uint32_t t = 0; t < T; t++) m->seq_len[s->seq[t]]++;
+  m->st.steps++;
+  m->st.tokens += T;
+  m->st.step_us += (mr_now_ns() - t0) / 1000u;
+  m->st.dense_bytes_read += m->dense_bytes;
+  return 0;
+fail:
+  if (m->moe) gc_moe_abort(m->moe);
+  return rc;
+}
+
+/* ---- generation -------------------------------------------------------------------------- */
+
+static uint64_t splitmix64(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+typedef struct cand {
+  float p;
+  int32_t id;
+} cand;
+static int cand_cmp(const void *a, const void *b) {
+  const cand *x = a, *y = b;
+  if (x->p != y->p) return x->p > y->p ? -1 : 1;
+  return x->id - y->id;
+}
+
+int32_t gc_sample(const float *logits, uint32_t V, const gc_sampling *smp, uint64_t *state) {
+  int32_t best = 0;
+  for (uint32_t i = 1; i < V; i++)
+    if (logits[i] > logits[best]) best = (int32_t)i;
+  if (!smp || smp->temperature <= 0) return best;
+  cand *c = mr_malloc((size_t)V * sizeof *c);
+  if (!c) return best; /* out of memory: degrade to greedy rather than fail the request */
+  const float inv_t = 1.0f / smp->temperature, mx = logits[best];
+  double sum = 0;
+  for (uint32_t i = 0; i < V; i++) {
+    c[i].id = (int32_t)i;
+    c[i].p = expf((logits[i] - mx) * inv_t);
+    sum += c[i].p;
+  }
+  qsort(c, V, sizeof *c, cand_cmp);
+  float top_p = smp->top_p > 0 && smp->top_p < 1 ? smp->top_p : 1.0f;
+  uint32_t n = 0;
+  double mass = 0;
+  while (n < V && (n == 0 || mass < top_p * sum)) mass += c[n++].p;
+  double u = (double)(splitmix64(state) >> 11) / 9007199254740992.0 * mass;
+  int32_t id = c[n - 1].id;
+  double acc = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    acc += c[i].p;
+    if (u < acc) {
+      id = c[i].id;
+      break;
+    }
+  }
+  mr_free(c);
+  return id;
+}
+
+int gc_model_generate(gc_model *m, uint32_t n, const int32_t *const *prompts,
+                      const uint32_t *lens, uint32_t max_new, const gc_sampling *smp,
+                      int32_t *out, gc_gen_timing *t, mr_err *e) {
+  if (n < 1 || n > m->max_batch)
+    return mr_err_set(e, MR_ERANGE, "generate: %u sequences, must be 1..--batch %u", n,
+                      m->max_batch);
+  uint64_t total = 0;
+  for (uint32_t b = 0; b < n; b++) {
+    if (lens[b] < 1)
+      return mr_err_set(e, MR_EINVAL, "generate: prompt %u is empty", b);
+    if ((uint64_t)lens[b] + max_new > m->max_seq)
+      return mr_err_set(e, MR_ERANGE, "generate: prompt %u has %u tokens + %u new = %llu, more "
+                        "than --max-seq %u", b, lens[b], max_new,
+                        (unsigned long long)lens[b] + max_new, m->max_seq);
+    total += lens[b];
+  }
+  gc_gen_timing tm = {0};
+  int rc = 0;
+  const size_t V = m->V;
+  int32_t *ids = mr_malloc((total > n ? total : n) * sizeof *ids);
+  uint32_t *seq = mr_malloc((total > n ? total : n) * sizeof *seq);
+  uint32_t *pos = mr_malloc((total > n ? total : n) * sizeof *pos);
+  uint8_t *want = mr_calloc(total > n ? total : n, 1);
+  float *logits = mr_malloc((size_t)n * V * sizeof *logits);
+  uint64_t *rng = mr_malloc((size_t)n * sizeof *rng);
+  if (!ids || !seq || !pos || !want || !logits || !rng) {
+    rc = mr_err_set(e, MR_ENOMEM, "generate: out of memory");
+    goto out;
+  }
+  for (uint32_t b = 0; b < n; b++) {
+    gc_model_seq_reset(m, b);
+    rng[b] = (smp ? smp->seed : 0) ^ (0x632be59bd9b4e019ull * (b + 1));
+  }
+  /* prefill: every prompt in one step, logits of each prompt's last token */
+  size_t i = 0;
+  for (uint32_t b = 0; b < n; b++)
+    for (uint32_t p = 0; p < lens[b]; p++, i++) {
+      ids[i] = prompts[b][p];
+      seq[i] = b;
+      pos[i] = p;
+      want[i] = p + 1 == lens[b];
+    }
+  uint64_t t0 = mr_now_ns();
+  gc_step s = {.n_tokens = (uint32_t)total, .ids = ids, .seq = seq, .pos = pos,
+               .want_logits = want, .logits = logits};
+  if (max_new == 0) goto out;
+  if ((rc = gc_model_step(m, &s, e))) goto out;
+  tm.prefill_us = (mr_now_ns() - t0) / 1000u;
+  tm.prefill_tokens = total;
+  for (uint32_t b = 0; b < n; b++)
+    out[(size_t)b * max_new] = gc_sample(logits + b * V, m->V, smp, &rng[b]);
+  /* decode: one token per sequence per step */
+  t0 = mr_now_ns();
+  for (uint32_t step = 1; step < max_new; step++) {
+    for (uint32_t b = 0; b < n; b++) {
+      ids[b] = out[(size_t)b * max_new + step - 1];
+      seq[b] = b;
+      pos[b] = lens[b] + step - 1;
+    }
+    s = (gc_step){.n_tokens = n, .ids = ids, .seq = seq, .pos = pos, .want_logits = NULL,
+                  .logits = logits};
+    if ((rc = gc_model_step(m, &s, e))) {
+      mr_err_prefix(e, rc, "decode step %u", step);
+      goto out;
+    }
+    for (uint32_t b = 0; b < n; b++)
+      out[(size_t)b * max_new + step] = gc_sample(logits + b * V, m->V, smp, &rng[b]);
+    tm.decode_tokens += n;
+  }
+  tm.decode_us = (mr_now_ns() - t0) / 1000u;
+out:
+  if (t) *t = tm;
+  mr_free(ids);
+  mr_free(seq);
+  mr_free(pos);
+  mr_free(want);
+  mr_free(logits);
+  mr_free(rng);
+  return rc;
+}

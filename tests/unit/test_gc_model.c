@@ -1,0 +1,240 @@
+/*
+ * test_gc_model.c - the whole-model runner without servers (every expert local):
+ * KV-cache decode equals recomputing the prefix, a ragged batch equals its sequences run
+ * alone, bad steps are refused before anything changes, sampling, the --local-experts
+ * rule, and the fast path stays near the reference. The runner against transformers is
+ * tests/conformance/test_model_logits.py; against servers tests/integration/itest_model.c.
+ */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "gpu_client/model.h"
+#include "tests/unit/mt.h"
+
+static char dir[256];
+static const uint32_t V = 128;
+
+static void make_model(const char *extra) {
+  snprintf(dir, sizeof dir, "/tmp/moerpc-test-model-%d", (int)getpid());
+  char cmd[1024];
+  const char *bin = getenv("MOERPC_BIN");
+  snprintf(cmd, sizeof cmd, "rm -rf '%s' && '%s/moerpc-mkmodel' --out '%s' --layers 3 "
+           "--experts 8 --topk 2 --hidden 64 --inter 32 --vocab 128 --heads 4 --kv-heads 2 "
+           "--head-dim 16 --seed 5 %s >/dev/null 2>&1", dir, bin ? bin : "build/bin", dir,
+           extra ? extra : "");
+  MT_EQ_INT(system(cmd), 0);
+}
+static void rm_model(void) {
+  char cmd[300];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (system(cmd)) {}
+}
+
+static gc_model *open_model(kn_isa isa, uint32_t batch, uint32_t max_seq) {
+  gc_model_opts o;
+  gc_model_opts_init(&o);
+  o.model_dir = dir;
+  o.engine.isa = isa;
+  o.engine.threads = 2;
+  o.max_batch = batch;
+  o.max_seq = max_seq;
+  o.quiet = true;
+  gc_model *m = NULL;
+  mr_err e = {0};
+  MT_OK(gc_model_open(&m, &o, &e), &e);
+  return m;
+}
+
+static const int32_t prompt[12] = {5, 17, 99, 3, 64, 127, 0, 42, 42, 8, 77, 31};
+
+MT_TEST(kv_cache_decode_equals_recompute) {
+  make_model(NULL);
+  gc_model *m = open_model(KN_ISA_REF, 1, 64);
+  const uint32_t T = 12;
+  static float full[12 * 128], one[128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < T; i++) pos[i] = i;
+  mr_err e = {0};
+  gc_step s = {.n_tokens = T, .ids = prompt, .seq = seq, .pos = pos, .logits = full};
+  MT_OK(gc_model_step(m, &s, &e), &e);
+  MT_EQ_INT(gc_model_seq_len(m, 0), T);
+  /* the same tokens one at a time through the cache */
+  gc_model_seq_reset(m, 0);
+  double worst = 0;
+  for (uint32_t i = 0; i < T; i++) {
+    gc_step d = {.n_tokens = 1, .ids = prompt + i, .seq = seq, .pos = pos + i, .logits = one};
+    MT_OK(gc_model_step(m, &d, &e), &e);
+    double r = kn_rel_l2(one, full + (size_t)i * V, V);
+    if (r > worst) worst = r;
+  }
+  fprintf(stderr, "  decode vs prefill: worst rel L2 %.2e\n", worst);
+  MT_LE(worst, 1e-5);
+  gc_model_close(m);
+  rm_model();
+}
+
+MT_TEST(ragged_batch_equals_each_sequence_alone) {
+  make_model(NULL);
+  gc_model *m = open_model(KN_ISA_REF, 3, 32);
+  /* three sequences of 5, 2 and 7 tokens in one step, interleaved */
+  const uint32_t lens[3] = {5, 2, 7};
+  int32_t ids[14];
+  uint32_t seq[14], pos[14], at[3] = {0};
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < 7; r++)
+    for (uint32_t b = 0; b < 3; b++)
+      if (r < lens[b]) {
+        ids[n] = prompt[(b * 4 + r) % 12];
+        seq[n] = b;
+        pos[n] = at[b]++;
+        n++;
+      }
+  static float batched[14 * 128], alone[7 * 128];
+  mr_err e = {0};
+  gc_step s = {.n_tokens = n, .ids = ids, .seq = seq, .pos = pos, .logits = batched};
+  MT_OK(gc_model_step(m, &s, &e), &e);
+  for (uint32_t b = 0; b < 3; b++) {
+    int32_t sid[7];
+    uint32_t sseq[7], spos[7];
+    for (uint32_t i = 0; i < lens[b]; i++) {
+      sid[i] = prompt[(b * 4 + i) % 12];
+      sseq[i] = 2; /* another slot */
+      spos[i] = i;
+    }
+    gc_model_seq_reset(m, 2);
+    gc_step a = {.n_tokens = lens[b], .ids = sid, .seq = sseq, .pos = spos, .logits = alone};
+    MT_OK(gc_model_step(m, &a, &e), &e);
+    for (uint32_t i = 0; i < n; i++) {
+      if (seq[i] != b) continue;
+      double r = kn_rel_l2(batched + (size_t)i * V, alone + (size_t)pos[i] * V, V);
+      MT_LE(r, 1e-5);
+    }
+  }
+  gc_model_close(m);
+  rm_model();
+}
+
+MT_TEST(bad_steps_are_refused_and_change_nothing) {
+  make_model(NULL);
+  gc_model *m = open_model(KN_ISA_REF, 2, 8);
+  float lg[8 * 128];
+  uint32_t seq[9] = {0}, pos[9];
+  for (int i = 0; i < 9; i++) pos[i] = (uint32_t)i;
+  int32_t ids[9] = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  mr_err e = {0};
+  int32_t bad_id[2] = {1, 128};
+  gc_step s = {.n_tokens = 2, .ids = bad_id, .seq = seq, .pos = pos, .logits = lg};
+  MT_EQ_INT(gc_model_step(m, &s, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "vocabulary");
+  s = (gc_step){.n_tokens = 9, .ids = ids, .seq = seq, .pos = pos, .logits = lg};
+  MT_EQ_INT(gc_model_step(m, &s, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "max-seq");
+  uint32_t skip[2] = {0, 2};
+  s = (gc_step){.n_tokens = 2, .ids = ids, .seq = seq, .pos = skip, .logits = lg};
+  MT_EQ_INT(gc_model_step(m, &s, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "continue the cache");
+  uint32_t badseq[1] = {2};
+  s = (gc_step){.n_tokens = 1, .ids = ids, .seq = badseq, .pos = pos, .logits = lg};
+  MT_EQ_INT(gc_model_step(m, &s, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "slot");
+  MT_EQ_INT(gc_model_seq_len(m, 0), 0);
+  /* and a good step still works afterwards */
+  s = (gc_step){.n_tokens = 3, .ids = ids, .seq = seq, .pos = pos, .logits = lg};
+  MT_OK(gc_model_step(m, &s, &e), &e);
+  MT_EQ_INT(gc_model_seq_len(m, 0), 3);
+  gc_model_close(m);
+  rm_model();
+}
+
+MT_TEST(generate_greedy_is_argmax_and_batch_independent) {
+  make_model(NULL);
+  gc_model *m = open_model(KN_ISA_REF, 2, 32);
+  const int32_t *p[2] = {prompt, prompt + 3};
+  const uint32_t lens[2] = {6, 4};
+  int32_t out2[2 * 8], out1[8];
+  gc_sampling g = {.temperature = 0, .top_p = 1};
+  mr_err e = {0};
+  MT_OK(gc_model_generate(m, 2, p, lens, 8, &g, out2, NULL, &e), &e);
+  MT_OK(gc_model_generate(m, 1, p + 1, lens + 1, 8, &g, out1, NULL, &e), &e);
+  for (int i = 0; i < 8; i++) MT_EQ_INT(out2[8 + i], out1[i]);
+  /* prompt + max_new over max_seq */
+  MT_EQ_INT(gc_model_generate(m, 1, p, lens, 40, &g, out1, NULL, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "max-seq");
+  gc_model_close(m);
+  rm_model();
+}
+
+MT_TEST(sampling_is_seeded_and_top_p_narrows) {
+  float lg[16];
+  for (int i = 0; i < 16; i++) lg[i] = (float)(i % 5);
+  lg[9] = 10.0f;
+  gc_sampling greedy = {0};
+  MT_EQ_INT(gc_sample(lg, 16, &greedy, NULL), 9);
+  gc_sampling hot = {.temperature = 5.0f, .top_p = 1.0f, .seed = 3};
+  uint64_t s1 = 11, s2 = 11;
+  int differ = 0;
+  for (int i = 0; i < 64; i++) {
+    int32_t a = gc_sample(lg, 16, &hot, &s1), b = gc_sample(lg, 16, &hot, &s2);
+    MT_EQ_INT(a, b); /* same state, same draw */
+    MT_TRUE(a >= 0 && a < 16);
+    differ += a != 9;
+  }
+  MT_TRUE(differ > 0); /* a high temperature really samples */
+  gc_sampling nucleus = {.temperature = 5.0f, .top_p = 1e-4f};
+  for (int i = 0; i < 32; i++) MT_EQ_INT(gc_sample(lg, 16, &nucleus, &s1), 9);
+}
+
+MT_TEST(local_experts_rule_rotates_and_counts) {
+  for (uint32_t l = 0; l < 5; l++) {
+    uint32_t n = 0;
+    for (uint32_t x = 0; x < 16; x++) n += gc_model_local_rule(l, x, 3, 16);
+    MT_EQ_INT(n, 3);
+    MT_TRUE(gc_model_local_rule(l, (l * 3) % 16, 3, 16));
+  }
+  MT_TRUE(gc_model_local_rule(2, 15, 16, 16));
+  MT_FALSE(gc_model_local_rule(0, 0, 0, 16));
+}
+
+MT_TEST(fast_path_is_close_to_reference) {
+  make_model(NULL);
+  gc_model *r = open_model(KN_ISA_REF, 1, 16), *f = open_model(KN_ISA_COUNT, 1, 16);
+  static float lr[12 * 128], lf[12 * 128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  mr_err e = {0};
+  gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = lr};
+  MT_OK(gc_model_step(r, &s, &e), &e);
+  s.logits = lf;
+  MT_OK(gc_model_step(f, &s, &e), &e);
+  double d = kn_rel_l2(lf, lr, 12 * V);
+  fprintf(stderr, "  fast (%s) vs ref: rel L2 %.2e\n",
+          kn_isa_name(kn_engine_isa(gc_model_engine(f), KN_FMT_BF16)), d);
+  /* bf16 kernels round activations to bf16 (DESIGN.md section 5: 1e-2 per layer); over a
+   * whole model of 3 layers the logits stay within a few percent */
+  MT_LE(d, 5e-2);
+  gc_model_close(r);
+  gc_model_close(f);
+  rm_model();
+}
+
+MT_TEST(open_refuses_bad_options) {
+  make_model(NULL);
+  gc_model_opts o;
+  gc_model_opts_init(&o);
+  o.quiet = true;
+  gc_model *m = NULL;
+  mr_err e = {0};
+  MT_EQ_INT(gc_model_open(&m, &o, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "--model");
+  o.model_dir = "/nonexistent/moerpc-model";
+  MT_TRUE(gc_model_open(&m, &o, &e) != 0);
+  MT_CONTAINS(e.msg, "/nonexistent/moerpc-model");
+  o.model_dir = dir;
+  o.max_batch = 100000;
+  MT_EQ_INT(gc_model_open(&m, &o, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "--batch");
+  MT_TRUE(m == NULL);
+  rm_model();
+}
+
+MT_MAIN()
