@@ -23,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "cli.h"
 #include "moerpc_client.h"
 
 #define PROG "moerpc-client"
@@ -1171,11 +1172,15 @@ static const command commands[] = {
     {"verify", cmd_verify, "every MoE layer through the cluster vs a local reference"},
     {"bench-rpc", cmd_bench_rpc, "per-request round trip to one server vs raw TCP"},
     {"stats", cmd_stats, "Stats of every server"},
+    {"generate", gc__cli_generate, "run the model: generate tokens after prompts (--model DIR)"},
+    {"logits", gc__cli_logits, "run the model: fp32 logits of one sequence's prefill, to a file"},
+    {"bench", gc__cli_bench, "run the model: prefill/decode tok/s, per-layer time, overlap"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
 static void usage(FILE *f) {
-  fprintf(f, "usage: moerpc-client COMMAND --cluster FILE [options]\n\ncommands:\n");
+  fprintf(f, "usage: moerpc-client COMMAND [options]   (cluster commands take --cluster FILE,\n"
+             "       the model commands --model DIR [--cluster FILE])\n\ncommands:\n");
   for (size_t i = 0; i < N_COMMANDS; i++)
     fprintf(f, "  %-11s %s\n", commands[i].name, commands[i].summary);
   fprintf(f, "\nmoerpc-client COMMAND --help describes each. Exit status: 0 ok, 1 failure, 2 "

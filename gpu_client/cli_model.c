@@ -1,0 +1,803 @@
+/*
+ * cli_model.c - the whole-model subcommands of moerpc-client (model.h):
+ *
+ *   generate  prompts -> generated ids per sequence, and timing
+ *   logits    the fp32 logits [T, vocab] of one sequence's prefill, raw little-endian
+ *   bench     prefill and decode tokens/s, per-layer time, overlap and decode_bw_ratio
+ *
+ * Without --cluster every expert is local (the all-local baseline). Exit status: 0 ok,
+ * 1 failure, 2 usage error. Lifecycle lines go to stderr (mr_log), results to stdout.
+ */
+#include <errno.h>
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+#include "model.h"
+
+#define PROG "moerpc-client"
+/* Most ids one flag may list (a prompt longer than --max-seq is refused after open). */
+#define CLI_MAX_IDS (1u << 20)
+#define CLI_MAX_SEQS 4096u
+
+enum {
+  MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
+  MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
+  MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE
+};
+
+#define MODEL_OPTIONS                                                                    \
+  {"model", required_argument, NULL, MO_MODEL},                                          \
+      {"cluster", required_argument, NULL, MO_CLUSTER},                                  \
+      {"placement", required_argument, NULL, MO_PLACEMENT},                              \
+      {"local-experts", required_argument, NULL, MO_LOCAL},                              \
+      {"max-deferred", required_argument, NULL, MO_DEFER},                               \
+      {"max-seq", required_argument, NULL, MO_MAXSEQ},                                   \
+      {"threads", required_argument, NULL, MO_THREADS},                                  \
+      {"isa", required_argument, NULL, MO_ISA},                                          \
+      {"numa", required_argument, NULL, MO_NUMA},                                        \
+      {"format", required_argument, NULL, MO_FORMAT},                                    \
+      {"dense-format", required_argument, NULL, MO_DENSE},                               \
+      {"wire", required_argument, NULL, MO_WIRE},                                        \
+      {"deadline-ms", required_argument, NULL, MO_DEADLINE},                             \
+      {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
+      {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
+      {"help", no_argument, NULL, MO_HELP}
+
+static const char MODEL_HELP[] =
+    "model and placement:\n"
+    "  --model DIR              HF checkpoint (config.json + safetensors)       required\n"
+    "  --cluster FILE           expert servers for the cold experts; without it every\n"
+    "                           expert is local (the all-local baseline)\n"
+    "  --local-experts N        with --cluster: N hot experts per MoE layer, computed here;\n"
+    "                           layer l keeps experts (l*N + i) mod E, i < N (default: the\n"
+    "                           cluster file's \"local\" section, else none)\n"
+    "  --placement FILE         with --cluster: a placement file (local and remote experts\n"
+    "                           per layer, see gpu_client/README.md); exclusive with\n"
+    "                           --local-experts\n"
+    "  --max-deferred K         defer each token's K lowest-ranked cold slots to the next\n"
+    "                           MoE layer (kt-kernel semantics; changes results), default 0\n"
+    "  --max-seq N              KV cache positions per sequence, 1..1048576 (default 4096,\n"
+    "                           at most max_position_embeddings)\n"
+    "compute:\n"
+    "  --threads N              kernel threads, the caller included; 0 = one per core\n"
+    "  --isa ref|avx2|avx512    force a kernel ISA (default: best; MOERPC_ISA too)\n"
+    "  --numa SPEC              NUMA nodes of the kernel pool: auto, a count, or a list\n"
+    "  --format FMT             hot experts: f32|f16|bf16|int8|int4 (default: the servers'\n"
+    "                           weight format, or as stored without --cluster)\n"
+    "  --dense-format FMT       projections and lm_head (default: as stored)\n"
+    "  --wire f32|f16|bf16      hidden states to the servers (default bf16)\n"
+    "  --deadline-ms N          per-request deadline, 1..600000 (default: the cluster file's)\n"
+    "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
+    "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
+    "  --help                   this text\n";
+
+typedef struct mcli {
+  gc_model_opts mo;
+  const char *prompt, *ids, *out, *compare;
+  uint32_t batch, max_new, prompt_len, decode, repeats;
+  bool batch_set, json;
+  gc_sampling smp;
+} mcli;
+
+static bool p_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (!*s || *end || errno || s[0] == '-' || v < lo || v > hi) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be an integer in %llu..%llu\n", flag, s,
+            (unsigned long long)lo, (unsigned long long)hi);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+static bool p_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  uint64_t v;
+  if (!p_u64(flag, s, lo, hi, &v)) return false;
+  *out = (uint32_t)v;
+  return true;
+}
+static bool p_float(const char *flag, const char *s, double lo, double hi, float *out) {
+  char *end = NULL;
+  errno = 0;
+  double v = strtod(s, &end);
+  if (!*s || *end || errno || !(v >= lo && v <= hi)) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be a number in %g..%g\n", flag, s, lo, hi);
+    return false;
+  }
+  *out = (float)v;
+  return true;
+}
+static bool p_format(const char *flag, const char *s, kn_format *f, uint32_t *group) {
+  if (strncmp(s, "int4", 4) == 0 && group) {
+    *f = KN_FMT_INT4;
+    if (s[4] == 0) return true;
+    if (strcmp(s, "int4-g32") == 0) *group = 32;
+    else if (strcmp(s, "int4-g64") == 0) *group = 64;
+    else if (strcmp(s, "int4-g128") == 0) *group = 128;
+    else goto bad;
+    return true;
+  }
+  if (kn_format_parse(s, f) == 0 && *f != KN_FMT_INT4) return true;
+bad:
+  fprintf(stderr, PROG ": %s = \"%s\", must be f32, f16, bf16, int8 or int4[-g32|64|128]\n",
+          flag, s);
+  return false;
+}
+
+/* Returns 1 taken, 0 not a model option, -1 bad value. */
+static int model_opt(mcli *c, int opt, const char *arg) {
+  gc_model_opts *o = &c->mo;
+  uint32_t v;
+  int lvl;
+  switch (opt) {
+  case MO_MODEL: o->model_dir = arg; return 1;
+  case MO_CLUSTER: o->cluster_path = arg; return 1;
+  case MO_PLACEMENT: o->placement_path = arg; return 1;
+  case MO_LOCAL:
+    if (!p_u32("--local-experts", arg, 0, 65536, &v)) return -1;
+    o->local_experts = (int32_t)v;
+    return 1;
+  case MO_DEFER: return p_u32("--max-deferred", arg, 0, 1024, &o->max_deferred) ? 1 : -1;
+  case MO_MAXSEQ: return p_u32("--max-seq", arg, 1, 1u << 20, &o->max_seq) ? 1 : -1;
+  case MO_THREADS: return p_u32("--threads", arg, 0, 4096, &o->engine.threads) ? 1 : -1;
+  case MO_ISA:
+    if (kn_isa_parse(arg, &o->engine.isa) != 0) {
+      fprintf(stderr, PROG ": --isa = \"%s\", must be ref, avx2, avx512 or amx\n", arg);
+      return -1;
+    }
+    return 1;
+  case MO_NUMA: o->engine.numa = arg; return 1;
+  case MO_FORMAT: return p_format("--format", arg, &o->expert_format, &o->expert_group) ? 1 : -1;
+  case MO_DENSE: return p_format("--dense-format", arg, &o->dense_format, NULL) ? 1 : -1;
+  case MO_WIRE:
+    if (mr_dtype_parse(arg, &o->wire) != 0) {
+      fprintf(stderr, PROG ": --wire = \"%s\", must be f32, f16 or bf16\n", arg);
+      return -1;
+    }
+    return 1;
+  case MO_DEADLINE: return p_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
+  case MO_CONNECT:
+    return p_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_timeout_ms) ? 1 : -1;
+  case MO_LOG:
+    if (mr_log_parse_level(arg, &lvl) != 0) {
+      fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);
+      return -1;
+    }
+    mr_log_set_level(lvl);
+    return 1;
+  case MO_QUIET: o->quiet = true; return 1;
+  case MO_PROMPT: c->prompt = arg; return 1;
+  case MO_IDS: c->ids = arg; return 1;
+  case MO_OUT: c->out = arg; return 1;
+  case MO_COMPARE: c->compare = arg; return 1;
+  case MO_JSON: c->json = true; return 1;
+  case MO_BATCH:
+    c->batch_set = true;
+    return p_u32("--batch", arg, 1, CLI_MAX_SEQS, &c->batch) ? 1 : -1;
+  case MO_MAXNEW: return p_u32("--max-new", arg, 0, 1u << 20, &c->max_new) ? 1 : -1;
+  case MO_PLEN: return p_u32("--prompt-len", arg, 1, 1u << 20, &c->prompt_len) ? 1 : -1;
+  case MO_DECODE: return p_u32("--decode", arg, 1, 1u << 20, &c->decode) ? 1 : -1;
+  case MO_REPEATS: return p_u32("--repeats", arg, 1, 1000, &c->repeats) ? 1 : -1;
+  case MO_TEMP: return p_float("--temperature", arg, 0, 100, &c->smp.temperature) ? 1 : -1;
+  case MO_TOPP: return p_float("--top-p", arg, 1e-6, 1, &c->smp.top_p) ? 1 : -1;
+  case MO_SEED: return p_u64("--seed", arg, 0, UINT64_MAX, &c->smp.seed) ? 1 : -1;
+  default: return 0;
+  }
+}
+
+/* getopt_long over argv; 0 = run, 1 = --help printed, 2 = usage error. */
+static int parse(int argc, char **argv, const struct option *lo, const char *usage,
+                 const char *own_help, mcli *c) {
+  optind = 1;
+  opterr = 0;
+  for (;;) {
+    int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi);
+    if (opt == -1) break;
+    if (opt == MO_HELP) {
+      printf("%s%s%s", usage, own_help, MODEL_HELP);
+      return 1;
+    }
+    if (opt == '?' || opt == ':') {
+      fprintf(stderr, PROG " %s: bad or incomplete option \"%s\" (see --help)\n", argv[0],
+              argv[optind - 1]);
+      return 2;
+    }
+    int r = model_opt(c, opt, optarg);
+    if (r == 0) {
+      fprintf(stderr, PROG " %s: unexpected option (see --help)\n", argv[0]);
+      return 2;
+    }
+    if (r < 0) return 2;
+  }
+  if (optind < argc) {
+    fprintf(stderr, PROG " %s: unexpected argument \"%s\" (see --help)\n", argv[0], argv[optind]);
+    return 2;
+  }
+  if (!c->mo.model_dir) {
+    fprintf(stderr, PROG " %s: --model DIR is required (see --help)\n", argv[0]);
+    return 2;
+  }
+  if ((c->mo.local_experts >= 0 || c->mo.placement_path) && !c->mo.cluster_path) {
+    fprintf(stderr, PROG " %s: --local-experts and --placement need --cluster (without it "
+            "every expert is local)\n", argv[0]);
+    return 2;
+  }
+  if (c->mo.local_experts >= 0 && c->mo.placement_path) {
+    fprintf(stderr, PROG " %s: --local-experts and --placement are exclusive\n", argv[0]);
+    return 2;
+  }
+  return 0;
+}
+
+static void mcli_init(mcli *c) {
+  memset(c, 0, sizeof *c);
+  gc_model_opts_init(&c->mo);
+  c->batch = 1;
+  c->smp.top_p = 1.0f;
+  c->mo.pin_caller = true; /* this thread makes every step */
+}
+
+/* Parses "1,2,3;4,5" into sequences (';' separates them). *ids and *lens are heap arrays
+ * the caller frees; the sequences are consecutive in *ids. */
+static int parse_prompts(const char *flag, const char *s, int32_t **ids, uint32_t **lens,
+                         uint32_t *n_seqs) {
+  size_t cap = strlen(s) / 2 + 2;
+  if (cap > CLI_MAX_IDS) cap = CLI_MAX_IDS;
+  *ids = malloc(cap * sizeof **ids);
+  *lens = calloc(CLI_MAX_SEQS, sizeof **lens);
+  *n_seqs = 0;
+  if (!*ids || !*lens) return fprintf(stderr, PROG ": out of memory\n"), -1;
+  size_t n = 0;
+  uint32_t seq = 0;
+  const char *p = s;
+  for (;;) {
+    char *end;
+    errno = 0;
+    if (*p == '-' || *p < '0' || *p > '9') goto bad;
+    unsigned long v = strtoul(p, &end, 10);
+    if (errno || end == p || v > INT32_MAX) goto bad;
+    if (n >= cap) {
+      fprintf(stderr, PROG ": %s: more than %zu ids\n", flag, cap);
+      return -1;
+    }
+    (*ids)[n++] = (int32_t)v;
+    (*lens)[seq]++;
+    p = end;
+    if (*p == 0) break;
+    if (*p == ';') {
+      if (++seq >= CLI_MAX_SEQS) {
+        fprintf(stderr, PROG ": %s: more than %u sequences\n", flag, CLI_MAX_SEQS);
+        return -1;
+      }
+      p++;
+      continue;
+    }
+    if (*p != ',') goto bad;
+    p++;
+  }
+  *n_seqs = seq + 1;
+  return 0;
+bad:
+  fprintf(stderr, PROG ": %s = \"%.64s\": expected comma-separated token ids (0..2^31-1), "
+          "sequences separated by ';' (at offset %zu)\n", flag, s, (size_t)(p - s));
+  return -1;
+}
+
+static int open_model(mcli *c, gc_model **m) {
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = gc_model_open(m, &c->mo, &e);
+  if (rc) fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  return rc;
+}
+
+/* Vocabulary and length checks of prompts against the opened model. */
+static int check_prompts(gc_model *m, const int32_t *ids, const uint32_t *lens, uint32_t n,
+                         uint32_t extra) {
+  const mr_model_config *cfg = gc_model_config(m);
+  size_t off = 0;
+  for (uint32_t b = 0; b < n; b++) {
+    for (uint32_t i = 0; i < lens[b]; i++)
+      if ((uint32_t)ids[off + i] >= cfg->vocab_size) {
+        fprintf(stderr, PROG ": prompt %u token %u: id %d is out of the vocabulary (0..%u)\n", b,
+                i, ids[off + i], cfg->vocab_size - 1);
+        return -1;
+      }
+    if ((uint64_t)lens[b] + extra > gc_model_max_seq(m)) {
+      fprintf(stderr, PROG ": prompt %u: %u tokens + %u new is longer than --max-seq %u\n", b,
+              lens[b], extra, gc_model_max_seq(m));
+      return -1;
+    }
+    off += lens[b];
+  }
+  return 0;
+}
+
+/* ---- generate ---------------------------------------------------------------------------- */
+
+static const char GEN_USAGE[] =
+    "usage: " PROG " generate --model DIR --prompt-ids 1,2,3[;4,5] [--batch B] --max-new N\n"
+    "                [--cluster FILE] [--local-experts N | --placement FILE] [--max-deferred K]\n"
+    "                [--temperature T --top-p P --seed S] [--json]\n"
+    "Generates N tokens after each prompt and prints them, one line per sequence, then the\n"
+    "timing. Sequences are separated by ';'; --batch B repeats them cyclically to B\n"
+    "sequences (default: as many as given). All prompts are prefilled in one step, then\n"
+    "every sequence decodes one token per step.\n\n";
+static const char GEN_HELP[] =
+    "generation:\n"
+    "  --prompt-ids LIST        token ids, ';' between sequences                 required\n"
+    "  --batch B                sequences, 1..4096 (default: the prompts given)\n"
+    "  --max-new N              tokens to generate per sequence (default 16)\n"
+    "  --temperature T          0 = greedy (default), else softmax(logits / T) sampling\n"
+    "  --top-p P                nucleus sampling mass in (0, 1] (default 1)\n"
+    "  --seed S                 sampling seed (default 0)\n"
+    "  --json                   one JSON line per sequence and a timing line\n";
+
+int gc__cli_generate(int argc, char **argv) {
+  static const struct option lo[] = {
+      MODEL_OPTIONS, {"prompt-ids", required_argument, NULL, MO_PROMPT},
+      {"batch", required_argument, NULL, MO_BATCH},
+      {"max-new", required_argument, NULL, MO_MAXNEW},
+      {"temperature", required_argument, NULL, MO_TEMP},
+      {"top-p", required_argument, NULL, MO_TOPP}, {"seed", required_argument, NULL, MO_SEED},
+      {"json", no_argument, NULL, MO_JSON}, {NULL, 0, NULL, 0}};
+  mcli c;
+  mcli_init(&c);
+  c.max_new = 16;
+  int r = parse(argc, argv, lo, GEN_USAGE, GEN_HELP, &c);
+  if (r) return r == 1 ? 0 : 2;
+  if (!c.prompt) {
+    fprintf(stderr, PROG " generate: --prompt-ids is required (see --help)\n");
+    return 2;
+  }
+  int32_t *ids = NULL, *gen = NULL;
+  uint32_t *lens = NULL, n_given = 0;
+  const int32_t **prompts = NULL;
+  uint32_t *blen = NULL;
+  gc_model *m = NULL;
+  int rc = 1;
+  if (parse_prompts("--prompt-ids", c.prompt, &ids, &lens, &n_given)) {
+    rc = 2;
+    goto out;
+  }
+  uint32_t B = c.batch_set ? c.batch : n_given;
+  c.mo.max_batch = B;
+  prompts = calloc(B, sizeof *prompts);
+  blen = calloc(B, sizeof *blen);
+  size_t *off = calloc(n_given, sizeof *off);
+  if (!prompts || !blen || !off) {
+    free(off);
+    goto out;
+  }
+  for (uint32_t i = 1; i < n_given; i++) off[i] = off[i - 1] + lens[i - 1];
+  for (uint32_t b = 0; b < B; b++) {
+    prompts[b] = ids + off[b % n_given];
+    blen[b] = lens[b % n_given];
+  }
+  free(off);
+  if (open_model(&c, &m)) goto out;
+  if (check_prompts(m, ids, lens, n_given, c.max_new)) goto out;
+  gen = malloc(((size_t)B * c.max_new + 1) * sizeof *gen);
+  if (!gen) goto out;
+  gc_gen_timing t;
+  mr_err e;
+  mr_err_clear(&e);
+  int grc = gc_model_generate(m, B, prompts, blen, c.max_new, &c.smp, gen, &t, &e);
+  if (grc) {
+    fprintf(stderr, PROG ": %s: %s\n", mr_err_name(grc), e.msg);
+    goto out;
+  }
+  double pf = t.prefill_us ? t.prefill_tokens * 1e6 / t.prefill_us : 0;
+  double dc = t.decode_us ? t.decode_tokens * 1e6 / t.decode_us : 0;
+  for (uint32_t b = 0; b < B; b++) {
+    printf(c.json ? "{\"seq\": %u, \"ids\": [" : "seq %u:", b);
+    for (uint32_t i = 0; i < c.max_new; i++)
+      printf(c.json ? "%s%d" : "%s%d", c.json ? (i ? ", " : "") : " ", gen[(size_t)b * c.max_new + i]);
+    printf(c.json ? "]}\n" : "\n");
+  }
+  if (c.json)
+    printf("{\"prefill_tokens\": %llu, \"prefill_s\": %.6f, \"prefill_tok_s\": %.2f, "
+           "\"decode_tokens\": %llu, \"decode_s\": %.6f, \"decode_tok_s\": %.2f}\n",
+           (unsigned long long)t.prefill_tokens, t.prefill_us / 1e6, pf,
+           (unsigned long long)t.decode_tokens, t.decode_us / 1e6, dc);
+  else
+    printf("prefill %llu tokens in %.3f s (%.1f tok/s), decode %llu tokens in %.3f s (%.1f "
+           "tok/s)\n", (unsigned long long)t.prefill_tokens, t.prefill_us / 1e6, pf,
+           (unsigned long long)t.decode_tokens, t.decode_us / 1e6, dc);
+  rc = 0;
+out:
+  gc_model_close(m);
+  free(ids);
+  free(lens);
+  free(prompts);
+  free(blen);
+  free(gen);
+  return rc;
+}
+
+/* ---- logits ------------------------------------------------------------------------------ */
+
+static const char LOGITS_USAGE[] =
+    "usage: " PROG " logits --model DIR --ids 1,2,3 --out FILE [--cluster FILE]\n"
+    "                [--local-experts N | --placement FILE] [--max-deferred K]\n"
+    "Prefills one sequence and writes its fp32 logits [T, vocab] to FILE, row-major, raw\n"
+    "little-endian (T = the number of ids). MOERPC_ISA=ref (or --isa ref) computes on the\n"
+    "fp32 reference path, which the conformance tests compare with transformers.\n\n";
+static const char LOGITS_HELP[] =
+    "logits:\n"
+    "  --ids LIST               token ids of the sequence                        required\n"
+    "  --out FILE               where the logits go                              required\n"
+    "  --compare FILE           logits written earlier (e.g. all-local): print the relative\n"
+    "                           L2 difference and how many rows agree on the argmax\n";
+
+/* Prints the difference of logits [T, V] from the raw fp32 file ref_path. */
+static int compare_logits(const char *ref_path, const float *logits, uint32_t T, uint32_t V) {
+  const size_t n = (size_t)T * V;
+  float *ref = malloc(n * sizeof *ref);
+  FILE *f = fopen(ref_path, "rb");
+  size_t got = f && ref ? fread(ref, sizeof *ref, n, f) : 0;
+  int extra = f ? fgetc(f) : EOF;
+  if (f) fclose(f);
+  if (got != n || extra != EOF) {
+    fprintf(stderr, PROG ": --compare %s: must hold exactly %u x %u fp32 logits\n", ref_path, T,
+            V);
+    free(ref);
+    return -1;
+  }
+  uint32_t agree = 0;
+  for (uint32_t t = 0; t < T; t++) {
+    const float *a = logits + (size_t)t * V, *b = ref + (size_t)t * V;
+    uint32_t ia = 0, ib = 0;
+    for (uint32_t i = 1; i < V; i++) {
+      if (a[i] > a[ia]) ia = i;
+      if (b[i] > b[ib]) ib = i;
+    }
+    agree += ia == ib;
+  }
+  printf("logits vs %s: relative L2 %.3e, argmax equal in %u of %u rows\n", ref_path,
+         kn_rel_l2(logits, ref, n), agree, T);
+  free(ref);
+  return 0;
+}
+
+int gc__cli_logits(int argc, char **argv) {
+  static const struct option lo[] = {MODEL_OPTIONS, {"ids", required_argument, NULL, MO_IDS},
+                                     {"out", required_argument, NULL, MO_OUT},
+                                     {"compare", required_argument, NULL, MO_COMPARE},
+                                     {NULL, 0, NULL, 0}};
+  mcli c;
+  mcli_init(&c);
+  int r = parse(argc, argv, lo, LOGITS_USAGE, LOGITS_HELP, &c);
+  if (r) return r == 1 ? 0 : 2;
+  if (!c.ids || !c.out) {
+    fprintf(stderr, PROG " logits: --ids and --out are required (see --help)\n");
+    return 2;
+  }
+  int32_t *ids = NULL;
+  uint32_t *lens = NULL, n = 0, *seq = NULL, *pos = NULL;
+  float *logits = NULL;
+  gc_model *m = NULL;
+  FILE *f = NULL;
+  int rc = 1;
+  if (parse_prompts("--ids", c.ids, &ids, &lens, &n)) {
+    rc = 2;
+    goto out;
+  }
+  if (n != 1) {
+    fprintf(stderr, PROG " logits: --ids holds %u sequences, must be one\n", n);
+    rc = 2;
+    goto out;
+  }
+  const uint32_t T = lens[0];
+  if (c.mo.max_seq == 0) c.mo.max_seq = T; /* the cache needs no more */
+  if (open_model(&c, &m)) goto out;
+  if (check_prompts(m, ids, lens, 1, 0)) goto out;
+  const uint32_t V = gc_model_config(m)->vocab_size;
+  seq = calloc(T, sizeof *seq);
+  pos = malloc(T * sizeof *pos);
+  logits = malloc((size_t)T * V * sizeof *logits);
+  if (!seq || !pos || !logits) goto out;
+  for (uint32_t i = 0; i < T; i++) pos[i] = i;
+  gc_step s = {.n_tokens = T, .ids = ids, .seq = seq, .pos = pos, .logits = logits};
+  mr_err e;
+  mr_err_clear(&e);
+  int src = gc_model_step(m, &s, &e);
+  if (src) {
+    fprintf(stderr, PROG ": %s: %s\n", mr_err_name(src), e.msg);
+    goto out;
+  }
+  f = fopen(c.out, "wb");
+  if (!f || fwrite(logits, sizeof *logits, (size_t)T * V, f) != (size_t)T * V ||
+      fclose(f) != 0) {
+    f = NULL;
+    fprintf(stderr, PROG ": %s: cannot write: %s\n", c.out, strerror(errno));
+    goto out;
+  }
+  f = NULL;
+  mr_log(MR_LOG_INFO, "logits: %u x %u fp32 written to %s", T, V, c.out);
+  if (c.compare && compare_logits(c.compare, logits, T, V)) goto out;
+  rc = 0;
+out:
+  if (f) fclose(f);
+  gc_model_close(m);
+  free(ids);
+  free(lens);
+  free(seq);
+  free(pos);
+  free(logits);
+  return rc;
+}
+
+/* ---- bench ------------------------------------------------------------------------------- */
+
+static const char BENCH_USAGE[] =
+    "usage: " PROG " bench --model DIR [--cluster FILE] [--local-experts N | --placement FILE]\n"
+    "                [--max-deferred K] [--batch B] [--prompt-len P] [--decode N]\n"
+    "                [--repeats R] [--json]\n"
+    "Prefills B random prompts of P tokens (seeded), then decodes N tokens per sequence,\n"
+    "R times, and reports the median: prefill_tok_s, decode_tok_s, per layer the decode\n"
+    "time in attention, local experts (or the dense MLP), submitting and waiting on RPC,\n"
+    "the overlap ratio (RPC time hidden / RPC time, RPC time from the requests queued to\n"
+    "the last reply) and decode_bw_ratio = (weight bytes one decode\n"
+    "step reads / step time) / (a plain read of the same bytes, same run).\n\n";
+static const char BENCH_HELP[] =
+    "bench:\n"
+    "  --batch B                sequences, 1..4096 (default 1)\n"
+    "  --prompt-len P           prompt tokens per sequence (default 32)\n"
+    "  --decode N               decode steps (default 32)\n"
+    "  --repeats R              runs, the median is reported (default 3)\n"
+    "  --seed S                 prompt ids seed (default 0)\n"
+    "  --json                   JSON lines: one summary, one per layer\n";
+
+typedef struct read_job {
+  const uint64_t *buf;
+  size_t words, per_item;
+  uint64_t sink[64];
+} read_job;
+
+static void read_item(void *arg, uint32_t item, uint32_t worker) {
+  read_job *j = arg;
+  size_t a = (size_t)item * j->per_item, b = a + j->per_item;
+  if (b > j->words) b = j->words;
+  uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+  for (size_t i = a; i + 4 <= b; i += 4) {
+    s0 += j->buf[i];
+    s1 += j->buf[i + 1];
+    s2 += j->buf[i + 2];
+    s3 += j->buf[i + 3];
+  }
+  j->sink[worker & 63] += s0 ^ s1 ^ s2 ^ s3;
+}
+
+/* GB/s of a plain read of `bytes` on the engine's threads (median of 3, warm pages). */
+static double plain_read_gbs(kn_engine *eng, uint64_t bytes) {
+  size_t words = (size_t)(bytes / 8) & ~(size_t)3;
+  if (words < 1024) words = 1024;
+  uint64_t *buf = mr_malloc_aligned(words * 8, 64);
+  if (!buf) return 0;
+  for (size_t i = 0; i < words; i++) buf[i] = i;
+  read_job j = {.buf = buf, .words = words, .per_item = 1u << 16};
+  uint32_t items = (uint32_t)((words + j.per_item - 1) / j.per_item);
+  double best[3];
+  for (int r = 0; r < 3; r++) {
+    uint64_t t0 = mr_now_ns();
+    kn_engine_run(eng, items, read_item, &j);
+    best[r] = (double)words * 8 / (double)(mr_now_ns() - t0);
+  }
+  mr_free_aligned(buf);
+  double a = best[0], b = best[1], c = best[2]; /* median */
+  return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+}
+
+void gc__cpu_model(char *buf, size_t len) {
+  snprintf(buf, len, "unknown");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10) != 0) continue;
+    const char *v = strchr(line, ':');
+    if (!v) break;
+    v++;
+    while (*v == ' ' || *v == '\t') v++;
+    size_t n = strcspn(v, "\n\"\\");
+    snprintf(buf, len, "%.*s", (int)n, v);
+    break;
+  }
+  fclose(f);
+}
+
+static int cmp_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+static double median(double *v, uint32_t n) {
+  qsort(v, n, sizeof *v, cmp_double);
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+typedef struct bench_run {
+  double prefill_tok_s, decode_tok_s, step_ms, overlap, bw_ratio, read_gbs, weight_gbs;
+  double bytes_per_step;
+  uint64_t rpc_us, wait_us;
+} bench_run;
+
+int gc__cli_bench(int argc, char **argv) {
+  static const struct option lo[] = {
+      MODEL_OPTIONS, {"batch", required_argument, NULL, MO_BATCH},
+      {"prompt-len", required_argument, NULL, MO_PLEN},
+      {"decode", required_argument, NULL, MO_DECODE},
+      {"repeats", required_argument, NULL, MO_REPEATS},
+      {"seed", required_argument, NULL, MO_SEED}, {"json", no_argument, NULL, MO_JSON},
+      {NULL, 0, NULL, 0}};
+  mcli c;
+  mcli_init(&c);
+  c.prompt_len = 32;
+  c.decode = 32;
+  c.repeats = 3;
+  int r = parse(argc, argv, lo, BENCH_USAGE, BENCH_HELP, &c);
+  if (r) return r == 1 ? 0 : 2;
+  const uint32_t B = c.batch, P = c.prompt_len, N = c.decode;
+  c.mo.max_batch = B;
+  if (!c.mo.max_seq) c.mo.max_seq = P + N;
+  gc_model *m = NULL;
+  int rc = 1;
+  int32_t *ids = NULL;
+  uint32_t *seq = NULL, *pos = NULL;
+  float *logits = NULL;
+  bench_run *runs = NULL;
+  gc_layer_stats *lsum = NULL;
+  if (open_model(&c, &m)) goto out;
+  const mr_model_config *cfg = gc_model_config(m);
+  const uint32_t V = cfg->vocab_size, L = cfg->num_layers;
+  const size_t BP = (size_t)B * P;
+  if ((uint64_t)P + N > gc_model_max_seq(m)) {
+    fprintf(stderr, PROG " bench: --prompt-len + --decode = %u, more than --max-seq %u\n", P + N,
+            gc_model_max_seq(m));
+    goto out;
+  }
+  ids = malloc(BP * sizeof *ids);
+  seq = malloc(BP * sizeof *seq);
+  pos = malloc(BP * sizeof *pos);
+  logits = malloc((size_t)B * V * sizeof *logits);
+  runs = calloc(c.repeats, sizeof *runs);
+  lsum = calloc(L, sizeof *lsum);
+  uint8_t *want = calloc(BP, 1);
+  if (!ids || !seq || !pos || !logits || !runs || !lsum || !want) {
+    free(want);
+    goto out;
+  }
+  uint64_t st = c.smp.seed ^ 0x9e3779b97f4a7c15ull;
+  mr_err e;
+  mr_err_clear(&e);
+  for (uint32_t rep = 0; rep < c.repeats; rep++) {
+    for (uint32_t b = 0; b < B; b++) {
+      gc_model_seq_reset(m, b);
+      for (uint32_t p = 0; p < P; p++) {
+        size_t i = (size_t)b * P + p;
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        ids[i] = (int32_t)((st >> 33) % V);
+        seq[i] = b;
+        pos[i] = p;
+        want[i] = p + 1 == P;
+      }
+    }
+    gc_model_stats ms;
+    gc_model_stats_get(m, &ms, true);
+    gc_step s = {.n_tokens = (uint32_t)BP, .ids = ids, .seq = seq, .pos = pos,
+                 .want_logits = want, .logits = logits};
+    uint64_t t0 = mr_now_ns();
+    if ((rc = gc_model_step(m, &s, &e))) goto fail;
+    double pf_s = (double)(mr_now_ns() - t0) / 1e9;
+    gc_model_stats_get(m, &ms, true);
+    t0 = mr_now_ns();
+    for (uint32_t step = 0; step < N; step++) {
+      for (uint32_t b = 0; b < B; b++) {
+        ids[b] = gc_sample(logits + (size_t)b * V, V, NULL, NULL);
+        seq[b] = b;
+        pos[b] = P + step;
+      }
+      s = (gc_step){.n_tokens = B, .ids = ids, .seq = seq, .pos = pos, .logits = logits};
+      if ((rc = gc_model_step(m, &s, &e))) goto fail;
+    }
+    double dc_s = (double)(mr_now_ns() - t0) / 1e9;
+    gc_model_stats_get(m, &ms, false);
+    bench_run *br = &runs[rep];
+    br->prefill_tok_s = BP / pf_s;
+    br->decode_tok_s = (double)B * N / dc_s;
+    br->step_ms = dc_s * 1e3 / N;
+    for (uint32_t l = 0; l < L; l++) {
+      br->rpc_us += ms.layer[l].rpc_us + ms.layer[l].deferred_rpc_us;
+      br->wait_us += ms.layer[l].wait_us;
+      lsum[l].attn_us += ms.layer[l].attn_us;
+      lsum[l].local_us += ms.layer[l].local_us;
+      lsum[l].wait_us += ms.layer[l].wait_us;
+      lsum[l].rpc_us += ms.layer[l].rpc_us + ms.layer[l].deferred_rpc_us;
+      lsum[l].submit_us += ms.layer[l].submit_us;
+      lsum[l].deferred_slots += ms.layer[l].deferred_slots;
+    }
+    br->overlap = br->rpc_us ? 1.0 - (double)(br->wait_us < br->rpc_us ? br->wait_us : br->rpc_us) /
+                                         (double)br->rpc_us : 0;
+    br->bytes_per_step = (double)(ms.dense_bytes_read + ms.expert_bytes_read) / (double)N;
+    br->weight_gbs = br->bytes_per_step / (dc_s / N) / 1e9;
+  }
+  /* the plain read of the same bytes, after the runs, on the same threads */
+  double bps[64], pf[64], dc[64], ov[64];
+  uint32_t R = c.repeats < 64 ? c.repeats : 64;
+  for (uint32_t i = 0; i < R; i++) {
+    bps[i] = runs[i].bytes_per_step;
+    pf[i] = runs[i].prefill_tok_s;
+    dc[i] = runs[i].decode_tok_s;
+    ov[i] = runs[i].overlap;
+  }
+  double bytes = median(bps, R);
+  double read_gbs = plain_read_gbs(gc_model_engine(m), (uint64_t)bytes);
+  double wg[64];
+  for (uint32_t i = 0; i < R; i++) wg[i] = runs[i].weight_gbs;
+  double weight_gbs = median(wg, R);
+  double ratio = read_gbs > 0 ? weight_gbs / read_gbs : 0;
+  double dtok = median(dc, R), ptok = median(pf, R), over = median(ov, R);
+  gc_cluster *cl = gc_model_cluster(m);
+  uint32_t n_servers = 0;
+  if (cl) {
+    gc_cluster_info ci;
+    gc_cluster_info_get(cl, &ci);
+    n_servers = ci.n_servers;
+  }
+  char cpu[128];
+  gc__cpu_model(cpu, sizeof cpu);
+  if (c.json) {
+    printf("{\"bench\": \"model\", \"model\": \"%s\", \"arch\": \"%s\", \"cpu\": \"%s\", "
+           "\"threads\": %u, \"servers\": %u, \"local_experts\": %d, \"max_deferred\": %u, "
+           "\"batch\": %u, \"prompt_len\": %u, \"decode\": %u, \"repeats\": %u, "
+           "\"prefill_tok_s\": %.2f, \"decode_tok_s\": %.3f, \"step_ms\": %.3f, "
+           "\"overlap\": %.3f, \"bytes_per_step\": %.0f, \"weight_gbs\": %.2f, "
+           "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f}\n",
+           c.mo.model_dir, cfg->arch_name, cpu, c.mo.engine.threads, n_servers,
+           c.mo.local_experts, c.mo.max_deferred, B, P, N, c.repeats, ptok, dtok,
+           1e3 * B / dtok, over, bytes, weight_gbs, read_gbs, ratio);
+    for (uint32_t l = 0; l < L; l++) {
+      double d = (double)c.repeats * N;
+      printf("{\"bench\": \"model-layer\", \"layer\": %u, \"moe\": %s, \"attn_us\": %.1f, "
+             "\"local_us\": %.1f, \"rpc_submit_us\": %.1f, \"rpc_wait_us\": %.1f, "
+             "\"rpc_us\": %.1f, \"deferred_slots\": %.2f}\n", l,
+             cfg->is_moe[l] ? "true" : "false", lsum[l].attn_us / d, lsum[l].local_us / d,
+             lsum[l].submit_us / d, lsum[l].wait_us / d, lsum[l].rpc_us / d,
+             lsum[l].deferred_slots / d);
+    }
+  } else {
+    printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c.mo.model_dir, n_servers, cpu);
+    printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step), "
+           "overlap %.2f, decode_bw_ratio %.2f (%.2f GB/s of weights vs %.2f GB/s plain read, "
+           "%.1f MB/step); medians of %u\n", ptok, B, P, dtok, B, 1e3 * B / dtok, over, ratio,
+           weight_gbs, read_gbs, bytes / 1e6, c.repeats);
+    printf("layer   attn_us  local_us  submit_us  rpc_wait_us  rpc_us  (per decode step)\n");
+    for (uint32_t l = 0; l < L; l++) {
+      double d = (double)c.repeats * N;
+      printf("%5u %9.1f %9.1f %10.1f %12.1f %7.1f%s\n", l, lsum[l].attn_us / d,
+             lsum[l].local_us / d, lsum[l].submit_us / d, lsum[l].wait_us / d,
+             lsum[l].rpc_us / d, cfg->is_moe[l] ? "" : "  (dense)");
+    }
+  }
+  free(want);
+  rc = 0;
+  goto out;
+fail:
+  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  free(want);
+  rc = 1;
+out:
+  gc_model_close(m);
+  free(ids);
+  free(seq);
+  free(pos);
+  free(logits);
+  free(runs);
+  free(lsum);
+  return rc;
+}
