@@ -4,17 +4,26 @@
 #   2. makes a small random Qwen3-MoE model (moerpc-mkmodel),
 #   3. starts two expert servers on loopback, each owning half of the experts
 #      (deploy/local-cluster.sh),
-#   4. runs `moerpc-client verify` (every MoE layer through the cluster vs a local kn_ref)
+#   4. generates with the whole-model runner: hot experts local (--local-experts), the cold
+#      ones on the servers, their RPCs overlapped and deferred (--max-deferred); then the
+#      same prompts all-local; one comparison line (tokens/s, greedy tokens, and the logits
+#      difference that deferral causes by design),
+#   5. runs `moerpc-client verify` (every MoE layer through the cluster vs a local kn_ref)
 #      and `moerpc-client bench-rpc` (gRPC round trip vs raw TCP ping-pong),
-#   5. stops the servers with SIGTERM (they drain and exit 0) and prints a summary.
+#   6. stops the servers with SIGTERM (they drain and exit 0) and prints a summary.
 # Environment: DEMO_DIR (default build/demo), MKMODEL_FLAGS (extra flags for the model),
-# SERVER_FLAGS (extra flags for both servers), BENCH_ITERS (default 200).
+# SERVER_FLAGS (extra flags for both servers), BENCH_ITERS (default 200), LOCAL_EXPERTS
+# (hot experts per layer, default 4), MAX_DEFERRED (default 1), MAX_NEW (default 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 DEMO_DIR=${DEMO_DIR:-$BUILD/demo}
 BIN=$BUILD/bin
 BENCH_ITERS=${BENCH_ITERS:-200}
+LOCAL_EXPERTS=${LOCAL_EXPERTS:-4}
+MAX_DEFERRED=${MAX_DEFERRED:-1}
+MAX_NEW=${MAX_NEW:-32}
+PROMPTS="1,17,42,99,7,256,3;5,6,7,8;400,12,77,31,8,9"  # three sequences of different lengths
 
 step() { printf '\n==> %s\n' "$*"; }
 
@@ -35,6 +44,29 @@ lc_start "$DEMO_DIR" "$DEMO_DIR/model" 2 ${SERVER_FLAGS:-}
 
 step "moerpc-client info"
 "$BIN/moerpc-client" info --cluster "$DEMO_DIR/cluster.json"
+
+step "generate: hot experts local (--local-experts $LOCAL_EXPERTS), cold on s0/s1, --max-deferred $MAX_DEFERRED"
+"$BIN/moerpc-client" generate --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \
+    --local-experts "$LOCAL_EXPERTS" --max-deferred "$MAX_DEFERRED" --prompt-ids "$PROMPTS" \
+    --max-new "$MAX_NEW" --json >"$DEMO_DIR/gen-remote.jsonl" 2>"$DEMO_DIR/gen-remote.log" \
+    || { cat "$DEMO_DIR/gen-remote.log"; exit 1; }
+grep -h -E 'model open|cluster open' "$DEMO_DIR/gen-remote.log" | sed 's/^/    /'
+cat "$DEMO_DIR/gen-remote.jsonl"
+
+step "generate: the same prompts, every expert local (the baseline)"
+"$BIN/moerpc-client" generate --model "$DEMO_DIR/model" --prompt-ids "$PROMPTS" \
+    --max-new "$MAX_NEW" --json >"$DEMO_DIR/gen-local.jsonl" 2>"$DEMO_DIR/gen-local.log" \
+    || { cat "$DEMO_DIR/gen-local.log"; exit 1; }
+cat "$DEMO_DIR/gen-local.jsonl"
+
+step "logits of the first prompt: remote with deferral vs all-local"
+first=${PROMPTS%%;*}
+"$BIN/moerpc-client" logits --model "$DEMO_DIR/model" --ids "$first" \
+    --out "$DEMO_DIR/logits-local.bin" --quiet --log warn
+"$BIN/moerpc-client" logits --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \
+    --ids "$first" --local-experts "$LOCAL_EXPERTS" --max-deferred "$MAX_DEFERRED" \
+    --out "$DEMO_DIR/logits-remote.bin" --compare "$DEMO_DIR/logits-local.bin" --quiet \
+    --log warn | tee "$DEMO_DIR/logits-compare.txt"
 
 step "moerpc-client verify (cluster vs local kn_ref, f32 and bf16 wire)"
 "$BIN/moerpc-client" verify --cluster "$DEMO_DIR/cluster.json" --tokens 16 --dtype f32 | tee "$DEMO_DIR/verify-f32.txt"
@@ -62,6 +94,23 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print("              T=%-4s grpc p50 %8.1f us   tcp p50 %7.1f us   ratio %.2f" % (
         r.get("tokens"), r.get("grpc_p50_us", 0), r.get("tcp_p50_us", 0), r.get("ratio_p50", 0)))
+PY
+python3 - "$DEMO_DIR/gen-remote.jsonl" "$DEMO_DIR/gen-local.jsonl" "$DEMO_DIR/logits-compare.txt" \
+    "$MAX_DEFERRED" <<'PY'
+import json, sys
+def load(p):
+    seqs, tim = {}, {}
+    for line in open(p):
+        r = json.loads(line)
+        if "seq" in r: seqs[r["seq"]] = r["ids"]
+        else: tim = r
+    return seqs, tim
+rs, rt = load(sys.argv[1]); ls, lt = load(sys.argv[2])
+same = sum(a == b for s in rs for a, b in zip(rs[s], ls[s]))
+total = sum(len(v) for v in rs.values())
+print("generate:     remote (hot local, K=%s) decode %.1f tok/s vs all-local %.1f tok/s (ratio %.2f);"
+      % (sys.argv[4], rt["decode_tok_s"], lt["decode_tok_s"], rt["decode_tok_s"] / max(lt["decode_tok_s"], 1e-9)))
+print("              greedy tokens identical %d/%d; %s" % (same, total, open(sys.argv[3]).read().strip()))
 PY
 echo "logs:         $DEMO_DIR/s0.log $DEMO_DIR/s1.log"
 echo "demo: ok"

@@ -436,9 +436,17 @@ def validate(args, py):
     return ok
 
 
-def moerpc_bench(args, model):
+# The moerpc weight formats that match each GGUF type: bf16 as stored; q8_0 (32-value
+# blocks, one fp16 scale) against moerpc's int8 (one fp32 scale per row) for experts and
+# dense layers alike, the closest format moerpc has (same bytes per weight, +1/32 for
+# q8_0's scales).
+MOERPC_FORMAT = {"bf16": [], "q8_0": ["--format", "int8", "--dense-format", "int8"]}
+
+
+def moerpc_bench(args, model, fmt="bf16"):
     cmd = [args.client, "bench", "--model", model, "--prompt-len", str(args.prompt_len),
-           "--decode", str(args.decode), "--batch", "1", "--threads", str(args.threads), "--json"]
+           "--decode", str(args.decode), "--batch", "1", "--threads", str(args.threads),
+           "--repeats", "1", "--quiet", "--json"] + MOERPC_FORMAT.get(fmt, [])
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except (OSError, subprocess.TimeoutExpired) as ex:
@@ -493,7 +501,7 @@ def run_format(args, py, model, fmt, cpu):
     load_before = loadavg()
     for rep in range(-1, args.repeats):        # rep -1: untimed warm-up of both
         if note is None:
-            res, note = moerpc_bench(args, model)
+            res, note = moerpc_bench(args, model, fmt)
             if res and rep >= 0:
                 ours_p.append(res.get("prefill_tok_s"))
                 ours_d.append(res.get("decode_tok_s"))

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# tests/bench/model_bench.sh - whole-model decode/prefill on Qwen3-30B-A3B's real layer shapes
+# (fewer layers): all-local vs 1 and 2 expert servers, max_deferred 0 and 2, on the same
+# cores, rounds interleaved (every configuration once per round), medians over rounds.
+#
+#   tests/bench/model_bench.sh                   makes build/bench/qwen3-30b-a3b-4l if missing
+#   MODEL=DIR ROUNDS=3 THREADS=2 PROMPT=32 DECODE=32 tests/bench/model_bench.sh
+#
+# Writes JSON lines (one per run: moerpc-client bench --json summary + "config" and
+# "round") to $OUT (default build/bench/model_bench.jsonl) and prints a table of medians:
+# decode tok/s, prefill tok/s, overlap, decode_bw_ratio, and remote / all-local (the ratio
+# taken within each round, then the median: the host's bandwidth drifts between rounds).
+# The servers run on loopback on the same cores as the client: the one server of the
+# 1-server set has --threads $THREADS, each of the two of the 2-server set $THREADS / 2
+# (at least 1), so that no set has more kernel threads than cores. Memory: the model file (5.3 GB) is held by the all-local client and, in
+# total, by each server set (about 16 GB with the page cache).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BUILD=${BUILD:-build}
+BIN=$BUILD/bin
+MODEL=${MODEL:-$BUILD/bench/qwen3-30b-a3b-4l}
+ROUNDS=${ROUNDS:-3}
+THREADS=${THREADS:-2}
+PROMPT=${PROMPT:-32}
+DECODE=${DECODE:-32}
+OUT=${OUT:-$BUILD/bench/model_bench.jsonl}
+DIR=$(mktemp -d)
+mkdir -p "$(dirname "$OUT")"
+: >"$OUT"
+
+if [ ! -f "$MODEL/config.json" ]; then
+  echo "model_bench: making $MODEL (Qwen3-30B-A3B layer shapes, 4 layers, vocab 32000)"
+  "$BIN/moerpc-mkmodel" --out "$MODEL" --layers 4 --hidden 2048 --inter 768 --experts 128 \
+      --topk 8 --heads 32 --kv-heads 4 --head-dim 128 --vocab 32000 --seed 1
+fi
+E=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_experts"])' "$MODEL/config.json")
+half=$((E / 2))
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; rm -rf "$DIR"; }
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+start_server() { # name experts threads; sets PORT (not in a $(...) subshell: pids+= must stick)
+  PORT=$(free_port)
+  "$BIN/moerpc-server" --model "$MODEL" --listen "127.0.0.1:$PORT" --experts "$2" \
+      --threads "$3" >"$DIR/$1.log" 2>&1 &
+  pids+=($!)
+}
+wait_serving() {
+  for _ in $(seq 1 1200); do
+    local ok=0
+    for s in "$@"; do grep -q 'serving' "$DIR/$s.log" 2>/dev/null && ok=$((ok + 1)); done
+    [ $ok -eq $# ] && return 0
+    sleep 0.25
+  done
+  echo "model_bench: servers did not start"; tail -n 5 "$DIR"/*.log; exit 1
+}
+cluster() { # file name:port...
+  local f=$1; shift
+  { echo '{"deadline_ms": 60000, "servers": ['
+    local first=1
+    for np in "$@"; do
+      [ $first = 1 ] || echo ','
+      first=0
+      echo "{\"name\": \"${np%%:*}\", \"address\": \"127.0.0.1:${np##*:}\"}"
+    done
+    echo ']}'; } >"$f"
+}
+
+T2=$((THREADS / 2)); [ "$T2" -ge 1 ] || T2=1
+start_server one all "$THREADS"; PA=$PORT
+start_server s0 "0-$((half - 1))" "$T2"; P0=$PORT
+start_server s1 "$half-$((E - 1))" "$T2"; P1=$PORT
+wait_serving one s0 s1
+cluster "$DIR/one.json" "one:$PA"
+cluster "$DIR/two.json" "s0:$P0" "s1:$P1"
+
+CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
+echo "model_bench: $MODEL, cpu $CPU, threads $THREADS, prompt $PROMPT, decode $DECODE, $ROUNDS rounds ($(date -u +%F))"
+configs=("all-local||0" "1-server|$DIR/one.json|0" "1-server-K2|$DIR/one.json|2"
+         "2-servers|$DIR/two.json|0" "2-servers-K2|$DIR/two.json|2")
+for r in $(seq 1 "$ROUNDS"); do
+  for c in "${configs[@]}"; do
+    IFS='|' read -r name cl K <<<"$c"
+    args=(bench --model "$MODEL" --threads "$THREADS" --prompt-len "$PROMPT" --decode "$DECODE"
+          --repeats 1 --max-deferred "$K" --json --quiet --log warn)
+    [ -n "$cl" ] && args+=(--cluster "$cl" --local-experts 0)
+    line=$("$BIN/moerpc-client" "${args[@]}" | head -n 1)
+    python3 -c 'import json,sys; r=json.loads(sys.argv[1]); r["config"]=sys.argv[2]; r["round"]=int(sys.argv[3]); print(json.dumps(r))' \
+        "$line" "$name" "$r" >>"$OUT"
+    echo "  round $r $name: $(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("decode %.2f tok/s, prefill %.1f tok/s, overlap %.2f, bw_ratio %.2f" % (r["decode_tok_s"], r["prefill_tok_s"], r["overlap"], r["decode_bw_ratio"]))' "$line")"
+  done
+done
+
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+by, base = {}, {}
+for r in rows:
+    by.setdefault(r["config"], []).append(r)
+    if r["config"] == "all-local": base[r["round"]] = r["decode_tok_s"]
+med = lambda c, k: statistics.median(x[k] for x in by[c])
+# the host's bandwidth drifts between rounds: the ratio to all-local is taken within each
+# round (same minutes), then the median over rounds
+ratio = lambda c: statistics.median(x["decode_tok_s"] / base[x["round"]] for x in by[c])
+print("| config | decode tok/s | prefill tok/s | overlap | decode_bw_ratio | decode / all-local (same round) | runs (decode tok/s) |")
+print("|---|---|---|---|---|---|---|")
+for c in by:
+    print("| %s | %.2f | %.1f | %.2f | %.2f | %.2f | %s |" % (c, med(c, "decode_tok_s"), med(c, "prefill_tok_s"),
+          med(c, "overlap"), med(c, "decode_bw_ratio"), ratio(c),
+          ", ".join("%.2f" % x["decode_tok_s"] for x in by[c])))
+PY
+for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+wait 2>/dev/null || true
+pids=()
