@@ -83,7 +83,7 @@ typedef struct mcli {
   gc_sampling smp;
 } mcli;
 
-static bool p_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   char *end = NULL;
   errno = 0;
   unsigned long long v = strtoull(s, &end, 10);
@@ -95,9 +95,9 @@ static bool p_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uin
   *out = v;
   return true;
 }
-static bool p_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+bool gc__cli_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
   uint64_t v;
-  if (!p_u64(flag, s, lo, hi, &v)) return false;
+  if (!gc__cli_u64(flag, s, lo, hi, &v)) return false;
   *out = (uint32_t)v;
   return true;
 }
@@ -139,12 +139,12 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_CLUSTER: o->cluster_path = arg; return 1;
   case MO_PLACEMENT: o->placement_path = arg; return 1;
   case MO_LOCAL:
-    if (!p_u32("--local-experts", arg, 0, 65536, &v)) return -1;
+    if (!gc__cli_u32("--local-experts", arg, 0, 65536, &v)) return -1;
     o->local_experts = (int32_t)v;
     return 1;
-  case MO_DEFER: return p_u32("--max-deferred", arg, 0, 1024, &o->max_deferred) ? 1 : -1;
-  case MO_MAXSEQ: return p_u32("--max-seq", arg, 1, 1u << 20, &o->max_seq) ? 1 : -1;
-  case MO_THREADS: return p_u32("--threads", arg, 0, 4096, &o->engine.threads) ? 1 : -1;
+  case MO_DEFER: return gc__cli_u32("--max-deferred", arg, 0, 1024, &o->max_deferred) ? 1 : -1;
+  case MO_MAXSEQ: return gc__cli_u32("--max-seq", arg, 1, 1u << 20, &o->max_seq) ? 1 : -1;
+  case MO_THREADS: return gc__cli_u32("--threads", arg, 0, 4096, &o->engine.threads) ? 1 : -1;
   case MO_ISA:
     if (kn_isa_parse(arg, &o->engine.isa) != 0) {
       fprintf(stderr, PROG ": --isa = \"%s\", must be ref, avx2, avx512 or amx\n", arg);
@@ -160,9 +160,9 @@ static int model_opt(mcli *c, int opt, const char *arg) {
       return -1;
     }
     return 1;
-  case MO_DEADLINE: return p_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
+  case MO_DEADLINE: return gc__cli_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
   case MO_CONNECT:
-    return p_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_timeout_ms) ? 1 : -1;
+    return gc__cli_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_timeout_ms) ? 1 : -1;
   case MO_LOG:
     if (mr_log_parse_level(arg, &lvl) != 0) {
       fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);
@@ -178,14 +178,14 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_JSON: c->json = true; return 1;
   case MO_BATCH:
     c->batch_set = true;
-    return p_u32("--batch", arg, 1, CLI_MAX_SEQS, &c->batch) ? 1 : -1;
-  case MO_MAXNEW: return p_u32("--max-new", arg, 0, 1u << 20, &c->max_new) ? 1 : -1;
-  case MO_PLEN: return p_u32("--prompt-len", arg, 1, 1u << 20, &c->prompt_len) ? 1 : -1;
-  case MO_DECODE: return p_u32("--decode", arg, 1, 1u << 20, &c->decode) ? 1 : -1;
-  case MO_REPEATS: return p_u32("--repeats", arg, 1, 1000, &c->repeats) ? 1 : -1;
+    return gc__cli_u32("--batch", arg, 1, CLI_MAX_SEQS, &c->batch) ? 1 : -1;
+  case MO_MAXNEW: return gc__cli_u32("--max-new", arg, 0, 1u << 20, &c->max_new) ? 1 : -1;
+  case MO_PLEN: return gc__cli_u32("--prompt-len", arg, 1, 1u << 20, &c->prompt_len) ? 1 : -1;
+  case MO_DECODE: return gc__cli_u32("--decode", arg, 1, 1u << 20, &c->decode) ? 1 : -1;
+  case MO_REPEATS: return gc__cli_u32("--repeats", arg, 1, 1000, &c->repeats) ? 1 : -1;
   case MO_TEMP: return p_float("--temperature", arg, 0, 100, &c->smp.temperature) ? 1 : -1;
   case MO_TOPP: return p_float("--top-p", arg, 1e-6, 1, &c->smp.top_p) ? 1 : -1;
-  case MO_SEED: return p_u64("--seed", arg, 0, UINT64_MAX, &c->smp.seed) ? 1 : -1;
+  case MO_SEED: return gc__cli_u64("--seed", arg, 0, UINT64_MAX, &c->smp.seed) ? 1 : -1;
   default: return 0;
   }
 }

@@ -67,26 +67,6 @@ static void help_text(char *buf, size_t len, const char *own) {
            GC_DEFAULT_CONNECT_TIMEOUT_MS);
 }
 
-static bool parse_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
-  char *end = NULL;
-  errno = 0;
-  unsigned long long v = strtoull(s, &end, 10);
-  if (!*s || *end || errno || s[0] == '-' || v < lo || v > hi) {
-    fprintf(stderr, PROG ": %s = \"%s\", must be an integer in %llu..%llu\n", flag, s,
-            (unsigned long long)lo, (unsigned long long)hi);
-    return false;
-  }
-  *out = v;
-  return true;
-}
-
-static bool parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
-  uint64_t v;
-  if (!parse_u64(flag, s, lo, hi, &v)) return false;
-  *out = (uint32_t)v;
-  return true;
-}
-
 /* Handles the options every subcommand shares; returns 1 if taken, 0 if not one of them,
  * -1 on a bad value. */
 static int common_opt(cli *o, int opt, const char *arg) {
@@ -94,9 +74,9 @@ static int common_opt(cli *o, int opt, const char *arg) {
   switch (opt) {
   case OPT_CLUSTER: o->cluster = arg; return 1;
   case OPT_DEADLINE:
-    return parse_u32("--deadline-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->deadline_ms) ? 1 : -1;
+    return gc__cli_u32("--deadline-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->deadline_ms) ? 1 : -1;
   case OPT_CONNECT:
-    return parse_u32("--connect-timeout-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->connect_ms)
+    return gc__cli_u32("--connect-timeout-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->connect_ms)
                ? 1 : -1;
   case OPT_LOG:
     if (mr_log_parse_level(arg, &lvl) != 0) {
@@ -418,8 +398,8 @@ static int verify_opt(void *ctx, int opt, const char *arg) {
   switch (opt) {
   case OPT_MODEL: v->o->model = arg; return 1;
   case OPT_NO_LOCAL: v->o->no_local = true; return 1;
-  case OPT_TOKENS: return parse_u32("--tokens", arg, 1, 4096, &v->T) ? 1 : -1;
-  case OPT_SEED: return parse_u64("--seed", arg, 0, UINT64_MAX, &v->seed) ? 1 : -1;
+  case OPT_TOKENS: return gc__cli_u32("--tokens", arg, 1, 4096, &v->T) ? 1 : -1;
+  case OPT_SEED: return gc__cli_u64("--seed", arg, 0, UINT64_MAX, &v->seed) ? 1 : -1;
   case OPT_DTYPE:
     if (mr_dtype_parse(arg, &v->dt) != 0) {
       fprintf(stderr, PROG ": --dtype = \"%s\", must be f32, f16 or bf16\n", arg);
@@ -743,9 +723,9 @@ typedef struct bench_ctx {
 static int bench_opt(void *ctx, int opt, const char *arg) {
   bench_ctx *b = ctx;
   switch (opt) {
-  case OPT_ITERS: return parse_u32("--iters", arg, 1, 1000000, &b->iters) ? 1 : -1;
-  case OPT_WARMUP: return parse_u32("--warmup", arg, 0, 100000, &b->warmup) ? 1 : -1;
-  case OPT_TOPK: return parse_u32("--top-k", arg, 1, GC_MAX_TOP_K, &b->top_k) ? 1 : -1;
+  case OPT_ITERS: return gc__cli_u32("--iters", arg, 1, 1000000, &b->iters) ? 1 : -1;
+  case OPT_WARMUP: return gc__cli_u32("--warmup", arg, 0, 100000, &b->warmup) ? 1 : -1;
+  case OPT_TOPK: return gc__cli_u32("--top-k", arg, 1, GC_MAX_TOP_K, &b->top_k) ? 1 : -1;
   case OPT_SERVER: b->server = arg; return 1;
   case OPT_JSON: b->json = true; return 1;
   case OPT_DTYPE:
@@ -764,7 +744,7 @@ static int bench_opt(void *ctx, int opt, const char *arg) {
         fprintf(stderr, PROG ": --tokens: at most %d values\n", MAX_T_LIST);
         return -1;
       }
-      if (!parse_u32("--tokens", tok, 1, GC_MAX_TOKENS, &b->tokens[b->n_tokens++])) return -1;
+      if (!gc__cli_u32("--tokens", tok, 1, GC_MAX_TOKENS, &b->tokens[b->n_tokens++])) return -1;
     }
     if (b->n_tokens == 0) {
       fprintf(stderr, PROG ": --tokens is empty\n");
