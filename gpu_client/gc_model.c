@@ -542,13 +542,13 @@ static int alloc_caches(gc_model *m, mr_err *e) {
   }
   /* inv_freq[i] = 1 / theta^(2i / hd), in fp32 like transformers' default RoPE */
   const uint32_t half = m->hd / 2;
-  float host[MR_MAX_LAYERS > 4096 ? MR_MAX_LAYERS : 4096];
-  MR_ASSERT(half <= sizeof host / sizeof host[0]);
+  float *host = mr_malloc(half * sizeof *host);
+  if (!host) return mr_err_set(e, MR_ENOMEM, "RoPE table: out of memory");
   for (uint32_t i = 0; i < half; i++)
     host[i] = (float)(1.0 / pow((double)m->cfg.rope_theta, (double)(float)(2.0f * i / m->hd)));
-  m->inv_freq = m->bk->ops->alloc(m->bk, half * sizeof(float));
-  if (!m->inv_freq) return mr_err_set(e, MR_ENOMEM, "RoPE table: out of memory");
-  return m->bk->ops->upload(m->bk, m->inv_freq, host, half, e);
+  int rc = dev_vec(m, host, half, &m->inv_freq, e);
+  mr_free(host);
+  return rc;
 }
 
 int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
