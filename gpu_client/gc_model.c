@@ -854,8 +854,11 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
                    .norm_topk = m->cfg.norm_topk_prob, .logits = b->router, .ids = b->ids,
                    .weights = b->w};
   if ((rc = op->route(bk, &r, e))) return rc;
-  bool remote = m->moe && ly->n_hot < m->E;
-  if (remote && (rc = op->to_host(bk, b->wire, m->wire, b->h, TH, e))) return rc;
+  /* With a cluster every MoE layer goes through gc_moe, even one whose experts are all
+   * local: its wait collects the previous MoE layer's deferred call. */
+  const bool remote = m->moe != NULL;
+  if (remote && ly->n_hot < m->E && (rc = op->to_host(bk, b->wire, m->wire, b->h, TH, e)))
+    return rc;
   if ((rc = op->sync(bk, e))) return rc;
   count_experts(m, T);
 
@@ -950,6 +953,8 @@ int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
       goto fail;
     }
   }
+  /* the last MoE layer defers nothing and collects the deferral before it */
+  MR_ASSERT(!m->moe || !gc_moe_has_deferred(m->moe));
   uint64_t th = mr_now_ns();
   if ((rc = step_head(m, s, n_want, e))) goto fail;
   m->st.head_us += (mr_now_ns() - th) / 1000u;

@@ -183,6 +183,26 @@ MT_TEST(placement_never_changes_results_deferral_and_bad_input) {
   MT_CONTAINS(e.msg, "s0");
   MT_TRUE(m == NULL);
 
+  /* The last MoE layer with every expert local, with deferral: it must still collect the
+   * deferred part of the layer before it (a deferred call left over would be added to
+   * the next step, whose token count differs: prefill then decode below). */
+  char pl2[700];
+  snprintf(pl2, sizeof pl2, "%s/placement-local-layer.json", tmp);
+  write_file(pl2, "{\"format\": \"moerpc-placement\", \"version\": 1, \"num_layers\": 4, "
+                  "\"num_experts\": 8, \"layers\": [{\"layer\": 3, \"local\": \"all\"}]}");
+  MT_OK(open_runner(&m, cluster, -1, pl2, 0, &e), &e);
+  prefill_logits(m, placed);
+  gc_model_close(m);
+  MT_LE(kn_rel_l2(placed, all_local, T_PROMPT * V), 1e-5);
+  MT_OK(open_runner(&m, cluster, -1, pl2, 2, &e), &e);
+  int32_t g_pl[8];
+  greedy(m, g_pl, 8);
+  gc_model_stats st1;
+  gc_model_stats_get(m, &st1, false);
+  MT_TRUE(st1.layer[2].deferred_slots > 0);
+  MT_EQ_INT(st1.layer[3].deferred_slots, 0); /* all local and last: nothing to defer */
+  gc_model_close(m);
+
   /* Deferral: K = 2 of k = 4. */
   MT_OK(open_runner(&m, cluster, -1, NULL, 2, &e), &e);
   prefill_logits(m, deferred);
