@@ -40,31 +40,12 @@
  * token, zero inputs give zero outputs, and the int8 accumulator bound at K = 65536.
  */
 #include "kernels/internal.h"
+#include "tests/unit/kn_test.h"
 #include "tests/unit/mt.h"
 
 #include <pthread.h>
 
-#define TOL_FP32 1e-5
-#define TOL_BF16X 1e-2
-#define TOL_Q8X 3e-2
-
-static inline const mr_err *ep(const mr_err *e) { return e; }
-
 /* ---- helpers (deterministic inputs) ------------------------------------------------ */
-
-static uint64_t rng_s;
-static void rng_seed(uint64_t s) { rng_s = s * 0x9E3779B97F4A7C15ull + 0x1234567ull; }
-static uint32_t rng_u32(void) {
-  rng_s ^= rng_s << 13;
-  rng_s ^= rng_s >> 7;
-  rng_s ^= rng_s << 17;
-  return (uint32_t)(rng_s >> 11);
-}
-static float rng_uniform(void) { return (float)((rng_u32() & 0xffffff) / 8388608.0 - 1.0); }
-static float rng_normal(void) {
-  double u1 = ((rng_u32() & 0xffffff) + 1.0) / 16777217.0, u2 = (rng_u32() & 0xffffff) / 16777216.0;
-  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
 
 /* E experts of fp32 weights ~ scale * N(0, 1), HF layout: gate/up [I, H], down [H, I]. */
 typedef struct model {

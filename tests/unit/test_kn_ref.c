@@ -11,26 +11,12 @@
  * Plus every refused input: bad ids, experts not held, bad descs, non-finite weights.
  */
 #include "kernels/internal.h"
+#include "tests/unit/kn_test.h"
 #include "tests/unit/mt.h"
 
 /* ---- helpers ----------------------------------------------------------------------- */
 
 /* MT_OK prints errp->msg; passing &e through a function keeps gcc's -Waddress quiet. */
-static inline const mr_err *ep(const mr_err *e) { return e; }
-
-static uint64_t rng_s;
-static void rng_seed(uint64_t s) { rng_s = s * 0x9E3779B97F4A7C15ull + 0x1234567ull; }
-static uint32_t rng_u32(void) {
-  rng_s ^= rng_s << 13;
-  rng_s ^= rng_s >> 7;
-  rng_s ^= rng_s << 17;
-  return (uint32_t)(rng_s >> 11);
-}
-static float rng_uniform(void) { return (float)((rng_u32() & 0xffffff) / 8388608.0 - 1.0); }
-static float rng_normal(void) {
-  double u1 = ((rng_u32() & 0xffffff) + 1.0) / 16777217.0, u2 = (rng_u32() & 0xffffff) / 16777216.0;
-  return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
 
 static float round_to(float v, mr_dtype dt) {
   if (dt == MR_DTYPE_BF16) return mr_bf16_to_f32(mr_f32_to_bf16(v));
