@@ -214,6 +214,10 @@ static int hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *
   sv->layers = h->num_layers;
   sv->experts = h->num_experts;
   sv->max_tokens = h->max_tokens;
+  if (h->max_top_k > h->num_experts)
+    return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Hello max_top_k = %u, must be at most "
+                      "num_experts = %u", GC__SRV_ARGS(sv), h->max_top_k, h->num_experts);
+  sv->max_top_k = h->max_top_k ? h->max_top_k : h->num_experts; /* 0: a protocol 1.0 server */
 
   size_t bits = (size_t)sv->layers * sv->experts;
   sv->announce = mr_calloc((bits + 63) / 64, sizeof *sv->announce);
@@ -473,8 +477,11 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
   snprintf(c->fingerprint, sizeof c->fingerprint, "%s", s0->fingerprint);
   snprintf(c->weight_format, sizeof c->weight_format, "%s", s0->weight_format);
   c->max_tokens_min = UINT32_MAX;
-  for (uint32_t i = 0; i < c->n_servers; i++)
+  c->max_top_k_min = UINT32_MAX;
+  for (uint32_t i = 0; i < c->n_servers; i++) {
     if (c->servers[i].max_tokens < c->max_tokens_min) c->max_tokens_min = c->servers[i].max_tokens;
+    if (c->servers[i].max_top_k < c->max_top_k_min) c->max_top_k_min = c->servers[i].max_top_k;
+  }
   rc = gc_weight_format_parse(c->weight_format, &c->fmt, &c->group, e);
   if (rc) {
     rc = mr_err_prefix(e, MR_EPROTO, GC__SRV_FMT ": Hello", GC__SRV_ARGS(s0));

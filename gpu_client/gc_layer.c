@@ -158,9 +158,10 @@ static int req_validate(const gc_cluster *c, const gc_layer_req *q, mr_err *e) {
     return mr_err_set(e, MR_ERANGE, "layer %u: n_tokens = %u, must be 1..%u", q->layer,
                       q->n_tokens, GC_MAX_TOKENS);
   uint32_t kmax = c->E < GC_MAX_TOP_K ? c->E : GC_MAX_TOP_K;
+  if (c->n_servers && c->max_top_k_min < kmax) kmax = c->max_top_k_min;
   if (q->top_k < 1 || q->top_k > kmax)
-    return mr_err_set(e, MR_ERANGE, "layer %u: top_k = %u, must be 1..%u", q->layer, q->top_k,
-                      kmax);
+    return mr_err_set(e, MR_ERANGE, "layer %u: top_k = %u, must be 1..%u (the servers' max_top_k "
+                      "and num_experts)", q->layer, q->top_k, kmax);
   if (q->dtype != MR_DTYPE_F32 && q->dtype != MR_DTYPE_F16 && q->dtype != MR_DTYPE_BF16)
     return mr_err_set(e, MR_EINVAL, "layer %u: dtype = %d, must be f32 (1), f16 (2) or bf16 (3)",
                       q->layer, (int)q->dtype);
@@ -182,6 +183,10 @@ static int req_encode(gc_pending *p, gc__req *r, const gc__part *pt, const uint8
   m.n_weights = m.n_expert_ids;
   m.weights = pt->weights + (size_t)r->row0 * k;
   m.dtype = (Moerpc__V1__DType)p->dtype;
+  /* The server drops the request rather than compute it after this client gave up. */
+  uint64_t now = mr_now_ns();
+  uint64_t left_us = p->deadline_ns > now ? (p->deadline_ns - now) / 1000u : 1;
+  m.budget_us = left_us > UINT32_MAX ? UINT32_MAX : (uint32_t)(left_us ? left_us : 1);
   atomic_fetch_add(&p->refs, 1); /* the payload slice's reference */
   r->bb = pr_encode_with_payload(&m.base, x + (size_t)r->row0 * row_bytes,
                                  (size_t)r->n_tokens * row_bytes, gc__payload_release, p);

@@ -186,6 +186,7 @@ typedef struct gc__server {
   grpc_channel *ctl;        /* Hello / Stats */
   /* Hello */
   uint32_t proto_major, proto_minor, max_tokens;
+  uint32_t max_top_k;       /* HelloReply.max_top_k, num_experts for a 1.0 server */
   char fingerprint[64], weight_format[32];
   uint32_t hidden, inter, layers, experts;
   uint64_t *announce;       /* bitset over layer * E + expert */
@@ -257,6 +258,7 @@ struct gc_cluster {
   kn_format fmt;
   uint32_t group;
   uint32_t max_tokens_min;
+  uint32_t max_top_k_min;   /* smallest max_top_k of all servers */
   uint32_t n_servers;
   gc__server *servers;      /* [n_servers] */
   gc__stream *streams;      /* [n_servers] */
