@@ -157,6 +157,9 @@ void mr_arena_init(mr_arena *a, size_t block_size);
 void *mr_arena_alloc(mr_arena *a, size_t n, size_t align);
 /* Frees everything allocated since init; keeps the largest block for reuse. */
 void mr_arena_reset(mr_arena *a);
+/* Right after a reset: frees the kept block if it is larger than block_size (a peak), so
+ * that the next allocation starts again from a block of block_size. */
+void mr_arena_shrink(mr_arena *a);
 /* Releases all memory. The arena may be re-initialised afterwards. */
 void mr_arena_close(mr_arena *a);
 

@@ -312,6 +312,14 @@ void mr_arena_reset(mr_arena *a) {
   a->used = 0;
 }
 
+void mr_arena_shrink(mr_arena *a) {
+  mr_arena_block *b = a->head;
+  if (!b || b->off != 0 || b->prev || b->size <= a->block_size) return;
+  mr_log(MR_LOG_DEBUG, "arena: released a %zu-byte block after a peak", b->size);
+  mr_free_aligned(b);
+  a->head = NULL;
+}
+
 void mr_arena_close(mr_arena *a) {
   mr_arena_block *b = a->head;
   while (b) {

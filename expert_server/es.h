@@ -18,10 +18,12 @@
  *   - one compute thread owns the kn_engine: it pops validated requests from a queue, merges
  *     queued requests of the same layer and runs kn_moe_forward on the engine's workers.
  *
- * Drain (SIGTERM/SIGINT or es_server_stop): health turns NOT_SERVING, the gRPC server stops
- * accepting calls, requests that arrive on open streams get UNAVAILABLE replies, every request
- * accepted before is answered (bounded by opts.drain_timeout_ms), open streams are finished
- * with status OK, and es_server_run returns 0. A second signal during the drain makes
+ * Drain (SIGTERM/SIGINT or es_server_stop): health turns NOT_SERVING (and stays readable
+ * until the end: the listener is kept), new Forward streams end at once with UNAVAILABLE,
+ * requests that arrive on open streams get UNAVAILABLE replies, every request accepted
+ * before is answered (bounded by opts.drain_timeout_ms; past it, queued ones are answered
+ * UNAVAILABLE without being computed), open streams are finished with status OK, and
+ * es_server_run returns 0 (es_server_unanswered says whether a reply was lost). A second signal during the drain makes
  * es_server_run return MR_ECANCELED at once.
  *
  * Also here: es_forward_validate, the pure validation of a decoded ForwardRequest against
@@ -58,6 +60,13 @@ typedef struct es_server_opts {
   uint32_t drain_timeout_ms; /* bound on answering accepted requests during a drain */
   uint32_t metrics_interval_ms; /* period of the metrics log line, 0 = never */
   bool handle_signals;       /* install SIGTERM/SIGINT handlers in es_server_run */
+  uint64_t max_inflight_bytes; /* admission budget: bytes held for requests and replies not yet
+                                * sent; 0 = auto (es_server_new: a quarter of the memory
+                                * available after loading, within ES_AUTO_INFLIGHT_MIN..MAX,
+                                * and never below ES_INFLIGHT_MIN_REQUESTS requests) */
+  uint32_t max_streams;      /* Forward streams open at once, server-wide, 1..ES_MAX_MAX_STREAMS */
+  uint32_t stall_timeout_ms; /* a stream whose reply has not been taken by its client for this
+                              * long is cut (RESOURCE_EXHAUSTED) and its memory freed; 0 = never */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
@@ -70,6 +79,26 @@ typedef struct es_server_opts {
 #define ES_DEFAULT_DRAIN_TIMEOUT_MS 10000u
 #define ES_MAX_DRAIN_TIMEOUT_MS 3600000u
 #define ES_MAX_THREADS 4096u
+#define ES_DEFAULT_MAX_STREAMS 256u
+#define ES_MAX_MAX_STREAMS 65536u
+/* Concurrent streams one HTTP/2 connection may open (GRPC_ARG_MAX_CONCURRENT_STREAMS): a
+ * client has one Forward stream per server plus a few unary calls. */
+#define ES_MAX_STREAMS_PER_CONNECTION 16u
+#define ES_DEFAULT_STALL_TIMEOUT_MS 30000u
+#define ES_MAX_STALL_TIMEOUT_MS 3600000u
+#define ES_AUTO_INFLIGHT_MIN ((uint64_t)256 << 20)
+#define ES_AUTO_INFLIGHT_MAX ((uint64_t)8 << 30)
+/* The budget holds at least this many largest requests (max_tokens rows of f32). */
+#define ES_INFLIGHT_MIN_REQUESTS 4u
+/* top_k accepted per token: the model's num_experts_per_tok times this, at most num_experts
+ * (announced as HelloReply.max_top_k). A client that computes shared or extra experts on
+ * the server's side may send a few more slots than the router picks; far more is no client
+ * of this model, and top_k sizes the kernel's scratch. */
+#define ES_TOP_K_FACTOR 4u
+static inline uint32_t es_max_top_k(uint32_t experts_per_tok, uint32_t num_experts) {
+  uint64_t k = (uint64_t)experts_per_tok * ES_TOP_K_FACTOR;
+  return k > num_experts ? num_experts : (uint32_t)k;
+}
 
 /* Fills o with the defaults above (layers "all", numa "auto", signals on).
  * model_dir and experts stay NULL: the caller must set them. */
@@ -88,6 +117,14 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);
 
 /* The TCP port bound by es_server_new (the real one when opts.listen asked for port 0). */
 int es_server_port(const es_server *s);
+
+/* The admission budget in use (opts.max_inflight_bytes, or the one derived from the machine). */
+uint64_t es_server_inflight_budget(const es_server *s);
+
+/* After es_server_run returned 0: requests accepted before or during the drain whose reply
+ * was never delivered (the drain timed out, or their client went away meanwhile). The
+ * server binary exits 3 when it is not 0. */
+uint64_t es_server_unanswered(const es_server *s);
 
 /* Serves on the calling thread until a drain completes. Returns 0 after a clean drain,
  * MR_ECANCELED when a second signal arrived during the drain (the caller should then exit
@@ -114,6 +151,8 @@ typedef struct es_limits {
   uint32_t num_experts;        /* routed experts per MoE layer */
   uint32_t hidden_size;        /* H: elements per token row of hidden */
   uint32_t max_tokens;         /* most tokens in one request */
+  uint32_t max_top_k;          /* most slots per token; 0 = num_experts. A server sets it to
+                                * es_max_top_k(num_experts_per_tok, num_experts) */
   const uint8_t *is_moe;       /* [num_layers]: 1 = the layer has routed experts */
   const mr_idset *const *owned; /* [num_layers]: experts served in layer l, NULL = layer
                                   * not served here */
@@ -123,7 +162,7 @@ typedef struct es_limits {
  * of field 15 as framed) against lim. Pure: no I/O, no allocation, no global state, so the
  * same request always gets the same answer. Returns 0 or
  *   MR_EINVAL     (INVALID_ARGUMENT 3): layer out of range or not a MoE layer, n_tokens 0,
- *                 top_k 0 or > num_experts, expert_ids/weights length != n_tokens * top_k,
+ *                 top_k 0 or > max_top_k (num_experts when 0), expert_ids/weights length != n_tokens * top_k,
  *                 an id < -1 or >= num_experts, dtype not F32/F16/BF16, hidden length !=
  *                 n_tokens * hidden_size * dtype size, a non-finite weight;
  *   MR_EPRECOND   (FAILED_PRECONDITION 9): layer or expert not served here;

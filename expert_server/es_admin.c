@@ -8,21 +8,32 @@
  *
  * Drain, one phase after the other, re-checked on every wake-up and on a 20 ms tick:
  *
- *   SERVING --signal/stop--> DRAIN_REQUESTS: health NOT_SERVING; new Forward requests get
- *       UNAVAILABLE; grpc_server_shutdown_and_notify (no new calls). Wait until every request
- *       accepted before is answered and its send completed (inflight == 0), or the
- *       drain timeout: then log the unanswered count, answer queued jobs UNAVAILABLE
- *       without computing them and cancel every call.
+ *   SERVING --signal/stop--> DRAIN_REQUESTS: health NOT_SERVING; new Forward streams end
+ *       at once with UNAVAILABLE, new requests on open streams get UNAVAILABLE replies,
+ *       Hello gets UNAVAILABLE. The listener stays open, so that health checks (on open
+ *       channels or new ones) keep seeing NOT_SERVING for the whole drain. Wait until every
+ *       request accepted before is answered and its send completed (inflight == 0), or the
+ *       drain timeout: then answer every queued job UNAVAILABLE without computing it.
  *   DRAIN_CALLS: ask every open stream to finish (status OK once its queued replies are
  *       sent); wait until every call has ended (live_calls == 0). If that takes longer than
- *       the rest of the timeout (at least 1 s), cancel every call.
- *   DRAIN_SHUTDOWN: wait for the shutdown notification, then stop the compute thread, shut
- *       the completion queues down, join their threads, destroy the server: STOPPED.
+ *       the rest of the timeout (at least 1 s, so that the UNAVAILABLE replies can go out),
+ *       cancel every call: replies still unsent then are lost, and counted.
+ *   DRAIN_SHUTDOWN: grpc_server_shutdown_and_notify and, no call being left, cancel-all at
+ *       once, which closes idle client connections instead of waiting for their clients;
+ *       wait for the notification, then stop the compute thread, shut the completion queues
+ *       down, join their threads, destroy the server: STOPPED. es_server_unanswered tells
+ *       how many accepted requests never got their reply (the binary exits 3 then).
+ *
+ * Housekeeping, every ES_HOUSE_TICK_MS while serving and draining: streams paused on the
+ * byte budget are resumed when it has room (also on a wake-up when bytes come back), a
+ * stream whose reply send stalled past --stall-timeout-ms is cut, and after a peak of held
+ * bytes has passed, malloc_trim gives the freed memory back to the system.
  *
  * A second SIGTERM/SIGINT during the drain stops the loop at once and es_server_run returns
  * MR_ECANCELED.
  */
 #include <inttypes.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdio.h>
 #include <string.h>
@@ -34,6 +45,13 @@
 /* After every call has ended, how long to wait for gRPC's shutdown notification (the
  * transports closing) before cancelling whatever still holds it up. */
 #define ES_DRAIN_SHUTDOWN_GRACE_MS 5000
+#define ES_HOUSE_TICK_MS 200
+/* malloc_trim once held bytes fell below a quarter of a peak at least this large. */
+#define ES_TRIM_MIN_PEAK ((int64_t)64 << 20)
+/* Also trim once nothing happened for this long after some activity. */
+#define ES_TRIM_QUIET_MS 1000
+/* Free request buffers the pool keeps once a peak has passed. */
+#define ES_POOL_KEEP_AFTER_PEAK ((size_t)16 << 20)
 
 static uint64_t es__now_ms(void) { return mr_now_ns() / 1000000u; }
 
@@ -52,7 +70,6 @@ static void es__drain_begin(es_server *s, const char *why) {
   /* Order matters (see es__stream_on_request): the flag first, then the count is read. */
   atomic_store(&s->serving, false);
   atomic_store(&s->draining, true);
-  es__grpc_shutdown_begin(s);
   pthread_mutex_lock(&s->q_lock);
   uint32_t queued = s->q_len;
   pthread_mutex_unlock(&s->q_lock);
@@ -67,6 +84,7 @@ static void es__drain_begin(es_server *s, const char *why) {
 
 static void es__stop_loop(es_server *s) {
   uv_timer_stop(&s->drain_timer);
+  uv_timer_stop(&s->house_timer);
   uv_timer_stop(&s->metrics_timer);
   uv_stop(&s->loop);
 }
@@ -78,13 +96,11 @@ static void es__drain_step(es_server *s) {
     long long left = atomic_load(&s->inflight);
     if (left > 0 && now < s->drain_deadline_ms) return;
     if (left > 0) {
+      uint32_t q = es__compute_abort_queued(s);
       mr_log(MR_LOG_WARN,
-             "drain: timeout after %" PRIu32 " ms with %lld requests unanswered; answering queued "
-             "ones UNAVAILABLE and cancelling every call",
-             s->opts.drain_timeout_ms, left);
-      atomic_store(&s->abort_jobs, true);
-      grpc_server_cancel_all_calls(s->gs);
-      s->cancelled_all = true;
+             "drain: timeout after %" PRIu32 " ms with %lld requests unanswered; %" PRIu32
+             " queued ones answered UNAVAILABLE without computing them",
+             s->opts.drain_timeout_ms, left, q);
     }
     s->phase = ES_PHASE_DRAIN_CALLS;
     uint64_t rest = s->drain_deadline_ms > now ? s->drain_deadline_ms - now : 0;
@@ -104,6 +120,10 @@ static void es__drain_step(es_server *s) {
       return;
     }
     s->phase = ES_PHASE_DRAIN_SHUTDOWN;
+    es__grpc_shutdown_begin(s);
+    /* No call is left: this only closes the connections, so that an idle client does not
+     * hold the exit up until it notices the GOAWAY. */
+    grpc_server_cancel_all_calls(s->gs);
   }
   /* fall through */
   case ES_PHASE_DRAIN_SHUTDOWN:
@@ -118,10 +138,11 @@ static void es__drain_step(es_server *s) {
     es__compute_stop(s);
     es__grpc_destroy(s);
     s->phase = ES_PHASE_STOPPED;
-    mr_log(MR_LOG_INFO,
-           "stopped: drained in %.2f s; requests %llu, errors %llu since start; computed in %llu "
-           "batches, merged %llu",
-           (double)(es__now_ms() - s->drain_t0_ms) / 1e3,
+    long long lost = atomic_load(&s->lost_in_drain);
+    mr_log(lost ? MR_LOG_WARN : MR_LOG_INFO,
+           "stopped: drained in %.2f s, %lld accepted unanswered; requests %llu, "
+           "errors %llu since start; computed in %llu batches, merged %llu",
+           (double)(es__now_ms() - s->drain_t0_ms) / 1e3, lost,
            (unsigned long long)atomic_load(&s->tot_requests),
            (unsigned long long)atomic_load(&s->tot_errors),
            (unsigned long long)atomic_load(&s->n_batches),
@@ -136,8 +157,43 @@ static void es__drain_step(es_server *s) {
 
 static void es__on_drain_tick(uv_timer_t *t) { es__drain_step(t->data); }
 
+/* Housekeeping (see the top). */
+static void es__house(es_server *s) {
+  if (s->phase < ES_PHASE_SERVING || s->phase >= ES_PHASE_DRAIN_SHUTDOWN) return;
+  es__streams_service(s);
+  int64_t held = atomic_load(&s->held_bytes);
+  if (held > s->house_trim_peak) s->house_trim_peak = held;
+  /* Activity: requests or calls came or went since the last tick. */
+  uint64_t req = atomic_load(&s->tot_requests);
+  long long calls = atomic_load(&s->live_calls);
+  if (req != s->house_last_requests || calls != s->house_last_calls) {
+    s->house_dirty = true;
+    s->house_quiet_ms = 0;
+  } else {
+    s->house_quiet_ms += ES_HOUSE_TICK_MS;
+  }
+  s->house_last_requests = req;
+  s->house_last_calls = calls;
+  bool after_peak = s->house_trim_peak >= ES_TRIM_MIN_PEAK && held < s->house_trim_peak / 4;
+  bool quiet = s->house_dirty && s->house_quiet_ms >= ES_TRIM_QUIET_MS;
+  if (after_peak || quiet) {
+    /* gRPC's buffers of closed connections and our freed buffers go back to the system
+     * rather than stay in malloc's free lists at the size of the last peak. */
+    es__pool_trim(&s->pool, ES_POOL_KEEP_AFTER_PEAK);
+    malloc_trim(0);
+    mr_log(MR_LOG_DEBUG, "memory: trimmed (%s; held %.0f MB, peak %.0f MB)",
+           after_peak ? "after a peak" : "quiet", (double)held / 1e6,
+           (double)s->house_trim_peak / 1e6);
+    s->house_trim_peak = held;
+    s->house_dirty = false;
+  }
+}
+
+static void es__on_house(uv_timer_t *t) { es__house(t->data); }
+
 static void es__on_wake(uv_async_t *a) {
   es_server *s = a->data;
+  if (atomic_load(&s->mem_paused) > 0) es__house(s);
   if (s->phase == ES_PHASE_SERVING && atomic_load(&s->stop_requested))
     es__drain_begin(s, "stop requested");
   else if (s->phase >= ES_PHASE_DRAIN_REQUESTS && s->phase < ES_PHASE_STOPPED)
@@ -171,11 +227,12 @@ static void es__on_metrics(uv_timer_t *t) {
   if (d_req || d_err) {
     mr_log(MR_LOG_INFO,
            "metrics: %" PRIu64 " requests (%.1f/s), %" PRIu64 " errors, %" PRIu64 " computed in %" PRIu64
-           " batches (%" PRIu64 " merged), mean queue %.0f us, mean compute %.0f us, %lld calls open",
+           " batches (%" PRIu64 " merged), mean queue %.0f us, mean compute %.0f us, %lld calls open, "
+           "%.1f MB held",
            d_req, secs > 0 ? (double)d_req / secs : 0.0, d_err, d_done, d_bat, mrg - s->m_last_merged,
            d_done ? (double)(qus - s->m_last_queue_us) / (double)d_done : 0.0,
            d_done ? (double)(cus - s->m_last_compute_us) / (double)d_done : 0.0,
-           (long long)atomic_load(&s->live_calls));
+           (long long)atomic_load(&s->live_calls), (double)atomic_load(&s->held_bytes) / 1e6);
   }
   s->m_last_ms = now;
   s->m_last_requests = req;
@@ -221,7 +278,9 @@ int es_server_run(es_server *s, mr_err *e) {
 
   uv_timer_init(&s->loop, &s->metrics_timer);
   uv_timer_init(&s->loop, &s->drain_timer);
-  s->metrics_timer.data = s->drain_timer.data = s;
+  uv_timer_init(&s->loop, &s->house_timer);
+  s->metrics_timer.data = s->drain_timer.data = s->house_timer.data = s;
+  uv_timer_start(&s->house_timer, es__on_house, ES_HOUSE_TICK_MS, ES_HOUSE_TICK_MS);
   if (s->opts.handle_signals) {
     uv_signal_init(&s->loop, &s->sig_term);
     uv_signal_init(&s->loop, &s->sig_int);
@@ -238,10 +297,12 @@ int es_server_run(es_server *s, mr_err *e) {
   s->phase = ES_PHASE_SERVING;
   atomic_store(&s->serving, true);
   mr_log(MR_LOG_INFO,
-         "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", format %s, "
-         "drain timeout %" PRIu32 " ms",
-         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens, s->weight_format,
-         s->opts.drain_timeout_ms);
+         "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
+         ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
+         " streams, stall timeout %" PRIu32 " ms",
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens,
+         s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
+         (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
   if (atomic_load(&s->stop_requested)) es__drain_begin(s, "stop requested");
 
   if (s->phase != ES_PHASE_STOPPED) uv_run(&s->loop, UV_RUN_DEFAULT);
@@ -249,6 +310,7 @@ int es_server_run(es_server *s, mr_err *e) {
   /* Close this run's handles; the wake handle stays for es_server_stop until free. */
   uv_close((uv_handle_t *)&s->metrics_timer, es__on_closed);
   uv_close((uv_handle_t *)&s->drain_timer, es__on_closed);
+  uv_close((uv_handle_t *)&s->house_timer, es__on_closed);
   if (s->opts.handle_signals) {
     uv_close((uv_handle_t *)&s->sig_term, es__on_closed);
     uv_close((uv_handle_t *)&s->sig_int, es__on_closed);

@@ -1,9 +1,10 @@
 /*
  * es_compute.c - the compute thread: the job queue, merging, kn_moe_forward, replies.
  *
- * The CQ threads push validated jobs; the compute thread pops the oldest job and takes with
- * it every queued job of the same layer and dtype that still fits in max_tokens (looking at
- * most ES_MERGE_SCAN jobs deep, taking at most ES_MERGE_MAX). The merged jobs run as one
+ * The CQ threads push validated jobs; the compute thread takes the next job in fair order
+ * (below) and with it every queued job of the same layer and dtype, at the head of the
+ * other streams' queues, that still fits in max_tokens (looking at most ES_MERGE_SCAN
+ * streams, taking at most ES_MERGE_MAX jobs). The merged jobs run as one
  * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read once
  * for the tokens of every client that asked for it, which is what decode-time traffic from
  * several GPU workers needs, since a decode step is bound by weight bandwidth.
@@ -22,7 +23,20 @@
  * saves the compute thread's wake-up on every decode-sized round trip. Whoever runs a batch
  * first sets srv->computing under q_lock, so the engine and the arena have one user.
  * The fp32 output and the merged arrays live in the compute thread's arena, reset after
- * every batch.
+ * every batch, and shrunk back to its first block size once ES_ARENA_SHRINK_AFTER batches
+ * in a row used under a quarter of a larger block (a prefill peak is not kept forever).
+ *
+ * Fair order: start-time fair queueing over streams. Each stream keeps its queued jobs in
+ * arrival order (es_stream.cq_head); a job's virtual start is max(V, the virtual finish of
+ * its stream's previous job), its virtual finish that plus its cost (tokens + 1). The
+ * compute thread serves the stream whose head job has the smallest virtual start (a
+ * min-heap of streams, srv->q_heap) and V follows the job taken. A stream that sends one
+ * decode step now and then starts near V, so it is served next, however many jobs a heavy
+ * stream has queued: one greedy stream cannot starve another's decode step.
+ *
+ * Not computed: jobs of a dead stream (cancelled or broken call: dropped), jobs past their
+ * deadline (budget_us: DEADLINE_EXCEEDED) and, after a drain timed out, every queued job
+ * (UNAVAILABLE). They are answered without touching the engine.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <inttypes.h>
@@ -33,6 +47,7 @@
 
 #define ES_MERGE_MAX 64
 #define ES_MERGE_SCAN 256
+#define ES_ARENA_SHRINK_AFTER 64u
 
 int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
   Moerpc__V1__ForwardReply r = MOERPC__V1__FORWARD_REPLY__INIT;
@@ -50,17 +65,110 @@ void es__job_done(es_server *s, es_job *job) {
   if (job->reply) grpc_byte_buffer_destroy(job->reply);
   if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
   if (job->buf) es__buf_release(job->buf);
-  if (job->counted) es__counter_dec(s, &s->inflight);
+  if (job->counted) {
+    if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
+    es__counter_dec(s, &s->inflight);
+  }
+  if (job->held) es__held_sub(s, job->held);
   es__job_put(&s->pool, job);
 }
 
-/* Appends job to the compute queue. Caller holds q_lock. */
+/* ---- the fair queue (q_lock) ------------------------------------------------------------- */
+
+static inline uint64_t es__key(const es_stream *st) { return st->cq_head->vstart; }
+
+static inline void es__heap_set(es_server *s, uint32_t i, es_stream *st) {
+  s->q_heap[i] = st;
+  st->heap_idx = (int32_t)i;
+}
+
+static void es__heap_up(es_server *s, uint32_t i) {
+  es_stream *st = s->q_heap[i];
+  while (i > 0) {
+    uint32_t p = (i - 1) / 2;
+    if (es__key(s->q_heap[p]) <= es__key(st)) break;
+    es__heap_set(s, i, s->q_heap[p]);
+    i = p;
+  }
+  es__heap_set(s, i, st);
+}
+
+static void es__heap_down(es_server *s, uint32_t i) {
+  es_stream *st = s->q_heap[i];
+  for (;;) {
+    uint32_t c = 2 * i + 1;
+    if (c >= s->q_heap_len) break;
+    if (c + 1 < s->q_heap_len && es__key(s->q_heap[c + 1]) < es__key(s->q_heap[c])) c++;
+    if (es__key(s->q_heap[c]) >= es__key(st)) break;
+    es__heap_set(s, i, s->q_heap[c]);
+    i = c;
+  }
+  es__heap_set(s, i, st);
+}
+
+static void es__heap_remove(es_server *s, es_stream *st) {
+  uint32_t i = (uint32_t)st->heap_idx;
+  st->heap_idx = -1;
+  s->q_heap_len--;
+  if (i == s->q_heap_len) return;
+  es_stream *last = s->q_heap[s->q_heap_len];
+  es__heap_set(s, i, last);
+  es__heap_up(s, i);
+  es__heap_down(s, (uint32_t)last->heap_idx);
+}
+
+/* After st's head job changed: moves st to its place in the heap, or out of it. */
+static void es__heap_fix(es_server *s, es_stream *st) {
+  if (!st->cq_head) {
+    es__heap_remove(s, st);
+    return;
+  }
+  es__heap_up(s, (uint32_t)st->heap_idx);
+  es__heap_down(s, (uint32_t)st->heap_idx);
+}
+
+static es_job *es__stream_pop_locked(es_server *s, es_stream *st) {
+  es_job *j = st->cq_head;
+  st->cq_head = j->next;
+  if (!st->cq_head) st->cq_tail = NULL;
+  st->cq_len--;
+  s->q_len--;
+  j->next = NULL;
+  return j;
+}
+
+/* Appends job to its stream's queue, stamped with its virtual start. Caller holds q_lock.
+ * The heap has room: it holds streams, at most opts.max_streams of them. */
 static void es__queue_append_locked(es_server *s, es_job *job) {
+  es_stream *st = job->st;
+  uint64_t start = st->vfinish > s->q_vtime ? st->vfinish : s->q_vtime;
+  job->vstart = start;
+  st->vfinish = start + job->n_tokens + 1u;
   job->next = NULL;
-  if (s->q_tail) s->q_tail->next = job;
-  else s->q_head = job;
-  s->q_tail = job;
+  if (st->cq_tail) st->cq_tail->next = job;
+  else st->cq_head = job;
+  st->cq_tail = job;
+  st->cq_len++;
   s->q_len++;
+  if (st->heap_idx < 0) {
+    MR_ASSERT(s->q_heap_len < s->q_heap_cap);
+    es__heap_set(s, s->q_heap_len++, st);
+    es__heap_up(s, (uint32_t)st->heap_idx);
+  }
+}
+
+es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n) {
+  pthread_mutex_lock(&s->q_lock);
+  es_job *list = st->cq_head;
+  *n = st->cq_len;
+  if (list) {
+    s->q_len -= st->cq_len;
+    st->cq_head = st->cq_tail = NULL;
+    st->cq_len = 0;
+    es__heap_remove(s, st);
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  return list;
 }
 
 /* Queues job for the compute thread. */
@@ -95,32 +203,56 @@ bool es__compute_offer(es_server *s, es_cqt *t, es_job *job) {
   return false;
 }
 
-/* Takes the head job and the queued jobs that merge with it into batch. Caller holds q_lock
- * and the queue is not empty. Returns the number of jobs taken. */
-static uint32_t es__batch_take(es_server *s, es_job **batch) {
-  es_job *h = s->q_head;
-  s->q_head = h->next;
-  if (!s->q_head) s->q_tail = NULL;
-  s->q_len--;
-  h->next = NULL;
+/* True for a job that must not be computed (see the top). */
+static bool es__job_skip(const es_server *s, const es_job *j, uint64_t now) {
+  return atomic_load_explicit(&j->st->dead, memory_order_relaxed) ||
+         atomic_load_explicit(&s->abort_jobs, memory_order_relaxed) ||
+         (j->deadline_ns && now > j->deadline_ns);
+}
+
+/* Takes the next job in fair order and the queued jobs that merge with it into batch; jobs
+ * that must not be computed go to *skipped (linked through next). Caller holds q_lock.
+ * Returns the number of jobs in batch, 0 when none was left to compute. */
+static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
+  uint64_t now = mr_now_ns();
+  es_job *h = NULL;
+  while (!h && s->q_heap_len) {
+    es_stream *st = s->q_heap[0];
+    es_job *j = es__stream_pop_locked(s, st);
+    es__heap_fix(s, st);
+    if (es__job_skip(s, j, now)) {
+      j->next = *skipped;
+      *skipped = j;
+    } else {
+      h = j;
+    }
+  }
+  if (!h) return 0;
+  s->q_vtime = h->vstart;
   batch[0] = h;
   uint32_t n = 1, tokens = h->n_tokens;
-  es_job *prev = NULL, *cur = s->q_head;
-  for (uint32_t scanned = 0; cur && n < ES_MERGE_MAX && scanned < ES_MERGE_SCAN; scanned++) {
-    es_job *next = cur->next;
-    if (cur->layer == h->layer && cur->dtype == h->dtype &&
-        tokens + cur->n_tokens <= s->opts.max_tokens) {
-      if (prev) prev->next = next;
-      else s->q_head = next;
-      if (s->q_tail == cur) s->q_tail = prev;
-      s->q_len--;
-      cur->next = NULL;
-      batch[n++] = cur;
-      tokens += cur->n_tokens;
-    } else {
-      prev = cur;
+  /* The streams' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
+  es_stream *cand[ES_MERGE_SCAN];
+  uint32_t nc = s->q_heap_len < ES_MERGE_SCAN ? s->q_heap_len : ES_MERGE_SCAN;
+  memcpy(cand, s->q_heap, nc * sizeof *cand);
+  for (uint32_t c = 0; c < nc && n < ES_MERGE_MAX; c++) {
+    es_stream *st = cand[c];
+    bool took = false;
+    while (st->cq_head && n < ES_MERGE_MAX) {
+      es_job *j = st->cq_head;
+      if (j->layer != h->layer || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
+        break;
+      es__stream_pop_locked(s, st);
+      took = true;
+      if (es__job_skip(s, j, now)) {
+        j->next = *skipped;
+        *skipped = j;
+        continue;
+      }
+      batch[n++] = j;
+      tokens += j->n_tokens;
     }
-    cur = next;
+    if (took) es__heap_fix(s, st);
   }
   return n;
 }
@@ -128,6 +260,54 @@ static uint32_t es__batch_take(es_server *s, es_job **batch) {
 static uint32_t es__us(uint64_t ns) {
   uint64_t us = ns / 1000u;
   return us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+}
+
+static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg);
+
+/* Answers skipped jobs (a list from es__batch_take) without computing them. No lock held. */
+static void es__skipped_answer(es_server *s, es_job *list) {
+  uint64_t now = mr_now_ns();
+  char msg[200];
+  while (list) {
+    es_job *j = list;
+    list = j->next;
+    j->next = NULL;
+    j->queue_us = es__us(now - j->t_enqueue_ns);
+    if (atomic_load(&j->st->dead)) {
+      atomic_fetch_add(&s->n_dropped, 1);
+      es__reply_fail(s, j, GRPC_STATUS_CANCELLED, "stream cancelled: request not computed");
+    } else if (atomic_load(&s->abort_jobs)) {
+      es__reply_fail(s, j, GRPC_STATUS_UNAVAILABLE,
+                     "server is shutting down: the drain timed out before this request ran");
+    } else {
+      atomic_fetch_add(&s->n_expired, 1);
+      snprintf(msg, sizeof msg,
+               "request %" PRIu64 " waited %" PRIu32 " us in the queue, past its budget_us = %" PRIu32
+               ": not computed",
+               j->id, j->queue_us, j->budget_us);
+      es__reply_fail(s, j, GRPC_STATUS_DEADLINE_EXCEEDED, msg);
+    }
+  }
+}
+
+uint32_t es__compute_abort_queued(es_server *s) {
+  atomic_store(&s->abort_jobs, true);
+  es_job *list = NULL;
+  uint32_t n = 0;
+  pthread_mutex_lock(&s->q_lock);
+  while (s->q_heap_len) {
+    es_stream *st = s->q_heap[0];
+    while (st->cq_head) {
+      es_job *j = es__stream_pop_locked(s, st);
+      j->next = list;
+      list = j;
+      n++;
+    }
+    es__heap_remove(s, st);
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  es__skipped_answer(s, list);
+  return n;
 }
 
 /* Encodes job's OK reply around its buffer (which now holds the output) and queues it. */
@@ -165,6 +345,20 @@ static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const cha
   es__stream_send(job->st, job);
 }
 
+/* Resets the compute arena after a batch; shrinks it back after a peak (see the top). */
+static void es__arena_done(es_server *s) {
+  size_t used = s->arena.used;
+  mr_arena_reset(&s->arena);
+  if (used > s->arena_recent_peak) s->arena_recent_peak = used;
+  if (used * 4 >= s->arena_recent_peak) {
+    s->arena_small_runs = 0;
+  } else if (++s->arena_small_runs >= ES_ARENA_SHRINK_AFTER) {
+    mr_arena_shrink(&s->arena);
+    s->arena_recent_peak = used;
+    s->arena_small_runs = 0;
+  }
+}
+
 /* Runs one batch of same-layer, same-dtype jobs and answers each of them. */
 static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   const uint32_t H = s->cfg.hidden_size, E = s->cfg.num_experts;
@@ -174,12 +368,6 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   uint64_t t0 = mr_now_ns();
   for (uint32_t j = 0; j < n; j++) batch[j]->queue_us = es__us(t0 - batch[j]->t_enqueue_ns);
 
-  if (atomic_load(&s->abort_jobs)) {
-    for (uint32_t j = 0; j < n; j++)
-      es__reply_fail(s, batch[j], GRPC_STATUS_UNAVAILABLE,
-                     "server is shutting down: the drain timed out before this request ran");
-    return;
-  }
 
   uint32_t T = 0, k = 0;
   for (uint32_t j = 0; j < n; j++) {
@@ -239,7 +427,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
       batch[j]->compute_us = compute_us;
       es__reply_fail(s, batch[j], (uint32_t)pr_status_from_mr(rc), e.msg);
     }
-    mr_arena_reset(&s->arena);
+    es__arena_done(s);
     return;
   }
 
@@ -263,7 +451,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     b->req = NULL;
     es__reply_ok(s, b);
   }
-  mr_arena_reset(&s->arena);
+  es__arena_done(s);
   atomic_fetch_add(&s->n_batches, 1);
   atomic_fetch_add(&s->n_merged, n - 1);
   atomic_fetch_add(&s->n_computed, n);
@@ -276,10 +464,19 @@ void es__compute_deferred(es_server *s, es_cqt *t) {
   if (!job) return;
   t->deferred = NULL;
   pthread_mutex_lock(&s->q_lock);
-  bool inline_run = !s->q_head && !s->computing;
+  bool inline_run = !s->q_heap_len && !s->computing;
   if (inline_run) s->computing = true;
   pthread_mutex_unlock(&s->q_lock);
   es_stream *st = job->st; /* the job may be gone once its reply is sent */
+  if (inline_run && es__job_skip(s, job, mr_now_ns())) {
+    es__skipped_answer(s, job);
+    es__stream_recv_resume(st);
+    pthread_mutex_lock(&s->q_lock);
+    s->computing = false;
+    if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
+    pthread_mutex_unlock(&s->q_lock);
+    return;
+  }
   if (!inline_run) {
     es__queue_push(s, job);
     es__stream_recv_resume(st);
@@ -290,7 +487,7 @@ void es__compute_deferred(es_server *s, es_cqt *t) {
   pthread_mutex_lock(&s->q_lock);
   s->computing = false;
   /* Jobs queued meanwhile waited for the engine: the compute thread may take them now. */
-  if (s->q_head) pthread_cond_signal(&s->q_cond);
+  if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
 }
 
@@ -302,16 +499,18 @@ static void *es__compute_main(void *arg) {
     pthread_mutex_lock(&s->q_lock);
     /* Wait for work and for the engine (a CQ thread may be running a job inline); stop
      * only once the queue is empty. */
-    while ((!s->q_head || s->computing) && !(s->q_stop && !s->q_head))
+    while ((!s->q_heap_len || s->computing) && !(s->q_stop && !s->q_heap_len))
       pthread_cond_wait(&s->q_cond, &s->q_lock);
-    if (!s->q_head) {
+    if (!s->q_heap_len) {
       pthread_mutex_unlock(&s->q_lock);
       break;
     }
     s->computing = true;
-    uint32_t n = es__batch_take(s, batch);
+    es_job *skipped = NULL;
+    uint32_t n = es__batch_take(s, batch, &skipped);
     pthread_mutex_unlock(&s->q_lock);
-    es__batch_run(s, batch, n);
+    es__skipped_answer(s, skipped);
+    if (n) es__batch_run(s, batch, n);
     pthread_mutex_lock(&s->q_lock);
     s->computing = false;
     pthread_mutex_unlock(&s->q_lock);

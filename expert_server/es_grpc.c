@@ -25,6 +25,8 @@
 #define ES_PREPOST_STREAM 8
 /* The service name the health check answers for, besides "" (the whole server). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
+/* HTTP/2 receive window of a stream the server is not reading (es__grpc_create). */
+#define ES_STREAM_LOOKAHEAD (256u << 10)
 /* Largest HelloRequest or StatsRequest accepted: both are a few scalars and a client name,
  * so anything near this is not a real client. */
 #define ES_MAX_CONTROL_REQUEST_BYTES (64u << 10)
@@ -76,6 +78,7 @@ static int es__hello_pack(es_server *s, mr_err *e) {
   r.owned = ptrs;
   r.weight_format = s->weight_format;
   r.max_tokens = s->opts.max_tokens;
+  r.max_top_k = s->limits.max_top_k;
   size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
   s->hello_reply = grpc_slice_malloc(len);
   moerpc__v1__hello_reply__pack(&r, GRPC_SLICE_START_PTR(s->hello_reply));
@@ -94,13 +97,34 @@ int es__grpc_create(es_server *s, mr_err *e) {
   int rc = es__hello_pack(s, e);
   if (rc) return rc;
 
-  grpc_arg args[8];
+  grpc_arg args[16];
   size_t nargs = pr_channel_args(args, s->max_message_bytes);
   /* gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and
    * share the connections with the first, although it owns other experts. Refuse instead. */
   args[nargs].type = GRPC_ARG_INTEGER;
   args[nargs].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
   args[nargs].value.integer = 0;
+  nargs++;
+  /* A client needs one Forward stream per server and a few unary calls; the server-wide
+   * cap is --max-streams (es_stream.c). */
+  args[nargs].type = GRPC_ARG_INTEGER;
+  args[nargs].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
+  args[nargs].value.integer = (int)ES_MAX_STREAMS_PER_CONNECTION;
+  nargs++;
+  /* gRPC's own read-ahead: without these, BDP probing grows each stream's receive window to
+   * megabytes, and a client that pipelines requests the server does not read (a paused
+   * stream) parks them in gRPC's memory, outside the byte budget (measured: 50 such streams,
+   * 1 GB). With a fixed lookahead a paused stream holds at most ES_STREAM_LOOKAHEAD bytes;
+   * once a RECV is armed, chttp2 opens the window to the whole message it is reading, so
+   * large requests still arrive at full speed. (gRPC's resource quota would bound this
+   * too, but past it gRPC reclaims by killing connections, good ones included.) */
+  args[nargs].type = GRPC_ARG_INTEGER;
+  args[nargs].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
+  args[nargs].value.integer = 0;
+  nargs++;
+  args[nargs].type = GRPC_ARG_INTEGER;
+  args[nargs].key = (char *)GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES;
+  args[nargs].value.integer = (int)ES_STREAM_LOOKAHEAD;
   nargs++;
   grpc_channel_args ca = {.num_args = nargs, .args = args};
   s->gs = grpc_server_create(&ca, NULL);
@@ -221,7 +245,9 @@ static void es__on_hello(es_rpc *r) {
   }
   uint32_t major = req ? req->protocol_major : 0, minor = req ? req->protocol_minor : 0;
   es__call_peer(r->call, peer, sizeof peer);
-  if (major != PR_PROTOCOL_MAJOR) {
+  if (atomic_load(&s->draining)) {
+    es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, "server is draining (shutting down)", NULL);
+  } else if (major != PR_PROTOCOL_MAJOR) {
     snprintf(msg, sizeof msg,
              "protocol_major = %" PRIu32 " (client protocol %" PRIu32 ".%" PRIu32
              "), but this server speaks protocol %d.%d: protocol_major must be %d",
@@ -288,6 +314,14 @@ static void es__on_stats(es_rpc *r) {
   rep.counts = ptrs;
   rep.requests = reset ? atomic_exchange(&s->n_requests, 0) : atomic_load(&s->n_requests);
   rep.errors = reset ? atomic_exchange(&s->n_errors, 0) : atomic_load(&s->n_errors);
+  rep.expired = reset ? atomic_exchange(&s->n_expired, 0) : atomic_load(&s->n_expired);
+  rep.dropped = reset ? atomic_exchange(&s->n_dropped, 0) : atomic_load(&s->n_dropped);
+  rep.refused = reset ? atomic_exchange(&s->n_refused, 0) : atomic_load(&s->n_refused);
+  long long held = atomic_load(&s->held_bytes);
+  rep.held_bytes = held > 0 ? (uint64_t)held : 0;
+  long long peak = reset ? atomic_exchange(&s->held_peak, held) : atomic_load(&s->held_peak);
+  rep.held_bytes_peak = peak > 0 ? (uint64_t)peak : 0;
+  rep.max_inflight_bytes = s->max_inflight_bytes;
   grpc_byte_buffer *bb = pr_encode(&rep.base);
   mr_free(items);
   mr_free(ptrs);
@@ -374,6 +408,8 @@ static void *es__cq_main(void *arg) {
     case ES_TAG_STREAM_RECV: es__on_stream_recv(tag->obj, ok); break;
     case ES_TAG_STREAM_SEND: es__on_stream_send(tag->obj, ok); break;
     case ES_TAG_STREAM_FINAL: es__on_stream_final(tag->obj, ok); break;
+    case ES_TAG_STREAM_CLOSE: es__on_stream_close(tag->obj, ok); break;
+    case ES_TAG_STREAM_INIT: es__on_stream_init(tag->obj, ok); break;
     case ES_TAG_SHUTDOWN:
       atomic_store(&s->shutdown_notified, true);
       es__admin_wake(s);
@@ -442,6 +478,7 @@ void es__grpc_destroy(es_server *s) {
     grpc_server_destroy(s->gs);
     s->gs = NULL;
   }
+
   if (s->cqts) {
     for (uint32_t i = 0; i < s->n_cqts; i++)
       if (s->cqts[i].cq) grpc_completion_queue_destroy(s->cqts[i].cq);

@@ -222,6 +222,7 @@ int es__load(es_server *s, mr_err *e) {
 
   s->limits = (es_limits){.num_layers = c->num_layers, .num_experts = c->num_experts,
                           .hidden_size = c->hidden_size, .max_tokens = s->opts.max_tokens,
+                          .max_top_k = es_max_top_k(c->top_k, c->num_experts),
                           .is_moe = c->is_moe, .owned = s->owned};
   char isa[64];
   snprintf(isa, sizeof isa, "%s for %s", kn_isa_name(kn_engine_isa(s->eng, s->format)),

@@ -23,6 +23,7 @@
 
 int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes) {
   memset(p, 0, sizeof *p);
+  p->cache_max = cache_bytes;
   if (pthread_mutex_init(&p->lock, NULL) != 0) return MR_ENOMEM;
   for (uint32_t c = 0; c < ES_POOL_CLASSES; c++) {
     size_t sz = ES_POOL_MIN << c;
@@ -78,6 +79,7 @@ es_buf *es__buf_get(es_pool *p, size_t n) {
     b = p->free[c];
     p->free[c] = b->next;
     p->nfree[c]--;
+    p->cached -= b->cap;
   }
   pthread_mutex_unlock(&p->lock);
   if (!b) {
@@ -99,14 +101,38 @@ void es__buf_release(void *owner) {
   es_pool *p = b->pool;
   atomic_fetch_sub(&p->out_bufs, 1);
   pthread_mutex_lock(&p->lock);
-  if (p->nfree[b->cls] < p->keep[b->cls]) {
+  /* Kept within both the class's count and the pool's total: after a burst of large
+   * requests the pool holds at most cache_max bytes, the rest goes back to malloc. */
+  if (p->nfree[b->cls] < p->keep[b->cls] && p->cached + b->cap <= p->cache_max) {
     b->next = p->free[b->cls];
     p->free[b->cls] = b;
     p->nfree[b->cls]++;
+    p->cached += b->cap;
     b = NULL;
   }
   pthread_mutex_unlock(&p->lock);
   if (b) mr_free_aligned(b);
+}
+
+void es__pool_trim(es_pool *p, size_t keep_bytes) {
+  es_buf *drop = NULL;
+  pthread_mutex_lock(&p->lock);
+  for (int c = ES_POOL_CLASSES - 1; c >= 0 && p->cached > keep_bytes; c--) {
+    while (p->free[c] && p->cached > keep_bytes) {
+      es_buf *b = p->free[c];
+      p->free[c] = b->next;
+      p->nfree[c]--;
+      p->cached -= b->cap;
+      b->next = drop;
+      drop = b;
+    }
+  }
+  pthread_mutex_unlock(&p->lock);
+  while (drop) {
+    es_buf *n = drop->next;
+    mr_free_aligned(drop);
+    drop = n;
+  }
 }
 
 es_job *es__job_get(es_pool *p) {

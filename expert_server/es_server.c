@@ -32,6 +32,35 @@ void es_server_opts_init(es_server_opts *o) {
   o->drain_timeout_ms = ES_DEFAULT_DRAIN_TIMEOUT_MS;
   o->metrics_interval_ms = ES_DEFAULT_METRICS_INTERVAL_MS;
   o->handle_signals = true;
+  o->max_inflight_bytes = 0; /* auto */
+  o->max_streams = ES_DEFAULT_MAX_STREAMS;
+  o->stall_timeout_ms = ES_DEFAULT_STALL_TIMEOUT_MS;
+}
+
+/* Bytes of memory available now (MemAvailable), or 0 when /proc/meminfo cannot be read. */
+static uint64_t es__mem_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kb = 0;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
+  fclose(f);
+  return (uint64_t)kb * 1024u;
+}
+
+/* The admission budget: the option, or a quarter of the memory left once the weights are in,
+ * within ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests. */
+static uint64_t es__inflight_budget(const es_server *s) {
+  uint64_t max_req = (uint64_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
+  uint64_t floor = max_req * ES_INFLIGHT_MIN_REQUESTS;
+  uint64_t b = s->opts.max_inflight_bytes;
+  if (b == 0) {
+    b = es__mem_available() / 4;
+    if (b < ES_AUTO_INFLIGHT_MIN) b = ES_AUTO_INFLIGHT_MIN;
+    if (b > ES_AUTO_INFLIGHT_MAX) b = ES_AUTO_INFLIGHT_MAX;
+  }
+  return b < floor ? floor : b;
 }
 
 /* The checks that need no model. main.c checks the same ranges while parsing, to name the
@@ -58,6 +87,12 @@ static int es__opts_check(const es_server_opts *o, mr_err *e) {
   if (o->threads > ES_MAX_THREADS)
     return mr_err_set(e, MR_EINVAL, "--threads %" PRIu32 ", must be in 0..%u (0 = auto)", o->threads,
                       ES_MAX_THREADS);
+  if (o->max_streams < 1 || o->max_streams > ES_MAX_MAX_STREAMS)
+    return mr_err_set(e, MR_EINVAL, "--max-streams %" PRIu32 ", must be in 1..%u", o->max_streams,
+                      ES_MAX_MAX_STREAMS);
+  if (o->stall_timeout_ms > ES_MAX_STALL_TIMEOUT_MS)
+    return mr_err_set(e, MR_EINVAL, "--stall-timeout-ms %" PRIu32 ", must be in 0..%u (0 = never)",
+                      o->stall_timeout_ms, ES_MAX_STALL_TIMEOUT_MS);
   if (o->drain_timeout_ms > ES_MAX_DRAIN_TIMEOUT_MS)
     return mr_err_set(e, MR_EINVAL, "--drain-timeout-ms %" PRIu32 ", must be in 0..%u",
                       o->drain_timeout_ms, ES_MAX_DRAIN_TIMEOUT_MS);
@@ -115,6 +150,24 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
     goto out_free_server;
   }
   s->pool_inited = true;
+  es_buf *probe = es__buf_get(&s->pool, max_buf); /* the size class of the largest request */
+  s->pool_max_buf = probe ? probe->cap : max_buf;
+  es__buf_release(probe);
+  s->max_inflight_bytes = es__inflight_budget(s);
+  if (s->opts.max_inflight_bytes && s->max_inflight_bytes > s->opts.max_inflight_bytes) {
+    rc = mr_err_set(e, MR_EINVAL,
+                    "--max-inflight-bytes %" PRIu64 " is below %u requests of --max-tokens %" PRIu32
+                    " x hidden_size %" PRIu32 " x 4 bytes = %" PRIu64,
+                    s->opts.max_inflight_bytes, ES_INFLIGHT_MIN_REQUESTS, s->opts.max_tokens,
+                    s->cfg.hidden_size, (uint64_t)s->max_inflight_bytes);
+    goto out_free_server;
+  }
+  s->q_heap_cap = s->opts.max_streams;
+  s->q_heap = mr_calloc(s->q_heap_cap, sizeof *s->q_heap);
+  if (!s->q_heap) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for the compute queue");
+    goto out_free_server;
+  }
   if ((rc = es__grpc_create(s, e))) goto out_free_server;
   *out = s;
   return 0;
@@ -124,6 +177,13 @@ out_free_server:
 }
 
 int es_server_port(const es_server *s) { return s->port; }
+
+uint64_t es_server_inflight_budget(const es_server *s) { return s->max_inflight_bytes; }
+
+uint64_t es_server_unanswered(const es_server *s) {
+  long long n = atomic_load(&s->lost_in_drain);
+  return n > 0 ? (uint64_t)n : 0;
+}
 
 void es_server_stop(es_server *s) {
   if (!s) return;
@@ -140,6 +200,7 @@ void es_server_free(es_server *s) {
   es__admin_close(s);
   es__unload(s);
   mr_free(s->tokens);
+  mr_free(s->q_heap);
   mr_arena_close(&s->arena);
   if (s->pool_inited) es__pool_close(&s->pool);
   mr_free(s->model_dir);

@@ -5,6 +5,11 @@
  * One Forward stream, as batches on its call:
  *
  *   accept   {SEND_INITIAL_METADATA, RECV_MESSAGE}                           -> t_recv
+ *            {RECV_CLOSE_ON_SERVER}: completes when the call ends; if the client cancelled
+ *            it (or the connection broke) the stream is dead at once: its queued jobs are
+ *            taken out of the compute queue and their memory freed     -> t_close
+ *            (over --max-streams, or during a drain: {SEND_INITIAL_METADATA} and the final
+ *            batch with RESOURCE_EXHAUSTED / UNAVAILABLE, nothing read)
  *   request  RECV_MESSAGE completes with a message: decode + validate; a valid request goes
  *            to the compute queue (or is held for inline compute, internal.h), a bad one
  *            gets an error reply at once; re-arm {RECV_MESSAGE} (one is outstanding while
@@ -17,8 +22,15 @@
  *            else the CQ thread starts the next one when the current send completes -> t_send
  *   end      RECV_MESSAGE completes empty (half-close) or fails (client gone), or the drain
  *            asks to finish: once nothing is pending,
- *            {SEND_STATUS_FROM_SERVER OK, RECV_CLOSE_ON_SERVER}                 -> t_final
- *   free     after t_final and any outstanding t_recv have completed (CQ thread only)
+ *            {SEND_STATUS_FROM_SERVER OK}                                      -> t_final
+ *   free     after t_final, t_close and any outstanding t_recv have completed (CQ thread)
+ *
+ * Admission: before re-arming RECV the stream checks its own limits (ES_STREAM_MAX_*) and
+ * the server's byte budget (srv->held_bytes < max_inflight_bytes, or nothing of its own
+ * pending); over the budget it pauses (mem_paused) until es__streams_service, run by the
+ * admin loop when bytes are returned, re-arms it. HTTP/2 flow control holds the client
+ * meanwhile. A reply whose send has not completed after --stall-timeout-ms (the client
+ * stopped reading) cuts the stream with RESOURCE_EXHAUSTED, which frees what it held.
  *
  * Threads: the CQ thread of the call runs every es__on_stream_* handler; the compute thread
  * calls es__stream_send; the admin thread calls es__grpc_finish_streams. The shared fields
@@ -37,13 +49,27 @@
 #define ES_STREAM_MAX_PENDING 128u
 #define ES_STREAM_MAX_BYTES ((size_t)64 << 20)
 
+void es__held_add(es_server *s, size_t n) {
+  long long now = atomic_fetch_add(&s->held_bytes, (long long)n) + (long long)n;
+  long long peak = atomic_load(&s->held_peak);
+  while (now > peak && !atomic_compare_exchange_weak(&s->held_peak, &peak, now)) {
+  }
+}
+
+void es__held_sub(es_server *s, size_t n) {
+  atomic_fetch_sub(&s->held_bytes, (long long)n);
+  if (atomic_load(&s->mem_paused) > 0) es__admin_wake(s); /* paused streams may fit now */
+}
+
 void es__stream_free(es_stream *st) {
   es_server *s = st->srv;
   pthread_mutex_lock(&s->streams_lock);
   if (st->prev) st->prev->next = st->next;
   else if (s->streams == st) s->streams = st->next;
   if (st->next) st->next->prev = st->prev;
+  if (st->listed) s->n_streams--;
   pthread_mutex_unlock(&s->streams_lock);
+  if (st->mem_paused) atomic_fetch_sub(&s->mem_paused, 1);
   bool was_live = st->t_new.obj == NULL; /* see es__on_stream_new */
   if (st->recv_bb) grpc_byte_buffer_destroy(st->recv_bb);
   grpc_metadata_array_destroy(&st->md);
@@ -70,6 +96,11 @@ void es__stream_post(es_server *s, es_cqt *t) {
   st->t_recv = (es_tag){ES_TAG_STREAM_RECV, st};
   st->t_send = (es_tag){ES_TAG_STREAM_SEND, st};
   st->t_final = (es_tag){ES_TAG_STREAM_FINAL, st};
+  st->t_close = (es_tag){ES_TAG_STREAM_CLOSE, st};
+  st->t_init = (es_tag){ES_TAG_STREAM_INIT, st};
+  st->heap_idx = -1;
+  st->final_status = GRPC_STATUS_OK;
+  atomic_init(&st->dead, false);
   grpc_call_error ce = grpc_server_request_registered_call(s->gs, s->rm[ES_M_FORWARD], &st->call,
                                                            &st->deadline, &st->md, NULL, t->cq, t->cq,
                                                            &st->t_new);
@@ -82,7 +113,16 @@ void es__stream_post(es_server *s, es_cqt *t) {
 
 /* True when nothing refers to st any more: only then may the CQ thread free it. */
 static bool es__stream_dead_locked(const es_stream *st) {
-  return st->final_done && !st->recv_inflight && !st->busy;
+  return st->final_done && (st->close_done || !st->close_started) && !st->recv_inflight &&
+         !st->init_inflight && !st->busy;
+}
+
+/* Bytes reserved for st's next message: the size of its last request, or for a stream
+ * that has sent none yet the largest a request can be (max_tokens rows of f32). */
+static size_t es__stream_expect(const es_stream *st) {
+  if (st->expect) return st->expect;
+  const es_server *s = st->srv;
+  return es__request_cost(s->pool_max_buf, s->opts.max_tokens, s->limits.max_top_k);
 }
 
 /* Starts RECV_MESSAGE (with SEND_INITIAL_METADATA the first time). Caller holds st->lock. */
@@ -93,6 +133,7 @@ static void es__stream_recv_locked(es_stream *st, bool first) {
   if (first) {
     ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
     n++;
+    st->initial_sent = true;
   }
   ops[n].op = GRPC_OP_RECV_MESSAGE;
   ops[n].data.recv_message.recv_message = &st->recv_bb;
@@ -101,6 +142,8 @@ static void es__stream_recv_locked(es_stream *st, bool first) {
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(RECV_MESSAGE) failed: %d", st->peer, ce);
     st->recv_done = true;
+    atomic_fetch_sub(&st->srv->reserved_bytes, (long long)st->reserved);
+    st->reserved = 0;
     return;
   }
   st->recv_inflight = true;
@@ -114,13 +157,17 @@ static void es__stream_maybe_finish_locked(es_stream *st) {
   MR_ASSERT(!st->sending && !st->sq_head);
   st->final_started = true;
   grpc_op ops[2];
+  size_t n = 0;
   memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-  ops[0].data.send_status_from_server.status = GRPC_STATUS_OK;
-  ops[0].data.send_status_from_server.status_details = &st->details;
-  ops[1].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[1].data.recv_close_on_server.cancelled = &st->cancelled;
-  grpc_call_error ce = grpc_call_start_batch(st->call, ops, 2, &st->t_final, NULL);
+  if (!st->initial_sent) { /* a stream refused at accept */
+    ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    st->initial_sent = true;
+  }
+  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[n].data.send_status_from_server.status = (grpc_status_code)st->final_status;
+  ops[n].data.send_status_from_server.status_details = &st->details;
+  n++;
+  grpc_call_error ce = grpc_call_start_batch(st->call, ops, n, &st->t_final, NULL);
   if (ce != GRPC_CALL_OK) {
     /* Our bug: cancel the call so that an outstanding RECV completes and frees the stream. */
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(SEND_STATUS) failed: %d", st->peer, ce);
@@ -146,14 +193,72 @@ static bool es__stream_over_limit_locked(const es_stream *st, uint32_t div) {
   return st->jobs_pending >= ES_STREAM_MAX_PENDING / div || st->bytes_pending >= max_bytes / div;
 }
 
+/* The budget rule: the next request of st must fit the server's byte budget (held bytes plus
+ * the reservations of every armed RECV). A stream with nothing pending may also use the
+ * reserve above the budget (a quarter of it, at least one largest request, as the floor
+ * of the budget ensures): a light client, or one that just connected, then gets in while
+ * greedy streams, which always have something pending, hold the budget. */
+/* Reserves the room of st's next message for the RECV the caller is about to arm, or
+ * returns false, reserving nothing, when it does not fit (the rule above). Reserving first
+ * and checking after makes two threads that admit streams at once unable to both take the
+ * last room. Caller holds st->lock. */
+static bool es__stream_reserve_locked(es_stream *st) {
+  es_server *s = st->srv;
+  long long want = (long long)es__stream_expect(st);
+  long long limit = (long long)s->max_inflight_bytes;
+  if (st->jobs_pending == 0) limit += limit / 4;
+  long long r = atomic_fetch_add(&s->reserved_bytes, want) + want;
+  if (atomic_load(&s->held_bytes) + r > limit) {
+    atomic_fetch_sub(&s->reserved_bytes, want);
+    return false;
+  }
+  st->reserved = (size_t)want;
+  return true;
+}
+
+/* Re-arms RECV unless a limit says wait: the stream's own (recv_paused, re-armed by
+ * es__on_stream_send below half) or the server's budget (mem_paused, re-armed by
+ * es__streams_service). Caller holds st->lock; the stream is open for reading. */
+static void es__stream_rearm_locked(es_stream *st) {
+  if (es__stream_over_limit_locked(st, 1)) {
+    st->recv_paused = true;
+    mr_log(MR_LOG_DEBUG, "stream %s: %" PRIu32 " requests / %zu bytes pending, pausing reads",
+           st->peer, st->jobs_pending, st->bytes_pending);
+  } else if (!es__stream_reserve_locked(st)) {
+    if (!st->mem_paused) atomic_fetch_add(&st->srv->mem_paused, 1);
+    st->mem_paused = true;
+  } else {
+    es__stream_recv_locked(st, false);
+  }
+}
+
+/* Takes st's queued jobs out of the compute queue and releases them: the call is dead, nobody
+ * will read their replies. Caller holds st->lock. */
+static void es__stream_purge_locked(es_stream *st) {
+  uint32_t n = 0;
+  es_job *list = es__compute_detach(st->srv, st, &n);
+  if (!n) return;
+  atomic_fetch_add(&st->srv->n_dropped, n);
+  mr_log(MR_LOG_DEBUG, "stream %s: dead, %" PRIu32 " queued requests dropped", st->peer, n);
+  while (list) {
+    es_job *j = list;
+    list = j->next;
+    j->next = NULL;
+    es__stream_settle_locked(st, j);
+  }
+}
+
 /* Marks the call dead for sending. A paused stream will never be read again either, so it
  * counts as done receiving (else it could never finish). Caller holds st->lock. */
 static void es__stream_fail_locked(es_stream *st) {
   st->send_failed = true;
-  if (st->recv_paused) {
-    st->recv_paused = false;
+  atomic_store(&st->dead, true);
+  if (st->recv_paused || st->mem_paused) {
+    if (st->mem_paused) atomic_fetch_sub(&st->srv->mem_paused, 1);
+    st->recv_paused = st->mem_paused = false;
     st->recv_done = true;
   }
+  es__stream_purge_locked(st);
 }
 
 /* Drops every queued reply (the call is dead). Caller holds st->lock. */
@@ -175,6 +280,7 @@ static void es__stream_send_next_locked(es_stream *st) {
   if (!st->sq_head) st->sq_tail = NULL;
   j->next = NULL;
   st->sending = j;
+  st->send_t0_ns = mr_now_ns();
   grpc_op op;
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
@@ -314,6 +420,13 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   job->buf = buf;
   job->nbytes = st->split.payload.len;
   job->counted = true;
+  job->budget_us = job->req->budget_us;
+  if (job->budget_us) job->deadline_ns = mr_now_ns() + (uint64_t)job->budget_us * 1000u;
+  /* What the request holds until its reply is sent: the buffer (request, then reply) and
+   * the decoded header (ids and weights, 8 bytes a slot, plus the record). */
+  job->held = es__request_cost(buf->cap, job->n_tokens, job->top_k);
+  es__held_add(s, job->held);
+  st->expect = job->held; /* the next request is likely of the same size (CQ thread field) */
   pthread_mutex_lock(&st->lock);
   st->jobs_pending++;
   st->bytes_pending += job->nbytes;
@@ -323,6 +436,27 @@ out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);
   return held;
+}
+
+/* Starts the RECV_CLOSE_ON_SERVER batch that tells when the call is over. st->lock held. */
+static void es__stream_close_start_locked(es_stream *st) {
+  grpc_op op;
+  memset(&op, 0, sizeof op);
+  op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  op.data.recv_close_on_server.cancelled = &st->cancelled;
+  grpc_call_error ce = grpc_call_start_batch(st->call, &op, 1, &st->t_close, NULL);
+  if (ce != GRPC_CALL_OK) {
+    mr_log(MR_LOG_ERROR, "stream %s: start_batch(RECV_CLOSE_ON_SERVER) failed: %d", st->peer, ce);
+    return;
+  }
+  st->close_started = true;
+}
+
+void es__stream_refuse_locked(es_stream *st, uint32_t status, const char *msg) {
+  grpc_slice_unref(st->details);
+  st->details = grpc_slice_from_copied_string(msg);
+  st->final_status = status;
+  st->recv_done = true;
 }
 
 void es__on_stream_new(es_stream *st, bool ok) {
@@ -342,12 +476,67 @@ void es__on_stream_new(es_stream *st, bool ok) {
   if (s->streams) s->streams->prev = st;
   s->streams = st;
   bool finishing = s->finishing;
+  bool over = s->n_streams >= s->opts.max_streams;
+  if (!over) {
+    s->n_streams++;
+    st->listed = true;
+  }
+  uint32_t n_open = s->n_streams;
   pthread_mutex_lock(&st->lock);
   pthread_mutex_unlock(&s->streams_lock);
   st->finish_requested = finishing;
-  es__stream_recv_locked(st, true);
+  es__stream_close_start_locked(st);
+  if (over || atomic_load(&s->draining)) {
+    char msg[200];
+    if (over) {
+      atomic_fetch_add(&s->n_refused, 1);
+      snprintf(msg, sizeof msg, "server has %" PRIu32 " Forward streams open, the limit "
+               "(--max-streams %" PRIu32 "): stream refused", n_open, s->opts.max_streams);
+      mr_log_ratelimited(MR_LOG_WARN, 5, "stream from %s refused: %s", st->peer, msg);
+    } else {
+      snprintf(msg, sizeof msg, "server is draining (shutting down): send to another server");
+    }
+    es__stream_refuse_locked(st, over ? GRPC_STATUS_RESOURCE_EXHAUSTED : GRPC_STATUS_UNAVAILABLE, msg);
+  } else if (!es__stream_reserve_locked(st)) {
+    /* Initial metadata now, the first RECV once the budget has room. */
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_INITIAL_METADATA;
+    st->initial_sent = true;
+    st->init_inflight = grpc_call_start_batch(st->call, &op, 1, &st->t_init, NULL) == GRPC_CALL_OK;
+    atomic_fetch_add(&s->mem_paused, 1);
+    st->mem_paused = true;
+  } else {
+    es__stream_recv_locked(st, true);
+  }
   es__stream_maybe_finish_locked(st);
   pthread_mutex_unlock(&st->lock);
+}
+
+void es__on_stream_init(es_stream *st, bool ok) {
+  (void)ok;
+  pthread_mutex_lock(&st->lock);
+  st->init_inflight = false;
+  bool dead = es__stream_dead_locked(st);
+  pthread_mutex_unlock(&st->lock);
+  if (dead) es__stream_free(st);
+}
+
+void es__on_stream_close(es_stream *st, bool ok) {
+  (void)ok;
+  pthread_mutex_lock(&st->lock);
+  st->close_done = true;
+  if (st->cancelled && !st->send_failed) {
+    /* Cancelled by the client, its deadline or a broken connection: nothing will read. */
+    mr_log(MR_LOG_DEBUG, "stream %s: cancelled with %" PRIu32 " requests pending", st->peer,
+           st->jobs_pending);
+    es__stream_fail_locked(st);
+    if (st->sending == NULL) es__stream_drop_queue_locked(st);
+  }
+  es__stream_maybe_finish_locked(st);
+  bool dead = es__stream_dead_locked(st);
+  pthread_mutex_unlock(&st->lock);
+  if (dead) es__stream_free(st);
 }
 
 void es__on_stream_recv(es_stream *st, bool ok) {
@@ -365,6 +554,10 @@ void es__on_stream_recv(es_stream *st, bool ok) {
   if (bb) grpc_byte_buffer_destroy(bb);
 
   pthread_mutex_lock(&st->lock);
+  /* The request is charged (or refused) now: its reservation goes, in that order, so that
+   * the budget never looks emptier than it is. */
+  atomic_fetch_sub(&st->srv->reserved_bytes, (long long)st->reserved);
+  st->reserved = 0;
   st->busy = false;
   if (held) {
     /* Re-arming now would make gRPC write a WINDOW_UPDATE ahead of the reply (one more
@@ -372,13 +565,7 @@ void es__on_stream_recv(es_stream *st, bool ok) {
      * does it once the reply is on its way. */
     st->recv_held = true;
   } else if (take && !st->finish_requested && !st->send_failed) {
-    if (es__stream_over_limit_locked(st, 1)) {
-      st->recv_paused = true; /* es__on_stream_send re-arms once below half */
-      mr_log(MR_LOG_DEBUG, "stream %s: %" PRIu32 " requests / %zu bytes pending, pausing reads",
-             st->peer, st->jobs_pending, st->bytes_pending);
-    } else {
-      es__stream_recv_locked(st, false);
-    }
+    es__stream_rearm_locked(st);
   } else {
     st->recv_done = true;
   }
@@ -399,10 +586,8 @@ void es__stream_recv_resume(es_stream *st) {
   st->recv_held = false;
   if (st->finish_requested || st->send_failed) {
     st->recv_done = true;
-  } else if (es__stream_over_limit_locked(st, 1)) {
-    st->recv_paused = true;
   } else {
-    es__stream_recv_locked(st, false);
+    es__stream_rearm_locked(st);
   }
   es__stream_maybe_finish_locked(st);
   bool dead = es__stream_dead_locked(st);
@@ -415,6 +600,7 @@ void es__on_stream_send(es_stream *st, bool ok) {
   es_job *j = st->sending;
   MR_ASSERT(j);
   st->sending = NULL;
+  j->sent = ok;
   es__stream_settle_locked(st, j);
   if (!ok) {
     if (!st->send_failed)
@@ -423,12 +609,17 @@ void es__on_stream_send(es_stream *st, bool ok) {
   }
   if (st->send_failed) es__stream_drop_queue_locked(st);
   else if (st->sq_head) es__stream_send_next_locked(st);
-  if (st->recv_paused && st->finish_requested) {
+  if ((st->recv_paused || st->mem_paused) && st->finish_requested) {
     /* The drain ends the stream: reads stay off for good. */
-    st->recv_paused = false;
+    if (st->mem_paused) atomic_fetch_sub(&st->srv->mem_paused, 1);
+    st->recv_paused = st->mem_paused = false;
     st->recv_done = true;
   } else if (st->recv_paused && !es__stream_over_limit_locked(st, 2)) {
     st->recv_paused = false;
+    es__stream_rearm_locked(st);
+  } else if (st->mem_paused && es__stream_reserve_locked(st)) {
+    atomic_fetch_sub(&st->srv->mem_paused, 1);
+    st->mem_paused = false;
     es__stream_recv_locked(st, false);
   }
   es__stream_maybe_finish_locked(st);
@@ -452,7 +643,40 @@ void es__grpc_finish_streams(es_server *s) {
   for (es_stream *st = s->streams; st; st = st->next) {
     pthread_mutex_lock(&st->lock);
     st->finish_requested = true;
+    if (st->recv_paused || st->mem_paused) {
+      /* Never read again: the stream counts as done receiving, so that it can finish. */
+      if (st->mem_paused) atomic_fetch_sub(&s->mem_paused, 1);
+      st->recv_paused = st->mem_paused = false;
+      st->recv_done = true;
+    }
     es__stream_maybe_finish_locked(st);
+    pthread_mutex_unlock(&st->lock);
+  }
+  pthread_mutex_unlock(&s->streams_lock);
+}
+
+void es__streams_service(es_server *s) {
+  uint64_t now = mr_now_ns();
+  uint64_t stall_ns = (uint64_t)s->opts.stall_timeout_ms * 1000000u;
+  pthread_mutex_lock(&s->streams_lock);
+  for (es_stream *st = s->streams; st; st = st->next) {
+    pthread_mutex_lock(&st->lock);
+    if (st->mem_paused && !st->finish_requested && !st->send_failed &&
+        es__stream_reserve_locked(st)) {
+      atomic_fetch_sub(&s->mem_paused, 1);
+      st->mem_paused = false;
+      es__stream_recv_locked(st, false);
+    }
+    if (stall_ns && st->sending && !st->send_failed && now - st->send_t0_ns > stall_ns) {
+      char msg[160];
+      snprintf(msg, sizeof msg, "replies not read for %" PRIu32 " ms (--stall-timeout-ms): stream cut",
+               s->opts.stall_timeout_ms);
+      mr_log_ratelimited(MR_LOG_WARN, 5, "stream %s: %s, %" PRIu32 " requests / %zu bytes freed",
+                         st->peer, msg, st->jobs_pending, st->bytes_pending);
+      atomic_fetch_add(&s->n_refused, 1);
+      grpc_call_cancel_with_status(st->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
+      es__stream_fail_locked(st); /* the send in flight completes failed and drops the rest */
+    }
     pthread_mutex_unlock(&st->lock);
   }
   pthread_mutex_unlock(&s->streams_lock);

@@ -69,9 +69,12 @@ int es_forward_validate(const Moerpc__V1__ForwardRequest *req, size_t hidden_len
   if (req->n_tokens == 0)
     return mr_err_set(e, MR_EINVAL, "n_tokens = 0, must be in 1..max_tokens = %" PRIu32,
                       lim->max_tokens);
-  if (req->top_k == 0 || req->top_k > lim->num_experts)
-    return mr_err_set(e, MR_EINVAL, "top_k = %" PRIu32 ", must be in 1..num_experts = %" PRIu32,
-                      req->top_k, lim->num_experts);
+  uint32_t max_k = lim->max_top_k ? lim->max_top_k : lim->num_experts;
+  if (req->top_k == 0 || req->top_k > max_k)
+    return mr_err_set(e, MR_EINVAL,
+                      "top_k = %" PRIu32 ", must be in 1..max_top_k = %" PRIu32
+                      " (num_experts_per_tok x %u, at most num_experts = %" PRIu32 ")",
+                      req->top_k, max_k, ES_TOP_K_FACTOR, lim->num_experts);
   if (req->n_tokens > lim->max_tokens)
     return mr_err_set(e, MR_EEXHAUSTED,
                       "n_tokens = %" PRIu32 ", over max_tokens = %" PRIu32

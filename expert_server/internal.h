@@ -77,6 +77,7 @@ typedef struct es_pool {
   es_buf *free[ES_POOL_CLASSES];
   uint32_t nfree[ES_POOL_CLASSES];
   uint32_t keep[ES_POOL_CLASSES]; /* most buffers kept per class */
+  size_t cached, cache_max;       /* bytes of the buffers kept, and their bound */
   es_job *free_jobs;
   uint32_t nfree_jobs;
   atomic_long out_bufs; /* buffers handed out and not yet returned */
@@ -88,11 +89,14 @@ typedef struct es_pool {
  * see: PR_HB_RELEASE after the last write and PR_HB_ACQUIRE after es__buf_get state it
  * (proto/pr.h). */
 
-/* Initialises p for buffers of up to max_bytes; keeps at most about cache_bytes per class. */
+/* Initialises p for buffers of up to max_bytes; keeps at most cache_bytes of free buffers
+ * in all (and a bounded count per class). */
 int es__pool_init(es_pool *p, size_t max_bytes, size_t cache_bytes);
 /* Frees every cached buffer and job. Buffers still out (owned by gRPC slices that were never
  * released) are reported at WARN and leaked on purpose rather than freed under gRPC's feet. */
 void es__pool_close(es_pool *p);
+/* Frees cached buffers, largest first, until at most keep_bytes are cached (any thread). */
+void es__pool_trim(es_pool *p, size_t keep_bytes);
 /* Returns a buffer of at least n bytes (any thread), NULL on ENOMEM. */
 es_buf *es__buf_get(es_pool *p, size_t n);
 /* Returns b to its pool (any thread). Matches pr_encode_with_payload's release(owner). */
@@ -110,7 +114,9 @@ typedef enum es_tag_kind {
   ES_TAG_STREAM_NEW,    /* a Forward stream arrived (obj: es_stream) */
   ES_TAG_STREAM_RECV,   /* SEND_INITIAL_METADATA + RECV_MESSAGE / RECV_MESSAGE completed */
   ES_TAG_STREAM_SEND,   /* SEND_MESSAGE completed */
-  ES_TAG_STREAM_FINAL,  /* SEND_STATUS_FROM_SERVER + RECV_CLOSE_ON_SERVER completed */
+  ES_TAG_STREAM_FINAL,  /* SEND_STATUS_FROM_SERVER completed */
+  ES_TAG_STREAM_CLOSE,  /* RECV_CLOSE_ON_SERVER completed: the call is over (cancelled or not) */
+  ES_TAG_STREAM_INIT,   /* SEND_INITIAL_METADATA alone (a stream accepted over the budget) */
   ES_TAG_SHUTDOWN,      /* grpc_server_shutdown_and_notify finished (obj: es_server) */
 } es_tag_kind;
 typedef struct es_tag {
@@ -176,8 +182,17 @@ typedef struct es_stream {
   grpc_slice details;        /* final status message */
   pr_split split;            /* reused for every request of the stream */
   char peer[96];             /* for log lines */
-  es_tag t_new, t_recv, t_send, t_final;
+  es_tag t_new, t_recv, t_send, t_final, t_close, t_init;
+  size_t expect;             /* CQ thread: bytes the next request is expected to hold */
   struct es_stream *prev, *next; /* srv->streams list, under srv->streams_lock */
+  atomic_bool dead;          /* the call is cancelled or broken: its queued work is dropped */
+  bool listed;               /* counted in srv->n_streams (streams_lock) */
+
+  /* The stream's jobs in the compute queue (fair queueing, es_compute.c): under srv->q_lock. */
+  es_job *cq_head, *cq_tail;
+  uint32_t cq_len;
+  uint64_t vfinish;          /* virtual finish time of its last queued job */
+  int32_t heap_idx;          /* position in srv->q_heap, -1 when it has no queued job */
 
   pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock */
   es_job *sq_head, *sq_tail; /* encoded replies waiting for the send slot */
@@ -185,6 +200,7 @@ typedef struct es_stream {
   uint32_t jobs_pending;     /* requests taken and not yet answered-and-sent (or dropped) */
   size_t bytes_pending;      /* their payload bytes (request buffers, then reply buffers) */
   bool recv_paused;          /* over the pending limits: RECV not re-armed until below half */
+  bool mem_paused;           /* over the server's byte budget: re-armed by es__streams_resume */
   bool recv_inflight;        /* a RECV_MESSAGE batch is outstanding */
   bool recv_held;            /* RECV not re-armed until the held-back request's reply started */
   bool busy;                 /* the CQ thread is handling a received request: no final yet */
@@ -192,6 +208,12 @@ typedef struct es_stream {
   bool finish_requested;     /* the drain asked to end the stream */
   bool send_failed;          /* a send failed: the call is dead, drop further replies */
   bool final_started, final_done;
+  bool close_started, close_done; /* the RECV_CLOSE_ON_SERVER batch */
+  bool initial_sent;         /* SEND_INITIAL_METADATA started */
+  bool init_inflight;        /* the lone SEND_INITIAL_METADATA batch is outstanding */
+  size_t reserved;           /* bytes reserved in srv->reserved_bytes for the armed RECV */
+  uint32_t final_status;     /* status the final batch sends: OK, or UNAVAILABLE (draining) */
+  uint64_t send_t0_ns;       /* when the SEND_MESSAGE in flight started (stall detection) */
 } es_stream;
 
 /* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
@@ -206,6 +228,11 @@ struct es_job {
   es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
   size_t nbytes;                   /* payload bytes in buf */
   bool counted;                    /* holds one unit of srv->inflight */
+  bool sent;                       /* its reply's SEND_MESSAGE completed */
+  size_t held;                     /* bytes charged to srv->held_bytes (es__held_add) */
+  uint64_t deadline_ns;            /* mr_now_ns() past which it is not computed, 0 = none */
+  uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
+  uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
   uint32_t status;                 /* gRPC status of the reply */
   uint64_t t_enqueue_ns;
   uint32_t queue_us, compute_us;
@@ -262,6 +289,19 @@ struct es_server {
   atomic_bool stop_requested;    /* es_server_stop was called */
   atomic_llong inflight;     /* Forward requests accepted before the drain, not yet sent */
   atomic_llong live_calls;   /* accepted calls (unary + streams) not yet freed */
+  atomic_llong lost_in_drain; /* accepted requests whose reply was never sent, drain on */
+
+  /* Admission (es_stream.c). held_bytes: request and reply buffers and decoded headers of
+   * every request taken and not yet answered-and-sent; a stream arms its next RECV only
+   * while held_bytes < max_inflight_bytes or it has nothing pending (so a light client is
+   * never locked out by heavy ones); the rest wait, paused (mem_paused), for
+   * es__streams_resume. */
+  size_t max_inflight_bytes;
+  atomic_llong held_bytes;
+  atomic_llong reserved_bytes; /* expected sizes of the messages armed RECVs may bring */
+  atomic_llong held_peak;    /* since start or the last Stats reset */
+  atomic_int mem_paused;     /* streams paused on the budget */
+  uint32_t n_streams;        /* open streams (streams_lock) */
 
   pthread_mutex_t streams_lock; /* first in the lock order; protects the two fields below */
   es_stream *streams;           /* open streams */
@@ -270,20 +310,26 @@ struct es_server {
   /* Compute queue (q_lock, after es_stream.lock in the order). */
   pthread_mutex_t q_lock;
   pthread_cond_t q_cond;
-  es_job *q_head, *q_tail;
-  uint32_t q_len;
+  es_stream **q_heap;           /* streams with queued jobs, a min-heap on their head's vstart */
+  uint32_t q_heap_len, q_heap_cap;
+  uint64_t q_vtime;             /* virtual time: vstart of the job taken last */
+  uint32_t q_len;               /* jobs queued, all streams */
   bool q_stop;
   bool computing;               /* the engine and the arena are in use (see the top) */
   pthread_t compute_thread;
   bool compute_started;
   mr_arena arena;               /* engine owner only: merged inputs, fp32 output, scratch */
+  size_t arena_recent_peak;     /* engine owner only: es__arena_done's shrink rule */
+  uint32_t arena_small_runs;
 
   es_pool pool;
   bool pool_inited;
+  size_t pool_max_buf;          /* capacity of the largest request buffer */
 
   /* Counters (atomics, relaxed: they are statistics). tokens is [num_layers * num_experts]. */
   atomic_ullong *tokens;
   atomic_ullong n_requests, n_errors;     /* for Stats: reset by Stats{reset: true} */
+  atomic_ullong n_expired, n_dropped, n_refused; /* idem: see StatsReply in moe.proto */
   atomic_ullong tot_requests, tot_errors; /* for the metrics line: never reset */
   atomic_ullong n_computed, sum_queue_us, sum_compute_us, n_batches, n_merged;
 
@@ -292,12 +338,16 @@ struct es_server {
   uv_loop_t loop;
   uv_async_t wake;
   uv_signal_t sig_term, sig_int;
-  uv_timer_t metrics_timer, drain_timer;
+  uv_timer_t metrics_timer, drain_timer, house_timer;
   bool loop_inited, run_called;
   es_phase phase;
   int run_rc;
   uint64_t drain_t0_ms, drain_deadline_ms, calls_deadline_ms;
   bool cancelled_all;
+  int64_t house_trim_peak;     /* held_bytes high-water mark since the last malloc_trim */
+  uint64_t house_last_requests, house_quiet_ms;
+  long long house_last_calls;
+  bool house_dirty;            /* activity since the last trim */
   uint64_t m_last_ms, m_last_requests, m_last_errors, m_last_computed, m_last_queue_us,
       m_last_compute_us, m_last_batches, m_last_merged;
 };
@@ -329,6 +379,11 @@ void es__on_stream_new(es_stream *st, bool ok);
 void es__on_stream_recv(es_stream *st, bool ok);
 void es__on_stream_send(es_stream *st, bool ok);
 void es__on_stream_final(es_stream *st, bool ok);
+void es__on_stream_close(es_stream *st, bool ok);
+void es__on_stream_init(es_stream *st, bool ok);
+/* Refuses a stream just accepted: no RECV; the final batch sends status and msg. st->lock
+ * held; the caller then calls es__stream_maybe_finish_locked (through es__on_stream_new). */
+void es__stream_refuse_locked(es_stream *st, uint32_t status, const char *msg);
 /* Frees a stream nothing refers to any more (CQ thread; also for a request_call context that
  * came back unused). */
 void es__stream_free(es_stream *st);
@@ -341,8 +396,26 @@ void es__stream_send(es_stream *st, es_job *job);
  * was held for inline compute (es_stream.recv_held), once its reply has been started. */
 void es__stream_recv_resume(es_stream *st);
 
+/* Bytes a request holds until its reply is sent: its buffer (request rows, then reply rows,
+ * buf_cap bytes) and its decoded header (ids and weights, 8 bytes a slot, and the record). */
+static inline size_t es__request_cost(size_t buf_cap, uint32_t n_tokens, uint32_t top_k) {
+  return buf_cap + (size_t)n_tokens * top_k * 8u + sizeof(es_job) + 256u;
+}
+/* Charges n bytes to the admission budget (any thread). */
+void es__held_add(es_server *s, size_t n);
+/* Returns n bytes; wakes the admin loop to resume paused streams once below the budget. */
+void es__held_sub(es_server *s, size_t n);
+/* Admin thread: re-arms the RECV of streams paused on the budget while it has room, and cuts
+ * streams whose reply send has stalled past opts.stall_timeout_ms. */
+void es__streams_service(es_server *s);
+
 /* es_compute.c */
 int es__compute_start(es_server *s, mr_err *e);
+/* Takes every job of st out of the compute queue and returns them (linked through next),
+ * their number in *n. Any thread; takes q_lock, so a caller may hold st->lock. */
+es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n);
+/* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
+uint32_t es__compute_abort_queued(es_server *s);
 /* A validated job received on CQ thread t: held back for inline compute when it is small
  * and alone so far (t->deferred; returns true, and its stream's next RECV waits for
  * es__stream_recv_resume), else queued; a job already held back is queued with it. */

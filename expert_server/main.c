@@ -2,7 +2,7 @@
  * main.c - moerpc-server: flags -> es_server_opts -> es_server_new / run / free.
  *
  * Exit codes: 0 after a clean drain, 1 on a runtime failure (or a second signal during the
- * drain), 2 on a usage error. Every flag is checked here, in the form it was typed, with a
+ * drain), 2 on a usage error, 3 after a drain in which accepted requests went unanswered. Every flag is checked here, in the form it was typed, with a
  * message naming the flag and the limit; the checks that need the model (--experts ids
  * against num_experts, --layers against the MoE layers, --max-tokens against the message
  * size) are made by es_server_new, which reports them as MR_EINVAL, also exit code 2.
@@ -42,13 +42,22 @@ static void usage(FILE *f) {
           "  --grpc-threads N         gRPC completion-queue threads, 1..%u (default 1)\n"
           "  --drain-timeout-ms N     on SIGTERM/SIGINT, how long to wait for accepted requests,\n"
           "                           0..%u (default %u)\n"
+          "  --max-inflight-bytes N   bytes held for requests and unsent replies, server-wide;\n"
+          "                           past it streams wait under flow control (default auto: a\n"
+          "                           quarter of the memory available after loading, 256 MiB..8 GiB;\n"
+          "                           suffixes K, M, G)\n"
+          "  --max-streams N          Forward streams open at once, 1..%u (default %u); more\n"
+          "                           get RESOURCE_EXHAUSTED\n"
+          "  --stall-timeout-ms N     cut a stream whose client has not read a reply for this\n"
+          "                           long, 0..%u, 0 = never (default %u)\n"
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
           "  --help                   this text\n"
           "\n"
           "Exit status: 0 after a clean drain, 1 on a runtime failure or a second signal during\n"
-          "the drain, 2 on a usage error.\n",
+          "the drain, 2 on a usage error, 3 after a drain that left accepted requests unanswered.\n",
           ES_MAX_MAX_TOKENS, ES_DEFAULT_MAX_TOKENS, ES_DEFAULT_GROUP, ES_MAX_GRPC_THREADS,
-          ES_MAX_DRAIN_TIMEOUT_MS, ES_DEFAULT_DRAIN_TIMEOUT_MS);
+          ES_MAX_DRAIN_TIMEOUT_MS, ES_DEFAULT_DRAIN_TIMEOUT_MS, ES_MAX_MAX_STREAMS,
+          ES_DEFAULT_MAX_STREAMS, ES_MAX_STALL_TIMEOUT_MS, ES_DEFAULT_STALL_TIMEOUT_MS);
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -60,6 +69,31 @@ static int usage_error(const char *fmt, ...) {
   va_end(ap);
   fprintf(stderr, "\n(see " PROG " --help)\n");
   return 2;
+}
+
+/* Parses a byte count with an optional K/M/G suffix (powers of 1024) in lo..hi. */
+static bool parse_bytes(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
+  char *end = NULL;
+  errno = 0;
+  if (!s[0] || s[0] == '-' || s[0] == '+' || s[0] == ' ') goto bad;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (errno) goto bad;
+  unsigned shift = 0;
+  if (*end == 'K' || *end == 'k') shift = 10;
+  else if (*end == 'M' || *end == 'm') shift = 20;
+  else if (*end == 'G' || *end == 'g') shift = 30;
+  if (shift) end++;
+  if (*end || (shift && v > (UINT64_MAX >> shift))) goto bad;
+  v <<= shift;
+  if (v < lo || v > hi) {
+    usage_error("%s %s: must be in %" PRIu64 "..%" PRIu64 " bytes", flag, s, lo, hi);
+    return false;
+  }
+  *out = v;
+  return true;
+bad:
+  usage_error("%s \"%s\": must be a byte count like 1073741824, 512M or 4G", flag, s);
+  return false;
 }
 
 /* Parses a decimal number in lo..hi for flag; returns false after printing the error. */
@@ -126,7 +160,8 @@ static bool check_numa(const char *s) {
 
 enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
-  OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_HELP
+  OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_HELP,
+  OPT_MAX_INFLIGHT, OPT_MAX_STREAMS, OPT_STALL
 };
 
 int main(int argc, char **argv) {
@@ -142,6 +177,9 @@ int main(int argc, char **argv) {
       {"numa", required_argument, NULL, OPT_NUMA},
       {"grpc-threads", required_argument, NULL, OPT_GRPC_THREADS},
       {"drain-timeout-ms", required_argument, NULL, OPT_DRAIN},
+      {"max-inflight-bytes", required_argument, NULL, OPT_MAX_INFLIGHT},
+      {"max-streams", required_argument, NULL, OPT_MAX_STREAMS},
+      {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
@@ -191,6 +229,18 @@ int main(int argc, char **argv) {
       if (!parse_u32("--drain-timeout-ms", optarg, 0, ES_MAX_DRAIN_TIMEOUT_MS, &o.drain_timeout_ms))
         return 2;
       break;
+    case OPT_MAX_INFLIGHT:
+      if (!parse_bytes("--max-inflight-bytes", optarg, (uint64_t)1 << 20, (uint64_t)1 << 50,
+                       &o.max_inflight_bytes))
+        return 2;
+      break;
+    case OPT_MAX_STREAMS:
+      if (!parse_u32("--max-streams", optarg, 1, ES_MAX_MAX_STREAMS, &o.max_streams)) return 2;
+      break;
+    case OPT_STALL:
+      if (!parse_u32("--stall-timeout-ms", optarg, 0, ES_MAX_STALL_TIMEOUT_MS, &o.stall_timeout_ms))
+        return 2;
+      break;
     case OPT_LOG_LEVEL: {
       int level;
       if (mr_log_parse_level(optarg, &level) != 0)
@@ -225,6 +275,7 @@ int main(int argc, char **argv) {
     _exit(1);
   }
   if (rc) mr_log(MR_LOG_ERROR, "serving failed: %s (%s)", e.msg, mr_err_name(rc));
+  uint64_t lost = rc ? 0 : es_server_unanswered(s);
   es_server_free(s);
-  return rc ? 1 : 0;
+  return rc ? 1 : lost ? 3 : 0;
 }

@@ -468,7 +468,7 @@ MT_TEST(drain_timeout_ends_a_drain_stuck_on_a_client_that_does_not_read) {
   flood(&c, 100);
   usleep(300 * 1000); /* let the server take them all */
   uint64_t t0 = mr_now_ns();
-  stop(SIGTERM, 0, 20000);
+  stop(SIGTERM, 3, 20000); /* 3: accepted requests went unanswered */
   double secs = (double)(mr_now_ns() - t0) / 1e9;
   fprintf(stderr, "  exited %.2f s after SIGTERM\n", secs);
   MT_LE(secs, 10.0);
@@ -476,6 +476,9 @@ MT_TEST(drain_timeout_ends_a_drain_stuck_on_a_client_that_does_not_read) {
   log_line("drain: timeout", line, sizeof line);
   fprintf(stderr, "  server: %s", line);
   MT_CONTAINS(line, "requests unanswered");
+  log_line("stopped:", line, sizeof line);
+  fprintf(stderr, "  server: %s", line);
+  MT_TRUE(strstr(line, " 0 accepted unanswered") == NULL);
   expect_clean_log();
   itu_call_close(&c);
   finish();

@@ -273,7 +273,17 @@ grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_to
                                       uint32_t top_k, const int32_t *ids, size_t n_ids,
                                       const float *w, size_t n_w, int dtype, const void *hidden,
                                       size_t hidden_len) {
+  return itu_forward_request_ex(id, layer, n_tokens, top_k, ids, n_ids, w, n_w, dtype, hidden,
+                                hidden_len, 0);
+}
+
+grpc_byte_buffer *itu_forward_request_ex(uint64_t id, uint32_t layer, uint32_t n_tokens,
+                                         uint32_t top_k, const int32_t *ids, size_t n_ids,
+                                         const float *w, size_t n_w, int dtype,
+                                         const void *hidden, size_t hidden_len,
+                                         uint32_t budget_us) {
   Moerpc__V1__ForwardRequest r = MOERPC__V1__FORWARD_REQUEST__INIT;
+  r.budget_us = budget_us;
   r.id = id;
   r.layer = layer;
   r.n_tokens = n_tokens;

@@ -73,6 +73,12 @@ grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_to
                                       uint32_t top_k, const int32_t *ids, size_t n_ids,
                                       const float *w, size_t n_w, int dtype, const void *hidden,
                                       size_t hidden_len);
+/* The same with ForwardRequest.budget_us (0 = no deadline). */
+grpc_byte_buffer *itu_forward_request_ex(uint64_t id, uint32_t layer, uint32_t n_tokens,
+                                         uint32_t top_k, const int32_t *ids, size_t n_ids,
+                                         const float *w, size_t n_w, int dtype,
+                                         const void *hidden, size_t hidden_len,
+                                         uint32_t budget_us);
 /* Decodes a ForwardReply; *out (malloc'ed, caller frees) gets the payload. */
 int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void **out,
                       size_t *out_len);
