@@ -164,7 +164,7 @@ static int wait_tag(grpc_completion_queue *cq, void *tag, int timeout_ms) {
 
 int itu_call_open(itu_call *c, const char *address, const char *method, int deadline_ms) {
   memset(c, 0, sizeof *c);
-  grpc_arg args[4];
+  grpc_arg args[PR_CHANNEL_ARGS];
   grpc_channel_args ca = {pr_channel_args(args, 256 << 20), args};
   char target[300];
   pr_target_from_address(address, target, sizeof target);
