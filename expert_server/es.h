@@ -58,6 +58,15 @@ typedef struct es_server_opts {
   uint32_t drain_timeout_ms; /* bound on answering accepted requests during a drain */
   uint32_t metrics_interval_ms; /* period of the metrics log line, 0 = never */
   bool handle_signals;       /* install SIGTERM/SIGINT handlers in es_server_run */
+  /* Security (docs/DESIGN.md section 11). Files are read by es_server_new, before the model
+   * is loaded, through mr_file_read (regular files only, PEM files at most
+   * ES_MAX_PEM_BYTES). */
+  const char *tls_cert;      /* PEM certificate chain: serve TLS (with tls_key); NULL = plaintext */
+  const char *tls_key;       /* PEM private key of tls_cert */
+  const char *tls_client_ca; /* PEM roots: require and verify a client certificate (mTLS) */
+  const char *auth_token_file; /* bearer token every Hello, Stats and Forward call must carry
+                                * ("authorization: Bearer <token>"); NULL = no token needed */
+  bool insecure;             /* allow plaintext on a non-loopback listen address */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
@@ -70,6 +79,12 @@ typedef struct es_server_opts {
 #define ES_DEFAULT_DRAIN_TIMEOUT_MS 10000u
 #define ES_MAX_DRAIN_TIMEOUT_MS 3600000u
 #define ES_MAX_THREADS 4096u
+#define ES_MAX_PEM_BYTES ((size_t)1 << 20)
+
+/* True if the host of listen ("HOST:PORT", "[V6]:PORT") is a loopback address: 127.0.0.0/8,
+ * ::1 or "localhost". 0.0.0.0, [::] and every other name are not. es_server_new refuses
+ * plaintext on anything else unless opts.insecure. */
+bool es_listen_is_loopback(const char *listen);
 
 /* Fills o with the defaults above (layers "all", numa "auto", signals on).
  * model_dir and experts stay NULL: the caller must set them. */
@@ -81,7 +96,9 @@ typedef struct es_server es_server;
  * once a second), creates the gRPC server and binds opts->listen; nothing is served before
  * es_server_run. On success the caller owns *out and frees it with es_server_free.
  * Errors: MR_EINVAL only when an option is wrong, in itself or for this model (the message
- * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"); any
+ * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"; a
+ * non-loopback --listen without --tls-cert or --insecure; a token or PEM file that is not a
+ * regular file or not a valid token); any
  * other code is a runtime failure (a missing tensor or a wrong shape names the file, the
  * tensor and both shapes; a port that cannot be bound names the address). */
 int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);

@@ -335,6 +335,7 @@ void es__on_stream_new(es_stream *st, bool ok) {
   atomic_fetch_add(&s->live_calls, 1);
   st->t_new.obj = NULL; /* marks the stream as counted in live_calls, for es__stream_free */
   es__call_peer(st->call, st->peer, sizeof st->peer);
+  if (es__stream_refuse_unauthenticated(st)) return;
   mr_log(MR_LOG_DEBUG, "stream from %s opened", st->peer);
 
   pthread_mutex_lock(&s->streams_lock);
