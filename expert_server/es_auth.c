@@ -167,14 +167,15 @@ bool es__stream_refuse_unauthenticated(es_stream *st) {
   st->recv_done = true;
   st->final_started = true;
   st->details = grpc_slice_from_static_string(ES_AUTH_REFUSED_MSG);
-  grpc_op ops[2];
+  grpc_op ops[3];
   memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-  ops[0].data.send_status_from_server.status = GRPC_STATUS_UNAUTHENTICATED;
-  ops[0].data.send_status_from_server.status_details = &st->details;
-  ops[1].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[1].data.recv_close_on_server.cancelled = &st->cancelled;
-  grpc_call_error ce = grpc_call_start_batch(st->call, ops, 2, &st->t_final, NULL);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+  ops[1].data.send_status_from_server.status = GRPC_STATUS_UNAUTHENTICATED;
+  ops[1].data.send_status_from_server.status_details = &st->details;
+  ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+  ops[2].data.recv_close_on_server.cancelled = &st->cancelled;
+  grpc_call_error ce = grpc_call_start_batch(st->call, ops, 3, &st->t_final, NULL);
   bool dead = false;
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(SEND_STATUS UNAUTHENTICATED) failed: %d",
