@@ -7,6 +7,9 @@
  *     "servers": [{"name": "s0", "address": "10.0.0.5:50051"},
  *                 {"name": "s1", "address": "[fd00::7]:50051"}],
  *     "local": {"layers": "all", "experts": "0-3"} optional
+ *     "tls": {"ca": FILE, "cert": FILE, "key": FILE, "server_name": STR}  optional, each key
+ *                                                  optional; cert and key together
+ *     "token_file": FILE                           optional
  *   }
  *
  * Unknown keys anywhere are errors: a misspelt "deadline_msec" silently falling back to
@@ -162,9 +165,44 @@ static int cluster_local(const cJSON *local, const char *label, mr_cluster_file 
   return 0;
 }
 
+static int cluster_tls(const cJSON *tls, const char *label, mr_cluster_file *c, mr_err *e) {
+  static const char *const keys[] = {"ca", "cert", "key", "server_name", NULL};
+  if (!cJSON_IsObject(tls)) {
+    char desc[96];
+    mr__json_describe(tls, desc, sizeof desc);
+    return mr_err_set(e, MR_EFORMAT,
+                      "%s: tls = %s, must be an object {\"ca\": FILE, \"cert\": FILE, \"key\": "
+                      "FILE, \"server_name\": NAME}", label, desc);
+  }
+  int rc = mr__json_check_keys(tls, keys, label, "tls", e);
+  if (rc) return rc;
+  struct { const char *key, *field; char *dst; size_t cap; } f[] = {
+      {"ca", "tls.ca", c->tls_ca, sizeof c->tls_ca},
+      {"cert", "tls.cert", c->tls_cert, sizeof c->tls_cert},
+      {"key", "tls.key", c->tls_key, sizeof c->tls_key},
+      {"server_name", "tls.server_name", c->tls_server_name, sizeof c->tls_server_name},
+  };
+  for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(tls, f[i].key);
+    if (v && (rc = cluster_str(v, label, f[i].field, f[i].dst, f[i].cap, true, e))) return rc;
+  }
+  if (!c->tls_cert[0] != !c->tls_key[0])
+    return mr_err_set(e, MR_EINVAL, "%s: tls.%s is given without tls.%s: a client certificate "
+                      "needs its key and the other way round", label,
+                      c->tls_cert[0] ? "cert" : "key", c->tls_cert[0] ? "key" : "cert");
+  for (const char *p = c->tls_server_name; *p; p++)
+    if (!cluster_host_char(*p))
+      return mr_err_set(e, MR_EINVAL,
+                        "%s: tls.server_name = \"%s\", character '%c' is not allowed in a host "
+                        "name", label, c->tls_server_name, *p);
+  c->tls = true;
+  return 0;
+}
+
 int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const char *label,
                      mr_err *e) {
-  static const char *const keys[] = {"model", "deadline_ms", "servers", "local", NULL};
+  static const char *const keys[] = {"model", "deadline_ms", "servers", "local", "tls",
+                                     "token_file", NULL};
   memset(c, 0, sizeof *c);
   if (!label) label = "cluster file";
   cJSON *root = NULL;
@@ -225,6 +263,13 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
 
   const cJSON *jl = cJSON_GetObjectItemCaseSensitive(root, "local");
   if (jl && (rc = cluster_local(jl, label, c, e))) goto out_free_root;
+
+  const cJSON *jt = cJSON_GetObjectItemCaseSensitive(root, "tls");
+  if (jt && (rc = cluster_tls(jt, label, c, e))) goto out_free_root;
+  const cJSON *jk = cJSON_GetObjectItemCaseSensitive(root, "token_file");
+  if (jk && (rc = cluster_str(jk, label, "token_file", c->token_file, sizeof c->token_file, true,
+                              e)))
+    goto out_free_root;
 
 out_free_root:
   cJSON_Delete(root);

@@ -1,5 +1,6 @@
 /*
- * common/file.c - whole-file reads and path joins for the JSON readers of common/.
+ * common/file.c - whole-file reads, the regular-file check every reader of a user-named file
+ * goes through, and path joins for the JSON readers of common/.
  */
 #include "common/internal.h"
 
@@ -10,32 +11,67 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e) {
-  int rc = 0;
-  char *buf = NULL;
-  *out = NULL;
-  if (len) *len = 0;
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+/* What a file that is not a regular file is, for the error message. */
+static const char *file_kind(mode_t m) {
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a plain file";
+}
+
+int mr_file_open_regular(const char *path, int *fd_out, uint64_t *size, mr_err *e) {
+  *fd_out = -1;
+  if (size) *size = 0;
+  /* O_NONBLOCK: opening a FIFO without a writer (or some devices) would otherwise block
+   * before fstat could tell what it is. O_NOCTTY: a terminal named by mistake does not
+   * become our controlling terminal. */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
   if (fd < 0) {
     int err = errno;
     return mr_err_set(e, err == ENOENT ? MR_ENOTFOUND : MR_EIO, "%s: cannot open: %s", path,
                       strerror(err));
   }
+  int rc = 0;
   struct stat sb;
   if (fstat(fd, &sb) != 0) {
     rc = mr_err_set(e, MR_EIO, "%s: fstat: %s", path, strerror(errno));
     goto out_close_fd;
   }
   if (!S_ISREG(sb.st_mode)) {
-    rc = mr_err_set(e, MR_EINVAL, "%s: not a regular file", path);
+    rc = mr_err_set(e, MR_EINVAL, "%s: not a regular file (%s)", path, file_kind(sb.st_mode));
     goto out_close_fd;
   }
-  if ((uint64_t)sb.st_size > (uint64_t)max_bytes) {
-    rc = mr_err_set(e, MR_ERANGE, "%s: size %lld bytes exceeds the limit of %zu bytes", path,
-                    (long long)sb.st_size, max_bytes);
+  /* A regular file: reads block as usual from here on. */
+  int fl = fcntl(fd, F_GETFL);
+  if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+    rc = mr_err_set(e, MR_EIO, "%s: fcntl: %s", path, strerror(errno));
     goto out_close_fd;
   }
-  size_t size = (size_t)sb.st_size;
+  if (size) *size = (uint64_t)sb.st_size;
+  *fd_out = fd;
+  return 0;
+out_close_fd:
+  close(fd);
+  return rc;
+}
+
+int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e) {
+  int rc = 0;
+  char *buf = NULL;
+  uint64_t fsize = 0;
+  int fd = -1;
+  *out = NULL;
+  if (len) *len = 0;
+  rc = mr_file_open_regular(path, &fd, &fsize, e);
+  if (rc) return rc;
+  if (fsize > (uint64_t)max_bytes) {
+    rc = mr_err_set(e, MR_ERANGE, "%s: size %llu bytes exceeds the limit of %zu bytes", path,
+                    (unsigned long long)fsize, max_bytes);
+    goto out_close_fd;
+  }
+  size_t size = (size_t)fsize;
   buf = mr_malloc(size + 1);
   if (!buf) {
     rc = mr_err_set(e, MR_ENOMEM, "%s: cannot allocate %zu bytes", path, size + 1);

@@ -46,7 +46,8 @@ extern "C" {
   X(ECANCELED, -12, "canceled")                                                      \
   X(EMISMATCH, -13, "mismatch between peers or files")                               \
   X(ENOTSUP, -14, "not supported")                                                   \
-  X(EINTERNAL, -15, "internal error")
+  X(EINTERNAL, -15, "internal error")                                                \
+  X(EAUTH, -16, "not authenticated")
 
 enum mr_errno {
   MR_OK = 0,
@@ -97,20 +98,41 @@ void mr__log(int level, const char *file, int line, const char *fmt, ...)
   do {                                                                               \
     if ((level) <= mr__log_level) mr__log((level), __FILE__, __LINE__, __VA_ARGS__); \
   } while (0)
-/* Rate-limited warning for peer input: at most `per_sec` lines per second per call site;
- * the suppressed count is reported on the next line that gets through. */
+/* Rate-limited logging for peer input: at most `per_sec` lines per second per call site
+ * (all threads together); a line that gets through after some were dropped ends in
+ * " (+N similar lines suppressed)". */
 #define mr_log_ratelimited(level, per_sec, ...)                                      \
   do {                                                                               \
     static struct mr_ratelimit mr__rl_;                                              \
-    if ((level) <= mr__log_level && mr_ratelimit_pass(&mr__rl_, (per_sec)))          \
-      mr__log((level), __FILE__, __LINE__, __VA_ARGS__);                             \
+    uint64_t mr__sup_ = 0;                                                           \
+    if ((level) <= mr__log_level && mr_ratelimit_pass(&mr__rl_, (per_sec), &mr__sup_)) \
+      mr__log_suppressed((level), __FILE__, __LINE__, mr__sup_, __VA_ARGS__);        \
   } while (0)
+/* One call site's budget. Zero-initialised (static) is ready; the fields are guarded by
+ * `lock`, a spin lock taken for a few instructions (gcc __atomic builtins, so that this
+ * header needs neither <stdatomic.h> nor <pthread.h>). */
 struct mr_ratelimit {
+  unsigned char lock;      /* 0 free, 1 taken */
   int64_t window_start_ms; /* start of the current 1 s window */
-  int count;               /* lines in the window */
-  int suppressed;          /* lines dropped since the last one printed */
+  int count;               /* lines let through in the window */
+  uint64_t suppressed;     /* lines dropped since the last one let through */
 };
-bool mr_ratelimit_pass(struct mr_ratelimit *rl, int per_sec);
+/* True if one more line may be logged now; then *suppressed (if not NULL) gets the number of
+ * lines dropped since the previous one let through, and that count restarts at 0. Safe from
+ * any number of threads at once. */
+bool mr_ratelimit_pass(struct mr_ratelimit *rl, int per_sec, uint64_t *suppressed);
+/* mr__log plus the " (+N similar lines suppressed)" suffix when suppressed > 0. */
+void mr__log_suppressed(int level, const char *file, int line, uint64_t suppressed,
+                        const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+/* Escapes srclen bytes of untrusted text (a peer's name, address or error message) for a log
+ * line: \n \r \t and \\ as two characters, other C0 controls, DEL and every byte that is
+ * not part of valid UTF-8 as \xNN; valid UTF-8 is copied as is. The result is NUL-terminated
+ * and never longer than cap - 1 bytes; a text cut to fit ends in "...". Returns its length.
+ * cap 0 writes nothing. */
+size_t mr_log_escape(char *dst, size_t cap, const char *src, size_t srclen);
+/* Room for mr_log_escape of a peer string in a log line: 256 escaped bytes at most. */
+#define MR_LOG_ESC_MAX 257
 
 /* Our own bugs abort loudly with file:line; input from outside never reaches an assert. */
 #define MR_ASSERT(cond)                                                              \
@@ -363,7 +385,13 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
  *   "deadline_ms": 5000,                  optional: per-request deadline, ms
  *   "servers": [ {"name": "s0", "address": "127.0.0.1:50051"}, ... ],
  *   "local": {"layers": "all", "experts": "0-3"}   optional: experts the client computes
+ *   "tls": {"ca": "ca.pem", "cert": "client.pem", "key": "client.key",
+ *           "server_name": "experts.example"}     optional: TLS for every channel; each key
+ *                                                 optional, cert and key together
+ *   "token_file": "token"                         optional: bearer token sent on every call
  * }
+ * Paths are used as written (relative ones from the client's working directory); the files
+ * are read when the cluster is opened.
  */
 #define MR_CLUSTER_MAX_SERVERS 256
 /* deadline_ms when the file has none, and the largest one accepted (also for the
@@ -381,6 +409,12 @@ typedef struct mr_cluster_file {
   mr_cluster_server servers[MR_CLUSTER_MAX_SERVERS];
   char local_layers[256];  /* id-set spec, "" if no local experts */
   char local_experts[1024];
+  bool tls;                /* a "tls" object was given (even an empty one: system roots) */
+  char tls_ca[1024];       /* PEM roots to trust, "" = gRPC's default roots */
+  char tls_cert[1024];     /* PEM client certificate chain (mTLS), "" = none */
+  char tls_key[1024];      /* its PEM private key, set exactly when tls_cert is */
+  char tls_server_name[256]; /* name the server's certificate must carry, "" = the host */
+  char token_file[1024];   /* bearer token file, "" = no token */
 } mr_cluster_file;
 /* Reads and validates a cluster file (servers 1..MR_CLUSTER_MAX_SERVERS, unique names and
  * addresses, deadline 1..MR_CLUSTER_MAX_DEADLINE_MS). */
@@ -423,8 +457,33 @@ int mr_placement_parse(mr_placement *p, const char *json, size_t len, const char
 void mr_placement_close(mr_placement *p);
 
 /* Reads a whole file into a NUL-terminated heap buffer (caller frees with mr_free);
- * refuses files over max_bytes. */
+ * refuses files over max_bytes, and anything but a regular file (mr_file_open_regular). */
 int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e);
+/* Opens path read-only for a reader of a user-named file: a FIFO, device, socket or
+ * directory is refused before it can block ("PATH: not a regular file (a FIFO)", MR_EINVAL):
+ * the open is non-blocking, fstat decides, and only a regular file's descriptor is switched
+ * back to blocking and returned in *fd (the caller closes it), with its size in *size (may be
+ * NULL). A missing file is MR_ENOTFOUND, other failures MR_EIO, each naming the path. */
+int mr_file_open_regular(const char *path, int *fd, uint64_t *size, mr_err *e);
+
+/* ---------------------------------------------------------------------------------------
+ * Secrets (bearer tokens) come from files only, never from argv or logs.
+ */
+#define MR_SECRET_MAX_BYTES 4096
+/* Reads the token in path into buf (cap >= MR_SECRET_MAX_BYTES + 1, NUL-terminated) and its
+ * length into *len: one trailing "\n" (or "\r\n") is trimmed; an empty token, one over
+ * MR_SECRET_MAX_BYTES bytes, or one with a byte outside printable ASCII 0x21..0x7e is refused
+ * (MR_EINVAL / MR_ERANGE), as is a file that is not a regular file. Errors start with
+ * "<what> <path>: " (what names the flag or field, e.g. "--auth-token-file") and never
+ * quote the file's contents. On failure buf is zeroed. */
+int mr_secret_read(const char *path, const char *what, char *buf, size_t cap, size_t *len,
+                   mr_err *e);
+/* Compares two secrets of up to MR_SECRET_MAX_BYTES + 16 bytes in time that depends only on
+ * that bound (a fixed loop over it, no early exit), so that a peer cannot learn how much of a
+ * guess was right. Longer inputs are never equal. */
+bool mr_secret_equal(const char *a, size_t alen, const char *b, size_t blen);
+/* Overwrites n bytes at p with zeros in a way the compiler does not drop. */
+void mr_secret_wipe(void *p, size_t n);
 
 #ifdef __cplusplus
 }

@@ -121,7 +121,9 @@ void mr_log_set_component(const char *name) {
   snprintf(log_component, sizeof log_component, "%s", name);
 }
 
-void mr__log(int level, const char *file, int line, const char *fmt, ...) {
+/* Formats one line (with an optional suppressed-count suffix) and writes it at once. */
+static void log_vline(int level, const char *file, int line, uint64_t suppressed,
+                      const char *fmt, va_list ap) {
   static const char *tags[] = {"ERROR", "WARN ", "INFO ", "DEBUG"};
   char buf[2048];
   struct timespec ts;
@@ -131,11 +133,13 @@ void mr__log(int level, const char *file, int line, const char *fmt, ...) {
   int n = snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %s %s: ",
                    tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
                    tm.tm_sec, ts.tv_nsec / 1000000, tags[level & 3], log_component);
-  va_list ap;
-  va_start(ap, fmt);
   n += vsnprintf(buf + n, sizeof buf - (size_t)n, fmt, ap);
-  va_end(ap);
   if (n > (int)sizeof buf - 2) n = (int)sizeof buf - 2;
+  if (suppressed) {
+    n += snprintf(buf + n, sizeof buf - (size_t)n, " (+%llu similar lines suppressed)",
+                  (unsigned long long)suppressed);
+    if (n > (int)sizeof buf - 2) n = (int)sizeof buf - 2;
+  }
   if (level == MR_LOG_ERROR || mr__log_level >= MR_LOG_DEBUG) {
     const char *base = strrchr(file, '/');
     n += snprintf(buf + n, sizeof buf - (size_t)n, " (%s:%d)", base ? base + 1 : file, line);
@@ -152,23 +156,42 @@ void mr__log(int level, const char *file, int line, const char *fmt, ...) {
   }
 }
 
-bool mr_ratelimit_pass(struct mr_ratelimit *rl, int per_sec) {
-  /* Racy by design: a few extra lines under contention are harmless, a lock is not. */
+void mr__log(int level, const char *file, int line, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_vline(level, file, line, 0, fmt, ap);
+  va_end(ap);
+}
+
+void mr__log_suppressed(int level, const char *file, int line, uint64_t suppressed,
+                        const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  log_vline(level, file, line, suppressed, fmt, ap);
+  va_end(ap);
+}
+
+bool mr_ratelimit_pass(struct mr_ratelimit *rl, int per_sec, uint64_t *suppressed) {
   int64_t now = (int64_t)(mr_now_ns() / 1000000u);
-  if (now - rl->window_start_ms >= 1000) {
+  bool pass;
+  /* Several gRPC threads log through one call site: a spin lock around a few loads and
+   * stores (never held across a system call or a log write). */
+  while (__atomic_test_and_set(&rl->lock, __ATOMIC_ACQUIRE)) {
+  }
+  if (rl->window_start_ms == 0 || now - rl->window_start_ms >= 1000) {
     rl->window_start_ms = now;
     rl->count = 0;
   }
-  if (rl->count < per_sec) {
+  pass = rl->count < per_sec;
+  if (pass) {
     rl->count++;
-    if (rl->suppressed) {
-      mr__log(MR_LOG_WARN, __FILE__, __LINE__, "(%d similar lines suppressed)", rl->suppressed);
-      rl->suppressed = 0;
-    }
-    return true;
+    if (suppressed) *suppressed = rl->suppressed;
+    rl->suppressed = 0;
+  } else {
+    rl->suppressed++;
   }
-  rl->suppressed++;
-  return false;
+  __atomic_clear(&rl->lock, __ATOMIC_RELEASE);
+  return pass;
 }
 
 void mr__assert_fail(const char *expr, const char *file, int line) {

@@ -433,22 +433,11 @@ out_close:
 /* mmaps the file of shard sh (path already set). */
 static int st_shard_map(st_shard *sh, mr_err *e) {
   int rc = 0;
-  int fd = open(sh->path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    int err = errno;
-    return mr_err_set(e, err == ENOENT ? MR_ENOTFOUND : MR_EIO, "%s: cannot open: %s", sh->path,
-                      strerror(err));
-  }
-  struct stat sb;
-  if (fstat(fd, &sb) != 0) {
-    rc = mr_err_set(e, MR_EIO, "%s: fstat: %s", sh->path, strerror(errno));
-    goto out_close_fd;
-  }
-  if (!S_ISREG(sb.st_mode)) {
-    rc = mr_err_set(e, MR_EINVAL, "%s: not a regular file", sh->path);
-    goto out_close_fd;
-  }
-  sh->size = (uint64_t)sb.st_size;
+  int fd = -1;
+  uint64_t fsize = 0;
+  rc = mr_file_open_regular(sh->path, &fd, &fsize, e);
+  if (rc) return rc;
+  sh->size = fsize;
   if (sh->size < 8) {
     /* mmap of an empty file fails; let the parser word the error. */
     static const uint8_t zeros[8];

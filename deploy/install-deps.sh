@@ -25,6 +25,7 @@ PKGS=(
   libuv1-dev libhwloc-dev libnuma-dev libcjson-dev
   hwloc-nox numactl                 # lstopo / numactl for operators
   iproute2                          # ip netns for the multi-host harness
+  openssl                           # certificates made at test time (itest_security)
   python3 python3-venv
 )
 

@@ -67,6 +67,15 @@ typedef struct es_server_opts {
   uint32_t max_streams;      /* Forward streams open at once, server-wide, 1..ES_MAX_MAX_STREAMS */
   uint32_t stall_timeout_ms; /* a stream whose reply has not been taken by its client for this
                               * long is cut (RESOURCE_EXHAUSTED) and its memory freed; 0 = never */
+  /* Security (docs/DESIGN.md section 11). Files are read by es_server_new, before the model
+   * is loaded, through mr_file_read (regular files only, PEM files at most
+   * ES_MAX_PEM_BYTES). */
+  const char *tls_cert;      /* PEM certificate chain: serve TLS (with tls_key); NULL = plaintext */
+  const char *tls_key;       /* PEM private key of tls_cert */
+  const char *tls_client_ca; /* PEM roots: require and verify a client certificate (mTLS) */
+  const char *auth_token_file; /* bearer token every Hello, Stats and Forward call must carry
+                                * ("authorization: Bearer <token>"); NULL = no token needed */
+  bool insecure;             /* allow plaintext on a non-loopback listen address */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
@@ -99,6 +108,12 @@ static inline uint32_t es_max_top_k(uint32_t experts_per_tok, uint32_t num_exper
   uint64_t k = (uint64_t)experts_per_tok * ES_TOP_K_FACTOR;
   return k > num_experts ? num_experts : (uint32_t)k;
 }
+#define ES_MAX_PEM_BYTES ((size_t)1 << 20)
+
+/* True if the host of listen ("HOST:PORT", "[V6]:PORT") is a loopback address: 127.0.0.0/8,
+ * ::1 or "localhost". 0.0.0.0, [::] and every other name are not. es_server_new refuses
+ * plaintext on anything else unless opts.insecure. */
+bool es_listen_is_loopback(const char *listen);
 
 /* Fills o with the defaults above (layers "all", numa "auto", signals on).
  * model_dir and experts stay NULL: the caller must set them. */
@@ -110,7 +125,9 @@ typedef struct es_server es_server;
  * once a second), creates the gRPC server and binds opts->listen; nothing is served before
  * es_server_run. On success the caller owns *out and frees it with es_server_free.
  * Errors: MR_EINVAL only when an option is wrong, in itself or for this model (the message
- * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"); any
+ * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"; a
+ * non-loopback --listen without --tls-cert or --insecure; a token or PEM file that is not a
+ * regular file or not a valid token); any
  * other code is a runtime failure (a missing tensor or a wrong shape names the file, the
  * tensor and both shapes; a port that cannot be bound names the address). */
 int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);

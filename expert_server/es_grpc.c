@@ -97,8 +97,8 @@ int es__grpc_create(es_server *s, mr_err *e) {
   int rc = es__hello_pack(s, e);
   if (rc) return rc;
 
-  grpc_arg args[16];
-  size_t nargs = pr_channel_args(args, s->max_message_bytes);
+  grpc_arg args[PR_SERVER_ARGS + 8];
+  size_t nargs = pr_server_args(args, s->max_message_bytes);
   /* gRPC sets SO_REUSEPORT by default, so a second server on a busy port would start and
    * share the connections with the first, although it owns other experts. Refuse instead. */
   args[nargs].type = GRPC_ARG_INTEGER;
@@ -146,14 +146,17 @@ int es__grpc_create(es_server *s, mr_err *e) {
     if (!s->cqts[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
     grpc_server_register_completion_queue(s->gs, s->cqts[i].cq, NULL);
   }
-  grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+  grpc_server_credentials *creds = es__auth_server_creds(s);
+  if (!creds)
+    return mr_err_set(e, MR_EINVAL, "--tls-cert / --tls-key / --tls-client-ca: gRPC refused the "
+                      "TLS credentials (see its log line above)");
   s->port = grpc_server_add_http2_port(s->gs, s->listen, creds);
   grpc_server_credentials_release(creds);
   if (s->port <= 0)
     return mr_err_set(e, MR_EUNAVAIL,
                       "--listen %s: cannot listen there (address in use, not an address of this "
-                      "host, or not HOST:PORT)",
-                      s->listen);
+                      "host, or not HOST:PORT%s)",
+                      s->listen, s->tls_on ? "; or a --tls-cert / --tls-key gRPC cannot use" : "");
   return 0;
 }
 
@@ -224,7 +227,8 @@ static void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *detail
 
 void es__call_peer(grpc_call *call, char *buf, size_t len) {
   char *p = grpc_call_get_peer(call);
-  snprintf(buf, len, "%s", p ? p : "?");
+  /* Escaped once here: every log line that names a peer uses this copy. */
+  mr_log_escape(buf, len, p ? p : "?", p ? strlen(p) : 1);
   gpr_free(p);
 }
 
@@ -255,8 +259,11 @@ static void es__on_hello(es_rpc *r) {
     mr_log_ratelimited(MR_LOG_WARN, 5, "hello from %s: %s", peer, msg);
     es__rpc_reply(r, GRPC_STATUS_FAILED_PRECONDITION, msg, NULL);
   } else {
-    mr_log(MR_LOG_INFO, "hello from %s: client \"%s\", protocol %" PRIu32 ".%" PRIu32, peer,
-           req->client_name ? req->client_name : "", major, minor);
+    char name[MR_LOG_ESC_MAX];
+    const char *cn = req->client_name ? req->client_name : "";
+    mr_log_escape(name, sizeof name, cn, strlen(cn));
+    mr_log_ratelimited(MR_LOG_INFO, 5, "hello from %s: client \"%s\", protocol %" PRIu32
+                       ".%" PRIu32, peer, name, major, minor);
     es__rpc_reply(r, GRPC_STATUS_OK, "", grpc_raw_byte_buffer_create(&s->hello_reply, 1));
   }
   if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
@@ -279,6 +286,11 @@ static void es__on_stats(es_rpc *r) {
   }
   bool reset = req && req->reset;
   if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
+  if (reset) {
+    char peer[96];
+    es__call_peer(r->call, peer, sizeof peer);
+    mr_log_ratelimited(MR_LOG_INFO, 5, "stats reset by %s", peer);
+  }
 
   uint32_t E = s->cfg.num_experts;
   size_t cap = (size_t)mr_idset_count(&s->owned_layers) * mr_idset_count(&s->owned_experts);
@@ -363,6 +375,14 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
   }
   if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cqt, r->m);
   atomic_fetch_add(&s->live_calls, 1);
+  if (r->m != ES_M_HEALTH) {
+    char peer[96];
+    es__call_peer(r->call, peer, sizeof peer);
+    if (!es__auth_ok(s, &r->md, peer, r->m == ES_M_HELLO ? "Hello" : "Stats")) {
+      es__rpc_reply(r, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG, NULL);
+      return;
+    }
+  }
   switch (r->m) {
   case ES_M_HELLO: es__on_hello(r); break;
   case ES_M_STATS: es__on_stats(r); break;

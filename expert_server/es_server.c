@@ -133,6 +133,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   s->opts.layers = s->layers_spec;
   s->opts.numa = s->numa;
 
+  if ((rc = es__auth_init(s, e))) goto out_free_server;
   if ((rc = es__admin_init(s, e))) goto out_free_server;
   if ((rc = es__load(s, e))) goto out_free_server;
 
@@ -199,6 +200,7 @@ void es_server_free(es_server *s) {
   if (s->grpc_inited) grpc_shutdown();
   es__admin_close(s);
   es__unload(s);
+  es__auth_close(s);
   mr_free(s->tokens);
   mr_free(s->q_heap);
   mr_arena_close(&s->arena);

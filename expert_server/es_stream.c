@@ -469,6 +469,7 @@ void es__on_stream_new(es_stream *st, bool ok) {
   atomic_fetch_add(&s->live_calls, 1);
   st->t_new.obj = NULL; /* marks the stream as counted in live_calls, for es__stream_free */
   es__call_peer(st->call, st->peer, sizeof st->peer);
+  bool authed = es__auth_ok(s, &st->md, st->peer, "Forward");
   mr_log(MR_LOG_DEBUG, "stream from %s opened", st->peer);
 
   pthread_mutex_lock(&s->streams_lock);
@@ -476,8 +477,8 @@ void es__on_stream_new(es_stream *st, bool ok) {
   if (s->streams) s->streams->prev = st;
   s->streams = st;
   bool finishing = s->finishing;
-  bool over = s->n_streams >= s->opts.max_streams;
-  if (!over) {
+  bool over = authed && s->n_streams >= s->opts.max_streams;
+  if (authed && !over) {
     s->n_streams++;
     st->listed = true;
   }
@@ -486,7 +487,10 @@ void es__on_stream_new(es_stream *st, bool ok) {
   pthread_mutex_unlock(&s->streams_lock);
   st->finish_requested = finishing;
   es__stream_close_start_locked(st);
-  if (over || atomic_load(&s->draining)) {
+  if (!authed) {
+    /* No request is read; nothing is counted against the stream cap. */
+    es__stream_refuse_locked(st, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG);
+  } else if (over || atomic_load(&s->draining)) {
     char msg[200];
     if (over) {
       atomic_fetch_add(&s->n_refused, 1);

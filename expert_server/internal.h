@@ -10,6 +10,7 @@
  *   es_pool.c      reusable request/reply buffers and job records
  *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the drain sequence
  *   es_validate.c  es_forward_validate (pure)
+ *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
  *
  * Threads and where they meet (STYLE.md 8):
  *
@@ -281,6 +282,13 @@ struct es_server {
   es_tag t_shutdown;
   int max_message_bytes;
 
+  /* Security (es_auth.c): set by es__auth_init, read-only afterwards (CQ threads). */
+  bool tls_on, mtls_on;
+  char *pem_cert, *pem_key, *pem_client_ca; /* until the credentials exist, then wiped */
+  bool auth_on;                          /* a token is required */
+  char auth_value[MR_SECRET_MAX_BYTES + 8]; /* "Bearer <token>" */
+  size_t auth_len;
+
   atomic_bool serving;       /* health: weights loaded and no drain started */
   atomic_bool draining;      /* new Forward requests get UNAVAILABLE */
   atomic_bool stop_reposting;/* do not pre-post request_call any more */
@@ -370,6 +378,23 @@ void es__grpc_shutdown_begin(es_server *s);
 /* Teardown: shuts the CQs down, joins their threads, destroys the server and the CQs. If the
  * drain has not run, first shuts the server down and cancels every call. */
 void es__grpc_destroy(es_server *s);
+
+/* es_auth.c */
+/* The status message of a refused call: says what is missing, never echoes what came. */
+#define ES_AUTH_REFUSED_MSG "missing or wrong bearer token (metadata \"authorization: Bearer <token>\", see --auth-token-file)"
+/* Checks the options that concern security (TLS flags in pairs, the loopback rule), reads the
+ * token and PEM files. Start-up only, before the model loads. MR_EINVAL for option errors. */
+int es__auth_init(es_server *s, mr_err *e);
+/* The credentials for grpc_server_add_http2_port (insecure or TLS/mTLS); wipes the PEM copies.
+ * The caller releases them. */
+grpc_server_credentials *es__auth_server_creds(es_server *s);
+void es__auth_close(es_server *s);
+/* True if md carries the expected bearer token (or none is required); else logs the refusal
+ * (rate-limited, with peer and method) and returns false. CQ threads. */
+bool es__auth_ok(es_server *s, const grpc_metadata_array *md, const char *peer,
+                 const char *method);
+/* A Forward stream that fails it is refused at accept (es__on_stream_new), before any message
+ * is read, and does not count against --max-streams. */
 
 /* es_stream.c. The es__on_stream_* handlers run on the call's CQ thread, with ok = the
  * event's success flag. */

@@ -50,6 +50,14 @@ static void usage(FILE *f) {
           "                           get RESOURCE_EXHAUSTED\n"
           "  --stall-timeout-ms N     cut a stream whose client has not read a reply for this\n"
           "                           long, 0..%u, 0 = never (default %u)\n"
+          "  --tls-cert FILE          serve TLS with this PEM certificate chain (needs --tls-key)\n"
+          "  --tls-key FILE           the PEM private key of --tls-cert\n"
+          "  --tls-client-ca FILE     mTLS: require a client certificate signed by these PEM roots\n"
+          "  --auth-token-file FILE   require \"authorization: Bearer <token>\" on Hello, Stats and\n"
+          "                           Forward; FILE holds the token (1..%d printable bytes, one\n"
+          "                           trailing newline allowed); health stays open\n"
+          "  --insecure               allow plaintext on a non-loopback --listen address (without\n"
+          "                           it, only 127.0.0.0/8, ::1 and localhost serve plaintext)\n"
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
           "  --help                   this text\n"
           "\n"
@@ -57,7 +65,8 @@ static void usage(FILE *f) {
           "the drain, 2 on a usage error, 3 after a drain that left accepted requests unanswered.\n",
           ES_MAX_MAX_TOKENS, ES_DEFAULT_MAX_TOKENS, ES_DEFAULT_GROUP, ES_MAX_GRPC_THREADS,
           ES_MAX_DRAIN_TIMEOUT_MS, ES_DEFAULT_DRAIN_TIMEOUT_MS, ES_MAX_MAX_STREAMS,
-          ES_DEFAULT_MAX_STREAMS, ES_MAX_STALL_TIMEOUT_MS, ES_DEFAULT_STALL_TIMEOUT_MS);
+          ES_DEFAULT_MAX_STREAMS, ES_MAX_STALL_TIMEOUT_MS, ES_DEFAULT_STALL_TIMEOUT_MS,
+          MR_SECRET_MAX_BYTES);
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -160,8 +169,9 @@ static bool check_numa(const char *s) {
 
 enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
-  OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_HELP,
-  OPT_MAX_INFLIGHT, OPT_MAX_STREAMS, OPT_STALL
+  OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
+  OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT,
+  OPT_MAX_STREAMS, OPT_STALL
 };
 
 int main(int argc, char **argv) {
@@ -181,6 +191,11 @@ int main(int argc, char **argv) {
       {"max-streams", required_argument, NULL, OPT_MAX_STREAMS},
       {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
+      {"tls-key", required_argument, NULL, OPT_TLS_KEY},
+      {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
+      {"auth-token-file", required_argument, NULL, OPT_AUTH_TOKEN_FILE},
+      {"insecure", no_argument, NULL, OPT_INSECURE},
       {"help", no_argument, NULL, OPT_HELP},
       {NULL, 0, NULL, 0},
   };
@@ -248,6 +263,11 @@ int main(int argc, char **argv) {
       mr_log_set_level(level);
       break;
     }
+    case OPT_TLS_CERT: o.tls_cert = optarg; break;
+    case OPT_TLS_KEY: o.tls_key = optarg; break;
+    case OPT_TLS_CLIENT_CA: o.tls_client_ca = optarg; break;
+    case OPT_AUTH_TOKEN_FILE: o.auth_token_file = optarg; break;
+    case OPT_INSECURE: o.insecure = true; break;
     case OPT_HELP: usage(stdout); return 0;
     case ':': return usage_error("%s needs a value", argv[optind - 1]);
     default: return usage_error("unknown option \"%s\"", argv[optind - 1]);

@@ -36,6 +36,8 @@
  * than a server restart; a short cap lets a restarted server serve again within ~2 s. */
 #define GC__RECONNECT_INITIAL_MS 200
 #define GC__RECONNECT_MAX_MS 2000
+/* Largest PEM file of the "tls" section: a certificate chain is a few KiB. */
+#define GC__MAX_PEM_BYTES ((size_t)1 << 20)
 
 void gc_options_init(gc_options *o) {
   memset(o, 0, sizeof *o);
@@ -43,21 +45,87 @@ void gc_options_init(gc_options *o) {
   o->local_engine.isa = KN_ISA_COUNT;
 }
 
-grpc_channel *gc__channel_new(const gc__server *srv, int max_bytes) {
-  grpc_arg args[8];
+grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int max_bytes) {
+  grpc_arg args[PR_CHANNEL_ARGS + 3];
   size_t n = pr_channel_args(args, max_bytes);
-  MR_ASSERT(n + 2 <= sizeof args / sizeof args[0]);
   args[n].type = GRPC_ARG_INTEGER;
   args[n].key = (char *)GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS;
   args[n++].value.integer = GC__RECONNECT_INITIAL_MS;
   args[n].type = GRPC_ARG_INTEGER;
   args[n].key = (char *)GRPC_ARG_MAX_RECONNECT_BACKOFF_MS;
   args[n++].value.integer = GC__RECONNECT_MAX_MS;
+  if (c->tls && c->file.tls_server_name[0]) {
+    /* The name the server's certificate must carry, instead of the address's host. */
+    args[n].type = GRPC_ARG_STRING;
+    args[n].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+    args[n++].value.string = (char *)c->file.tls_server_name;
+  }
+  MR_ASSERT(n <= sizeof args / sizeof args[0]);
   grpc_channel_args ca = {n, args};
-  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
-  grpc_channel *ch = grpc_channel_create(srv->target, cr, &ca);
-  grpc_channel_credentials_release(cr);
-  return ch;
+  return grpc_channel_create(srv->target, c->creds, &ca);
+}
+
+/* Reads one PEM file of the cluster file's "tls" section (field names it in errors). */
+static int pem_read(const char *field, const char *path, char **out, mr_err *e) {
+  size_t len = 0;
+  *out = NULL;
+  if (!path[0]) return 0;
+  int rc = mr_file_read(path, GC__MAX_PEM_BYTES, out, &len, e);
+  if (rc) return mr_err_prefix(e, rc, "cluster file: %s", field);
+  if (!strstr(*out, "-----BEGIN ")) {
+    mr_free(*out);
+    *out = NULL;
+    return mr_err_set(e, MR_EINVAL, "cluster file: %s = %s: not a PEM file (no \"-----BEGIN \" "
+                      "line)", field, path);
+  }
+  return 0;
+}
+
+static void pem_free(char *p) {
+  if (p) mr_secret_wipe(p, strlen(p));
+  mr_free(p);
+}
+
+/* The credentials every channel of the cluster uses and the token metadata every call
+ * sends, from the cluster file's "tls" and "token_file" (after grpc_init). */
+static int security_init(gc_cluster *c, mr_err *e) {
+  const mr_cluster_file *f = &c->file;
+  int rc = 0;
+  if (f->token_file[0]) {
+    char tok[MR_SECRET_MAX_BYTES + 1], val[MR_SECRET_MAX_BYTES + 8];
+    size_t n = 0;
+    rc = mr_secret_read(f->token_file, "cluster file: token_file", tok, sizeof tok, &n, e);
+    if (rc) return rc;
+    memcpy(val, "Bearer ", 7);
+    memcpy(val + 7, tok, n);
+    c->auth_md.key = grpc_slice_from_static_string("authorization");
+    c->auth_md.value = grpc_slice_from_copied_buffer(val, 7 + n);
+    c->n_auth_md = 1;
+    mr_secret_wipe(tok, sizeof tok);
+    mr_secret_wipe(val, sizeof val);
+  }
+  if (!f->tls) {
+    c->creds = grpc_insecure_credentials_create();
+    return 0;
+  }
+  char *ca = NULL, *cert = NULL, *key = NULL;
+  if ((rc = pem_read("tls.ca", f->tls_ca, &ca, e)) ||
+      (rc = pem_read("tls.cert", f->tls_cert, &cert, e)) ||
+      (rc = pem_read("tls.key", f->tls_key, &key, e)))
+    goto out_free_pem;
+  grpc_ssl_pem_key_cert_pair kp = {.private_key = key, .cert_chain = cert};
+  /* ca NULL: gRPC's default roots (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH or its bundled ones). */
+  c->creds = grpc_ssl_credentials_create(ca, cert ? &kp : NULL, NULL, NULL);
+  c->tls = true;
+  if (!c->creds)
+    rc = mr_err_set(e, MR_EINVAL, "cluster file: tls: gRPC refused the TLS credentials (tls.ca "
+                    "%s, tls.cert %s)", f->tls_ca[0] ? f->tls_ca : "(default roots)",
+                    f->tls_cert[0] ? f->tls_cert : "(none)");
+out_free_pem:
+  pem_free(ca);
+  pem_free(cert);
+  pem_free(key);
+  return rc;
 }
 
 /* ---- unary calls ------------------------------------------------------------------------
@@ -76,8 +144,9 @@ typedef struct gc__unary {
   bool done;
 } gc__unary;
 
-static void unary_round(grpc_channel *const *chs, size_t n, const char *method,
-                        const grpc_byte_buffer *req, uint32_t timeout_ms, gc__unary *u) {
+static void unary_round(const gc_cluster *c, grpc_channel *const *chs, size_t n,
+                        const char *method, const grpc_byte_buffer *req, uint32_t timeout_ms,
+                        gc__unary *u) {
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
                                        gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
@@ -98,6 +167,9 @@ static void unary_round(grpc_channel *const *chs, size_t n, const char *method,
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
     ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY |
                    GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET;
+    ops[0].data.send_initial_metadata.count = c->n_auth_md;
+    ops[0].data.send_initial_metadata.metadata =
+        c->n_auth_md ? (grpc_metadata *)&c->auth_md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = u[i].req;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -152,21 +224,33 @@ static void unary_free(gc__unary *u) {
 }
 
 /* Turns a finished unary call into 0 or an error naming the server and the RPC. */
-static int unary_result(const gc__unary *u, const gc__server *sv, const char *rpc,
-                        uint32_t timeout_ms, mr_err *e) {
+/* Turns a finished unary call into 0 or an error naming the server and the RPC. */
+static int unary_result(const gc_cluster *c, const gc__unary *u, const gc__server *sv,
+                        const char *rpc, uint32_t timeout_ms, mr_err *e) {
   if (u->status == GRPC_STATUS_OK && u->resp) return 0;
-  if (u->status == GRPC_STATUS_DEADLINE_EXCEEDED)
+  if (u->status == GRPC_STATUS_DEADLINE_EXCEEDED) {
+    /* With WAIT_FOR_READY a connection that keeps failing (refused, or a TLS handshake that
+     * fails: wrong roots, no client certificate, TLS against plaintext) shows only as the
+     * deadline; the channel's state tells that apart from a server that is merely slow. */
+    bool failing = sv->ctl && grpc_channel_check_connectivity_state(sv->ctl, 0) ==
+                                  GRPC_CHANNEL_TRANSIENT_FAILURE;
     return mr_err_set(e, MR_ETIMEDOUT,
-                      GC__SRV_FMT ": no %s reply within %u ms (server down, unreachable or "
-                      "still loading?)",
-                      GC__SRV_ARGS(sv), rpc, timeout_ms);
-  char *det = grpc_slice_to_c_string(u->details);
+                      GC__SRV_FMT ": no %s reply within %u ms (%s)", GC__SRV_ARGS(sv), rpc,
+                      timeout_ms,
+                      !failing ? "server down, unreachable or still loading?"
+                      : c->tls ? "cannot connect: refused, or the TLS handshake failed: check "
+                                 "tls.ca, tls.server_name, a client certificate the server "
+                                 "requires, and that the server serves TLS"
+                               : "cannot connect: refused, or the server wants TLS (a \"tls\" "
+                                 "section in the cluster file)");
+  }
+  char det[MR_LOG_ESC_MAX]; /* the server's words: escaped */
+  mr_log_escape(det, sizeof det, (const char *)GRPC_SLICE_START_PTR(u->details),
+                GRPC_SLICE_LENGTH(u->details));
   int code = u->status == GRPC_STATUS_OK ? MR_EPROTO : pr_mr_from_status(u->status);
-  int rc = mr_err_set(e, code, GC__SRV_FMT ": %s failed: %s (%d): %s", GC__SRV_ARGS(sv), rpc,
-                      pr_status_name(u->status), (int)u->status,
-                      u->status == GRPC_STATUS_OK ? "OK status without a reply message" : det);
-  gpr_free(det);
-  return rc;
+  return mr_err_set(e, code, GC__SRV_FMT ": %s failed: %s (%d): %s", GC__SRV_ARGS(sv), rpc,
+                    pr_status_name(u->status), (int)u->status,
+                    u->status == GRPC_STATUS_OK ? "OK status without a reply message" : det);
 }
 
 /* ---- Hello ------------------------------------------------------------------------------ */
@@ -190,6 +274,15 @@ static int hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *
   if (strlen(wf) == 0 || strlen(wf) >= sizeof sv->weight_format)
     return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Hello weight_format has %zu characters, "
                       "must be 1..%zu", GC__SRV_ARGS(sv), strlen(wf), sizeof sv->weight_format - 1);
+  /* Both go into log lines and messages: printable ASCII only (a fingerprint is hex, a
+   * format name like "int4-g64"). */
+  for (int f = 0; f < 2; f++)
+    for (const char *p = f ? wf : fp; *p; p++)
+      if ((unsigned char)*p < 0x21 || (unsigned char)*p > 0x7e)
+        return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Hello %s has byte 0x%02x at offset %zu, "
+                          "must be printable ASCII", GC__SRV_ARGS(sv),
+                          f ? "weight_format" : "model_fingerprint", (unsigned char)*p,
+                          (size_t)(p - (f ? wf : fp)));
   snprintf(sv->fingerprint, sizeof sv->fingerprint, "%s", fp);
   snprintf(sv->weight_format, sizeof sv->weight_format, "%s", wf);
   struct { const char *name; uint32_t v, max; } dims[] = {
@@ -287,13 +380,13 @@ static int hello_all(gc_cluster *c, uint32_t timeout_ms, mr_err *e) {
     goto out_free;
   }
   mr_log(MR_LOG_INFO, "Hello to %u server%s (timeout %u ms)", n, n == 1 ? "" : "s", timeout_ms);
-  unary_round(chs, n, PR_METHOD_HELLO, req, timeout_ms, u);
+  unary_round(c, chs, n, PR_METHOD_HELLO, req, timeout_ms, u);
   grpc_byte_buffer_destroy(req);
 
   /* Report the first failing server in file order, so the message is reproducible. */
   for (uint32_t i = 0; i < n && !rc; i++) {
     gc__server *sv = &c->servers[i];
-    rc = unary_result(&u[i], sv, "Hello", timeout_ms, e);
+    rc = unary_result(c, &u[i], sv, "Hello", timeout_ms, e);
     if (rc) break;
     Moerpc__V1__HelloReply *h = NULL;
     rc = pr_decode(u[i].resp, &moerpc__v1__hello_reply__descriptor, GC__CTL_MAX_BYTES,
@@ -456,8 +549,10 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
 
   grpc_init();
   c->grpc_inited = true;
+  rc = security_init(c, e);
+  if (rc) goto out_close;
   for (uint32_t i = 0; i < c->n_servers; i++) {
-    c->servers[i].ctl = gc__channel_new(&c->servers[i], GC__CTL_MAX_BYTES);
+    c->servers[i].ctl = gc__channel_new(c, &c->servers[i], GC__CTL_MAX_BYTES);
     if (!c->servers[i].ctl) {
       rc = mr_err_set(e, MR_EUNAVAIL, GC__SRV_FMT ": could not create a channel to %s",
                       GC__SRV_ARGS(&c->servers[i]), c->servers[i].target);
@@ -581,6 +676,11 @@ void gc_cluster_close(gc_cluster *c) {
   mr_free(c->servers);
   mr_free(c->streams);
   mr_free(c->owner);
+  if (c->creds) grpc_channel_credentials_release(c->creds);
+  if (c->n_auth_md) {
+    grpc_slice_unref(c->auth_md.key);
+    grpc_slice_unref(c->auth_md.value);
+  }
   if (c->locks_inited) {
     pthread_mutex_destroy(&c->local_lock);
     pthread_mutex_destroy(&c->calls_lock);
@@ -668,9 +768,9 @@ int gc_cluster_stats(gc_cluster *c, uint32_t idx, bool reset, gc_stats *out, mr_
   q.reset = reset;
   grpc_byte_buffer *req = pr_encode(&q.base);
   if (!req) return mr_err_set(e, MR_ENOMEM, "StatsRequest: out of memory");
-  unary_round(&sv->ctl, 1, PR_METHOD_STATS, req, c->deadline_ms, &u);
+  unary_round(c, &sv->ctl, 1, PR_METHOD_STATS, req, c->deadline_ms, &u);
   grpc_byte_buffer_destroy(req);
-  int rc = unary_result(&u, sv, "Stats", c->deadline_ms, e);
+  int rc = unary_result(c, &u, sv, "Stats", c->deadline_ms, e);
   if (rc) goto out_free;
   rc = pr_decode(u.resp, &moerpc__v1__stats_reply__descriptor, GC__CTL_MAX_BYTES,
                  (ProtobufCMessage **)&r, e);

@@ -122,6 +122,9 @@ static int stream_open_locked(gc__stream *s, mr_err *e) {
   op.op = GRPC_OP_SEND_INITIAL_METADATA;
   op.flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET |
              (s->failfast ? 0 : GRPC_INITIAL_METADATA_WAIT_FOR_READY);
+  /* The bearer token, if any: the server checks it when it accepts the stream. */
+  op.data.send_initial_metadata.count = c->n_auth_md;
+  op.data.send_initial_metadata.metadata = c->n_auth_md ? (grpc_metadata *)&c->auth_md : NULL;
   start_batch_locked(cl, &op, 1, &cl->t_start);
   arm_recv_locked(cl, true);
   memset(&op, 0, sizeof op);
@@ -340,10 +343,12 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
                    ? pr_mr_from_status((grpc_status_code)h->status)
                    : MR_EINTERNAL;
     if (code == 0) code = MR_EINTERNAL;
+    char msg[MR_LOG_ESC_MAX];
+    mr_log_escape(msg, sizeof msg, h->error ? h->error : "", h->error ? strlen(h->error) : 0);
     rc = mr_err_set(&err, code, "layer %u request %llu: " GC__SRV_FMT ": %s (%u): %s", p->layer,
                     (unsigned long long)r->id, GC__SRV_ARGS(s->srv),
                     pr_status_name((grpc_status_code)h->status), h->status,
-                    h->error && *h->error ? h->error : "(no message)");
+                    *msg ? msg : "(no message)");
   } else if ((mr_dtype)h->dtype != p->dtype) {
     rc = mr_err_set(&err, MR_EPROTO, "layer %u request %llu: " GC__SRV_FMT ": reply dtype %d, "
                     "the request's is %d (%s)", p->layer, (unsigned long long)r->id,
@@ -427,7 +432,9 @@ static void on_status(gc__stream *s, gc__call *cl) {
   bool was_cur = s->cur == cl;
   bool closing = s->closing;
   if (was_cur) {
-    char *det = grpc_slice_to_c_string(cl->details);
+    char det[MR_LOG_ESC_MAX]; /* the server's words: escaped before they reach a log line */
+    mr_log_escape(det, sizeof det, (const char *)GRPC_SLICE_START_PTR(cl->details),
+                  GRPC_SLICE_LENGTH(cl->details));
     if (s->break_rc) {
       rc = s->break_rc;
       snprintf(why, sizeof why, "%s", s->break_msg);
@@ -435,10 +442,11 @@ static void on_status(gc__stream *s, gc__call *cl) {
       rc = MR_ECANCELED;
       snprintf(why, sizeof why, "cluster closed (%s: %s)", pr_status_name(cl->status), det);
     } else {
+      /* A refused token is no outage: retrying the same token will not help. */
+      if (cl->status == GRPC_STATUS_UNAUTHENTICATED) rc = MR_EAUTH;
       snprintf(why, sizeof why, "stream ended (%s: %s)", pr_status_name(cl->status),
                *det ? det : "no details");
     }
-    gpr_free(det);
     s->cur = NULL;
     s->send_busy = false;
     /* Detach the outstanding list: these requests are ours now (linked = false makes a
@@ -520,7 +528,7 @@ int gc__streams_start(gc_cluster *c, mr_err *e) {
     pthread_mutex_init(&s->lock, NULL);
     /* Room for a full request or reply at the server's max_tokens: the server's own limit. */
     uint64_t max = pr_forward_max_bytes(s->srv->max_tokens, c->H, c->E);
-    s->ch = gc__channel_new(s->srv, max > INT_MAX ? INT_MAX : (int)max);
+    s->ch = gc__channel_new(c, s->srv, max > INT_MAX ? INT_MAX : (int)max);
     s->inited = true;
     if (!s->ch)
       return mr_err_set(e, MR_EUNAVAIL, GC__SRV_FMT ": could not create a data channel",

@@ -282,6 +282,11 @@ struct gc_cluster {
   atomic_uint_fast64_t next_id;
   gc__pool *pool;           /* owned; may outlive the cluster (see above) */
   bool locks_inited;
+  /* Security (cluster file "tls" and "token_file"), set at open, read-only afterwards. */
+  grpc_channel_credentials *creds; /* for every channel: insecure or TLS */
+  bool tls;
+  grpc_metadata auth_md;    /* "authorization: Bearer <token>" */
+  size_t n_auth_md;         /* 1 with a token, else 0: sent on every call */
 };
 
 /* gc_local.c */
@@ -325,6 +330,6 @@ void gc__payload_release(void *pending);
 #define GC__SRV_FMT "server %s (%s)"
 #define GC__SRV_ARGS(sv) (sv)->cfg.name, (sv)->cfg.address
 /* A channel to srv->target with message limits of max_bytes. */
-grpc_channel *gc__channel_new(const gc__server *srv, int max_bytes);
+grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int max_bytes);
 
 #endif /* GC_INTERNAL_H */

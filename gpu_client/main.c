@@ -57,8 +57,10 @@ enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, O
 static void help_text(char *buf, size_t len, const char *own) {
   snprintf(buf, len,
            "%s"
-           "  --cluster FILE           cluster file (JSON: servers, model, local experts)  "
+           "  --cluster FILE           cluster file (JSON: servers, model, local experts;  "
            "required\n"
+           "                           TLS and the bearer token file: \"tls\", \"token_file\",\n"
+           "                           see gpu_client/README.md)\n"
            "  --deadline-ms N          per-request deadline, 1..%u (default: the file's)\n"
            "  --connect-timeout-ms N   deadline of the Hello round at start, 1..%u (default %u)\n"
            "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"

@@ -61,9 +61,21 @@ uint64_t pr_forward_token_bytes(uint32_t hidden_size, uint32_t num_experts);
 /* The largest Forward message of up to max_tokens tokens: max_tokens * token bytes + the
  * framing, never below PR_GRPC_DEFAULT_MAX_MESSAGE_BYTES. */
 uint64_t pr_forward_max_bytes(uint32_t max_tokens, uint32_t hidden_size, uint32_t num_experts);
-/* Period of the HTTP/2 keepalive ping on every channel and server: finds a dead peer on an
- * idle long-lived stream well before TCP would. */
+/* Keepalive (docs/DESIGN.md section 11). Both sides ping their peer after this long without
+ * activity and drop the connection when the ack does not come within the timeout: a dead
+ * peer on an idle long-lived stream is found in about 35 s instead of TCP's minutes, and a
+ * peer that stops answering mid-stream within 5 s of the next ping. The server accepts a
+ * ping without data every PR_KEEPALIVE_TIME_MS / 3 (10 s), well below the client's 30 s, so
+ * an idle stream never collects ping strikes (no too_many_pings GOAWAY) however long it
+ * idles; a peer pinging faster than that gets PR_KEEPALIVE_MAX_PING_STRIKES strikes and then
+ * a GOAWAY. The environment variable MOERPC_KEEPALIVE_TIME_MS (100..3600000; tests only)
+ * replaces the 30 s on the side that reads it, and the rest follows from it. */
 #define PR_KEEPALIVE_TIME_MS 30000
+#define PR_KEEPALIVE_TIMEOUT_MS 5000
+#define PR_KEEPALIVE_MAX_PING_STRIKES 2
+/* The keepalive period in effect: PR_KEEPALIVE_TIME_MS, or MOERPC_KEEPALIVE_TIME_MS when set
+ * to a number in 100..3600000 (read once). */
+int pr_keepalive_time_ms(void);
 
 /* A read-only view of bytes. */
 typedef struct pr_seg {
@@ -148,9 +160,16 @@ grpc_byte_buffer *pr_health_request_encode(const char *service);
 int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr_err *e);
 
 /* ---- gRPC helpers shared by server and client ---------------------------------------- */
-/* Fills args[0..3) with max send/receive message length = max_bytes and the keepalive
- * period (PR_KEEPALIVE_TIME_MS); returns 3. args_out must have room for 3 grpc_arg. */
+/* Client channels: fills args_out[0..PR_CHANNEL_ARGS) with max send/receive message length =
+ * max_bytes and the client's keepalive (ping period pr_keepalive_time_ms(), timeout, pings
+ * allowed without calls and without data); returns PR_CHANNEL_ARGS. */
+#define PR_CHANNEL_ARGS 6
 size_t pr_channel_args(grpc_arg *args_out, int max_bytes);
+/* The server: the same message limits and keepalive, plus the ping policy that accepts the
+ * clients' pings (minimum interval pr_keepalive_time_ms() / 3, PR_KEEPALIVE_MAX_PING_STRIKES);
+ * returns PR_SERVER_ARGS. */
+#define PR_SERVER_ARGS 8
+size_t pr_server_args(grpc_arg *args_out, int max_bytes);
 /* Converts an MR_E* code to the gRPC status of docs/DESIGN.md section 4 and back. */
 grpc_status_code pr_status_from_mr(int code);
 int pr_mr_from_status(grpc_status_code st);

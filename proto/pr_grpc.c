@@ -9,6 +9,7 @@
  */
 #include <arpa/inet.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <grpc/byte_buffer.h>
@@ -279,17 +280,58 @@ int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr
 
 /* ---- channel args, status codes, targets ----------------------------------------------- */
 
+int pr_keepalive_time_ms(void) {
+  static int cached; /* 0 = not read yet; racing first readers compute the same value */
+  int v = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+  if (v) return v;
+  v = PR_KEEPALIVE_TIME_MS;
+  const char *s = getenv("MOERPC_KEEPALIVE_TIME_MS");
+  if (s && *s) {
+    char *end = NULL;
+    long x = strtol(s, &end, 10);
+    if (end && !*end && x >= 100 && x <= 3600000) v = (int)x;
+  }
+  __atomic_store_n(&cached, v, __ATOMIC_RELAXED);
+  return v;
+}
+
+static void arg_int(grpc_arg *a, const char *key, int v) {
+  a->type = GRPC_ARG_INTEGER;
+  a->key = (char *)key;
+  a->value.integer = v;
+}
+
+/* The part both sides share: message limits, own keepalive pings. */
+static size_t common_args(grpc_arg *a, int max_bytes) {
+  int t = pr_keepalive_time_ms();
+  /* A shortened period (tests) shortens the timeout too, never below 1 s. */
+  int timeout = t < PR_KEEPALIVE_TIMEOUT_MS ? (t < 1000 ? 1000 : t) : PR_KEEPALIVE_TIMEOUT_MS;
+  arg_int(&a[0], GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, max_bytes);
+  arg_int(&a[1], GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, max_bytes);
+  arg_int(&a[2], GRPC_ARG_KEEPALIVE_TIME_MS, t);
+  arg_int(&a[3], GRPC_ARG_KEEPALIVE_TIMEOUT_MS, timeout);
+  /* The control channel idles between Hello and Stats and still wants a dead server found;
+   * and keepalive must go on whether or not data flows (gRPC stops after 2 pings without
+   * data by default). */
+  arg_int(&a[4], GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  arg_int(&a[5], GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  return 6;
+}
+
 size_t pr_channel_args(grpc_arg *args_out, int max_bytes) {
-  args_out[0].type = GRPC_ARG_INTEGER;
-  args_out[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-  args_out[0].value.integer = max_bytes;
-  args_out[1].type = GRPC_ARG_INTEGER;
-  args_out[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-  args_out[1].value.integer = max_bytes;
-  args_out[2].type = GRPC_ARG_INTEGER;
-  args_out[2].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
-  args_out[2].value.integer = PR_KEEPALIVE_TIME_MS;
-  return 3;
+  size_t n = common_args(args_out, max_bytes);
+  MR_ASSERT(n == PR_CHANNEL_ARGS);
+  return n;
+}
+
+size_t pr_server_args(grpc_arg *args_out, int max_bytes) {
+  size_t n = common_args(args_out, max_bytes);
+  int t = pr_keepalive_time_ms();
+  /* Below the clients' period with room for timer jitter: their pings never count as strikes. */
+  arg_int(&args_out[n++], GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, t / 3);
+  arg_int(&args_out[n++], GRPC_ARG_HTTP2_MAX_PING_STRIKES, PR_KEEPALIVE_MAX_PING_STRIKES);
+  MR_ASSERT(n == PR_SERVER_ARGS);
+  return n;
 }
 
 uint64_t pr_forward_token_bytes(uint32_t hidden_size, uint32_t num_experts) {
@@ -316,6 +358,7 @@ grpc_status_code pr_status_from_mr(int code) {
   case MR_ECANCELED: return GRPC_STATUS_CANCELLED;
   case MR_ENOTSUP: return GRPC_STATUS_UNIMPLEMENTED;
   case MR_ENOTFOUND: return GRPC_STATUS_NOT_FOUND;
+  case MR_EAUTH: return GRPC_STATUS_UNAUTHENTICATED;
   default: return GRPC_STATUS_INTERNAL;
   }
 }
@@ -357,6 +400,7 @@ int pr_mr_from_status(grpc_status_code st) {
   case GRPC_STATUS_CANCELLED: return MR_ECANCELED;
   case GRPC_STATUS_UNIMPLEMENTED: return MR_ENOTSUP;
   case GRPC_STATUS_NOT_FOUND: return MR_ENOTFOUND;
+  case GRPC_STATUS_UNAUTHENTICATED: return MR_EAUTH;
   default: return MR_EINTERNAL;
   }
 }

@@ -78,6 +78,20 @@ static int split_args(char *s, char **argv, int max) {
 
 static const char *server_isa;
 void itu_server_isa(const char *isa) { server_isa = isa; }
+static const char *server_host;
+void itu_server_listen_host(const char *host) { server_host = host; }
+
+static struct {
+  const char *ca, *cert, *key, *name, *token;
+} sec;
+void itu_client_security(const char *ca_pem, const char *cert_pem, const char *key_pem,
+                         const char *server_name, const char *token) {
+  sec.ca = ca_pem;
+  sec.cert = cert_pem;
+  sec.key = key_pem;
+  sec.name = server_name;
+  sec.token = token;
+}
 
 int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
                      int timeout_ms) {
@@ -88,8 +102,8 @@ int itu_server_start(itu_server *s, const char *model, const char *extra, const 
   snprintf(s->address, sizeof s->address, "127.0.0.1:%d", s->port);
   snprintf(s->log, sizeof s->log, "%s/server-%d-%d.log", logdir, s->port, seq++);
   char args[2048];
-  snprintf(args, sizeof args, "%s --model %s --listen %s %s", itu_bin("moerpc-server"), model,
-           s->address, extra ? extra : "");
+  snprintf(args, sizeof args, "%s --model %s --listen %s:%d %s", itu_bin("moerpc-server"), model,
+           server_host ? server_host : "127.0.0.1", s->port, extra ? extra : "");
   char *argv[64];
   split_args(args, argv, 64);
   fflush(NULL);
@@ -164,11 +178,22 @@ static int wait_tag(grpc_completion_queue *cq, void *tag, int timeout_ms) {
 
 int itu_call_open(itu_call *c, const char *address, const char *method, int deadline_ms) {
   memset(c, 0, sizeof *c);
-  grpc_arg args[4];
+  grpc_arg args[PR_CHANNEL_ARGS + 1];
   grpc_channel_args ca = {pr_channel_args(args, 256 << 20), args};
   char target[300];
   pr_target_from_address(address, target, sizeof target);
-  grpc_channel_credentials *cr = grpc_insecure_credentials_create();
+  grpc_channel_credentials *cr;
+  if (sec.ca) {
+    grpc_ssl_pem_key_cert_pair kp = {.private_key = sec.key, .cert_chain = sec.cert};
+    cr = grpc_ssl_credentials_create(sec.ca, sec.cert ? &kp : NULL, NULL, NULL);
+    if (sec.name) {
+      args[ca.num_args].type = GRPC_ARG_STRING;
+      args[ca.num_args].key = (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG;
+      args[ca.num_args++].value.string = (char *)sec.name;
+    }
+  } else {
+    cr = grpc_insecure_credentials_create();
+  }
   c->ch = grpc_channel_create(target, cr, &ca);
   grpc_channel_credentials_release(cr);
   c->cq = grpc_completion_queue_create_for_next(NULL);
@@ -180,7 +205,18 @@ int itu_call_open(itu_call *c, const char *address, const char *method, int dead
   c->details = grpc_empty_slice();
   grpc_op op = {.op = GRPC_OP_SEND_INITIAL_METADATA,
                 .flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY};
-  if (grpc_call_start_batch(c->call, &op, 1, (void *)1, NULL) != GRPC_CALL_OK) return -1;
+  char auth[5000];
+  grpc_metadata md;
+  if (sec.token) {
+    snprintf(auth, sizeof auth, "Bearer %s", sec.token);
+    md.key = grpc_slice_from_static_string("authorization");
+    md.value = grpc_slice_from_copied_string(auth);
+    op.data.send_initial_metadata.count = 1;
+    op.data.send_initial_metadata.metadata = &md;
+  }
+  int rc = grpc_call_start_batch(c->call, &op, 1, (void *)1, NULL) == GRPC_CALL_OK ? 0 : -1;
+  if (sec.token) grpc_slice_unref(md.value); /* gRPC took its own reference */
+  if (rc) return -1;
   return wait_tag(c->cq, (void *)1, deadline_ms) == 1 ? 0 : -1;
 }
 

@@ -40,6 +40,16 @@ int itu_server_start(itu_server *s, const char *model, const char *extra, const 
  * with kn_ref at 1e-5 force "ref": fast paths are only within the format tolerances of
  * docs/DESIGN.md section 5 of the reference. */
 void itu_server_isa(const char *isa);
+/* Host in the --listen of servers started from now on (NULL: 127.0.0.1). The health probe
+ * and itu_server.address still use 127.0.0.1, which a wildcard address also serves. */
+void itu_server_listen_host(const char *host);
+/* How itu_call_open (and so itu_health and itu_server_start's probe) connects from now on:
+ * TLS when ca_pem is not NULL (PEM text, not a path; cert_pem/key_pem for mTLS, may be
+ * NULL; server_name overrides the name checked, may be NULL), and the metadata
+ * "authorization: Bearer <token>" when token is not NULL. All NULL: plaintext, no token.
+ * The strings are borrowed until the next call. */
+void itu_client_security(const char *ca_pem, const char *cert_pem, const char *key_pem,
+                         const char *server_name, const char *token);
 /* Sends sig and waits up to timeout_ms for the exit; *status gets the wait status.
  * Kills with SIGKILL after the timeout and returns -1. */
 int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status);

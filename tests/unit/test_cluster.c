@@ -259,4 +259,97 @@ MT_TEST(load_and_file_read) {
   MT_CONTAINS(e.msg, "cluster.json");
 }
 
+MT_TEST(tls_and_token_keys) {
+  mr_err e;
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"127.0.0.1:9\"}],"
+              "\"tls\":{\"ca\":\"ca.pem\",\"cert\":\"c.pem\",\"key\":\"c.key\","
+              "\"server_name\":\"experts.example\"},\"token_file\":\"/run/tok\"}",
+              &e),
+        &e);
+  MT_TRUE(cf.tls);
+  MT_EQ_STR(cf.tls_ca, "ca.pem");
+  MT_EQ_STR(cf.tls_cert, "c.pem");
+  MT_EQ_STR(cf.tls_key, "c.key");
+  MT_EQ_STR(cf.tls_server_name, "experts.example");
+  MT_EQ_STR(cf.token_file, "/run/tok");
+  /* Every key inside is optional: an empty object means TLS with the default roots. */
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"h:9\"}],\"tls\":{}}", &e), &e);
+  MT_TRUE(cf.tls);
+  MT_EQ_STR(cf.tls_ca, "");
+  MT_EQ_STR(cf.token_file, "");
+  /* No section: plaintext, no token. */
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"h:9\"}]}", &e), &e);
+  MT_FALSE(cf.tls);
+}
+
+MT_TEST(tls_and_token_errors) {
+  mr_err e;
+  const char *srv = "\"servers\":[{\"name\":\"a\",\"address\":\"h:9\"}]";
+  char j[512];
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"ca\":\"a\",\"verify\":false}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "verify");
+  MT_CONTAINS(e.msg, "tls");
+  snprintf(j, sizeof j, "{%s,\"tls\":\"yes\"}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tls = \"yes\", must be an object");
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"cert\":\"c.pem\"}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "tls.cert is given without tls.key");
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"key\":\"c.key\"}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "tls.key is given without tls.cert");
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"ca\":7}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tls.ca = 7, must be a string");
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"ca\":\"\"}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "tls.ca is empty");
+  snprintf(j, sizeof j, "{%s,\"tls\":{\"server_name\":\"a b\"}}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "tls.server_name = \"a b\", character ' '");
+  snprintf(j, sizeof j, "{%s,\"token_file\":[]}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "token_file = ");
+  snprintf(j, sizeof j, "{%s,\"token_file\":\"\"}", srv);
+  MT_EQ_INT(parse(j, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "token_file is empty");
+  snprintf(j, sizeof j, "{%s,\"token\":\"secret\"}", srv); /* the token itself: never */
+  MT_EQ_INT(parse(j, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "token");
+  /* A path longer than the field holds names the field and the limit. */
+  char big[1200];
+  memset(big, 'a', 1100);
+  big[1100] = '\0';
+  char jj[1400];
+  snprintf(jj, sizeof jj, "{%s,\"tls\":{\"ca\":\"%s\"}}", srv, big);
+  MT_EQ_INT(parse(jj, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "tls.ca is 1100 characters long, at most 1023");
+}
+
+/* A FIFO named as a cluster (or any) file is refused at once instead of blocking the open. */
+MT_TEST(fifo_refused_without_blocking) {
+  char dir[] = "/tmp/mr-test-fifo-XXXXXX";
+  MT_TRUE(mkdtemp(dir) != NULL);
+  char path[256];
+  snprintf(path, sizeof path, "%s/cluster.json", dir);
+  MT_EQ_INT(mkfifo(path, 0600), 0);
+  alarm(10); /* a regression would block in open(): the alarm turns it into a failure */
+  mr_err e = {0};
+  int rc = mr_cluster_load(&cf, path, &e);
+  char msg[512];
+  snprintf(msg, sizeof msg, "%s", e.msg);
+  char *text = NULL;
+  int rc2 = mr_file_read("/dev/null", 100, &text, NULL, &e);
+  char msg2[512];
+  snprintf(msg2, sizeof msg2, "%s", e.msg);
+  alarm(0);
+  unlink(path);
+  rmdir(dir);
+  MT_EQ_INT(rc, MR_EINVAL);
+  MT_CONTAINS(msg, "cluster.json: not a regular file (a FIFO)");
+  MT_EQ_INT(rc2, MR_EINVAL);
+  MT_CONTAINS(msg2, "/dev/null: not a regular file (a character device)");
+}
+
 MT_MAIN()

@@ -1119,23 +1119,61 @@ MT_TEST(status_mapping) {
   for (int st = 0; st <= 16; st++)
     MT_EQ_INT(pr_status_from_mr(pr_mr_from_status((grpc_status_code)st)),
               st == 0 || st == 1 || st == 3 || st == 4 || st == 5 || st == 8 || st == 9 ||
-                      st == 12 || st == 14
+                      st == 12 || st == 14 || st == 16
                   ? st
                   : GRPC_STATUS_INTERNAL);
 }
 
 MT_TEST(channel_args) {
-  grpc_arg a[4];
+  grpc_arg a[PR_SERVER_ARGS + 1];
   memset(a, 0, sizeof a);
-  MT_EQ_INT(pr_channel_args(a, 64 << 20), 3);
+  MT_EQ_INT(pr_channel_args(a, 64 << 20), PR_CHANNEL_ARGS);
   MT_EQ_STR(a[0].key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH);
   MT_EQ_STR(a[1].key, GRPC_ARG_MAX_SEND_MESSAGE_LENGTH);
   MT_EQ_STR(a[2].key, GRPC_ARG_KEEPALIVE_TIME_MS);
-  for (int i = 0; i < 3; i++) MT_EQ_INT(a[i].type, GRPC_ARG_INTEGER);
+  MT_EQ_STR(a[3].key, GRPC_ARG_KEEPALIVE_TIMEOUT_MS);
+  MT_EQ_STR(a[4].key, GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS);
+  MT_EQ_STR(a[5].key, GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA);
+  for (int i = 0; i < PR_CHANNEL_ARGS; i++) MT_EQ_INT(a[i].type, GRPC_ARG_INTEGER);
   MT_EQ_INT(a[0].value.integer, 64 << 20);
   MT_EQ_INT(a[1].value.integer, 64 << 20);
-  MT_EQ_INT(a[2].value.integer, 30000);
-  MT_TRUE(a[3].key == NULL); /* the fourth slot is left alone */
+  MT_EQ_INT(a[2].value.integer, pr_keepalive_time_ms());
+  MT_EQ_INT(a[4].value.integer, 1);
+  MT_EQ_INT(a[5].value.integer, 0);
+  MT_TRUE(a[PR_CHANNEL_ARGS].key == NULL); /* the next slot is left alone */
+}
+
+/* The server accepts the clients' pings: its minimum interval is below their period. */
+MT_TEST(server_args_keepalive_policy) {
+  unsetenv("MOERPC_KEEPALIVE_TIME_MS");
+  grpc_arg c[PR_CHANNEL_ARGS], s[PR_SERVER_ARGS + 1];
+  memset(s, 0, sizeof s);
+  pr_channel_args(c, 1 << 22);
+  MT_EQ_INT(pr_server_args(s, 1 << 22), PR_SERVER_ARGS);
+  MT_EQ_INT(c[2].value.integer, PR_KEEPALIVE_TIME_MS);
+  MT_EQ_INT(c[3].value.integer, PR_KEEPALIVE_TIMEOUT_MS);
+  MT_EQ_STR(s[6].key, GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS);
+  MT_EQ_STR(s[7].key, GRPC_ARG_HTTP2_MAX_PING_STRIKES);
+  MT_TRUE(s[6].value.integer < c[2].value.integer);
+  MT_EQ_INT(s[7].value.integer, PR_KEEPALIVE_MAX_PING_STRIKES);
+  MT_EQ_INT(s[4].value.integer, 1); /* pings on a connection without calls are no strikes */
+  MT_TRUE(s[PR_SERVER_ARGS].key == NULL);
+}
+
+/* The test-only override: in range it replaces the period, out of range it is ignored. */
+MT_TEST(keepalive_env_override) {
+  setenv("MOERPC_KEEPALIVE_TIME_MS", "300", 1);
+  MT_EQ_INT(pr_keepalive_time_ms(), 300);
+  grpc_arg s[PR_SERVER_ARGS];
+  pr_server_args(s, 1 << 22);
+  MT_EQ_INT(s[2].value.integer, 300);
+  MT_EQ_INT(s[3].value.integer, 1000);
+  MT_EQ_INT(s[6].value.integer, 100);
+}
+
+MT_TEST(keepalive_env_out_of_range_ignored) {
+  setenv("MOERPC_KEEPALIVE_TIME_MS", "5", 1);
+  MT_EQ_INT(pr_keepalive_time_ms(), PR_KEEPALIVE_TIME_MS);
 }
 
 MT_TEST(target_from_address) {
