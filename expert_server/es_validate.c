@@ -135,11 +135,11 @@ int es_forward_validate(const Moerpc__V1__ForwardRequest *req, size_t hidden_len
  * An IEEE value (f32, f16 or bf16) is NaN or +-Inf exactly when every bit of its exponent is
  * set, so "all finite" is one integer test per element: (bits & exp_mask) == exp_mask. The
  * scan ORs that test over fixed blocks of ES__FIN_BLOCK elements (a fixed trip count, so
- * that GCC's -O2 vectoriser takes the inner loop: SSE2 at least, 8-16 elements per
+ * that GCC's -O2 vectoriser takes the inner loop: SSE2 at least, 4-8 elements per
  * instruction) and leaves the block at the first hit; only then is the element found and
  * classified, off the fast path. Loads go through memcpy: no alignment is assumed.
  */
-#define ES__FIN_BLOCK 64
+#define ES__FIN_BLOCK 256
 
 typedef struct es__fp_kind {
   size_t size;       /* bytes per element */
@@ -153,25 +153,37 @@ static const es__fp_kind es__fp_f16 = {2, 0x7c00u, 0x03ffu, 0x8000u};
 static const es__fp_kind es__fp_bf16 = {2, 0x7f80u, 0x007fu, 0x8000u};
 
 static bool es__block_bad32(const uint8_t *p, size_t n, uint32_t m) {
-  uint32_t v[ES__FIN_BLOCK];
-  memcpy(v, p, n * sizeof v[0]);
-  unsigned bad = 0;
+  uint32_t bad = 0;
   if (n == ES__FIN_BLOCK) {
-    for (size_t j = 0; j < ES__FIN_BLOCK; j++) bad |= (v[j] & m) == m;
+    for (size_t j = 0; j < ES__FIN_BLOCK; j++) {
+      uint32_t v;
+      memcpy(&v, p + 4 * j, 4);
+      bad |= (v & m) == m;
+    }
   } else {
-    for (size_t j = 0; j < n; j++) bad |= (v[j] & m) == m;
+    for (size_t j = 0; j < n; j++) {
+      uint32_t v;
+      memcpy(&v, p + 4 * j, 4);
+      bad |= (v & m) == m;
+    }
   }
   return bad != 0;
 }
 
 static bool es__block_bad16(const uint8_t *p, size_t n, uint16_t m) {
-  uint16_t v[ES__FIN_BLOCK];
-  memcpy(v, p, n * sizeof v[0]);
-  unsigned bad = 0;
+  uint16_t bad = 0;
   if (n == ES__FIN_BLOCK) {
-    for (size_t j = 0; j < ES__FIN_BLOCK; j++) bad |= (v[j] & m) == m;
+    for (size_t j = 0; j < ES__FIN_BLOCK; j++) {
+      uint16_t v;
+      memcpy(&v, p + 2 * j, 2);
+      bad |= (uint16_t)((v & m) == m);
+    }
   } else {
-    for (size_t j = 0; j < n; j++) bad |= (v[j] & m) == m;
+    for (size_t j = 0; j < n; j++) {
+      uint16_t v;
+      memcpy(&v, p + 2 * j, 2);
+      bad |= (uint16_t)((v & m) == m);
+    }
   }
   return bad != 0;
 }

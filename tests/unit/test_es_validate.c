@@ -272,7 +272,7 @@ static const fp_bits kinds[] = {
 /* T x HH elements of kind k, every one a finite value (a pattern through the denormals,
  * 1.0, the largest finite and -0), except element `at` (if < T * HH) set to `bits`. */
 #define FT 5
-#define FH 131 /* not a multiple of the scan's block: the tail is exercised too */
+#define FH 300 /* over one block of the scan (256) and not a multiple: both loops run */
 static uint8_t fbuf[FT * FH * 4];
 static void fill(const fp_bits *k, size_t at, uint32_t bits) {
   size_t es = mr_dtype_size(k->dt), n = (size_t)FT * FH;
