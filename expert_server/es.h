@@ -105,6 +105,10 @@ void es_server_stop(es_server *s);
  * es_server_run returned 0, or instead of es_server_run. NULL is a no-op. */
 void es_server_free(es_server *s);
 
+/* Largest HelloRequest / StatsRequest accepted (pr_decode's limit in es_grpc.c; the fuzz
+ * targets of both decoders use it too). */
+#define ES_MAX_CONTROL_REQUEST_BYTES (64u << 10)
+
 /* ---- request validation ---------------------------------------------------------------- */
 
 /* A ForwardRequest header as pr_forward_request_decode returns it (proto/pr.h). */
