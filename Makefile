@@ -206,11 +206,22 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
-FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) $(INC) -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB_C)
+# The libraries' sources are compiled once for every target (fuzzer-no-link coverage
+# instrumentation, ASan + UBSan), without the per-ISA kernel files (MR_FUZZ_NO_ISA).
+FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
+FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
+FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC)
+FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o
+$(BUILD)/fuzz/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)
-	$(CLANG) $(FUZZ_CFLAGS) -o $@ $< $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) \
-	    $(ES_SRC) $(GEN_PB_C) -DMR_FUZZ_NO_ISA=1 $(EXT_LIBS) -lpthread
+	$(call say,CLANG,$<)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -w -c $< -o $@
+$(BUILD)/fuzz/obj/%.o: %.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(call say,CLANG,$<)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -MMD -MP -c $< -o $@
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_OBJ) | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(call say,FUZZ,$@)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_LIB_OBJ) \
+	    $(EXT_LIBS) -lpthread
 fuzz: $(FUZZ_BINS)
 
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
@@ -247,4 +258,4 @@ bench: all
 clean:
 	rm -rf build
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(BUILD)/fuzz/obj -name '*.d' 2>/dev/null)
