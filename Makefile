@@ -8,6 +8,7 @@
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
 #   make have-not         the "have-not" build (no AVX2/AVX-512, hwloc, libnuma) + unit tests
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
+#   make fuzz-check       runs each of them FUZZ_SECONDS (20) on a copy of its corpus
 #
 # Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
 # Only proto and the code above it include the generated protobuf-c header, so only their
@@ -119,7 +120,7 @@ ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
 TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
 
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz have-not clean help
+.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz fuzz-check have-not clean help
 all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
@@ -223,6 +224,11 @@ $(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_OBJ) | $(GEN_PB_H)
 	$(call say,FUZZ,$@)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_LIB_OBJ) \
 	    $(EXT_LIBS) -lpthread
 fuzz: $(FUZZ_BINS)
+# Each target for FUZZ_SECONDS on a copy of its corpus; fails on any crash, leak or UB
+# (tests/fuzz/check.sh; the failing input is kept in $(BUILD)/fuzz-artifacts/).
+FUZZ_SECONDS ?= 20
+fuzz-check: fuzz
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/check.sh
 
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
 $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
