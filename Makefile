@@ -240,11 +240,11 @@ test: all
 	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh
 
 test-unit: all
-	@BUILD=$(BUILD) tests/run.sh unit
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh unit
 test-fuzz: all
-	@BUILD=$(BUILD) tests/run.sh fuzz
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh fuzz
 test-integration: all
-	@BUILD=$(BUILD) tests/run.sh integration
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh integration
 
 demo:
 	@deploy/demo.sh
