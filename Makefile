@@ -8,6 +8,7 @@
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
 #   make have-not         the "have-not" build (no AVX2/AVX-512, hwloc, libnuma) + unit tests
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
+#   make fuzz-check       runs each of them FUZZ_SECONDS (20) on a copy of its corpus
 #
 # Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
 # Only proto and the code above it include the generated protobuf-c header, so only their
@@ -107,7 +108,7 @@ SO_GC  = $(BUILD)/lib/libmoerpc-client.so
 LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
-       $(BUILD)/bin/moerpc-bench-kernels
+       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite
 
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
@@ -119,7 +120,7 @@ ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
 TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
 
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz have-not clean help
+.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz fuzz-check have-not clean help
 all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
@@ -184,6 +185,9 @@ $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-bench-finite: $(BUILD)/obj/tests/bench/bench_finite.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
 # ---- tests ------------------------------------------------------------------------------
 $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
@@ -203,12 +207,28 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
 
-FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) $(INC) -fsanitize=fuzzer,address,undefined -fno-omit-frame-pointer
-$(BUILD)/fuzz/%: tests/fuzz/%.c $(MR_SRC) $(PR_SRC) $(ES_SRC) $(KN_SRC) $(GEN_PB_C)
+# The libraries' sources are compiled once for every target (fuzzer-no-link coverage
+# instrumentation, ASan + UBSan), without the per-ISA kernel files (MR_FUZZ_NO_ISA).
+FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
+FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
+FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC)
+FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o
+$(BUILD)/fuzz/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)
-	$(CLANG) $(FUZZ_CFLAGS) -o $@ $< $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) \
-	    $(ES_SRC) $(GEN_PB_C) -DMR_FUZZ_NO_ISA=1 $(EXT_LIBS) -lpthread
+	$(call say,CLANG,$<)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -w -c $< -o $@
+$(BUILD)/fuzz/obj/%.o: %.c | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(call say,CLANG,$<)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link -MMD -MP -c $< -o $@
+$(BUILD)/fuzz/%: tests/fuzz/%.c $(FUZZ_LIB_OBJ) | $(GEN_PB_H)
+	@mkdir -p $(dir $@)
+	$(call say,FUZZ,$@)$(Q)$(CLANG) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< $(FUZZ_LIB_OBJ) \
+	    $(EXT_LIBS) -lpthread
 fuzz: $(FUZZ_BINS)
+# Each target for FUZZ_SECONDS on a copy of its corpus; fails on any crash, leak or UB
+# (tests/fuzz/check.sh; the failing input is kept in $(BUILD)/fuzz-artifacts/).
+FUZZ_SECONDS ?= 20
+fuzz-check: fuzz
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) tests/fuzz/check.sh
 
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
 $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
@@ -220,11 +240,11 @@ test: all
 	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh
 
 test-unit: all
-	@BUILD=$(BUILD) tests/run.sh unit
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh unit
 test-fuzz: all
-	@BUILD=$(BUILD) tests/run.sh fuzz
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh fuzz
 test-integration: all
-	@BUILD=$(BUILD) tests/run.sh integration
+	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh integration
 
 demo:
 	@deploy/demo.sh
@@ -244,4 +264,4 @@ bench: all
 clean:
 	rm -rf build
 
--include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)
+-include $(shell find $(BUILD)/obj $(BUILD)/fuzz/obj -name '*.d' 2>/dev/null)

@@ -27,7 +27,9 @@
  * es_server_run return MR_ECANCELED at once.
  *
  * Also here: es_forward_validate, the pure validation of a decoded ForwardRequest against
- * the server's limits, public so that the unit test and the fuzzer reach it directly.
+ * the server's limits, and the finite checks of hidden states and outputs
+ * (es_hidden_check_finite, es_output_check_finite), public so that the unit test and the
+ * fuzzer reach them directly.
  *
  * This header needs neither gRPC nor the generated protobuf code: the decoded request is
  * an incomplete type here, defined by proto/pr.h (moe.pb-c.h) for the code that builds
@@ -157,6 +159,10 @@ void es_server_stop(es_server *s);
  * es_server_run returned 0, or instead of es_server_run. NULL is a no-op. */
 void es_server_free(es_server *s);
 
+/* Largest HelloRequest / StatsRequest accepted (pr_decode's limit in es_grpc.c; the fuzz
+ * targets of both decoders use it too). */
+#define ES_MAX_CONTROL_REQUEST_BYTES (64u << 10)
+
 /* ---- request validation ---------------------------------------------------------------- */
 
 /* A ForwardRequest header as pr_forward_request_decode returns it (proto/pr.h). */
@@ -191,6 +197,23 @@ typedef struct es_limits {
  * INVALID_ARGUMENT, whatever its other ids are.) */
 int es_forward_validate(const struct Moerpc__V1__ForwardRequest *req, size_t hidden_len,
                         const es_limits *lim, mr_err *e);
+
+/* Checks that the n_tokens x H hidden states at x (row-major, dtype dt: F32, F16 or BF16,
+ * little-endian, any alignment) are all finite: one pass, an integer test of each
+ * element's exponent bits (all set = NaN or Inf), vectorised. Pure. Called by the gRPC
+ * thread right after the payload is gathered into the request's buffer, while those bytes
+ * are in cache. Returns 0, or MR_EINVAL (INVALID_ARGUMENT) for the first non-finite
+ * element in memory order, e.g. "hidden[token 3, index 17] = NaN (bf16 bits 0x7fc1):
+ * hidden states must be finite". Denormals and the largest finite value pass. */
+int es_hidden_check_finite(const void *x, mr_dtype dt, uint32_t n_tokens, uint32_t H, mr_err *e);
+
+/* Checks the fp32 output rows y[n_tokens x H] of one request of `layer` the same way,
+ * before they are converted to the wire dtype. Pure. Returns 0, or MR_ERANGE with
+ * "output[token t, index i] = +Inf in layer l: ..." for the first non-finite element: the
+ * request was valid (finite inputs) but its expert outputs overflowed fp32. The compute
+ * thread answers that request alone with INTERNAL (13) (docs/DESIGN.md section 4). */
+int es_output_check_finite(const float *y, uint32_t layer, uint32_t n_tokens, uint32_t H,
+                           mr_err *e);
 
 #ifdef __cplusplus
 }

@@ -437,6 +437,14 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     es_job *b = batch[j];
     b->compute_us = compute_us;
     sum_queue += b->queue_us;
+    /* Finite inputs can still overflow fp32 (es_output_check_finite): this job alone fails. */
+    if (es_output_check_finite(out + row * H, b->layer, b->n_tokens, H, &e) != 0) {
+      mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": INTERNAL: %s",
+                         b->st->peer, b->id, e.msg);
+      row += b->n_tokens;
+      es__reply_fail(s, b, GRPC_STATUS_INTERNAL, e.msg);
+      continue;
+    }
     mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
     PR_HB_RELEASE(b->buf); /* the last write before gRPC takes the buffer */
     row += b->n_tokens;

@@ -27,9 +27,6 @@
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
 /* HTTP/2 receive window of a stream the server is not reading (es__grpc_create). */
 #define ES_STREAM_LOOKAHEAD (256u << 10)
-/* Largest HelloRequest or StatsRequest accepted: both are a few scalars and a client name,
- * so anything near this is not a real client. */
-#define ES_MAX_CONTROL_REQUEST_BYTES (64u << 10)
 
 static const char *const es__method_path[ES_M_COUNT] = {
     [ES_M_HELLO] = PR_METHOD_HELLO,

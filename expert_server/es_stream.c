@@ -409,6 +409,15 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   }
   PR_HB_ACQUIRE(buf); /* after the release of its last user's reply (internal.h) */
   pr_payload_gather(&st->split.payload, buf->data);
+  /* Finite check while the gathered bytes are in cache (es.h). */
+  rc = es_hidden_check_finite(buf->data, (mr_dtype)req->dtype, req->n_tokens,
+                              s->limits.hidden_size, &e);
+  if (rc) {
+    es__buf_release(buf);
+    es__job_put(&s->pool, job);
+    es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
+    goto out_free_input;
+  }
   job->st = st;
   job->req = req;
   req = NULL;

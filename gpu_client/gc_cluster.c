@@ -26,9 +26,6 @@
 
 #include "internal.h"
 
-/* Message limit of the control channels: a HelloReply of a large model lists every owned
- * expert (61 layers x 256 experts is ~40 KB), Stats counts up to L x E entries. */
-#define GC__CTL_MAX_BYTES (64 << 20)
 /* How long a unary round waits past its calls' deadline before cancelling them (a call with
  * a finite deadline ends by itself; this bounds a gRPC that would not). */
 #define GC__UNARY_DRAIN_MARGIN_MS 5000
@@ -258,7 +255,7 @@ static int unary_result(const gc_cluster *c, const gc__unary *u, const gc__serve
 #define GC__MAX_DIM 65536u
 #define GC__MAX_PAIRS (1u << 22)
 
-static int hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *e) {
+int gc__hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *e) {
   sv->proto_major = h->protocol_major;
   sv->proto_minor = h->protocol_minor;
   if (h->protocol_major != PR_PROTOCOL_MAJOR)
@@ -395,7 +392,7 @@ static int hello_all(gc_cluster *c, uint32_t timeout_ms, mr_err *e) {
       rc = mr_err_prefix(e, MR_EPROTO, GC__SRV_FMT ": Hello reply", GC__SRV_ARGS(sv));
       break;
     }
-    rc = hello_check(sv, h, e);
+    rc = gc__hello_check(sv, h, e);
     moerpc__v1__hello_reply__free_unpacked(h, NULL);
     if (!rc && i > 0) rc = hello_compare(&c->servers[0], sv, e);
     if (!rc)
@@ -757,6 +754,25 @@ int gc_server_counters_get(gc_cluster *c, uint32_t idx, bool reset, gc_server_co
 
 /* ---- Stats -------------------------------------------------------------------------------- */
 
+int gc__stats_reply_check(const gc__server *sv, const Moerpc__V1__StatsReply *r, uint32_t L,
+                          uint32_t E, gc_stats *out, mr_err *e) {
+  out->requests = r->requests;
+  out->errors = r->errors;
+  out->counts = mr_calloc(r->n_counts ? r->n_counts : 1, sizeof *out->counts);
+  if (!out->counts)
+    return mr_err_set(e, MR_ENOMEM, GC__SRV_FMT ": Stats reply of %zu counts: out of memory",
+                      GC__SRV_ARGS(sv), r->n_counts);
+  for (size_t i = 0; i < r->n_counts; i++) {
+    const Moerpc__V1__ExpertCount *x = r->counts[i];
+    if (x->layer >= L || x->expert >= E)
+      return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Stats counts[%zu] = (layer %u, expert %u), "
+                        "outside the model's %u layers x %u experts", GC__SRV_ARGS(sv), i,
+                        x->layer, x->expert, L, E);
+    out->counts[out->n_counts++] = (gc_expert_count){x->layer, x->expert, x->tokens};
+  }
+  return 0;
+}
+
 int gc_cluster_stats(gc_cluster *c, uint32_t idx, bool reset, gc_stats *out, mr_err *e) {
   gc__unary u;
   Moerpc__V1__StatsReply *r = NULL;
@@ -778,24 +794,7 @@ int gc_cluster_stats(gc_cluster *c, uint32_t idx, bool reset, gc_stats *out, mr_
     rc = mr_err_prefix(e, MR_EPROTO, GC__SRV_FMT ": Stats reply", GC__SRV_ARGS(sv));
     goto out_free;
   }
-  out->requests = r->requests;
-  out->errors = r->errors;
-  out->counts = mr_calloc(r->n_counts ? r->n_counts : 1, sizeof *out->counts);
-  if (!out->counts) {
-    rc = mr_err_set(e, MR_ENOMEM, GC__SRV_FMT ": Stats reply of %zu counts: out of memory",
-                    GC__SRV_ARGS(sv), r->n_counts);
-    goto out_free;
-  }
-  for (size_t i = 0; i < r->n_counts; i++) {
-    const Moerpc__V1__ExpertCount *x = r->counts[i];
-    if (x->layer >= c->L || x->expert >= c->E) {
-      rc = mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Stats counts[%zu] = (layer %u, expert %u), "
-                      "outside the model's %u layers x %u experts", GC__SRV_ARGS(sv), i,
-                      x->layer, x->expert, c->L, c->E);
-      goto out_free;
-    }
-    out->counts[out->n_counts++] = (gc_expert_count){x->layer, x->expert, x->tokens};
-  }
+  rc = gc__stats_reply_check(sv, r, c->L, c->E, out, e);
 out_free:
   if (r) moerpc__v1__stats_reply__free_unpacked(r, NULL);
   unary_free(&u);

@@ -331,5 +331,21 @@ void gc__payload_release(void *pending);
 #define GC__SRV_ARGS(sv) (sv)->cfg.name, (sv)->cfg.address
 /* A channel to srv->target with message limits of max_bytes. */
 grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int max_bytes);
+/* Message limit of the control channels: a HelloReply of a large model lists every owned
+ * expert (61 layers x 256 experts is ~40 KB), Stats counts up to L x E entries. */
+#define GC__CTL_MAX_BYTES (64 << 20)
+/* The client's checks of one decoded HelloReply from sv (input from the network): protocol
+ * major, fingerprint and weight_format lengths, every dimension in 1..its limit, at most
+ * 2^22 (layer, expert) pairs, every owned pair inside the model. Fills sv's Hello fields and
+ * allocates sv->announce (owned by sv, freed by gc_cluster_close; also after a failure,
+ * which may leave it allocated). MR_EMISMATCH (protocol), MR_EPROTO naming the field and
+ * the limit, MR_ENOMEM. Pure apart from that allocation; fuzzed (fuzz_hello_reply.c). */
+int gc__hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *e);
+/* Copies a decoded StatsReply from sv into out after checking each count's (layer, expert)
+ * against the model's L x E: MR_EPROTO naming the entry, MR_ENOMEM. out->counts is
+ * allocated even on failure (the caller releases out with gc_stats_close). Fuzzed
+ * (fuzz_stats_reply.c). */
+int gc__stats_reply_check(const gc__server *sv, const Moerpc__V1__StatsReply *r, uint32_t L,
+                          uint32_t E, gc_stats *out, mr_err *e);
 
 #endif /* GC_INTERNAL_H */

@@ -2,7 +2,9 @@
  * itest_bad_input.c - a real moerpc-server on loopback gets every kind of bad request a
  * peer can send; each is answered with the status of docs/DESIGN.md section 4 and a message
  * naming the field, and the same stream then still answers a good request correctly.
- * Also: Hello version check, health service, Stats counters.
+ * Also: Hello version check, health service, Stats counters; non-finite hidden states
+ * (INVALID_ARGUMENT naming the token and the index) and an expert output that overflows
+ * fp32 (INTERNAL naming the layer), each answered alone on a stream that keeps serving.
  */
 #include <grpc/byte_buffer.h>
 #include <grpc/slice.h>
@@ -214,6 +216,45 @@ MT_TEST(bad_requests_are_answered_and_stream_keeps_serving) {
   grpc_byte_buffer_destroy(rb);
   itu_call_finish(&s, 5000);
   itu_call_close(&s);
+  teardown();
+}
+
+MT_TEST(non_finite_hidden_and_overflowing_output_are_errors) {
+  fill_hidden();
+  setup();
+  itu_call c;
+  MT_EQ_INT(itu_call_open(&c, srv.address, PR_METHOD_FORWARD, 60000), 0);
+  int32_t ids[MAXTOK * 4];
+  float w[MAXTOK * 4];
+  for (int i = 0; i < MAXTOK * 4; i++) {
+    ids[i] = i % 8;
+    w[i] = 0.25f;
+  }
+  /* A NaN in a bf16 request: token 2, index 17. */
+  uint16_t x16[4 * H];
+  mr_convert_from_f32(x16, MR_DTYPE_BF16, &hidden[0][0], 4 * H);
+  x16[2 * H + 17] = 0x7fc0;
+  expect_status(&c, itu_forward_request(40, 0, 4, 4, ids, 16, w, 16, 3, x16, sizeof x16), 40, 3,
+                "hidden[token 2, index 17] = NaN");
+  /* -Inf in an f16 request, the last element. */
+  mr_convert_from_f32(x16, MR_DTYPE_F16, &hidden[0][0], 4 * H);
+  x16[4 * H - 1] = 0xfc00;
+  expect_status(&c, itu_forward_request(41, 1, 4, 4, ids, 16, w, 16, 2, x16, sizeof x16), 41, 3,
+                "hidden[token 3, index 63] = -Inf");
+  expect_good(&c, 42, 0, 2, 3);
+  /* Finite but huge f32 hidden states (1e30; bf16 would hold them too): gate and up are
+   * ~1e29 each, their product overflows fp32, so the expert output is not finite. */
+  float big[2 * H];
+  for (int i = 0; i < 2 * H; i++) big[i] = hidden[i / H][i % H] >= 0 ? 1e30f : -1e30f;
+  expect_status(&c, itu_forward_request(43, 1, 2, 4, ids, 8, w, 8, 1, big, sizeof big), 43, 13,
+                "in layer 1");
+  /* The stream still serves, in every dtype. */
+  expect_good(&c, 44, 1, 3, 1);
+  expect_good(&c, 45, 0, MAXTOK, 3);
+  expect_good(&c, 46, 1, 1, 2);
+  MT_EQ_INT(itu_call_finish(&c, 10000), 0);
+  MT_EQ_INT(c.status, GRPC_STATUS_OK);
+  itu_call_close(&c);
   teardown();
 }
 

@@ -1,12 +1,17 @@
 /*
  * test_es_validate.c - es_forward_validate: every kind of bad ForwardRequest gets the right
  * MR code, hence the right gRPC status (pr_status_from_mr), and a message that names the
- * field, the value and the limit; good requests of every dtype pass.
+ * field, the value and the limit; good requests of every dtype pass. The finite checks
+ * (es_hidden_check_finite, es_output_check_finite): NaN, +Inf and -Inf in each dtype at the
+ * first, a middle and the last position are refused naming the token and the index;
+ * denormals, zeros and the largest finite value pass.
  *
  * Limits used: H = 64, E = 16, max_tokens 32; 6 layers: 0-3 MoE and served (experts 0-7),
  * 4 dense, 5 MoE but not served.
  */
+#include <float.h>
 #include <math.h>
+#include <stdint.h>
 
 #include "expert_server/es.h"
 #include "proto/pr.h"
@@ -247,6 +252,104 @@ MT_TEST(long_owned_sets_are_cut_not_overflowed) {
   MT_CONTAINS(e.msg, "...");
   MT_LE(strlen(e.msg), sizeof e.msg - 1);
   mr_idset_close(&big);
+}
+
+/* ---- finite checks -------------------------------------------------------------------- */
+
+/* Bit patterns per dtype: NaN (quiet and signalling), +Inf, -Inf, the smallest denormal,
+ * the largest finite value (both signs), -0. */
+typedef struct fp_bits {
+  mr_dtype dt;
+  uint32_t qnan, snan, pinf, ninf, denorm, maxfin, nmaxfin, nzero;
+} fp_bits;
+static const fp_bits kinds[] = {
+    {MR_DTYPE_F32, 0x7fc00000u, 0xff800001u, 0x7f800000u, 0xff800000u, 0x00000001u,
+     0x7f7fffffu, 0xff7fffffu, 0x80000000u},
+    {MR_DTYPE_F16, 0x7e00u, 0xfc01u, 0x7c00u, 0xfc00u, 0x0001u, 0x7bffu, 0xfbffu, 0x8000u},
+    {MR_DTYPE_BF16, 0x7fc0u, 0xff81u, 0x7f80u, 0xff80u, 0x0001u, 0x7f7fu, 0xff7fu, 0x8000u},
+};
+
+/* T x HH elements of kind k, every one a finite value (a pattern through the denormals,
+ * 1.0, the largest finite and -0), except element `at` (if < T * HH) set to `bits`. */
+#define FT 5
+#define FH 300 /* over one block of the scan (256) and not a multiple: both loops run */
+static uint8_t fbuf[FT * FH * 4];
+static void fill(const fp_bits *k, size_t at, uint32_t bits) {
+  size_t es = mr_dtype_size(k->dt), n = (size_t)FT * FH;
+  uint32_t one = k->dt == MR_DTYPE_F32 ? 0x3f800000u : k->dt == MR_DTYPE_F16 ? 0x3c00u : 0x3f80u;
+  uint32_t pat[] = {k->denorm, one, k->maxfin, k->nmaxfin, k->nzero, 0};
+  for (size_t i = 0; i < n; i++) {
+    uint32_t v = i == at ? bits : pat[i % 6];
+    if (es == 4) memcpy(fbuf + 4 * i, &v, 4);
+    else {
+      uint16_t h = (uint16_t)v;
+      memcpy(fbuf + 2 * i, &h, 2);
+    }
+  }
+}
+
+MT_TEST(finite_hidden_passes_with_denormals_and_largest_values) {
+  for (size_t q = 0; q < sizeof kinds / sizeof kinds[0]; q++) {
+    mr_err e;
+    mr_err_clear(&e);
+    fill(&kinds[q], SIZE_MAX, 0);
+    MT_OK(es_hidden_check_finite(fbuf, kinds[q].dt, FT, FH, &e), &e);
+    MT_OK(es_hidden_check_finite(fbuf + 1, kinds[q].dt, 0, FH, &e), &e); /* nothing, unaligned */
+  }
+}
+
+MT_TEST(non_finite_hidden_is_invalid_argument_naming_token_and_index) {
+  const size_t n = (size_t)FT * FH;
+  const size_t pos[] = {0, n / 2, n - 1, FH - 1, FH};
+  for (size_t q = 0; q < sizeof kinds / sizeof kinds[0]; q++) {
+    const fp_bits *k = &kinds[q];
+    struct { uint32_t bits; const char *name; } bad[] = {
+        {k->qnan, "= NaN"}, {k->snan, "= NaN"}, {k->pinf, "= +Inf"}, {k->ninf, "= -Inf"}};
+    for (size_t b = 0; b < 4; b++)
+      for (size_t p = 0; p < sizeof pos / sizeof pos[0]; p++) {
+        fill(k, pos[p], bad[b].bits);
+        mr_err e;
+        mr_err_clear(&e);
+        int rc = es_hidden_check_finite(fbuf, k->dt, FT, FH, &e);
+        fprintf(stderr, "  %s at %zu -> %s\n", mr_dtype_name(k->dt), pos[p], e.msg);
+        MT_EQ_INT(rc, MR_EINVAL);
+        MT_EQ_INT(pr_status_from_mr(rc), 3);
+        char want[64];
+        snprintf(want, sizeof want, "hidden[token %zu, index %zu] %s", pos[p] / FH, pos[p] % FH,
+                 bad[b].name);
+        MT_CONTAINS(e.msg, want);
+        MT_CONTAINS(e.msg, mr_dtype_name(k->dt));
+        MT_CONTAINS(e.msg, "must be finite");
+      }
+    /* Two bad elements: the first in memory order is named. */
+    fill(k, 2 * FH + 7, k->pinf);
+    uint32_t v = k->qnan;
+    if (k->dt == MR_DTYPE_F32) memcpy(fbuf + 4 * (3 * FH + 1), &v, 4);
+    else {
+      uint16_t h = (uint16_t)v;
+      memcpy(fbuf + 2 * (3 * FH + 1), &h, 2);
+    }
+    mr_err e;
+    MT_EQ_INT(es_hidden_check_finite(fbuf, k->dt, FT, FH, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "hidden[token 2, index 7] = +Inf");
+  }
+}
+
+MT_TEST(non_finite_output_names_layer_token_and_index) {
+  static float y[3 * 70];
+  mr_err e;
+  for (size_t i = 0; i < 3 * 70; i++) y[i] = (float)i * 1e30f; /* finite, large */
+  y[5] = FLT_MAX;
+  MT_OK(es_output_check_finite(y, 4, 3, 70, &e), &e);
+  y[70 + 69] = INFINITY;
+  MT_EQ_INT(es_output_check_finite(y, 4, 3, 70, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "output[token 1, index 69] = +Inf in layer 4");
+  y[2] = NAN;
+  MT_EQ_INT(es_output_check_finite(y, 4, 3, 70, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "output[token 0, index 2] = NaN in layer 4");
+  y[2] = -INFINITY;
+  MT_EQ_INT(es_output_check_finite(y, 0, 3, 70, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "= -Inf in layer 0");
 }
 
 MT_MAIN()
