@@ -226,7 +226,7 @@ static int pump(greedy *g, int n, uint32_t T) {
 static int greedy_open(greedy *g) {
   itu_call *c = &g->c;
   memset(c, 0, sizeof *c);
-  grpc_arg args[8];
+  grpc_arg args[PR_CHANNEL_ARGS + 1];
   size_t n = pr_channel_args(args, 64 << 20);
   args[n].type = GRPC_ARG_INTEGER;
   args[n].key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL;
@@ -572,7 +572,7 @@ static int health_on(grpc_channel *ch) {
 
 MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_serving) {
   start(heavier_model, "--experts all --max-tokens 256 --threads 1 --drain-timeout-ms 400");
-  grpc_arg args[4];
+  grpc_arg args[PR_CHANNEL_ARGS];
   grpc_channel_args ca = {pr_channel_args(args, 64 << 20), args};
   char target[300];
   pr_target_from_address(srv.address, target, sizeof target);
@@ -635,7 +635,7 @@ MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_se
 
 MT_TEST(an_idle_connection_does_not_delay_the_exit) {
   start(light_model, "--experts all --max-tokens 16");
-  grpc_arg args[4];
+  grpc_arg args[PR_CHANNEL_ARGS];
   grpc_channel_args ca = {pr_channel_args(args, 64 << 20), args};
   char target[300];
   pr_target_from_address(srv.address, target, sizeof target);
