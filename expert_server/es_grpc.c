@@ -25,8 +25,6 @@
 #define ES_PREPOST_STREAM 8
 /* The service name the health check answers for, besides "" (the whole server). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
-/* HTTP/2 receive window of a stream the server is not reading (es__grpc_create). */
-#define ES_STREAM_LOOKAHEAD (256u << 10)
 
 static const char *const es__method_path[ES_M_COUNT] = {
     [ES_M_HELLO] = PR_METHOD_HELLO,
@@ -108,21 +106,11 @@ int es__grpc_create(es_server *s, mr_err *e) {
   args[nargs].key = (char *)GRPC_ARG_MAX_CONCURRENT_STREAMS;
   args[nargs].value.integer = (int)ES_MAX_STREAMS_PER_CONNECTION;
   nargs++;
-  /* gRPC's own read-ahead: without these, BDP probing grows each stream's receive window to
-   * megabytes, and a client that pipelines requests the server does not read (a paused
-   * stream) parks them in gRPC's memory, outside the byte budget (measured: 50 such streams,
-   * 1 GB). With a fixed lookahead a paused stream holds at most ES_STREAM_LOOKAHEAD bytes;
-   * once a RECV is armed, chttp2 opens the window to the whole message it is reading, so
-   * large requests still arrive at full speed. (gRPC's resource quota would bound this
-   * too, but past it gRPC reclaims by killing connections, good ones included.) */
-  args[nargs].type = GRPC_ARG_INTEGER;
-  args[nargs].key = (char *)GRPC_ARG_HTTP2_BDP_PROBE;
-  args[nargs].value.integer = 0;
-  nargs++;
-  args[nargs].type = GRPC_ARG_INTEGER;
-  args[nargs].key = (char *)GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES;
-  args[nargs].value.integer = (int)ES_STREAM_LOOKAHEAD;
-  nargs++;
+  /* gRPC's own read-ahead is left to its BDP-driven flow control: a paused stream parks
+   * about one more message in gRPC's memory, outside the byte budget (docs/DESIGN.md 3.5).
+   * BDP off with a fixed lookahead would bound that to the lookahead, but costs ~60 us of
+   * window updates on every 136 KB request (measured); gRPC's resource quota would bound
+   * it too, but past it gRPC kills connections, good ones included. */
   grpc_channel_args ca = {.num_args = nargs, .args = args};
   s->gs = grpc_server_create(&ca, NULL);
   if (!s->gs) return mr_err_set(e, MR_EINTERNAL, "grpc_server_create failed");
