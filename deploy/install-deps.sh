@@ -26,6 +26,7 @@ PKGS=(
   hwloc-nox numactl                 # lstopo / numactl for operators
   iproute2                          # ip netns for the multi-host harness
   openssl                           # certificates made at test time (itest_security)
+  systemd                           # systemd-analyze verify of deploy/systemd (deploy_check)
   python3 python3-venv
 )
 
@@ -56,8 +57,9 @@ echo "install-deps: ok (grpc $(pkg-config --modversion grpc), protobuf-c $(pkg-c
 if [ "$WITH_PYTHON" = 1 ]; then
   # Pinned so that the oracle does not move under the tests (same list as tests/conformance/run.sh).
   VENV=${MOERPC_CONF_VENV:-.venv-conf}
-  PY_PKGS=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy)
-  if "$VENV/bin/python" -c 'import torch, transformers, safetensors' >/dev/null 2>&1; then
+  # kubernetes-validate: offline schema check of deploy/k8s (tests/integration/deploy_check.sh)
+  PY_PKGS=(torch==2.15.0 transformers==5.24.0 safetensors==0.8.0 numpy kubernetes-validate==1.37.0)
+  if "$VENV/bin/python" -c 'import torch, transformers, safetensors, kubernetes_validate' >/dev/null 2>&1; then
     echo "install-deps: python venv $VENV ok"
   else
     echo "install-deps: installing ${PY_PKGS[*]} into $VENV (about 1 minute, 5.5 GB)"

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""render.py - Kubernetes manifests for N moerpc expert servers, sized from the model.
+
+    deploy/k8s/render.py --config /models/qwen3-30b-a3b/config.json --servers 4 \
+        --image registry.example/moerpc:1.1 --model-path /models/qwen3-30b-a3b \
+        [--format bf16|int8|int4] [--replicas 1|2] [--namespace moerpc] > moerpc.yaml
+
+Writes one multi-document YAML (JSON is YAML, so no YAML library is needed):
+  ConfigMap   moerpc-config: cluster.json for clients, and the --experts of each ordinal
+  Service     moerpc-servers: headless, stable DNS moerpc-server-<i>.moerpc-servers.<ns>
+  StatefulSet moerpc-server: one pod per expert share, probes on the metrics port
+  PodDisruptionBudget: at most one server down at a time (with --replicas 2: no expert lost)
+Memory requests = the packed expert weights of one share (from config.json: layers x
+experts x 3 x hidden x intermediate x bytes per weight of --format) + the admission budget
+(--max-inflight-bytes) + 1 GiB of process overhead. Only the standard library is used.
+docs/deploy.md walks through it.
+"""
+import argparse
+import json
+import math
+import sys
+
+BYTES_PER_WEIGHT = {"bf16": 2.0, "f16": 2.0, "f32": 4.0, "int8": 1.0 + 4.0 / 1024, "int4": 0.5 + 4.0 / 64}
+GRPC_PORT = 50051
+METRICS_PORT = 9464
+GIB = 1 << 30
+
+
+def fail(msg):
+    print(f"render.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def model_dims(path):
+    try:
+        with open(path) as f:
+            c = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"--config {path}: {e}")
+    c = c.get("text_config", c)
+    try:
+        H = int(c["hidden_size"])
+        I = int(c.get("moe_intermediate_size") or c["intermediate_size"])
+        E = int(c.get("num_experts") or c.get("n_routed_experts") or c["num_local_experts"])
+        L = int(c["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as e:
+        fail(f"--config {path}: missing or bad field {e}")
+    dense = int(c.get("first_k_dense_replace", 0) or 0)
+    step = int(c.get("decoder_sparse_step", 1) or 1)
+    moe_layers = sum(1 for l in range(L) if l >= dense and (l + 1) % step == 0)
+    return H, I, E, moe_layers
+
+
+def shares(E, n, replicas):
+    """Expert ranges of n servers; with replicas 2 each range is also served by the next."""
+    base = [(i * E // n, (i + 1) * E // n - 1) for i in range(n)]
+    out = []
+    for i in range(n):
+        ranges = [base[i]]
+        if replicas == 2:
+            ranges.append(base[(i + 1) % n])
+        out.append(",".join(f"{a}-{b}" for a, b in ranges))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", required=True, help="the model's config.json")
+    ap.add_argument("--servers", type=int, required=True, help="expert servers, 1..1024")
+    ap.add_argument("--image", required=True, help="container image holding /usr/local/bin/moerpc-server")
+    ap.add_argument("--model-path", required=True, help="the model directory inside the pods")
+    ap.add_argument("--models-pvc", default="moerpc-models", help="PersistentVolumeClaim holding the models")
+    ap.add_argument("--format", default="bf16", choices=sorted(BYTES_PER_WEIGHT))
+    ap.add_argument("--replicas", type=int, default=1, choices=[1, 2], help="servers per expert")
+    ap.add_argument("--budget-gib", type=float, default=2.0, help="--max-inflight-bytes, GiB")
+    ap.add_argument("--cpus", type=int, default=16, help="CPU request and limit per server")
+    ap.add_argument("--namespace", default="moerpc")
+    ap.add_argument("--deadline-ms", type=int, default=5000)
+    a = ap.parse_args()
+    if not 1 <= a.servers <= 1024:
+        fail(f"--servers {a.servers}: must be in 1..1024")
+    if a.replicas == 2 and a.servers < 2:
+        fail("--replicas 2 needs --servers >= 2")
+    if not 0.25 <= a.budget_gib <= 1024:
+        fail(f"--budget-gib {a.budget_gib}: must be in 0.25..1024")
+    H, I, E, moe_layers = model_dims(a.config)
+    if a.servers > E:
+        fail(f"--servers {a.servers}: more servers than the model's {E} experts")
+
+    per_expert = 3 * H * I * BYTES_PER_WEIGHT[a.format]
+    experts_per_server = math.ceil(E / a.servers) * a.replicas
+    weights = per_expert * experts_per_server * moe_layers
+    mem_gib = math.ceil((weights + a.budget_gib * GIB + GIB) / GIB)
+    ns = a.namespace
+    svc = "moerpc-servers"
+    experts = shares(E, a.servers, a.replicas)
+
+    cluster = {
+        "deadline_ms": a.deadline_ms,
+        "servers": [{"name": f"s{i}", "address": f"moerpc-server-{i}.{svc}.{ns}.svc:{GRPC_PORT}"}
+                    for i in range(a.servers)],
+        "tls": {"ca": "/etc/moerpc/tls/ca.crt", "server_name": f"{svc}.{ns}.svc"},
+        "token_file": "/etc/moerpc/token/token",
+    }
+    labels = {"app.kubernetes.io/name": "moerpc-server", "app.kubernetes.io/part-of": "moerpc"}
+    docs = []
+    docs.append({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "moerpc-config", "namespace": ns, "labels": labels},
+        "data": dict({"cluster.json": json.dumps(cluster, indent=2) + "\n"},
+                     **{f"experts-{i}": experts[i] for i in range(a.servers)}),
+    })
+    docs.append({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": svc, "namespace": ns, "labels": labels},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": labels,
+                 "ports": [{"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc"},
+                           {"name": "metrics", "port": METRICS_PORT, "targetPort": "metrics"}]},
+    })
+    flags = (f"--model {a.model_path} --experts \"$(cat /etc/moerpc/config/experts-$POD_INDEX)\" "
+             f"--listen 0.0.0.0:{GRPC_PORT} --metrics-listen 0.0.0.0:{METRICS_PORT} "
+             f"--tls-cert /etc/moerpc/tls/tls.crt --tls-key /etc/moerpc/tls/tls.key "
+             f"--auth-token-file /etc/moerpc/token/token "
+             f"--max-inflight-bytes {int(a.budget_gib * GIB)} --threads {a.cpus} "
+             f"--drain-timeout-ms 20000")
+    if a.format != "bf16":
+        flags += f" --quant {a.format}"
+    resources = {"cpu": str(a.cpus), "memory": f"{mem_gib}Gi"}
+    docs.append({
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": {"name": "moerpc-server", "namespace": ns, "labels": labels},
+        "spec": {
+            "serviceName": svc,
+            "replicas": a.servers,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true",
+                                             "prometheus.io/port": str(METRICS_PORT)}},
+                "spec": {
+                    "terminationGracePeriodSeconds": 30,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
+                                        "runAsGroup": 10001},
+                    "containers": [{
+                        "name": "moerpc-server",
+                        "image": a.image,
+                        "command": ["/bin/sh", "-c", f"exec /usr/local/bin/moerpc-server {flags}"],
+                        "env": [{"name": "POD_INDEX", "valueFrom": {"fieldRef": {
+                            "fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}},
+                                {"name": "MOERPC_LOG", "value": "info"}],
+                        "ports": [{"name": "grpc", "containerPort": GRPC_PORT},
+                                  {"name": "metrics", "containerPort": METRICS_PORT}],
+                        # Probes on the plain-HTTP metrics port: kubelet's gRPC probe cannot
+                        # speak TLS. Loading hundreds of GB takes minutes: the startup probe
+                        # allows an hour before liveness applies.
+                        "startupProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
+                                         "periodSeconds": 10, "failureThreshold": 360},
+                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
+                                          "periodSeconds": 10, "failureThreshold": 3},
+                        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"},
+                                           "periodSeconds": 5, "failureThreshold": 1},
+                        "resources": {"requests": resources, "limits": resources},
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [
+                            {"name": "models", "mountPath": "/models", "readOnly": True},
+                            {"name": "config", "mountPath": "/etc/moerpc/config", "readOnly": True},
+                            {"name": "tls", "mountPath": "/etc/moerpc/tls", "readOnly": True},
+                            {"name": "token", "mountPath": "/etc/moerpc/token", "readOnly": True},
+                        ],
+                    }],
+                    "volumes": [
+                        {"name": "models", "persistentVolumeClaim": {"claimName": a.models_pvc,
+                                                                     "readOnly": True}},
+                        {"name": "config", "configMap": {"name": "moerpc-config"}},
+                        {"name": "tls", "secret": {"secretName": "moerpc-server-tls"}},
+                        {"name": "token", "secret": {"secretName": "moerpc-token"}},
+                    ],
+                },
+            },
+        },
+    })
+    docs.append({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": "moerpc-server", "namespace": ns, "labels": labels},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
+    })
+    sys.stdout.write(f"# moerpc: {a.servers} expert servers for a model of {moe_layers} MoE layers x "
+                     f"{E} experts (H {H}, I {I}), {a.format}, {a.replicas} replica(s) per expert\n"
+                     f"# per server: {weights / GIB:.2f} GiB of weights + {a.budget_gib:g} GiB "
+                     f"budget + 1 GiB overhead -> {mem_gib}Gi\n"
+                     f"# generated by deploy/k8s/render.py; secrets moerpc-server-tls and "
+                     f"moerpc-token and the PVC {a.models_pvc} are the operator's\n")
+    for d in docs:
+        sys.stdout.write("---\n" + json.dumps(d, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# deploy_check.sh - the deployment files are valid for the tools that consume them:
+#   - deploy/systemd/moerpc-server@.service (and an instance with the example drop-in) pass
+#     `systemd-analyze verify` without a single warning;
+#   - deploy/k8s/render.py's manifests for a model made here pass `kubernetes-validate
+#     --strict` (offline schemas, PyPI), and the cluster.json they carry is accepted by the
+#     client's own cluster-file parser;
+#   - each check is shown to fail on a broken copy, so that it cannot pass by accident.
+# A tool that is missing is a SKIP with the reason, never a pass.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+BIN=${MOERPC_BIN:-$PWD/build/bin}
+BUILD=${MOERPC_BUILD:-$PWD/build}
+VENV=${MOERPC_CONF_VENV:-.venv-conf}
+tmp=$(mktemp -d /tmp/moerpc-deploy.XXXXXX)
+trap 'rm -rf "$tmp"' EXIT
+passed=0; failed=0; skipped=0
+ok() { echo "ok   deploy_check.$1"; passed=$((passed + 1)); }
+bad() { echo "FAIL deploy_check.$1: $2"; failed=$((failed + 1)); }
+skip() { echo "skip deploy_check.$1: $2"; skipped=$((skipped + 1)); }
+
+# --- systemd ---------------------------------------------------------------------------
+if ! command -v systemd-analyze >/dev/null; then
+  skip systemd_units "systemd-analyze not installed (apt: systemd)"
+else
+  units=$tmp/units
+  mkdir -p "$units/moerpc-server@s0.service.d"
+  # verify needs ExecStart's binary to exist: point it at the one just built.
+  sed "s|/usr/local/bin/moerpc-server|$BIN/moerpc-server|" deploy/systemd/moerpc-server@.service \
+    >"$units/moerpc-server@.service"
+  cp deploy/systemd/flags.conf.example "$units/moerpc-server@s0.service.d/flags.conf"
+  out=$(SYSTEMD_UNIT_PATH=$units: systemd-analyze verify "$units/moerpc-server@.service" \
+        moerpc-server@s0.service 2>&1); rc=$?
+  if [ $rc -eq 0 ] && [ -z "$out" ]; then ok systemd_units
+  else bad systemd_units "rc=$rc: $out"; fi
+  # A misspelt key is only a warning for systemd: the check above must see it.
+  echo "Restartt=always" >>"$units/moerpc-server@s0.service.d/flags.conf"
+  out=$(SYSTEMD_UNIT_PATH=$units: systemd-analyze verify moerpc-server@s0.service 2>&1)
+  if [[ $out == *"Unknown key"* ]]; then ok systemd_check_catches_a_bad_key
+  else bad systemd_check_catches_a_bad_key "no warning for Restartt=: $out"; fi
+fi
+
+# --- Kubernetes -------------------------------------------------------------------------
+kv=$VENV/bin/kubernetes-validate
+model=$tmp/model
+if ! "$BIN/moerpc-mkmodel" --out "$model" --layers 2 --experts 8 --topk 2 --hidden 64 \
+     --inter 32 --vocab 64 --heads 2 --kv-heads 1 --head-dim 32 >"$tmp/mk.log" 2>&1; then
+  bad k8s_manifests "moerpc-mkmodel failed: $(tail -n 3 "$tmp/mk.log")"
+elif [ ! -x "$kv" ]; then
+  skip k8s_manifests "kubernetes-validate not installed in $VENV (deploy/install-deps.sh)"
+else
+  all_ok=1
+  for reps in 1 2; do
+    y=$tmp/k8s-$reps.yaml
+    if ! python3 deploy/k8s/render.py --config "$model/config.json" --servers 4 \
+         --image registry.example/moerpc:test --model-path /models/m --replicas $reps \
+         --format int8 >"$y" 2>"$tmp/render.err"; then
+      bad k8s_manifests "render.py --replicas $reps: $(cat "$tmp/render.err")"; all_ok=0; continue
+    fi
+    if ! out=$("$kv" --strict --quiet "$y" 2>&1); then
+      bad k8s_manifests "kubernetes-validate --strict (replicas $reps): $out"; all_ok=0
+    fi
+    # The ConfigMap's cluster.json must parse as the client's cluster file: the fuzz
+    # replay of the cluster parser asserts that a seed named ok_* is accepted.
+    mkdir -p "$tmp/cl-$reps"
+    python3 -c 'import json,sys
+docs=[json.loads(d) for d in open(sys.argv[1]).read().split("\n---\n")[1:]]
+cm=[d for d in docs if d["kind"]=="ConfigMap"][0]
+open(sys.argv[2],"w").write(cm["data"]["cluster.json"])' "$y" "$tmp/cl-$reps/ok_rendered"
+    if ! out=$("$BUILD/tests/replay_fuzz_cluster" "$tmp/cl-$reps" 2>&1); then
+      bad k8s_manifests "the rendered cluster.json is refused by the client: $out"; all_ok=0
+    fi
+  done
+  [ $all_ok = 1 ] && ok k8s_manifests
+  sed 's/"readOnlyRootFilesystem"/"readOnlyRootFilesystm"/' "$tmp/k8s-1.yaml" >"$tmp/broken.yaml"
+  if "$kv" --strict --quiet "$tmp/broken.yaml" >/dev/null 2>&1; then
+    bad k8s_check_catches_a_bad_field "a misspelt field passed --strict"
+  else ok k8s_check_catches_a_bad_field; fi
+  if out=$(python3 deploy/k8s/render.py --config "$model/config.json" --servers 0 --image x \
+           --model-path /m 2>&1); then
+    bad render_refuses_bad_flags "--servers 0 was accepted"
+  elif [[ $out == *"--servers 0: must be in 1..1024"* ]]; then ok render_refuses_bad_flags
+  else bad render_refuses_bad_flags "unexpected message: $out"; fi
+fi
+
+echo "deploy_check: $passed passed, $failed failed, $skipped skipped"
+[ $failed -eq 0 ]
