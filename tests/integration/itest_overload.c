@@ -307,7 +307,7 @@ MT_TEST(fifty_streams_that_never_read_stay_within_the_budget_and_a_light_client_
   Moerpc__V1__StatsReply *r = stats();
   uint64_t budget = r->max_inflight_bytes, peak = r->held_bytes_peak;
   protobuf_c_message_free_unpacked(&r->base, NULL);
-  double b = median(base, 40), l = median(loaded, n_loaded);
+  double b = median(base, 40), l = n_loaded ? median(loaded, n_loaded) : 0.0;
   fprintf(stderr,
           "  %d greedy streams: %d requests of 4 MiB taken (%.0f MB), server RSS %.0f MB idle, "
           "%.0f MB at most (+%.0f MB); held at most %.0f MB of a %.0f MB budget\n",
@@ -315,17 +315,21 @@ MT_TEST(fifty_streams_that_never_read_stay_within_the_budget_and_a_light_client_
           (double)(rss_max - rss0) / 1e6, (double)peak / 1e6, (double)budget / 1e6);
   fprintf(stderr, "  light client, 1-token round trip: median %.0f us alone, %.0f us under the flood (x%.1f)\n",
           b, l, l / b);
-  MT_EQ_INT(n_loaded, 40);
+  /* Under a sanitizer everything runs 5-20x slower on these 2 cores: the light client's
+   * pace says nothing about the server then, only that it is served at all. */
+  const char *san = getenv("SANITIZER");
+  bool timing_meaningful = !(san && san[0]);
+  if (timing_meaningful) MT_EQ_INT(n_loaded, 40);
+  else MT_TRUE(n_loaded >= 1);
   MT_EQ_U64(budget, (uint64_t)64 << 20);
   /* Held bytes: the budget plus its reserve (a quarter) for streams with nothing pending. */
   MT_LE(peak, budget + budget / 4);
   /* RSS: the held bytes (budget and reserve) plus gRPC's read-ahead, one or two messages
    * per paused stream (docs/DESIGN.md 3.5; measured +330..+470 MB here). */
   /* Under a sanitizer the allocator's quarantine holds freed memory: RSS says nothing. */
-  const char *san = getenv("SANITIZER");
-  bool rss_meaningful = !(san && san[0]);
+  bool rss_meaningful = timing_meaningful;
   if (rss_meaningful) MT_LE(rss_max - rss0, budget + budget / 4 + (uint64_t)NGREEDY * (10u << 20));
-  MT_LE(l, 10.0 * b + 2000.0);
+  if (timing_meaningful) MT_LE(l, 10.0 * b + 2000.0);
 
   /* The greedy streams stalled: the server cuts them after --stall-timeout-ms and frees
    * everything they held. */
