@@ -406,7 +406,9 @@ static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
     pthread_mutex_lock(&p->lock);
     bool done = r->done, broke = r->done && r->rc && r->retry, replaced = r->replaced;
     pthread_mutex_unlock(&p->lock);
-    if (replaced || r->no_failover || (done && !broke)) continue;
+    /* no_failover holds only while r is unanswered: a broken stream must still be
+     * re-planned (or reported) even if an earlier stall found nowhere to go. */
+    if (replaced || (done && !broke) || (!done && r->no_failover)) continue;
     const uint32_t idx = r->s->idx;
     uint64_t wake = UINT64_MAX;
     bool stalled = false;
