@@ -4,6 +4,8 @@
  *   {
  *     "model": "/models/Qwen3-30B-A3B",           optional
  *     "deadline_ms": 5000,                         optional, 1..600000
+ *     "failover_ms": 1000,                         optional, 1..600000 (0 / absent: the
+ *                                                  client's default, min(deadline/4, 1 s))
  *     "servers": [{"name": "s0", "address": "10.0.0.5:50051"},
  *                 {"name": "s1", "address": "[fd00::7]:50051"}],
  *     "local": {"layers": "all", "experts": "0-3"} optional
@@ -201,8 +203,8 @@ static int cluster_tls(const cJSON *tls, const char *label, mr_cluster_file *c, 
 
 int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const char *label,
                      mr_err *e) {
-  static const char *const keys[] = {"model", "deadline_ms", "servers", "local", "tls",
-                                     "token_file", NULL};
+  static const char *const keys[] = {"model", "deadline_ms", "failover_ms", "servers", "local",
+                                     "tls", "token_file", NULL};
   memset(c, 0, sizeof *c);
   if (!label) label = "cluster file";
   cJSON *root = NULL;
@@ -221,6 +223,15 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
     if ((rc = mr__json_u64(jd, label, "deadline_ms", 1, MR_CLUSTER_MAX_DEADLINE_MS, &v, e)))
       goto out_free_root;
     c->deadline_ms = (uint32_t)v;
+  }
+
+  /* 0 = not given: the client derives it from the deadline (moerpc_client.h). */
+  const cJSON *jf = cJSON_GetObjectItemCaseSensitive(root, "failover_ms");
+  if (jf) {
+    uint64_t v;
+    if ((rc = mr__json_u64(jf, label, "failover_ms", 1, MR_CLUSTER_MAX_DEADLINE_MS, &v, e)))
+      goto out_free_root;
+    c->failover_ms = (uint32_t)v;
   }
 
   const cJSON *js = cJSON_GetObjectItemCaseSensitive(root, "servers");

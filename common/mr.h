@@ -383,6 +383,8 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
  * {
  *   "model": "/path/to/model",            optional: the client loads local experts from it
  *   "deadline_ms": 5000,                  optional: per-request deadline, ms
+ *   "failover_ms": 1000,                  optional: a replica's reply later than this moves
+ *                                         its work to another replica (gc_options.failover_ms)
  *   "servers": [ {"name": "s0", "address": "127.0.0.1:50051"}, ... ],
  *   "local": {"layers": "all", "experts": "0-3"}   optional: experts the client computes
  *   "tls": {"ca": "ca.pem", "cert": "client.pem", "key": "client.key",
@@ -405,6 +407,7 @@ typedef struct mr_cluster_server {
 typedef struct mr_cluster_file {
   char model[1024];        /* "" if absent */
   uint32_t deadline_ms;
+  uint32_t failover_ms;    /* 0 if absent: the client's default */
   uint32_t n_servers;
   mr_cluster_server servers[MR_CLUSTER_MAX_SERVERS];
   char local_layers[256];  /* id-set spec, "" if no local experts */

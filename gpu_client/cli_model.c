@@ -320,6 +320,42 @@ static int check_prompts(gc_model *m, const int32_t *ids, const uint32_t *lens, 
 
 /* ---- generate ---------------------------------------------------------------------------- */
 
+/* One line (stdout; a JSON object with --json) when a server of the cluster failed over
+ * or was refused on return during the run: which, how often, how many requests were
+ * resent, how long it was down and its last failover time (last good reply -> first
+ * rerouted reply). Nothing when none did, or without a cluster. */
+static void failover_summary(gc_model *m, bool json) {
+  gc_cluster *cl = m ? gc_model_cluster(m) : NULL;
+  if (!cl) return;
+  gc_cluster_info ci;
+  gc_cluster_info_get(cl, &ci);
+  bool any = false;
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    gc_server_counters ct;
+    gc_server_info si;
+    if (gc_server_counters_get(cl, i, false, &ct, NULL) || gc_server_info_get(cl, i, &si, NULL))
+      continue;
+    if (!ct.failovers && !ct.refusals) continue;
+    if (json)
+      printf("%s{\"server\": \"%s\", \"failovers\": %llu, \"resent\": %llu, \"returns\": %llu, "
+             "\"refusals\": %llu, \"down_ms\": %.1f, \"down_now\": %s, \"failover_ms\": %.3f}",
+             any ? ", " : "{\"failover\": [", si.name, (unsigned long long)ct.failovers,
+             (unsigned long long)ct.resent, (unsigned long long)ct.returns,
+             (unsigned long long)ct.refusals, ct.down_us / 1e3, ct.down ? "true" : "false",
+             ct.last_failover_us / 1e3);
+    else
+      printf("%s%s (%s): %llu failover%s, %llu request%s resent, %llu return%s, %llu refusal%s, "
+             "down %.1f ms%s, failover time %.3f ms", any ? "; " : "failover: ", si.name,
+             si.address, (unsigned long long)ct.failovers, ct.failovers == 1 ? "" : "s",
+             (unsigned long long)ct.resent, ct.resent == 1 ? "" : "s",
+             (unsigned long long)ct.returns, ct.returns == 1 ? "" : "s",
+             (unsigned long long)ct.refusals, ct.refusals == 1 ? "" : "s", ct.down_us / 1e3,
+             ct.down ? " (still down)" : "", ct.last_failover_us / 1e3);
+    any = true;
+  }
+  if (any) printf(json ? "]}\n" : "\n");
+}
+
 static const char GEN_USAGE[] =
     "usage: " PROG " generate --model DIR --prompt-ids 1,2,3[;4,5] [--batch B] --max-new N\n"
     "                [--cluster FILE] [--local-experts N | --placement FILE] [--max-deferred K]\n"
@@ -411,6 +447,7 @@ int gc__cli_generate(int argc, char **argv) {
            (unsigned long long)t.decode_tokens, t.decode_us / 1e6, dc);
   rc = 0;
 out:
+  failover_summary(m, c.json);
   gc_model_close(m);
   free(ids);
   free(lens);
@@ -792,6 +829,7 @@ fail:
   free(want);
   rc = 1;
 out:
+  failover_summary(m, c.json);
   gc_model_close(m);
   free(ids);
   free(seq);

@@ -11,12 +11,15 @@
  *   3. Check each reply (it is input from the network: ranges, ownership inside the
  *      model) and compare every server with the first.
  *   4. With a model: its config and fingerprint must match; local experts load from it.
- *   5. Owner map (local first, then the first announcing server), coverage check.
- *   6. Data channels sized from max_tokens, the I/O thread, one Forward stream per server.
+ *   5. Owner map (local first, then the routed or first announcing server: the primary),
+ *      replica sets (every announcing server of a server-owned pair), coverage check.
+ *   6. Data channels sized from max_tokens, the I/O thread, one Forward stream per server,
+ *      the prober thread (gc_health.c).
  */
 #include <limits.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc_security.h>
@@ -411,6 +414,45 @@ out_free:
   return rc;
 }
 
+void gc__hello_probe(gc_cluster *c, const uint32_t *idx, uint32_t n, uint32_t timeout_ms,
+                     gc__server *tmp, int *rcs, mr_err *errs) {
+  gc__unary *u = mr_calloc(n, sizeof *u);
+  grpc_channel **chs = mr_calloc(n, sizeof *chs);
+  Moerpc__V1__HelloRequest hq = MOERPC__V1__HELLO_REQUEST__INIT;
+  hq.protocol_major = PR_PROTOCOL_MAJOR;
+  hq.protocol_minor = PR_PROTOCOL_MINOR;
+  hq.client_name = c->client_name;
+  grpc_byte_buffer *req = u && chs ? pr_encode(&hq.base) : NULL;
+  for (uint32_t i = 0; i < n; i++) {
+    memset(&tmp[i], 0, sizeof tmp[i]);
+    tmp[i].cfg = c->servers[idx[i]].cfg;
+    rcs[i] = req ? 0 : mr_err_set(&errs[i], MR_ENOMEM, "Hello probe: out of memory");
+    if (chs) chs[i] = c->servers[idx[i]].ctl;
+  }
+  if (!req) goto out_free;
+  unary_round(c, chs, n, PR_METHOD_HELLO, req, timeout_ms, u);
+  grpc_byte_buffer_destroy(req);
+  for (uint32_t i = 0; i < n; i++) {
+    gc__server *sv = &tmp[i];
+    Moerpc__V1__HelloReply *h = NULL;
+    rcs[i] = unary_result(c, &u[i], &c->servers[idx[i]], "Hello", timeout_ms, &errs[i]);
+    if (rcs[i]) continue;
+    rcs[i] = pr_decode(u[i].resp, &moerpc__v1__hello_reply__descriptor, GC__CTL_MAX_BYTES,
+                       (ProtobufCMessage **)&h, &errs[i]);
+    if (rcs[i]) {
+      rcs[i] = mr_err_prefix(&errs[i], MR_EPROTO, GC__SRV_FMT ": Hello reply", GC__SRV_ARGS(sv));
+      continue;
+    }
+    rcs[i] = gc__hello_check(sv, h, &errs[i]);
+    moerpc__v1__hello_reply__free_unpacked(h, NULL);
+  }
+out_free:
+  if (u)
+    for (uint32_t i = 0; i < n; i++) unary_free(&u[i]);
+  mr_free(u);
+  mr_free(chs);
+}
+
 /* ---- the model --------------------------------------------------------------------------- */
 
 static int model_check(gc_cluster *c, uint8_t *must, mr_err *e) {
@@ -468,7 +510,22 @@ static int cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_opt
     return mr_err_set(e, MR_EINVAL, "cluster: %u servers, must be 1..%d", file->n_servers,
                       MR_CLUSTER_MAX_SERVERS);
   c->n_servers = file->n_servers;
+  /* The failover deadline: long enough not to take a busy server for a dead one, short
+   * enough that a stalled one costs a fraction of the request deadline. */
+  c->failover_ms = c->opts.failover_ms ? c->opts.failover_ms : file->failover_ms;
+  if (c->failover_ms == 0) c->failover_ms = c->deadline_ms / 4 < 1000 ? c->deadline_ms / 4 : 1000;
+  if (c->failover_ms == 0) c->failover_ms = 1;
+  if (c->failover_ms > MR_CLUSTER_MAX_DEADLINE_MS)
+    return mr_err_set(e, MR_EINVAL, "failover_ms = %u, must be 1..%u", c->failover_ms,
+                      MR_CLUSTER_MAX_DEADLINE_MS);
   atomic_init(&c->next_id, 1);
+  atomic_init(&c->rot, 0);
+  pthread_mutex_init(&c->health_lock, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* probe times are mr_now_ns based */
+  pthread_cond_init(&c->health_cond, &ca);
+  pthread_condattr_destroy(&ca);
   pthread_mutex_init(&c->local_lock, NULL);
   pthread_mutex_init(&c->calls_lock, NULL);
   pthread_cond_init(&c->calls_cond, NULL);
@@ -616,13 +673,36 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     goto out_close;
   }
   for (uint32_t i = 0; i < c->n_servers; i++) ann[i] = c->servers[i].announce;
-  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, c->opts.route, assigned);
+  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, c->opts.route, NULL);
+  /* Every announcing server is a replica of a server-owned pair; a routed pair prefers
+   * its placement's server while that one is up. */
+  c->rep_off = mr_malloc((pairs + 1) * sizeof *c->rep_off);
+  size_t n_rep = c->rep_off ? gc__replicas_build(c->rep_off, NULL, c->owner, c->L, c->E,
+                                                 c->n_servers, ann, NULL) : 0;
+  c->rep = c->rep_off ? mr_malloc((n_rep ? n_rep : 1) * sizeof *c->rep) : NULL;
+  if (c->opts.route) {
+    c->pref = mr_malloc(pairs * sizeof *c->pref);
+    if (c->pref)
+      for (size_t i = 0; i < pairs; i++) c->pref[i] = local[i] ? -1 : c->opts.route[i];
+  }
+  if (!c->rep_off || !c->rep || (c->opts.route && !c->pref)) {
+    mr_free(ann);
+    mr_free(assigned);
+    rc = mr_err_set(e, MR_ENOMEM, "replica sets of %u x %u: out of memory", c->L, c->E);
+    goto out_close;
+  }
+  gc__replicas_build(c->rep_off, c->rep, c->owner, c->L, c->E, c->n_servers, ann, assigned);
+  uint64_t replicated = 0;
+  for (size_t i = 0; i < pairs; i++) replicated += c->rep_off[i + 1] - c->rep_off[i] > 1;
   for (uint32_t i = 0; i < c->n_servers; i++) {
     c->servers[i].assigned = assigned[i];
     if (assigned[i] == 0)
-      mr_log(MR_LOG_WARN, GC__SRV_FMT ": every expert it announces is local or owned by an "
-             "earlier server; it gets no traffic", GC__SRV_ARGS(&c->servers[i]));
+      mr_log(MR_LOG_WARN, GC__SRV_FMT ": every expert it announces is local or "
+             "caller-computed; it gets no traffic", GC__SRV_ARGS(&c->servers[i]));
   }
+  if (replicated)
+    mr_log(MR_LOG_INFO, "replicas: %llu of %zu pairs on more than one server; failover after "
+           "%u ms without a reply", (unsigned long long)replicated, pairs, c->failover_ms);
   mr_free(ann);
   mr_free(assigned);
 
@@ -632,6 +712,8 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
   }
 
   rc = gc__streams_start(c, e);
+  if (rc) goto out_close;
+  rc = gc__health_start(c, e);
   if (rc) goto out_close;
   mr_log(MR_LOG_INFO, "cluster open: %u server%s, model %s, H=%u E=%u L=%u, %s, %llu local "
          "pairs, deadline %u ms", c->n_servers, c->n_servers == 1 ? "" : "s", c->fingerprint,
@@ -663,6 +745,7 @@ int gc_cluster_open(gc_cluster **out, const char *path, const gc_options *opts, 
 
 void gc_cluster_close(gc_cluster *c) {
   if (!c) return;
+  gc__health_stop(c); /* first: it uses the control channels and the streams' state */
   gc__streams_stop(c);
   gc__pool_close(c);
   gc__local_free(c);
@@ -673,6 +756,9 @@ void gc_cluster_close(gc_cluster *c) {
   mr_free(c->servers);
   mr_free(c->streams);
   mr_free(c->owner);
+  mr_free(c->rep_off);
+  mr_free(c->rep);
+  mr_free(c->pref);
   if (c->creds) grpc_channel_credentials_release(c->creds);
   if (c->n_auth_md) {
     grpc_slice_unref(c->auth_md.key);
@@ -680,6 +766,8 @@ void gc_cluster_close(gc_cluster *c) {
   }
   if (c->locks_inited) {
     pthread_mutex_destroy(&c->local_lock);
+    pthread_mutex_destroy(&c->health_lock);
+    pthread_cond_destroy(&c->health_cond);
     pthread_mutex_destroy(&c->calls_lock);
     pthread_cond_destroy(&c->calls_cond);
   }
@@ -700,6 +788,7 @@ void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out) {
   out->max_tokens = c->max_tokens_min;
   out->n_servers = c->n_servers;
   out->deadline_ms = c->deadline_ms;
+  out->failover_ms = c->failover_ms;
   out->local_pairs = c->local_pairs;
   out->caller_pairs = c->caller_pairs;
   snprintf(out->model_dir, sizeof out->model_dir, "%s", c->model_dir);
@@ -749,6 +838,7 @@ int gc_server_counters_get(gc_cluster *c, uint32_t idx, bool reset, gc_server_co
     s->sum_rtt_us = s->sum_queue_us = s->sum_compute_us = 0;
   }
   pthread_mutex_unlock(&s->lock);
+  gc__health_counters(c, idx, reset, out);
   return 0;
 }
 

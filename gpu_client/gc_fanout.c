@@ -14,6 +14,11 @@
  *
  * Each part carries only its tokens (rows, in increasing token order) and only its slots;
  * slot positions are kept, so a token's weights stay where the router put them.
+ *
+ * With replicas (a pair announced by several servers) each slot goes to one live replica,
+ * the one with the least outstanding work counted in slots (queued + in flight on its
+ * stream, plus what this plan already gave it), ties broken by a rotating start index so
+ * that idle replicas take turns. A server still gets at most one part per plan.
  */
 #include <stdio.h>
 #include <string.h>
@@ -22,9 +27,33 @@
 
 #define GC__LAST_NONE UINT32_MAX
 
-int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n_servers,
-                   uint32_t layer, uint32_t T, uint32_t k, const int32_t *ids,
-                   const float *weights, mr_arena *a, mr_err *e) {
+/* The server that computes slot (layer row, expert id): with replicas, the placement's
+ * server while it is live, else the live replica with the least work (outstanding slots
+ * plus the slots this plan gave it so far), ties to the first at or after rot in index
+ * order. -1 when no replica is live. */
+static int32_t replica_pick(const gc__replicas *rp, uint32_t n_servers, int32_t id,
+                            const uint64_t *added) {
+  if (rp->pref && rp->pref[id] >= 0 && rp->live[rp->pref[id]]) return rp->pref[id];
+  int32_t best = -1;
+  uint64_t best_w = 0;
+  uint32_t best_r = 0;
+  for (uint32_t i = rp->off[id]; i < rp->off[id + 1]; i++) {
+    uint32_t s = rp->srv[i];
+    if (!rp->live[s]) continue;
+    uint64_t w = (rp->load ? rp->load[s] : 0) + added[s];
+    uint32_t r = (s + n_servers - rp->rot % n_servers) % n_servers;
+    if (best < 0 || w < best_w || (w == best_w && r < best_r)) {
+      best = (int32_t)s;
+      best_w = w;
+      best_r = r;
+    }
+  }
+  return best;
+}
+
+int gc__plan_build(gc__plan *p, const int32_t *owner_row, const gc__replicas *rp, uint32_t E,
+                   uint32_t n_servers, uint32_t layer, uint32_t T, uint32_t k,
+                   const int32_t *ids, const float *weights, mr_arena *a, mr_err *e) {
   const uint32_t n_targets = n_servers + 1; /* servers, then the local target */
 
   memset(p, 0, sizeof *p);
@@ -34,16 +63,23 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
   uint32_t *count = mr_arena_alloc(a, n_targets * sizeof *count, 8);
   uint32_t *last = mr_arena_alloc(a, n_targets * sizeof *last, 8);
   int32_t *part_of = mr_arena_alloc(a, n_targets * sizeof *part_of, 8);
-  if (!count || !last || !part_of)
+  /* The target of every slot, chosen once in pass 1 (-1: empty or caller-computed). */
+  size_t n_slots = (size_t)T * k;
+  int32_t *tgt = mr_arena_alloc(a, (n_slots ? n_slots : 1) * sizeof *tgt, 8);
+  uint64_t *added = rp ? mr_arena_alloc(a, n_servers * sizeof *added, 8) : NULL;
+  if (!count || !last || !part_of || !tgt || (rp && !added))
     return mr_err_set(e, MR_ENOMEM, "layer %u: split of %u tokens: out of memory", layer, T);
   memset(count, 0, n_targets * sizeof *count);
+  if (added) memset(added, 0, n_servers * sizeof *added);
   for (uint32_t i = 0; i < n_targets; i++) last[i] = GC__LAST_NONE;
+  uint32_t n_missing = 0;
 
-  /* Pass 1: validate every slot and count the tokens of each target. */
+  /* Pass 1: validate every slot, choose its target and count the tokens of each target. */
   for (uint32_t t = 0; t < T; t++) {
     for (uint32_t j = 0; j < k; j++) {
       size_t i = (size_t)t * k + j;
       int32_t id = ids[i];
+      tgt[i] = -1;
       if (id == -1) continue;
       if (id < -1 || (uint32_t)id >= E)
         return mr_err_set(e, MR_ERANGE,
@@ -57,13 +93,39 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
                           "layer %u expert %d (ids[%zu], token %u) is owned by no server and "
                           "not local",
                           layer, id, i, t);
+      if (o >= 0 && rp) {
+        o = replica_pick(rp, n_servers, id, added);
+        if (o < 0) {
+          if (!p->missing) {
+            p->missing = mr_arena_alloc(a, E, 8);
+            if (!p->missing)
+              return mr_err_set(e, MR_ENOMEM, "layer %u: split: out of memory", layer);
+            memset(p->missing, 0, E);
+          }
+          n_missing += !p->missing[id];
+          p->missing[id] = 1;
+          continue;
+        }
+        added[o]++;
+      }
       uint32_t tg = o == GC_OWNER_LOCAL ? n_servers : (uint32_t)o;
       MR_ASSERT(tg < n_targets); /* the owner map only holds indices we built */
+      tgt[i] = (int32_t)tg;
       if (last[tg] != t) {
         last[tg] = t;
         count[tg]++;
       }
     }
+  }
+  if (n_missing) {
+    char list[256];
+    mr_idlist w;
+    mr_idlist_init(&w, list, sizeof list);
+    for (uint32_t x = 0; x < E; x++)
+      if (p->missing[x]) mr_idlist_add(&w, x);
+    mr_idlist_end(&w, true);
+    return mr_err_set(e, MR_EUNAVAIL, "layer %u: expert%s %s %s no live replica", layer,
+                      n_missing == 1 ? "" : "s", list, n_missing == 1 ? "has" : "have");
   }
 
   for (uint32_t tg = 0; tg < n_targets; tg++) {
@@ -89,14 +151,12 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
   }
 
   /* Pass 2: a token's first slot for a target opens a row of all-empty slots in that
-   * target's part; each owned slot then lands in its own position. */
+   * target's part; each slot then lands in its own position. */
   for (uint32_t t = 0; t < T; t++) {
     for (uint32_t j = 0; j < k; j++) {
       size_t i = (size_t)t * k + j;
-      int32_t id = ids[i];
-      if (id == -1 || owner_row[id] == GC_OWNER_CALLER) continue;
-      int32_t o = owner_row[id];
-      uint32_t tg = o == GC_OWNER_LOCAL ? n_servers : (uint32_t)o;
+      if (tgt[i] < 0) continue;
+      uint32_t tg = (uint32_t)tgt[i];
       gc__part *pt = &p->parts[part_of[tg]];
       if (last[tg] != t) {
         last[tg] = t;
@@ -108,7 +168,7 @@ int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n
         }
       }
       size_t r = pt->n_tokens - 1;
-      pt->ids[r * k + j] = id;
+      pt->ids[r * k + j] = ids[i];
       pt->weights[r * k + j] = weights[i];
     }
   }
@@ -181,6 +241,25 @@ void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,
       if (o >= 0 && assigned) assigned[o]++;
     }
   }
+}
+
+size_t gc__replicas_build(uint32_t *off, uint16_t *srv, const int32_t *owner, uint32_t L,
+                          uint32_t E, uint32_t n_servers, const uint64_t *const *announce,
+                          uint64_t *assigned) {
+  size_t n = 0;
+  if (assigned) memset(assigned, 0, n_servers * sizeof *assigned);
+  for (size_t i = 0; i < (size_t)L * E; i++) {
+    off[i] = (uint32_t)n;
+    if (owner[i] < 0) continue; /* local, caller-computed or nobody's */
+    for (uint32_t s = 0; s < n_servers; s++) {
+      if (!announce[s] || !(announce[s][i >> 6] >> (i & 63) & 1u)) continue;
+      if (srv) srv[n] = (uint16_t)s;
+      if (assigned) assigned[s]++;
+      n++;
+    }
+  }
+  off[(size_t)L * E] = (uint32_t)n;
+  return n;
 }
 
 /* Most layers described in detail by the coverage message. */

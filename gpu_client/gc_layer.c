@@ -7,13 +7,22 @@
  * the pool, so a steady stream of calls allocates nothing):
  *
  *   plan        rows / ids / weights of each part            (gc__plan_build)
- *   x_part[i]   the part's hidden rows in the wire dtype     sent by reference (zero copy)
- *   part_out[i] the part's output: wire dtype for a server   written by the I/O thread
- *               part, fp32 for the local part                 (gather from the reply slices)
- *   reqs        one gc__req per ForwardRequest
+ *   x of a part the part's hidden rows in the wire dtype     sent by reference (zero copy)
+ *   out of a    the request's output in the wire dtype       written by the I/O thread
+ *   request                                                   (gather from the reply slices)
+ *   part_out    the local part's output, fp32
+ *   reqs        one gc__req per ForwardRequest, resent ones appended
  *
- * The payload slices of x_part may outlive the call inside gRPC; each holds a reference
- * of the pending, so the arena is reset only after gRPC let go of them.
+ * The payload slices may outlive the call inside gRPC; each holds a reference of the
+ * pending, so the arena is reset only after gRPC let go of them.
+ *
+ * Failover inside the wait (docs/DESIGN.md "Replicas and failover"): a request whose
+ * stream broke (retry), or that is unanswered for failover_ms while its server has been
+ * silent as long, is re-planned: its slots (a disjoint set of (token, slot) of the call)
+ * are split again over the live replicas without its server, with its own gathered rows
+ * as the source, and the new requests are appended and sent; the old one is marked
+ * replaced and its result (or a late reply, which finds nothing outstanding) is never
+ * added. The sum is the same set of (token, slot) products, so the call's result is too.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -75,7 +84,7 @@ static gc_pending *pending_get(gc_cluster *c, mr_err *e) {
     p->pool = pool;
   }
   p->next_free = NULL;
-  p->n_reqs = p->n_done = 0;
+  p->n_reqs = p->n_done = p->cap_reqs = 0;
   p->failed = p->closed = false;
   p->reqs = NULL;
   p->part_out = NULL;
@@ -130,21 +139,27 @@ void gc__pool_close(gc_cluster *c) {
               "the last of them");
 }
 
-void gc__req_complete(gc__req *r, int rc, const mr_err *err) {
+void gc__req_complete_ex(gc__req *r, int rc, const mr_err *err, bool retry) {
   gc_pending *p = r->p;
   pthread_mutex_lock(&p->lock);
   if (!p->closed && !r->done) {
     r->done = true;
     r->rc = rc;
+    r->retry = rc != 0 && retry;
+    r->t_done_ns = mr_now_ns();
     if (rc && err) r->err = *err;
     else if (rc) mr_err_set(&r->err, rc, "layer %u request %llu: %s", p->layer,
                             (unsigned long long)r->id, mr_strerror(rc));
     p->n_done++;
     if (rc) p->failed = true;
-    else p->t_last_reply_ns = mr_now_ns();
+    else p->t_last_reply_ns = r->t_done_ns;
     if (rc || p->n_done == p->n_reqs) pthread_cond_broadcast(&p->cond);
   }
   pthread_mutex_unlock(&p->lock);
+}
+
+void gc__req_complete(gc__req *r, int rc, const mr_err *err) {
+  gc__req_complete_ex(r, rc, err, false);
 }
 
 /* ---- submit ------------------------------------------------------------------------------ */
@@ -170,26 +185,27 @@ static int req_validate(const gc_cluster *c, const gc_layer_req *q, mr_err *e) {
   return 0;
 }
 
-/* Encodes r's ForwardRequest, its payload referencing x (the part's gathered rows). */
-static int req_encode(gc_pending *p, gc__req *r, const gc__part *pt, const uint8_t *x,
-                      uint32_t k, size_t row_bytes, mr_err *e) {
+/* Encodes r's ForwardRequest, its payload referencing r->x (rows the pending owns). */
+static int req_encode(gc_pending *p, gc__req *r, mr_err *e) {
+  const uint32_t k = p->top_k;
   Moerpc__V1__ForwardRequest m = MOERPC__V1__FORWARD_REQUEST__INIT;
   m.id = r->id;
   m.layer = p->layer;
   m.n_tokens = r->n_tokens;
   m.top_k = k;
   m.n_expert_ids = (size_t)r->n_tokens * k;
-  m.expert_ids = pt->ids + (size_t)r->row0 * k;
+  m.expert_ids = (int32_t *)r->ids;
   m.n_weights = m.n_expert_ids;
-  m.weights = pt->weights + (size_t)r->row0 * k;
+  m.weights = (float *)r->weights;
   m.dtype = (Moerpc__V1__DType)p->dtype;
   /* The server drops the request rather than compute it after this client gave up. */
   uint64_t now = mr_now_ns();
   uint64_t left_us = p->deadline_ns > now ? (p->deadline_ns - now) / 1000u : 1;
   m.budget_us = left_us > UINT32_MAX ? UINT32_MAX : (uint32_t)(left_us ? left_us : 1);
   atomic_fetch_add(&p->refs, 1); /* the payload slice's reference */
-  r->bb = pr_encode_with_payload(&m.base, x + (size_t)r->row0 * row_bytes,
-                                 (size_t)r->n_tokens * row_bytes, gc__payload_release, p);
+  r->bb = pr_encode_with_payload(&m.base, r->x,
+                                 (size_t)r->n_tokens * p->H * mr_dtype_size(p->dtype),
+                                 gc__payload_release, p);
   if (!r->bb) {
     /* pr_encode_with_payload fails only before it made the slice that would release. */
     gc__pending_unref(p);
@@ -197,6 +213,100 @@ static int req_encode(gc_pending *p, gc__req *r, const gc__part *pt, const uint8
                       (unsigned long long)r->id);
   }
   r->bb_bytes = grpc_byte_buffer_length(r->bb);
+  return 0;
+}
+
+/* Appends r to p->reqs, growing the array from the arena (the waiter's, or submit's). */
+static int reqs_push(gc_pending *p, gc__req *r, uint32_t *n) {
+  if (*n == p->cap_reqs) {
+    uint32_t cap = p->cap_reqs ? 2 * p->cap_reqs : 8;
+    gc__req **a = mr_arena_alloc(&p->arena, cap * sizeof *a, 8);
+    if (!a) return MR_ENOMEM;
+    if (*n) memcpy(a, p->reqs, *n * sizeof *a);
+    p->reqs = a;
+    p->cap_reqs = cap;
+  }
+  p->reqs[(*n)++] = r;
+  return 0;
+}
+
+/*
+ * Describes the requests of the server parts of plan pl and appends them to p->reqs from
+ * index *n on (*n advances; they are neither counted in n_reqs nor queued yet). The plan's
+ * rows index src: each part's hidden rows are gathered from src_x ([*, H] wire dtype), and
+ * its token rows are src_rows[row] (src_rows NULL: the rows are the call's own). A part
+ * over its server's max_tokens becomes several requests. fo_from marks resent requests.
+ */
+static int reqs_from_plan(gc_cluster *c, gc_pending *p, const gc__plan *pl, const void *src_x,
+                          const uint32_t *src_rows, int32_t fo_from, uint32_t *n, mr_err *e) {
+  const uint32_t k = pl->top_k;
+  const size_t row_bytes = (size_t)c->H * mr_dtype_size(p->dtype);
+  const uint64_t now = mr_now_ns();
+  for (uint32_t i = 0; i < pl->n_parts; i++) {
+    const gc__part *pt = &pl->parts[i];
+    if (pt->target == GC_OWNER_LOCAL) continue;
+    uint8_t *x = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * row_bytes, 64);
+    uint8_t *out = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * row_bytes, 64);
+    uint32_t *rows = (uint32_t *)pt->rows;
+    if (src_rows) rows = mr_arena_alloc(&p->arena, pt->n_tokens * sizeof *rows, 8);
+    if (!x || !out || !rows) goto out_nomem;
+    if (src_rows)
+      for (uint32_t t = 0; t < pt->n_tokens; t++) rows[t] = src_rows[pt->rows[t]];
+    gc__gather_rows(x, src_x, pt->rows, pt->n_tokens, row_bytes);
+    uint32_t mt = c->servers[pt->target].max_tokens;
+    for (uint32_t row0 = 0; row0 < pt->n_tokens; row0 += mt) {
+      gc__req *r = mr_arena_alloc(&p->arena, sizeof *r, 64);
+      if (!r) goto out_nomem;
+      memset(r, 0, sizeof *r);
+      r->p = p;
+      r->s = &c->streams[pt->target];
+      r->n_tokens = pt->n_tokens - row0 < mt ? pt->n_tokens - row0 : mt;
+      r->rows = rows + row0;
+      r->ids = pt->ids + (size_t)row0 * k;
+      r->weights = pt->weights + (size_t)row0 * k;
+      for (size_t j = 0; j < (size_t)r->n_tokens * k; j++) r->n_slots += r->ids[j] >= 0;
+      r->x = x + (size_t)row0 * row_bytes;
+      r->out = out + (size_t)row0 * row_bytes;
+      r->id = atomic_fetch_add(&c->next_id, 1);
+      r->t_submit_ns = now;
+      r->fo_from = fo_from;
+      if (reqs_push(p, r, n)) goto out_nomem;
+    }
+  }
+  return 0;
+out_nomem:
+  return mr_err_set(e, MR_ENOMEM, "layer %u: requests for %u tokens: out of memory", p->layer,
+                    pl->n_tokens);
+}
+
+/* Encodes and queues requests [from, to) of p (counted in n_reqs already). */
+static void reqs_send(gc_pending *p, uint32_t from, uint32_t to) {
+  for (uint32_t i = from; i < to; i++) {
+    gc__req *r = p->reqs[i];
+    mr_err err;
+    int erc = req_encode(p, r, &err);
+    if (erc) gc__req_complete(r, erc, &err);
+    else gc__stream_enqueue(r->s, r);
+  }
+}
+
+/* The replica view of layer for a plan: live and load snapshots from the arena; skip is a
+ * server to leave out (-1 none). */
+static int replicas_view(gc_cluster *c, gc_pending *p, uint32_t layer, int32_t skip,
+                         gc__replicas *rp) {
+  uint8_t *live = mr_arena_alloc(&p->arena, c->n_servers, 8);
+  uint64_t *load = mr_arena_alloc(&p->arena, c->n_servers * sizeof *load, 8);
+  if (!live || !load) return MR_ENOMEM;
+  for (uint32_t s = 0; s < c->n_servers; s++) {
+    live[s] = atomic_load(&c->streams[s].up) && (int32_t)s != skip;
+    load[s] = atomic_load(&c->streams[s].out_slots);
+  }
+  rp->off = c->rep_off + (size_t)layer * c->E;
+  rp->srv = c->rep;
+  rp->pref = c->pref ? c->pref + (size_t)layer * c->E : NULL;
+  rp->live = live;
+  rp->load = load;
+  rp->rot = atomic_fetch_add(&c->rot, 1);
   return 0;
 }
 
@@ -210,78 +320,47 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
   p->layer = q->layer;
   p->H = c->H;
   p->dtype = q->dtype;
+  p->top_k = q->top_k;
   p->t_submit_ns = mr_now_ns();
   p->deadline_ns = p->t_submit_ns + (uint64_t)c->deadline_ms * 1000000u;
 
-  const uint32_t k = q->top_k;
   const size_t row_bytes = (size_t)c->H * mr_dtype_size(q->dtype);
-  rc = gc__plan_build(&p->plan, c->owner + (size_t)q->layer * c->E, c->E, c->n_servers,
-                      q->layer, q->n_tokens, k, q->ids, q->weights, &p->arena, e);
+  gc__replicas rp;
+  if (replicas_view(c, p, q->layer, -1, &rp)) goto out_nomem;
+  rc = gc__plan_build(&p->plan, c->owner + (size_t)q->layer * c->E, &rp, c->E, c->n_servers,
+                      q->layer, q->n_tokens, q->top_k, q->ids, q->weights, &p->arena, e);
+  if (rc == MR_EUNAVAIL && e)
+    gc__down_explain(c, q->layer, p->plan.missing, e->msg, sizeof e->msg);
   if (rc) goto out_unref;
   const uint32_t np = p->plan.n_parts;
 
-  /* Count the requests: a part larger than its server's max_tokens becomes several. */
-  uint32_t n_reqs = 0;
-  for (uint32_t i = 0; i < np; i++) {
-    const gc__part *pt = &p->plan.parts[i];
-    if (pt->target == GC_OWNER_LOCAL) continue;
-    uint32_t mt = c->servers[pt->target].max_tokens;
-    n_reqs += (pt->n_tokens + mt - 1) / mt;
-  }
-  uint8_t **x_part = mr_arena_alloc(&p->arena, (np ? np : 1) * sizeof *x_part, 8);
-  p->part_out = mr_arena_alloc(&p->arena, (np ? np : 1) * sizeof *p->part_out, 8);
-  p->reqs = mr_arena_alloc(&p->arena, (n_reqs ? n_reqs : 1) * sizeof *p->reqs, 64);
-  if (!x_part || !p->part_out || !p->reqs) goto out_nomem;
-  for (uint32_t i = 0; i < np; i++) {
-    const gc__part *pt = &p->plan.parts[i];
-    size_t out_row = pt->target == GC_OWNER_LOCAL ? (size_t)c->H * sizeof(float) : row_bytes;
-    x_part[i] = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * row_bytes, 64);
-    p->part_out[i] = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * out_row, 64);
-    if (!x_part[i] || !p->part_out[i]) goto out_nomem;
-    gc__gather_rows(x_part[i], q->x, pt->rows, pt->n_tokens, row_bytes);
-  }
-
   /* Describe every request before the first is queued: the I/O thread may complete one
    * while later ones are still being queued, and counts against n_reqs. */
-  uint32_t ri = 0;
+  uint32_t n = 0;
+  rc = reqs_from_plan(c, p, &p->plan, q->x, NULL, -1, &n, e);
+  if (rc) goto out_unref;
+  p->n_reqs = n;
+
+  p->part_out = mr_arena_alloc(&p->arena, (np ? np : 1) * sizeof *p->part_out, 8);
+  if (!p->part_out) goto out_nomem;
+  uint8_t *x_local = NULL;
   for (uint32_t i = 0; i < np; i++) {
     const gc__part *pt = &p->plan.parts[i];
-    if (pt->target == GC_OWNER_LOCAL) continue;
-    uint32_t mt = c->servers[pt->target].max_tokens;
-    for (uint32_t row0 = 0; row0 < pt->n_tokens; row0 += mt) {
-      gc__req *r = &p->reqs[ri++];
-      memset(r, 0, sizeof *r);
-      r->p = p;
-      r->s = &c->streams[pt->target];
-      r->row0 = row0;
-      r->n_tokens = pt->n_tokens - row0 < mt ? pt->n_tokens - row0 : mt;
-      r->id = atomic_fetch_add(&c->next_id, 1);
-      r->t_submit_ns = p->t_submit_ns;
-      r->out = (uint8_t *)p->part_out[i] + (size_t)row0 * row_bytes;
-    }
-  }
-  MR_ASSERT(ri == n_reqs);
-  p->n_reqs = n_reqs;
-
-  ri = 0;
-  for (uint32_t i = 0; i < np; i++) {
-    const gc__part *pt = &p->plan.parts[i];
-    if (pt->target == GC_OWNER_LOCAL) continue;
-    for (uint32_t row0 = 0; row0 < pt->n_tokens; row0 += c->servers[pt->target].max_tokens) {
-      gc__req *r = &p->reqs[ri++];
-      mr_err err;
-      int erc = req_encode(p, r, pt, x_part[i], k, row_bytes, &err);
-      if (erc) gc__req_complete(r, erc, &err);
-      else gc__stream_enqueue(r->s, r);
-    }
+    p->part_out[i] = NULL;
+    if (pt->target != GC_OWNER_LOCAL) continue;
+    x_local = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * row_bytes, 64);
+    p->part_out[i] = mr_arena_alloc(&p->arena, (size_t)pt->n_tokens * c->H * sizeof(float), 64);
+    if (!x_local || !p->part_out[i]) goto out_nomem;
+    gc__gather_rows(x_local, q->x, pt->rows, pt->n_tokens, row_bytes);
   }
 
+  reqs_send(p, 0, n);
   p->t_sent_ns = mr_now_ns(); /* every request is with the transport */
   /* The servers work on their parts while this thread computes the local one. */
   for (uint32_t i = 0; i < np; i++) {
     if (p->plan.parts[i].target != GC_OWNER_LOCAL) continue;
     uint64_t t0 = mr_now_ns();
-    p->local_rc = gc__local_forward(c, p, i, x_part[i], &p->local_err);
+    p->local_rc = gc__local_forward(c, p, i, x_local, &p->local_err);
     p->local_ns += mr_now_ns() - t0;
     if (p->local_rc)
       mr_err_prefix(&p->local_err, p->local_rc, "layer %u: local experts", q->layer);
@@ -297,6 +376,115 @@ out_unref:
   return rc;
 }
 
+/* ---- failover ---------------------------------------------------------------------------- */
+
+/* Whether the unanswered r has waited failover_ms and its server said nothing for as long
+ * (a server that answers other requests is busy, not gone); else *wake gets when it would. */
+static bool req_stalled(const gc_cluster *c, const gc__req *r, uint64_t now, uint64_t *wake) {
+  const uint64_t fo = (uint64_t)c->failover_ms * 1000000u;
+  uint64_t t = r->t_submit_ns + fo;
+  uint64_t tr = atomic_load(&r->s->t_reply_ns) + fo;
+  if (tr > t) t = tr;
+  if (now >= t) return true;
+  if (t < *wake) *wake = t;
+  return false;
+}
+
+/*
+ * One failover round of the waiter (p->lock not held): every request that broke with
+ * retry, or is unanswered on a server that is down or stalled, is re-planned over the live
+ * replicas of its slots and resent. A stalled request with nowhere to go is left to its
+ * deadline (no_failover). Returns 0, or the call's error: MR_EUNAVAIL when a broken
+ * request's slots have no live replica, MR_ENOMEM.
+ */
+static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
+  const uint32_t n0 = p->n_reqs; /* only the waiter appends */
+  const uint64_t now = mr_now_ns();
+  uint32_t n = n0;
+  for (uint32_t i = 0; i < n0; i++) {
+    gc__req *r = p->reqs[i];
+    pthread_mutex_lock(&p->lock);
+    bool done = r->done, broke = r->done && r->rc && r->retry, replaced = r->replaced;
+    pthread_mutex_unlock(&p->lock);
+    /* no_failover holds only while r is unanswered: a broken stream must still be
+     * re-planned (or reported) even if an earlier stall found nowhere to go. */
+    if (replaced || (done && !broke) || (!done && r->no_failover)) continue;
+    const uint32_t idx = r->s->idx;
+    uint64_t wake = UINT64_MAX;
+    bool stalled = false;
+    if (!done) {
+      bool down = !atomic_load(&r->s->up);
+      stalled = !down && req_stalled(c, r, now, &wake);
+      if (!down && !stalled) continue;
+    }
+
+    gc__plan sub;
+    gc__replicas rp;
+    mr_err perr;
+    if (replicas_view(c, p, p->layer, (int32_t)idx, &rp))
+      return mr_err_set(e, MR_ENOMEM, "layer %u: failover: out of memory", p->layer);
+    int rc = gc__plan_build(&sub, c->owner + (size_t)p->layer * c->E, &rp, c->E, c->n_servers,
+                            p->layer, r->n_tokens, p->top_k, r->ids, r->weights, &p->arena,
+                            &perr);
+    if (rc == MR_EUNAVAIL && !done) {
+      r->no_failover = true; /* nowhere to go: its own server may still answer in time */
+      continue;
+    }
+    if (rc == MR_EUNAVAIL) {
+      if (e) {
+        *e = perr;
+        gc__down_explain(c, p->layer, sub.missing, e->msg, sizeof e->msg);
+      }
+      return rc;
+    }
+    if (rc) {
+      if (e) *e = perr;
+      return rc;
+    }
+
+    if (!done) {
+      enum gc__req_state st;
+      if (!gc__stream_forget(r->s, r, false, &st)) continue; /* answered just now */
+      gc__pending_unref(p); /* the outstanding list's reference, ours now */
+      char why[200];
+      if (stalled)
+        snprintf(why, sizeof why, "no reply to request %llu (layer %u) within failover_ms %u "
+                 "(%s, server silent)", (unsigned long long)r->id, p->layer, c->failover_ms,
+                 st == GC__REQ_QUEUED ? "still queued" : "sent");
+      else
+        snprintf(why, sizeof why, "marked down while request %llu (layer %u) was unanswered",
+                 (unsigned long long)r->id, p->layer);
+      gc__server_down(c, idx, false, why);
+      pthread_mutex_lock(&p->lock);
+      r->done = true;
+      p->n_done++;
+      r->replaced = true;
+      pthread_mutex_unlock(&p->lock);
+    } else {
+      pthread_mutex_lock(&p->lock);
+      r->replaced = true;
+      p->failed = false;
+      for (uint32_t j = 0; j < n0; j++) {
+        const gc__req *o = p->reqs[j];
+        if (o->done && o->rc && !o->replaced) p->failed = true;
+      }
+      pthread_mutex_unlock(&p->lock);
+    }
+    gc__server_resent(c, idx, 1);
+    uint32_t from = n;
+    rc = reqs_from_plan(c, p, &sub, r->x, r->rows, (int32_t)idx, &n, e);
+    if (rc) return rc;
+    pthread_mutex_lock(&p->lock);
+    p->n_reqs = n;
+    pthread_mutex_unlock(&p->lock);
+    mr_log(MR_LOG_DEBUG, "layer %u request %llu of " GC__SRV_FMT ": resent as %u request%s",
+           p->layer, (unsigned long long)r->id, GC__SRV_ARGS(r->s->srv), n - from,
+           n - from == 1 ? "" : "s");
+    reqs_send(p, from, n);
+  }
+  return 0;
+}
+
 /* ---- wait -------------------------------------------------------------------------------- */
 
 static void abs_from_ns(struct timespec *ts, uint64_t ns) {
@@ -310,20 +498,55 @@ int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
   return gc_layer_wait_ex(c, p, out, 0, NULL, e);
 }
 
+/* Under p->lock: whether a failover round has work (a broken request to re-plan, or an
+ * unanswered one on a down or stalled server); *hard: a failure no round can mend. *wake
+ * gets the next time a stall could be due. */
+static bool failover_due(const gc_cluster *c, const gc_pending *p, uint64_t now, bool *hard,
+                         uint64_t *wake) {
+  bool due = false;
+  *hard = false;
+  for (uint32_t i = 0; i < p->n_reqs; i++) {
+    const gc__req *r = p->reqs[i];
+    if (r->replaced) continue;
+    if (r->done) {
+      if (r->rc && r->retry) due = true;
+      else if (r->rc) *hard = true;
+    } else if (!r->no_failover &&
+               (!atomic_load(&r->s->up) || req_stalled(c, r, now, wake))) {
+      due = true;
+    }
+  }
+  return due;
+}
+
 int gc_layer_wait_ex(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
                      gc_call_timing *t, mr_err *e) {
   MR_ASSERT(c && p && p->c == c && (out || p->plan.n_parts == 0));
   const uint64_t t_wait0 = mr_now_ns();
-  struct timespec ts;
-  abs_from_ns(&ts, p->deadline_ns);
+  int rc = 0;
   pthread_mutex_lock(&p->lock);
-  while (p->n_done < p->n_reqs && !p->failed) {
-    int w = pthread_cond_timedwait(&p->cond, &p->lock, &ts);
-    if (w == ETIMEDOUT) break;
+  for (;;) {
+    uint64_t now = mr_now_ns();
+    if (now >= p->deadline_ns) break;
+    bool hard;
+    uint64_t wake = p->deadline_ns;
+    bool due = failover_due(c, p, now, &hard, &wake);
+    if (hard) break; /* reported below, in request order */
+    if (due) {
+      pthread_mutex_unlock(&p->lock);
+      rc = failover_round(c, p, e);
+      pthread_mutex_lock(&p->lock);
+      if (rc) break;
+      continue;
+    }
+    if (p->n_done == p->n_reqs) break;
+    struct timespec ts;
+    abs_from_ns(&ts, wake);
+    pthread_cond_timedwait(&p->cond, &p->lock, &ts);
   }
   /* From here on no other thread writes the requests' result fields. */
   p->closed = true;
-  bool timed_out = p->n_done < p->n_reqs && !p->failed;
+  bool timed_out = !rc && p->n_done < p->n_reqs && !p->failed;
   const uint64_t t_reply = p->t_last_reply_ns;
   pthread_mutex_unlock(&p->lock);
   if (t) {
@@ -334,13 +557,13 @@ int gc_layer_wait_ex(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
     t->requests = p->n_reqs;
   }
 
-  /* The first failure in part order (servers in file order), so that the same fault gives
-   * the same message whichever reply came first. */
-  int rc = 0;
-  uint32_t n_failed = 0;
+  /* The first failure in request order (servers in file order), so that the same fault
+   * gives the same message whichever reply came first. */
+  uint32_t n_failed = rc ? 1 : 0;
   uint64_t waited_ms = (mr_now_ns() - p->t_submit_ns) / 1000000u;
   for (uint32_t i = 0; i < p->n_reqs; i++) {
-    gc__req *r = &p->reqs[i];
+    gc__req *r = p->reqs[i];
+    if (r->replaced) continue;
     if (!r->done) {
       /* Not answered: give it up (a reply that comes later is dropped by the I/O thread). */
       enum gc__req_state st;
@@ -385,10 +608,24 @@ int gc_layer_wait_ex(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
 
   if (out && !(flags & GC_WAIT_ACCUMULATE))
     memset(out, 0, (size_t)p->plan.n_tokens * c->H * sizeof *out);
+  for (uint32_t i = 0; i < p->n_reqs; i++) {
+    const gc__req *r = p->reqs[i];
+    if (r->replaced) continue;
+    gc__scatter_add(out, c->H, r->rows, r->n_tokens, r->out, p->dtype);
+    if (r->fo_from < 0) continue;
+    /* The first rerouted reply of a failover: the earliest of the requests resent from
+     * the same server. */
+    uint64_t first = r->t_done_ns;
+    for (uint32_t j = 0; j < p->n_reqs; j++) {
+      const gc__req *o = p->reqs[j];
+      if (!o->replaced && o->fo_from == r->fo_from && o->t_done_ns < first) first = o->t_done_ns;
+    }
+    gc__server_failover_time(c, (uint32_t)r->fo_from, first);
+  }
   for (uint32_t i = 0; i < p->plan.n_parts; i++) {
     const gc__part *pt = &p->plan.parts[i];
-    gc__scatter_add(out, c->H, pt->rows, pt->n_tokens, p->part_out[i],
-                    pt->target == GC_OWNER_LOCAL ? MR_DTYPE_F32 : p->dtype);
+    if (pt->target != GC_OWNER_LOCAL) continue;
+    gc__scatter_add(out, c->H, pt->rows, pt->n_tokens, p->part_out[i], MR_DTYPE_F32);
   }
 out_unref:
   gc__pending_unref(p);
@@ -402,7 +639,7 @@ void gc_layer_cancel(gc_cluster *c, gc_pending *p) {
   p->closed = true; /* from here on late results are ignored */
   pthread_mutex_unlock(&p->lock);
   for (uint32_t i = 0; i < p->n_reqs; i++) {
-    gc__req *r = &p->reqs[i];
+    gc__req *r = p->reqs[i];
     if (r->done) continue;
     enum gc__req_state st;
     if (gc__stream_forget(r->s, r, false, &st)) gc__pending_unref(p);

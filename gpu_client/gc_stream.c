@@ -176,6 +176,7 @@ static void stream_kick_locked(gc__stream *s) {
 
 static void outstanding_unlink_locked(gc__stream *s, gc__req *r) {
   MR_ASSERT(r->linked);
+  atomic_fetch_sub(&s->out_slots, r->n_slots);
   if (r->o_prev) r->o_prev->o_next = r->o_next;
   else s->o_head = r->o_next;
   if (r->o_next) r->o_next->o_prev = r->o_prev;
@@ -203,11 +204,17 @@ static grpc_byte_buffer *queue_remove_locked(gc__stream *s, gc__req *r) {
 void gc__stream_enqueue(gc__stream *s, gc__req *r) {
   mr_err err;
   int rc = 0;
+  bool retry = false;
   mr_err_clear(&err);
   pthread_mutex_lock(&s->lock);
   if (s->closing) {
     rc = mr_err_set(&err, MR_ECANCELED, "layer %u request %llu: " GC__SRV_FMT ": cluster is "
                     "closing", r->p->layer, (unsigned long long)r->id, GC__SRV_ARGS(s->srv));
+  } else if (!s->cur && !atomic_load(&s->up)) {
+    /* Down since the plan chose it: no new stream before a fresh Hello (gc_health.c). */
+    rc = mr_err_set(&err, MR_EUNAVAIL, "layer %u request %llu: " GC__SRV_FMT ": server is down",
+                    r->p->layer, (unsigned long long)r->id, GC__SRV_ARGS(s->srv));
+    retry = true;
   } else if (!s->cur) {
     rc = stream_open_locked(s, &err);
     if (rc) mr_err_prefix(&err, rc, "layer %u request %llu", r->p->layer,
@@ -218,10 +225,11 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
     pthread_mutex_unlock(&s->lock);
     grpc_byte_buffer_destroy(r->bb); /* drops the payload's pending reference */
     r->bb = NULL;
-    gc__req_complete(r, rc, &err);
+    gc__req_complete_ex(r, rc, &err, retry);
     return;
   }
   atomic_fetch_add(&r->p->refs, 1); /* the outstanding list's reference */
+  atomic_fetch_add(&s->out_slots, r->n_slots);
   r->state = GC__REQ_QUEUED;
   r->linked = true;
   r->o_prev = NULL;
@@ -321,6 +329,7 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
   }
 
   uint64_t now = mr_now_ns();
+  atomic_store(&s->t_reply_ns, now); /* the server is alive (gc_layer.c's stall check) */
   pthread_mutex_lock(&s->lock);
   gc__req *r = s->o_head;
   while (r && r->id != h->id) r = r->o_next;
@@ -374,6 +383,7 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
     ct->mean_rtt_us = s->sum_rtt_us / (double)ct->replies;
     ct->mean_queue_us = s->sum_queue_us / (double)ct->replies;
     ct->mean_compute_us = s->sum_compute_us / (double)ct->replies;
+    atomic_store(&s->t_last_ok_ns, now);
   } else {
     ct->errors++;
   }
@@ -425,6 +435,7 @@ static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
 static void on_status(gc__stream *s, gc__call *cl) {
   gc__req *list = NULL;
   int rc = MR_EUNAVAIL;
+  bool down = false;
   char why[384];
 
   pthread_mutex_lock(&s->lock);
@@ -460,17 +471,26 @@ static void on_status(gc__stream *s, gc__call *cl) {
       s->failfast = true;
     }
     uint64_t n = 0;
-    for (gc__req *r = list; r; r = r->o_next) n++;
+    for (gc__req *r = list; r; r = r->o_next) {
+      n++;
+      atomic_fetch_sub(&s->out_slots, r->n_slots);
+    }
     s->ctr.errors += n;
+    /* A stream that ended by itself (server gone, connection reset) takes the server down
+     * until a fresh Hello; its requests go to other replicas. Our own cancel (a malformed
+     * reply) and a refused token are errors of this call, not an outage. */
+    down = !closing && rc == MR_EUNAVAIL;
     if (!closing || n)
-      mr_log(closing ? MR_LOG_INFO : MR_LOG_WARN, GC__SRV_FMT ": Forward %s; failing %llu "
-             "outstanding request%s", GC__SRV_ARGS(s->srv), why,
+      mr_log(closing ? MR_LOG_INFO : down ? MR_LOG_DEBUG : MR_LOG_WARN, GC__SRV_FMT ": Forward "
+             "%s; failing %llu outstanding request%s", GC__SRV_ARGS(s->srv), why,
              (unsigned long long)n, n == 1 ? "" : "s");
     else
       mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": Forward stream closed (%s)", GC__SRV_ARGS(s->srv),
              pr_status_name(cl->status));
   }
   pthread_mutex_unlock(&s->lock);
+  /* Before the requests fail, so that the waiters' re-plans leave this server out. */
+  if (down) gc__server_down(s->c, s->idx, true, why);
 
   for (gc__req *r = list, *next; r; r = next) {
     next = r->o_next;
@@ -483,7 +503,7 @@ static void on_status(gc__stream *s, gc__call *cl) {
     mr_err err;
     mr_err_set(&err, rc, "layer %u request %llu: " GC__SRV_FMT ": %s", p->layer,
                (unsigned long long)r->id, GC__SRV_ARGS(s->srv), why);
-    gc__req_complete(r, rc, &err);
+    gc__req_complete_ex(r, rc, &err, down);
     gc__pending_unref(p); /* last use of r */
   }
   call_batch_done(s, cl);
@@ -526,6 +546,10 @@ int gc__streams_start(gc_cluster *c, mr_err *e) {
     s->idx = i;
     s->srv = &c->servers[i];
     pthread_mutex_init(&s->lock, NULL);
+    atomic_init(&s->out_slots, 0);
+    atomic_init(&s->t_reply_ns, 0);
+    atomic_init(&s->t_last_ok_ns, 0);
+    atomic_init(&s->up, true); /* it answered the Hello round */
     /* Room for a full request or reply at the server's max_tokens: the server's own limit. */
     uint64_t max = pr_forward_max_bytes(s->srv->max_tokens, c->H, c->E);
     s->ch = gc__channel_new(c, s->srv, max > INT_MAX ? INT_MAX : (int)max);

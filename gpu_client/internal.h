@@ -9,7 +9,9 @@
  *                 unary calls (Hello, Stats).
  *   gc_local.c    local experts: loading from the model's safetensors, computing with kn.
  *   gc_stream.c   the per-server Forward stream and the I/O thread.
- *   gc_layer.c    submit / wait / forward, the pending pool.
+ *   gc_layer.c    submit / wait / forward, the pending pool, failover of a call's requests.
+ *   gc_health.c   which servers are up: marking down, the prober thread (fresh Hello,
+ *                 backoff), the health counters.
  *
  * Threads and locks (STYLE.md 8):
  *
@@ -23,6 +25,8 @@
  *                    gather its payload, complete it, re-arm RECV if anything is still
  *                    outstanding (else the next enqueue arms it); STATUS done -> the
  *                    stream broke: fail everything outstanding on it at once.
+ *   prober thread    (gc_health.c) Hellos down servers on their control channels, with
+ *                    backoff; marks one up again when its Hello matches the cluster's.
  *   gRPC threads     may run gc__payload_release (a request's payload slice dropped), which
  *                    only drops a pending reference.
  *
@@ -32,6 +36,8 @@
  *   pool->lock       the free list of pendings (c->pool, see below).
  *   c->local_lock    the local kernel engine (one forward at a time).
  *   c->calls_lock    the count of live gc__call objects (close waits on it).
+ *   c->health_lock   every stream's hl fields and up flag; a leaf: never held while taking
+ *                    another lock, never taken under a stream or pending lock.
  *   Order: stream->lock before pool->lock (destroying a byte buffer under the stream lock
  *   may drop the last pending reference) and before calls_lock (a stream opens a call under
  *   its lock); pending->lock is never held while taking a stream
@@ -74,18 +80,44 @@ typedef struct gc__plan {
   uint32_t n_tokens, top_k;
   uint32_t n_parts;  /* parts with at least one token: servers in index order, local last */
   gc__part *parts;
+  uint8_t *missing;  /* [E] experts with no live replica (MR_EUNAVAIL), else NULL */
 } gc__plan;
+
+/* The replica sets of one layer and what the plan needs to choose among them. */
+typedef struct gc__replicas {
+  const uint32_t *off;  /* [E + 1]: expert x's replicas are srv[off[x] .. off[x + 1]) */
+  const uint16_t *srv;  /* server indices, increasing within one expert */
+  const int32_t *pref;  /* [E] a placement's server for x (used while live), -1; or NULL */
+  const uint8_t *live;  /* [n_servers] 1 = may get traffic */
+  const uint64_t *load; /* [n_servers] outstanding slots on its stream now, or NULL */
+  uint32_t rot;         /* tie-break: the first index tried among equal loads */
+} gc__replicas;
 
 /*
  * Splits one layer call by owner. owner_row is owner[layer * E ..] (E entries); ids and
- * weights are the caller's [T * k]. All arrays of the plan come from arena a.
+ * weights are the caller's [T * k]. rp NULL: a slot goes to owner_row's server; otherwise
+ * a slot whose owner_row entry is a server goes to one live replica of rp (gc_fanout.c).
+ * All arrays of the plan come from arena a.
  * Errors: MR_ERANGE for an id that is neither -1 nor < E ("ids[13] (token 3, slot 1) =
  * 200, must be -1 or < num_experts 128"), MR_EPRECOND for an id nobody owns ("layer L
- * expert X (ids[13]) is owned by no server and not local"), MR_ENOMEM.
+ * expert X (ids[13]) is owned by no server and not local"), MR_EUNAVAIL when some slot's
+ * replicas are all down ("layer 3: experts 4-7 have no live replica", p->missing lists
+ * them), MR_ENOMEM.
  */
-int gc__plan_build(gc__plan *p, const int32_t *owner_row, uint32_t E, uint32_t n_servers,
-                   uint32_t layer, uint32_t T, uint32_t k, const int32_t *ids,
-                   const float *weights, mr_arena *a, mr_err *e);
+int gc__plan_build(gc__plan *p, const int32_t *owner_row, const gc__replicas *rp, uint32_t E,
+                   uint32_t n_servers, uint32_t layer, uint32_t T, uint32_t k,
+                   const int32_t *ids, const float *weights, mr_arena *a, mr_err *e);
+
+/*
+ * The replica sets of every pair in CSR form: for pair i = layer * E + expert whose owner[i]
+ * is a server, every server s whose announce[s] has the bit, in index order, at
+ * srv[off[i] .. off[i + 1]); none for local, caller-computed and unowned pairs. off has
+ * L * E + 1 entries; srv may be NULL to count. Returns the number of entries;
+ * assigned[s] (may be NULL) gets the pairs s is a replica of.
+ */
+size_t gc__replicas_build(uint32_t *off, uint16_t *srv, const int32_t *owner, uint32_t L,
+                          uint32_t E, uint32_t n_servers, const uint64_t *const *announce,
+                          uint64_t *assigned);
 
 /* Copies rows[0..n) of src ([*, row_bytes]) into dst ([n, row_bytes]) in order. */
 void gc__gather_rows(void *dst, const void *src, const uint32_t *rows, uint32_t n,
@@ -165,16 +197,26 @@ enum gc__req_state { GC__REQ_QUEUED, GC__REQ_SENT, GC__REQ_DONE };
 struct gc__req {
   gc_pending *p;
   gc__stream *s;
-  uint32_t row0, n_tokens;  /* rows [row0, row0 + n) of the part */
+  uint32_t n_tokens;
+  uint32_t n_slots;         /* non-empty slots: its weight in the replica choice */
+  const uint32_t *rows;     /* [n_tokens] token rows of the call, increasing */
+  const int32_t *ids;       /* [n_tokens * k] its slots, others -1 */
+  const float *weights;     /* [n_tokens * k] */
+  const uint8_t *x;         /* [n_tokens, H] of the wire dtype: the payload */
   uint64_t id;
   enum gc__req_state state; /* under s->lock until unlinked */
   bool linked;              /* on s's outstanding list (under s->lock) */
   grpc_byte_buffer *bb;     /* encoded, while on the send queue */
   size_t bb_bytes;
   uint64_t t_submit_ns;
-  void *out;                /* [n_tokens, H] of the wire dtype, inside the part's buffer */
+  void *out;                /* [n_tokens, H] of the wire dtype (arena) */
   bool done;                /* result fields valid (under p->lock) */
   int rc;
+  bool retry;               /* failed because its stream broke: re-plan it (under p->lock) */
+  bool replaced;            /* re-planned onto other replicas: result unused (waiter) */
+  bool no_failover;         /* a stall with nowhere to go: wait for it (waiter) */
+  int32_t fo_from;          /* resent from this server index after a failover, else -1 */
+  uint64_t t_done_ns;       /* when it completed (under p->lock) */
   mr_err err;
   gc__req *q_next;          /* send queue (FIFO) */
   gc__req *o_prev, *o_next; /* outstanding list */
@@ -210,8 +252,25 @@ struct gc__stream {
   char break_msg[256];
   gc__req *q_head, *q_tail; /* send queue */
   gc__req *o_head;          /* outstanding: queued or sent, not answered */
-  gc_server_counters ctr;
+  gc_server_counters ctr;    /* the health fields (failovers ... down) live in hl below */
   double sum_rtt_us, sum_queue_us, sum_compute_us;
+  atomic_uint_fast64_t t_last_ok_ns; /* latest OK reply, 0 = none */
+  /* Read without a lock by the plan (gc_layer.c): */
+  atomic_uint_fast64_t out_slots;    /* slots of its outstanding requests */
+  atomic_uint_fast64_t t_reply_ns;   /* latest reply of any kind, 0 = none yet */
+  atomic_bool up;                    /* may get traffic (written under c->health_lock) */
+  /* Health (gc_health.c), under c->health_lock: */
+  struct {
+    uint64_t t_down_ns;     /* when it went down */
+    uint64_t t_up_ns;       /* when it last came back */
+    uint64_t next_probe_ns; /* when the prober Hellos it next */
+    uint32_t backoff_ms;    /* wait after the next failed probe */
+    bool refusal_logged;    /* one log line per down spell */
+    bool fo_measured;       /* this spell's failover time is recorded */
+    uint64_t t_last_ok_ns;  /* its last OK reply before it went down */
+    char why[320];          /* why it is down */
+    uint64_t failovers, resent, returns, refusals, down_ns, last_failover_us;
+  } hl;
 };
 
 /* The pool of pendings (gc_layer.c). */
@@ -228,7 +287,9 @@ struct gc_pending {
   atomic_int refs;
   pthread_mutex_t lock;
   pthread_cond_t cond;
-  uint32_t n_reqs, n_done;
+  uint32_t n_reqs, n_done;  /* every request, replaced ones included */
+  uint32_t cap_reqs;        /* room in reqs */
+  uint32_t top_k;
   bool failed;              /* a request failed (wake the waiter early) */
   bool closed;              /* the waiter gave up or finished; late results are ignored */
   uint64_t t_submit_ns, deadline_ns;
@@ -239,7 +300,7 @@ struct gc_pending {
   mr_dtype dtype;
   gc__plan plan;
   void **part_out;          /* [n_parts]: server parts in wire dtype, the local part f32 */
-  gc__req *reqs;            /* [n_reqs] */
+  gc__req **reqs;           /* [n_reqs]: the first ones in server order, resent ones after */
   int local_rc;
   mr_err local_err;
   mr_arena arena;
@@ -262,7 +323,17 @@ struct gc_cluster {
   uint32_t n_servers;
   gc__server *servers;      /* [n_servers] */
   gc__stream *streams;      /* [n_servers] */
-  int32_t *owner;           /* [L * E] */
+  int32_t *owner;           /* [L * E]: the primary (routed or first announcing) server */
+  uint32_t *rep_off;        /* [L * E + 1] replica sets (gc__replicas_build) */
+  uint16_t *rep;
+  int32_t *pref;            /* [L * E] gc_options.route, or NULL */
+  atomic_uint rot;          /* replica tie-break rotation, one step per plan */
+  uint32_t failover_ms;     /* a request unanswered this long moves to another replica */
+  /* health (gc_health.c) */
+  pthread_mutex_t health_lock; /* the hl fields of every stream and its up flag */
+  pthread_cond_t health_cond;
+  pthread_t health_thread;
+  bool health_started, health_stop;
   /* local experts (gc_local.c) */
   kn_engine *local_eng;     /* own, or opts.shared_engine */
   bool own_local_eng;
@@ -312,12 +383,42 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r);
  * counts it as a timeout of the server. */
 bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_state *state);
 
+/* gc_health.c: which servers are up; the prober thread. */
+int gc__health_start(gc_cluster *c, mr_err *e);
+void gc__health_stop(gc_cluster *c);
+/* Marks server idx down (no traffic until a fresh Hello matches the cluster's model) for
+ * the reason why, logs it, counts a failover and wakes the prober: at once when
+ * probe_now (its stream broke: a live server answers a Hello in milliseconds), else after
+ * the backoff. No-op if already down. Any thread; takes c->health_lock (never held with a
+ * stream lock). */
+void gc__server_down(gc_cluster *c, uint32_t idx, bool probe_now, const char *why);
+/* Counts n requests of server idx re-planned onto other replicas. */
+void gc__server_resent(gc_cluster *c, uint32_t idx, uint32_t n);
+/* Records the failover time of server idx's current down spell (first one only):
+ * t_first_ns (the first rerouted reply) minus its last OK reply. */
+void gc__server_failover_time(gc_cluster *c, uint32_t idx, uint64_t t_first_ns);
+/* Appends to msg (len) "; down: server s1 (addr): why, ..." for the servers that replicate
+ * the experts marked in missing[E] of layer. */
+void gc__down_explain(gc_cluster *c, uint32_t layer, const uint8_t *missing, char *msg,
+                      size_t len);
+/* Adds the health counters of server idx to out (under health_lock). */
+void gc__health_counters(gc_cluster *c, uint32_t idx, bool reset, gc_server_counters *out);
+
+/* gc_cluster.c: one Hello round for the prober: Hellos servers idx[0..n) concurrently
+ * (deadline timeout_ms) and checks each reply into tmp[i] (gc__hello_check; tmp[i].cfg is
+ * set here, tmp[i].announce is owned by the caller); rcs[i] / errs[i] get each result. */
+void gc__hello_probe(gc_cluster *c, const uint32_t *idx, uint32_t n, uint32_t timeout_ms,
+                     gc__server *tmp, int *rcs, mr_err *errs);
+
 /* gc_layer.c */
 void gc__pending_unref(gc_pending *p);
 /* Completes r with rc and err (copied; may be NULL when rc is 0): counts it in its pending
  * and wakes the waiter when all are done or rc != 0. Ignored once the waiter has given up
  * (the waiter then owns r's result fields). Any thread; takes r->p->lock. */
 void gc__req_complete(gc__req *r, int rc, const mr_err *err);
+/* The same; retry marks a failure the waiter may re-plan onto other replicas (the stream
+ * broke, or the server is down). */
+void gc__req_complete_ex(gc__req *r, int rc, const mr_err *err, bool retry);
 /* Creates c->pool. */
 int gc__pool_new(gc_cluster *c, mr_err *e);
 /* Frees the idle pendings and hands the pool over to the pendings still out (if any). */

@@ -21,10 +21,21 @@
  *   gc_layer_forward     submit + wait
  *   gc_cluster_close     tear everything down
  *
- * Ownership rule: an expert computed locally is never sent to a server; otherwise the
- * first server in the cluster file that announces the pair in its Hello owns it (servers
- * later in the file that announce it too are standbys and get no traffic for it). The rule
- * is deterministic so that a given cluster file always routes the same way.
+ * Ownership rule: an expert computed locally is never sent to a server; otherwise every
+ * live server that announces the pair in its Hello is a replica of it, and each slot of a
+ * layer call goes to the replica with the least outstanding work (slots queued and in
+ * flight on its stream), ties taking turns (a placement's gc_options.route pins a pair to
+ * one server while that server is up). A server still gets one request per layer call
+ * (more only above its max_tokens).
+ *
+ * Failover (docs/DESIGN.md "Replicas and failover"): a server whose stream breaks, or that
+ * leaves a request unanswered for failover_ms while other replicas could take it, is
+ * marked down; the call's requests to it are re-planned over the live replicas of their
+ * slots and resent, and the call completes with the same sum (replies of the failed
+ * attempt are dropped). With no live replica for some slot the call fails with
+ * MR_EUNAVAIL naming the layer, the experts and the down servers. A down server is Hello'd
+ * in the background with backoff (200 ms doubling to 2 s) and serves again only when its
+ * fingerprint, dimensions and weight_format match the cluster's.
  *
  * Errors: every function returning int returns 0 or a negative MR_E* code (common/mr.h) and
  * fills the caller's mr_err (may be NULL) with a message naming the server (name and
@@ -104,11 +115,17 @@ typedef struct gc_options {
   const uint8_t *caller_local;
   size_t caller_local_len;
   /* A placement's routing: route[l * E + x] = index of the server (cluster file order) that
-   * must compute (l, x), or -1 for the default rule (first announcing server); route_len =
+   * must compute (l, x), or -1 for the default rule (the least loaded live replica); route_len =
    * num_layers * num_experts, or NULL / 0. A server named for a pair it does not announce
    * is refused at open (MR_EPRECOND naming layer, expert and server). Read at open only. */
   const int32_t *route;
   size_t route_len;
+  /* Failover deadline, ms: a request unanswered this long (and its server silent this
+   * long) is resent to other replicas of its slots and its server marked down, when every
+   * slot has another live replica; otherwise it waits for the request deadline. 0 = the
+   * cluster file's "failover_ms", else min(deadline_ms / 4, 1000) (at least 1). A value
+   * of deadline_ms or more leaves only broken streams to fail over. */
+  uint32_t failover_ms;
 } gc_options;
 /* Fills o with the defaults above. */
 void gc_options_init(gc_options *o);
@@ -152,7 +169,8 @@ typedef struct gc_layer_req {
 
 /*
  * Starts one layer call: validates req (ids -1 or < num_experts, each owned by a server or
- * local: MR_ERANGE / MR_EPRECOND naming the slot, layer and expert), splits it by owner,
+ * local: MR_ERANGE / MR_EPRECOND naming the slot, layer and expert; MR_EUNAVAIL when every
+ * replica of some slot is down, naming the experts and servers), splits it by owner,
  * queues one request per server (several if a server's part exceeds its max_tokens) on that
  * server's stream, and computes the local experts' part on this thread while those are in
  * flight. Returns 0 and a new *pending, which the caller passes to gc_layer_wait exactly
@@ -169,6 +187,11 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *req, gc_pending **pending
  * reply order. Errors name the server, request id and layer: MR_ETIMEDOUT (no reply in
  * time), MR_EUNAVAIL (its stream broke: failed at once, not at the deadline), the reply's
  * status mapped to MR_E* with the server's own message, MR_EPROTO (a malformed reply).
+ * A broken stream or a request past the failover deadline is not an error while the
+ * slots of its request have other live replicas: they are re-planned and resent inside
+ * this wait (same deadline); MR_EUNAVAIL "layer 3: experts 4-7 have no live replica;
+ * down: server s1 (...): stream ended (...)" when they do not. With failovers the parts
+ * are summed in request order (the first requests in server order, resent ones after).
  * Replies that arrive after the call gave up are dropped. Frees pending in every case.
  */
 int gc_layer_wait(gc_cluster *c, gc_pending *pending, float *out, mr_err *e);
@@ -250,6 +273,7 @@ typedef struct gc_cluster_info {
   uint32_t max_tokens;     /* smallest max_tokens of all servers */
   uint32_t n_servers;
   uint32_t deadline_ms;    /* per-request deadline in effect */
+  uint32_t failover_ms;    /* failover deadline in effect (gc_options.failover_ms) */
   uint64_t local_pairs;    /* (layer, expert) pairs computed locally by the library */
   uint64_t caller_pairs;   /* pairs the caller computes (gc_options.caller_local) */
   char model_dir[1024];    /* "" when no model is known */
@@ -262,14 +286,15 @@ typedef struct gc_server_info {
   uint32_t protocol_major, protocol_minor;
   uint32_t max_tokens;
   uint64_t announced_pairs; /* (layer, expert) pairs in its Hello */
-  uint64_t assigned_pairs;  /* pairs the owner map routes to it */
+  uint64_t assigned_pairs;  /* pairs it is a replica of (not local, not caller-computed) */
 } gc_server_info;
 /* MR_ERANGE if idx >= n_servers. */
 int gc_server_info_get(const gc_cluster *c, uint32_t idx, gc_server_info *out, mr_err *e);
-/* The owner of (layer, expert): a server index, GC_OWNER_LOCAL, or GC_OWNER_NONE (also for
- * out-of-range arguments). */
+/* The owner of (layer, expert): its primary server (the routed one, else the first in the
+ * file that announces it; other announcing servers are replicas, gc_server_announces),
+ * GC_OWNER_LOCAL, GC_OWNER_CALLER or GC_OWNER_NONE (also for out-of-range arguments). */
 int gc_cluster_owner(const gc_cluster *c, uint32_t layer, uint32_t expert);
-/* Whether server idx announced (layer, expert) in its Hello (owner or standby). */
+/* Whether server idx announced (layer, expert) in its Hello (a replica of it). */
 bool gc_server_announces(const gc_cluster *c, uint32_t idx, uint32_t layer, uint32_t expert);
 /* Index of the server called name, or -1. */
 int gc_cluster_find_server(const gc_cluster *c, const char *name);
@@ -288,8 +313,18 @@ typedef struct gc_server_counters {
   double mean_rtt_us;
   uint32_t last_queue_us, last_compute_us; /* as the server reported them */
   double mean_queue_us, mean_compute_us;
+  /* Replicas and failover (not zeroed by reset while it is down: down_us keeps counting). */
+  uint64_t failovers;        /* times it was marked down (stream broke, failover deadline) */
+  uint64_t resent;           /* its requests re-planned onto other replicas and resent */
+  uint64_t returns;          /* times it passed a fresh Hello and got traffic again */
+  uint64_t refusals;         /* Hellos on return refused (another model or shape) */
+  uint64_t down_us;          /* time spent down, the current spell included */
+  uint64_t last_failover_us; /* its last OK reply -> the first rerouted reply, latest spell
+                              * that rerouted requests (0 = none) */
+  bool down;                 /* down now */
 } gc_server_counters;
-/* Copies server idx's counters into out and, with reset, zeroes them. MR_ERANGE if idx is
+/* Copies server idx's counters into out and, with reset, zeroes them (down, and down_us of
+ * a spell in progress, are kept). MR_ERANGE if idx is
  * out of range. */
 int gc_server_counters_get(gc_cluster *c, uint32_t idx, bool reset, gc_server_counters *out,
                            mr_err *e);

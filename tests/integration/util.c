@@ -93,11 +93,26 @@ void itu_client_security(const char *ca_pem, const char *cert_pem, const char *k
   sec.token = token;
 }
 
+static int server_start_on(itu_server *s, int port, const char *model, const char *extra,
+                           const char *logdir, int timeout_ms);
+
 int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
                      int timeout_ms) {
+  return server_start_on(s, itu_free_port(), model, extra, logdir, timeout_ms);
+}
+
+int itu_server_restart(itu_server *s, const char *model, const char *extra, const char *logdir,
+                       int timeout_ms) {
+  int port = s->port;
+  if (s->pid > 0) itu_server_stop(s, SIGKILL, 5000, NULL);
+  return server_start_on(s, port, model, extra, logdir, timeout_ms);
+}
+
+static int server_start_on(itu_server *s, int port, const char *model, const char *extra,
+                           const char *logdir, int timeout_ms) {
   static int seq;
   memset(s, 0, sizeof *s);
-  s->port = itu_free_port();
+  s->port = port;
   if (s->port < 0) return -1;
   snprintf(s->address, sizeof s->address, "127.0.0.1:%d", s->port);
   snprintf(s->log, sizeof s->log, "%s/server-%d-%d.log", logdir, s->port, seq++);

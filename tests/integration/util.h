@@ -36,6 +36,10 @@ typedef struct itu_server {
  * Returns 0, or -1 with the tail of its log printed. */
 int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
                      int timeout_ms);
+/* Starts the server of s again on the same port (after it died or was stopped; a live one
+ * is killed first), as itu_server_start. */
+int itu_server_restart(itu_server *s, const char *model, const char *extra, const char *logdir,
+                       int timeout_ms);
 /* MOERPC_ISA for servers started from now on (NULL: inherit). Tests that compare servers
  * with kn_ref at 1e-5 force "ref": fast paths are only within the format tolerances of
  * docs/DESIGN.md section 5 of the reference. */

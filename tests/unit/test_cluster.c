@@ -178,6 +178,21 @@ MT_TEST(top_level_errors) {
   snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": 600000}", srv);
   MT_OK(parse(buf, &e), &e);
   MT_EQ_INT(cf.deadline_ms, 600000);
+  snprintf(buf, sizeof buf, "{%s, \"failover_ms\": 300}", srv);
+  MT_OK(parse(buf, &e), &e);
+  MT_EQ_INT(cf.failover_ms, 300);
+  snprintf(buf, sizeof buf, "{%s}", srv);
+  MT_OK(parse(buf, &e), &e);
+  MT_EQ_INT(cf.failover_ms, 0); /* absent: the client's default */
+  snprintf(buf, sizeof buf, "{%s, \"failover_ms\": 0}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "failover_ms = 0, must be an integer in 1..600000");
+  snprintf(buf, sizeof buf, "{%s, \"failover_ms\": 1.5}", srv);
+  MT_TRUE(parse(buf, &e) != 0);
+  MT_CONTAINS(e.msg, "failover_ms");
+  snprintf(buf, sizeof buf, "{%s, \"failover\": 100}", srv);
+  MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "unknown key \"failover\" in the top level");
   snprintf(buf, sizeof buf, "{%s, \"deadline_ms\": \"5s\"}", srv);
   MT_EQ_INT(parse(buf, &e), MR_EFORMAT);
   MT_CONTAINS(e.msg, "deadline_ms = \"5s\"");

@@ -43,6 +43,8 @@ typedef struct fs_opts {
   const char *fingerprint, *weight_format;
   enum fs_mode mode;
   int mode_count; /* the mode applies to the first mode_count requests; 0 = all */
+  int mode_skip;  /* ... after the first mode_skip requests, answered normally */
+  int port;       /* port to listen on, 0 = any */
   bool bad_stats; /* Stats lists an expert outside the model */
 } fs_opts;
 
@@ -234,7 +236,9 @@ static void fs_forward(fs_call *fc) {
     MR_ASSERT(pr_bb_segs(bb, &segs, &nseg, &e) == 0);
     MR_ASSERT(pr_forward_request_decode(segs, nseg, &sp, &q, &e) == 0);
     if ((int)q->n_tokens > atomic_load(&f->max_seen_t)) atomic_store(&f->max_seen_t, (int)q->n_tokens);
-    enum fs_mode m = (f->o.mode_count == 0 || n <= f->o.mode_count) ? f->o.mode : FS_NORMAL;
+    int nm = n - f->o.mode_skip;
+    enum fs_mode m = nm >= 1 && (f->o.mode_count == 0 || nm <= f->o.mode_count) ? f->o.mode
+                                                                               : FS_NORMAL;
     bool end = false;
     switch (m) {
     case FS_NORMAL:
@@ -337,7 +341,9 @@ static void fs_start(fake_server *f, fs_opts o) {
   f->cq = grpc_completion_queue_create_for_next(NULL);
   grpc_server_register_completion_queue(f->srv, f->cq, NULL);
   grpc_server_credentials *cr = grpc_insecure_server_credentials_create();
-  f->port = grpc_server_add_http2_port(f->srv, "127.0.0.1:0", cr);
+  char listen[64];
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", o.port);
+  f->port = grpc_server_add_http2_port(f->srv, listen, cr);
   grpc_server_credentials_release(cr);
   MR_ASSERT(f->port > 0);
   snprintf(f->address, sizeof f->address, "127.0.0.1:%d", f->port);
@@ -377,17 +383,35 @@ static mr_cluster_file *cluster_of(fake_server *const *fs, const char *const *na
   return cf;
 }
 
-static int open_two(fake_server *f0, fake_server *f1, uint32_t deadline_ms, gc_cluster **c,
-                    mr_err *e) {
+static int open_two_fo(fake_server *f0, fake_server *f1, uint32_t deadline_ms,
+                       uint32_t failover_ms, gc_cluster **c, mr_err *e) {
   fake_server *fs[2] = {f0, f1};
   const char *names[2] = {"f0", "f1"};
   mr_cluster_file *cf = cluster_of(fs, names, 2, deadline_ms);
   gc_options o;
   gc_options_init(&o);
   o.connect_timeout_ms = 5000;
+  o.failover_ms = failover_ms;
   int rc = gc_cluster_open_parsed(c, cf, &o, e);
   free(cf);
   return rc;
+}
+
+static int open_two(fake_server *f0, fake_server *f1, uint32_t deadline_ms, gc_cluster **c,
+                    mr_err *e) {
+  return open_two_fo(f0, f1, deadline_ms, 0, c, e);
+}
+
+/* Polls server idx's counters until its down flag is want (or ms pass); returns the flag. */
+static bool wait_down(gc_cluster *c, uint32_t idx, bool want, int ms) {
+  gc_server_counters ct;
+  for (int i = 0; i < ms / 10; i++) {
+    gc_server_counters_get(c, idx, false, &ct, NULL);
+    if (ct.down == want) return want;
+    usleep(10 * 1000);
+  }
+  gc_server_counters_get(c, idx, false, &ct, NULL);
+  return ct.down;
 }
 
 enum { H = 16, E = 8, TMAX = 64, K = 3 };
@@ -632,13 +656,20 @@ MT_TEST(broken_stream_fails_at_once_and_reopens) {
   snprintf(want, sizeof want, "server f1 (%s): stream ended (UNAVAILABLE: fake server ends the "
            "stream)", f1.address);
   MT_CONTAINS(e->msg, want);
-  /* The next submit opens a new stream on the same server. */
+  MT_CONTAINS(e->msg, "layer 1: experts 4-7 have no live replica");
+  /* The server is down until the prober's Hello (at once after a break) brings it back;
+   * then the next submit opens a new stream on it. */
+  MT_EQ_INT(wait_down(c, 1, false, 3000), false);
   MT_OK(forward(c, 1, 16, MR_DTYPE_F32, out, e), e);
   check_result(16, MR_DTYPE_F32, out);
   MT_EQ_INT(atomic_load(&f1.n_streams), 2);
   gc_server_counters ct;
   MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
   MT_EQ_INT(ct.stream_breaks, 1);
+  MT_EQ_INT(ct.failovers, 1);
+  MT_EQ_INT(ct.returns, 1);
+  MT_EQ_INT(ct.resent, 0); /* nowhere to resend */
+  MT_FALSE(ct.down);
   gc_cluster_close(c);
   fs_stop(&f0);
   fs_stop(&f1);
@@ -915,6 +946,264 @@ MT_TEST(stats_rpc) {
   gc_cluster_close(c);
   fs_stop(&f0);
   fs_stop(&f1);
+  grpc_shutdown();
+}
+
+/* ---- replicas and failover ------------------------------------------------------------- */
+
+MT_TEST(replicas_spread_load_one_part_per_server) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_opts o1 = fs_defaults(0, 7);
+  o1.mode = FS_HOLD; /* its first request stays outstanding (for the load check below) */
+  o1.mode_count = 1;
+  o1.mode_skip = 2;
+  fs_start(&f0, fs_defaults(0, 7));
+  fs_start(&f1, o1);
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two(&f0, &f1, 5000, &c, e), e);
+  MT_EQ_INT(gc_cluster_owner(c, 0, 5), 0); /* the primary: first in the file */
+  MT_TRUE(gc_server_announces(c, 1, 0, 5));
+  gc_server_info si;
+  MT_OK(gc_server_info_get(c, 1, &si, e), e);
+  MT_EQ_INT(si.assigned_pairs, 16); /* a replica of every pair */
+  static float out[TMAX * H];
+  /* Two idle replicas: one token's three slots go to both, one request each. */
+  make_call(1, 31);
+  ids[0] = 1, ids[1] = 2, ids[2] = 3;
+  MT_OK(forward(c, 0, 1, MR_DTYPE_F32, out, e), e);
+  check_result(1, MR_DTYPE_F32, out);
+  MT_EQ_INT(atomic_load(&f0.n_forward), 1);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 1);
+  /* A larger call: both get one request each (one part per server). */
+  make_call(32, 32);
+  MT_OK(forward(c, 1, 32, MR_DTYPE_BF16, out, e), e);
+  check_result(32, MR_DTYPE_BF16, out);
+  MT_EQ_INT(atomic_load(&f0.n_forward), 2);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 2);
+  /* f1 holds the next request, so it has outstanding work: a call while that is in flight
+   * goes to the idle f0 only. */
+  make_call(16, 33);
+  gc_pending *held;
+  static uint8_t xw[TMAX * H * 4];
+  memcpy(xw, xs, 16 * H * sizeof(float));
+  gc_layer_req q = {.layer = 0, .n_tokens = 16, .top_k = K, .ids = ids, .weights = ws, .x = xw,
+                    .dtype = MR_DTYPE_F32};
+  MT_OK(gc_layer_submit(c, &q, &held, e), e);
+  for (int i = 0; i < 200 && atomic_load(&f1.n_forward) < 3; i++) usleep(5000);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 3);
+  usleep(50 * 1000); /* f0's reply to its part is back: only f1 has work outstanding */
+  make_call(1, 34);
+  ids[0] = 1, ids[1] = 2, ids[2] = 3;
+  MT_OK(forward(c, 0, 1, MR_DTYPE_F32, out, e), e);
+  check_result(1, MR_DTYPE_F32, out);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 3);
+  MT_EQ_INT(atomic_load(&f0.n_forward), 4);
+  gc_layer_cancel(c, held);
+  gc_server_counters ct;
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.failovers, 0); /* busy is not down: nobody waited past failover_ms */
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(replica_stream_reset_mid_call_fails_over) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_opts o1 = fs_defaults(0, 7);
+  o1.mode = FS_CLOSE; /* the second request ends the stream */
+  o1.mode_count = 1;
+  o1.mode_skip = 1;
+  fs_start(&f0, fs_defaults(0, 7));
+  fs_start(&f1, o1);
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two(&f0, &f1, 5000, &c, e), e);
+  static float out[TMAX * H];
+  make_call(16, 41);
+  MT_OK(forward(c, 1, 16, MR_DTYPE_F32, out, e), e); /* f1 answers: its last good reply */
+  check_result(16, MR_DTYPE_F32, out);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 1);
+  for (int d = 0; d < 2; d++) {
+    const mr_dtype dt = d ? MR_DTYPE_BF16 : MR_DTYPE_F32;
+    make_call(TMAX, 42 + (uint64_t)d);
+    uint64_t t0 = mr_now_ns();
+    MT_OK(forward(c, 1, TMAX, dt, out, e), e);
+    MT_TRUE((mr_now_ns() - t0) / 1000000u < 2000);
+    check_result(TMAX, dt, out); /* the same sum: the reset part went to f0 */
+  }
+  gc_server_counters ct;
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.stream_breaks, 1);
+  MT_EQ_INT(ct.failovers, 1);
+  MT_EQ_INT(ct.resent, 1);
+  MT_TRUE(ct.last_failover_us > 0);
+  fprintf(stderr, "  failover (stream reset): %llu us from f1's last good reply to the first "
+          "rerouted reply\n", (unsigned long long)ct.last_failover_us);
+  MT_OK(gc_server_counters_get(c, 0, false, &ct, e), e);
+  MT_EQ_INT(ct.failovers, 0);
+  /* f1 comes back (its Hello still matches) and gets traffic again on a new stream. */
+  MT_EQ_INT(wait_down(c, 1, false, 3000), false);
+  int before = atomic_load(&f1.n_forward);
+  make_call(16, 44);
+  MT_OK(forward(c, 0, 16, MR_DTYPE_F32, out, e), e);
+  check_result(16, MR_DTYPE_F32, out);
+  MT_TRUE(atomic_load(&f1.n_forward) > before);
+  MT_EQ_INT(atomic_load(&f1.n_streams), 2);
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.returns, 1);
+  MT_TRUE(ct.down_us > 0);
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(replica_stall_fails_over_after_failover_ms_late_reply_ignored) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_opts o1 = fs_defaults(0, 7);
+  o1.mode = FS_HOLD; /* the first request is answered only when the next one arrives */
+  o1.mode_count = 1;
+  fs_start(&f0, fs_defaults(0, 7));
+  fs_start(&f1, o1);
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two_fo(&f0, &f1, 3000, 150, &c, e), e);
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  MT_EQ_INT(ci.failover_ms, 150);
+  static float out[TMAX * H];
+  make_call(TMAX, 51);
+  uint64_t t0 = mr_now_ns();
+  MT_OK(forward(c, 0, TMAX, MR_DTYPE_F32, out, e), e);
+  uint64_t ms = (mr_now_ns() - t0) / 1000000u;
+  fprintf(stderr, "  stalled replica: call done in %llu ms (failover_ms 150)\n",
+          (unsigned long long)ms);
+  MT_TRUE(ms >= 140 && ms < 2000);
+  check_result(TMAX, MR_DTYPE_F32, out);
+  gc_server_counters ct;
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.failovers, 1);
+  MT_EQ_INT(ct.resent, 1);
+  MT_TRUE(ct.down);
+  MT_EQ_INT(ct.stream_breaks, 0);
+  /* While f1 is down everything goes to f0, without waiting. */
+  int f1_before = atomic_load(&f1.n_forward);
+  make_call(16, 52);
+  t0 = mr_now_ns();
+  MT_OK(forward(c, 1, 16, MR_DTYPE_F32, out, e), e);
+  MT_TRUE((mr_now_ns() - t0) / 1000000u < 100);
+  check_result(16, MR_DTYPE_F32, out);
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  if (ct.returns == 0) MT_EQ_INT(atomic_load(&f1.n_forward), f1_before); /* 200 ms backoff */
+  /* After the backoff a fresh Hello brings it back; the next request to it makes it send
+   * the held (late) reply first, on the same stream: dropped, not added. */
+  MT_EQ_INT(wait_down(c, 1, false, 3000), false);
+  for (int i = 0; i < 4; i++) {
+    make_call(TMAX, 53 + (uint64_t)i);
+    MT_OK(forward(c, 0, TMAX, MR_DTYPE_F32, out, e), e);
+    check_result(TMAX, MR_DTYPE_F32, out);
+  }
+  MT_TRUE(atomic_load(&f1.n_forward) > f1_before);
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.failovers, 1);
+  MT_EQ_INT(ct.returns, 1);
+  MT_EQ_INT(ct.replies, (uint64_t)atomic_load(&f1.n_forward) - 1); /* the late one dropped */
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(no_replica_left_fails_naming_servers_and_experts) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_opts o = fs_defaults(0, 7);
+  o.mode = FS_CLOSE; /* every stream ends at its first request */
+  fs_start(&f0, o);
+  fs_start(&f1, o);
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two(&f0, &f1, 3000, &c, e), e);
+  static float out[TMAX * H];
+  make_call(16, 61);
+  uint64_t t0 = mr_now_ns();
+  MT_EQ_INT(forward(c, 0, 16, MR_DTYPE_F32, out, e), MR_EUNAVAIL);
+  uint64_t ms = (mr_now_ns() - t0) / 1000000u;
+  fprintf(stderr, "  no replica left after %llu ms: %s\n", (unsigned long long)ms, e->msg);
+  MT_TRUE(ms < 2000); /* well inside the 3 s deadline */
+  MT_CONTAINS(e->msg, "layer 0: expert");
+  MT_CONTAINS(e->msg, "no live replica");
+  char want[600];
+  snprintf(want, sizeof want, "server f0 (%s): stream ended (UNAVAILABLE: fake server ends the "
+           "stream)", f0.address);
+  MT_CONTAINS(e->msg, want);
+  snprintf(want, sizeof want, "server f1 (%s): stream ended", f1.address);
+  MT_CONTAINS(e->msg, want);
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(returning_server_with_other_model_is_refused) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_start(&f0, fs_defaults(0, 7));
+  fs_start(&f1, fs_defaults(0, 7));
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two(&f0, &f1, 3000, &c, e), e);
+  static float out[TMAX * H];
+  make_call(16, 71);
+  MT_OK(forward(c, 0, 16, MR_DTYPE_F32, out, e), e);
+  MT_EQ_INT(atomic_load(&f1.n_forward), 1);
+  int port = f1.port;
+  fs_stop(&f1);
+  MT_EQ_INT(wait_down(c, 1, true, 3000), true);
+  /* Back on the same port, serving another model: Hellos answer, but it stays down. */
+  fs_opts ob = fs_defaults(0, 7);
+  ob.fingerprint = "ffffffffffffffff";
+  ob.port = port;
+  fake_server f1b;
+  fs_start(&f1b, ob);
+  gc_server_counters ct;
+  for (int i = 0; i < 300; i++) {
+    gc_server_counters_get(c, 1, false, &ct, NULL);
+    if (ct.refusals) break;
+    usleep(10 * 1000);
+  }
+  MT_TRUE(ct.refusals >= 1);
+  MT_TRUE(ct.down);
+  MT_EQ_INT(ct.returns, 0);
+  for (int i = 0; i < 3; i++) {
+    make_call(16, 72 + (uint64_t)i);
+    MT_OK(forward(c, 1, 16, MR_DTYPE_F32, out, e), e);
+    check_result(16, MR_DTYPE_F32, out);
+  }
+  MT_EQ_INT(atomic_load(&f1b.n_forward), 0); /* never used */
+  fs_stop(&f1b);
+  /* And with the right model it is used again. */
+  fs_opts oc = fs_defaults(0, 7);
+  oc.port = port;
+  fake_server f1c;
+  fs_start(&f1c, oc);
+  MT_EQ_INT(wait_down(c, 1, false, 5000), false);
+  for (int i = 0; i < 3; i++) {
+    make_call(16, 75 + (uint64_t)i);
+    MT_OK(forward(c, 1, 16, MR_DTYPE_F32, out, e), e);
+    check_result(16, MR_DTYPE_F32, out);
+  }
+  MT_TRUE(atomic_load(&f1c.n_forward) > 0);
+  MT_OK(gc_server_counters_get(c, 1, false, &ct, e), e);
+  MT_EQ_INT(ct.returns, 1);
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1c);
   grpc_shutdown();
 }
 

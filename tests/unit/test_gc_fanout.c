@@ -25,7 +25,7 @@ MT_TEST(plan_example) {
   mr_arena_init(&a, 4096);
   gc__plan p;
   mr_err err_, *e = &err_;
-  MT_OK(gc__plan_build(&p, owner, 9, 2, 7, 4, 2, ids, w, &a, e), e);
+  MT_OK(gc__plan_build(&p, owner, NULL, 9, 2, 7, 4, 2, ids, w, &a, e), e);
   MT_EQ_INT(p.n_parts, 3);
   MT_EQ_INT(p.n_tokens, 4);
   MT_EQ_INT(p.top_k, 2);
@@ -72,7 +72,7 @@ MT_TEST(plan_parts_only_for_owners_with_tokens) {
   mr_arena_init(&a, 256); /* small blocks: the plan must survive arena growth */
   gc__plan p;
   mr_err err_, *e = &err_;
-  MT_OK(gc__plan_build(&p, owner, 6, 3, 0, 3, 2, ids, w, &a, e), e);
+  MT_OK(gc__plan_build(&p, owner, NULL, 6, 3, 0, 3, 2, ids, w, &a, e), e);
   MT_EQ_INT(p.n_parts, 1);
   MT_EQ_INT(p.parts[0].target, 2);
   MT_EQ_INT(p.parts[0].n_tokens, 2);
@@ -94,13 +94,13 @@ MT_TEST(plan_all_empty_and_duplicates) {
   mr_arena_init(&a, 4096);
   gc__plan p;
   mr_err err_, *e = &err_;
-  MT_OK(gc__plan_build(&p, owner, 4, 2, 0, 2, 2, empty, w, &a, e), e);
+  MT_OK(gc__plan_build(&p, owner, NULL, 4, 2, 0, 2, 2, empty, w, &a, e), e);
   MT_EQ_INT(p.n_parts, 0);
   MT_EQ_INT(p.n_tokens, 2);
   /* The same expert twice in one token is two slots, both kept. */
   const int32_t dup[] = {3, 3};
   const float wd[] = {0.25f, 0.75f};
-  MT_OK(gc__plan_build(&p, owner, 4, 2, 0, 1, 2, dup, wd, &a, e), e);
+  MT_OK(gc__plan_build(&p, owner, NULL, 4, 2, 0, 1, 2, dup, wd, &a, e), e);
   MT_EQ_INT(p.n_parts, 1);
   MT_EQ_INT(p.parts[0].target, 1);
   MT_EQ_INT(p.parts[0].ids[0], 3);
@@ -117,14 +117,14 @@ MT_TEST(plan_errors_name_slot_and_limit) {
   gc__plan p;
   mr_err err_, *e = &err_;
   const int32_t too_big[] = {0, 1, 2, 8, 0, 0};
-  MT_EQ_INT(gc__plan_build(&p, owner, 8, 2, 3, 3, 2, too_big, w, &a, e), MR_ERANGE);
+  MT_EQ_INT(gc__plan_build(&p, owner, NULL, 8, 2, 3, 3, 2, too_big, w, &a, e), MR_ERANGE);
   MT_EQ_INT(e->code, MR_ERANGE);
   MT_CONTAINS(e->msg, "layer 3: ids[3] (token 1, slot 1) = 8, must be -1 or < num_experts 8");
   const int32_t negative[] = {0, -2, 0, 0, 0, 0};
-  MT_EQ_INT(gc__plan_build(&p, owner, 8, 2, 3, 3, 2, negative, w, &a, e), MR_ERANGE);
+  MT_EQ_INT(gc__plan_build(&p, owner, NULL, 8, 2, 3, 3, 2, negative, w, &a, e), MR_ERANGE);
   MT_CONTAINS(e->msg, "ids[1] (token 0, slot 1) = -2");
   const int32_t unowned[] = {0, 1, 2, 3, 5, 4};
-  MT_EQ_INT(gc__plan_build(&p, owner, 8, 2, 3, 3, 2, unowned, w, &a, e), MR_EPRECOND);
+  MT_EQ_INT(gc__plan_build(&p, owner, NULL, 8, 2, 3, 3, 2, unowned, w, &a, e), MR_EPRECOND);
   MT_CONTAINS(e->msg, "layer 3 expert 4 (ids[5], token 2) is owned by no server and not local");
   mr_arena_close(&a);
 }
@@ -170,7 +170,7 @@ MT_TEST(plan_scatter_equals_direct_random) {
     mr_arena_init(&a, 1024);
     gc__plan p;
     mr_err err_, *e = &err_;
-    MT_OK(gc__plan_build(&p, owner, E, NS, 0, T, k, ids, w, &a, e), e);
+    MT_OK(gc__plan_build(&p, owner, NULL, E, NS, 0, T, k, ids, w, &a, e), e);
     uint32_t seen = 0, nonempty = 0;
     for (uint32_t i = 0; i < T * k; i++) nonempty += ids[i] >= 0;
     int32_t prev_target = -100;
