@@ -108,7 +108,7 @@ SO_GC  = $(BUILD)/lib/libmoerpc-client.so
 LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
-       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite
+       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay
 
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
@@ -147,7 +147,7 @@ $(BUILD)/obj/$(1)/%.o: $(1)/%.c
 	@mkdir -p $$(dir $$@)
 	$$(call say,CC,$$<)$$(Q)$$(CC) $$(CFLAGS) -c $$< -o $$@
 endef
-$(foreach d,common kernels tests/bench tests/conformance,$(eval $(call no_gen_rule,$(d))))
+$(foreach d,common kernels tests/bench tests/conformance deploy/netns,$(eval $(call no_gen_rule,$(d))))
 
 $(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c
 	@mkdir -p $(dir $@)
@@ -180,6 +180,10 @@ $(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+# The delaying TCP relay of the multi-host harness (deploy/netns/README.md).
+$(BUILD)/bin/moerpc-relay: $(BUILD)/obj/deploy/netns/moerpc-relay.o $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
