@@ -4,6 +4,8 @@
 #   make test             unit + fuzz-corpus replay + integration tests (test-unit, test-fuzz,
 #                         test-integration: one group)
 #   make demo             model + two servers + verify + bench-rpc (see deploy/demo.sh)
+#   make demo-multihost   servers and client each in a network namespace, over a 25gbe-like
+#                         link, vs loopback (deploy/netns/README.md; needs root)
 #   make bench            a quick kernel and RPC benchmark, JSON lines in build/bench/
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
 #   make have-not         the "have-not" build (no AVX2/AVX-512, hwloc, libnuma) + unit tests
@@ -117,10 +119,10 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
 
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz fuzz-check have-not clean help
+.PHONY: all test test-unit test-fuzz test-integration demo demo-multihost bench fuzz fuzz-check have-not clean help
 all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
@@ -202,6 +204,11 @@ $(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/te
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
+# The long-lived client of the multi-host tests (tests/integration/netns_*.sh).
+$(BUILD)/tests/netns_gen: $(BUILD)/obj/tests/integration/netns_gen.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
 # Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
 # libFuzzer binary (clang, make fuzz).
 $(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/replay_main.o $(LIBS_ALL)
@@ -252,6 +259,10 @@ test-integration: all
 
 demo:
 	@deploy/demo.sh
+
+# Servers and client on hosts made of network namespaces (root or CAP_NET_ADMIN).
+demo-multihost: all
+	@NO_BUILD=1 BUILD=$(BUILD) deploy/netns/demo-multihost.sh
 
 # The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma; proves every fallback
 # compiles and passes the unit tests (STYLE.md 15). (There are no AMX or CUDA sources yet,

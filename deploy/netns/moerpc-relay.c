@@ -303,6 +303,7 @@ static void rl_dir_read(rl_relay *r, rl_conn *c, rl_dir *d) {
     }
     uint64_t now = mr_now_ns();
     k->next = NULL;
+    memcpy(k->data, buf, (size_t)n);
     k->len = (uint32_t)n;
     k->off = 0;
     k->eof = n == 0;
