@@ -516,15 +516,17 @@ static int rl_run(rl_relay *r) {
       } else if (e == &send_) {
         struct signalfd_siginfo si;
         if (read(r->sfd, &si, sizeof si) != (ssize_t)sizeof si) continue;
-        mr_log(MR_LOG_INFO,
-               "stopping on %s: %u connections open, %llu accepted in all, %llu stalls",
-               si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT", r->n_conns,
-               (unsigned long long)r->total_conns,
-               (unsigned long long)(r->total_stalls));
+        uint32_t open = r->n_conns;
         while (r->conns) {
           rl_conn_fail(r->conns, "relay stopping", 0);
           rl_conn_close(r, r->conns);
         }
+        mr_log(MR_LOG_INFO,
+               "stopping on %s: %u connections were open, %llu accepted in all, %llu bytes "
+               "forwarded, %llu stalls",
+               si.ssi_signo == SIGTERM ? "SIGTERM" : "SIGINT", open,
+               (unsigned long long)r->total_conns, (unsigned long long)r->total_bytes,
+               (unsigned long long)r->total_stalls);
         return 0;
       } else {
         rl_end_event(r, e, evs[i].events);
