@@ -11,7 +11,9 @@
 #   4. one line per configuration: decode tokens/s, the ratio to loopback, greedy tokens
 #      identical to loopback, and which mechanism made the latency; tears everything down.
 # Environment: DEMO_DIR (default build/demo-multihost), SERVERS (default 3), PROFILES
-# (default "25gbe"; see deploy/netns/netns.sh profiles), MAX_NEW (default 64), BATCH
+# (default "25gbe"; see deploy/netns/netns.sh profiles; "none:relay" = bare links with a
+# relay of zero delay in front of every server, what the relay itself costs), LAYOUTS
+# (default "split replicas"), MAX_NEW (default 64), BATCH
 # (sequences, default 1), ROUNDS (runs of each configuration, the median is printed;
 # default 1), MKMODEL_FLAGS, NN_LATENCY (auto|netem|relay), NO_BUILD=1 (skip make).
 set -euo pipefail
@@ -21,6 +23,7 @@ BIN=$PWD/$BUILD/bin
 DEMO_DIR=${DEMO_DIR:-$BUILD/demo-multihost}
 SERVERS=${SERVERS:-3}
 PROFILES=${PROFILES:-25gbe}
+LAYOUTS=${LAYOUTS:-split replicas}
 MAX_NEW=${MAX_NEW:-64}
 BATCH=${BATCH:-1}
 ROUNDS=${ROUNDS:-1}
@@ -90,15 +93,21 @@ MECH=none
 gen_rounds "loopback, split" "$DEMO_DIR/loopback"
 lc_stop >/dev/null
 
-for prof in $PROFILES; do
-  for layout in split replicas; do
-    step "$SERVERS servers in namespaces, experts $layout, profile $prof, client in its own namespace"
-    d="$DEMO_DIR/$prof-$layout"
+for entry in $PROFILES; do
+  prof=${entry%%:*}
+  MH_FORCE_RELAY=0
+  [ "$entry" != "$prof" ] && MH_FORCE_RELAY=1   # "none:relay": a relay with no delay
+  export MH_FORCE_RELAY
+  for layout in $LAYOUTS; do
+    step "$SERVERS servers in namespaces, experts $layout, profile $entry, client in its own namespace"
+    tag=$prof
+    [ "$MH_FORCE_RELAY" = 1 ] && tag=$prof-relay
+    d="$DEMO_DIR/$tag-$layout"
     mh_start "$d" "$DEMO_DIR/model" "$SERVERS" "$layout" "$prof" --threads 1
     nn_describe
     cp "$d/cluster.json" "$d.cluster.json"
     MECH=$MH_MECH
-    gen_rounds "$prof, $layout" "$d" ip netns exec "$(nn_ns 0)"
+    gen_rounds "$entry, $layout" "$d" ip netns exec "$(nn_ns 0)"
     mh_stop
   done
 done
