@@ -4,6 +4,8 @@
 #   make test             unit + fuzz-corpus replay + integration tests (test-unit, test-fuzz,
 #                         test-integration: one group)
 #   make demo             model + two servers + verify + bench-rpc (see deploy/demo.sh)
+#   make demo-multihost   servers and client each in a network namespace, over a 25gbe-like
+#                         link, vs loopback (deploy/netns/README.md; needs root)
 #   make bench            a quick kernel and RPC benchmark, JSON lines in build/bench/
 #   make SANITIZER=address|undefined|thread test   instrumented build in build/san-<name>
 #   make have-not         the "have-not" build (no AVX2/AVX-512, hwloc, libnuma) + unit tests
@@ -108,7 +110,7 @@ SO_GC  = $(BUILD)/lib/libmoerpc-client.so
 LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
-       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite
+       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay
 
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
@@ -117,10 +119,10 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
 
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo bench fuzz fuzz-check have-not clean help
+.PHONY: all test test-unit test-fuzz test-integration demo demo-multihost bench fuzz fuzz-check have-not clean help
 all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
@@ -147,7 +149,7 @@ $(BUILD)/obj/$(1)/%.o: $(1)/%.c
 	@mkdir -p $$(dir $$@)
 	$$(call say,CC,$$<)$$(Q)$$(CC) $$(CFLAGS) -c $$< -o $$@
 endef
-$(foreach d,common kernels tests/bench tests/conformance,$(eval $(call no_gen_rule,$(d))))
+$(foreach d,common kernels tests/bench tests/conformance deploy/netns,$(eval $(call no_gen_rule,$(d))))
 
 $(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c
 	@mkdir -p $(dir $@)
@@ -182,6 +184,10 @@ $(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+# The delaying TCP relay of the multi-host harness (deploy/netns/README.md).
+$(BUILD)/bin/moerpc-relay: $(BUILD)/obj/deploy/netns/moerpc-relay.o $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
@@ -197,6 +203,11 @@ $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
 $(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
+# The long-lived client of the multi-host tests (tests/integration/netns_*.sh).
+$(BUILD)/tests/netns_gen: $(BUILD)/obj/tests/integration/netns_gen.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
 # Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
 # libFuzzer binary (clang, make fuzz).
@@ -248,6 +259,10 @@ test-integration: all
 
 demo:
 	@deploy/demo.sh
+
+# Servers and client on hosts made of network namespaces (root or CAP_NET_ADMIN).
+demo-multihost: all
+	@NO_BUILD=1 BUILD=$(BUILD) deploy/netns/demo-multihost.sh
 
 # The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma; proves every fallback
 # compiles and passes the unit tests (STYLE.md 15). (There are no AMX or CUDA sources yet,
