@@ -669,7 +669,6 @@ void es__grpc_finish_streams(es_server *s) {
 }
 
 void es__streams_service(es_server *s) {
-  uint64_t now = mr_now_ns();
   uint64_t stall_ns = (uint64_t)s->opts.stall_timeout_ms * 1000000u;
   pthread_mutex_lock(&s->streams_lock);
   for (es_stream *st = s->streams; st; st = st->next) {
@@ -680,7 +679,11 @@ void es__streams_service(es_server *s) {
       st->mem_paused = false;
       es__stream_recv_locked(st, false);
     }
-    if (stall_ns && st->sending && !st->send_failed && now - st->send_t0_ns > stall_ns) {
+    /* The clock is read under the stream's lock: a send another thread started after an
+     * earlier reading would otherwise look 2^64 ns old. */
+    uint64_t now = mr_now_ns();
+    if (stall_ns && st->sending && !st->send_failed && now > st->send_t0_ns &&
+        now - st->send_t0_ns > stall_ns) {
       char msg[160];
       snprintf(msg, sizeof msg, "replies not read for %" PRIu32 " ms (--stall-timeout-ms): stream cut",
                s->opts.stall_timeout_ms);
