@@ -2,10 +2,8 @@
 # tests/integration/netns_failover.sh - SIGKILL of one of three servers in namespaces
 # during `moerpc-client generate` (25gbe profile, deadline 2000 ms):
 #   replicas_kill9_no_failed_steps  every expert on two servers: generate must finish with
-#       no failed step and the all-local greedy tokens. DEPENDS ON THE CLIENT'S REPLICA
-#       SUPPORT (gpu_client/, written on another branch): decided by behaviour, not by a
-#       flag. Where generate fails at the kill naming the killed server (today's
-#       first-owner routing), the case is SKIPPED with that reason; anything else fails.
+#       no failed step and the all-local greedy tokens (the client fails over to the
+#       replicas, docs/DESIGN.md 3.7); anything else fails.
 #   split_kill9_error_names_server  each expert on one server: generate exits 1 with an
 #       error naming s1, within the deadline plus 3 s (no hang).
 # shellcheck source=tests/integration/netns/common.sh
@@ -48,8 +46,6 @@ elif [ "$running" != 1 ]; then
 elif [ "$rc" = 0 ]; then
   got=$(nt_tokens "$out")
   if [ "$got" = "$ref" ]; then nt_pass $c; else nt_fail $c "no step failed but the tokens differ from all-local"; fi
-elif grep -q 'server s1' "$log"; then
-  nt_skip $c "needs the client's replica support (gpu_client/, another branch): with every expert on two servers generate still failed at the kill, naming s1 ($(grep -o 'MR_E[A-Z]*' "$log" | head -n 1); first-owner routing)"
 else
   nt_fail $c "generate exited $rc without naming s1: $(tail -n 2 "$log")"
 fi
