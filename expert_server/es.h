@@ -78,6 +78,8 @@ typedef struct es_server_opts {
   const char *auth_token_file; /* bearer token every Hello, Stats and Forward call must carry
                                 * ("authorization: Bearer <token>"); NULL = no token needed */
   bool insecure;             /* allow plaintext on a non-loopback listen address */
+  const char *metrics_listen; /* "HOST:PORT" of the Prometheus /metrics endpoint, NULL = off;
+                               * port 0 = any free port (logged; es_server_metrics_port) */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
@@ -136,6 +138,8 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);
 
 /* The TCP port bound by es_server_new (the real one when opts.listen asked for port 0). */
 int es_server_port(const es_server *s);
+/* The port of the /metrics endpoint, 0 without opts.metrics_listen. */
+int es_server_metrics_port(const es_server *s);
 
 /* The admission budget in use (opts.max_inflight_bytes, or the one derived from the machine). */
 uint64_t es_server_inflight_budget(const es_server *s);
