@@ -286,6 +286,7 @@ static void es__stream_send_next_locked(es_stream *st) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
   op.data.send_message.send_message = j->reply;
+  j->reply_bytes = grpc_byte_buffer_length(j->reply); /* gRPC may empty it as it sends */
   grpc_call_error ce = grpc_call_start_batch(st->call, &op, 1, &st->t_send, NULL);
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(SEND_MESSAGE) failed: %d", st->peer, ce);
@@ -620,9 +621,7 @@ void es__on_stream_send(es_stream *st, bool ok) {
   MR_ASSERT(j);
   st->sending = NULL;
   j->sent = ok;
-  if (ok && j->reply)
-    atomic_fetch_add_explicit(&st->srv->bytes_out, grpc_byte_buffer_length(j->reply),
-                              memory_order_relaxed);
+  if (ok) atomic_fetch_add_explicit(&st->srv->bytes_out, j->reply_bytes, memory_order_relaxed);
   es__stream_settle_locked(st, j);
   if (!ok) {
     if (!st->send_failed)

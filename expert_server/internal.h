@@ -250,6 +250,7 @@ struct es_job {
   uint64_t t_enqueue_ns;
   uint32_t queue_us, compute_us;
   grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
+  size_t reply_bytes;              /* its length when its send started (metrics) */
 };
 
 /* ---- the server --------------------------------------------------------------------------- */

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -95,6 +96,29 @@ void itu_client_security(const char *ca_pem, const char *cert_pem, const char *k
 
 int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
                      int timeout_ms) {
+  if (itu_server_spawn(s, model, extra, logdir) != 0) return -1;
+  pid_t pid = s->pid;
+  uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
+  while (mr_now_ns() / 1000000u < t_end) {
+    int st;
+    if (waitpid(pid, &st, WNOHANG) == pid) {
+      fprintf(stderr, "itu: server exited early (status %d); log %s:\n", st, s->log);
+      char cmd[700];
+      snprintf(cmd, sizeof cmd, "tail -n 30 '%s' >&2", s->log);
+      if (system(cmd)) {}
+      s->pid = 0;
+      return -1;
+    }
+    if (itu_health(s->address, 500) == PR_HEALTH_SERVING) return 0;
+    usleep(50 * 1000);
+  }
+  fprintf(stderr, "itu: server %s not SERVING after %d ms; log %s\n", s->address, timeout_ms,
+          s->log);
+  itu_server_stop(s, SIGKILL, 2000, NULL);
+  return -1;
+}
+
+int itu_server_spawn(itu_server *s, const char *model, const char *extra, const char *logdir) {
   static int seq;
   memset(s, 0, sizeof *s);
   s->port = itu_free_port();
@@ -122,24 +146,7 @@ int itu_server_start(itu_server *s, const char *model, const char *extra, const 
     _exit(127);
   }
   s->pid = pid;
-  uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
-  while (mr_now_ns() / 1000000u < t_end) {
-    int st;
-    if (waitpid(pid, &st, WNOHANG) == pid) {
-      fprintf(stderr, "itu: server exited early (status %d); log %s:\n", st, s->log);
-      char cmd[700];
-      snprintf(cmd, sizeof cmd, "tail -n 30 '%s' >&2", s->log);
-      if (system(cmd)) {}
-      s->pid = 0;
-      return -1;
-    }
-    if (itu_health(s->address, 500) == PR_HEALTH_SERVING) return 0;
-    usleep(50 * 1000);
-  }
-  fprintf(stderr, "itu: server %s not SERVING after %d ms; log %s\n", s->address, timeout_ms,
-          s->log);
-  itu_server_stop(s, SIGKILL, 2000, NULL);
-  return -1;
+  return 0;
 }
 
 int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status) {
@@ -288,10 +295,14 @@ void itu_call_close(itu_call *c) {
 }
 
 int itu_health(const char *address, int timeout_ms) {
+  return itu_health_service(address, "", timeout_ms);
+}
+
+int itu_health_service(const char *address, const char *service, int timeout_ms) {
   itu_call c;
   int result = -1;
   if (itu_call_open(&c, address, PR_METHOD_HEALTH_CHECK, timeout_ms) != 0) goto out;
-  if (itu_call_send(&c, pr_health_request_encode(""), timeout_ms) != 0) goto out;
+  if (itu_call_send(&c, pr_health_request_encode(service), timeout_ms) != 0) goto out;
   grpc_byte_buffer *bb = NULL;
   if (itu_call_recv(&c, &bb, timeout_ms) != 0 || !bb) goto out;
   int st = -1;
@@ -385,4 +396,31 @@ out:
   kn_engine_free(eng);
   mr_st_close(st);
   return rc;
+}
+
+size_t itu_http(int port, const char *req, size_t len, char *buf, size_t cap) {
+  buf[0] = '\0';
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  struct timeval tv = {.tv_sec = 10};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  size_t n = 0;
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      (len == 0 || send(fd, req, len, MSG_NOSIGNAL) == (ssize_t)len)) {
+    ssize_t r;
+    while (n + 1 < cap && (r = recv(fd, buf + n, cap - 1 - n, 0)) > 0) n += (size_t)r;
+  }
+  buf[n] = '\0';
+  close(fd);
+  return n;
+}
+
+double itu_metric(const char *text, const char *sample) {
+  size_t n = strlen(sample);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+    if (strncmp(p, sample, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+  }
+  return -1;
 }
