@@ -26,6 +26,10 @@ PKGS=(
   hwloc-nox numactl                 # lstopo / numactl for operators
   iproute2                          # ip netns for the multi-host harness
   openssl                           # certificates made at test time (itest_security)
+  prometheus                        # promtool check metrics (itest_metrics); installed with
+                                    # --no-install-recommends (no node-exporter); on a systemd
+                                    # host the package enables prometheus.service: stop and
+                                    # disable it there if not wanted (only promtool is used)
   python3 python3-venv
 )
 
