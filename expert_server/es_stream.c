@@ -688,7 +688,9 @@ void es__streams_service(es_server *s) {
       st->mem_paused = false;
       es__stream_recv_locked(st, false);
     }
-    if (stall_ns && st->sending && !st->send_failed && now - st->send_t0_ns > stall_ns) {
+    /* A send may have started after `now` was read (send_t0_ns > now): not stalled. */
+    if (stall_ns && st->sending && !st->send_failed && now > st->send_t0_ns &&
+        now - st->send_t0_ns > stall_ns) {
       char msg[160];
       snprintf(msg, sizeof msg, "replies not read for %" PRIu32 " ms (--stall-timeout-ms): stream cut",
                s->opts.stall_timeout_ms);
