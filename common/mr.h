@@ -9,7 +9,8 @@
  *   - id sets ("0-7,12" / "all"),
  *   - safetensors reader (mmap) and writer, HF config.json reader,
  *   - cluster file (JSON) reader,
- *   - model fingerprint.
+ *   - model fingerprint,
+ *   - Prometheus text exposition and a /metrics HTTP responder.
  *
  * Threads: every function is safe to call from any thread on distinct objects; a reader
  * object (mr_st, mr_model_config, mr_cluster) is immutable after open and may be shared
@@ -487,6 +488,112 @@ int mr_secret_read(const char *path, const char *what, char *buf, size_t cap, si
 bool mr_secret_equal(const char *a, size_t alen, const char *b, size_t blen);
 /* Overwrites n bytes at p with zeros in a way the compiler does not drop. */
 void mr_secret_wipe(void *p, size_t n);
+
+/* ---------------------------------------------------------------------------------------
+ * Prometheus text exposition, format 0.0.4 (metrics.c). A growable text buffer with one
+ * writer per sample kind; the server's and the client's /metrics both use it.
+ *
+ *   mr_prom p; mr_prom_init(&p);
+ *   mr_prom_family(&p, "moerpc_requests_total", MR_PROM_COUNTER, "ForwardRequests received");
+ *   mr_prom_u64(&p, "moerpc_requests_total", NULL, n);
+ *   const char *lab[] = {"status", "INVALID_ARGUMENT", NULL};
+ *   mr_prom_u64(&p, "moerpc_errors_total", lab, k);   ... p.buf, p.len ... mr_prom_close(&p);
+ *
+ * Names are ours, but are still made valid: a metric name keeps [a-zA-Z0-9_:] (others become
+ * '_', a leading digit gets a '_' before it), a label name [a-zA-Z0-9_]; label values escape
+ * backslash, double quote and newline, HELP text backslash and newline (the spec's rules).
+ * Out of memory is sticky (p.oom) and the text is then incomplete: callers answer 500.
+ * One thread per mr_prom.
+ */
+typedef struct mr_prom {
+  char *buf;   /* NUL-terminated text, owned */
+  size_t len, cap;
+  bool oom;
+} mr_prom;
+typedef enum mr_prom_type { MR_PROM_COUNTER, MR_PROM_GAUGE, MR_PROM_HISTOGRAM } mr_prom_type;
+void mr_prom_init(mr_prom *p);
+void mr_prom_close(mr_prom *p);
+/* Empties the text, keeps the memory. */
+void mr_prom_reset(mr_prom *p);
+/* Appends raw bytes / printf text (the HTTP responder builds its head with these). */
+void mr_prom_append(mr_prom *p, const char *s, size_t n);
+void mr_prom_printf(mr_prom *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* "# HELP name help" and "# TYPE name type"; once per family, before its samples. */
+void mr_prom_family(mr_prom *p, const char *name, mr_prom_type t, const char *help);
+/* One sample "name{l1="v1",...} value". labels: NULL, or name/value pairs ending in NULL.
+ * Doubles are written in their shortest round-trip form, +Inf, -Inf, NaN as the spec says. */
+void mr_prom_double(mr_prom *p, const char *name, const char *const *labels, double v);
+void mr_prom_u64(mr_prom *p, const char *name, const char *const *labels, uint64_t v);
+
+/* A histogram updated lock-free from any thread: fixed upper bounds in integer units
+ * (nanoseconds, bytes), one relaxed atomic add per observation into its bucket and one
+ * into the sum. Not cumulative inside; mr_prom_hist makes the buckets cumulative from one
+ * read of each, so a scrape always shows non-decreasing buckets with _count equal to the
+ * +Inf bucket (the sum may run a few observations ahead or behind). No allocation. */
+#define MR_HIST_MAX_BUCKETS 24
+typedef struct mr_hist {
+  uint32_t n;                             /* finite bounds */
+  double scale;                           /* exposition unit per integer unit, 1e-9 for ns */
+  uint64_t bounds[MR_HIST_MAX_BUCKETS];   /* ascending upper bounds, integer units */
+  uint64_t counts[MR_HIST_MAX_BUCKETS + 1]; /* per bucket, [n] = above the last bound
+                                           * (__atomic builtins only) */
+  uint64_t sum;                           /* integer units (__atomic builtins only) */
+} mr_hist;
+/* n ascending bounds (1..MR_HIST_MAX_BUCKETS; MR_ASSERT otherwise: our tables). */
+void mr_hist_init(mr_hist *h, const uint64_t *bounds, uint32_t n, double scale);
+/* Latency in nanoseconds exposed in seconds, buckets 50 us .. 1 s (1-2.5-5 steps). */
+void mr_hist_init_latency(mr_hist *h);
+/* Records v (integer units). Any thread, lock-free. */
+void mr_hist_observe(mr_hist *h, uint64_t v);
+/* Writes name_bucket{labels...,le="..."} for every bound and +Inf, name_sum, name_count
+ * (after the caller's mr_prom_family(name, MR_PROM_HISTOGRAM, ...)). */
+void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const mr_hist *h);
+
+/* ---------------------------------------------------------------------------------------
+ * A minimal HTTP/1.x responder for /metrics (http.c), shared by the server and the client.
+ *
+ * One thread of its own: accepts one connection at a time, reads one request head (at most
+ * MR_HTTP_MAX_HEAD bytes, within MR_HTTP_TIMEOUT_MS), answers it and closes the connection
+ * (Connection: close). GET or HEAD of the one path it serves gets 200 with the text the
+ * render callback writes (Content-Type: text/plain; version=0.0.4); another path 404, another
+ * method 405, a malformed head 400, one over the size limit 431, a version other than 1.x
+ * 505, a client too slow to send its head or read the answer is dropped at the timeout. It
+ * never blocks the caller's threads: render runs on the responder thread and reads only
+ * what is safe to read from there (atomics, or state under its own lock).
+ */
+#define MR_HTTP_MAX_HEAD 8192u
+#define MR_HTTP_TIMEOUT_MS 2000
+#define MR_HTTP_MAX_HEADERS 64u
+
+/* A parsed request head. */
+typedef struct mr_http_req {
+  bool complete;      /* the head ended (blank line) within the bytes given */
+  int status;         /* on failure: the HTTP status to answer (400, 431, 505) */
+  char method[16];
+  char path[1024];    /* the target up to '?' */
+  size_t head_len;    /* bytes of the head, the blank line included */
+} mr_http_req;
+/* Parses the first len bytes received on a connection (any bytes: this is network input;
+ * pure). Returns 0 with out->complete false when the head may still be valid and needs more
+ * bytes, 0 with out->complete true and method/path set when it is complete and well formed,
+ * or MR_EFORMAT (out->status 400 or 505) / MR_EEXHAUSTED (431: longer than max bytes, a
+ * target over 1023 bytes or more than MR_HTTP_MAX_HEADERS header lines), with the reason
+ * in e. */
+int mr_http_parse_request(const char *buf, size_t len, size_t max, mr_http_req *out, mr_err *e);
+
+typedef struct mr_http_server mr_http_server;
+/* Writes the body of a 200 answer into out (empty on entry). Runs on the responder thread. */
+typedef void (*mr_http_render_fn)(void *ud, mr_prom *out);
+/* Binds listen ("HOST:PORT", "[V6]:PORT"; port 0 = any free port) and starts the responder
+ * thread serving path with render(ud). flag names the option in messages ("--metrics-listen").
+ * Errors: MR_EINVAL for an address that is not HOST:PORT or does not resolve, MR_EUNAVAIL
+ * when it cannot be bound. On success the caller owns *out (mr_http_server_free). */
+int mr_http_server_new(mr_http_server **out, const char *listen, const char *flag,
+                       const char *path, mr_http_render_fn render, void *ud, mr_err *e);
+/* The bound port. */
+int mr_http_server_port(const mr_http_server *h);
+/* Stops the thread (an answer in progress is cut) and closes the socket. NULL is a no-op. */
+void mr_http_server_free(mr_http_server *h);
 
 #ifdef __cplusplus
 }

@@ -27,6 +27,10 @@ PKGS=(
   iproute2                          # ip netns for the multi-host harness
   openssl                           # certificates made at test time (itest_security)
   systemd                           # systemd-analyze verify of deploy/systemd (deploy_check)
+  prometheus                        # promtool check metrics (itest_metrics); installed with
+                                    # --no-install-recommends (no node-exporter); on a systemd
+                                    # host the package enables prometheus.service: stop and
+                                    # disable it there if not wanted (only promtool is used)
   python3 python3-venv
 )
 

@@ -6,8 +6,9 @@
  * docs/DESIGN.md section 4). Life cycle:
  *
  *   es_server_opts o; es_server_opts_init(&o); o.model_dir = ...; o.experts = ...;
- *   es_server *s; es_server_new(&s, &o, &e);   loads the owned experts, binds the port
- *   es_server_run(s, &e);                      serves until drained (signal or es_server_stop)
+ *   es_server *s; es_server_new(&s, &o, &e);   checks flags, model and tensor shapes, binds
+ *   es_server_run(s, &e);                      answers health at once, loads the owned experts
+ *                                              (loader thread), serves until drained
  *   es_server_free(s);
  *
  * Threads (documented where they meet in internal.h):
@@ -78,6 +79,8 @@ typedef struct es_server_opts {
   const char *auth_token_file; /* bearer token every Hello, Stats and Forward call must carry
                                 * ("authorization: Bearer <token>"); NULL = no token needed */
   bool insecure;             /* allow plaintext on a non-loopback listen address */
+  const char *metrics_listen; /* "HOST:PORT" of the Prometheus /metrics endpoint, NULL = off;
+                               * port 0 = any free port (logged; es_server_metrics_port) */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
@@ -123,9 +126,11 @@ void es_server_opts_init(es_server_opts *o);
 
 typedef struct es_server es_server;
 
-/* Opens the model, loads the owned experts into a new kn_engine (logging progress at most
- * once a second), creates the gRPC server and binds opts->listen; nothing is served before
- * es_server_run. On success the caller owns *out and frees it with es_server_free.
+/* Opens the model, checks every owned tensor's presence and shape, creates the kn_engine
+ * and empty layers, creates the gRPC server and binds opts->listen (and
+ * opts->metrics_listen, whose endpoint is up from here on); the weights are packed by
+ * es_server_run, while health already answers (liveness SERVING, readiness NOT_SERVING).
+ * No call is answered before es_server_run. On success the caller owns *out and frees it with es_server_free.
  * Errors: MR_EINVAL only when an option is wrong, in itself or for this model (the message
  * names the flag and the limit, e.g. "--experts: id 300 must be < num_experts = 256"; a
  * non-loopback --listen without --tls-cert or --insecure; a token or PEM file that is not a
@@ -136,6 +141,8 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e);
 
 /* The TCP port bound by es_server_new (the real one when opts.listen asked for port 0). */
 int es_server_port(const es_server *s);
+/* The port of the /metrics endpoint, 0 without opts.metrics_listen. */
+int es_server_metrics_port(const es_server *s);
 
 /* The admission budget in use (opts.max_inflight_bytes, or the one derived from the machine). */
 uint64_t es_server_inflight_budget(const es_server *s);
@@ -145,7 +152,10 @@ uint64_t es_server_inflight_budget(const es_server *s);
  * server binary exits 3 when it is not 0. */
 uint64_t es_server_unanswered(const es_server *s);
 
-/* Serves on the calling thread until a drain completes. Returns 0 after a clean drain,
+/* Starts gRPC (health only), loads the owned experts on a loader thread (logging progress
+ * at most once a second), then serves on the calling thread until a drain completes; a
+ * drain may begin during the load. Returns 0 after a clean drain, a load error (a tensor
+ * that cannot be packed, MR_EFORMAT naming it) if loading failed,
  * MR_ECANCELED when a second signal arrived during the drain (the caller should then exit
  * the process at once without es_server_free: calls may still be in flight), or another
  * code if serving could not start. Call at most once. */

@@ -6,6 +6,16 @@
  * es__admin_wake (uv_async_send, also async-signal-safe) and atomics; every field of the
  * admin section of es_server is touched by this thread alone.
  *
+ * Start: es_server_run starts gRPC (health answers at once: liveness SERVING, readiness
+ * NOT_SERVING; Hello, Stats and new Forward streams get UNAVAILABLE "loading: N of M
+ * tensors") and the loader thread (LOADING). When the loader returns, this thread joins it,
+ * takes the auto admission budget (the memory left with the weights in), starts the compute
+ * thread and only then sets srv->loaded and readiness SERVING. A drain that begins while
+ * loading (signal, es_server_stop) sets load_abort and joins the loader, which stops after
+ * the expert it is packing (a few ms; this blocks the loop that long), then drains as below:
+ * no request was accepted, so it ends as soon as the open calls do. A load that fails makes
+ * es_server_run return its error.
+ *
  * Drain, one phase after the other, re-checked on every wake-up and on a 20 ms tick:
  *
  *   SERVING --signal/stop--> DRAIN_REQUESTS: health NOT_SERVING; new Forward streams end
@@ -32,6 +42,7 @@
  * A second SIGTERM/SIGINT during the drain stops the loop at once and es_server_run returns
  * MR_ECANCELED.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <inttypes.h>
 #include <malloc.h>
 #include <signal.h>
@@ -62,8 +73,22 @@ void es__admin_wake(es_server *s) {
 static void es__drain_step(es_server *s);
 static void es__on_drain_tick(uv_timer_t *t);
 
+static void es__loader_join(es_server *s) {
+  if (!s->loader_started) return;
+  pthread_join(s->loader, NULL);
+  s->loader_started = false;
+}
+
 static void es__drain_begin(es_server *s, const char *why) {
-  if (s->phase != ES_PHASE_SERVING) return;
+  if (s->phase != ES_PHASE_SERVING && s->phase != ES_PHASE_LOADING) return;
+  if (s->phase == ES_PHASE_LOADING) {
+    atomic_store(&s->load_abort, true);
+    atomic_store(&s->draining, true); /* Hello says draining from here on */
+    es__loader_join(s);
+    mr_log(MR_LOG_INFO, "loading stopped (%s) after %llu of %llu tensors", why,
+           (unsigned long long)atomic_load(&s->load_tensors_done),
+           (unsigned long long)s->load_tensors_total);
+  }
   s->phase = ES_PHASE_DRAIN_REQUESTS;
   s->drain_t0_ms = es__now_ms();
   s->drain_deadline_ms = s->drain_t0_ms + s->opts.drain_timeout_ms;
@@ -191,10 +216,48 @@ static void es__house(es_server *s) {
 
 static void es__on_house(uv_timer_t *t) { es__house(t->data); }
 
+static void es__log_serving(es_server *s);
+
+/* The loader returned (admin thread): serve, or stop with its error. */
+static void es__load_done(es_server *s) {
+  es__loader_join(s);
+  if (s->load_rc) {
+    mr_log(MR_LOG_ERROR, "loading failed: %s (%s)", s->load_err.msg, mr_err_name(s->load_rc));
+    s->run_rc = s->load_rc;
+    es__stop_loop(s);
+    return;
+  }
+  if (!s->opts.max_inflight_bytes) s->max_inflight_bytes = es__inflight_budget(s);
+  int rc = es__compute_start(s, &s->load_err);
+  if (rc) {
+    s->load_rc = s->run_rc = rc;
+    es__stop_loop(s);
+    return;
+  }
+  s->phase = ES_PHASE_SERVING;
+  atomic_store_explicit(&s->loaded, true, memory_order_release);
+  atomic_store(&s->serving, true);
+  es__log_serving(s);
+  if (atomic_load(&s->stop_requested)) es__drain_begin(s, "stop requested");
+}
+
+static void *es__loader_main(void *arg) {
+  es_server *s = arg;
+  pthread_setname_np(pthread_self(), "es-loader");
+  mr_err_clear(&s->load_err);
+  s->load_rc = es__load_weights(s, &s->load_err);
+  atomic_store(&s->load_finished, true);
+  es__admin_wake(s);
+  return NULL;
+}
+
 static void es__on_wake(uv_async_t *a) {
   es_server *s = a->data;
   if (atomic_load(&s->mem_paused) > 0) es__house(s);
-  if (s->phase == ES_PHASE_SERVING && atomic_load(&s->stop_requested))
+  if (s->phase == ES_PHASE_LOADING && atomic_load(&s->load_finished) && !atomic_load(&s->stop_requested))
+    es__load_done(s);
+  if ((s->phase == ES_PHASE_SERVING || s->phase == ES_PHASE_LOADING) &&
+      atomic_load(&s->stop_requested))
     es__drain_begin(s, "stop requested");
   else if (s->phase >= ES_PHASE_DRAIN_REQUESTS && s->phase < ES_PHASE_STOPPED)
     es__drain_step(s);
@@ -203,7 +266,7 @@ static void es__on_wake(uv_async_t *a) {
 static void es__on_signal(uv_signal_t *h, int signum) {
   es_server *s = h->data;
   const char *name = signum == SIGTERM ? "SIGTERM" : signum == SIGINT ? "SIGINT" : "signal";
-  if (s->phase == ES_PHASE_SERVING) {
+  if (s->phase == ES_PHASE_SERVING || s->phase == ES_PHASE_LOADING) {
     es__drain_begin(s, name);
   } else if (s->phase < ES_PHASE_STOPPED) {
     mr_log(MR_LOG_ERROR, "second %s during the drain: exiting now, %lld requests unanswered", name,
@@ -268,12 +331,20 @@ void es__admin_close(es_server *s) {
   if (rc) mr_log(MR_LOG_ERROR, "uv_loop_close: %s", uv_strerror(rc));
 }
 
+static void es__log_serving(es_server *s) {
+  mr_log(MR_LOG_INFO,
+         "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
+         ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
+         " streams, stall timeout %" PRIu32 " ms",
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens,
+         s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
+         (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
+}
+
 int es_server_run(es_server *s, mr_err *e) {
   MR_ASSERT(s && !s->run_called);
   s->run_called = true;
-  int rc = es__compute_start(s, e);
-  if (rc) return rc;
-  rc = es__grpc_start(s, e);
+  int rc = es__grpc_start(s, e);
   if (rc) return rc;
 
   uv_timer_init(&s->loop, &s->metrics_timer);
@@ -294,15 +365,18 @@ int es_server_run(es_server *s, mr_err *e) {
                    s->opts.metrics_interval_ms);
 
   s->run_rc = MR_EINTERNAL; /* until the drain completes or a second signal arrives */
-  s->phase = ES_PHASE_SERVING;
-  atomic_store(&s->serving, true);
-  mr_log(MR_LOG_INFO,
-         "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
-         ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
-         " streams, stall timeout %" PRIu32 " ms",
-         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens,
-         s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
-         (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
+  s->phase = ES_PHASE_LOADING;
+  mr_log(MR_LOG_INFO, "listening: %.*s:%d (health: liveness SERVING, readiness NOT_SERVING until "
+         "loaded); loading %llu tensors, %.2f GB",
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port,
+         (unsigned long long)s->load_tensors_total, (double)s->load_bytes_total / 1e9);
+  int err = pthread_create(&s->loader, NULL, es__loader_main, s);
+  if (err) {
+    s->run_rc = mr_err_set(e, MR_EINTERNAL, "cannot start the loader thread: error %d", err);
+    s->phase = ES_PHASE_STOPPED;
+  } else {
+    s->loader_started = true;
+  }
   if (atomic_load(&s->stop_requested)) es__drain_begin(s, "stop requested");
 
   if (s->phase != ES_PHASE_STOPPED) uv_run(&s->loop, UV_RUN_DEFAULT);
@@ -318,5 +392,7 @@ int es_server_run(es_server *s, mr_err *e) {
   uv_run(&s->loop, UV_RUN_NOWAIT);
   if (s->run_rc == MR_ECANCELED)
     mr_err_set(e, MR_ECANCELED, "second signal during the drain");
+  else if (s->run_rc && s->load_rc && e)
+    *e = s->load_err;
   return s->run_rc;
 }

@@ -275,12 +275,14 @@ static void es__skipped_answer(es_server *s, es_job *list) {
     j->queue_us = es__us(now - j->t_enqueue_ns);
     if (atomic_load(&j->st->dead)) {
       atomic_fetch_add(&s->n_dropped, 1);
+      atomic_fetch_add_explicit(&s->tot_dropped, 1, memory_order_relaxed);
       es__reply_fail(s, j, GRPC_STATUS_CANCELLED, "stream cancelled: request not computed");
     } else if (atomic_load(&s->abort_jobs)) {
       es__reply_fail(s, j, GRPC_STATUS_UNAVAILABLE,
                      "server is shutting down: the drain timed out before this request ran");
     } else {
       atomic_fetch_add(&s->n_expired, 1);
+      atomic_fetch_add_explicit(&s->tot_expired, 1, memory_order_relaxed);
       snprintf(msg, sizeof msg,
                "request %" PRIu64 " waited %" PRIu32 " us in the queue, past its budget_us = %" PRIu32
                ": not computed",
@@ -322,8 +324,7 @@ static void es__reply_ok(es_server *s, es_job *job) {
     job->buf = NULL; /* owned by the reply's slice now, returned by es__buf_release */
   } else {
     mr_log(MR_LOG_ERROR, "compute: out of memory encoding the reply to request %" PRIu64, job->id);
-    atomic_fetch_add(&s->n_errors, 1);
-    atomic_fetch_add(&s->tot_errors, 1);
+    es__count_error(s, GRPC_STATUS_RESOURCE_EXHAUSTED);
     /* If even this fails, es__stream_send settles the job and cancels the stream. */
     es__reply_encode_error(job, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory encoding the reply");
   }
@@ -331,8 +332,7 @@ static void es__reply_ok(es_server *s, es_job *job) {
 }
 
 static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg) {
-  atomic_fetch_add(&s->n_errors, 1);
-  atomic_fetch_add(&s->tot_errors, 1);
+  es__count_error(s, status);
   if (job->req) {
     moerpc__v1__forward_request__free_unpacked(job->req, NULL);
     job->req = NULL;
@@ -433,10 +433,15 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
 
   size_t row = 0;
   uint64_t sum_queue = 0;
+  mr_hist *lh = &s->layer_hist[h->layer];
   for (uint32_t j = 0; j < n; j++) {
     es_job *b = batch[j];
     b->compute_us = compute_us;
     sum_queue += b->queue_us;
+    /* Metrics: every request of the batch took the batch's time (lock-free, mr.h). */
+    mr_hist_observe(lh, t1 - t0);
+    mr_hist_observe(&s->queue_hist, t0 > b->t_enqueue_ns ? t0 - b->t_enqueue_ns : 0);
+    atomic_fetch_add_explicit(&s->layer_tokens[b->layer], b->n_tokens, memory_order_relaxed);
     /* Finite inputs can still overflow fp32 (es_output_check_finite): this job alone fails. */
     if (es_output_check_finite(out + row * H, b->layer, b->n_tokens, H, &e) != 0) {
       mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": INTERNAL: %s",

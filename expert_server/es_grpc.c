@@ -23,8 +23,12 @@
  * new calls does not wait for the CQ thread to re-post one. */
 #define ES_PREPOST_UNARY 4
 #define ES_PREPOST_STREAM 8
-/* The service name the health check answers for, besides "" (the whole server). */
+/* The service names the health check answers for. Readiness: "" (the whole server) and
+ * ES_HEALTH_SERVICE, SERVING once every owned expert is loaded and until a drain begins.
+ * Liveness: ES_HEALTH_LIVENESS, SERVING whenever the process answers at all (loading,
+ * serving, draining). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
+#define ES_HEALTH_LIVENESS "moerpc.v1.Liveness"
 
 static const char *const es__method_path[ES_M_COUNT] = {
     [ES_M_HELLO] = PR_METHOD_HELLO,
@@ -236,6 +240,9 @@ static void es__on_hello(es_rpc *r) {
   es__call_peer(r->call, peer, sizeof peer);
   if (atomic_load(&s->draining)) {
     es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, "server is draining (shutting down)", NULL);
+  } else if (!atomic_load_explicit(&s->loaded, memory_order_acquire)) {
+    es__loading_msg(s, msg, sizeof msg);
+    es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, msg, NULL);
   } else if (major != PR_PROTOCOL_MAJOR) {
     snprintf(msg, sizeof msg,
              "protocol_major = %" PRIu32 " (client protocol %" PRIu32 ".%" PRIu32
@@ -271,6 +278,11 @@ static void es__on_stats(es_rpc *r) {
   }
   bool reset = req && req->reset;
   if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
+  if (!atomic_load_explicit(&s->loaded, memory_order_acquire)) {
+    es__loading_msg(s, msg, sizeof msg);
+    es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, msg, NULL);
+    return;
+  }
   if (reset) {
     char peer[96];
     es__call_peer(r->call, peer, sizeof peer);
@@ -338,13 +350,16 @@ static void es__on_health(es_rpc *r) {
     es__rpc_reply(r, GRPC_STATUS_INVALID_ARGUMENT, e.msg, NULL);
     return;
   }
-  if (svc[0] && strcmp(svc, ES_HEALTH_SERVICE) != 0) {
-    snprintf(msg, sizeof msg, "unknown service \"%s\": this server answers for \"\" and \"%s\"", svc,
-             ES_HEALTH_SERVICE);
+  bool live = strcmp(svc, ES_HEALTH_LIVENESS) == 0;
+  if (svc[0] && !live && strcmp(svc, ES_HEALTH_SERVICE) != 0) {
+    snprintf(msg, sizeof msg,
+             "unknown service \"%s\": this server answers for \"\" and \"%s\" (readiness) and "
+             "\"%s\" (liveness)",
+             svc, ES_HEALTH_SERVICE, ES_HEALTH_LIVENESS);
     es__rpc_reply(r, GRPC_STATUS_NOT_FOUND, msg, NULL);
     return;
   }
-  int st = atomic_load(&s->serving) ? PR_HEALTH_SERVING : PR_HEALTH_NOT_SERVING;
+  int st = live || atomic_load(&s->serving) ? PR_HEALTH_SERVING : PR_HEALTH_NOT_SERVING;
   grpc_byte_buffer *bb = pr_health_response_encode(st);
   if (!bb)
     es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory", NULL);

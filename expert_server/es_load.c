@@ -9,8 +9,16 @@
  *   4. create the kn_engine (threads, NUMA) and one kn_layer per owned layer;
  *   5. pack each owned expert into its layer, logging progress at most once a second;
  *   6. unmap the files: the layers hold their own (packed, NUMA-placed) copies.
+ * Steps 1-4 are es__load_prepare, in es_server_new, before the port is bound; steps 5-6 are
+ * es__load_weights, on the loader thread of es_server_run while the port already answers
+ * health (docs/DESIGN.md 3.6).
  * Only owned experts are ever touched, so a server owning 1/8 of a model reads 1/8 of it.
+ *
+ * MOERPC_TEST_LOAD_DELAY_MS (tests only, see tests/README.md): sleeps that long after each
+ * expert is packed, so that a test can watch a tiny model load.
  */
+#include <stdlib.h>
+#include <unistd.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <stdarg.h>
@@ -128,10 +136,16 @@ static int es__expect_expert(es_server *s, const mr_st *st, uint32_t l, uint32_t
   return rc ? es__file_err(e, rc, "model %s", s->model_dir) : 0;
 }
 
-int es__load(es_server *s, mr_err *e) {
+void es__loading_msg(es_server *s, char *buf, size_t len) {
+  snprintf(buf, len, "loading: %llu of %llu tensors (%.2f of %.2f GB) loaded; not serving yet",
+           (unsigned long long)atomic_load(&s->load_tensors_done),
+           (unsigned long long)s->load_tensors_total,
+           (double)atomic_load(&s->load_bytes_done) / 1e9, (double)s->load_bytes_total / 1e9);
+}
+
+int es__load_prepare(es_server *s, mr_err *e) {
   mr_model_config *c = &s->cfg;
   mr_st *st = NULL;
-  uint64_t t0 = mr_now_ns();
   int rc = mr_config_load(c, s->model_dir, e);
   if (rc) return es__file_err(e, rc, "--model %s", s->model_dir);
 
@@ -197,6 +211,35 @@ int es__load(es_server *s, mr_err *e) {
     s->owned[l] = &s->owned_experts;
   }
 
+  s->limits = (es_limits){.num_layers = c->num_layers, .num_experts = c->num_experts,
+                          .hidden_size = c->hidden_size, .max_tokens = s->opts.max_tokens,
+                          .max_top_k = es_max_top_k(c->top_k, c->num_experts),
+                          .is_moe = c->is_moe, .owned = s->owned};
+  s->load_tensors_total = prog.tensors_total;
+  s->load_bytes_total = prog.bytes_total;
+  const char *delay = getenv("MOERPC_TEST_LOAD_DELAY_MS");
+  if (delay && delay[0]) {
+    s->load_delay_ms = (uint32_t)strtoul(delay, NULL, 10);
+    if (s->load_delay_ms > 60000) s->load_delay_ms = 60000;
+    mr_log(MR_LOG_WARN, "MOERPC_TEST_LOAD_DELAY_MS=%" PRIu32 ": loading slowed down for a test",
+           s->load_delay_ms);
+  }
+  s->st = st;
+  return 0;
+out_close_st:
+  mr_st_close(st);
+  return rc;
+}
+
+int es__load_weights(es_server *s, mr_err *e) {
+  mr_model_config *c = &s->cfg;
+  mr_st *st = s->st;
+  uint64_t t0 = mr_now_ns();
+  int rc = 0;
+  uint32_t n_layers = mr_idset_count(&s->owned_layers);
+  uint32_t n_experts = mr_idset_count(&s->owned_experts);
+  es_progress prog = {.tensors_total = s->load_tensors_total, .bytes_total = s->load_bytes_total};
+
   /* Step 5. */
   prog.t0_ns = prog.last_ns = mr_now_ns();
   for (uint32_t l = 0; l < c->num_layers; l++) {
@@ -214,16 +257,21 @@ int es__load(es_server *s, mr_err *e) {
       s->n_experts_loaded++;
       prog.tensors_done += 3;
       prog.bytes_done += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      atomic_store_explicit(&s->load_tensors_done, prog.tensors_done, memory_order_relaxed);
+      atomic_store_explicit(&s->load_bytes_done, prog.bytes_done, memory_order_relaxed);
       es__progress_log(&prog, false);
+      for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort); slept += 5)
+        usleep(5000);
+      if (atomic_load(&s->load_abort)) {
+        rc = mr_err_set(e, MR_ECANCELED, "loading stopped by the drain after %" PRIu64 " of %" PRIu64
+                        " tensors", prog.tensors_done, prog.tensors_total);
+        goto out_close_st;
+      }
     }
     s->weight_bytes += kn_layer_bytes(s->layers[l]);
   }
   es__progress_log(&prog, true);
 
-  s->limits = (es_limits){.num_layers = c->num_layers, .num_experts = c->num_experts,
-                          .hidden_size = c->hidden_size, .max_tokens = s->opts.max_tokens,
-                          .max_top_k = es_max_top_k(c->top_k, c->num_experts),
-                          .is_moe = c->is_moe, .owned = s->owned};
   char isa[64];
   snprintf(isa, sizeof isa, "%s for %s", kn_isa_name(kn_engine_isa(s->eng, s->format)),
            kn_format_name(s->format));
@@ -236,10 +284,13 @@ int es__load(es_server *s, mr_err *e) {
   rc = 0;
 out_close_st:
   mr_st_close(st);
+  s->st = NULL;
   return rc;
 }
 
 void es__unload(es_server *s) {
+  mr_st_close(s->st);
+  s->st = NULL;
   if (s->layers) {
     for (uint32_t l = 0; l < s->cfg.num_layers; l++) kn_layer_free(s->layers[l]);
     mr_free(s->layers);

@@ -1,11 +1,15 @@
 /*
  * es_server.c - es_server_new / es_server_free: option checks, start-up and teardown order.
  *
- * Start-up: options -> admin loop (so es_server_stop works from here on) -> weights (es_load.c,
- * before grpc_init so that gRPC's own threads do not compete with the loading) -> counters and
- * pools -> gRPC server bound to the port. Teardown runs the other way round, and
+ * Start-up: options -> admin loop (so es_server_stop works from here on) -> config, owned
+ * sets, tensor headers, engine (es__load_prepare: every mistake in a flag or the model, in
+ * milliseconds) -> counters and pools -> gRPC server bound to the port -> the /metrics
+ * endpoint. The weights themselves are packed by es_server_run's loader thread while gRPC
+ * already answers health (docs/DESIGN.md 3.6), so a port that cannot be bound and every
+ * usage error still fail here, before the long part. Teardown runs the other way round, and
  * grpc_shutdown comes after every gRPC object is destroyed.
  */
+#include <sys/time.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
@@ -35,6 +39,7 @@ void es_server_opts_init(es_server_opts *o) {
   o->max_inflight_bytes = 0; /* auto */
   o->max_streams = ES_DEFAULT_MAX_STREAMS;
   o->stall_timeout_ms = ES_DEFAULT_STALL_TIMEOUT_MS;
+  o->metrics_listen = NULL;
 }
 
 /* Bytes of memory available now (MemAvailable), or 0 when /proc/meminfo cannot be read. */
@@ -50,8 +55,10 @@ static uint64_t es__mem_available(void) {
 }
 
 /* The admission budget: the option, or a quarter of the memory left once the weights are in,
- * within ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests. */
-static uint64_t es__inflight_budget(const es_server *s) {
+ * within ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests.
+ * es_server_new checks an explicit option; the auto budget is taken when loading ends
+ * (es_admin.c). */
+uint64_t es__inflight_budget(const es_server *s) {
   uint64_t max_req = (uint64_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
   uint64_t floor = max_req * ES_INFLIGHT_MIN_REQUESTS;
   uint64_t b = s->opts.max_inflight_bytes;
@@ -123,6 +130,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   s->experts_spec = es__dup(opts->experts, &rc);
   s->layers_spec = es__dup(opts->layers, &rc);
   s->numa = es__dup(opts->numa ? opts->numa : "auto", &rc);
+  s->metrics_listen = opts->metrics_listen ? es__dup(opts->metrics_listen, &rc) : NULL;
   if (rc) {
     mr_err_set(e, rc, "out of memory copying the options");
     goto out_free_server;
@@ -132,10 +140,15 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   s->opts.experts = s->experts_spec;
   s->opts.layers = s->layers_spec;
   s->opts.numa = s->numa;
+  s->opts.metrics_listen = s->metrics_listen;
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  s->start_time_s = (double)tv.tv_sec + (double)tv.tv_usec / 1e6;
+  mr_hist_init_latency(&s->queue_hist);
 
   if ((rc = es__auth_init(s, e))) goto out_free_server;
   if ((rc = es__admin_init(s, e))) goto out_free_server;
-  if ((rc = es__load(s, e))) goto out_free_server;
+  if ((rc = es__load_prepare(s, e))) goto out_free_server;
 
   size_t ncnt = (size_t)s->cfg.num_layers * s->cfg.num_experts;
   s->tokens = mr_calloc(ncnt, sizeof *s->tokens);
@@ -144,6 +157,16 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
     goto out_free_server;
   }
   for (size_t i = 0; i < ncnt; i++) atomic_init(&s->tokens[i], 0);
+  s->layer_tokens = mr_calloc(s->cfg.num_layers, sizeof *s->layer_tokens);
+  s->layer_hist = mr_calloc(s->cfg.num_layers, sizeof *s->layer_hist);
+  if (!s->layer_tokens || !s->layer_hist) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for per-layer metrics");
+    goto out_free_server;
+  }
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
+    atomic_init(&s->layer_tokens[l], 0);
+    mr_hist_init_latency(&s->layer_hist[l]);
+  }
   /* Buffers hold at most one request's hidden rows: max_tokens * H * 4 bytes (f32). */
   size_t max_buf = (size_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
   if ((rc = es__pool_init(&s->pool, max_buf, ES_POOL_CACHE_BYTES))) {
@@ -154,7 +177,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   es_buf *probe = es__buf_get(&s->pool, max_buf); /* the size class of the largest request */
   s->pool_max_buf = probe ? probe->cap : max_buf;
   es__buf_release(probe);
-  s->max_inflight_bytes = es__inflight_budget(s);
+  if (s->opts.max_inflight_bytes) s->max_inflight_bytes = es__inflight_budget(s);
   if (s->opts.max_inflight_bytes && s->max_inflight_bytes > s->opts.max_inflight_bytes) {
     rc = mr_err_set(e, MR_EINVAL,
                     "--max-inflight-bytes %" PRIu64 " is below %u requests of --max-tokens %" PRIu32
@@ -170,6 +193,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
     goto out_free_server;
   }
   if ((rc = es__grpc_create(s, e))) goto out_free_server;
+  if ((rc = es__metrics_start(s, e))) goto out_free_server;
   *out = s;
   return 0;
 out_free_server:
@@ -178,6 +202,10 @@ out_free_server:
 }
 
 int es_server_port(const es_server *s) { return s->port; }
+
+int es_server_metrics_port(const es_server *s) {
+  return s->metrics_http ? mr_http_server_port(s->metrics_http) : 0;
+}
 
 uint64_t es_server_inflight_budget(const es_server *s) { return s->max_inflight_bytes; }
 
@@ -194,6 +222,12 @@ void es_server_stop(es_server *s) {
 
 void es_server_free(es_server *s) {
   if (!s) return;
+  es__metrics_stop(s);
+  if (s->loader_started) { /* es_server_run failed or was cut short during the load */
+    atomic_store(&s->load_abort, true);
+    pthread_join(s->loader, NULL);
+    s->loader_started = false;
+  }
   es__compute_stop(s);
   es__grpc_destroy(s);
   grpc_slice_unref(s->hello_reply);
@@ -202,6 +236,9 @@ void es_server_free(es_server *s) {
   es__unload(s);
   es__auth_close(s);
   mr_free(s->tokens);
+  mr_free(s->layer_tokens);
+  mr_free(s->layer_hist);
+  mr_free(s->metrics_listen);
   mr_free(s->q_heap);
   mr_arena_close(&s->arena);
   if (s->pool_inited) es__pool_close(&s->pool);

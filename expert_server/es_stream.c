@@ -239,6 +239,7 @@ static void es__stream_purge_locked(es_stream *st) {
   es_job *list = es__compute_detach(st->srv, st, &n);
   if (!n) return;
   atomic_fetch_add(&st->srv->n_dropped, n);
+  atomic_fetch_add_explicit(&st->srv->tot_dropped, n, memory_order_relaxed);
   mr_log(MR_LOG_DEBUG, "stream %s: dead, %" PRIu32 " queued requests dropped", st->peer, n);
   while (list) {
     es_job *j = list;
@@ -285,6 +286,7 @@ static void es__stream_send_next_locked(es_stream *st) {
   memset(&op, 0, sizeof op);
   op.op = GRPC_OP_SEND_MESSAGE;
   op.data.send_message.send_message = j->reply;
+  j->reply_bytes = grpc_byte_buffer_length(j->reply); /* gRPC may empty it as it sends */
   grpc_call_error ce = grpc_call_start_batch(st->call, &op, 1, &st->t_send, NULL);
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(SEND_MESSAGE) failed: %d", st->peer, ce);
@@ -324,8 +326,7 @@ void es__stream_send(es_stream *st, es_job *job) {
 static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, const char *msg,
                                    bool counted) {
   es_server *s = st->srv;
-  atomic_fetch_add(&s->n_errors, 1);
-  atomic_fetch_add(&s->tot_errors, 1);
+  es__count_error(s, status);
   if (status == GRPC_STATUS_UNAVAILABLE)
     mr_log_ratelimited(MR_LOG_INFO, 5, "forward from %s: request %" PRIu64 ": %s: %s", st->peer, id,
                        pr_status_name((grpc_status_code)status), msg);
@@ -369,6 +370,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   mr_err_clear(&e);
   atomic_fetch_add(&s->n_requests, 1);
   atomic_fetch_add(&s->tot_requests, 1);
+  atomic_fetch_add_explicit(&s->bytes_in, grpc_byte_buffer_length(bb), memory_order_relaxed);
 
   int rc = pr_bb_segs(bb, &segs, &nseg, &e);
   if (rc == 0) rc = pr_forward_request_decode(segs, nseg, &st->split, &req, &e);
@@ -499,10 +501,15 @@ void es__on_stream_new(es_stream *st, bool ok) {
   if (!authed) {
     /* No request is read; nothing is counted against the stream cap. */
     es__stream_refuse_locked(st, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG);
-  } else if (over || atomic_load(&s->draining)) {
+  } else if (over || atomic_load(&s->draining) ||
+             !atomic_load_explicit(&s->loaded, memory_order_acquire)) {
     char msg[200];
-    if (over) {
+    bool loading = !over && !atomic_load(&s->draining);
+    if (loading) {
+      es__loading_msg(s, msg, sizeof msg);
+    } else if (over) {
       atomic_fetch_add(&s->n_refused, 1);
+      atomic_fetch_add_explicit(&s->tot_refused, 1, memory_order_relaxed);
       snprintf(msg, sizeof msg, "server has %" PRIu32 " Forward streams open, the limit "
                "(--max-streams %" PRIu32 "): stream refused", n_open, s->opts.max_streams);
       mr_log_ratelimited(MR_LOG_WARN, 5, "stream from %s refused: %s", st->peer, msg);
@@ -614,6 +621,7 @@ void es__on_stream_send(es_stream *st, bool ok) {
   MR_ASSERT(j);
   st->sending = NULL;
   j->sent = ok;
+  if (ok) atomic_fetch_add_explicit(&st->srv->bytes_out, j->reply_bytes, memory_order_relaxed);
   es__stream_settle_locked(st, j);
   if (!ok) {
     if (!st->send_failed)
@@ -690,6 +698,7 @@ void es__streams_service(es_server *s) {
       mr_log_ratelimited(MR_LOG_WARN, 5, "stream %s: %s, %" PRIu32 " requests / %zu bytes freed",
                          st->peer, msg, st->jobs_pending, st->bytes_pending);
       atomic_fetch_add(&s->n_refused, 1);
+      atomic_fetch_add_explicit(&s->tot_refused, 1, memory_order_relaxed);
       grpc_call_cancel_with_status(st->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
       es__stream_fail_locked(st); /* the send in flight completes failed and drops the rest */
     }

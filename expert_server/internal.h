@@ -8,7 +8,9 @@
  *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues; backpressure
  *   es_compute.c   the compute queue, merging of same-layer requests, replies
  *   es_pool.c      reusable request/reply buffers and job records
- *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the drain sequence
+ *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the loader thread,
+ *                  the drain sequence
+ *   es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
  *   es_validate.c  es_forward_validate (pure)
  *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
  *
@@ -23,6 +25,16 @@
  *                          job's buffer and hands the job to its stream's send queue
  *                          (es__stream_send: under the stream's lock, and starts the send
  *                          batch itself when none is in flight).
+ *   loader thread          es_server_run's first part: packs the owned experts (es__load_weights)
+ *                          while the gRPC threads already answer health (and UNAVAILABLE
+ *                          "loading" to everything else); publishes progress in atomics,
+ *                          ends with es__admin_wake. The admin thread joins it, then starts
+ *                          the compute thread and sets srv->loaded (release): every thread
+ *                          reads the weights, the engine and max_inflight_bytes only after
+ *                          seeing loaded.
+ *   metrics thread         the mr_http_server responder (common/http.c): es__metrics_render
+ *                          reads atomics, and q_len / n_streams under q_lock / streams_lock,
+ *                          one at a time, holding no other lock.
  *   admin (libuv) thread   the thread in es_server_run. Learns about drain progress through
  *                          es__admin_wake (uv_async_send) and the atomics below; during the
  *                          drain it walks the stream list (streams_lock) to finish streams.
@@ -238,12 +250,17 @@ struct es_job {
   uint64_t t_enqueue_ns;
   uint32_t queue_us, compute_us;
   grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
+  size_t reply_bytes;              /* its length when its send started (metrics) */
 };
 
 /* ---- the server --------------------------------------------------------------------------- */
 
+/* gRPC status codes 0..16 (errors counted by status). */
+#define ES_N_STATUS 17
+
 typedef enum es_phase {
-  ES_PHASE_NEW = 0,    /* loaded, not serving */
+  ES_PHASE_NEW = 0,    /* bound, not started */
+  ES_PHASE_LOADING,    /* gRPC started (health only), the loader thread packs the weights */
   ES_PHASE_SERVING,
   ES_PHASE_DRAIN_REQUESTS, /* waiting for every accepted request to be answered */
   ES_PHASE_DRAIN_CALLS,    /* streams asked to finish; waiting for every call to end */
@@ -253,9 +270,10 @@ typedef enum es_phase {
 
 struct es_server {
   es_server_opts opts;   /* strings below point at the copies */
-  char *model_dir, *listen, *experts_spec, *layers_spec, *numa;
+  char *model_dir, *listen, *experts_spec, *layers_spec, *numa, *metrics_listen;
 
-  /* Model and weights: written by es_server_new, read-only afterwards (every thread). */
+  /* Model and weights: written by es_server_new, and the packed weights by the loader
+   * thread; read-only once srv->loaded is set (every thread). */
   mr_model_config cfg;
   char fingerprint[17];
   kn_format format;
@@ -269,6 +287,20 @@ struct es_server {
   es_limits limits;
   uint64_t weight_bytes;   /* packed bytes held */
   uint32_t n_experts_loaded;
+
+  /* Loading (es_load.c; the loader thread, es_admin.c). The totals are set by es_server_new;
+   * the progress counters are written by the loader and read by anyone. */
+  mr_st *st;                 /* the open safetensors, until the weights are packed */
+  uint64_t load_tensors_total, load_bytes_total;
+  atomic_ullong load_tensors_done, load_bytes_done;
+  atomic_bool load_abort;    /* the drain began during the load: stop after this expert */
+  atomic_bool load_finished; /* the loader returned (load_rc, load_err are set) */
+  atomic_bool loaded;        /* every owned expert is packed and the compute thread runs */
+  pthread_t loader;
+  bool loader_started;       /* admin thread */
+  int load_rc;
+  mr_err load_err;
+  uint32_t load_delay_ms;    /* MOERPC_TEST_LOAD_DELAY_MS: test only, per expert */
 
   /* gRPC: created by es_server_new, started by es_server_run. */
   bool grpc_inited;
@@ -289,7 +321,7 @@ struct es_server {
   char auth_value[MR_SECRET_MAX_BYTES + 8]; /* "Bearer <token>" */
   size_t auth_len;
 
-  atomic_bool serving;       /* health: weights loaded and no drain started */
+  atomic_bool serving;       /* readiness: weights loaded and no drain started */
   atomic_bool draining;      /* new Forward requests get UNAVAILABLE */
   atomic_bool stop_reposting;/* do not pre-post request_call any more */
   atomic_bool abort_jobs;    /* drain timed out: answer queued jobs UNAVAILABLE, don't compute */
@@ -341,6 +373,18 @@ struct es_server {
   atomic_ullong tot_requests, tot_errors; /* for the metrics line: never reset */
   atomic_ullong n_computed, sum_queue_us, sum_compute_us, n_batches, n_merged;
 
+  /* Metrics (es_metrics.c): never reset. errors by gRPC status; bytes of ForwardRequest
+   * messages received and of ForwardReply messages whose send completed; per-layer tokens
+   * and compute-time histograms ([num_layers], allocated by es_server_new). */
+  atomic_ullong err_by_status[ES_N_STATUS];
+  atomic_ullong tot_expired, tot_dropped, tot_refused; /* n_expired... without the reset */
+  atomic_ullong bytes_in, bytes_out;
+  atomic_ullong *layer_tokens;
+  mr_hist *layer_hist;           /* compute time of each request (its batch's), ns */
+  mr_hist queue_hist;            /* time in the compute queue, ns */
+  mr_http_server *metrics_http;  /* NULL without --metrics-listen */
+  double start_time_s;           /* Unix time of es_server_new */
+
   /* Admin loop (es_admin.c): touched by the es_server_run thread only, except that
    * es__admin_wake may be called from any thread once loop_inited. */
   uv_loop_t loop;
@@ -360,10 +404,28 @@ struct es_server {
       m_last_compute_us, m_last_batches, m_last_merged;
 };
 
-/* es_load.c: fills cfg, fingerprint, format, eng, layers, owned_*, weight_bytes. Option
- * errors are MR_EINVAL naming the flag; file errors keep their own codes. */
-int es__load(es_server *s, mr_err *e);
+/* es_load.c. es__load_prepare (es_server_new): config, the owned sets, every owned tensor's
+ * presence and shape, the engine and empty layers; fills cfg, fingerprint, format, limits,
+ * owned_*, load_*_total and keeps st open. Option errors are MR_EINVAL naming the flag; file
+ * errors keep their own codes. es__load_weights (the loader thread): packs every owned
+ * expert, publishing progress; MR_ECANCELED once load_abort is seen; closes st. */
+int es__load_prepare(es_server *s, mr_err *e);
+int es__load_weights(es_server *s, mr_err *e);
 void es__unload(es_server *s);
+/* The "loading: N of M tensors" status message of calls refused while loading. */
+void es__loading_msg(es_server *s, char *buf, size_t len);
+
+/* es_metrics.c */
+/* Binds opts.metrics_listen and starts its responder (es_server_new, before the load). */
+int es__metrics_start(es_server *s, mr_err *e);
+void es__metrics_stop(es_server *s);
+/* Counts one error reply of status (any thread). */
+static inline void es__count_error(es_server *s, uint32_t status) {
+  atomic_fetch_add_explicit(&s->n_errors, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&s->tot_errors, 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&s->err_by_status[status < ES_N_STATUS ? status : GRPC_STATUS_UNKNOWN],
+                            1, memory_order_relaxed);
+}
 
 /* es_grpc.c */
 /* Writes the peer address of call ("ipv4:127.0.0.1:5555") into buf, for log lines. */
@@ -456,6 +518,9 @@ int es__reply_encode_error(es_job *job, uint32_t status, const char *msg);
  * count and returns the job to the pool. Called by es_grpc.c with job->st->lock held, after
  * taking the job off the stream's pending counts. */
 void es__job_done(es_server *s, es_job *job);
+
+/* es_server.c: the admission budget (an explicit option, or the auto one once loaded). */
+uint64_t es__inflight_budget(const es_server *s);
 
 /* es_admin.c */
 /* Wakes the admin loop to re-check the drain (any thread, async-signal-safe). */

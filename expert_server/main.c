@@ -26,6 +26,9 @@ static void usage(FILE *f) {
           "\n"
           "Serves the routed experts SPEC of the MoE layers of the model in DIR over gRPC\n"
           "(moerpc.v1.ExpertService: Hello, Forward, Stats; grpc.health.v1.Health/Check).\n"
+          "The port answers health while the weights load: service \"moerpc.v1.Liveness\" is\n"
+          "SERVING while the process is up; \"\" and \"moerpc.v1.ExpertService\" (readiness) only\n"
+          "once every owned expert is loaded, and no more once a drain began.\n"
           "\n"
           "  --model DIR              HF model directory (config.json + *.safetensors)\n"
           "  --experts SPEC           experts served in every served layer: \"all\" or ids and\n"
@@ -58,6 +61,9 @@ static void usage(FILE *f) {
           "                           trailing newline allowed); health stays open\n"
           "  --insecure               allow plaintext on a non-loopback --listen address (without\n"
           "                           it, only 127.0.0.0/8, ::1 and localhost serve plaintext)\n"
+          "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
+          "                           (default off; port 0 = any free port, logged at start);\n"
+          "                           up before the weights load, with the loading progress\n"
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
           "  --help                   this text\n"
           "\n"
@@ -125,24 +131,26 @@ bad:
 }
 
 /* HOST:PORT or [V6]:PORT, port 0..65535. gRPC resolves the host when binding. */
-static bool check_listen(const char *s) {
+static bool check_listen(const char *s, const char *flag) {
   const char *colon;
   if (s[0] == '[') {
     const char *close = strchr(s, ']');
     if (!close || close == s + 1 || close[1] != ':') {
-      usage_error("--listen \"%s\": must be HOST:PORT or [IPV6]:PORT", s);
+      usage_error("%s \"%s\": must be HOST:PORT or [IPV6]:PORT", flag, s);
       return false;
     }
     colon = close + 1;
   } else {
     colon = strrchr(s, ':');
     if (!colon || colon == s) {
-      usage_error("--listen \"%s\": must be HOST:PORT (e.g. 127.0.0.1:50051)", s);
+      usage_error("%s \"%s\": must be HOST:PORT (e.g. 127.0.0.1:50051)", flag, s);
       return false;
     }
   }
   uint32_t port;
-  return parse_u32("--listen port", colon + 1, 0, 65535, &port);
+  char what[64];
+  snprintf(what, sizeof what, "%s port", flag);
+  return parse_u32(what, colon + 1, 0, 65535, &port);
 }
 
 /* auto, a node count (1..1024), or a list of node ids with at least one comma or range. */
@@ -171,7 +179,7 @@ enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT,
-  OPT_MAX_STREAMS, OPT_STALL
+  OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN
 };
 
 int main(int argc, char **argv) {
@@ -191,6 +199,7 @@ int main(int argc, char **argv) {
       {"max-streams", required_argument, NULL, OPT_MAX_STREAMS},
       {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
+      {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
@@ -211,7 +220,7 @@ int main(int argc, char **argv) {
     switch (c) {
     case OPT_MODEL: o.model_dir = optarg; break;
     case OPT_LISTEN:
-      if (!check_listen(optarg)) return 2;
+      if (!check_listen(optarg, "--listen")) return 2;
       o.listen = optarg;
       break;
     case OPT_EXPERTS: o.experts = optarg; break;
@@ -255,6 +264,10 @@ int main(int argc, char **argv) {
     case OPT_STALL:
       if (!parse_u32("--stall-timeout-ms", optarg, 0, ES_MAX_STALL_TIMEOUT_MS, &o.stall_timeout_ms))
         return 2;
+      break;
+    case OPT_METRICS_LISTEN:
+      if (!check_listen(optarg, "--metrics-listen")) return 2;
+      o.metrics_listen = optarg;
       break;
     case OPT_LOG_LEVEL: {
       int level;

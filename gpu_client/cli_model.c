@@ -26,7 +26,7 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -45,6 +45,7 @@ enum {
       {"deadline-ms", required_argument, NULL, MO_DEADLINE},                             \
       {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
       {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
+      {"metrics-listen", required_argument, NULL, MO_METRICS},                           \
       {"help", no_argument, NULL, MO_HELP}
 
 static const char MODEL_HELP[] =
@@ -73,6 +74,8 @@ static const char MODEL_HELP[] =
     "  --deadline-ms N          per-request deadline, 1..600000 (default: the cluster file's)\n"
     "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
+    "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
+    "                           the command runs (port 0 = any free port, logged)\n"
     "  --help                   this text\n";
 
 typedef struct mcli {
@@ -81,7 +84,21 @@ typedef struct mcli {
   uint32_t batch, max_new, prompt_len, decode, repeats;
   bool batch_set, json;
   gc_sampling smp;
+  const char *metrics_listen; /* --metrics-listen, NULL = off */
 } mcli;
+
+/* The --metrics-listen responder of this run (common/http.c): serves
+ * gc_model_metrics_render from its own thread while the command runs. */
+static mr_http_server *cli_metrics;
+
+static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p); }
+
+/* Stops the responder and closes the model (the responder reads the model). */
+static void close_model(gc_model *m) {
+  mr_http_server_free(cli_metrics);
+  cli_metrics = NULL;
+  gc_model_close(m);
+}
 
 bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   char *end = NULL;
@@ -171,6 +188,7 @@ static int model_opt(mcli *c, int opt, const char *arg) {
     mr_log_set_level(lvl);
     return 1;
   case MO_QUIET: o->quiet = true; return 1;
+  case MO_METRICS: c->metrics_listen = arg; return 1;
   case MO_PROMPT: c->prompt = arg; return 1;
   case MO_IDS: c->ids = arg; return 1;
   case MO_OUT: c->out = arg; return 1;
@@ -292,8 +310,22 @@ static int open_model(mcli *c, gc_model **m) {
   mr_err e;
   mr_err_clear(&e);
   int rc = gc_model_open(m, &c->mo, &e);
-  if (rc) fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
-  return rc;
+  if (rc) {
+    fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+    return rc;
+  }
+  if (c->metrics_listen) {
+    rc = mr_http_server_new(&cli_metrics, c->metrics_listen, "--metrics-listen", "/metrics",
+                            metrics_render, *m, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+      return rc;
+    }
+    const char *l = c->metrics_listen;
+    mr_log(MR_LOG_INFO, "metrics: http://%.*s:%d/metrics", (int)(strrchr(l, ':') - l), l,
+           mr_http_server_port(cli_metrics));
+  }
+  return 0;
 }
 
 /* Vocabulary and length checks of prompts against the opened model. */
@@ -448,7 +480,7 @@ int gc__cli_generate(int argc, char **argv) {
   rc = 0;
 out:
   failover_summary(m, c.json);
-  gc_model_close(m);
+  close_model(m);
   free(ids);
   free(lens);
   free(prompts);
@@ -561,7 +593,7 @@ int gc__cli_logits(int argc, char **argv) {
   rc = 0;
 out:
   if (f) fclose(f);
-  gc_model_close(m);
+  close_model(m);
   free(ids);
   free(lens);
   free(seq);
@@ -830,7 +862,7 @@ fail:
   rc = 1;
 out:
   failover_summary(m, c.json);
-  gc_model_close(m);
+  close_model(m);
   free(ids);
   free(seq);
   free(pos);

@@ -18,6 +18,7 @@
  * q, k and v are packed into one linear (rows q | k | v) and a dense MLP's gate and up
  * into one (rows gate | up), so that one pass over the weights serves them.
  */
+#include <stddef.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,6 +84,11 @@ struct gc_model {
   model_bufs b;
   gc_model_stats st;
   gc_layer_stats *lst;
+  /* Metrics for gc_model_metrics_render: written by the stepping thread with __atomic
+   * builtins, read by the metrics responder thread; never reset. */
+  mr_hist step_hist;              /* wall time of gc_model_step, ns */
+  mr_hist rpc_hist;               /* a MoE layer's immediate call: requests queued -> last reply, ns */
+  uint64_t mx_steps, mx_tokens, mx_generated, mx_local_slots;
 };
 
 void gc_model_opts_init(gc_model_opts *o) {
@@ -561,6 +567,8 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   gc_model *m = mr_calloc(1, sizeof *m);
   if (!m) return mr_err_set(e, MR_ENOMEM, "model: out of memory");
   m->o = *o;
+  mr_hist_init_latency(&m->step_hist);
+  mr_hist_init_latency(&m->rpc_hist);
   snprintf(m->model_dir, sizeof m->model_dir, "%s", o->model_dir);
   int rc = mr_config_load(&m->cfg, m->model_dir, e);
   if (rc) goto out;
@@ -876,6 +884,11 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
     b->hot_ids[i] = hot ? x : -1;
     any_hot |= hot;
   }
+  if (any_hot) {
+    uint64_t n_hot = 0;
+    for (size_t i = 0; i < TK; i++) n_hot += b->hot_ids[i] >= 0;
+    __atomic_fetch_add(&m->mx_local_slots, n_hot, __ATOMIC_RELAXED);
+  }
   if (any_hot) rc = op->experts(bk, ly->hot, T, m->k, b->hot_ids, b->w, b->h, b->y, e);
   else rc = op->zero(bk, b->y, TH, e);
   ls->local_us += (mr_now_ns() - t0) / 1000u;
@@ -889,6 +902,7 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
     if ((rc = gc_moe_wait(m->moe, b->cold, &tm, e))) return rc;
     ls->wait_us += tm.now.wait_us + tm.deferred.wait_us;
     ls->rpc_us += tm.now.rpc_us;
+    if (tm.now.rpc_us) mr_hist_observe(&m->rpc_hist, tm.now.rpc_us * 1000u);
     ls->submit_us += tm.now.submit_us + tm.deferred.submit_us;
     ls->deferred_rpc_us += tm.deferred.rpc_us;
     ls->deferred_wait_us += tm.deferred.wait_us;
@@ -963,6 +977,9 @@ int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
   m->st.tokens += T;
   m->st.step_us += (mr_now_ns() - t0) / 1000u;
   m->st.dense_bytes_read += m->dense_bytes;
+  mr_hist_observe(&m->step_hist, mr_now_ns() - t0);
+  __atomic_fetch_add(&m->mx_steps, 1, __ATOMIC_RELAXED);
+  __atomic_fetch_add(&m->mx_tokens, T, __ATOMIC_RELAXED);
   return 0;
 fail:
   if (m->moe) gc_moe_abort(m->moe);
@@ -1072,6 +1089,7 @@ int gc_model_generate(gc_model *m, uint32_t n, const int32_t *const *prompts,
   tm.prefill_tokens = total;
   for (uint32_t b = 0; b < n; b++)
     out[(size_t)b * max_new] = gc_sample(logits + b * V, m->V, smp, &rng[b]);
+  __atomic_fetch_add(&m->mx_generated, n, __ATOMIC_RELAXED);
   /* decode: one token per sequence per step */
   t0 = mr_now_ns();
   for (uint32_t step = 1; step < max_new; step++) {
@@ -1089,6 +1107,7 @@ int gc_model_generate(gc_model *m, uint32_t n, const int32_t *const *prompts,
     for (uint32_t b = 0; b < n; b++)
       out[(size_t)b * max_new + step] = gc_sample(logits + b * V, m->V, smp, &rng[b]);
     tm.decode_tokens += n;
+    __atomic_fetch_add(&m->mx_generated, n, __ATOMIC_RELAXED);
   }
   tm.decode_us = (mr_now_ns() - t0) / 1000u;
 out:
@@ -1100,4 +1119,71 @@ out:
   mr_free(logits);
   mr_free(rng);
   return rc;
+}
+
+/* ---- metrics ----------------------------------------------------------------------------- */
+
+void gc_model_metrics_render(gc_model *m, mr_prom *p) {
+  mr_prom_family(p, "moerpc_client_steps_total", MR_PROM_COUNTER, "Forward steps (gc_model_step).");
+  mr_prom_u64(p, "moerpc_client_steps_total", NULL, __atomic_load_n(&m->mx_steps, __ATOMIC_RELAXED));
+  mr_prom_family(p, "moerpc_client_step_tokens_total", MR_PROM_COUNTER,
+                 "Tokens run through the model (prefill and decode).");
+  mr_prom_u64(p, "moerpc_client_step_tokens_total", NULL, __atomic_load_n(&m->mx_tokens, __ATOMIC_RELAXED));
+  mr_prom_family(p, "moerpc_client_generated_tokens_total", MR_PROM_COUNTER, "Tokens sampled (generate).");
+  mr_prom_u64(p, "moerpc_client_generated_tokens_total", NULL,
+              __atomic_load_n(&m->mx_generated, __ATOMIC_RELAXED));
+  mr_prom_family(p, "moerpc_client_local_expert_slots_total", MR_PROM_COUNTER,
+                 "Token-expert slots computed by the client's local (hot) experts.");
+  mr_prom_u64(p, "moerpc_client_local_expert_slots_total", NULL,
+              __atomic_load_n(&m->mx_local_slots, __ATOMIC_RELAXED));
+  mr_prom_family(p, "moerpc_client_step_seconds", MR_PROM_HISTOGRAM, "Wall time of one forward step.");
+  mr_prom_hist(p, "moerpc_client_step_seconds", NULL, &m->step_hist);
+  mr_prom_family(p, "moerpc_client_layer_rpc_seconds", MR_PROM_HISTOGRAM,
+                 "A MoE layer's server call: requests queued to the last reply (all servers).");
+  mr_prom_hist(p, "moerpc_client_layer_rpc_seconds", NULL, &m->rpc_hist);
+  if (!m->cluster) return;
+  gc_cluster_info ci;
+  gc_cluster_info_get(m->cluster, &ci);
+  static const struct {
+    const char *name, *help;
+    size_t off;
+  } ctr[] = {
+      {"moerpc_client_server_requests_total", "ForwardRequests queued to the server.",
+       offsetof(gc_server_counters, requests)},
+      {"moerpc_client_server_replies_total", "OK replies from the server.", offsetof(gc_server_counters, replies)},
+      {"moerpc_client_server_errors_total", "Error replies, timeouts and stream failures.",
+       offsetof(gc_server_counters, errors)},
+      {"moerpc_client_server_timeouts_total", "Requests given up at the deadline.",
+       offsetof(gc_server_counters, timeouts)},
+      {"moerpc_client_server_sent_bytes_total", "Serialized ForwardRequest bytes.",
+       offsetof(gc_server_counters, bytes_sent)},
+      {"moerpc_client_server_received_bytes_total", "Serialized ForwardReply bytes.",
+       offsetof(gc_server_counters, bytes_received)},
+  };
+  gc_server_counters *sc = mr_calloc(ci.n_servers ? ci.n_servers : 1, sizeof *sc);
+  gc_server_info *si = mr_calloc(ci.n_servers ? ci.n_servers : 1, sizeof *si);
+  if (!sc || !si) {
+    p->oom = true;
+    goto out_free;
+  }
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    gc_server_counters_get(m->cluster, i, false, &sc[i], NULL);
+    gc_server_info_get(m->cluster, i, &si[i], NULL);
+  }
+  for (size_t k = 0; k < sizeof ctr / sizeof ctr[0]; k++) {
+    mr_prom_family(p, ctr[k].name, MR_PROM_COUNTER, ctr[k].help);
+    for (uint32_t i = 0; i < ci.n_servers; i++) {
+      const char *l[] = {"server", si[i].name, NULL};
+      mr_prom_u64(p, ctr[k].name, l, *(const uint64_t *)((const char *)&sc[i] + ctr[k].off));
+    }
+  }
+  mr_prom_family(p, "moerpc_client_server_rtt_mean_seconds", MR_PROM_GAUGE,
+                 "Mean round trip of OK replies since open (submit to reply).");
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    const char *l[] = {"server", si[i].name, NULL};
+    mr_prom_double(p, "moerpc_client_server_rtt_mean_seconds", l, sc[i].mean_rtt_us / 1e6);
+  }
+out_free:
+  mr_free(sc);
+  mr_free(si);
 }

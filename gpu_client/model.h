@@ -119,6 +119,12 @@ typedef struct gc_model_stats {
 /* Copies the totals (layer points into the model; valid until close) and, with reset,
  * zeroes them. */
 void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset);
+/* Writes the client's metrics in Prometheus text (docs/DESIGN.md 3.7): steps, tokens,
+ * generated tokens, local expert slots, step-time and layer-RPC histograms, and per server
+ * (label server) requests, replies, errors, timeouts, bytes and mean RTT. Any thread while
+ * m is open (what the stepping thread writes is read through atomics, the per-server
+ * counters under their stream's lock); for the --metrics-listen responder. Never reset. */
+void gc_model_metrics_render(gc_model *m, mr_prom *p);
 
 /* ---- generation -------------------------------------------------------------------------- */
 

@@ -15,6 +15,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -96,20 +97,9 @@ void itu_client_security(const char *ca_pem, const char *cert_pem, const char *k
 static int server_start_on(itu_server *s, int port, const char *model, const char *extra,
                            const char *logdir, int timeout_ms);
 
-int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
-                     int timeout_ms) {
-  return server_start_on(s, itu_free_port(), model, extra, logdir, timeout_ms);
-}
-
-int itu_server_restart(itu_server *s, const char *model, const char *extra, const char *logdir,
-                       int timeout_ms) {
-  int port = s->port;
-  if (s->pid > 0) itu_server_stop(s, SIGKILL, 5000, NULL);
-  return server_start_on(s, port, model, extra, logdir, timeout_ms);
-}
-
-static int server_start_on(itu_server *s, int port, const char *model, const char *extra,
-                           const char *logdir, int timeout_ms) {
+/* Forks moerpc-server on port without waiting for it. */
+static int server_spawn_on(itu_server *s, int port, const char *model, const char *extra,
+                           const char *logdir) {
   static int seq;
   memset(s, 0, sizeof *s);
   s->port = port;
@@ -137,6 +127,14 @@ static int server_start_on(itu_server *s, int port, const char *model, const cha
     _exit(127);
   }
   s->pid = pid;
+  return 0;
+}
+
+/* Spawns on port and waits until health answers SERVING. */
+static int server_start_on(itu_server *s, int port, const char *model, const char *extra,
+                           const char *logdir, int timeout_ms) {
+  if (server_spawn_on(s, port, model, extra, logdir) != 0) return -1;
+  pid_t pid = s->pid;
   uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
   while (mr_now_ns() / 1000000u < t_end) {
     int st;
@@ -155,6 +153,22 @@ static int server_start_on(itu_server *s, int port, const char *model, const cha
           s->log);
   itu_server_stop(s, SIGKILL, 2000, NULL);
   return -1;
+}
+
+int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
+                     int timeout_ms) {
+  return server_start_on(s, itu_free_port(), model, extra, logdir, timeout_ms);
+}
+
+int itu_server_restart(itu_server *s, const char *model, const char *extra, const char *logdir,
+                       int timeout_ms) {
+  int port = s->port;
+  if (s->pid > 0) itu_server_stop(s, SIGKILL, 5000, NULL);
+  return server_start_on(s, port, model, extra, logdir, timeout_ms);
+}
+
+int itu_server_spawn(itu_server *s, const char *model, const char *extra, const char *logdir) {
+  return server_spawn_on(s, itu_free_port(), model, extra, logdir);
 }
 
 int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status) {
@@ -303,10 +317,14 @@ void itu_call_close(itu_call *c) {
 }
 
 int itu_health(const char *address, int timeout_ms) {
+  return itu_health_service(address, "", timeout_ms);
+}
+
+int itu_health_service(const char *address, const char *service, int timeout_ms) {
   itu_call c;
   int result = -1;
   if (itu_call_open(&c, address, PR_METHOD_HEALTH_CHECK, timeout_ms) != 0) goto out;
-  if (itu_call_send(&c, pr_health_request_encode(""), timeout_ms) != 0) goto out;
+  if (itu_call_send(&c, pr_health_request_encode(service), timeout_ms) != 0) goto out;
   grpc_byte_buffer *bb = NULL;
   if (itu_call_recv(&c, &bb, timeout_ms) != 0 || !bb) goto out;
   int st = -1;
@@ -400,4 +418,31 @@ out:
   kn_engine_free(eng);
   mr_st_close(st);
   return rc;
+}
+
+size_t itu_http(int port, const char *req, size_t len, char *buf, size_t cap) {
+  buf[0] = '\0';
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  struct timeval tv = {.tv_sec = 10};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  size_t n = 0;
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
+      (len == 0 || send(fd, req, len, MSG_NOSIGNAL) == (ssize_t)len)) {
+    ssize_t r;
+    while (n + 1 < cap && (r = recv(fd, buf + n, cap - 1 - n, 0)) > 0) n += (size_t)r;
+  }
+  buf[n] = '\0';
+  close(fd);
+  return n;
+}
+
+double itu_metric(const char *text, const char *sample) {
+  size_t n = strlen(sample);
+  for (const char *p = text; p && *p; p = strchr(p, '\n'), p = p ? p + 1 : NULL) {
+    if (strncmp(p, sample, n) == 0 && p[n] == ' ') return strtod(p + n + 1, NULL);
+  }
+  return -1;
 }

@@ -58,8 +58,20 @@ void itu_client_security(const char *ca_pem, const char *cert_pem, const char *k
  * Kills with SIGKILL after the timeout and returns -1. */
 int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status);
 
+/* Like itu_server_start, without waiting: returns once the process is forked (0, or -1). */
+int itu_server_spawn(itu_server *s, const char *model, const char *extra, const char *logdir);
+
 /* Health check of address; returns the serving status or -1 on RPC failure. */
 int itu_health(const char *address, int timeout_ms);
+/* The same for one service name ("" = the whole server). */
+int itu_health_service(const char *address, const char *service, int timeout_ms);
+
+/* Sends len bytes of req to 127.0.0.1:port (len 0: nothing) and reads the answer until the
+ * peer closes (10 s at most) into buf (NUL-terminated). Returns the bytes read. */
+size_t itu_http(int port, const char *req, size_t len, char *buf, size_t cap);
+/* The value of the sample whose text before the value is exactly sample
+ * ("moerpc_errors_total{status=\"INTERNAL\"}") in Prometheus text, -1 if absent. */
+double itu_metric(const char *text, const char *sample);
 
 /* A raw client call (unary or stream) on its own channel and completion queue. */
 typedef struct itu_call {

@@ -1,0 +1,375 @@
+/*
+ * http.c - the /metrics responder (mr.h): a request-head parser (pure, fuzzed by
+ * tests/fuzz/fuzz_http_request.c) and a one-connection-at-a-time responder thread.
+ *
+ * Why a thread of its own and not the server's libuv loop (docs/DESIGN.md 3.8): the client
+ * has no event loop and needs the same endpoint, so one implementation (one parser to fuzz)
+ * serves both; and a scrape, however slow its peer, never delays the server's drain steps
+ * and housekeeping on the admin loop. One connection at a time is enough for a scraper
+ * every few seconds; a client that holds a connection without sending is cut at
+ * MR_HTTP_TIMEOUT_MS, so it delays other scrapes by at most that.
+ *
+ * Accepted head (RFC 9112, the subset a scraper sends):
+ *   request-line = method SP target SP "HTTP/1." DIGIT CRLF     (LF alone is accepted)
+ *   method       = 1..15 of A-Z
+ *   target       = "/" then visible ASCII (0x21..0x7e), at most 1023 bytes before any '?'
+ *   header       = token ":" *(SP / HTAB / VCHAR / obs-text) CRLF, at most 64 of them
+ *   end          = an empty line
+ * Anything else (a NUL, a control character, a missing colon, a space before the colon) is
+ * 400; HTTP/2 or HTTP/0.9-style heads are 505 / 400. The body, if any, is never read.
+ */
+#define _GNU_SOURCE /* accept4, pipe2 */
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "mr.h"
+
+static bool mr__tchar(unsigned char c) {
+  if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9')) return true;
+  return c && strchr("!#$%&'*+-.^_`|~", c) != NULL;
+}
+
+/* One line of [p, end): its length without the line end in *n, the bytes with it in *adv.
+ * False when no LF is in the range yet. */
+static bool mr__line(const char *p, const char *end, size_t *n, size_t *adv) {
+  const char *lf = memchr(p, '\n', (size_t)(end - p));
+  if (!lf) return false;
+  *adv = (size_t)(lf - p) + 1;
+  *n = (size_t)(lf - p);
+  if (*n && p[*n - 1] == '\r') (*n)--;
+  return true;
+}
+
+static int mr__http_fail(mr_http_req *out, int status, mr_err *e, const char *why) {
+  out->status = status;
+  out->complete = false;
+  return mr_err_set(e, status == 431 ? MR_EEXHAUSTED : MR_EFORMAT, "HTTP %d: %s", status, why);
+}
+
+/* The request line: method SP target SP version. */
+static int mr__http_request_line(const char *l, size_t n, mr_http_req *out, mr_err *e) {
+  size_t i = 0;
+  while (i < n && l[i] >= 'A' && l[i] <= 'Z') i++;
+  if (i == 0 || i >= sizeof out->method || i >= n || l[i] != ' ')
+    return mr__http_fail(out, 400, e, "request line: method must be 1..15 capital letters, then a space");
+  memcpy(out->method, l, i);
+  out->method[i] = '\0';
+  size_t t0 = ++i;
+  if (i >= n || l[i] != '/') return mr__http_fail(out, 400, e, "request target must start with '/'");
+  size_t q = 0; /* where the path ends ('?' or the space) */
+  while (i < n && l[i] != ' ') {
+    unsigned char c = (unsigned char)l[i];
+    if (c < 0x21 || c > 0x7e) return mr__http_fail(out, 400, e, "request target: byte outside 0x21..0x7e");
+    if (c == '?' && !q) q = i;
+    i++;
+  }
+  if (!q) q = i;
+  if (q - t0 >= sizeof out->path) return mr__http_fail(out, 431, e, "request target over 1023 bytes");
+  memcpy(out->path, l + t0, q - t0);
+  out->path[q - t0] = '\0';
+  if (i >= n) return mr__http_fail(out, 400, e, "request line: no HTTP version");
+  i++;
+  const char *v = l + i;
+  size_t vn = n - i;
+  if (vn < 6 || memcmp(v, "HTTP/", 5) != 0)
+    return mr__http_fail(out, 400, e, "request line: version must be HTTP/1.0 or HTTP/1.1");
+  if (vn != 8 || v[5] != '1' || v[6] != '.' || v[7] < '0' || v[7] > '9')
+    return mr__http_fail(out, 505, e, "only HTTP/1.x is served");
+  return 0;
+}
+
+static int mr__http_header(const char *l, size_t n, mr_http_req *out, mr_err *e) {
+  size_t i = 0;
+  while (i < n && mr__tchar((unsigned char)l[i])) i++;
+  if (i == 0 || i >= n || l[i] != ':')
+    return mr__http_fail(out, 400, e, "header line: must be a token, ':' and a value");
+  for (i++; i < n; i++) {
+    unsigned char c = (unsigned char)l[i];
+    if ((c < 0x20 && c != '\t') || c == 0x7f) return mr__http_fail(out, 400, e, "header value: control byte");
+  }
+  return 0;
+}
+
+int mr_http_parse_request(const char *buf, size_t len, size_t max, mr_http_req *out, mr_err *e) {
+  memset(out, 0, sizeof *out);
+  const char *p = buf, *end = buf + (len < max ? len : max);
+  size_t n, adv;
+  uint32_t lines = 0;
+  /* A request line not yet ended is still checked for what it has: garbage is refused on
+   * its first bytes, not after the timeout. */
+  if (!mr__line(p, end, &n, &adv)) {
+    size_t i = 0;
+    while (i < (size_t)(end - p) && p[i] >= 'A' && p[i] <= 'Z') i++;
+    if (i < (size_t)(end - p) && (p[i] != ' ' || i == 0))
+      return mr__http_fail(out, 400, e, "request line: method must be 1..15 capital letters, then a space");
+    if (i >= sizeof out->method) return mr__http_fail(out, 400, e, "request line: method over 15 letters");
+    if (len >= max) return mr__http_fail(out, 431, e, "request head over the size limit");
+    return 0;
+  }
+  int rc = mr__http_request_line(p, n, out, e);
+  if (rc) return rc;
+  p += adv;
+  for (;;) {
+    if (!mr__line(p, end, &n, &adv)) {
+      if (len >= max) return mr__http_fail(out, 431, e, "request head over the size limit");
+      return 0;
+    }
+    if (n == 0) {
+      p += adv;
+      break;
+    }
+    if (++lines > MR_HTTP_MAX_HEADERS) return mr__http_fail(out, 431, e, "more than 64 header lines");
+    if ((rc = mr__http_header(p, n, out, e))) return rc;
+    p += adv;
+  }
+  out->complete = true;
+  out->head_len = (size_t)(p - buf);
+  return 0;
+}
+
+/* ---- the responder ---------------------------------------------------------------------- */
+
+struct mr_http_server {
+  int fd;          /* listening socket */
+  int stop_fd[2];  /* a byte on [1] stops the thread */
+  int port;
+  char *path;
+  mr_http_render_fn render;
+  void *ud;
+  pthread_t thread;
+  bool started;
+  mr_prom text;    /* responder thread only */
+};
+
+static const char *mr__http_reason(int status) {
+  switch (status) {
+  case 200: return "OK";
+  case 400: return "Bad Request";
+  case 404: return "Not Found";
+  case 405: return "Method Not Allowed";
+  case 431: return "Request Header Fields Too Large";
+  case 500: return "Internal Server Error";
+  case 505: return "HTTP Version Not Supported";
+  default: return "Error";
+  }
+}
+
+/* Waits until fd is ready for events or the deadline; false on timeout, stop or error. */
+static bool mr__http_wait(mr_http_server *h, int fd, short events, uint64_t deadline_ms) {
+  for (;;) {
+    uint64_t now = mr_now_ns() / 1000000u;
+    if (now >= deadline_ms) return false;
+    struct pollfd pf[2] = {{.fd = fd, .events = events}, {.fd = h->stop_fd[0], .events = POLLIN}};
+    int r = poll(pf, 2, (int)(deadline_ms - now));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0 || pf[1].revents) return false;
+    return true;
+  }
+}
+
+static void mr__http_send_all(mr_http_server *h, int fd, const char *b, size_t n, uint64_t deadline_ms) {
+  while (n) {
+    ssize_t w = send(fd, b, n, MSG_NOSIGNAL);
+    if (w > 0) {
+      b += w;
+      n -= (size_t)w;
+      continue;
+    }
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK) && mr__http_wait(h, fd, POLLOUT, deadline_ms))
+      continue;
+    return; /* peer gone or too slow */
+  }
+}
+
+/* Answers status with body (NULL: a one-line text reason); HEAD gets the head only. */
+static void mr__http_answer(mr_http_server *h, int fd, int status, const char *body, size_t blen,
+                            bool head_only, uint64_t deadline_ms) {
+  char err[128];
+  if (!body) {
+    blen = (size_t)snprintf(err, sizeof err, "%d %s\n", status, mr__http_reason(status));
+    body = err;
+  }
+  char hd[320];
+  int n = snprintf(hd, sizeof hd,
+                   "HTTP/1.1 %d %s\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                   "Content-Length: %zu\r\n%sConnection: close\r\n\r\n",
+                   status, mr__http_reason(status), blen, status == 405 ? "Allow: GET, HEAD\r\n" : "");
+  mr__http_send_all(h, fd, hd, (size_t)n, deadline_ms);
+  if (!head_only) mr__http_send_all(h, fd, body, blen, deadline_ms);
+}
+
+static void mr__http_conn(mr_http_server *h, int fd) {
+  char buf[MR_HTTP_MAX_HEAD + 1];
+  size_t len = 0;
+  uint64_t deadline = mr_now_ns() / 1000000u + MR_HTTP_TIMEOUT_MS;
+  mr_http_req req;
+  mr_err e;
+  for (;;) {
+    int rc = mr_http_parse_request(buf, len, MR_HTTP_MAX_HEAD, &req, &e);
+    if (rc) {
+      mr_log_ratelimited(MR_LOG_WARN, 5, "metrics: %s", e.msg);
+      mr__http_answer(h, fd, req.status, NULL, 0, false, deadline);
+      return;
+    }
+    if (req.complete) break;
+    if (!mr__http_wait(h, fd, POLLIN, deadline)) return; /* too slow, or stopping */
+    ssize_t r = recv(fd, buf + len, MR_HTTP_MAX_HEAD + 1 - len, 0);
+    if (r < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+    if (r <= 0) return; /* closed before a whole head */
+    len += (size_t)r;
+  }
+  bool head = strcmp(req.method, "HEAD") == 0;
+  if (!head && strcmp(req.method, "GET") != 0) {
+    mr__http_answer(h, fd, 405, NULL, 0, false, deadline);
+  } else if (strcmp(req.path, h->path) != 0) {
+    mr__http_answer(h, fd, 404, NULL, 0, head, deadline);
+  } else {
+    mr_prom_reset(&h->text);
+    h->render(h->ud, &h->text);
+    if (h->text.oom)
+      mr__http_answer(h, fd, 500, NULL, 0, head, deadline);
+    else
+      mr__http_answer(h, fd, 200, h->text.buf ? h->text.buf : "", h->text.len, head, deadline);
+  }
+}
+
+static void *mr__http_main(void *arg) {
+  mr_http_server *h = arg;
+  pthread_setname_np(pthread_self(), "mr-metrics");
+  for (;;) {
+    struct pollfd pf[2] = {{.fd = h->fd, .events = POLLIN}, {.fd = h->stop_fd[0], .events = POLLIN}};
+    int r = poll(pf, 2, -1);
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0 || pf[1].revents) break;
+    int c = accept4(h->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (c < 0) {
+      if (errno == EMFILE || errno == ENFILE) usleep(100 * 1000); /* do not spin */
+      continue;
+    }
+    mr__http_conn(h, c);
+    close(c);
+  }
+  return NULL;
+}
+
+/* Splits HOST:PORT / [V6]:PORT into host and port text. */
+static int mr__http_split(const char *listen, const char *flag, char *host, size_t hlen,
+                          const char **port, mr_err *e) {
+  const char *colon, *h0 = listen, *h1;
+  if (listen[0] == '[') {
+    const char *close = strchr(listen, ']');
+    if (!close || close == listen + 1 || close[1] != ':') goto bad;
+    h0 = listen + 1;
+    h1 = close;
+    colon = close + 1;
+  } else {
+    colon = strrchr(listen, ':');
+    if (!colon || colon == listen) goto bad;
+    h1 = colon;
+  }
+  if ((size_t)(h1 - h0) >= hlen) goto bad;
+  memcpy(host, h0, (size_t)(h1 - h0));
+  host[h1 - h0] = '\0';
+  *port = colon + 1;
+  char *end = NULL;
+  unsigned long v = strtoul(*port, &end, 10);
+  if (!**port || *end || v > 65535 || (*port)[0] == '-' || (*port)[0] == '+') goto bad;
+  return 0;
+bad:
+  return mr_err_set(e, MR_EINVAL, "%s \"%s\": must be HOST:PORT or [IPV6]:PORT, port 0..65535",
+                    flag, listen);
+}
+
+int mr_http_server_new(mr_http_server **out, const char *addr, const char *flag,
+                       const char *path, mr_http_render_fn render, void *ud, mr_err *e) {
+  *out = NULL;
+  char host[256];
+  const char *port = NULL;
+  int rc = mr__http_split(addr, flag, host, sizeof host, &port, e);
+  if (rc) return rc;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV}, *ai = NULL;
+  int gai = getaddrinfo(host, port, &hints, &ai);
+  if (gai) return mr_err_set(e, MR_EINVAL, "%s %s: %s", flag, addr, gai_strerror(gai));
+  mr_http_server *h = mr_calloc(1, sizeof *h);
+  if (!h) {
+    freeaddrinfo(ai);
+    return mr_err_set(e, MR_ENOMEM, "out of memory for the %s responder", flag);
+  }
+  h->fd = h->stop_fd[0] = h->stop_fd[1] = -1;
+  mr_prom_init(&h->text);
+  h->render = render;
+  h->ud = ud;
+  h->path = mr_strdup(path);
+  int err = 0;
+  for (struct addrinfo *a = ai; a && h->fd < 0; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 16) == 0) {
+      h->fd = fd;
+    } else {
+      err = errno;
+      close(fd);
+    }
+  }
+  freeaddrinfo(ai);
+  if (!h->path) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for the %s responder", flag);
+    goto out_free;
+  }
+  if (h->fd < 0) {
+    rc = mr_err_set(e, MR_EUNAVAIL, "%s %s: cannot listen there: %s", flag, addr, strerror(err));
+    goto out_free;
+  }
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(h->fd, (struct sockaddr *)&ss, &sl);
+  h->port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                     : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  if (pipe2(h->stop_fd, O_CLOEXEC | O_NONBLOCK) != 0) {
+    rc = mr_err_set(e, MR_EINTERNAL, "%s: pipe: %s", flag, strerror(errno));
+    goto out_free;
+  }
+  if ((err = pthread_create(&h->thread, NULL, mr__http_main, h)) != 0) {
+    rc = mr_err_set(e, MR_EINTERNAL, "%s: cannot start the responder thread: error %d", flag, err);
+    goto out_free;
+  }
+  h->started = true;
+  *out = h;
+  return 0;
+out_free:
+  mr_http_server_free(h);
+  return rc;
+}
+
+int mr_http_server_port(const mr_http_server *h) { return h->port; }
+
+void mr_http_server_free(mr_http_server *h) {
+  if (!h) return;
+  if (h->started) {
+    char b = 1;
+    if (write(h->stop_fd[1], &b, 1) < 0) {}
+    pthread_join(h->thread, NULL);
+  }
+  if (h->fd >= 0) close(h->fd);
+  if (h->stop_fd[0] >= 0) close(h->stop_fd[0]);
+  if (h->stop_fd[1] >= 0) close(h->stop_fd[1]);
+  mr_prom_close(&h->text);
+  mr_free(h->path);
+  mr_free(h);
+}

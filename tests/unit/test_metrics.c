@@ -1,0 +1,203 @@
+/*
+ * test_metrics.c - common/metrics.c and common/http.c: the Prometheus text writer (name
+ * and label escaping, number forms, histogram layout), the histogram's buckets, the
+ * request-head parser on good and bad heads, and the responder over a real socket (200,
+ * HEAD, 404, 405, 400, 431, a client that sends nothing is cut at the timeout and the next
+ * one is served).
+ */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "common/mr.h"
+#include "tests/unit/mt.h"
+
+MT_TEST(escaping) {
+  mr_prom p;
+  mr_prom_init(&p);
+  mr_prom_family(&p, "moerpc_x_total", MR_PROM_COUNTER, "a \\ back\nslash");
+  const char *l[] = {"path", "a\"b\\c\nd", "9bad-name", "v", NULL};
+  mr_prom_u64(&p, "moerpc_x_total", l, 7);
+  mr_prom_u64(&p, "1bad name", NULL, 1);
+  MT_FALSE(p.oom);
+  MT_EQ_STR(p.buf, "# HELP moerpc_x_total a \\\\ back\\nslash\n"
+                   "# TYPE moerpc_x_total counter\n"
+                   "moerpc_x_total{path=\"a\\\"b\\\\c\\nd\",_9bad_name=\"v\"} 7\n"
+                   "_1bad_name 1\n");
+  MT_EQ_U64(p.len, strlen(p.buf));
+  mr_prom_close(&p);
+}
+
+MT_TEST(numbers) {
+  mr_prom p;
+  mr_prom_init(&p);
+  mr_prom_double(&p, "a", NULL, 0.005);
+  mr_prom_double(&p, "b", NULL, 1.0 / 0.0);
+  mr_prom_double(&p, "c", NULL, -1.0 / 0.0);
+  mr_prom_double(&p, "d", NULL, 0.0 / 0.0);
+  mr_prom_double(&p, "e", NULL, 1754000000.25);
+  mr_prom_double(&p, "f", NULL, 0);
+  MT_EQ_STR(p.buf, "a 0.005\nb +Inf\nc -Inf\nd NaN\ne 1754000000.25\nf 0\n");
+  mr_prom_reset(&p);
+  MT_EQ_U64(p.len, 0);
+  for (int i = 0; i < 2000; i++) mr_prom_printf(&p, "%s", "0123456789"); /* growth */
+  MT_EQ_U64(p.len, 20000);
+  mr_prom_close(&p);
+}
+
+MT_TEST(histogram) {
+  mr_hist h;
+  const uint64_t b[] = {10, 100, 1000};
+  mr_hist_init(&h, b, 3, 1e-3);
+  mr_hist_observe(&h, 0);
+  mr_hist_observe(&h, 10);   /* le is inclusive */
+  mr_hist_observe(&h, 11);
+  mr_hist_observe(&h, 5000); /* +Inf only */
+  mr_prom p;
+  mr_prom_init(&p);
+  mr_prom_family(&p, "t_seconds", MR_PROM_HISTOGRAM, "h");
+  const char *l[] = {"layer", "3", NULL};
+  mr_prom_hist(&p, "t_seconds", l, &h);
+  MT_EQ_STR(p.buf, "# HELP t_seconds h\n# TYPE t_seconds histogram\n"
+                   "t_seconds_bucket{layer=\"3\",le=\"0.01\"} 2\n"
+                   "t_seconds_bucket{layer=\"3\",le=\"0.1\"} 3\n"
+                   "t_seconds_bucket{layer=\"3\",le=\"1\"} 3\n"
+                   "t_seconds_bucket{layer=\"3\",le=\"+Inf\"} 4\n"
+                   "t_seconds_sum{layer=\"3\"} 5.021\n"
+                   "t_seconds_count{layer=\"3\"} 4\n");
+  mr_prom_reset(&p);
+  mr_hist_init_latency(&h);
+  mr_prom_hist(&p, "x", NULL, &h);
+  MT_CONTAINS(p.buf, "x_bucket{le=\"5e-05\"} 0\n");
+  MT_CONTAINS(p.buf, "x_bucket{le=\"1\"} 0\n");
+  MT_CONTAINS(p.buf, "x_count 0\n");
+  mr_prom_close(&p);
+}
+
+static int parse(const char *s, mr_http_req *r) {
+  return mr_http_parse_request(s, strlen(s), MR_HTTP_MAX_HEAD, r, NULL);
+}
+
+MT_TEST(parser) {
+  mr_http_req r;
+  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n", &r), 0);
+  MT_TRUE(r.complete);
+  MT_EQ_STR(r.method, "GET");
+  MT_EQ_STR(r.path, "/metrics");
+  MT_EQ_INT(parse("HEAD /metrics?x=1 HTTP/1.0\n\n", &r), 0);
+  MT_TRUE(r.complete);
+  MT_EQ_STR(r.path, "/metrics");
+  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nHost: x\r\n", &r), 0); /* more to come */
+  MT_FALSE(r.complete);
+  MT_EQ_INT(parse("GE", &r), 0);
+  MT_FALSE(r.complete);
+  MT_EQ_INT(parse("", &r), 0);
+  MT_FALSE(r.complete);
+  /* Garbage is refused on its first bytes. */
+  MT_EQ_INT(parse("\x16\x03\x01", &r), MR_EFORMAT); /* a TLS ClientHello */
+  MT_EQ_INT(r.status, 400);
+  MT_EQ_INT(parse("get /metrics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET metrics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET /metrics\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET /met rics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nNoColon\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nBad Name: v\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nX: a\x01z\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(r.status, 400);
+  MT_EQ_INT(parse("GET /metrics HTTP/2.0\r\n\r\n", &r), MR_EFORMAT);
+  MT_EQ_INT(r.status, 505);
+  char big[MR_HTTP_MAX_HEAD + 64];
+  int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
+  while ((size_t)n < MR_HTTP_MAX_HEAD + 10) n += snprintf(big + n, sizeof big - (size_t)n, "X: y\r\n");
+  mr_err e;
+  MT_EQ_INT(mr_http_parse_request(big, (size_t)n, MR_HTTP_MAX_HEAD, &r, &e), MR_EEXHAUSTED);
+  MT_EQ_INT(r.status, 431);
+  MT_CONTAINS(e.msg, "431");
+  memset(big, 'a', sizeof big);
+  memcpy(big, "GET /", 5);
+  MT_EQ_INT(mr_http_parse_request(big, MR_HTTP_MAX_HEAD + 10, MR_HTTP_MAX_HEAD, &r, NULL), MR_EEXHAUSTED);
+  MT_EQ_INT(r.status, 431);
+}
+
+static void render(void *ud, mr_prom *out) {
+  mr_prom_family(out, "t_up", MR_PROM_GAUGE, "up");
+  mr_prom_u64(out, "t_up", NULL, (uint64_t)(uintptr_t)ud);
+}
+
+/* Sends req (len bytes) to port, reads the answer until close into buf. */
+static size_t roundtrip(int port, const char *req, size_t len, char *buf, size_t cap) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  MT_EQ_INT(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+  if (len) MT_EQ_INT((int)send(fd, req, len, MSG_NOSIGNAL), (int)len);
+  size_t n = 0;
+  ssize_t r;
+  while (n + 1 < cap && (r = recv(fd, buf + n, cap - 1 - n, 0)) > 0) n += (size_t)r;
+  buf[n] = '\0';
+  close(fd);
+  return n;
+}
+
+MT_TEST(responder) {
+  mr_http_server *h;
+  mr_err e;
+  MT_OK(mr_http_server_new(&h, "127.0.0.1:0", "--metrics-listen", "/metrics", render, (void *)42, &e), &e);
+  int port = mr_http_server_port(h);
+  MT_TRUE(port > 0);
+  static char buf[65536];
+  const char *get = "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n";
+  roundtrip(port, get, strlen(get), buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 200 OK\r\n");
+  MT_CONTAINS(buf, "Content-Type: text/plain; version=0.0.4");
+  MT_CONTAINS(buf, "\r\n\r\n# HELP t_up up\n# TYPE t_up gauge\nt_up 42\n");
+  const char *head = "HEAD /metrics HTTP/1.0\r\n\r\n";
+  roundtrip(port, head, strlen(head), buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 200 OK");
+  MT_TRUE(strstr(buf, "t_up 42") == NULL);
+  const char *other = "GET /other HTTP/1.1\r\n\r\n";
+  roundtrip(port, other, strlen(other), buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 404 ");
+  const char *post = "POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc";
+  roundtrip(port, post, strlen(post), buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 405 ");
+  MT_CONTAINS(buf, "Allow: GET, HEAD");
+  roundtrip(port, "\x00\x01\x02garbage\r\n\r\n", 14, buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 400 ");
+  static char big[3 * MR_HTTP_MAX_HEAD];
+  int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
+  while ((size_t)n < 2 * MR_HTTP_MAX_HEAD) n += snprintf(big + n, sizeof big - (size_t)n, "X-Pad: yyyyyyyy\r\n");
+  roundtrip(port, big, (size_t)n, buf, sizeof buf);
+  MT_CONTAINS(buf, "HTTP/1.1 431 ");
+  /* A client that sends nothing is cut at the timeout; the next one is served. */
+  uint64_t t0 = mr_now_ns();
+  size_t got = roundtrip(port, NULL, 0, buf, sizeof buf);
+  uint64_t ms = (mr_now_ns() - t0) / 1000000u;
+  MT_EQ_U64(got, 0);
+  MT_TRUE(ms >= MR_HTTP_TIMEOUT_MS - 100 && ms < MR_HTTP_TIMEOUT_MS + 2000);
+  roundtrip(port, get, strlen(get), buf, sizeof buf);
+  MT_CONTAINS(buf, "t_up 42");
+  mr_http_server_free(h);
+  mr_http_server_free(NULL);
+}
+
+MT_TEST(responder_bad_address) {
+  mr_http_server *h;
+  mr_err e;
+  MT_EQ_INT(mr_http_server_new(&h, "nocolon", "--metrics-listen", "/metrics", render, NULL, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "--metrics-listen");
+  MT_EQ_INT(mr_http_server_new(&h, "127.0.0.1:99999", "--metrics-listen", "/metrics", render, NULL, &e),
+            MR_EINVAL);
+  MT_OK(mr_http_server_new(&h, "127.0.0.1:0", "--metrics-listen", "/metrics", render, NULL, &e), &e);
+  char addr[64];
+  snprintf(addr, sizeof addr, "127.0.0.1:%d", mr_http_server_port(h));
+  mr_http_server *h2;
+  MT_EQ_INT(mr_http_server_new(&h2, addr, "--metrics-listen", "/metrics", render, NULL, &e), MR_EUNAVAIL);
+  MT_CONTAINS(e.msg, addr);
+  mr_http_server_free(h);
+}
+
+MT_MAIN()
