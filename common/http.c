@@ -20,6 +20,7 @@
  */
 #define _GNU_SOURCE /* accept4, pipe2 */
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -145,6 +146,7 @@ struct mr_http_server {
   char *path;
   mr_http_render_fn render;
   void *ud;
+  _Atomic(mr_http_probe_fn) probe; /* /healthz and /readyz, or NULL (404) */
   pthread_t thread;
   bool started;
   mr_prom text;    /* responder thread only */
@@ -158,6 +160,7 @@ static const char *mr__http_reason(int status) {
   case 405: return "Method Not Allowed";
   case 431: return "Request Header Fields Too Large";
   case 500: return "Internal Server Error";
+  case 503: return "Service Unavailable";
   case 505: return "HTTP Version Not Supported";
   default: return "Error";
   }
@@ -232,7 +235,16 @@ static void mr__http_conn(mr_http_server *h, int fd) {
   if (!head && strcmp(req.method, "GET") != 0) {
     mr__http_answer(h, fd, 405, NULL, 0, false, deadline);
   } else if (strcmp(req.path, h->path) != 0) {
-    mr__http_answer(h, fd, 404, NULL, 0, head, deadline);
+    mr_http_probe_fn probe = atomic_load(&h->probe);
+    bool ready = strcmp(req.path, "/readyz") == 0;
+    if (probe && (ready || strcmp(req.path, "/healthz") == 0)) {
+      /* Probes: 200 "ok" or 503 "not ready", for load balancers and kubelet. */
+      bool ok = probe(h->ud, ready);
+      const char *body = ok ? "ok\n" : ready ? "not ready\n" : "not alive\n";
+      mr__http_answer(h, fd, ok ? 200 : 503, body, strlen(body), head, deadline);
+    } else {
+      mr__http_answer(h, fd, 404, NULL, 0, head, deadline);
+    }
   } else {
     mr_prom_reset(&h->text);
     h->render(h->ud, &h->text);
@@ -358,6 +370,10 @@ out_free:
 }
 
 int mr_http_server_port(const mr_http_server *h) { return h->port; }
+
+void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe) {
+  atomic_store(&h->probe, probe);
+}
 
 void mr_http_server_free(mr_http_server *h) {
   if (!h) return;

@@ -592,6 +592,13 @@ int mr_http_server_new(mr_http_server **out, const char *listen, const char *fla
                        const char *path, mr_http_render_fn render, void *ud, mr_err *e);
 /* The bound port. */
 int mr_http_server_port(const mr_http_server *h);
+/* Liveness (ready false) or readiness (ready true) of the process, for the probe paths.
+ * Runs on the responder thread; reads atomics only. */
+typedef bool (*mr_http_probe_fn)(void *ud, bool ready);
+/* Also answers GET /healthz (probe(ud, false)) and /readyz (probe(ud, true)) with 200 "ok"
+ * or 503, for kubelet and load balancers that cannot speak gRPC health over TLS. Any
+ * thread, any time (the pointer is read atomically per request). */
+void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
 /* Stops the thread (an answer in progress is cut) and closes the socket. NULL is a no-op. */
 void mr_http_server_free(mr_http_server *h);
 

@@ -147,11 +147,19 @@ static void es__metrics_render(void *ud, mr_prom *p) {
             s->start_time_s);
 }
 
+/* /healthz: the process answers (as gRPC's moerpc.v1.Liveness); /readyz: every owned
+ * expert loaded and no drain (as "" and moerpc.v1.ExpertService). */
+static bool es__metrics_probe(void *ud, bool ready) {
+  es_server *s = ud;
+  return !ready || atomic_load(&s->serving);
+}
+
 int es__metrics_start(es_server *s, mr_err *e) {
   if (!s->opts.metrics_listen) return 0;
   int rc = mr_http_server_new(&s->metrics_http, s->opts.metrics_listen, "--metrics-listen", "/metrics",
                               es__metrics_render, s, e);
   if (rc) return rc;
+  mr_http_server_probes(s->metrics_http, es__metrics_probe);
   const char *l = s->opts.metrics_listen;
   mr_log(MR_LOG_INFO, "metrics: http://%.*s:%d/metrics", (int)(strrchr(l, ':') - l), l,
          mr_http_server_port(s->metrics_http));

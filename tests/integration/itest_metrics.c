@@ -143,6 +143,16 @@ static int wait_health(const char *svc, int want, int ms) {
   return st;
 }
 
+/* The HTTP status of GET path on the metrics port. */
+static int probe(const char *path) {
+  char req[200], ans[2048];
+  snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\n\r\n", path);
+  itu_http(mport, req, strlen(req), ans, sizeof ans);
+  int code = 0;
+  if (sscanf(ans, "HTTP/1.1 %d", &code) != 1) return -1;
+  return code;
+}
+
 MT_TEST(liveness_and_readiness_while_loading_serving_and_draining) {
   /* 4 experts, 0.4 s each: loading lasts at least 1.6 s. */
   setenv("MOERPC_TEST_LOAD_DELAY_MS", "400", 1);
@@ -167,6 +177,8 @@ MT_TEST(liveness_and_readiness_while_loading_serving_and_draining) {
   MT_EQ_INT((int)metric(b, "moerpc_ready"), 0);
   MT_EQ_INT((int)metric(b, "moerpc_load_owned_tensors"), 12);
   MT_LE(metric(b, "moerpc_load_loaded_tensors"), 11);
+  MT_EQ_INT(probe("/healthz"), 200); /* the same answers over HTTP, for kubelet */
+  MT_EQ_INT(probe("/readyz"), 503);
 
   MT_EQ_INT(wait_health("", PR_HEALTH_SERVING, 30000), PR_HEALTH_SERVING);
   MT_EQ_INT(itu_health_service(srv.address, READINESS, 5000), PR_HEALTH_SERVING);
@@ -177,6 +189,9 @@ MT_TEST(liveness_and_readiness_while_loading_serving_and_draining) {
   MT_EQ_INT((int)metric(b, "moerpc_load_loaded_tensors"), 12);
   MT_EQ_INT((int)metric(b, "moerpc_loaded_experts"), 4);
   MT_TRUE(metric(b, "moerpc_weight_bytes") > 0);
+  MT_EQ_INT(probe("/healthz"), 200);
+  MT_EQ_INT(probe("/readyz"), 200);
+  MT_EQ_INT(probe("/readyzz"), 404);
 
   /* Work queued, then SIGTERM: the drain answers it, readiness is off, liveness on. */
   itu_call c;
@@ -192,6 +207,8 @@ MT_TEST(liveness_and_readiness_while_loading_serving_and_draining) {
   b = scrape();
   MT_EQ_INT((int)metric(b, "moerpc_server_state{state=\"draining\"}"), 1);
   MT_EQ_INT((int)metric(b, "moerpc_ready"), 0);
+  MT_EQ_INT(probe("/healthz"), 200);
+  MT_EQ_INT(probe("/readyz"), 503);
   /* Every accepted request is answered: computed, or UNAVAILABLE if the drain timed out
    * first (a slow, e.g. sanitized, build). */
   int ok = 1, unavailable = 0;
