@@ -1159,6 +1159,12 @@ void gc_model_metrics_render(gc_model *m, mr_prom *p) {
        offsetof(gc_server_counters, bytes_sent)},
       {"moerpc_client_server_received_bytes_total", "Serialized ForwardReply bytes.",
        offsetof(gc_server_counters, bytes_received)},
+      {"moerpc_client_server_failovers_total", "Times the server was marked down (stream broke, failover deadline).",
+       offsetof(gc_server_counters, failovers)},
+      {"moerpc_client_server_resent_total", "Its requests re-planned onto other replicas and resent.",
+       offsetof(gc_server_counters, resent)},
+      {"moerpc_client_server_returns_total", "Times it passed a fresh Hello after being down.",
+       offsetof(gc_server_counters, returns)},
   };
   gc_server_counters *sc = mr_calloc(ci.n_servers ? ci.n_servers : 1, sizeof *sc);
   gc_server_info *si = mr_calloc(ci.n_servers ? ci.n_servers : 1, sizeof *si);
@@ -1182,6 +1188,12 @@ void gc_model_metrics_render(gc_model *m, mr_prom *p) {
   for (uint32_t i = 0; i < ci.n_servers; i++) {
     const char *l[] = {"server", si[i].name, NULL};
     mr_prom_double(p, "moerpc_client_server_rtt_mean_seconds", l, sc[i].mean_rtt_us / 1e6);
+  }
+  mr_prom_family(p, "moerpc_client_server_down", MR_PROM_GAUGE,
+                 "1 while the server is marked down (its slots go to replicas).");
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    const char *l[] = {"server", si[i].name, NULL};
+    mr_prom_u64(p, "moerpc_client_server_down", l, sc[i].down ? 1 : 0);
   }
 out_free:
   mr_free(sc);
