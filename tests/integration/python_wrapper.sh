@@ -76,7 +76,7 @@ if [ "${MOERPC_TEST_SGLANG:-0}" = 1 ]; then
   make_venv "$sv"; rc=$?
   if [ $rc -ne 0 ]; then
     export MOERPC_SGLANG_SKIP="$(why $rc "$sv")"
-  elif ! bash tests/integration/sglang_venv.sh "$sv" >>"$log" 2>&1; then
+  elif ! bash tests/integration/py/sglang_venv.sh "$sv" >>"$log" 2>&1; then
     export MOERPC_SGLANG_SKIP="installing sglang-kt failed: $(tail -n 2 "$log" | tr '\n' ' ')"
   else
     export MOERPC_SGLANG_PY=$sv/bin/python
