@@ -351,6 +351,15 @@ void gc_stats_close(gc_stats *s);
  * guessed, since the group changes the numbers. MR_EINVAL naming the text otherwise. */
 int gc_weight_format_parse(const char *s, kn_format *fmt, uint32_t *group, mr_err *e);
 
+/* ---- layout for foreign function interfaces ------------------------------------------ */
+
+/* The size of a public struct ("gc_options") or the offset of one of its fields
+ * ("gc_options.caller_local"), or the value of a flag ("GC_WAIT_ACCUMULATE"); -1 for a name
+ * not in the table (gc_abi.c). For bindings that do not compile against this header (the
+ * Python package, ctypes): they build the structs from these numbers, so that a field added
+ * here needs no change there. Any thread; no allocation. */
+long gc_abi_layout(const char *name);
+
 #ifdef __cplusplus
 }
 #endif
