@@ -5,13 +5,14 @@
  *   es_server.c    es_server_new/free: options, start-up order, teardown order
  *   es_load.c      config + safetensors -> one kn_layer per owned layer, progress log
  *   es_grpc.c      gRPC set-up and teardown, completion-queue threads, unary Hello/Stats/Health
- *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues; backpressure
- *   es_compute.c   the compute queue, merging of same-layer requests, replies
+ *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues;
+ *                  backpressure and the byte budget; dead streams; the stall cut
+ *   es_compute.c   the fair compute queue, merging of same-layer requests, deadlines, replies
  *   es_pool.c      reusable request/reply buffers and job records
  *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the loader thread,
  *                  the drain sequence
  *   es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
- *   es_validate.c  es_forward_validate (pure)
+ *   es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite (pure)
  *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
  *
  * Threads and where they meet (STYLE.md 8):
