@@ -252,6 +252,37 @@ static int cmd_info(int argc, char **argv) {
       snprintf(prev, sizeof prev, "%s", cur);
     }
   }
+  /* Replication: how many servers hold each served pair (failover needs two). */
+  enum { MAX_REP = 8 };
+  uint64_t by_rep[MAX_REP + 1] = {0};
+  uint64_t local = 0;
+  uint32_t single_layer = UINT32_MAX, single_expert = 0;
+  for (uint32_t l = 0; l < ci.num_layers; l++)
+    for (uint32_t x = 0; x < ci.num_experts; x++) {
+      int own = gc_cluster_owner(c, l, x);
+      if (own == GC_OWNER_LOCAL || own == GC_OWNER_CALLER) {
+        local++;
+        continue;
+      }
+      if (own < 0) continue; /* dense layer or nobody */
+      uint32_t n = 0;
+      for (uint32_t i = 0; i < ci.n_servers; i++) n += gc_server_announces(c, i, l, x);
+      by_rep[n < MAX_REP ? n : MAX_REP]++;
+      if (n == 1 && single_layer == UINT32_MAX) {
+        single_layer = l;
+        single_expert = x;
+      }
+    }
+  printf("replication:");
+  for (uint32_t n = 1; n <= MAX_REP; n++)
+    if (by_rep[n])
+      printf(" %llu pairs on %u%s server%s;", (unsigned long long)by_rep[n], n,
+             n == MAX_REP ? "+" : "", n == 1 ? "" : "s");
+  printf(" %llu local; failover after %u ms of silence\n", (unsigned long long)local,
+         ci.failover_ms);
+  if (single_layer != UINT32_MAX)
+    printf("  (pairs on one server have no failover: e.g. layer %u expert %u)\n", single_layer,
+           single_expert);
   mr_log(MR_LOG_INFO, "info done; closing");
   gc_cluster_close(c);
   return 0;
