@@ -39,6 +39,7 @@ typedef struct mk_args {
   uint32_t layers, experts, topk, hidden, inter, vocab, heads, kv_heads, head_dim;
   uint64_t seed;
   uint64_t shard_mb;
+  double router_skew; /* --router-skew S: 0 = plain random routers */
   const char *out;
 } mk_args;
 
@@ -94,6 +95,7 @@ typedef struct mk_tensor {
    * RMSNorm weights, 1 + uniform noise of +-0.05. */
   float scale; /* half-width of the uniform distribution */
   bool norm;
+  int64_t router_layer; /* the layer of a router (mlp.gate) tensor, else -1 */
 } mk_tensor;
 
 static uint64_t mk_per_layer(const mk_args *a) { return 9 + 3 * (uint64_t)a->experts; }
@@ -108,6 +110,7 @@ static void mk_2d(mk_tensor *t, uint64_t rows, uint64_t cols) {
   t->shape[1] = cols;
   t->scale = (float)(sqrt(3.0) / sqrt((double)cols));
   t->norm = false;
+  t->router_layer = -1;
 }
 
 static void mk_1d(mk_tensor *t, uint64_t n) {
@@ -115,6 +118,7 @@ static void mk_1d(mk_tensor *t, uint64_t n) {
   t->shape[0] = n;
   t->scale = 0.05f;
   t->norm = true;
+  t->router_layer = -1;
 }
 
 static void mk_tensor_get(const mk_args *a, uint64_t i, mk_tensor *t) {
@@ -156,6 +160,7 @@ static void mk_tensor_get(const mk_args *a, uint64_t i, mk_tensor *t) {
   case 8:
     snprintf(t->name, sizeof t->name, "%smlp.gate.weight", pre);
     mk_2d(t, a->experts, H);
+    t->router_layer = (int64_t)l;
     return;
   default: break;
   }
@@ -182,6 +187,7 @@ typedef struct mk_fill_ctx {
   uint64_t next_off;   /* byte offset expected next in cur */
   mk_tensor t;
   mk_rng rng;
+  float *row_scale;    /* [experts]: router skew of the current router tensor, or NULL */
   /* progress over the whole model */
   uint64_t bytes_done, bytes_total, tensors_done, tensors_total;
   uint64_t t0_ns, last_report_ns;
@@ -200,6 +206,31 @@ static void mk_progress(mk_fill_ctx *c, bool force) {
          rate, eta);
 }
 
+/* Router skew (--router-skew S): row e of layer l's router is scaled by (1 + rank)^-S, where
+ * rank is e's place in a permutation of the experts drawn for that layer. A row with a
+ * larger norm gives logits of a larger spread, so it reaches the top-k more often: popular
+ * experts, different ones in every layer, as trained routers have (measured in
+ * docs/BENCHMARKS.md). Multiplies the same draws, so S = 0 writes the plain model. */
+static void mk_router_skew(const mk_args *a, int64_t layer, float *out) {
+  uint32_t E = a->experts;
+  uint32_t *perm = (uint32_t *)out; /* the ranks first, in place */
+  for (uint32_t e = 0; e < E; e++) perm[e] = e;
+  char name[48];
+  snprintf(name, sizeof name, "router-skew.%lld", (long long)layer);
+  mk_rng r;
+  mk_rng_seed(&r, a->seed, name);
+  for (uint32_t e = E; e > 1; e--) { /* Fisher-Yates: perm[e] = the expert of rank e */
+    uint32_t j = (uint32_t)(mk_rng_next(&r) % e), tmp = perm[e - 1];
+    perm[e - 1] = perm[j];
+    perm[j] = tmp;
+  }
+  uint32_t *rank = mr_malloc((size_t)E * sizeof *rank);
+  MR_ASSERT(rank);
+  for (uint32_t k = 0; k < E; k++) rank[perm[k]] = k;
+  for (uint32_t e = 0; e < E; e++) out[e] = (float)pow(1.0 + rank[e], -a->router_skew);
+  mr_free(rank);
+}
+
 static int mk_fill(void *ctx, size_t index, uint64_t offset, size_t n, void *dst) {
   mk_fill_ctx *c = ctx;
   if (index != c->cur) {
@@ -208,18 +239,26 @@ static int mk_fill(void *ctx, size_t index, uint64_t offset, size_t n, void *dst
     mk_rng_seed(&c->rng, c->a->seed, c->t.name);
     c->cur = index;
     c->next_off = 0;
+    if (c->row_scale && c->t.router_layer >= 0) mk_router_skew(c->a, c->t.router_layer, c->row_scale);
   }
   MR_ASSERT(offset == c->next_off && n % 2 == 0);
   uint16_t *out = dst;
   size_t count = n / 2;
   float scale = c->t.scale, base = c->t.norm ? 1.0f : 0.0f;
   const float inv24 = 1.0f / 16777216.0f;
+  const float *rs = c->t.router_layer >= 0 ? c->row_scale : NULL;
+  uint64_t e0 = offset / 2, cols = c->t.ndim == 2 ? c->t.shape[1] : 1;
   for (size_t i = 0; i < count; i += 2) {
     /* Two 24-bit uniforms per draw: u in [0, 1) -> base + scale * (2u - 1). */
     uint64_t r = mk_rng_next(&c->rng);
     float u0 = (float)(r >> 40) * inv24, u1 = (float)((r >> 16) & 0xffffffu) * inv24;
-    out[i] = mr_f32_to_bf16(base + scale * (2.0f * u0 - 1.0f));
-    if (i + 1 < count) out[i + 1] = mr_f32_to_bf16(base + scale * (2.0f * u1 - 1.0f));
+    float s0 = scale, s1 = scale;
+    if (rs) {
+      s0 *= rs[(e0 + i) / cols];
+      s1 *= rs[(e0 + i + 1) / cols];
+    }
+    out[i] = mr_f32_to_bf16(base + s0 * (2.0f * u0 - 1.0f));
+    if (i + 1 < count) out[i + 1] = mr_f32_to_bf16(base + s1 * (2.0f * u1 - 1.0f));
   }
   c->next_off += n;
   c->bytes_done += n;
@@ -289,6 +328,9 @@ static int mk_printf(mk_buf *b, const char *fmt, ...) {
 static int mk_write_config(const mk_args *a, mr_err *e) {
   mk_buf b = {0};
   char path[4096];
+  /* Recorded only when set, so that a plain model's config (and fingerprint) is unchanged. */
+  char skew[64] = "";
+  if (a->router_skew > 0) snprintf(skew, sizeof skew, ",\n  \"moerpc_router_skew\": %.17g", a->router_skew);
   int rc = mk_printf(
       &b,
       "{\n"
@@ -326,13 +368,13 @@ static int mk_write_config(const mk_args *a, mr_err *e) {
       "  \"use_cache\": true,\n"
       "  \"use_sliding_window\": false,\n"
       "  \"vocab_size\": %u,\n"
-      "  \"moerpc_seed\": %llu\n"
+      "  \"moerpc_seed\": %llu%s\n"
       "}\n",
       a->vocab > 1 ? 1u : 0u, a->vocab > 2 ? 2u : 0u, a->head_dim, a->hidden,
       /* intermediate_size is the dense MLP width; no layer is dense here, but transformers
        * requires the field, so it gets the usual 3x of the expert width. */
       3ull * a->inter, a->layers, a->inter, a->heads, a->experts, a->topk, a->layers,
-      a->kv_heads, a->vocab, (unsigned long long)a->seed);
+      a->kv_heads, a->vocab, (unsigned long long)a->seed, skew);
   if (rc) {
     mr_free(b.s);
     return mr_err_set(e, rc, "config.json: out of memory");
@@ -446,6 +488,13 @@ static int mk_run(const mk_args *a, mr_err *e) {
   if (n_shards == 1) mk_remove_stale(a->out, n_shards);
   mk_fill_ctx fc = {.a = a, .bytes_total = total, .tensors_total = n, .t0_ns = mr_now_ns()};
   fc.last_report_ns = fc.t0_ns;
+  if (a->router_skew > 0) {
+    fc.row_scale = mr_malloc((size_t)a->experts * sizeof *fc.row_scale);
+    if (!fc.row_scale) {
+      rc = mr_err_set(e, MR_ENOMEM, "out of memory");
+      goto out;
+    }
+  }
   if (n_shards > 1) {
     rc = mk_printf(&idx, "{\n  \"metadata\": {\"total_size\": %llu},\n  \"weight_map\": {",
                    (unsigned long long)total);
@@ -508,6 +557,7 @@ static int mk_run(const mk_args *a, mr_err *e) {
   mr_log(MR_LOG_INFO, "done: %s in %.1f s", a->out, (double)(mr_now_ns() - fc.t0_ns) / 1e9);
 out:
   mr_st_writer_free(w);
+  mr_free(fc.row_scale);
   mr_free(idx.s);
   mr_free(shard_first);
   return rc;
@@ -534,6 +584,8 @@ static void mk_usage(FILE *f) {
           "  --seed N         PRNG seed, 0..2^64-1                            default 1\n"
           "  --shard-mb N     shard into files of at most N MiB of tensor data when the\n"
           "                   model is larger, 0..1048576; 0 = auto: 2 GiB     default 0\n"
+          "  --router-skew S  popular experts: router row e of a layer is scaled by\n"
+          "                   (1 + rank)^-S, ranks a per-layer permutation, 0..8   default 0\n"
           "  --help           this text\n",
           MR_MAX_LAYERS);
 }
@@ -593,7 +645,7 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
       snprintf(flag, sizeof flag, "%s", arg);
     }
     bool known = strcmp(flag, "--out") == 0 || strcmp(flag, "--seed") == 0 ||
-                 strcmp(flag, "--shard-mb") == 0;
+                 strcmp(flag, "--shard-mb") == 0 || strcmp(flag, "--router-skew") == 0;
     for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++)
       if (strcmp(flag, nums[k].flag) == 0) known = true;
     if (!known || strncmp(arg, "--", 2) != 0) {
@@ -617,6 +669,15 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
     } else if (strcmp(flag, "--seed") == 0) {
       if (!mk_num(flag, val, 0, UINT64_MAX, &x)) return 2;
       a->seed = x;
+    } else if (strcmp(flag, "--router-skew") == 0) {
+      char *end = NULL;
+      errno = 0;
+      double v = strtod(val, &end);
+      if (!val[0] || *end || errno || !(v >= 0.0 && v <= 8.0)) {
+        fprintf(stderr, "moerpc-mkmodel: --router-skew \"%s\": must be a number in 0..8\n", val);
+        return 2;
+      }
+      a->router_skew = v;
     } else if (strcmp(flag, "--shard-mb") == 0) {
       if (!mk_num(flag, val, 0, 1u << 20, &x)) return 2;
       a->shard_mb = x;
