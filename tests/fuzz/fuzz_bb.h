@@ -18,10 +18,14 @@
 #define FUZZ_BB_H
 
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/slice.h>
+
+#include "proto/pr.h"
 
 #define FUZZ_BB_MAXSEG 4
 
@@ -53,6 +57,28 @@ static inline grpc_byte_buffer *fuzz_bb_new(const uint8_t *data, size_t size) {
   for (size_t i = 0; i < nseg; i++) grpc_slice_unref(s[i]);
   if (!bb) abort();
   return bb;
+}
+
+/* pr_decode of bb (at most max bytes) held to its error contract: a failure is MR_EFORMAT
+ * or MR_EEXHAUSTED, returns no message and names the message type. Aborts, naming target,
+ * on a breach; else returns the message (the caller frees it) or NULL. bb is kept. */
+static inline ProtobufCMessage *fuzz_pr_decode(const char *target, grpc_byte_buffer *bb,
+                                               const ProtobufCMessageDescriptor *desc,
+                                               size_t max) {
+  ProtobufCMessage *m = NULL;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = pr_decode(bb, desc, max, &m, &e);
+  if (rc == 0) return m;
+  const char *breach = rc != MR_EFORMAT && rc != MR_EEXHAUSTED ? "undocumented decode code"
+                       : m                                      ? "decode failed but returned a message"
+                       : !strstr(e.msg, desc->short_name)        ? "error does not name the message"
+                                                                 : NULL;
+  if (breach) {
+    fprintf(stderr, "%s: %s: %s (%s)\n", target, breach, e.msg, mr_err_name(rc));
+    abort();
+  }
+  return NULL;
 }
 
 #endif /* FUZZ_BB_H */
