@@ -4,8 +4,8 @@
 # The cases are in test_python_wrapper.py; this script prepares their virtual environment:
 #
 #   $BUILD/venv-moerpc    torch (reused read-only from $MOERPC_TORCH_SITE or .venv-conf's
-#                         site-packages through a .pth file; from PyPI only when neither has
-#                         it), kt-kernel 0.7.2 --no-deps + gguf, safetensors, numpy (as
+#                         site-packages through a .pth file; .venv-conf is made by
+#                         deploy/py-env.sh when neither has it), kt-kernel 0.7.2 --no-deps + gguf, safetensors, numpy (as
 #                         tests/bench/vs_ktkernel.py installs it), and the moerpc package
 #                         itself, reinstalled each run (pip install ./gpu_client/python)
 #   $BUILD/venv-sglang    only with MOERPC_TEST_SGLANG=1: the same plus sglang-kt --no-deps
@@ -31,7 +31,7 @@ fi
 
 torch_site() { # a site-packages dir with torch, or nothing
   local d
-  for d in "${MOERPC_TORCH_SITE:-}" .venv-conf/lib/python3*/site-packages; do
+  for d in "${MOERPC_TORCH_SITE:-}" "${MOERPC_CONF_VENV:-.venv-conf}"/lib/python3*/site-packages; do
     [ -n "$d" ] && [ -d "$d/torch" ] && { realpath "$d"; return; }
   done
 }
@@ -43,11 +43,13 @@ make_venv() { # dir: a venv with torch, safetensors, numpy, wheel (kt-kernel sep
   fi
   site=$("$v/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   ts=$(torch_site)
-  [ -n "$ts" ] && echo "$ts" >"$site/zz_moerpc_torch_site.pth"
-  if ! "$v/bin/python" -c "import torch" 2>/dev/null; then
-    echo "# installing torch from PyPI (large; set MOERPC_TORCH_SITE to reuse one)"
-    "$v/bin/python" -m pip install -q torch >>"$log" 2>&1 || return 2
+  if [ -z "$ts" ]; then # make the conformance venv (lean CUDA layout) and borrow its torch
+    echo "# making the conformance venv for its torch (deploy/py-env.sh)"
+    bash deploy/py-env.sh >>"$log" 2>&1 || return 2
+    ts=$(torch_site)
   fi
+  [ -n "$ts" ] && echo "$ts" >"$site/zz_moerpc_torch_site.pth"
+  "$v/bin/python" -c "import torch" 2>>"$log" || return 2
   "$v/bin/python" -c "import safetensors, numpy, wheel, setuptools" 2>/dev/null ||
     "$v/bin/python" -m pip install -q safetensors numpy wheel setuptools >>"$log" 2>&1 || return 3
   if ! "$v/bin/python" -c "import kt_kernel" 2>/dev/null; then
@@ -62,7 +64,7 @@ make_venv() { # dir: a venv with torch, safetensors, numpy, wheel (kt-kernel sep
 why() {
   case $1 in
     1) echo "python3 -m venv $2 failed: $(tail -n 1 "$log")" ;;
-    2) echo "pip install torch failed (PyPI unreachable?): $(tail -n 1 "$log")" ;;
+    2) echo "no torch: $(tail -n 1 "$log")" ;;
     3) echo "pip install safetensors numpy wheel failed (PyPI unreachable?): $(tail -n 1 "$log")" ;;
     4) echo "pip install ./gpu_client/python failed: $(tail -n 3 "$log" | tr '\n' ' ')" ;;
   esac
