@@ -3,6 +3,8 @@
 # two real servers on loopback:
 #   client_counts_exact          generate --routing-stats: every MoE layer's row sums to
 #                                tokens x top_k (tokens from generate's own timing line)
+#   deferred_counted             --max-deferred 1: the deferred part is counted once and is
+#                                no extra step (same rows and steps as without)
 #   server_only_merge            moerpc-place stats without --client = the servers' counts,
 #                                equal to the client's when no expert is local; --reset
 #   local_experts_counted        --local-experts 2: the client counts the hot slots too, the
@@ -119,6 +121,11 @@ if gen_run g2 --local-experts 2 --routing-stats "$tmp/client2.json" &&
    out=$(python3 "$tmp/check.py" local "$tmp/m" "$tmp/client2.json" "$tmp/srv2.json" "$tmp/g2.out" 2); then
   [ -n "$out" ] && echo "$out"; ok $c
 else bad $c "${out:-a run failed: $(tail -n 3 "$tmp/g2.err")}"; fi
+
+c=deferred_counted
+if gen_run g4 --max-deferred 1 --routing-stats "$tmp/client4.json" && out=$(python3 "$tmp/check.py" exact "$tmp/m" "$tmp/client4.json" "$tmp/g4.out") &&
+   out=$(python3 -c 'import json,sys; a,b=(json.load(open(p))["window"]["steps"] for p in sys.argv[1:]); print("" if a==b else "steps %d with deferral, %d without" % (b, a)); sys.exit(a!=b)' "$tmp/client1.json" "$tmp/client4.json"); then ok $c
+else bad $c "${out:-generate failed: $(tail -n 3 "$tmp/g4.err")}"; fi
 
 c=live_routing_and_client_merge
 port=$(lc__free_port)
