@@ -3,8 +3,8 @@
  * routing decision, one per token per selected expert (a slot), local and caller-computed
  * experts included, since start and over a sliding window of steps.
  *
- * The window is a ring of GC_ROUTING_BUCKETS + 1 buckets of `per` = ceil(window / BUCKETS)
- * steps each: the current one fills, the BUCKETS before it are full. A step ends at the call
+ * The window is a ring of nb + 1 buckets, nb = min(GC_ROUTING_BUCKETS, window), of `per` =
+ * ceil(window / nb) steps each: the current one fills, the nb before it are full. A step ends at the call
  * for the last MoE layer (its counts go into the current bucket before it may rotate), so a
  * bucket holds whole steps. The window (every bucket) covers between window and window + per
  * steps; its exact count is reported. Rotation zeroes the oldest bucket and makes it
@@ -30,6 +30,7 @@
 
 struct gc_routing {
   uint32_t L, E, window, per, last_layer;
+  uint32_t nb;            /* buckets in the ring: min(BUCKETS, window) + 1 */
   pthread_rwlock_t lock;
   uint32_t cur;           /* current bucket; changes under the write lock only */
   uint64_t *folded;       /* [L * E] counts of buckets rotated out since start or reset */
@@ -73,7 +74,9 @@ int gc_routing_new(gc_routing **out, uint32_t num_layers, uint32_t num_experts,
   r->L = num_layers;
   r->E = num_experts;
   r->window = window_steps;
-  r->per = (window_steps + GC_ROUTING_BUCKETS - 1) / GC_ROUTING_BUCKETS;
+  const uint32_t full = window_steps < GC_ROUTING_BUCKETS ? window_steps : GC_ROUTING_BUCKETS;
+  r->nb = full + 1;
+  r->per = (window_steps + full - 1) / full;
   r->last_layer = last_layer;
   pthread_rwlock_init(&r->lock, NULL);
   r->start_ns = r->b_start_ns[0] = mr_now_ns();
@@ -93,7 +96,7 @@ void gc_routing_free(gc_routing *r) {
  * held). */
 static void rotate(gc_routing *r) {
   size_t pairs = (size_t)r->L * r->E;
-  r->cur = (r->cur + 1) % NB;
+  r->cur = (r->cur + 1) % r->nb;
   uint64_t *b = r->bucket + (size_t)r->cur * pairs;
   for (size_t i = 0; i < pairs; i++) r->folded[i] += b[i];
   memset(b, 0, pairs * sizeof *r->bucket);
@@ -174,7 +177,7 @@ int gc_routing_get(gc_routing *r, gc_routing_span span, gc_routing_counts *out, 
   if (span == GC_ROUTING_TOTAL) memcpy(out->counts, r->folded, pairs * sizeof *out->counts);
   else memset(out->counts, 0, pairs * sizeof *out->counts);
   uint64_t oldest = now;
-  for (uint32_t b = 0; b < NB; b++) {
+  for (uint32_t b = 0; b < r->nb; b++) {
     if (!r->b_start_ns[b]) continue; /* never used since start or reset */
     const uint64_t *bk = r->bucket + (size_t)b * pairs;
     for (size_t i = 0; i < pairs; i++) out->counts[i] += bk[i];

@@ -63,6 +63,24 @@ MT_TEST(window_keeps_counts_window_steps_then_drops_them) {
   gc_routing_free(r);
 }
 
+/* A window shorter than the bucket count is exact: one-step buckets. */
+MT_TEST(small_window_is_exact) {
+  gc_routing *r = NULL;
+  mr_err e = {0};
+  MT_OK(gc_routing_new(&r, 2, 8, 3, 1, &e), &e);
+  const int32_t ids[1] = {6};
+  gc_routing_count(r, 1, ids, 1, 1, true); /* step 1 routes expert 6 */
+  uint64_t steps = 0;
+  for (int s = 0; s < 3; s++) {
+    MT_EQ_INT(window_count(r, 8 + 6, &steps), 1);
+    MT_EQ_INT(steps, 1 + s);
+    empty_step(r);
+  }
+  MT_EQ_INT(window_count(r, 8 + 6, &steps), 0); /* 3 steps later it is gone */
+  MT_EQ_INT(steps, 3);
+  gc_routing_free(r);
+}
+
 MT_TEST(deferred_part_is_no_second_step_and_bad_ids_are_skipped) {
   gc_routing *r = NULL;
   mr_err e = {0};
