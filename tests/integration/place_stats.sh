@@ -16,25 +16,29 @@
 #   from_files                   --from FILE merges --routing-stats files (alone, or with
 #                                a cluster, counted like clients); another model's file is
 #                                refused naming both fingerprints
+#   cluster_local_section        a cluster file whose "local" section covers experts no server
+#                                owns: stats opens it (with the local experts) and counts the
+#                                servers'; generate counts the local slots
 #   bad_client_and_usage         an unreachable --client is a runtime error naming it; bad
 #                                flags exit 2
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${MOERPC_BIN:-$PWD/build/bin}
 passed=0; failed=0
+# shellcheck source=deploy/local-cluster.sh
+. deploy/local-cluster.sh   # first: it sets an EXIT trap of its own, which finish replaces
 tmp=$(mktemp -d /tmp/moerpc-pst.XXXXXX)
 finish() {
   [ -n "${gen:-}" ] && kill "$gen" 2>/dev/null
   [ -n "${other:-}" ] && kill "$other" 2>/dev/null
   lc_stop >/dev/null 2>&1
+  lc__cleanup
   rm -rf "$tmp"
   echo "place_stats: $passed passed, $failed failed, 0 skipped"
 }
 trap finish EXIT
 ok() { echo "ok   place_stats.$1"; passed=$((passed + 1)); }
 bad() { echo "FAIL place_stats.$1: $2"; failed=$((failed + 1)); }
-# shellcheck source=deploy/local-cluster.sh
-. deploy/local-cluster.sh
 
 "$BIN/moerpc-mkmodel" --out "$tmp/m" --seed 1 >/dev/null 2>&1 &&
   "$BIN/moerpc-mkmodel" --out "$tmp/m2" --seed 2 >/dev/null 2>&1 || { bad setup "moerpc-mkmodel failed"; exit 1; }
@@ -76,7 +80,7 @@ elif mode == 'local':          # model, client stats, server stats, generate std
     if [sum(r) for r in c['counts']] != [T * K] * c['num_layers']: fail('client row sums %s' % [sum(r) for r in c['counts']])
     hot_slots = 0
     for l in range(c['num_layers']):
-        hot = {(l * N + i) % E for i in range(N)}   # gc_model_local_rule
+        hot = {(l * N + i) % E for i in range(N)} if N else {0, 1}  # gc_model_local_rule, or 0-1
         for x in range(E):
             want = 0 if x in hot else c['counts'][l][x]
             if s['counts'][l][x] != want: fail('layer %d expert %d: server %d, want %d' % (l, x, s['counts'][l][x], want))
@@ -181,6 +185,21 @@ if [ -z "$why" ]; then # a file of another model
   rc=$?
   { [ $rc -eq 1 ] && grep -q 0000000000000000 "$tmp/p8.err" && grep -q "$fp1" "$tmp/p8.err"; } || why="other model's file: exit $rc: $(tail -n 1 "$tmp/p8.err")"
 fi
+if [ -z "$why" ]; then ok $c; else bad $c "$why"; fi
+
+c=cluster_local_section
+why=""
+p3=$(lc__free_port)
+"$BIN/moerpc-server" --model "$tmp/m" --listen "127.0.0.1:$p3" --experts 2-15 --threads 1 >"$tmp/part.log" 2>&1 &
+other=$!
+for _ in $(seq 1 300); do grep -q serving "$tmp/part.log" && break; sleep 0.1; done
+printf '{"model": "%s", "deadline_ms": 10000, "local": {"layers": "all", "experts": "0-1"}, "servers": [{"name": "part", "address": "127.0.0.1:%s"}]}\n' \
+  "$tmp/m" "$p3" >"$tmp/local.json"
+if gen_run g5 --cluster "$tmp/local.json" --routing-stats "$tmp/client5.json" &&
+   "$BIN/moerpc-place" stats --cluster "$tmp/local.json" -o "$tmp/srv5.json" 2>"$tmp/p9.err"; then
+  out=$(python3 "$tmp/check.py" local "$tmp/m" "$tmp/client5.json" "$tmp/srv5.json" "$tmp/g5.out" 0 2>&1) || why=$out
+else why="a run failed: $(tail -n 2 "$tmp/g5.err" "$tmp/p9.err")"; fi
+kill "$other" 2>/dev/null; wait "$other" 2>/dev/null; other=
 if [ -z "$why" ]; then ok $c; else bad $c "$why"; fi
 
 c=bad_client_and_usage
