@@ -441,14 +441,28 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
  *   ]
  * }
  * Layers not listed have no local expert and default routing (the first server of the
- * cluster file that announces the pair). A pair may be local or on one server, not both.
+ * cluster file that announces the pair). A pair is either local or remote, not both. A pair
+ * listed under several servers of one layer's "remote" has replicas (one copy on each):
+ * its route is -1, so that the client's default rule applies (the least-loaded live
+ * replica among the servers announcing it); with one server, route names it. Files
+ * without replicas read exactly as before (version 1 either way).
  */
 #define MR_PLACEMENT_MAX_SERVERS MR_CLUSTER_MAX_SERVERS
+/* Most (pair, server) entries of all "remote" sets together (refused beyond, MR_ERANGE). */
+#define MR_PLACEMENT_MAX_COPIES (1u << 23)
 typedef struct mr_placement {
   uint32_t num_layers, num_experts;
   char model_fingerprint[64];  /* "" when absent */
   uint8_t *local;              /* [L * E] 1 = the client computes it (owned) */
-  int32_t *route;              /* [L * E] index into server[] or -1 (owned) */
+  int32_t *route;              /* [L * E] the one server (index into server[]) holding the
+                                  pair, or -1: not remote, or replicated (copies > 1) (owned) */
+  uint16_t *copies;            /* [L * E] servers listing the pair (0 = local / not listed) */
+  uint32_t *rep_off;           /* [L * E + 1] pair i's servers are rep[rep_off[i] ..
+                                  rep_off[i + 1]), in file order (owned) */
+  int32_t *rep;                /* [n_copies] indices into server[] (owned) */
+  uint64_t n_copies;           /* (pair, server) entries = sum of copies */
+  uint64_t n_single;           /* pairs on exactly one server */
+  uint64_t n_replicated;       /* pairs on two or more servers */
   uint32_t n_servers;          /* distinct server names used in "remote" */
   char (*server)[64];          /* [n_servers] names, in order of first use (owned) */
   uint64_t n_local;            /* pairs marked local */
