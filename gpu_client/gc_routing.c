@@ -180,12 +180,12 @@ void gc_routing_counts_close(gc_routing_counts *c) {
   memset(c, 0, sizeof *c);
 }
 
-/* A JSON string of printable ASCII; anything else escaped (as placement/pl_stats.c). */
+/* A JSON string, escaped as placement/pl_stats.c does (quote, backslash, control bytes). */
 static void put_str(mr_prom *p, const char *s) {
   mr_prom_append(p, "\"", 1);
   for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
     if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20 || *c >= 0x7f) mr_prom_printf(p, "\\u%04x", *c);
+    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
     else mr_prom_append(p, (const char *)c, 1);
   }
   mr_prom_append(p, "\"", 1);

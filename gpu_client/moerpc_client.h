@@ -168,7 +168,14 @@ typedef struct gc_layer_req {
   const float *weights;  /* [T * k] slot weights (ignored for empty slots) */
   const void *x;         /* [T, hidden_size] row-major, of dtype */
   mr_dtype dtype;        /* wire dtype of x and of the servers' replies: f32, f16 or bf16 */
+  /* Routing statistics only (see "routing statistics"); zero = none. */
+  const int32_t *caller_ids; /* [T * k] or NULL: slots the caller computes itself and left
+                              * out of ids (e.g. GPU experts masked to -1), counted, never
+                              * routed; ids outside 0..num_experts-1 are ignored */
+  uint32_t flags;            /* GC_REQ_PART: another part (a deferred one) of a call of this
+                              * layer already submitted: counted, but ends no step */
 } gc_layer_req;
+#define GC_REQ_PART 1u
 
 /*
  * Starts one layer call: validates req (ids -1 or < num_experts, each owned by a server or

@@ -268,12 +268,13 @@ int pl_stats_load(pl_stats *s, const char *path, mr_err *e) {
 
 /* ---- writer ------------------------------------------------------------------------------ */
 
-/* A JSON string of printable ASCII (our names and fingerprints; anything else is escaped). */
+/* A JSON string: quote, backslash and control bytes escaped, other bytes as they are (what
+ * the reader accepted, so that a file survives a round trip byte for byte). */
 static void put_str(mr_prom *p, const char *s) {
   mr_prom_append(p, "\"", 1);
   for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
     if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20 || *c >= 0x7f) mr_prom_printf(p, "\\u%04x", *c);
+    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
     else mr_prom_append(p, (const char *)c, 1);
   }
   mr_prom_append(p, "\"", 1);

@@ -3,6 +3,8 @@
 # two real servers on loopback:
 #   client_counts_exact          generate --routing-stats: every MoE layer's row sums to
 #                                tokens x top_k (tokens from generate's own timing line)
+#   deferred_counted             --max-deferred 1: the deferred part is counted once and is
+#                                no extra step (same rows and steps as without)
 #   server_only_merge            moerpc-place stats without --client = the servers' counts,
 #                                equal to the client's when no expert is local; --reset
 #   local_experts_counted        --local-experts 2: the client counts the hot slots too, the
@@ -11,6 +13,9 @@
 #                                bounded window), moerpc-place stats --client merges it
 #   fingerprint_mismatch         a server of another model: an error naming both servers and
 #                                both fingerprints
+#   from_files                   --from FILE merges --routing-stats files (alone, or with
+#                                a cluster, counted like clients); another model's file is
+#                                refused naming both fingerprints
 #   bad_client_and_usage         an unreachable --client is a runtime error naming it; bad
 #                                flags exit 2
 set -uo pipefail
@@ -78,6 +83,10 @@ elif mode == 'local':          # model, client stats, server stats, generate std
             hot_slots += c['counts'][l][x] if x in hot else 0
     if hot_slots == 0: fail('no slot went to a hot expert: the test shows nothing')
     print('  %d of %d slots on hot experts, counted by the client only' % (hot_slots, T * K * c['num_layers']))
+elif mode == 'double':         # model, a, b: b's counts are twice a's
+    a, b = load(args[1]), load(args[2])
+    if [[2 * v for v in r] for r in a['counts']] != b['counts']: fail('not twice the counts')
+    if b['model_fingerprint'] != a['model_fingerprint']: fail('fingerprint lost')
 elif mode == 'live':           # model, /routing, merged, window
     r, m, W = load(args[1]), load(args[2]), int(args[3])
     w = r['window']
@@ -112,6 +121,11 @@ if gen_run g2 --local-experts 2 --routing-stats "$tmp/client2.json" &&
    out=$(python3 "$tmp/check.py" local "$tmp/m" "$tmp/client2.json" "$tmp/srv2.json" "$tmp/g2.out" 2); then
   [ -n "$out" ] && echo "$out"; ok $c
 else bad $c "${out:-a run failed: $(tail -n 3 "$tmp/g2.err")}"; fi
+
+c=deferred_counted
+if gen_run g4 --max-deferred 1 --routing-stats "$tmp/client4.json" && out=$(python3 "$tmp/check.py" exact "$tmp/m" "$tmp/client4.json" "$tmp/g4.out") &&
+   out=$(python3 -c 'import json,sys; a,b=(json.load(open(p))["window"]["steps"] for p in sys.argv[1:]); print("" if a==b else "steps %d with deferral, %d without" % (b, a)); sys.exit(a!=b)' "$tmp/client1.json" "$tmp/client4.json"); then ok $c
+else bad $c "${out:-generate failed: $(tail -n 3 "$tmp/g4.err")}"; fi
 
 c=live_routing_and_client_merge
 port=$(lc__free_port)
@@ -151,13 +165,31 @@ if [ $rc -eq 1 ] && grep -q 'model_fingerprint' "$tmp/p4.err" && grep -q "$fp1" 
 else bad $c "exit $rc: $(tail -n 2 "$tmp/p4.err")"; fi
 kill "$other" 2>/dev/null; wait "$other" 2>/dev/null; other=
 
+c=from_files
+why=""
+"$BIN/moerpc-place" stats --from "$tmp/client1.json" --from "$tmp/client1.json" -o "$tmp/two.json" 2>"$tmp/p6.err" ||
+  why="files only: $(tail -n 1 "$tmp/p6.err")"
+[ -z "$why" ] && ! out=$(python3 "$tmp/check.py" double "$tmp/m" "$tmp/client1.json" "$tmp/two.json") && why="files only: $out"
+if [ -z "$why" ]; then
+  "$BIN/moerpc-place" stats --cluster "$cl" --from "$tmp/client1.json" >"$tmp/cf.json" 2>"$tmp/p7.err" || why="with a cluster: $(tail -n 1 "$tmp/p7.err")"
+  [ -z "$why" ] && ! out=$(python3 "$tmp/check.py" equal "$tmp/m" "$tmp/client1.json" "$tmp/cf.json") && why="with a cluster: $out"
+fi
+if [ -z "$why" ]; then # a file of another model
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); s["model_fingerprint"]="0000000000000000"; json.dump(s, open(sys.argv[2],"w"))' \
+    "$tmp/client1.json" "$tmp/other.json"
+  "$BIN/moerpc-place" stats --cluster "$cl" --from "$tmp/other.json" >/dev/null 2>"$tmp/p8.err"
+  rc=$?
+  { [ $rc -eq 1 ] && grep -q 0000000000000000 "$tmp/p8.err" && grep -q "$fp1" "$tmp/p8.err"; } || why="other model's file: exit $rc: $(tail -n 1 "$tmp/p8.err")"
+fi
+if [ -z "$why" ]; then ok $c; else bad $c "$why"; fi
+
 c=bad_client_and_usage
 why=""
 dead=$(lc__free_port)
 "$BIN/moerpc-place" stats --cluster "$cl" --client "http://127.0.0.1:$dead" --timeout-ms 2000 >/dev/null 2>"$tmp/p5.err"
 rc=$?
 { [ $rc -eq 1 ] && grep -q "127.0.0.1:$dead" "$tmp/p5.err"; } || why="unreachable client: exit $rc: $(tail -n 1 "$tmp/p5.err")"
-for args in "" "--cluster" "--cluster $cl --timeout-ms 0" "--cluster $cl extra" "--nope"; do
+for args in "" "--cluster" "--cluster $cl --timeout-ms 0" "--cluster $cl extra" "--nope" "--from $tmp/two.json --reset"; do
   # shellcheck disable=SC2086
   "$BIN/moerpc-place" stats $args >/dev/null 2>&1
   rc=$?
