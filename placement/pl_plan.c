@@ -18,6 +18,7 @@
  * Everything is single-threaded and deterministic: ties break on (layer, expert, host)
  * order, and "random" draws from splitmix64(seed).
  */
+#define _GNU_SOURCE /* qsort_r */
 #include "placement/pl.h"
 
 #include <cjson/cJSON.h>
@@ -238,10 +239,10 @@ static uint64_t splitmix64(uint64_t *s) {
   return z ^ (z >> 31);
 }
 
-static const work *sort_ctx;
 /* Hotter first; ties: lower expert id, then lower layer (so that equal counts, e.g. no
  * statistics, spread the hot set over the layers as kt-kernel's uniform does). */
-static int cmp_hot(const void *a, const void *b) {
+static int cmp_hot(const void *a, const void *b, void *ctx) {
+  const work *sort_ctx = ctx;
   uint32_t i = *(const uint32_t *)a, j = *(const uint32_t *)b;
   double wi = sort_ctx->w[i], wj = sort_ctx->w[j];
   if (wi != wj) return wi > wj ? -1 : 1;
@@ -301,8 +302,7 @@ static int hot_set(work *w, mr_err *e) {
     }
   } else {
     /* frequency / balanced: kt-kernel generate_gpu_experts_masks, the global top N. */
-    sort_ctx = w;
-    qsort(ord, m, sizeof *ord, cmp_hot);
+    qsort_r(ord, m, sizeof *ord, cmp_hot, w);
   }
   for (uint64_t i = 0; i < n; i++) w->local[ord[i]] = 1;
   mr_free(ord);
@@ -398,7 +398,8 @@ static void cold_blocks(work *w) {
 
 /* ---- cold placement: balanced --------------------------------------------------------- */
 
-static int cmp_heavy(const void *a, const void *b) {
+static int cmp_heavy(const void *a, const void *b, void *ctx) {
+  const work *sort_ctx = ctx;
   uint32_t i = *(const uint32_t *)a, j = *(const uint32_t *)b;
   double wi = sort_ctx->w[i], wj = sort_ctx->w[j];
   if (wi != wj) return wi > wj ? -1 : 1;
@@ -425,7 +426,6 @@ static void cold_lpt(work *w) {
       tot[h] += w->w[i] / w->nc[i] * w->k[h];
     }
   }
-  sort_ctx = w;
   for (uint32_t l = 0; l < w->L; l++) {
     if (!is_moe(w, l)) continue;
     uint32_t n = 0;
@@ -434,7 +434,7 @@ static void cold_lpt(work *w) {
       if (!w->local[i] && !w->nc[i]) ord[n++] = (uint32_t)i;
     }
     if (!n) continue;
-    qsort(ord, n, sizeof *ord, cmp_heavy);
+    qsort_r(ord, n, sizeof *ord, cmp_heavy, w);
     for (uint32_t h = 0; h < w->S; h++) {
       uint64_t fs = free_slots(w, h);
       if (fs == UINT64_MAX) quota[h] = UINT64_MAX;

@@ -529,4 +529,74 @@ MT_TEST(no_stats_is_uniform) {
   pl_plan_free(p);
 }
 
+/* Many small random problems (hosts 1..6, replicas 1..4, NUMA 1..3, speeds, capacities
+ * from 60 % to 200 % of the need, dense layers, every strategy, sometimes a current
+ * placement): each either plans a valid placement or, exactly when the cold pairs do not
+ * fit, fails with MR_EEXHAUSTED. */
+MT_TEST(random_problems) {
+  static fixture f;
+  uint64_t s = 12345;
+  int planned = 0, refused = 0;
+  for (int t = 0; t < 150; t++) {
+    uint32_t L = 1 + rng_next(&s) % 6, E = 2 + rng_next(&s) % 40, S = 1 + rng_next(&s) % 6;
+    fx_init(&f, L, E, S);
+    for (uint32_t l = 0; l < L; l++) f.is_moe[l] = L == 1 || rng_next(&s) % 4 != 0;
+    f.pb.strategy = (pl_strategy)(rng_next(&s) % PL_STRATEGY_COUNT);
+    f.pb.replicas = 1 + rng_next(&s) % 4;
+    f.pb.format = (pl_wformat)(rng_next(&s) % PL_WF_COUNT);
+    uint64_t eb1 = pl_expert_bytes(f.pb.format, f.pb.hidden, f.pb.inter, 1);
+    uint32_t moe = 0;
+    for (uint32_t l = 0; l < L; l++) moe += f.is_moe[l];
+    uint32_t hot = (uint32_t)(rng_next(&s) % (moe * E / 2 + 1));
+    f.pb.gpu_bytes = hot * eb1 + rng_next(&s) % eb1;
+    double room = 0.6 + (double)(rng_next(&s) % 141) / 100.0;
+    bool bounded = rng_next(&s) % 3 != 0;
+    for (uint32_t h = 0; h < S; h++) {
+      f.hosts[h].numa_nodes = 1 + rng_next(&s) % 3;
+      f.hosts[h].speed = 0.5 + (double)(rng_next(&s) % 20) / 10.0;
+      f.hosts[h].capacity = bounded ? (uint64_t)(room * (moe * E - hot) / S + 1) * ebytes(&f, h) : 0;
+    }
+    uint64_t *cnt = make_counts(L, E, (double)(rng_next(&s) % 25) / 10.0, 1000 + rng_next(&s) % 100000,
+                                rng_next(&s), f.is_moe);
+    f.pb.counts = rng_next(&s) % 5 ? cnt : NULL;
+    mr_err e = {0};
+    pl_plan *p = NULL;
+    int rc = pl_plan_make(&f.pb, &p, &e);
+    /* Fits iff the hosts hold one copy of every cold pair. */
+    uint64_t slots = 0;
+    for (uint32_t h = 0; h < S; h++) slots += f.hosts[h].capacity / ebytes(&f, h);
+    bool fits = !bounded || slots >= (uint64_t)moe * E - hot;
+    if (!fits) {
+      MT_EQ_INT(rc, MR_EEXHAUSTED);
+      refused++;
+      free(cnt);
+      continue;
+    }
+    MT_OK(rc, &e);
+    MT_EQ_INT(check_plan(&f, p), 0);
+    MT_EQ_INT(p->n_local, hot);
+    if (f.pb.strategy == PL_STRATEGY_BALANCED && rng_next(&s) % 2) {
+      /* Its own output as --current, same stats: nothing moves. */
+      char *txt = NULL;
+      mr_placement cur;
+      MT_OK(pl_plan_json(p, &txt, &e), &e);
+      MT_OK(mr_placement_parse(&cur, txt, strlen(txt), "cur", &e), &e);
+      f.pb.current = &cur;
+      pl_plan *q = NULL;
+      MT_OK(pl_plan_make(&f.pb, &q, &e), &e);
+      MT_EQ_INT(check_plan(&f, q), 0);
+      for (uint32_t h = 0; h < S; h++) MT_EQ_INT(q->bytes_in[h] + q->bytes_out[h], 0);
+      pl_plan_free(q);
+      f.pb.current = NULL;
+      mr_placement_close(&cur);
+      mr_free(txt);
+    }
+    pl_plan_free(p);
+    planned++;
+    free(cnt);
+  }
+  fprintf(stderr, "  %d planned, %d refused (do not fit)\n", planned, refused);
+  MT_TRUE(planned > 80 && refused > 5);
+}
+
 MT_MAIN()
