@@ -268,6 +268,11 @@ int pl_cmd_plan(int argc, char **argv) {
     pb.current = &cur;
   }
   const char *fp = a.fingerprint ? a.fingerprint : st.model_fingerprint[0] ? st.model_fingerprint : model_fp;
+  if (have_cur && fp[0] && cur.model_fingerprint[0] && strcmp(fp, cur.model_fingerprint) != 0) {
+    rc = mr_err_set(&e, MR_EMISMATCH, "%s: model_fingerprint = \"%s\", the plan is for \"%s\": "
+                    "a placement of another model", a.current, cur.model_fingerprint, fp);
+    goto fail;
+  }
   snprintf(pb.model_fingerprint, sizeof pb.model_fingerprint, "%s", fp);
   mr_log(MR_LOG_INFO, "plan: %s, %u layers x %u experts (H %u, I %u), %s, %u hosts, %s%s",
          pl_strategy_name(a.strategy), cfg.num_layers, cfg.num_experts, cfg.hidden_size,

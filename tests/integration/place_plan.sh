@@ -12,7 +12,8 @@
 #   diff_counts_moves            diff uniform -> balanced: exit 0, per-server lines, a
 #                                summary naming the bytes (--model)
 #   bad_inputs                   stats of another shape, a cluster without servers, a
-#                                --current naming a server not in the cluster, a plan that
+#                                --current naming a server not in the cluster or of another
+#                                model (fingerprint), a plan that
 #                                cannot fit (bytes needed and available named), placements
 #                                of two shapes: exit 1 with the field named; bad flags exit 2
 set -uo pipefail
@@ -129,11 +130,13 @@ for s in c['servers']: s['expert_memory'] = '1M'
 json.dump(c, open(sys.argv[2], 'w'))
 PY
 sed 's/"s1"/"zz"/' "$tmp/bal.json" >"$tmp/zz.json"
+sed 's/"model_fingerprint":[^,]*,/"model_fingerprint": "00000000deadbeef",/' "$tmp/bal.json" >"$tmp/fp.json"
 "$BIN/moerpc-mkmodel" --out "$tmp/m8" --seed 1 --experts 8 --topk 2 >/dev/null 2>&1
 "$P" plan --model "$tmp/m8" --cluster "$cl" -o "$tmp/p8.json" 2>/dev/null
 expect shape 1 "num_layers = 3, num_experts = 16, the model" "$P" plan --model "$tmp/m" --cluster "$cl" --stats "$tmp/stats3.json"
 expect no_servers 1 "servers has 0 entries, must have 1..256" "$P" plan --model "$tmp/m" --cluster "$tmp/empty.json"
 expect unknown_server 1 "server \"zz\" is not in the cluster" "$P" plan --model "$tmp/m" --cluster "$cl" --current "$tmp/zz.json"
+expect current_other_model 1 "a placement of another model" "$P" plan --model "$tmp/m" --cluster "$cl" --current "$tmp/fp.json"
 expect no_fit 1 "plan does not fit: 64 cold experts" "$P" plan --model "$tmp/m" --cluster "$tmp/tiny.json"
 expect no_fit_bytes 1 "the hosts' expert_memory is 2097152 bytes" "$P" plan --model "$tmp/m" --cluster "$tmp/tiny.json"
 expect diff_shapes 1 "not the same model" "$P" diff "$tmp/bal.json" "$tmp/p8.json"
