@@ -361,9 +361,9 @@ static int check_fit(const work *w, mr_err *e) {
 
 /* ---- cold placement: contiguous blocks (the kt-parity strategies, and "uniform") ------ */
 
-static void cold_blocks(work *w) {
+static int cold_blocks(work *w, mr_err *e) {
   uint32_t *q = mr_malloc(w->S * sizeof *q);
-  MR_ASSERT(q);
+  if (!q) return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
   for (uint32_t l = 0; l < w->L; l++) {
     if (!is_moe(w, l)) continue;
     uint32_t n = 0;
@@ -394,6 +394,7 @@ static void cold_blocks(work *w) {
     }
   }
   mr_free(q);
+  return 0;
 }
 
 /* ---- cold placement: balanced --------------------------------------------------------- */
@@ -410,11 +411,16 @@ static int cmp_heavy(const void *a, const void *b, void *ctx) {
  * each onto the host whose layer load grows least; a layer may use at most its
  * proportional share of each host's free slots, so that early layers do not take the
  * room later layers need. */
-static void cold_lpt(work *w) {
+static int cold_lpt(work *w, mr_err *e) {
   uint32_t *ord = mr_malloc(w->E * sizeof *ord);
   uint64_t *quota = mr_malloc(w->S * sizeof *quota);
   uint32_t *inl = mr_malloc(w->S * sizeof *inl);
-  MR_ASSERT(ord && quota && inl);
+  if (!ord || !quota || !inl) {
+    mr_free(ord);
+    mr_free(quota);
+    mr_free(inl);
+    return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  }
   uint64_t remaining = 0;
   double tot[MR_PLACEMENT_MAX_SERVERS] = {0}; /* hosts' totals so far: ties go to the lighter */
   for (size_t i = 0; i < w->P; i++)
@@ -471,6 +477,7 @@ static void cold_lpt(work *w) {
   mr_free(inl);
   mr_free(quota);
   mr_free(ord);
+  return 0;
 }
 
 /* Local search in one layer over single-copy pairs: move a pair off the busiest host, or
@@ -662,12 +669,16 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
 
 /* Replicas in rounds over the layers, one per layer per round, while there is room and
  * they help; `good` per layer (NULL: none). */
-static void replicas(work *w, const double *good) {
-  if (w->R <= 1) return;
+static int replicas(work *w, const double *good, mr_err *e) {
+  if (w->R <= 1) return 0;
   layer_snap snap;
   snap.nc = mr_malloc(w->E);
   snap.hs = mr_malloc((size_t)w->E * w->R * sizeof *snap.hs);
-  MR_ASSERT(snap.nc && snap.hs); /* small; the plan's own arrays are far larger */
+  if (!snap.nc || !snap.hs) {
+    mr_free(snap.nc);
+    mr_free(snap.hs);
+    return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  }
   for (uint32_t round = 0; round < w->E * w->R; round++) {
     bool any = false;
     for (uint32_t l = 0; l < w->L; l++)
@@ -676,6 +687,7 @@ static void replicas(work *w, const double *good) {
   }
   mr_free(snap.nc);
   mr_free(snap.hs);
+  return 0;
 }
 
 /* Evens the hosts' totals without raising any layer's max: moves or swaps of single-copy
@@ -751,12 +763,14 @@ static void total_balance(work *w) {
   }
 }
 
-static void balanced_cold(work *w, const double *good) {
-  cold_lpt(w);
+static int balanced_cold(work *w, const double *good, mr_err *e) {
+  int rc = cold_lpt(w, e);
+  if (rc) return rc;
   for (uint32_t l = 0; l < w->L; l++)
     if (is_moe(w, l)) local_search(w, l, good ? good[l] : 0);
-  replicas(w, good);
+  if ((rc = replicas(w, good, e))) return rc;
   if (!good) total_balance(w); /* with --current: no moves beyond what balance needs */
+  return 0;
 }
 
 /* ---- the current placement ----------------------------------------------------------- */
@@ -933,9 +947,9 @@ static int run_strategy(work *w, const mr_placement *cur, const int32_t *map,
   if (!rc) {
     if (st == PL_STRATEGY_BALANCED) {
       if (cur) seed_current(w, cur, map);
-      balanced_cold(w, good);
+      rc = balanced_cold(w, good, e);
     } else {
-      cold_blocks(w);
+      rc = cold_blocks(w, e);
     }
   }
   w->pb = pb;
