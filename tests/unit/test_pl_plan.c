@@ -599,4 +599,58 @@ MT_TEST(random_problems) {
   MT_TRUE(planned > 80 && refused > 5);
 }
 
+/* Every allocation of pl_plan_make and pl_plan_json may fail: MR_ENOMEM, no plan, no
+ * crash (and no leak under ASan), until there is enough memory and the plan is the same. */
+MT_TEST(allocation_failures) {
+  static fixture f;
+  fx_init(&f, 4, 16, 3);
+  uint64_t *cnt = make_counts(4, 16, 1.5, 5000, 3, NULL);
+  f.pb.counts = cnt;
+  f.pb.replicas = 2;
+  f.pb.gpu_bytes = 4 * pl_expert_bytes(f.pb.format, f.pb.hidden, f.pb.inter, 1);
+  mr_err e = {0};
+  pl_plan *ref = NULL;
+  char *want = NULL;
+  MT_OK(pl_plan_make(&f.pb, &ref, &e), &e);
+  MT_OK(pl_plan_json(ref, &want, &e), &e);
+  int failures = 0;
+  for (long n = 1; n < 200; n++) {
+    pl_plan *p = NULL;
+    mr_alloc_fail_after(n);
+    int rc = pl_plan_make(&f.pb, &p, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) {
+      char *got = NULL;
+      MT_OK(pl_plan_json(p, &got, &e), &e);
+      MT_EQ_STR(got, want);
+      mr_free(got);
+      pl_plan_free(p);
+      break;
+    }
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_TRUE(p == NULL);
+    failures++;
+  }
+  MT_TRUE(failures >= 10);
+  int jf = 0;
+  for (long n = 1; n < 50; n++) {
+    char *got = NULL;
+    mr_alloc_fail_after(n);
+    int rc = pl_plan_json(ref, &got, &e);
+    mr_alloc_fail_after(0);
+    if (rc == 0) {
+      mr_free(got);
+      break;
+    }
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_TRUE(got == NULL);
+    jf++;
+  }
+  MT_TRUE(jf >= 2);
+  fprintf(stderr, "  %d failing allocations in pl_plan_make, %d in pl_plan_json\n", failures, jf);
+  mr_free(want);
+  pl_plan_free(ref);
+  free(cnt);
+}
+
 MT_MAIN()
