@@ -274,6 +274,16 @@ int pl_cmd_plan(int argc, char **argv) {
     goto fail;
   }
   snprintf(pb.model_fingerprint, sizeof pb.model_fingerprint, "%s", fp);
+  if (have_cur && a.stats && cur.n_local > 0 && cur.num_layers == st.num_layers &&
+      cur.num_experts == st.num_experts) {
+    uint64_t hot_tokens = 0;
+    for (size_t i = 0; i < (size_t)st.num_layers * st.num_experts; i++)
+      if (cur.local[i]) hot_tokens += st.counts[i];
+    if (hot_tokens == 0)
+      mr_log(MR_LOG_WARN, "plan: %s counts no token for the %llu local experts of %s (servers' "
+             "counts only? collect with moerpc-place stats --client): they plan as unused",
+             a.stats, (unsigned long long)cur.n_local, a.current);
+  }
   mr_log(MR_LOG_INFO, "plan: %s, %u layers x %u experts (H %u, I %u), %s, %u hosts, %s%s",
          pl_strategy_name(a.strategy), cfg.num_layers, cfg.num_experts, cfg.hidden_size,
          cfg.moe_intermediate, pl_wformat_name(a.format), cf.n_servers,
