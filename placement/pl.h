@@ -186,7 +186,9 @@ void pl_plan_free(pl_plan *p); /* NULL is a no-op */
  * every MoE layer with its "local" set and "remote" {host: set}; a pair with k copies is
  * listed under k hosts. */
 int pl_plan_json(const pl_plan *p, char **out, mr_err *e);
-/* Writes pl_plan_json to path atomically (tmp + rename), or to stdout when path is "-". */
+/* Writes pl_plan_json to path atomically (path.tmp.PID + rename) when path is a regular file
+ * or does not exist; in place when it is anything else (a device such as /dev/null, a FIFO,
+ * a symlink), which a rename would replace; to stdout when path is "-". */
 int pl_plan_write(const pl_plan *p, const char *path, mr_err *e);
 
 /* `moerpc-place plan ...` and `moerpc-place diff A B ...` (exit 0 ok, 1 failure, 2 usage). */

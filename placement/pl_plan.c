@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* ---- names --------------------------------------------------------------------------- */
@@ -1186,6 +1187,21 @@ int pl_plan_write(const pl_plan *p, const char *path, mr_err *e) {
   if (strcmp(path, "-") == 0) {
     if (fwrite(txt, 1, n, stdout) != n || fflush(stdout) != 0)
       rc = mr_err_set(e, MR_EIO, "stdout: write failed: %s", strerror(errno));
+    mr_free(txt);
+    return rc;
+  }
+  /* Atomic (tmp + rename) only onto a regular file or a new name: renaming over a device
+   * ("-o /dev/null"), a FIFO or a symlink would replace it, so those are written in place. */
+  struct stat sb;
+  if (lstat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+    FILE *f = fopen(path, "w");
+    if (!f) {
+      rc = mr_err_set(e, MR_EIO, "-o %s: cannot open: %s", path, strerror(errno));
+    } else {
+      bool ok = fwrite(txt, 1, n, f) == n;
+      ok = fclose(f) == 0 && ok;
+      if (!ok) rc = mr_err_set(e, MR_EIO, "-o %s: write failed: %s", path, strerror(errno));
+    }
     mr_free(txt);
     return rc;
   }

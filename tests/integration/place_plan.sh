@@ -11,6 +11,7 @@
 #                                load or drop on every host; diff says "identical"
 #   diff_counts_moves            diff uniform -> balanced: exit 0, per-server lines, a
 #                                summary naming the bytes (--model)
+#   output_in_place              -o onto a symlink writes through it (no rename over it)
 #   bad_inputs                   stats of another shape, a cluster without servers, a
 #                                --current naming a server not in the cluster or of another
 #                                model (fingerprint), a plan that
@@ -107,6 +108,13 @@ else bad current_moves_nothing "$(grep '^plan:' "$tmp/plan2.err")"; fi
 if [ $rc -eq 0 ] && grep -q '^server s0: +[0-9]* pairs' "$tmp/diff.out" &&
    grep -q '^local: +' "$tmp/diff.out" && grep -Eq '^diff: [1-9][0-9]* server copies added on [12] servers, [0-9]+ bytes to load' "$tmp/diff.out"
 then ok diff_counts_moves; else bad diff_counts_moves "exit $rc: $(tail -n 3 "$tmp/diff.out")"; fi
+
+# --- output_in_place: -o onto a symlink writes through it (a rename would replace the
+# link; the same rule keeps "-o /dev/null" a device)
+ln -s "$tmp/target.json" "$tmp/link.json"
+if "$P" plan --model "$tmp/m" --cluster "$cl" -o "$tmp/link.json" 2>/dev/null && [ -L "$tmp/link.json" ] &&
+   grep -q '"moerpc-placement"' "$tmp/target.json"; then ok output_in_place
+else bad output_in_place "link replaced or target not written"; fi
 
 # --- bad_inputs
 all=1
