@@ -137,6 +137,8 @@ uint64_t pl_expert_bytes(pl_wformat f, uint32_t H, uint32_t I, uint32_t n) {
 
 /* ---- working state ------------------------------------------------------------------- */
 
+static inline double dmax(double a, double b) { return a > b ? a : b; } /* no libm call */
+
 #define NONE16 0xffffu
 
 typedef struct work {
@@ -523,9 +525,9 @@ static void local_search(work *w, uint32_t l, double good) {
       double wp = w->w[p];
       if (wp <= 0) continue;
       for (uint32_t b = 0; b < S; b++) {
-        if (b == a) continue;
+        if (b == a || ll[b] >= best) continue; /* b at the max: no move onto it helps */
         if (has_room(w, b)) {
-          double m = fmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]);
+          double m = dmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]);
           if (m < best) {
             best = m;
             bp = p;
@@ -537,7 +539,7 @@ static void local_search(work *w, uint32_t l, double good) {
           size_t q = bk[qb];
           double wq = w->w[q];
           if (wq >= wp) continue;
-          double m = fmax(amax - wp * w->k[a] + wq * w->k[a], ll[b] - wq * w->k[b] + wp * w->k[b]);
+          double m = dmax(amax - wp * w->k[a] + wq * w->k[a], ll[b] - wq * w->k[b] + wp * w->k[b]);
           if (m < best) {
             best = m;
             bp = p;
@@ -616,6 +618,12 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
     if (ll[h] > ll[a]) a = h;
   double amax = ll[a];
   if (amax <= good || amax <= 0) return false;
+  /* No placement of the layer's tokens beats sum(tokens) / sum(1 / k): at that bound,
+   * copies cannot help. */
+  double tokens = 0, inv = 0;
+  for (uint32_t x = 0; x < E; x++) tokens += w->nc[(size_t)l * E + x] ? w->w[(size_t)l * E + x] : 0;
+  for (uint32_t h = 0; h < S; h++) inv += 1.0 / w->k[h];
+  if (amax <= tokens / inv * (1 + 1e-6)) return false;
   /* The few heaviest shares on a (that may get another copy). */
   enum { CAND = 3, TRY_HOSTS = 2 };
   size_t cand[CAND];
@@ -680,12 +688,24 @@ static int replicas(work *w, const double *good, mr_err *e) {
     mr_free(snap.hs);
     return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
   }
+  /* A layer whose step failed is not tried again: it has not changed since, and the room
+   * of the others only shrinks. */
+  uint8_t *done = mr_calloc(w->L, 1);
+  if (!done) {
+    mr_free(snap.nc);
+    mr_free(snap.hs);
+    return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  }
   for (uint32_t round = 0; round < w->E * w->R; round++) {
     bool any = false;
-    for (uint32_t l = 0; l < w->L; l++)
-      if (is_moe(w, l) && replica_step(w, l, good ? good[l] : 0, &snap)) any = true;
+    for (uint32_t l = 0; l < w->L; l++) {
+      if (!is_moe(w, l) || done[l]) continue;
+      if (replica_step(w, l, good ? good[l] : 0, &snap)) any = true;
+      else done[l] = 1;
+    }
     if (!any) break;
   }
+  mr_free(done);
   mr_free(snap.nc);
   mr_free(snap.hs);
   return 0;
@@ -696,18 +716,22 @@ static int replicas(work *w, const double *good, mr_err *e) {
  * at or under that layer's max. (Per-layer balance leaves the totals free: in a skewed
  * layer the host holding its heaviest pair carries the max while the others may take any
  * of the rest.) */
-static void total_balance(work *w) {
+static void total_balance(work *w, double target) {
   const uint32_t S = w->S;
-  double T[MR_PLACEMENT_MAX_SERVERS];
+  double T[MR_PLACEMENT_MAX_SERVERS], sum = 0;
   for (uint32_t h = 0; h < S; h++) T[h] = 0;
   for (uint32_t l = 0; l < w->L; l++)
     for (uint32_t h = 0; h < S; h++) T[h] += w->lload[(size_t)l * S + h];
+  for (uint32_t h = 0; h < S; h++) sum += T[h];
+  uint32_t start = 0;
   for (uint32_t iter = 0; iter < 4 * w->L * S; iter++) {
     uint32_t a = 0;
     for (uint32_t h = 1; h < S; h++)
       if (T[h] > T[a]) a = h;
+    if (sum <= 0 || T[a] / (sum / S) <= target) return; /* moves keep the sum */
     bool done = false;
-    for (uint32_t l = 0; l < w->L && !done; l++) {
+    for (uint32_t k = 0; k < w->L && !done; k++) {
+      uint32_t l = (start + k) % w->L; /* from the layer of the last move on */
       if (!is_moe(w, l)) continue;
       double *ll = w->lload + (size_t)l * S, lm = layer_max(w, l) * (1 + 1e-12);
       double best = T[a] * (1 - 1e-9);
@@ -720,10 +744,10 @@ static void total_balance(work *w) {
         if (w->w[p] <= 0) continue;
         double ca = w->w[p] * w->k[a];
         for (uint32_t b = 0; b < S; b++) {
-          if (b == a) continue;
+          if (b == a || T[b] >= best) continue;
           double cb = w->w[p] * w->k[b];
           if (has_room(w, b) && ll[b] + cb <= lm) {
-            double m = fmax(T[a] - ca, T[b] + cb);
+            double m = dmax(T[a] - ca, T[b] + cb);
             if (m < best) {
               best = m;
               bp = p;
@@ -736,7 +760,7 @@ static void total_balance(work *w) {
             if (w->w[q] >= w->w[p]) continue;
             double qa = w->w[q] * w->k[a], qc = w->w[q] * w->k[b];
             if (ll[a] - ca + qa > lm || ll[b] - qc + cb > lm) continue;
-            double m = fmax(T[a] - ca + qa, T[b] - qc + cb);
+            double m = dmax(T[a] - ca + qa, T[b] - qc + cb);
             if (m < best) {
               best = m;
               bp = p;
@@ -759,6 +783,7 @@ static void total_balance(work *w) {
       }
       for (uint32_t h = 0; h < S; h++) T[h] += ll[h];
       done = true;
+      start = l;
     }
     if (!done) return;
   }
@@ -770,7 +795,7 @@ static int balanced_cold(work *w, const double *good, mr_err *e) {
   for (uint32_t l = 0; l < w->L; l++)
     if (is_moe(w, l)) local_search(w, l, good ? good[l] : 0);
   if ((rc = replicas(w, good, e))) return rc;
-  if (!good) total_balance(w); /* with --current: no moves beyond what balance needs */
+  if (!good) total_balance(w, 0); /* with --current: pl_plan_make decides */
   return 0;
 }
 
@@ -1010,7 +1035,8 @@ int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
   if (pb->strategy == PL_STRATEGY_BALANCED && pb->current) {
     /* Fewest moves: start from the current copies and improve each layer only until it is
      * within the tolerance of the fresh plan's; keep that if its step load is too. */
-    double fresh = step_of(&w, lmax);
+    double fresh = step_of(&w, lmax), fresh_imb, tot2[MR_PLACEMENT_MAX_SERVERS], st2;
+    work_eval(w.lload, w.L, w.S, &st2, &fresh_imb, tot2);
     for (uint32_t l = 0; l < w.L; l++) lmax[l] *= 1 + pb->tolerance;
     work fw = w; /* keep the fresh assignment aside */
     uint8_t *fl = mr_malloc(w.P), *fn = mr_malloc(w.P);
@@ -1035,6 +1061,8 @@ int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
       mr_free(fll);
       goto out;
     }
+    /* The totals too, but only as far as the tolerance asks (each move costs bytes). */
+    total_balance(&w, fresh_imb * (1 + pb->tolerance));
     double sticky = step_of(&w, NULL);
     if (sticky <= fresh * (1 + pb->tolerance)) {
       p->kept_current = true;
