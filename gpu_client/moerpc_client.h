@@ -364,10 +364,12 @@ void gc_stats_close(gc_stats *s);
  * once, with its layer). Two spans: since open (or gc_routing_reset) and a sliding window
  * of the last gc_options.routing_window steps, where a step ends with the call for the
  * last MoE layer (the highest layer any server, local or caller expert covers). The window
- * is a ring of GC_ROUTING_BUCKETS + 1 buckets of ceil(window / GC_ROUTING_BUCKETS) steps:
- * a count stays at least `window` steps and leaves within window + window/16 steps; the
+ * is a ring of nb + 1 buckets of ceil(window / nb) steps, nb = min(GC_ROUTING_BUCKETS,
+ * window): a count stays at least `window` steps and leaves within window + window/nb
+ * (rounded up) steps; the
  * snapshot says exactly how many steps and tokens it covers. Cost per call: a read lock
- * and two relaxed atomic adds per slot, no allocation. Memory: (BUCKETS + 2) x L x E x 8
+ * and one relaxed atomic add per slot (a call with many slots per expert counts on the
+ * stack first: one add per expert), no allocation. Memory: (BUCKETS + 2) x L x E x 8
  * bytes (2.2 MB for 61 x 256). Any thread.
  */
 typedef struct gc_routing gc_routing;

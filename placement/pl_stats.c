@@ -57,6 +57,8 @@ int pl_stats_source_add(pl_stats *s, const char *name, mr_err *e) {
   if (n == 0 || n >= sizeof s->sources[0])
     return mr_err_set(e, MR_ERANGE, "stats: source \"%.64s\" has %zu characters, must be 1..%zu",
                       name, n, sizeof s->sources[0] - 1);
+  for (uint32_t i = 0; i < s->n_sources; i++)
+    if (strcmp(s->sources[i], name) == 0) return 0; /* listed once */
   if (s->n_sources >= PL_STATS_MAX_SOURCES)
     return mr_err_set(e, MR_ERANGE, "stats: more than %u sources", PL_STATS_MAX_SOURCES);
   memcpy(s->sources[s->n_sources++], name, n + 1);
