@@ -118,6 +118,7 @@ BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc
        $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay \
        $(BUILD)/bin/moerpc-place
 
+BINS += $(BUILD)/bin/moerpc-bench-place
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
 FUZZ_SRC   = $(wildcard tests/fuzz/fuzz_*.c)
@@ -189,6 +190,10 @@ $(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+# The planner's benchmark (tests/bench/bench_place.c, moerpc-place plan's speed).
+$(BUILD)/bin/moerpc-bench-place: $(BUILD)/obj/tests/bench/bench_place.o $(LIB_PL) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)

@@ -7,7 +7,9 @@
  *     "failover_ms": 1000,                         optional, 1..600000 (0 / absent: the
  *                                                  client's default, min(deadline/4, 1 s))
  *     "servers": [{"name": "s0", "address": "10.0.0.5:50051"},
- *                 {"name": "s1", "address": "[fd00::7]:50051"}],
+ *                 {"name": "s1", "address": "[fd00::7]:50051",
+ *                  "expert_memory": "64G", "numa_nodes": 2, "speed": 1.5}],
+ *                                                  the last three optional, for planning
  *     "local": {"layers": "all", "experts": "0-3"} optional
  *     "tls": {"ca": FILE, "cert": FILE, "key": FILE, "server_name": STR}  optional, each key
  *                                                  optional; cert and key together
@@ -99,9 +101,83 @@ static int cluster_address(const char *a, const char *label, const char *field, 
   return 0;
 }
 
+int mr_size_parse(const char *s, const char *what, uint64_t *out, mr_err *e) {
+  static const char rule[] = "must be a byte count: digits with an optional K, M, G, T or P "
+                             "suffix (x 1024^n), e.g. \"64G\"";
+  const char *p = s;
+  uint64_t v = 0;
+  if (*p < '0' || *p > '9') return mr_err_set(e, MR_EINVAL, "%s = \"%s\", %s", what, s, rule);
+  for (; *p >= '0' && *p <= '9'; p++) {
+    if (v > (MR_CLUSTER_MAX_EXPERT_MEMORY - (uint64_t)(*p - '0')) / 10)
+      return mr_err_set(e, MR_ERANGE, "%s = \"%s\", at most 2^50 bytes (1P)", what, s);
+    v = v * 10 + (uint64_t)(*p - '0');
+  }
+  unsigned shift = 0;
+  if (*p) {
+    static const char units[] = "KMGTP";
+    const char *u = strchr(units, *p >= 'a' && *p <= 'z' ? *p - 'a' + 'A' : *p);
+    if (!u || !*u) return mr_err_set(e, MR_EINVAL, "%s = \"%s\", %s", what, s, rule);
+    shift = 10u * (unsigned)(u - units + 1);
+    p++;
+    if (*p == 'i') p++;
+    if (*p == 'B' || *p == 'b') p++;
+    if (*p) return mr_err_set(e, MR_EINVAL, "%s = \"%s\", %s", what, s, rule);
+  }
+  if (shift && v > (MR_CLUSTER_MAX_EXPERT_MEMORY >> shift))
+    return mr_err_set(e, MR_ERANGE, "%s = \"%s\", at most 2^50 bytes (1P)", what, s);
+  v <<= shift;
+  if (v == 0 || v > MR_CLUSTER_MAX_EXPERT_MEMORY)
+    return mr_err_set(e, MR_ERANGE, "%s = \"%s\", must be 1..2^50 bytes", what, s);
+  *out = v;
+  return 0;
+}
+
+/* The optional planning keys of a server (expert_memory, numa_nodes, speed). */
+static int cluster_server_plan(const cJSON *s, const char *where, const char *label,
+                               mr_cluster_server *out, mr_err *e) {
+  char field[96];
+  int rc;
+  out->speed = 1.0;
+  const cJSON *jm = cJSON_GetObjectItemCaseSensitive(s, "expert_memory");
+  if (jm) {
+    snprintf(field, sizeof field, "%s.expert_memory", where);
+    if (cJSON_IsString(jm)) {
+      char what[160];
+      snprintf(what, sizeof what, "%s: %s", label, field);
+      if ((rc = mr_size_parse(jm->valuestring, what, &out->expert_memory, e))) return rc;
+    } else if ((rc = mr__json_u64(jm, label, field, 1, MR_CLUSTER_MAX_EXPERT_MEMORY,
+                                  &out->expert_memory, e))) {
+      return rc;
+    }
+  }
+  const cJSON *jn = cJSON_GetObjectItemCaseSensitive(s, "numa_nodes");
+  if (jn) {
+    uint64_t v;
+    snprintf(field, sizeof field, "%s.numa_nodes", where);
+    if ((rc = mr__json_u64(jn, label, field, 1, MR_CLUSTER_MAX_NUMA_NODES, &v, e))) return rc;
+    out->numa_nodes = (uint32_t)v;
+  }
+  const cJSON *jv = cJSON_GetObjectItemCaseSensitive(s, "speed");
+  if (jv) {
+    snprintf(field, sizeof field, "%s.speed", where);
+    /* !(d > 0) also refuses NaN, which cJSON never produces but a future parser might. */
+    double d = cJSON_IsNumber(jv) ? jv->valuedouble : 0;
+    if (!cJSON_IsNumber(jv) || !(d > 0) || d > MR_CLUSTER_MAX_SPEED) {
+      char desc[96];
+      mr__json_describe(jv, desc, sizeof desc);
+      return mr_err_set(e, cJSON_IsNumber(jv) ? MR_ERANGE : MR_EFORMAT,
+                        "%s: %s = %s, must be a number > 0 and <= 1e6 (relative kernel "
+                        "throughput, 1 = the reference host)", label, field, desc);
+    }
+    out->speed = d;
+  }
+  return 0;
+}
+
 static int cluster_server(const cJSON *s, size_t i, const char *label, mr_cluster_server *out,
                           mr_err *e) {
-  static const char *const keys[] = {"name", "address", NULL};
+  static const char *const keys[] = {"name", "address", "expert_memory", "numa_nodes", "speed",
+                                     NULL};
   char where[48], field[64];
   snprintf(where, sizeof where, "servers[%zu]", i);
   if (!cJSON_IsObject(s)) {
@@ -127,7 +203,8 @@ static int cluster_server(const cJSON *s, size_t i, const char *label, mr_cluste
   rc = cluster_str(cJSON_GetObjectItemCaseSensitive(s, "address"), label, field, out->address,
                    sizeof out->address, true, e);
   if (rc) return rc;
-  return cluster_address(out->address, label, field, e);
+  if ((rc = cluster_address(out->address, label, field, e))) return rc;
+  return cluster_server_plan(s, where, label, out, e);
 }
 
 static int cluster_local(const cJSON *local, const char *label, mr_cluster_file *c, mr_err *e) {

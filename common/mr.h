@@ -393,6 +393,10 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
  *                                                 optional, cert and key together
  *   "token_file": "token"                         optional: bearer token sent on every call
  * }
+ * Each server may also carry planning keys (read by moerpc-place, ignored by the client):
+ *   "expert_memory": 68719476736 or "64G"  bytes for expert weights (1..2^50)
+ *   "numa_nodes": 2                         NUMA nodes its engine splits experts over (1..64)
+ *   "speed": 1.5                            relative kernel throughput (> 0, <= 1e6; default 1)
  * Paths are used as written (relative ones from the client's working directory); the files
  * are read when the cluster is opened.
  */
@@ -401,10 +405,25 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
  * client's own deadline options): 5 s and 10 minutes. */
 #define MR_CLUSTER_DEFAULT_DEADLINE_MS 5000u
 #define MR_CLUSTER_MAX_DEADLINE_MS 600000u
+/* Bounds of the planning keys of a server (moerpc-place plan / simulate; the client
+ * ignores them). */
+#define MR_CLUSTER_MAX_EXPERT_MEMORY (1ull << 50) /* 1 PiB */
+#define MR_CLUSTER_MAX_NUMA_NODES 64u
+#define MR_CLUSTER_MAX_SPEED 1e6
 typedef struct mr_cluster_server {
   char name[64];
   char address[256]; /* host:port, passed to gRPC as "ipv4:" / "ipv6:" / dns target */
+  /* Planning keys, all optional: */
+  uint64_t expert_memory; /* "expert_memory": bytes for expert weights; 0 = not given
+                             (unbounded). A number or "64G" (mr_size_parse) */
+  uint32_t numa_nodes;    /* "numa_nodes": 1..MR_CLUSTER_MAX_NUMA_NODES; 0 = not given (1) */
+  double speed;           /* "speed": relative kernel throughput, > 0; 1.0 when absent */
 } mr_cluster_server;
+/* Parses a byte count: decimal digits with an optional binary suffix K, M, G, T or P
+ * (x 1024^n; upper or lower case, optionally followed by "B" or "iB": "64G", "512MiB",
+ * "1024"). Values above MR_CLUSTER_MAX_EXPERT_MEMORY, empty strings, fractions and
+ * anything else are refused with "<what> = \"<s>\", <the rule>" (MR_EINVAL / MR_ERANGE). */
+int mr_size_parse(const char *s, const char *what, uint64_t *out, mr_err *e);
 typedef struct mr_cluster_file {
   char model[1024];        /* "" if absent */
   uint32_t deadline_ms;
@@ -441,14 +460,28 @@ int mr_cluster_parse(mr_cluster_file *c, const char *json, size_t len, const cha
  *   ]
  * }
  * Layers not listed have no local expert and default routing (the first server of the
- * cluster file that announces the pair). A pair may be local or on one server, not both.
+ * cluster file that announces the pair). A pair is either local or remote, not both. A pair
+ * listed under several servers of one layer's "remote" has replicas (one copy on each):
+ * its route is -1, so that the client's default rule applies (the least-loaded live
+ * replica among the servers announcing it); with one server, route names it. Files
+ * without replicas read exactly as before (version 1 either way).
  */
 #define MR_PLACEMENT_MAX_SERVERS MR_CLUSTER_MAX_SERVERS
+/* Most (pair, server) entries of all "remote" sets together (refused beyond, MR_ERANGE). */
+#define MR_PLACEMENT_MAX_COPIES (1u << 23)
 typedef struct mr_placement {
   uint32_t num_layers, num_experts;
   char model_fingerprint[64];  /* "" when absent */
   uint8_t *local;              /* [L * E] 1 = the client computes it (owned) */
-  int32_t *route;              /* [L * E] index into server[] or -1 (owned) */
+  int32_t *route;              /* [L * E] the one server (index into server[]) holding the
+                                  pair, or -1: not remote, or replicated (copies > 1) (owned) */
+  uint16_t *copies;            /* [L * E] servers listing the pair (0 = local / not listed) */
+  uint32_t *rep_off;           /* [L * E + 1] pair i's servers are rep[rep_off[i] ..
+                                  rep_off[i + 1]), in file order (owned) */
+  int32_t *rep;                /* [n_copies] indices into server[] (owned) */
+  uint64_t n_copies;           /* (pair, server) entries = sum of copies */
+  uint64_t n_single;           /* pairs on exactly one server */
+  uint64_t n_replicated;       /* pairs on two or more servers */
   uint32_t n_servers;          /* distinct server names used in "remote" */
   char (*server)[64];          /* [n_servers] names, in order of first use (owned) */
   uint64_t n_local;            /* pairs marked local */

@@ -3,8 +3,11 @@
  * pairs the client computes and which server computes the others.
  *
  * Like the cluster file, unknown or duplicate keys are errors, every id set is checked
- * against num_experts, and a pair named twice (local and remote, or on two servers) is
- * refused with both places named, before anything is routed.
+ * against num_experts, and a pair both local and remote is refused with both places
+ * named, before anything is routed. A pair listed under several servers of a layer's
+ * "remote" has replicas: route[] is -1 for it (the client's default rule picks the
+ * least-loaded live replica among the servers announcing it) and rep_off/rep list the
+ * servers in file order.
  */
 #include "common/internal.h"
 
@@ -18,12 +21,30 @@
 /* Most (layer, expert) pairs: 16x Kimi-K2's 61 x 384, and a bound on what a hostile file can
  * make us allocate (5 bytes a pair). */
 #define PLACEMENT_MAX_PAIRS (1u << 22)
+/* Most (pair, server) entries over all layers: 2x the pair bound, so that every pair of the
+ * largest file may have two copies; 8 bytes an entry while parsing. */
+#define PLACEMENT_MAX_COPIES MR_PLACEMENT_MAX_COPIES
+
+/* One "remote" entry while parsing: pair index and server index, sorted into rep[] after. */
+typedef struct pl_entry {
+  uint32_t pair;
+  int32_t server;
+} pl_entry;
+
+typedef struct pl_parse_state {
+  uint8_t *seen;      /* [L] layer listed */
+  pl_entry *ent;      /* growable */
+  size_t n_ent, cap_ent;
+} pl_parse_state;
 
 void mr_placement_close(mr_placement *p) {
   if (!p) return;
   mr_free(p->local);
   mr_free(p->route);
   mr_free(p->server);
+  mr_free(p->copies);
+  mr_free(p->rep_off);
+  mr_free(p->rep);
   memset(p, 0, sizeof *p);
 }
 
@@ -58,8 +79,28 @@ static int pl_server(mr_placement *p, const char *name, const char *label, const
   return 0;
 }
 
-static int pl_layer(mr_placement *p, const cJSON *o, uint32_t i, uint8_t *seen,
+static int pl_entry_add(mr_placement *p, pl_parse_state *st, uint32_t pair, int32_t si,
+                        const char *label, const char *field, mr_err *e) {
+  if (st->n_ent >= PLACEMENT_MAX_COPIES)
+    return mr_err_set(e, MR_ERANGE, "%s: %s: more than %u (pair, server) entries in all "
+                      "\"remote\" sets", label, field, PLACEMENT_MAX_COPIES);
+  if (st->n_ent == st->cap_ent) {
+    size_t cap = st->cap_ent ? st->cap_ent * 2 : 1024;
+    pl_entry *n = mr_realloc(st->ent, cap * sizeof *n);
+    if (!n) return mr_err_set(e, MR_ENOMEM, "%s: %s: out of memory", label, field);
+    st->ent = n;
+    st->cap_ent = cap;
+  }
+  st->ent[st->n_ent].pair = pair;
+  st->ent[st->n_ent].server = si;
+  st->n_ent++;
+  p->copies[pair]++;
+  return 0;
+}
+
+static int pl_layer(mr_placement *p, const cJSON *o, uint32_t i, pl_parse_state *st,
                     const char *label, mr_err *e) {
+  uint8_t *seen = st->seen;
   static const char *const keys[] = {"layer", "local", "remote", NULL};
   char where[48], field[160];
   snprintf(where, sizeof where, "layers[%u]", i);
@@ -121,11 +162,8 @@ static int pl_layer(mr_placement *p, const cJSON *o, uint32_t i, uint8_t *seen,
         if (p->local[base + x])
           rc = mr_err_set(e, MR_EINVAL, "%s: %s: layer %u expert %u is also local", label,
                           field, (unsigned)l, x);
-        else if (p->route[base + x] >= 0)
-          rc = mr_err_set(e, MR_EINVAL, "%s: %s: layer %u expert %u is also placed on server %s",
-                          label, field, (unsigned)l, x, p->server[p->route[base + x]]);
         else
-          p->route[base + x] = si;
+          rc = pl_entry_add(p, st, (uint32_t)(base + x), si, label, field, e);
       }
       mr_idset_close(&s);
       if (rc) return rc;
@@ -141,7 +179,7 @@ int mr_placement_parse(mr_placement *p, const char *json, size_t len, const char
   memset(p, 0, sizeof *p);
   if (!label) label = "placement";
   cJSON *root = NULL;
-  uint8_t *seen = NULL;
+  pl_parse_state st = {0};
   int rc = mr__json_parse(json, len, label, &root, e);
   if (rc) return rc;
   if (!cJSON_IsObject(root)) {
@@ -195,8 +233,10 @@ int mr_placement_parse(mr_placement *p, const char *json, size_t len, const char
   p->local = mr_calloc(pairs, 1);
   p->route = mr_malloc(pairs * sizeof *p->route);
   p->server = mr_calloc(MR_PLACEMENT_MAX_SERVERS, sizeof *p->server);
-  seen = mr_calloc(L, 1);
-  if (!p->local || !p->route || !p->server || !seen) {
+  p->copies = mr_calloc(pairs, sizeof *p->copies);
+  p->rep_off = mr_malloc((pairs + 1) * sizeof *p->rep_off);
+  st.seen = mr_calloc(L, 1);
+  if (!p->local || !p->route || !p->server || !p->copies || !p->rep_off || !st.seen) {
     rc = mr_err_set(e, MR_ENOMEM, "%s: %llu x %llu pairs: out of memory", label,
                     (unsigned long long)L, (unsigned long long)E);
     goto out;
@@ -209,10 +249,36 @@ int mr_placement_parse(mr_placement *p, const char *json, size_t len, const char
   }
   uint32_t i = 0;
   for (const cJSON *o = layers->child; o; o = o->next, i++)
-    if ((rc = pl_layer(p, o, i, seen, label, e))) goto out;
+    if ((rc = pl_layer(p, o, i, &st, label, e))) goto out;
+  /* Counting sort of the entries by pair (stable: servers in file order). */
+  p->rep = mr_malloc((st.n_ent ? st.n_ent : 1) * sizeof *p->rep);
+  if (!p->rep) {
+    rc = mr_err_set(e, MR_ENOMEM, "%s: %zu remote entries: out of memory", label, st.n_ent);
+    goto out;
+  }
+  p->rep_off[0] = 0;
+  for (size_t k = 0; k < pairs; k++) {
+    p->rep_off[k + 1] = p->rep_off[k] + p->copies[k];
+    if (p->copies[k] == 1) p->n_single++;
+    else if (p->copies[k] > 1) p->n_replicated++;
+  }
+  p->n_copies = st.n_ent;
+  {
+    uint32_t *fill = mr_malloc((pairs ? pairs : 1) * sizeof *fill);
+    if (!fill) {
+      rc = mr_err_set(e, MR_ENOMEM, "%s: out of memory", label);
+      goto out;
+    }
+    memcpy(fill, p->rep_off, pairs * sizeof *fill);
+    for (size_t k = 0; k < st.n_ent; k++) p->rep[fill[st.ent[k].pair]++] = st.ent[k].server;
+    mr_free(fill);
+  }
+  for (size_t k = 0; k < pairs; k++)
+    p->route[k] = p->copies[k] == 1 ? p->rep[p->rep_off[k]] : -1;
 out:
   cJSON_Delete(root);
-  mr_free(seen);
+  mr_free(st.seen);
+  mr_free(st.ent);
   if (rc) mr_placement_close(p);
   return rc;
 }

@@ -3,6 +3,8 @@
  * file of the module (placement/README.md):
  *
  *   moerpc-place stats    --cluster FILE [...]   collect routing statistics (moerpc-stats JSON)
+ *   moerpc-place plan     --model DIR --cluster FILE [--stats FILE] [...]   plan a placement
+ *   moerpc-place diff     A.json B.json [--model DIR]   compare two placements
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure, 2 usage error. Lifecycle
  * lines go to stderr through mr_log; results to stdout or -o FILE.
@@ -24,6 +26,8 @@ typedef struct pl_command {
 /* One line per subcommand; each helper's command is implemented in its own pl_*.c. */
 static const pl_command commands[] = {
     {"stats", pl_cmd_stats, "collect and merge routing statistics of a running cluster"},
+    {"plan", pl_cmd_plan, "plan a placement from statistics, the model and the cluster"},
+    {"diff", pl_cmd_diff, "compare two placements: pairs and bytes moved per server"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

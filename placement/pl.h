@@ -90,7 +90,112 @@ void pl_stats_close(pl_stats *s);
 /* `moerpc-place stats`: collect and merge statistics of a running cluster (pl_collect.c). */
 int pl_cmd_stats(int argc, char **argv);
 
-/* ---- plan ---- */
+/* ---- plan ----
+ *
+ * A plan decides, for every (layer, expert) pair of the MoE layers, whether the client
+ * computes it ("local", the hot set on the GPU) or which host(s) hold it, from token
+ * counts per pair (moerpc-stats), the model's shapes, the weight format and the cluster's
+ * capacities and speeds. Expected load of a host = sum over its pairs of
+ * tokens(pair) / copies(pair) x bytes of one expert on that host / host speed; the
+ * imbalance is max / mean over the hosts. See docs/DESIGN.md section 14.
+ */
+#define PL_MAX_REPLICAS 16u /* most copies of one cold pair (--replicas) */
+
+typedef enum pl_strategy {
+  PL_STRATEGY_BALANCED = 0, /* hot by frequency; cold LPT + local search + replicas */
+  PL_STRATEGY_UNIFORM,      /* kt-kernel "uniform": N / moe_layers GPU experts per layer */
+  PL_STRATEGY_FREQUENCY,    /* kt-kernel "frequency": global top-N by count */
+  PL_STRATEGY_FRONT_LOADING,/* kt-kernel "front-loading": fill layers from the first */
+  PL_STRATEGY_RANDOM,       /* kt-kernel "random": N random pairs (--seed, default 42) */
+  PL_STRATEGY_COUNT
+} pl_strategy;
+/* "balanced", "uniform", ... ; returns 0 or MR_EINVAL. */
+int pl_strategy_parse(const char *s, pl_strategy *out);
+const char *pl_strategy_name(pl_strategy s);
+
+/* Weight formats as the servers store them (kernels/internal.h section A). */
+typedef enum pl_wformat {
+  PL_WF_BF16 = 0, PL_WF_F16, PL_WF_F32, PL_WF_INT8,
+  PL_WF_INT4_G32, PL_WF_INT4_G64, PL_WF_INT4_G128,
+  PL_WF_FP8_B128, /* 1 byte a weight + one f32 scale per 128 x 128 block */
+  PL_WF_COUNT
+} pl_wformat;
+/* "bf16", "f16", "f32", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8-b128". */
+int pl_wformat_parse(const char *s, pl_wformat *out);
+const char *pl_wformat_name(pl_wformat f);
+/* Bytes one routed expert (gate, up [I][H], down [H][I]) takes in format f when the server
+ * splits it over n_slices NUMA nodes: the kernels' packed layout, each array of each slice
+ * 64-byte aligned, slices cut at 32 intermediate rows (the int4 group when larger; 128 for
+ * fp8). n_slices 0 is taken as 1. */
+uint64_t pl_expert_bytes(pl_wformat f, uint32_t hidden, uint32_t inter, uint32_t n_slices);
+
+typedef struct pl_host {
+  char name[64];
+  uint64_t capacity;   /* bytes for expert weights; 0 = unbounded */
+  uint32_t numa_nodes; /* slices per expert, >= 1 */
+  double speed;        /* relative kernel throughput, > 0 */
+} pl_host;
+
+typedef struct pl_problem {
+  uint32_t num_layers, num_experts;
+  const uint8_t *is_moe;        /* [num_layers]: 1 = has routed experts (others get nothing) */
+  const uint64_t *counts;       /* [L * E] tokens per pair, or NULL: every pair 1 (uniform) */
+  uint32_t hidden, inter;       /* the model's H and moe_intermediate I */
+  pl_wformat format;
+  uint32_t n_hosts;             /* 1..MR_PLACEMENT_MAX_SERVERS */
+  const pl_host *hosts;
+  uint64_t gpu_bytes;           /* the client's budget for hot experts (bytes, format f, 1 slice) */
+  uint32_t replicas;            /* most copies of a cold pair, 1..PL_MAX_REPLICAS (0 = 1) */
+  const mr_placement *current;  /* optional: the placement in use (same L, E) */
+  uint64_t seed;                /* for "random" */
+  pl_strategy strategy;
+  double tolerance;             /* with current: keep it unless the fresh plan's expected step
+                                   load is lower by more than this fraction (e.g. 0.02) */
+  char model_fingerprint[64];   /* copied into the plan ("" = unknown) */
+} pl_problem;
+
+typedef struct pl_plan {
+  uint32_t num_layers, num_experts, n_hosts, max_copies;
+  char model_fingerprint[64];
+  char host_name[MR_PLACEMENT_MAX_SERVERS][64];
+  uint8_t *local;            /* [L * E] 1 = the client computes it */
+  uint8_t *ncopy;            /* [L * E] hosts holding the pair (0: local or dense layer) */
+  uint16_t *host;            /* [L * E * max_copies]: the first ncopy[i] entries of pair i */
+  /* Figures (all expected, from the counts). Loads are in byte-tokens per unit speed. */
+  uint64_t n_local, gpu_bytes_used, n_extra_copies;
+  uint64_t host_bytes[MR_PLACEMENT_MAX_SERVERS];     /* bytes held after the plan */
+  double host_load[MR_PLACEMENT_MAX_SERVERS];        /* after */
+  double host_load_before[MR_PLACEMENT_MAX_SERVERS]; /* the current placement, or uniform */
+  double imbalance_before, imbalance_after;          /* max / mean host load */
+  double step_before, step_after;  /* sum over layers of the busiest host's load (a step's
+                                      critical path when layers run one after another) */
+  bool before_is_current;          /* "before" is --current (else the uniform plan) */
+  bool kept_current;               /* --current: the plan was built from it (fewest moves) */
+  uint64_t bytes_in[MR_PLACEMENT_MAX_SERVERS];  /* to load on each host (all without current) */
+  uint64_t bytes_out[MR_PLACEMENT_MAX_SERVERS]; /* to drop */
+  uint64_t gpu_in, gpu_out;                     /* local pairs gained / lost, in bytes */
+} pl_plan;
+
+/* Builds a plan. Errors (MR_EINVAL / MR_ERANGE / MR_EMISMATCH / MR_ENOSPC-like MR_ERANGE)
+ * name the field and the limit: counts on a dense layer, a current placement of another
+ * shape or naming a host not in hosts[], and a plan that cannot fit ("cold experts need N
+ * bytes, the hosts have M"). On success *out is a new plan the caller frees with
+ * pl_plan_free. Deterministic for the same problem (seed included); single-threaded. */
+int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e);
+void pl_plan_free(pl_plan *p); /* NULL is a no-op */
+/* The plan as a moerpc-placement v1 JSON text (NUL-terminated, caller frees with mr_free):
+ * every MoE layer with its "local" set and "remote" {host: set}; a pair with k copies is
+ * listed under k hosts. */
+int pl_plan_json(const pl_plan *p, char **out, mr_err *e);
+/* Writes pl_plan_json to path atomically (path.tmp.PID + rename) when path is a regular file
+ * or does not exist; in place when it is anything else (a device such as /dev/null, a FIFO,
+ * a symlink), which a rename would replace; to stdout when path is "-". */
+int pl_plan_write(const pl_plan *p, const char *path, mr_err *e);
+
+/* `moerpc-place plan ...` and `moerpc-place diff A B ...` (exit 0 ok, 1 failure, 2 usage). */
+int pl_cmd_plan(int argc, char **argv);
+int pl_cmd_diff(int argc, char **argv);
+/* ---- end plan ---- */
 
 /* ---- apply ---- */
 

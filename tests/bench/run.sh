@@ -2,7 +2,8 @@
 # tests/bench/run.sh (make bench) - a quick run of both benchmarks, a few minutes on 2 cores:
 #   1. moerpc-bench-kernels on the qwen3-30b-a3b shape: bf16, int8 and int4 at T = 1, 16, 256
 #      on the best ISA of this CPU, and the scalar reference at T = 1 (3 repeats);
-#   2. moerpc-client bench-rpc against a local cluster of two servers (deploy/local-cluster.sh)
+#   2. moerpc-bench-place: the planner's time on a 61 x 256 x 16 problem (place.jsonl);
+#   3. moerpc-client bench-rpc against a local cluster of two servers (deploy/local-cluster.sh)
 #      on a small mkmodel model: gRPC round trip vs raw TCP ping-pong, T = 1, 16, 256.
 # JSON lines (one per case) go to $BUILD/bench/kernels.jsonl, kernels-ref.jsonl and
 # rpc.jsonl (bench-rpc's own table is in rpc.jsonl too, its log in rpc.log); a summary of
@@ -28,6 +29,9 @@ step "kernels: scalar reference, bf16 at T = 1"
 "$BIN/moerpc-bench-kernels" --format bf16 --isa ref --tokens 1 --repeats 3 --json \
     >"$OUT/kernels-ref.jsonl"
 
+step "place: the planner on 61 layers x 256 experts x 16 hosts (bound: 1 s)"
+"$BIN/moerpc-bench-place" --repeats 3 >"$OUT/place.jsonl"
+
 step "rpc: two servers on loopback, small model"
 "$BIN/moerpc-mkmodel" --out "$OUT/model" --seed 1 >/dev/null
 . deploy/local-cluster.sh
@@ -51,9 +55,13 @@ for name in ("kernels.jsonl", "kernels-ref.jsonl"):
         print("  %-9s %-18s T=%-5d %10.1f us  bw_ratio %.2f  peak_ratio %5.1f%%" % (
             r["format"] + ("-g%d" % r["group"] if r["group"] else ""), r["kernel"], r["tokens"],
             r["us"], r["bw_ratio"], 100 * r["peak_ratio"]))
+print("place (planner wall time, median of 3; expected imbalance max/mean host load)")
+for r in rows("place.jsonl"):
+    print("  %-17s %8.1f ms  imbalance %.3f -> %.3f  %s" % (r["case"], r["ms"],
+        r["imbalance_before"], r["imbalance_after"], "ok" if r["ms"] < 1000 else "OVER 1 s"))
 print("rpc (same-run ratio: gRPC p50 / raw TCP p50 of the same bytes)")
 for r in rows("rpc.jsonl"):
     print("  T=%-5d grpc p50 %8.1f us  tcp p50 %7.1f us  ratio %.2f  (grpc - compute) / tcp %.2f" % (
         r["tokens"], r["grpc_p50_us"], r["tcp_p50_us"], r["ratio_p50"], r["ratio_minus_compute_p50"]))
 PY
-echo "JSON lines: $OUT/kernels.jsonl $OUT/kernels-ref.jsonl $OUT/rpc.jsonl"
+echo "JSON lines: $OUT/kernels.jsonl $OUT/kernels-ref.jsonl $OUT/place.jsonl $OUT/rpc.jsonl"

@@ -1,7 +1,8 @@
 /*
  * fuzz_cluster.c - libFuzzer target for the cluster file reader and, with the same bytes
  * as a NUL-terminated spec, the id-set parser. On success the results must satisfy the
- * documented limits (server count, unique names, deadline range, canonical round trip).
+ * documented limits (server count, unique names, deadline range, planning keys' bounds,
+ * canonical round trip).
  */
 #include "common/mr.h"
 #include "tests/fuzz/fuzz.h"
@@ -49,6 +50,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   for (uint32_t i = 0; i < c.n_servers; i++) {
     if (!c.servers[i].name[0] || strlen(c.servers[i].name) > 63) abort();
     if (!strchr(c.servers[i].address, ':')) abort();
+    /* Planning keys: within their documented bounds, speed defaulted to 1. */
+    if (c.servers[i].expert_memory > MR_CLUSTER_MAX_EXPERT_MEMORY) abort();
+    if (c.servers[i].numa_nodes > MR_CLUSTER_MAX_NUMA_NODES) abort();
+    if (!(c.servers[i].speed > 0) || c.servers[i].speed > MR_CLUSTER_MAX_SPEED) abort();
     for (uint32_t j = 0; j < i; j++)
       if (strcmp(c.servers[i].name, c.servers[j].name) == 0) abort();
   }

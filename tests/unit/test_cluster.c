@@ -367,4 +367,61 @@ MT_TEST(fifo_refused_without_blocking) {
   MT_CONTAINS(msg2, "/dev/null: not a regular file (a character device)");
 }
 
+/* The planning keys: optional, defaults for old files, strict values. */
+MT_TEST(planning_keys) {
+  mr_err e;
+  MT_OK(parse("{\"servers\":[{\"name\":\"a\",\"address\":\"h:1\",\"expert_memory\":\"64G\","
+              "\"numa_nodes\":2,\"speed\":1.5},"
+              "{\"name\":\"b\",\"address\":\"h:2\",\"expert_memory\":123456},"
+              "{\"name\":\"c\",\"address\":\"h:3\",\"expert_memory\":\"512MiB\",\"speed\":0.25},"
+              "{\"name\":\"d\",\"address\":\"h:4\"}]}", &e), &e);
+  MT_EQ_INT(cf.servers[0].expert_memory, 64ull << 30);
+  MT_EQ_INT(cf.servers[0].numa_nodes, 2);
+  MT_TRUE(cf.servers[0].speed == 1.5);
+  MT_EQ_INT(cf.servers[1].expert_memory, 123456);
+  MT_EQ_INT(cf.servers[1].numa_nodes, 0);
+  MT_TRUE(cf.servers[1].speed == 1.0);
+  MT_EQ_INT(cf.servers[2].expert_memory, 512ull << 20);
+  MT_TRUE(cf.servers[2].speed == 0.25);
+  MT_EQ_INT(cf.servers[3].expert_memory, 0);
+  MT_TRUE(cf.servers[3].speed == 1.0);
+  static const struct { const char *srv, *want; int rc; } bad[] = {
+      {"\"expert_memory\":0", "servers[0].expert_memory = 0", MR_ERANGE},
+      {"\"expert_memory\":-5", "servers[0].expert_memory", MR_ERANGE},
+      {"\"expert_memory\":1.5", "servers[0].expert_memory = 1.5", MR_ERANGE},
+      {"\"expert_memory\":\"\"", "servers[0].expert_memory = \"\", must be a byte count", MR_EINVAL},
+      {"\"expert_memory\":\"64X\"", "servers[0].expert_memory = \"64X\", must be a byte count", MR_EINVAL},
+      {"\"expert_memory\":\"1.5G\"", "must be a byte count", MR_EINVAL},
+      {"\"expert_memory\":\"G\"", "must be a byte count", MR_EINVAL},
+      {"\"expert_memory\":\"64GB2\"", "must be a byte count", MR_EINVAL},
+      {"\"expert_memory\":\"2048T\"", "at most 2^50 bytes", MR_ERANGE},
+      {"\"expert_memory\":\"99999999999999999999999\"", "at most 2^50 bytes", MR_ERANGE},
+      {"\"expert_memory\":true", "servers[0].expert_memory", MR_EFORMAT},
+      {"\"numa_nodes\":0", "servers[0].numa_nodes = 0", MR_ERANGE},
+      {"\"numa_nodes\":65", "servers[0].numa_nodes = 65", MR_ERANGE},
+      {"\"numa_nodes\":\"2\"", "servers[0].numa_nodes", MR_EFORMAT},
+      {"\"speed\":0", "servers[0].speed = 0, must be a number > 0", MR_ERANGE},
+      {"\"speed\":-1", "servers[0].speed = -1", MR_ERANGE},
+      {"\"speed\":1e7", "<= 1e6", MR_ERANGE},
+      {"\"speed\":\"fast\"", "servers[0].speed = \"fast\"", MR_EFORMAT},
+      {"\"speeed\":1", "unknown key \"speeed\"", MR_EFORMAT},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    char json[512];
+    snprintf(json, sizeof json, "{\"servers\":[{\"name\":\"a\",\"address\":\"h:1\",%s}]}",
+             bad[i].srv);
+    int rc = parse(json, &e);
+    fprintf(stderr, "  %zu: %s\n", i, e.msg);
+    MT_EQ_INT(rc, bad[i].rc);
+    MT_CONTAINS(e.msg, bad[i].want);
+  }
+  uint64_t v = 0;
+  MT_OK(mr_size_parse("1k", "x", &v, &e), &e);
+  MT_EQ_INT(v, 1024);
+  MT_OK(mr_size_parse("1P", "x", &v, &e), &e);
+  MT_EQ_INT(v, 1ull << 50);
+  MT_EQ_INT(mr_size_parse("2P", "--gpu-bytes", &v, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "--gpu-bytes = \"2P\"");
+}
+
 MT_MAIN()
