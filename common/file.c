@@ -110,3 +110,41 @@ int mr__path_join(char *buf, size_t len, const char *dir, const char *name) {
   if (n < 0 || (size_t)n >= len) return MR_ERANGE;
   return 0;
 }
+
+static int file_write_all(FILE *f, const void *data, size_t len, bool sync) {
+  bool ok = fwrite(data, 1, len, f) == len;
+  ok = fflush(f) == 0 && ok;
+  if (sync) ok = fsync(fileno(f)) == 0 && ok;
+  int saved = errno;
+  ok = fclose(f) == 0 && ok;
+  if (!ok && saved) errno = saved;
+  return ok ? 0 : -1;
+}
+
+int mr_file_write_atomic(const char *path, const void *data, size_t len, mr_err *e) {
+  struct stat sb;
+  if (lstat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+    FILE *f = fopen(path, "w");
+    if (!f) return mr_err_set(e, MR_EIO, "%s: cannot open: %s", path, strerror(errno));
+    if (file_write_all(f, data, len, false) != 0)
+      return mr_err_set(e, MR_EIO, "%s: write failed: %s", path, strerror(errno));
+    return 0;
+  }
+  char tmp[4200];
+  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+    return mr_err_set(e, MR_ERANGE, "%s: path of %zu bytes too long (most %zu)", path,
+                      strlen(path), sizeof tmp - 24);
+  FILE *f = fopen(tmp, "w");
+  if (!f) return mr_err_set(e, MR_EIO, "%s: cannot create: %s", tmp, strerror(errno));
+  if (file_write_all(f, data, len, true) != 0) {
+    int rc = mr_err_set(e, MR_EIO, "%s: write failed: %s", tmp, strerror(errno));
+    unlink(tmp);
+    return rc;
+  }
+  if (rename(tmp, path) != 0) {
+    int rc = mr_err_set(e, MR_EIO, "%s: rename from %s failed: %s", path, tmp, strerror(errno));
+    unlink(tmp);
+    return rc;
+  }
+  return 0;
+}

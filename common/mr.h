@@ -502,6 +502,13 @@ int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr
  * back to blocking and returned in *fd (the caller closes it), with its size in *size (may be
  * NULL). A missing file is MR_ENOTFOUND, other failures MR_EIO, each naming the path. */
 int mr_file_open_regular(const char *path, int *fd, uint64_t *size, mr_err *e);
+/* Writes len bytes of data as the whole content of path, so that a reader never sees half a
+ * file: a new name or a regular file is replaced atomically (path.tmp.PID, fsync, rename);
+ * an existing device, FIFO or symlink ("-o /dev/null", a pipe, a link into a config dir) is
+ * written in place instead, since renaming over it would replace the device or the link.
+ * Errors (MR_EIO, MR_ERANGE for a path too long) name the path; a failed attempt leaves no
+ * temporary file behind. */
+int mr_file_write_atomic(const char *path, const void *data, size_t len, mr_err *e);
 
 /* ---------------------------------------------------------------------------------------
  * Secrets (bearer tokens) come from files only, never from argv or logs.

@@ -248,19 +248,7 @@ int gc_routing_save(gc_routing *r, gc_routing_span span, const char *fingerprint
     mr_prom_close(&p);
     return rc;
   }
-  char tmp[4200];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp", path) >= (int)sizeof tmp) {
-    mr_prom_close(&p);
-    return mr_err_set(e, MR_ERANGE, "%s: path too long", path);
-  }
-  FILE *f = fopen(tmp, "w");
-  bool ok = f && fwrite(p.buf, 1, p.len, f) == p.len;
-  if (f) ok = fclose(f) == 0 && ok;
+  rc = mr_file_write_atomic(path, p.buf, p.len, e);
   mr_prom_close(&p);
-  if (!ok || rename(tmp, path) != 0) {
-    rc = mr_err_set(e, MR_EIO, "%s: cannot write the routing statistics (via %s)", path, tmp);
-    remove(tmp);
-    return rc;
-  }
-  return 0;
+  return rc;
 }

@@ -1218,38 +1218,7 @@ int pl_plan_write(const pl_plan *p, const char *path, mr_err *e) {
     mr_free(txt);
     return rc;
   }
-  /* Atomic (tmp + rename) only onto a regular file or a new name: renaming over a device
-   * ("-o /dev/null"), a FIFO or a symlink would replace it, so those are written in place. */
-  struct stat sb;
-  if (lstat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
-    FILE *f = fopen(path, "w");
-    if (!f) {
-      rc = mr_err_set(e, MR_EIO, "-o %s: cannot open: %s", path, strerror(errno));
-    } else {
-      bool ok = fwrite(txt, 1, n, f) == n;
-      ok = fclose(f) == 0 && ok;
-      if (!ok) rc = mr_err_set(e, MR_EIO, "-o %s: write failed: %s", path, strerror(errno));
-    }
-    mr_free(txt);
-    return rc;
-  }
-  char tmp[4200];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp) {
-    mr_free(txt);
-    return mr_err_set(e, MR_ERANGE, "-o %s: path too long", path);
-  }
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    rc = mr_err_set(e, MR_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-  } else {
-    bool ok = fwrite(txt, 1, n, f) == n;
-    ok = fflush(f) == 0 && ok;
-    ok = fsync(fileno(f)) == 0 && ok;
-    ok = fclose(f) == 0 && ok;
-    if (!ok) rc = mr_err_set(e, MR_EIO, "%s: write failed: %s", tmp, strerror(errno));
-    else if (rename(tmp, path) != 0) rc = mr_err_set(e, MR_EIO, "%s: rename to %s failed: %s", tmp, path, strerror(errno));
-    if (rc) unlink(tmp);
-  }
+  rc = mr_file_write_atomic(path, txt, n, e);
   mr_free(txt);
   return rc;
 }

@@ -324,31 +324,7 @@ int pl_stats_save(const pl_stats *s, const char *path, mr_err *e) {
   size_t len = 0;
   int rc = pl_stats_format(s, &text, &len, e);
   if (rc) return rc;
-  char tmp[4200];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp) {
-    mr_free(text);
-    return mr_err_set(e, MR_ERANGE, "%s: path too long", path);
-  }
-  FILE *f = fopen(tmp, "w");
-  if (!f) {
-    rc = mr_err_set(e, MR_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-    mr_free(text);
-    return rc;
-  }
-  bool ok = fwrite(text, 1, len, f) == len;
-  ok = fflush(f) == 0 && ok;
-  ok = fsync(fileno(f)) == 0 && ok;
-  int saved = errno;
-  ok = fclose(f) == 0 && ok;
+  rc = mr_file_write_atomic(path, text, len, e);
   mr_free(text);
-  if (!ok) {
-    unlink(tmp);
-    return mr_err_set(e, MR_EIO, "%s: write: %s", tmp, strerror(saved ? saved : errno));
-  }
-  if (rename(tmp, path) != 0) {
-    rc = mr_err_set(e, MR_EIO, "%s: rename from %s: %s", path, tmp, strerror(errno));
-    unlink(tmp);
-    return rc;
-  }
-  return 0;
+  return rc;
 }

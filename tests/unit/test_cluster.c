@@ -1,5 +1,5 @@
 /*
- * test_cluster.c - cluster file reader and mr_file_read: good files, defaults, and each
+ * test_cluster.c - cluster file reader, mr_file_read and mr_file_write_atomic: good files, defaults, and each
  * kind of bad field (checking the code AND that the message names the field and limit).
  */
 #include "common/internal.h"
@@ -422,6 +422,45 @@ MT_TEST(planning_keys) {
   MT_EQ_INT(v, 1ull << 50);
   MT_EQ_INT(mr_size_parse("2P", "--gpu-bytes", &v, &e), MR_ERANGE);
   MT_CONTAINS(e.msg, "--gpu-bytes = \"2P\"");
+}
+
+/* mr_file_write_atomic replaces a regular file whole, but never renames over a device or a
+ * symlink: "-o /dev/null" once replaced the machine's /dev/null with a regular file. */
+MT_TEST(write_atomic_keeps_devices_and_links) {
+  mr_err e;
+  char dir[] = "/tmp/mr-test-write-XXXXXX";
+  MT_TRUE(mkdtemp(dir) != NULL);
+  char path[128], link[128], back[64];
+  snprintf(path, sizeof path, "%s/out.json", dir);
+  snprintf(link, sizeof link, "%s/link.json", dir);
+  MT_OK(mr_file_write_atomic(path, "first", 5, &e), &e);
+  MT_OK(mr_file_write_atomic(path, "second", 6, &e), &e);
+  FILE *f = fopen(path, "r");
+  MT_TRUE(f != NULL);
+  size_t n = fread(back, 1, sizeof back, f);
+  fclose(f);
+  MT_EQ_INT(n, 6);
+  MT_TRUE(memcmp(back, "second", 6) == 0);
+  /* Through a symlink: the link stays a link, its target gets the bytes. */
+  MT_EQ_INT(symlink(path, link), 0);
+  MT_OK(mr_file_write_atomic(link, "third", 5, &e), &e);
+  struct stat sb;
+  MT_EQ_INT(lstat(link, &sb), 0);
+  MT_TRUE(S_ISLNK(sb.st_mode));
+  MT_EQ_INT(stat(path, &sb), 0);
+  MT_EQ_INT(sb.st_size, 5);
+  /* A character device stays one. */
+  MT_OK(mr_file_write_atomic("/dev/null", "x", 1, &e), &e);
+  MT_EQ_INT(stat("/dev/null", &sb), 0);
+  MT_TRUE(S_ISCHR(sb.st_mode));
+  /* No temporary file is left behind, also after a failure (a missing directory). */
+  char missing[160];
+  snprintf(missing, sizeof missing, "%s/no/such/dir/x.json", dir);
+  MT_EQ_INT(mr_file_write_atomic(missing, "x", 1, &e), MR_EIO);
+  MT_CONTAINS(e.msg, "cannot create");
+  unlink(link);
+  unlink(path);
+  MT_EQ_INT(rmdir(dir), 0); /* fails if a .tmp file were left */
 }
 
 MT_MAIN()
