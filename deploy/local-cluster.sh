@@ -16,7 +16,16 @@ lc_pids=()
 lc_dir=
 
 lc__cleanup() { for p in "${lc_pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
-trap lc__cleanup EXIT
+# An EXIT trap the sourcing script set before is kept: it runs after the cleanup.
+lc__prev_exit() {
+  local p
+  p=$(trap -p EXIT)
+  [ -n "$p" ] || return 0
+  eval "set -- ${p#trap -- }"
+  printf '%s' "$1"
+}
+lc__prev_cmd=$(lc__prev_exit)
+trap 'lc__cleanup; eval "$lc__prev_cmd"' EXIT
 
 lc__free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'

@@ -24,14 +24,15 @@ passed=0; failed=0
 tmp=$(mktemp -d /tmp/moerpc-pplan.XXXXXX)
 finish() {
   lc_stop >/dev/null 2>&1
+  lc__cleanup
   rm -rf "$tmp"
   echo "place_plan: $passed passed, $failed failed, 0 skipped"
 }
-trap finish EXIT
 ok() { echo "ok   place_plan.$1"; passed=$((passed + 1)); }
 bad() { echo "FAIL place_plan.$1: $2"; failed=$((failed + 1)); }
 # shellcheck source=deploy/local-cluster.sh
-. deploy/local-cluster.sh
+. deploy/local-cluster.sh   # first: it sets an EXIT trap of its own, which finish replaces
+trap finish EXIT
 P="$BIN/moerpc-place"
 
 "$BIN/moerpc-mkmodel" --out "$tmp/m" --seed 1 --router-skew 2 >/dev/null 2>&1 ||
