@@ -33,6 +33,18 @@ static struct mt_case mt__cases[MT_MAX_CASES];
 static int mt__ncases;
 static int mt__failed_here;
 
+/* Cleanups of the running case (temp dirs): run when it ends, passed, failed or skipped.
+ * (A passing case ends with _exit, so atexit handlers would not run.) */
+#define MT_MAX_DEFERRED 8
+static void (*mt__deferred[MT_MAX_DEFERRED])(void);
+static int mt__ndeferred;
+static inline void mt_defer(void (*fn)(void)) {
+  if (mt__ndeferred < MT_MAX_DEFERRED) mt__deferred[mt__ndeferred++] = fn;
+}
+static inline void mt__run_deferred(void) {
+  while (mt__ndeferred > 0) mt__deferred[--mt__ndeferred]();
+}
+
 #define MT_TEST(name)                                                                  \
   static void mt_test_##name(void);                                                    \
   __attribute__((constructor)) static void mt_reg_##name(void) {                       \
@@ -46,6 +58,7 @@ static int mt__failed_here;
     fprintf(stderr, __VA_ARGS__);                                                      \
     fprintf(stderr, "\n");                                                             \
     mt__failed_here = 1;                                                               \
+    mt__run_deferred();                                                                \
     exit(1);                                                                           \
   } while (0)
 
@@ -57,6 +70,7 @@ static int mt__failed_here;
     printf(__VA_ARGS__);                                                               \
     printf("\n");                                                                      \
     fflush(NULL);                                                                      \
+    mt__run_deferred();                                                                \
     exit(MT__SKIP_EXIT);                                                               \
   } while (0)
 
@@ -120,6 +134,7 @@ static int mt__run_one(const struct mt_case *c, int timeout_s) {
   if (pid == 0) {
     alarm((unsigned)timeout_s);
     c->fn();
+    mt__run_deferred();
     fflush(NULL);
     _exit(0);
   }
@@ -140,7 +155,11 @@ static int mt__main(int argc, char **argv) {
     for (int a = 1; a < argc; a++) {
       int found = 0;
       for (int i = 0; i < mt__ncases; i++)
-        if (strcmp(mt__cases[i].name, argv[a]) == 0) { found = 1; mt__cases[i].fn(); }
+        if (strcmp(mt__cases[i].name, argv[a]) == 0) {
+          found = 1;
+          mt__cases[i].fn();
+          mt__run_deferred();
+        }
       if (!found) { fprintf(stderr, "%s: no test named %s\n", prog, argv[a]); return 2; }
     }
     printf("%s: ok\n", prog);

@@ -25,7 +25,7 @@ static void tdir_cleanup(void) {
 static const char *tdir_make(void) {
   snprintf(tdir, sizeof tdir, "/tmp/mr-test-st-XXXXXX");
   MT_TRUE(mkdtemp(tdir) != NULL);
-  atexit(tdir_cleanup);
+  mt_defer(tdir_cleanup);
   return tdir;
 }
 

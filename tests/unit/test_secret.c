@@ -12,12 +12,20 @@
 
 static char dir[64];
 
+static void dir_cleanup(void) {
+  char cmd[96];
+  snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+  if (dir[0] && system(cmd) != 0) fprintf(stderr, "cleanup of %s failed\n", dir);
+  dir[0] = '\0';
+}
+
 static const char *write_file(const char *name, const void *data, size_t n) {
   static char path[4][128];
   static int k;
   if (!dir[0]) {
     snprintf(dir, sizeof dir, "/tmp/mr-test-secret-XXXXXX");
     MT_TRUE(mkdtemp(dir) != NULL);
+    mt_defer(dir_cleanup);
   }
   char *p = path[k++ & 3];
   snprintf(p, sizeof path[0], "%s/%s", dir, name);
