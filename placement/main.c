@@ -3,6 +3,7 @@
  * file of the module (placement/README.md):
  *
  *   moerpc-place stats    --cluster FILE [...]   collect routing statistics (moerpc-stats JSON)
+ *   moerpc-place simulate --model DIR [...]      tokens/s of a placement from measured inputs
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure, 2 usage error. Lifecycle
  * lines go to stderr through mr_log; results to stdout or -o FILE.
@@ -24,6 +25,7 @@ typedef struct pl_command {
 /* One line per subcommand; each helper's command is implemented in its own pl_*.c. */
 static const pl_command commands[] = {
     {"stats", pl_cmd_stats, "collect and merge routing statistics of a running cluster"},
+    {"simulate", pl_cmd_simulate, "project decode / prefill tokens/s of a placement on N hosts"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
