@@ -424,7 +424,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
   t->wall = 0;
   t->crit = -2;
   t->crit_comp = t->crit_link = 0;
-  double total_bytes = 0, total_wire = 0;
+  double total_bytes = 0, total_wire = 0, total_slots = 0, total_active = 0;
   for (uint32_t h = 0; h < in->n_hosts; h++) {
     const call_acc *a = &acc[h];
     t->comp[h] = 0;
@@ -436,6 +436,8 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
     if (ho->link_gbps > 0) link += wire * 8 / (ho->link_gbps * 1e3);
     t->comp[h] = comp;
     total_bytes += (double)a->active * in->expert_bytes;
+    total_slots += a->slots;
+    total_active += a->active;
     total_wire += wire;
     /* equal hosts (a common case at batch 1) share the blame: a tie goes to one of them
      * drawn uniformly (reservoir sampling), not always to the first */
@@ -461,7 +463,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
   }
   if (in->shared_cores && in->client_rates) {
     /* the hosts share the client's machine: together they read no faster than it does */
-    double gbps = pl_rates_gbps(in->client_rates, 1.0);
+    double gbps = pl_rates_gbps(in->client_rates, total_slots / total_active);
     double floor_us = total_bytes / (gbps * 1e3);
     if (floor_us > t->crit_comp && t->crit >= 0) {
       t->wall += floor_us - t->crit_comp;

@@ -241,6 +241,32 @@ MT_TEST(hot_experts_overlap_unless_cores_are_shared) {
   pl_sim_result_close(&k4s);
 }
 
+MT_TEST(shared_cores_hosts_read_no_faster_than_the_machine) {
+  /* two hosts on the client's own machine, each as fast as the whole machine: together
+   * they still read at the machine's rate, so the step is the one-host step */
+  fixture f;
+  fixture_init(&f, 1);
+  f.in.shared_cores = true;
+  pl_sim_result one = run(&f);
+  fixture_init(&f, 2);
+  f.in.shared_cores = true;
+  pl_sim_result two = run(&f);
+  MT_NEAR(two.decode.step_us, one.decode.step_us, 1e-9 * one.decode.step_us);
+  /* each at half the machine's rate (one core of two): the busier host decides, slower */
+  f.hosts[0].speed = f.hosts[1].speed = 0.5;
+  pl_sim_result half = run(&f);
+  MT_TRUE(half.decode.step_us > one.decode.step_us * 1.1);
+  /* without --shared-cores two full-speed hosts halve the experts' time, roughly */
+  f.in.shared_cores = false;
+  f.hosts[0].speed = f.hosts[1].speed = 1;
+  pl_sim_result apart = run(&f);
+  MT_TRUE(apart.decode.step_us < one.decode.step_us);
+  pl_sim_result_close(&one);
+  pl_sim_result_close(&two);
+  pl_sim_result_close(&half);
+  pl_sim_result_close(&apart);
+}
+
 MT_TEST(bad_inputs_are_refused) {
   fixture f;
   fixture_init(&f, 2);
