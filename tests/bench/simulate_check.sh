@@ -3,18 +3,21 @@
 # the inputs are measured in the same run, then real `moerpc-client bench` with 1 and 2
 # expert servers on loopback is compared with the simulation of the same configuration.
 #
-#   tests/bench/simulate_check.sh                 makes build/bench/qwen3-30b-a3b-4l if missing
+#   tests/bench/simulate_check.sh                 makes build/bench/qwen3-shape-e32-4l if missing
 #   MODEL=DIR ROUNDS=7 THREADS=2 PROMPT=32 DECODE=64 LIMIT=0.15 tests/bench/simulate_check.sh
 #
-# Steps (one model: Qwen3-30B-A3B's layer shapes with 4 layers, bf16, the model of
-# tests/bench/model_bench.sh, where one decode step reads ~590 MB):
+# Steps (one model: Qwen3-30B-A3B's layer shapes, H 2048, I 768, top-8, 4 layers, vocab 32000,
+# bf16, as tests/bench/model_bench.sh's but with 32 experts a layer instead of 128: a decode
+# step reads the same ~590 MB (8 experts a layer + the dense part), in a quarter of the memory
+# (1.6 GB a copy; this machine is shared, and the three servers and the all-local client each
+# hold a copy):
 #   0. three servers on loopback at once, as model_bench.sh: "one" (--threads THREADS, every
 #      expert) and s0, s1 (--threads THREADS/2, half of the experts each);
 #      moerpc-client bench-rpc against "one" (the RPC cost);
-#   1. ROUNDS rounds, each: the inputs (moerpc-bench-kernels --format bf16 --tokens 1,PROMPT
-#      at THREADS threads: the client and "one"; at THREADS/2: s0 and s1; an all-local
-#      moerpc-client bench: the client's own time), then the real runs (moerpc-client bench
-#      with the 1-server and the 2-server cluster, --local-experts 0);
+#   1. ROUNDS rounds, each: moerpc-bench-kernels --format bf16 --tokens 1,PROMPT,.. at THREADS
+#      threads (the client's and "one"'s rates), an all-local moerpc-client bench (the
+#      client's own time), the 1-server run, bench-kernels at THREADS/2 threads (s0's and
+#      s1's rates), the 2-server run (moerpc-client bench --local-experts 0 for both);
 #   2. moerpc-place simulate of both sets on each round's inputs, --shared-cores: client and
 #      servers share the same cores here, so host and client work serialize (docs/DESIGN.md
 #      section 16), placement files naming the servers' experts.
@@ -24,11 +27,20 @@
 # per configuration) to $OUT (default build/bench/simulate_check.jsonl), keeps the inputs,
 # runs and simulations in $KEEP (default build/bench/simulate_check.d), prints a table.
 # Exit status 1 when a decode ratio is outside 1 +- LIMIT.
+#
+# On this shared 2-core host, run it on one core, away from the other jobs:
+#   taskset -c 1 env THREADS=1 ROUNDS=5 tests/bench/simulate_check.sh
+# Every engine pins its calling thread to the first CPU of its mask (kn_engine_pin_caller),
+# so the other jobs' moerpc processes pile onto CPU 0; on both cores the all-local client's
+# experts run pinned there while a server's small requests run on its unpinned gRPC thread,
+# and the all-local input (the client's own time) came out 3x slower than the remote runs
+# beside it (docs/BENCHMARKS.md, "Placement simulation"). On one core the whole system, the
+# inputs included, shares that core: what --shared-cores models.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}
 BIN=$BUILD/bin
-MODEL=${MODEL:-$BUILD/bench/qwen3-30b-a3b-4l}
+MODEL=${MODEL:-$BUILD/bench/qwen3-shape-e32-4l}
 ROUNDS=${ROUNDS:-7}
 THREADS=${THREADS:-2}
 PROMPT=${PROMPT:-32}
@@ -45,13 +57,16 @@ for b in moerpc-place moerpc-client moerpc-server moerpc-mkmodel moerpc-bench-ke
   [ -x "$BIN/$b" ] || { echo "simulate_check: $BIN/$b missing (make all)"; exit 1; }
 done
 if [ ! -f "$MODEL/config.json" ]; then
-  echo "simulate_check: making $MODEL (Qwen3-30B-A3B layer shapes, 4 layers, vocab 32000)"
-  "$BIN/moerpc-mkmodel" --out "$MODEL" --layers 4 --hidden 2048 --inter 768 --experts 128 \
+  echo "simulate_check: making $MODEL (Qwen3-30B-A3B layer shapes, 32 experts, 4 layers)"
+  "$BIN/moerpc-mkmodel" --out "$MODEL" --layers 4 --hidden 2048 --inter 768 --experts 32 \
       --topk 8 --heads 32 --kv-heads 4 --head-dim 128 --vocab 32000 --seed 1
 fi
 read -r E L < <(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c["num_experts"], c["num_hidden_layers"])' "$MODEL/config.json")
 half=$((E / 2))
 T2=$((THREADS / 2)); [ "$T2" -ge 1 ] || T2=1
+# bench-kernels T: decode (1), and the prefill's tokens per expert on this model (u = PROMPT x
+# top-k / E at most) on the bench's 128-expert pool: T = PROMPT x 128 / E
+KTOKENS="1,$PROMPT,$((PROMPT * 128 / E))"
 
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
@@ -90,7 +105,7 @@ cluster() { # file name:port...
 }
 bench() { # out-file [cluster]
   local args=(bench --model "$MODEL" --threads "$THREADS" --prompt-len "$PROMPT" --decode "$DECODE"
-              --repeats 1 --json --quiet --log warn)
+              --repeats 3 --json --quiet --log warn)
   [ -n "${2:-}" ] && args+=(--cluster "$2" --local-experts 0)
   "$BIN/moerpc-client" "${args[@]}" >"$1"
 }
@@ -116,12 +131,14 @@ echo "simulate_check: bench-rpc against the 1-server set"
 # client), then the real runs with 1 and 2 servers
 for r in $(seq 1 "$ROUNDS"); do
   echo "simulate_check: round $r: bench-kernels, all-local, 1 server, 2 servers (load $(load1))"
-  "$BIN/moerpc-bench-kernels" --format bf16 --tokens "1,$PROMPT" --threads "$THREADS" --json \
-      >"$DIR/k_full.$r.jsonl" 2>"$DIR/k_full.$r.log"
-  "$BIN/moerpc-bench-kernels" --format bf16 --tokens "1,$PROMPT" --threads "$T2" --json \
-      >"$DIR/k_half.$r.jsonl" 2>"$DIR/k_half.$r.log"
+  # each input right before the runs it predicts; 61 repeats (the median of ~0.2 s of calls
+  # at T = 1, not of 40 ms: the other jobs on the machine come in bursts)
+  "$BIN/moerpc-bench-kernels" --format bf16 --tokens "$KTOKENS" --threads "$THREADS" --repeats 61 \
+      --json >"$DIR/k_full.$r.jsonl" 2>"$DIR/k_full.$r.log"
   bench "$DIR/local.$r.jsonl"
   bench "$DIR/one.$r.jsonl" "$DIR/one.json"
+  "$BIN/moerpc-bench-kernels" --format bf16 --tokens "$KTOKENS" --threads "$T2" --repeats 61 \
+      --json >"$DIR/k_half.$r.jsonl" 2>"$DIR/k_half.$r.log"
   bench "$DIR/two.$r.jsonl" "$DIR/two.json"
   load1 >"$DIR/load.$r"
 done
