@@ -26,7 +26,7 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -46,6 +46,8 @@ enum {
       {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
       {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
       {"metrics-listen", required_argument, NULL, MO_METRICS},                           \
+      {"routing-window", required_argument, NULL, MO_RWINDOW},                           \
+      {"routing-stats", required_argument, NULL, MO_RSTATS},                             \
       {"help", no_argument, NULL, MO_HELP}
 
 static const char MODEL_HELP[] =
@@ -75,7 +77,13 @@ static const char MODEL_HELP[] =
     "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
-    "                           the command runs (port 0 = any free port, logged)\n"
+    "                           the command runs (port 0 = any free port, logged); also\n"
+    "                           GET /routing: the routing counters as moerpc-stats JSON\n"
+    "routing statistics (every routed slot, hot experts included; placement/README.md):\n"
+    "  --routing-window STEPS   sliding window of the counters, 1..16777216 steps (a step:\n"
+    "                           one pass of the model; default 1024)\n"
+    "  --routing-stats FILE     at exit, write the window's counts there (moerpc-stats JSON,\n"
+    "                           input of moerpc-place plan)\n"
     "  --help                   this text\n";
 
 typedef struct mcli {
@@ -85,6 +93,7 @@ typedef struct mcli {
   bool batch_set, json;
   gc_sampling smp;
   const char *metrics_listen; /* --metrics-listen, NULL = off */
+  const char *routing_stats;  /* --routing-stats FILE, NULL = off */
 } mcli;
 
 /* The --metrics-listen responder of this run (common/http.c): serves
@@ -93,11 +102,32 @@ static mr_http_server *cli_metrics;
 
 static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p); }
 
-/* Stops the responder and closes the model (the responder reads the model). */
-static void close_model(gc_model *m) {
+/* GET /routing: the routing counters' window as moerpc-stats JSON (a 500 when out of
+ * memory: the responder answers 500 for a text marked oom). */
+static void routing_render(void *ud, mr_prom *p) {
+  mr_err e;
+  if (gc_model_routing_json(ud, GC_ROUTING_WINDOW, p, &e)) p->oom = true;
+}
+
+/* Writes --routing-stats (when given and the model opened); 0, or 1 on failure. Then stops
+ * the responder and closes the model (the responder reads the model). */
+static int close_model(const mcli *c, gc_model *m) {
+  int status = 0;
+  if (m && c->routing_stats) {
+    mr_err e;
+    mr_err_clear(&e);
+    int rc = gc_model_routing_save(m, GC_ROUTING_WINDOW, c->routing_stats, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": --routing-stats: %s: %s\n", mr_err_name(rc), e.msg);
+      status = 1;
+    } else {
+      mr_log(MR_LOG_INFO, "routing statistics written to %s", c->routing_stats);
+    }
+  }
   mr_http_server_free(cli_metrics);
   cli_metrics = NULL;
   gc_model_close(m);
+  return status;
 }
 
 bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -189,6 +219,9 @@ static int model_opt(mcli *c, int opt, const char *arg) {
     return 1;
   case MO_QUIET: o->quiet = true; return 1;
   case MO_METRICS: c->metrics_listen = arg; return 1;
+  case MO_RWINDOW:
+    return gc__cli_u32("--routing-window", arg, 1, GC_ROUTING_MAX_WINDOW, &o->routing_window) ? 1 : -1;
+  case MO_RSTATS: c->routing_stats = arg; return 1;
   case MO_PROMPT: c->prompt = arg; return 1;
   case MO_IDS: c->ids = arg; return 1;
   case MO_OUT: c->out = arg; return 1;
@@ -317,6 +350,11 @@ static int open_model(mcli *c, gc_model **m) {
   if (c->metrics_listen) {
     rc = mr_http_server_new(&cli_metrics, c->metrics_listen, "--metrics-listen", "/metrics",
                             metrics_render, *m, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+      return rc;
+    }
+    rc = mr_http_server_route(cli_metrics, "/routing", "application/json", routing_render, *m, &e);
     if (rc) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
@@ -480,7 +518,7 @@ int gc__cli_generate(int argc, char **argv) {
   rc = 0;
 out:
   failover_summary(m, c.json);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(prompts);
@@ -593,7 +631,7 @@ int gc__cli_logits(int argc, char **argv) {
   rc = 0;
 out:
   if (f) fclose(f);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(seq);
@@ -862,7 +900,7 @@ fail:
   rc = 1;
 out:
   failover_summary(m, c.json);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(seq);
   free(pos);

@@ -333,6 +333,14 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
     gc__down_explain(c, q->layer, p->plan.missing, e->msg, sizeof e->msg);
   if (rc) goto out_unref;
   const uint32_t np = p->plan.n_parts;
+  /* Every slot is valid now: count the routing decisions, caller-computed ones included
+   * (caller_local slots are in ids; caller_ids holds those a caller masked out). */
+  const size_t n_slots = (size_t)q->n_tokens * q->top_k;
+  const bool may_step = !(q->flags & GC_REQ_PART);
+  gc_routing_count(c->routing, q->layer, q->ids, n_slots, q->n_tokens,
+                   may_step && !q->caller_ids);
+  if (q->caller_ids)
+    gc_routing_count(c->routing, q->layer, q->caller_ids, n_slots, q->n_tokens, may_step);
 
   /* Describe every request before the first is queued: the I/O thread may complete one
    * while later ones are still being queued, and counts against n_reqs. */

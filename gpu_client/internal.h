@@ -358,6 +358,8 @@ struct gc_cluster {
   bool tls;
   grpc_metadata auth_md;    /* "authorization: Bearer <token>" */
   size_t n_auth_md;         /* 1 with a token, else 0: sent on every call */
+  /* Routing counters (gc_routing.c), created at open, counted in gc_layer_submit. */
+  gc_routing *routing;
 };
 
 /* gc_local.c */
