@@ -997,7 +997,6 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
     int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi), r = 0;
     if (opt == -1) break;
     double d;
-    uint32_t u;
     switch (opt) {
       case SO_HELP: fputs(SIM_HELP, stdout); return 1;
       case SO_PLACEMENT: o->placement = optarg; break;
@@ -1036,7 +1035,6 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
         fprintf(stderr, PROG ": bad or incomplete option \"%s\" (see --help)\n", argv[optind - 1]);
         return 2;
     }
-    (void)u;
     if (r) return 2;
   }
   if (optind < argc) {
