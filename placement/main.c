@@ -5,6 +5,7 @@
  *   moerpc-place stats    --cluster FILE [...]   collect routing statistics (moerpc-stats JSON)
  *   moerpc-place plan     --model DIR --cluster FILE [--stats FILE] [...]   plan a placement
  *   moerpc-place diff     A.json B.json [--model DIR]   compare two placements
+ *   moerpc-place simulate --model DIR [...]      tokens/s of a placement from measured inputs
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure, 2 usage error. Lifecycle
  * lines go to stderr through mr_log; results to stdout or -o FILE.
@@ -28,6 +29,7 @@ static const pl_command commands[] = {
     {"stats", pl_cmd_stats, "collect and merge routing statistics of a running cluster"},
     {"plan", pl_cmd_plan, "plan a placement from statistics, the model and the cluster"},
     {"diff", pl_cmd_diff, "compare two placements: pairs and bytes moved per server"},
+    {"simulate", pl_cmd_simulate, "project decode / prefill tokens/s of a placement on N hosts"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -199,7 +199,143 @@ int pl_cmd_diff(int argc, char **argv);
 
 /* ---- apply ---- */
 
-/* ---- simulate ---- */
+/* ---- simulate ---------------------------------------------------------------------------
+ * `moerpc-place simulate` (pl_sim.c): decode and prefill tokens/s of a placement on N hosts
+ * from measured inputs, and the bottleneck. The model (docs/DESIGN.md section 16):
+ *
+ *   per MoE layer and sampled step (routing drawn from the stats, or uniform):
+ *     host h:  t_h = bytes_h / rate_h(u_h)  +  rpc_fixed + rpc_per_byte * wire_h
+ *                    + wire_h / link_h + latency_h          (bytes_h: its distinct activated
+ *                                                           experts x bytes per expert)
+ *     remote = max_h t_h (fan-out in parallel), at least wire bytes / the client's link
+ *     hot    = the client's own experts, bytes / client rate
+ *     layer  = max(hot, remote)          the runner's overlap (cold slots sent first)
+ *            = hot + remote              --shared-cores: the hosts run on the client's cores
+ *   step = client's non-expert time + sum over MoE layers; decode tok/s = B / step.
+ *
+ * Rates: weight GB/s of moerpc-bench-kernels lines, interpolated over u = slots / activated
+ * experts (tokens per expert) of the call, so that one table serves decode (u ~ 1) and
+ * prefill (u ~ T k / E). */
+
+/* Kernel throughput of one host: moerpc-bench-kernels --json lines of one format. */
+#define PL_RATES_MAX 64u
+typedef struct pl_rate_point {
+  double u;       /* tokens per activated expert of the bench call */
+  double gbps;    /* weight bytes read / time, GB/s (1e9 bytes) */
+  uint32_t tokens; /* the bench line's T */
+} pl_rate_point;
+typedef struct pl_rates {
+  uint32_t n;     /* points, sorted by u; 1..PL_RATES_MAX */
+  uint32_t threads;
+  pl_rate_point pt[PL_RATES_MAX];
+} pl_rates;
+/* Reads the JSON lines of `moerpc-bench-kernels --json` (text of len bytes; lines not
+ * starting with '{' and "mode": "linear" lines are skipped) and keeps those of `format`
+ * ("bf16", "int8", "int4" (any group), "int4-g64", ...; NULL = every format). Required per
+ * line: format, tokens (1..2^31), top_k (>= 1), experts_pool (>= 1), threads, weight_gbps
+ * (> 0, finite); a missing or bad field is MR_EFORMAT / MR_ERANGE naming label, the line
+ * and the field. For several lines of one T the fastest is kept (best ISA). No line of the
+ * format: MR_ENOTFOUND. */
+int pl_rates_parse(pl_rates *r, const char *text, size_t len, const char *format,
+                   const char *label, mr_err *e);
+int pl_rates_load(pl_rates *r, const char *path, const char *format, mr_err *e);
+/* GB/s at u tokens per expert: log-linear between points, clamped at both ends. */
+double pl_rates_gbps(const pl_rates *r, double u);
+
+/* RPC cost: a request costs fixed_us + per_byte_us * (request + reply bytes), on top of the
+ * server's compute and of the link. */
+typedef struct pl_rpc_cost {
+  double fixed_us;
+  double per_byte_us;
+  uint32_t n_lines;
+} pl_rpc_cost;
+/* Fits pl_rpc_cost to `moerpc-client bench-rpc --json` lines ("bench": "rpc"; required:
+ * tokens, req_bytes, reply_bytes, grpc_p50_us, server_compute_us_p50, all >= 0): least
+ * squares of (grpc_p50_us - server_compute_us_p50) over req_bytes + reply_bytes; a negative
+ * slope (noise) becomes 0 with the mean as the fixed cost. */
+int pl_rpc_parse(pl_rpc_cost *c, const char *text, size_t len, const char *label, mr_err *e);
+int pl_rpc_load(pl_rpc_cost *c, const char *path, mr_err *e);
+
+/* The client's own time, from an all-local `moerpc-client bench --json` ("bench": "model"
+ * line: step_ms, prefill_tok_s, batch, prompt_len, threads, servers = 0; "model-layer"
+ * lines: layer, moe, local_us, summed into expert_us for information: the command takes
+ * the experts out of step_us with the model itself, see pl_cmd_simulate). */
+typedef struct pl_client_bench {
+  double step_us;          /* decode step, all-local */
+  double expert_us;        /* of which the experts (sum of local_us over MoE layers) */
+  double prefill_tok_s;
+  uint32_t batch, prompt_len, threads, layers;
+} pl_client_bench;
+int pl_client_bench_parse(pl_client_bench *b, const char *text, size_t len, const char *label,
+                          mr_err *e);
+int pl_client_bench_load(pl_client_bench *b, const char *path, mr_err *e);
+
+/* One host of the simulation. */
+typedef struct pl_sim_host {
+  char name[64];
+  const pl_rates *rates; /* kernel throughput (borrowed) */
+  double speed;          /* multiplies the rates (the cluster file's "speed"), > 0 */
+  double link_gbps;      /* Gbit/s of its link, 0 = no link cost */
+  double link_latency_us; /* one-way latency added once per call (request + reply: 2x) */
+} pl_sim_host;
+
+#define PL_SIM_MAX_HOSTS 256u
+typedef struct pl_sim_input {
+  /* model shapes */
+  uint32_t hidden, inter, num_experts, top_k, num_layers;
+  const uint8_t *is_moe;        /* [num_layers], NULL = every layer */
+  double expert_bytes;          /* bytes of one expert as the servers store it */
+  double wire_bytes;            /* bytes per hidden-state element on the wire (bf16: 2) */
+  /* routing: counts [num_layers * num_experts] (a layer of zeros = uniform), NULL = uniform */
+  const uint64_t *counts;
+  /* placement: local [L * E] (1 = the client computes it), route [L * E] host index or -1
+   * (several copies or unrouted: each sampled slot goes to the least-loaded host so far) */
+  const uint8_t *local;         /* NULL = nothing local */
+  const int32_t *route;         /* NULL = every pair -1 */
+  uint32_t n_hosts;             /* 0..PL_SIM_MAX_HOSTS (0: all local) */
+  const pl_sim_host *hosts;
+  const pl_rates *client_rates; /* the client's expert throughput (hot experts; all-local) */
+  pl_rpc_cost rpc;
+  double client_link_gbps;      /* the client's own link (all hosts' bytes), 0 = none */
+  /* the client's own time per step besides the experts */
+  double decode_other_us;       /* per decode step */
+  double prefill_other_us;      /* per prefill step of batch x prompt_len tokens; < 0: unknown */
+  uint32_t batch, prompt_len, max_deferred;
+  bool shared_cores;            /* hosts and client on the same cores: their work serializes */
+  uint32_t samples;             /* sampled steps per MoE layer (decode; prefill uses 1/8) */
+  uint64_t seed;
+} pl_sim_input;
+
+/* Where the time of a step goes. Component 0 is the client, 1 the link (transfer, latency
+ * and the RPC cost), 2 + h host h. */
+typedef struct pl_sim_phase {
+  double step_us;               /* one step */
+  double tok_s;                 /* batch (decode) or batch x prompt_len (prefill) / step */
+  double *share;                /* [2 + n_hosts] fraction of step_us, sums to 1 (owned) */
+  double *host_busy_us;         /* [n_hosts] compute per step, mean (owned) */
+  double *layer_us;             /* [num_layers] MoE part per layer (0 for dense) (owned) */
+  int bottleneck;               /* component index with the largest share */
+  double imbalance;             /* max / mean of host_busy_us (1 = even; 0 with no host) */
+} pl_sim_phase;
+typedef struct pl_sim_result {
+  pl_sim_phase decode, prefill; /* prefill.step_us < 0 when prefill_other_us is unknown */
+  uint32_t n_hosts;
+} pl_sim_result;
+/* Runs the model; deterministic for a seed. Errors: MR_EINVAL naming the field (shapes
+ * out of range, a host without rates, a speed <= 0, route >= n_hosts, a non-local pair
+ * with no host), MR_ENOMEM. Release r with pl_sim_result_close (also after a failure). */
+int pl_sim_run(const pl_sim_input *in, pl_sim_result *r, mr_err *e);
+void pl_sim_result_close(pl_sim_result *r);
+/* "client", "link" or the host's name, for component c of a result of in. */
+const char *pl_sim_component_name(const pl_sim_input *in, int c);
+/* Bytes of one expert (gate, up, down) in a weight format as the servers pack it:
+ * "f32", "f16", "bf16", "int8" (fp32 scale per row), "int4[-gG]" (fp32 scale per group
+ * of G, default 64), "fp8" (e4m3 with a fp32 scale per 128 x 128 block, DeepSeek-V3's).
+ * Returns 0 for an unknown format. */
+double pl_sim_expert_bytes(const char *format, uint32_t hidden, uint32_t inter);
+
+/* `moerpc-place simulate` (pl_sim.c). */
+int pl_cmd_simulate(int argc, char **argv);
 
 #ifdef __cplusplus
 }

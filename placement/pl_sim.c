@@ -1,0 +1,1427 @@
+/*
+ * pl_sim.c - `moerpc-place simulate`: decode and prefill tokens/s of a placement on N hosts
+ * from measured inputs (pl.h, "simulate"; docs/DESIGN.md section 16).
+ *
+ * Three parts: the readers of the measured inputs (JSON lines of moerpc-bench-kernels,
+ * moerpc-client bench-rpc and moerpc-client bench), the model (pl_sim_run: routing sampled
+ * per MoE layer, each host's time, the runner's overlap and deferral) and the command.
+ */
+#include <getopt.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cjson/cJSON.h>
+
+#include "common/mr.h"
+#include "placement/pl.h"
+
+#define PROG "moerpc-place simulate"
+/* The JSON-lines inputs are a few KB; this is only a bound against a wrong file. */
+#define SIM_INPUT_MAX_BYTES ((size_t)64 << 20)
+#define SIM_LINE_MAX 65536u
+
+/* ---- JSON lines ----------------------------------------------------------------------- */
+
+/* Calls fn for every line of text that starts with '{' (after blanks); other lines (the
+ * human tables some tools print on stdout too) are skipped. fn gets the parsed object and
+ * the 1-based line number; its non-zero return stops the walk. */
+typedef int (*line_fn)(void *ctx, const cJSON *o, unsigned line, const char *label, mr_err *e);
+static int json_lines(const char *text, size_t len, const char *label, line_fn fn, void *ctx,
+                      mr_err *e) {
+  size_t i = 0;
+  unsigned line = 0;
+  while (i < len) {
+    size_t j = i;
+    while (j < len && text[j] != '\n') j++;
+    line++;
+    size_t a = i;
+    while (a < j && (text[a] == ' ' || text[a] == '\t' || text[a] == '\r')) a++;
+    if (a < j && text[a] == '{') {
+      if (j - a > SIM_LINE_MAX)
+        return mr_err_set(e, MR_ERANGE, "%s: line %u: %zu bytes, at most %u", label, line,
+                          j - a, SIM_LINE_MAX);
+      char where[160];
+      snprintf(where, sizeof where, "%s: line %u", label, line);
+      cJSON *o = NULL;
+      int rc = mr_json_parse_object(text + a, j - a, where, &o, e);
+      if (rc) return rc;
+      rc = fn(ctx, o, line, label, e);
+      cJSON_Delete(o);
+      if (rc) return rc;
+    }
+    i = j + 1;
+  }
+  return 0;
+}
+
+/* A required finite number >= lo (and > lo when strict). */
+static int num_field(const cJSON *o, const char *field, double lo, bool strict, unsigned line,
+                     const char *label, double *out, mr_err *e) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, field);
+  char desc[96];
+  if (!cJSON_IsNumber(it)) {
+    mr_json_describe(it, desc, sizeof desc);
+    return mr_err_set(e, MR_EFORMAT, "%s: line %u: %s = %s, must be a number %s %g", label, line,
+                      field, desc, strict ? ">" : ">=", lo);
+  }
+  double d = it->valuedouble;
+  if (!isfinite(d) || d < lo || (strict && d == lo))
+    return mr_err_set(e, MR_ERANGE, "%s: line %u: %s = %.17g, must be a finite number %s %g",
+                      label, line, field, d, strict ? ">" : ">=", lo);
+  *out = d;
+  return 0;
+}
+
+static int int_field(const cJSON *o, const char *field, uint64_t lo, uint64_t hi, unsigned line,
+                     const char *label, uint64_t *out, mr_err *e) {
+  char f[96];
+  snprintf(f, sizeof f, "line %u: %s", line, field);
+  return mr_json_u64(cJSON_GetObjectItemCaseSensitive(o, field), label, f, lo, hi, out, e);
+}
+
+static const char *str_field(const cJSON *o, const char *field) {
+  const cJSON *it = cJSON_GetObjectItemCaseSensitive(o, field);
+  return cJSON_IsString(it) ? it->valuestring : NULL;
+}
+
+static int read_file(const char *path, char **text, size_t *len, mr_err *e) {
+  return mr_file_read(path, SIM_INPUT_MAX_BYTES, text, len, e);
+}
+
+/* ---- kernel rates --------------------------------------------------------------------- */
+
+typedef struct rates_ctx {
+  pl_rates *r;
+  const char *format; /* NULL = any */
+} rates_ctx;
+
+/* "int4-g64" matches format "int4" with group 64; "int4" any group. */
+static bool format_matches(const char *want, const char *fmt, uint64_t group) {
+  if (!want) return true;
+  const char *dash = strchr(want, '-');
+  size_t n = dash ? (size_t)(dash - want) : strlen(want);
+  if (strlen(fmt) != n || strncmp(want, fmt, n) != 0) return false;
+  if (!dash) return true;
+  unsigned g = 0;
+  return sscanf(dash, "-g%u", &g) == 1 && g == group;
+}
+
+/* Expected distinct experts of a call of T tokens drawing k of E uniformly each. */
+static double expected_active(double T, double k, double E) {
+  if (k >= E) return E;
+  return E * (1.0 - pow(1.0 - k / E, T));
+}
+
+static int rates_line(void *ctx, const cJSON *o, unsigned line, const char *label, mr_err *e) {
+  rates_ctx *c = ctx;
+  const char *mode = str_field(o, "mode");
+  if (mode && strcmp(mode, "linear") == 0) return 0; /* dense layers: not expert rates */
+  const char *fmt = str_field(o, "format");
+  if (!fmt) {
+    char desc[96];
+    mr_json_describe(cJSON_GetObjectItemCaseSensitive(o, "format"), desc, sizeof desc);
+    return mr_err_set(e, MR_EFORMAT, "%s: line %u: format = %s, must be a string (a "
+                      "moerpc-bench-kernels --json line)", label, line, desc);
+  }
+  uint64_t T, k, pool, threads, group = 0;
+  double gbps;
+  int rc;
+  if ((rc = int_field(o, "tokens", 1, 1u << 31, line, label, &T, e)) ||
+      (rc = int_field(o, "top_k", 1, 65536, line, label, &k, e)) ||
+      (rc = int_field(o, "experts_pool", 1, 65536, line, label, &pool, e)) ||
+      (rc = int_field(o, "threads", 1, 65536, line, label, &threads, e)) ||
+      (rc = num_field(o, "weight_gbps", 0, true, line, label, &gbps, e)))
+    return rc;
+  if (k > pool)
+    return mr_err_set(e, MR_ERANGE, "%s: line %u: top_k = %llu, must be <= experts_pool %llu",
+                      label, line, (unsigned long long)k, (unsigned long long)pool);
+  const cJSON *g = cJSON_GetObjectItemCaseSensitive(o, "group");
+  if (g && (rc = int_field(o, "group", 0, 65536, line, label, &group, e))) return rc;
+  if (!format_matches(c->format, fmt, group)) return 0;
+  pl_rates *r = c->r;
+  if (r->n && r->threads != threads)
+    return mr_err_set(e, MR_EINVAL, "%s: line %u: threads = %llu, but earlier lines have %u "
+                      "(one file per thread count: one host)", label, line,
+                      (unsigned long long)threads, r->threads);
+  r->threads = (uint32_t)threads;
+  double u = (double)T * (double)k / expected_active((double)T, (double)k, (double)pool);
+  for (uint32_t i = 0; i < r->n; i++)
+    if (r->pt[i].tokens == T) { /* another ISA or repeat: keep the fastest */
+      if (gbps > r->pt[i].gbps) r->pt[i].gbps = gbps;
+      return 0;
+    }
+  if (r->n == PL_RATES_MAX)
+    return mr_err_set(e, MR_ERANGE, "%s: line %u: more than %u token counts", label, line,
+                      PL_RATES_MAX);
+  r->pt[r->n++] = (pl_rate_point){.u = u, .gbps = gbps, .tokens = (uint32_t)T};
+  return 0;
+}
+
+static int cmp_point(const void *a, const void *b) {
+  double x = ((const pl_rate_point *)a)->u, y = ((const pl_rate_point *)b)->u;
+  return x < y ? -1 : x > y;
+}
+
+int pl_rates_parse(pl_rates *r, const char *text, size_t len, const char *format,
+                   const char *label, mr_err *e) {
+  memset(r, 0, sizeof *r);
+  rates_ctx c = {.r = r, .format = format};
+  int rc = json_lines(text, len, label, rates_line, &c, e);
+  if (rc) {
+    memset(r, 0, sizeof *r);
+    return rc;
+  }
+  if (r->n == 0)
+    return mr_err_set(e, MR_ENOTFOUND, "%s: no moerpc-bench-kernels line of format %s", label,
+                      format ? format : "(any)");
+  qsort(r->pt, r->n, sizeof r->pt[0], cmp_point);
+  return 0;
+}
+
+int pl_rates_load(pl_rates *r, const char *path, const char *format, mr_err *e) {
+  char *text = NULL;
+  size_t len = 0;
+  memset(r, 0, sizeof *r);
+  int rc = read_file(path, &text, &len, e);
+  if (!rc) rc = pl_rates_parse(r, text, len, format, path, e);
+  mr_free(text);
+  return rc;
+}
+
+double pl_rates_gbps(const pl_rates *r, double u) {
+  MR_ASSERT(r && r->n > 0);
+  if (u <= r->pt[0].u || r->n == 1) return r->pt[0].gbps;
+  if (u >= r->pt[r->n - 1].u) return r->pt[r->n - 1].gbps;
+  uint32_t i = 1;
+  while (r->pt[i].u < u) i++;
+  const pl_rate_point *a = &r->pt[i - 1], *b = &r->pt[i];
+  if (b->u <= a->u) return b->gbps;
+  double f = (log(u) - log(a->u)) / (log(b->u) - log(a->u));
+  return exp(log(a->gbps) + f * (log(b->gbps) - log(a->gbps)));
+}
+
+/* ---- RPC cost ------------------------------------------------------------------------- */
+
+typedef struct rpc_ctx {
+  double sx, sy, sxx, sxy;
+  uint32_t n;
+} rpc_ctx;
+
+static int rpc_line(void *ctx, const cJSON *o, unsigned line, const char *label, mr_err *e) {
+  rpc_ctx *c = ctx;
+  const char *b = str_field(o, "bench");
+  if (!b || strcmp(b, "rpc") != 0) return 0;
+  uint64_t T;
+  double req, rep, p50, comp;
+  int rc;
+  if ((rc = int_field(o, "tokens", 1, 1u << 31, line, label, &T, e)) ||
+      (rc = num_field(o, "req_bytes", 0, false, line, label, &req, e)) ||
+      (rc = num_field(o, "reply_bytes", 0, false, line, label, &rep, e)) ||
+      (rc = num_field(o, "grpc_p50_us", 0, false, line, label, &p50, e)) ||
+      (rc = num_field(o, "server_compute_us_p50", 0, false, line, label, &comp, e)))
+    return rc;
+  double x = req + rep, y = p50 > comp ? p50 - comp : 0;
+  c->sx += x;
+  c->sy += y;
+  c->sxx += x * x;
+  c->sxy += x * y;
+  c->n++;
+  return 0;
+}
+
+int pl_rpc_parse(pl_rpc_cost *cost, const char *text, size_t len, const char *label, mr_err *e) {
+  memset(cost, 0, sizeof *cost);
+  rpc_ctx c = {0};
+  int rc = json_lines(text, len, label, rpc_line, &c, e);
+  if (rc) return rc;
+  if (c.n == 0)
+    return mr_err_set(e, MR_ENOTFOUND, "%s: no \"bench\": \"rpc\" line (moerpc-client "
+                      "bench-rpc --json)", label);
+  double n = c.n, mx = c.sx / n, my = c.sy / n;
+  double vx = c.sxx / n - mx * mx;
+  double slope = vx > 1e-9 * (mx * mx + 1) ? (c.sxy / n - mx * my) / vx : 0;
+  if (slope < 0) slope = 0;
+  cost->per_byte_us = slope;
+  cost->fixed_us = my - slope * mx;
+  if (cost->fixed_us < 0) { /* a steep fit through noise: keep the per-byte part */
+    cost->fixed_us = 0;
+    cost->per_byte_us = mx > 0 ? my / mx : 0;
+  }
+  cost->n_lines = c.n;
+  return 0;
+}
+
+int pl_rpc_load(pl_rpc_cost *c, const char *path, mr_err *e) {
+  char *text = NULL;
+  size_t len = 0;
+  memset(c, 0, sizeof *c);
+  int rc = read_file(path, &text, &len, e);
+  if (!rc) rc = pl_rpc_parse(c, text, len, path, e);
+  mr_free(text);
+  return rc;
+}
+
+/* ---- client bench --------------------------------------------------------------------- */
+
+typedef struct client_ctx {
+  pl_client_bench *b;
+  bool have_model;
+  uint32_t layer_lines;
+} client_ctx;
+
+static int client_line(void *ctx, const cJSON *o, unsigned line, const char *label, mr_err *e) {
+  client_ctx *c = ctx;
+  const char *kind = str_field(o, "bench");
+  if (!kind) return 0;
+  int rc;
+  if (strcmp(kind, "model") == 0) {
+    if (c->have_model)
+      return mr_err_set(e, MR_EFORMAT, "%s: line %u: a second \"bench\": \"model\" line (one "
+                        "run per file)", label, line);
+    uint64_t servers, batch, plen, threads;
+    double step_ms, ptok;
+    if ((rc = num_field(o, "step_ms", 0, true, line, label, &step_ms, e)) ||
+        (rc = num_field(o, "prefill_tok_s", 0, true, line, label, &ptok, e)) ||
+        (rc = int_field(o, "batch", 1, 1u << 20, line, label, &batch, e)) ||
+        (rc = int_field(o, "prompt_len", 1, 1u << 24, line, label, &plen, e)) ||
+        (rc = int_field(o, "threads", 0, 65536, line, label, &threads, e)) ||
+        (rc = int_field(o, "servers", 0, 0, line, label, &servers, e)))
+      return rc == MR_ERANGE && cJSON_IsNumber(cJSON_GetObjectItemCaseSensitive(o, "servers")) &&
+                     cJSON_GetObjectItemCaseSensitive(o, "servers")->valuedouble != 0
+                 ? mr_err_prefix(e, rc, "the client's own time comes from an all-local run "
+                                 "(moerpc-client bench without --cluster)")
+                 : rc;
+    c->b->step_us = step_ms * 1000.0;
+    c->b->prefill_tok_s = ptok;
+    c->b->batch = (uint32_t)batch;
+    c->b->prompt_len = (uint32_t)plen;
+    c->b->threads = (uint32_t)threads;
+    c->have_model = true;
+  } else if (strcmp(kind, "model-layer") == 0) {
+    uint64_t layer;
+    double local_us;
+    if ((rc = int_field(o, "layer", 0, MR_MAX_LAYERS - 1, line, label, &layer, e)) ||
+        (rc = num_field(o, "local_us", 0, false, line, label, &local_us, e)))
+      return rc;
+    const cJSON *moe = cJSON_GetObjectItemCaseSensitive(o, "moe");
+    if (!cJSON_IsBool(moe)) {
+      char desc[96];
+      mr_json_describe(moe, desc, sizeof desc);
+      return mr_err_set(e, MR_EFORMAT, "%s: line %u: moe = %s, must be true or false", label,
+                        line, desc);
+    }
+    if (cJSON_IsTrue(moe)) c->b->expert_us += local_us;
+    c->layer_lines++;
+  }
+  return 0;
+}
+
+int pl_client_bench_parse(pl_client_bench *b, const char *text, size_t len, const char *label,
+                          mr_err *e) {
+  memset(b, 0, sizeof *b);
+  client_ctx c = {.b = b};
+  int rc = json_lines(text, len, label, client_line, &c, e);
+  if (!rc && !c.have_model)
+    rc = mr_err_set(e, MR_ENOTFOUND, "%s: no \"bench\": \"model\" line (moerpc-client bench "
+                    "--json)", label);
+  if (rc) {
+    memset(b, 0, sizeof *b);
+    return rc;
+  }
+  b->layers = c.layer_lines;
+  return 0;
+}
+
+int pl_client_bench_load(pl_client_bench *b, const char *path, mr_err *e) {
+  char *text = NULL;
+  size_t len = 0;
+  memset(b, 0, sizeof *b);
+  int rc = read_file(path, &text, &len, e);
+  if (!rc) rc = pl_client_bench_parse(b, text, len, path, e);
+  mr_free(text);
+  return rc;
+}
+
+/* ---- formats -------------------------------------------------------------------------- */
+
+double pl_sim_expert_bytes(const char *format, uint32_t H, uint32_t I) {
+  const double h = H, i = I, w = 3.0 * h * i;
+  if (strcmp(format, "f32") == 0) return 4 * w;
+  if (strcmp(format, "f16") == 0 || strcmp(format, "bf16") == 0) return 2 * w;
+  if (strcmp(format, "int8") == 0) return w + 4.0 * (2 * i + h); /* a scale per row */
+  if (strcmp(format, "fp8") == 0) /* e4m3, one fp32 scale per 128 x 128 block */
+    return w + 4.0 * 3 * ceil(h / 128) * ceil(i / 128);
+  unsigned g = 64;
+  if (strcmp(format, "int4") == 0 || (sscanf(format, "int4-g%u", &g) == 1 && (g == 32 ||
+                                                                                 g == 64 ||
+                                                                                 g == 128))) {
+    /* gate/up rows of H, down rows of I, a fp32 scale per group of g along the row */
+    return w / 2 + 4.0 * (2 * i * ceil(h / g) + h * ceil(i / g));
+  }
+  return 0;
+}
+
+/* ---- the model ------------------------------------------------------------------------ */
+
+/* splitmix64: small, deterministic, good enough for routing draws */
+static uint64_t rng_next(uint64_t *s) {
+  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
+
+/* Per-call accumulators of one sampled step: index 0..n_hosts-1 hosts, n_hosts the client. */
+typedef struct call_acc {
+  uint32_t slots, active, tokens;
+} call_acc;
+
+typedef struct remote_time {
+  double wall;         /* the call set's time as the client sees it */
+  double *comp;        /* [n_hosts] compute per host of this call set (caller's buffer) */
+  int crit;            /* critical host (-1: the client's link, -2: nothing remote) */
+  double crit_comp;    /* compute part of the critical term */
+  double crit_link;    /* link + RPC part */
+} remote_time;
+
+/* Scratch of one run. */
+typedef struct sim_scratch {
+  double *cdf;         /* [E] */
+  uint32_t *chosen;    /* [E] stamp of the token that chose it */
+  uint32_t *act_now;   /* [E] stamp of the step that activated it (now calls) */
+  uint32_t *act_def;   /* [E] (deferred calls) */
+  uint32_t *act_host;  /* [E] the owner that activated it (a pair with copies may move) */
+  double *prev_def, *prev_wall; /* [samples] the previous MoE layer's deferred calls */
+  remote_time *prev_rt;         /* [samples] */
+  uint32_t *tok_now;   /* [n_hosts + 1] stamp of the token counted */
+  uint32_t *tok_def;
+  call_acc *now, *def; /* [n_hosts + 1] */
+  int32_t *ids;        /* [k] draws of one token, in rank order */
+  uint64_t tie_rng;    /* tie-breaks apart from the routing draws: same draws for any hosts */
+} sim_scratch;
+
+
+static double host_compute_us(const pl_sim_input *in, const pl_rates *r, double speed,
+                              const call_acc *a) {
+  if (!a->active) return 0;
+  double u = (double)a->slots / a->active;
+  double gbps = pl_rates_gbps(r, u) * speed;
+  return (double)a->active * in->expert_bytes / (gbps * 1e3); /* bytes / (GB/s) -> us */
+}
+
+static double call_wire_bytes(const pl_sim_input *in, const call_acc *a) {
+  /* request: hidden states + (id, weight) per slot; reply: one output row per token */
+  return (double)a->tokens * in->hidden * in->wire_bytes * 2 + (double)a->slots * 8 + 96;
+}
+
+/* The time of one set of calls (one per host with work), fanned out in parallel. */
+static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_time *t,
+                         uint64_t *rng) {
+  uint32_t ties = 0;
+  t->wall = 0;
+  t->crit = -2;
+  t->crit_comp = t->crit_link = 0;
+  double total_bytes = 0, total_wire = 0, total_slots = 0, total_active = 0;
+  for (uint32_t h = 0; h < in->n_hosts; h++) {
+    const call_acc *a = &acc[h];
+    t->comp[h] = 0;
+    if (!a->slots) continue;
+    const pl_sim_host *ho = &in->hosts[h];
+    double comp = host_compute_us(in, ho->rates, ho->speed, a);
+    double wire = call_wire_bytes(in, a);
+    double link = in->rpc.fixed_us + in->rpc.per_byte_us * wire + 2 * ho->link_latency_us;
+    if (ho->link_gbps > 0) link += wire * 8 / (ho->link_gbps * 1e3);
+    t->comp[h] = comp;
+    total_bytes += (double)a->active * in->expert_bytes;
+    total_slots += a->slots;
+    total_active += a->active;
+    total_wire += wire;
+    /* equal hosts (a common case at batch 1) share the blame: a tie goes to one of them
+     * drawn uniformly (reservoir sampling), not always to the first */
+    double w = comp + link;
+    bool tie = t->crit >= 0 && fabs(w - t->wall) <= 1e-9 * w;
+    if (tie ? rng_next(rng) % ++ties == 0 : w > t->wall) {
+      if (!tie) ties = 1;
+      t->wall = w > t->wall ? w : t->wall;
+      t->crit = (int)h;
+      t->crit_comp = comp;
+      t->crit_link = link;
+    }
+  }
+  if (t->crit == -2) return;
+  if (in->client_link_gbps > 0) { /* every host's bytes cross the client's own link */
+    double nic = total_wire * 8 / (in->client_link_gbps * 1e3) + in->rpc.fixed_us;
+    if (nic > t->wall) {
+      t->wall = nic;
+      t->crit = -1;
+      t->crit_comp = 0;
+      t->crit_link = nic;
+    }
+  }
+  if (in->shared_cores && in->client_rates) {
+    /* the hosts share the client's machine: together they read no faster than it does */
+    double gbps = pl_rates_gbps(in->client_rates, total_slots / total_active);
+    double floor_us = total_bytes / (gbps * 1e3);
+    if (floor_us > t->crit_comp && t->crit >= 0) {
+      t->wall += floor_us - t->crit_comp;
+      t->crit_comp = floor_us;
+    }
+  }
+}
+
+/* Adds a term's time to the shares: compute to the critical host, the rest to the link. */
+static void attribute(double *share, const remote_time *t, double amount) {
+  if (amount <= 0 || t->crit == -2) return;
+  double tot = t->crit_comp + t->crit_link;
+  if (tot <= 0) return;
+  if (t->crit >= 0) share[2 + t->crit] += amount * t->crit_comp / tot;
+  share[1] += amount * (t->crit >= 0 ? t->crit_link / tot : 1.0);
+}
+
+/* Draws one token's top-k in rank order (the first drawn ranks highest, as the router's
+ * largest weights come from its most popular experts). */
+static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf, uint32_t stamp,
+                       uint64_t *rng) {
+  const uint32_t E = in->num_experts, k = in->top_k;
+  for (uint32_t j = 0; j < k; j++) {
+    int32_t x = -1;
+    for (int tries = 0; tries < 64 && x < 0; tries++) {
+      uint32_t c;
+      if (cdf) {
+        double r = rng_unit(rng) * cdf[E - 1];
+        uint32_t lo = 0, hi = E - 1;
+        while (lo < hi) {
+          uint32_t mid = (lo + hi) / 2;
+          if (cdf[mid] > r) hi = mid;
+          else lo = mid + 1;
+        }
+        c = lo;
+      } else {
+        c = (uint32_t)(rng_next(rng) % E);
+      }
+      if (s->chosen[c] != stamp) x = (int32_t)c;
+    }
+    if (x < 0) /* the mass is on fewer than k experts: the next unchosen one */
+      for (uint32_t c = 0; c < E && x < 0; c++)
+        if (s->chosen[c] != stamp) x = (int32_t)c;
+    s->chosen[x] = stamp;
+    s->ids[j] = x;
+  }
+}
+
+typedef struct layer_sample {
+  double hot_us, now_wall, def_wall;
+  remote_time now, def;
+} layer_sample;
+
+/* One sampled step of MoE layer l with T tokens: fills acc_now / acc_def and the times. */
+static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uint32_t T,
+                         bool defer, const double *cdf, uint32_t *stamp, uint64_t *rng,
+                         layer_sample *ls) {
+  const uint32_t E = in->num_experts, k = in->top_k, N = in->n_hosts;
+  const uint32_t keep = defer && in->max_deferred < k ? k - in->max_deferred : (defer ? 0 : k);
+  memset(s->now, 0, (N + 1) * sizeof *s->now);
+  memset(s->def, 0, (N + 1) * sizeof *s->def);
+  uint32_t step = ++*stamp;
+  for (uint32_t t = 0; t < T; t++) {
+    uint32_t ts = ++*stamp;
+    draw_token(in, s, cdf, ts, rng);
+    for (uint32_t j = 0; j < k; j++) {
+      uint32_t x = (uint32_t)s->ids[j];
+      size_t p = (size_t)l * E + x;
+      uint32_t h;
+      if (in->local && in->local[p]) {
+        h = N;
+      } else if (in->route && in->route[p] >= 0) {
+        h = (uint32_t)in->route[p];
+      } else { /* several copies, or no route: the least-loaded host of this step */
+        h = 0;
+        for (uint32_t i = 1; i < N; i++)
+          if (s->now[i].slots + s->def[i].slots < s->now[h].slots + s->def[h].slots) h = i;
+      }
+      bool d = h < N && j >= keep;
+      call_acc *a = d ? &s->def[h] : &s->now[h];
+      uint32_t *act = d ? s->act_def : s->act_now;
+      uint32_t *tok = d ? s->tok_def : s->tok_now;
+      a->slots++;
+      /* experts of the client and of each host are disjoint, so one stamp per expert */
+      if (act[x] != step || s->act_host[x] != h) {
+        act[x] = step;
+        s->act_host[x] = h;
+        a->active++;
+      }
+      if (tok[h] != ts) {
+        tok[h] = ts;
+        a->tokens++;
+      }
+    }
+  }
+  ls->hot_us = s->now[N].slots ? host_compute_us(in, in->client_rates, 1.0, &s->now[N]) : 0;
+  remote_calls(in, s->now, &ls->now, &s->tie_rng);
+  remote_calls(in, s->def, &ls->def, &s->tie_rng);
+  ls->now_wall = ls->now.wall;
+  ls->def_wall = ls->def.wall;
+}
+
+static int phase_alloc(pl_sim_phase *p, uint32_t n_hosts, uint32_t L) {
+  p->share = mr_calloc(2 + n_hosts, sizeof *p->share);
+  p->host_busy_us = mr_calloc(n_hosts + 1, sizeof *p->host_busy_us);
+  p->layer_us = mr_calloc(L, sizeof *p->layer_us);
+  return p->share && p->host_busy_us && p->layer_us ? 0 : MR_ENOMEM;
+}
+
+static void phase_free(pl_sim_phase *p) {
+  mr_free(p->share);
+  mr_free(p->host_busy_us);
+  mr_free(p->layer_us);
+  memset(p, 0, sizeof *p);
+}
+
+void pl_sim_result_close(pl_sim_result *r) {
+  if (!r) return;
+  phase_free(&r->decode);
+  phase_free(&r->prefill);
+  r->n_hosts = 0;
+}
+
+const char *pl_sim_component_name(const pl_sim_input *in, int c) {
+  if (c == 0) return "client";
+  if (c == 1) return "link";
+  if (c >= 2 && (uint32_t)(c - 2) < in->n_hosts) return in->hosts[c - 2].name;
+  return "?";
+}
+
+/* One phase: T tokens per step, `samples` sampled steps per MoE layer, other_us of client
+ * time per step besides the experts. */
+static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uint32_t T,
+                      uint32_t samples, double other_us, uint32_t tokens_out, pl_sim_phase *p,
+                      double *comp_buf) {
+  const uint32_t L = in->num_layers, N = in->n_hosts;
+  uint32_t last_moe = 0, n_moe = 0;
+  for (uint32_t l = 0; l < L; l++)
+    if (!in->is_moe || in->is_moe[l]) last_moe = l, n_moe++;
+  const double gap = n_moe ? other_us / L : 0; /* the client's own time between two MoE layers */
+  uint64_t rng = in->seed ^ ((uint64_t)T << 32) ^ 0x5bd1e995u;
+  s->tie_rng = rng ^ 0x2545f4914f6cdd1dull;
+  uint32_t stamp = 0;
+  memset(s->chosen, 0, in->num_experts * sizeof *s->chosen);
+  memset(s->act_now, 0, in->num_experts * sizeof *s->act_now);
+  memset(s->act_def, 0, in->num_experts * sizeof *s->act_def);
+  memset(s->act_host, 0, in->num_experts * sizeof *s->act_host);
+  memset(s->tok_now, 0, (N + 1) * sizeof *s->tok_now);
+  memset(s->tok_def, 0, (N + 1) * sizeof *s->tok_def);
+  double step = other_us;
+  p->share[0] += other_us;
+  /* the previous MoE layer's deferred calls, per sample */
+  double *prev_def = s->prev_def, *prev_wall = s->prev_wall;
+  remote_time *prev_rt = s->prev_rt;
+  memset(prev_def, 0, samples * sizeof *prev_def);
+  memset(prev_wall, 0, samples * sizeof *prev_wall);
+  memset(prev_rt, 0, samples * sizeof *prev_rt);
+  for (uint32_t l = 0; l < L; l++) {
+    if (in->is_moe && !in->is_moe[l]) continue;
+    const bool defer = in->max_deferred > 0 && l != last_moe && N > 0;
+    double sum = 0;
+    for (uint32_t i = 0; i < samples; i++) {
+      layer_sample ls;
+      ls.now.comp = comp_buf;
+      ls.def.comp = comp_buf + N;
+      sample_layer(in, s, l, T, defer, cdfs[l], &stamp, &rng, &ls);
+      for (uint32_t h = 0; h < N; h++)
+        p->host_busy_us[h] += (ls.now.comp[h] + ls.def.comp[h]) / samples;
+      double wall;
+      if (in->shared_cores) {
+        /* one set of cores: the hot experts, this layer's calls and its deferred calls run
+         * one after the other (the deferral hides nothing) */
+        wall = ls.hot_us + ls.now_wall + ls.def_wall;
+        p->share[0] += ls.hot_us / samples;
+        attribute(p->share, &ls.now, ls.now_wall / samples);
+        attribute(p->share, &ls.def, ls.def_wall / samples);
+      } else {
+        /* the runner: cold slots sent first, hot experts computed meanwhile, then the wait
+         * for this layer's calls and the previous layer's deferred ones, which ran during
+         * that layer's wait and this layer's attention */
+        double def_left = prev_def[i] - (prev_wall[i] + gap);
+        wall = ls.hot_us;
+        int who = 0;
+        if (ls.now_wall > wall) wall = ls.now_wall, who = 1;
+        if (def_left > wall) wall = def_left, who = 2;
+        if (who == 0) p->share[0] += wall / samples;
+        else if (who == 1) attribute(p->share, &ls.now, wall / samples);
+        else {
+          remote_time rt = prev_rt[i];
+          attribute(p->share, &rt, wall / samples);
+        }
+        prev_def[i] = ls.def_wall;
+        prev_wall[i] = wall;
+        prev_rt[i] = ls.def;
+        prev_rt[i].comp = NULL;
+      }
+      sum += wall;
+    }
+    p->layer_us[l] = sum / samples;
+    step += p->layer_us[l];
+  }
+  p->step_us = step;
+  p->tok_s = step > 0 ? tokens_out * 1e6 / step : 0;
+  double best = -1;
+  for (uint32_t c = 0; c < 2 + N; c++) {
+    p->share[c] = step > 0 ? p->share[c] / step : 0;
+    if (p->share[c] > best) best = p->share[c], p->bottleneck = (int)c;
+  }
+  double mx = 0, mean = 0;
+  for (uint32_t h = 0; h < N; h++) {
+    mean += p->host_busy_us[h] / N;
+    if (p->host_busy_us[h] > mx) mx = p->host_busy_us[h];
+  }
+  p->imbalance = mean > 0 ? mx / mean : 0;
+}
+
+static int check_input(const pl_sim_input *in, mr_err *e) {
+  if (in->hidden < 1 || in->hidden > 65536 || in->inter < 1 || in->inter > 65536)
+    return mr_err_set(e, MR_EINVAL, "simulate: hidden = %u, inter = %u, must be in 1..65536",
+                      in->hidden, in->inter);
+  if (in->num_experts < 1 || in->num_experts > 65536 || in->top_k < 1 ||
+      in->top_k > in->num_experts)
+    return mr_err_set(e, MR_EINVAL, "simulate: num_experts = %u, top_k = %u: experts must be "
+                      "in 1..65536, top_k in 1..num_experts", in->num_experts, in->top_k);
+  if (in->num_layers < 1 || in->num_layers > MR_MAX_LAYERS)
+    return mr_err_set(e, MR_EINVAL, "simulate: num_layers = %u, must be in 1..%u",
+                      in->num_layers, MR_MAX_LAYERS);
+  if (!(in->expert_bytes > 0) || !isfinite(in->expert_bytes) || !(in->wire_bytes > 0))
+    return mr_err_set(e, MR_EINVAL, "simulate: expert_bytes = %g, wire_bytes = %g, must be > 0",
+                      in->expert_bytes, in->wire_bytes);
+  if (in->n_hosts > PL_SIM_MAX_HOSTS)
+    return mr_err_set(e, MR_EINVAL, "simulate: %u hosts, at most %u", in->n_hosts,
+                      PL_SIM_MAX_HOSTS);
+  if (in->batch < 1 || in->batch > (1u << 16) || in->prompt_len > (1u << 20) ||
+      (uint64_t)in->batch * in->prompt_len > (1u << 20))
+    return mr_err_set(e, MR_EINVAL, "simulate: batch = %u, prompt_len = %u: batch must be in "
+                      "1..65536, batch x prompt_len at most 2^20", in->batch, in->prompt_len);
+  if (in->samples < 1 || in->samples > 100000)
+    return mr_err_set(e, MR_EINVAL, "simulate: samples = %u, must be in 1..100000", in->samples);
+  if (!(in->decode_other_us >= 0) || !isfinite(in->decode_other_us))
+    return mr_err_set(e, MR_EINVAL, "simulate: the client's decode step time = %g us, must be "
+                      ">= 0", in->decode_other_us);
+  if (in->rpc.fixed_us < 0 || in->rpc.per_byte_us < 0 || !isfinite(in->rpc.fixed_us) ||
+      !isfinite(in->rpc.per_byte_us) || in->client_link_gbps < 0)
+    return mr_err_set(e, MR_EINVAL, "simulate: rpc fixed %g us, per byte %g us, client link %g "
+                      "Gbit/s: must be >= 0", in->rpc.fixed_us, in->rpc.per_byte_us,
+                      in->client_link_gbps);
+  for (uint32_t h = 0; h < in->n_hosts; h++) {
+    const pl_sim_host *ho = &in->hosts[h];
+    if (!ho->rates || !ho->rates->n)
+      return mr_err_set(e, MR_EINVAL, "simulate: host %s has no kernel rates (--kernels or "
+                        "--host-kernels %s=FILE)", ho->name, ho->name);
+    if (!(ho->speed > 0) || !isfinite(ho->speed))
+      return mr_err_set(e, MR_EINVAL, "simulate: host %s: speed = %g, must be > 0", ho->name,
+                        ho->speed);
+    if (!(ho->link_gbps >= 0) || !(ho->link_latency_us >= 0) || !isfinite(ho->link_gbps) ||
+        !isfinite(ho->link_latency_us))
+      return mr_err_set(e, MR_EINVAL, "simulate: host %s: link %g Gbit/s, latency %g us: must "
+                        "be >= 0", ho->name, ho->link_gbps, ho->link_latency_us);
+  }
+  const size_t pairs = (size_t)in->num_layers * in->num_experts;
+  bool any_local = false;
+  for (size_t p = 0; p < pairs; p++) {
+    uint32_t l = (uint32_t)(p / in->num_experts);
+    if (in->is_moe && !in->is_moe[l]) continue;
+    bool loc = in->local && in->local[p];
+    any_local |= loc;
+    int32_t r = in->route ? in->route[p] : -1;
+    if (!loc && r >= (int32_t)in->n_hosts)
+      return mr_err_set(e, MR_EINVAL, "simulate: layer %u expert %zu routed to host %d, only %u "
+                        "hosts", l, p % in->num_experts, r, in->n_hosts);
+    if (!loc && in->n_hosts == 0)
+      return mr_err_set(e, MR_EINVAL, "simulate: layer %u expert %zu is not local and there is "
+                        "no host", l, p % in->num_experts);
+  }
+  if (any_local && (!in->client_rates || !in->client_rates->n))
+    return mr_err_set(e, MR_EINVAL, "simulate: the placement has local (hot) experts but the "
+                      "client has no kernel rates (--client-kernels or --kernels)");
+  if (in->shared_cores && (!in->client_rates || !in->client_rates->n))
+    return mr_err_set(e, MR_EINVAL, "simulate: --shared-cores needs the client's kernel rates "
+                      "(the machine's bandwidth): --client-kernels or --kernels");
+  return 0;
+}
+
+int pl_sim_run(const pl_sim_input *in, pl_sim_result *r, mr_err *e) {
+  memset(r, 0, sizeof *r);
+  int rc = check_input(in, e);
+  if (rc) return rc;
+  const uint32_t L = in->num_layers, E = in->num_experts, N = in->n_hosts;
+  sim_scratch s;
+  memset(&s, 0, sizeof s);
+  double **cdfs = mr_calloc(L, sizeof *cdfs);
+  double *comp_buf = mr_calloc(2 * (size_t)N + 2, sizeof *comp_buf);
+  s.chosen = mr_calloc(E, sizeof *s.chosen);
+  s.act_now = mr_calloc(E, sizeof *s.act_now);
+  s.act_def = mr_calloc(E, sizeof *s.act_def);
+  s.tok_now = mr_calloc(N + 1, sizeof *s.tok_now);
+  s.tok_def = mr_calloc(N + 1, sizeof *s.tok_def);
+  s.now = mr_calloc(N + 1, sizeof *s.now);
+  s.def = mr_calloc(N + 1, sizeof *s.def);
+  s.ids = mr_calloc(in->top_k, sizeof *s.ids);
+  s.act_host = mr_calloc(E, sizeof *s.act_host);
+  s.prev_def = mr_calloc(in->samples, sizeof *s.prev_def);
+  s.prev_wall = mr_calloc(in->samples, sizeof *s.prev_wall);
+  s.prev_rt = mr_calloc(in->samples, sizeof *s.prev_rt);
+  rc = MR_ENOMEM;
+  if (!cdfs || !comp_buf || !s.chosen || !s.act_now || !s.act_def || !s.tok_now || !s.tok_def ||
+      !s.now || !s.def || !s.ids || !s.act_host || !s.prev_def || !s.prev_wall || !s.prev_rt || phase_alloc(&r->decode, N, L) || phase_alloc(&r->prefill, N, L))
+    goto out_nomem;
+  r->n_hosts = N;
+  if (in->counts) {
+    for (uint32_t l = 0; l < L; l++) {
+      const uint64_t *row = in->counts + (size_t)l * E;
+      uint64_t tot = 0;
+      for (uint32_t x = 0; x < E; x++) tot += row[x];
+      if (!tot) continue; /* no statistics for this layer: uniform */
+      if (!(cdfs[l] = mr_malloc(E * sizeof **cdfs))) goto out_nomem;
+      double acc = 0;
+      for (uint32_t x = 0; x < E; x++) cdfs[l][x] = acc += (double)row[x];
+    }
+  }
+  run_phase(in, &s, cdfs, in->batch, in->samples, in->decode_other_us, in->batch, &r->decode,
+            comp_buf);
+  if (in->prompt_len > 0 && in->prefill_other_us >= 0) {
+    uint32_t ps = in->samples / 8 ? in->samples / 8 : 1;
+    const uint32_t T = in->batch * in->prompt_len;
+    run_phase(in, &s, cdfs, T, ps, in->prefill_other_us, T, &r->prefill, comp_buf);
+  } else {
+    r->prefill.step_us = -1;
+  }
+  rc = 0;
+  goto out;
+out_nomem:
+  mr_err_set(e, MR_ENOMEM, "simulate: out of memory (%u layers x %u experts, %u hosts)", L, E, N);
+  pl_sim_result_close(r);
+out:
+  if (cdfs)
+    for (uint32_t l = 0; l < L; l++) mr_free(cdfs[l]);
+  mr_free(cdfs);
+  mr_free(comp_buf);
+  mr_free(s.chosen);
+  mr_free(s.act_now);
+  mr_free(s.act_def);
+  mr_free(s.tok_now);
+  mr_free(s.tok_def);
+  mr_free(s.now);
+  mr_free(s.def);
+  mr_free(s.ids);
+  mr_free(s.act_host);
+  mr_free(s.prev_def);
+  mr_free(s.prev_wall);
+  mr_free(s.prev_rt);
+  return rc;
+}
+
+/* ---- the command ---------------------------------------------------------------------- */
+
+static const char SIM_HELP[] =
+    "usage: moerpc-place simulate (--model DIR | --shape NAME) [options]\n"
+    "\n"
+    "Projects decode and prefill tokens/s of a placement on N hosts from measured inputs and\n"
+    "names the bottleneck (a host, the link, or the client). Every input is measured or a\n"
+    "stated assumption; units are given with each flag. docs/DESIGN.md section 16.\n"
+    "\n"
+    "Placement and routing:\n"
+    "  --placement FILE       moerpc-placement JSON; the hosts are its servers (a pair with no\n"
+    "                         server goes to the least-loaded host of each step)\n"
+    "  --hosts N              N hosts h0..h{N-1}, experts split in N contiguous ranges per\n"
+    "                         layer (without --placement, or when it names no server)\n"
+    "  --stats FILE           moerpc-stats JSON: routing frequencies per (layer, expert)\n"
+    "                         (default: uniform routing)\n"
+    "Model:\n"
+    "  --model DIR            config.json of the checkpoint: H, I, experts, top-k, layers\n"
+    "  --shape NAME           qwen3-30b-a3b (H 2048, I 768, 128 top-8, 48 layers) or\n"
+    "                         deepseek-v3 (H 7168, I 2048, 256 top-8, 61 layers, 3 dense)\n"
+    "  --moe-layers N         with --shape: that many MoE layers instead\n"
+    "  --format F             weight format on the servers: bf16 (default), f16, f32, int8,\n"
+    "                         int4[-g32|64|128], fp8; its bench-kernels lines are used\n"
+    "  --rates-format F       the bench-kernels lines to read, if not --format's (fp8 has no\n"
+    "                         kernel here: e.g. int8 lines, same bytes per weight)\n"
+    "  --expert-bytes N       bytes of one expert as stored (default: from --format)\n"
+    "  --wire F               hidden states on the wire: bf16 (default), f16, f32\n"
+    "Measured throughput:\n"
+    "  --kernels FILE         moerpc-bench-kernels --json lines: every host's and the client's\n"
+    "                         expert throughput (weight GB/s by tokens per expert)\n"
+    "  --host-kernels NAME=FILE  one host's own (repeatable)\n"
+    "  --client-kernels FILE  the client's own (hot experts; --shared-cores: the machine)\n"
+    "  --speed NAME=X         multiplies a host's rates (relative speed, > 0; repeatable)\n"
+    "  --rpc FILE             moerpc-client bench-rpc --json lines: the fixed cost per request\n"
+    "                         (us) and per byte, fitted over T (default: 0)\n"
+    "  --rpc-fixed-us X       instead: fixed cost per request, us\n"
+    "  --rpc-per-kb-us X      instead: cost per KiB of request + reply, us\n"
+    "Link:\n"
+    "  --link-gbps G          every host's link, Gbit/s (default 0: no transfer cost)\n"
+    "  --link-latency-us U    one-way latency, us (paid twice per call; default 0)\n"
+    "  --host-link NAME=G[,U] one host's link (repeatable)\n"
+    "  --client-link-gbps G   the client's own link, crossed by every host's bytes (default:\n"
+    "                         --link-gbps when given, else none)\n"
+    "The client:\n"
+    "  --client-bench FILE    an all-local moerpc-client bench --json run: the decode step\n"
+    "                         without the experts, and prefill (its batch and prompt length\n"
+    "                         are the defaults of --batch / --prompt-len)\n"
+    "  --client-step-us X     instead: the client's decode step besides the experts, us\n"
+    "  --client-prefill-us X  instead: its prefill step (batch x prompt tokens), us\n"
+    "  --batch B              sequences per decode step (default 1)\n"
+    "  --prompt-len P         prefill tokens per sequence (default 128; 0 = no prefill)\n"
+    "  --max-deferred K       the client's --max-deferred (default 0)\n"
+    "  --shared-cores         the hosts run on the client's cores (servers on loopback on the\n"
+    "                         same machine): host and client work serialize, and the hosts\n"
+    "                         together read no faster than the client's rates\n"
+    "Output:\n"
+    "  --samples N            sampled steps per MoE layer (default 256; prefill N/8)\n"
+    "  --seed S               routing draws (default 1)\n"
+    "  --json                 one JSON line (and --layers-detail lines) on stdout\n"
+    "  --layers-detail        per-layer MoE time\n"
+    "\n"
+    "Exit status: 0 ok, 1 a bad input file or a failed run, 2 a usage error.\n";
+
+enum {
+  SO_HELP = 1000, SO_PLACEMENT, SO_HOSTS, SO_STATS, SO_MODEL, SO_SHAPE, SO_MOE_LAYERS,
+  SO_FORMAT, SO_RATES_FORMAT, SO_EXPERT_BYTES, SO_WIRE, SO_KERNELS, SO_HOST_KERNELS,
+  SO_CLIENT_KERNELS, SO_SPEED, SO_RPC, SO_RPC_FIXED, SO_RPC_KB, SO_LINK, SO_LATENCY,
+  SO_HOST_LINK, SO_CLIENT_LINK, SO_CLIENT_BENCH, SO_CLIENT_STEP, SO_CLIENT_PREFILL, SO_BATCH,
+  SO_PLEN, SO_DEFER, SO_SHARED, SO_SAMPLES, SO_SEED, SO_JSON, SO_LAYERS
+};
+
+#define SIM_MAX_KV 256
+typedef struct kv {
+  char name[64];
+  const char *val;
+} kv;
+typedef struct sim_opts {
+  const char *placement, *stats, *model, *shape, *format, *rates_format, *wire, *kernels;
+  const char *client_kernels, *rpc, *client_bench;
+  uint32_t hosts, moe_layers, batch, prompt_len, max_deferred, samples;
+  bool batch_set, plen_set, shared, json, layers_detail;
+  double expert_bytes, rpc_fixed, rpc_kb, link_gbps, latency, client_link, client_step,
+      client_prefill;
+  uint64_t seed;
+  kv host_kernels[SIM_MAX_KV], speed[SIM_MAX_KV], host_link[SIM_MAX_KV];
+  uint32_t n_hk, n_speed, n_hl;
+} sim_opts;
+
+static int parse_num(const char *flag, const char *s, double lo, double hi, double *out) {
+  char *end = NULL;
+  double d = strtod(s, &end);
+  if (!*s || *end || !isfinite(d) || d < lo || d > hi) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be a number in %g..%g\n", flag, s, lo, hi);
+    return -1;
+  }
+  *out = d;
+  return 0;
+}
+
+static int parse_u32(const char *flag, const char *s, uint32_t lo, uint32_t hi, uint32_t *out) {
+  char *end = NULL;
+  unsigned long long v = strtoull(s, &end, 10);
+  if (!*s || *end || *s == '-' || v < lo || v > hi) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be an integer in %u..%u\n", flag, s, lo, hi);
+    return -1;
+  }
+  *out = (uint32_t)v;
+  return 0;
+}
+
+static int parse_kv(const char *flag, const char *s, kv *list, uint32_t *n) {
+  const char *eq = strchr(s, '=');
+  if (!eq || eq == s || (size_t)(eq - s) > 63 || !eq[1]) {
+    fprintf(stderr, PROG ": %s = \"%s\", must be NAME=VALUE (a name of 1..63 characters)\n",
+            flag, s);
+    return -1;
+  }
+  if (*n == SIM_MAX_KV) {
+    fprintf(stderr, PROG ": %s given more than %u times\n", flag, SIM_MAX_KV);
+    return -1;
+  }
+  kv *k = &list[(*n)++];
+  memcpy(k->name, s, (size_t)(eq - s));
+  k->name[eq - s] = '\0';
+  k->val = eq + 1;
+  return 0;
+}
+
+static int sim_parse(int argc, char **argv, sim_opts *o) {
+  static const struct option lo[] = {
+      {"help", no_argument, NULL, SO_HELP},
+      {"placement", required_argument, NULL, SO_PLACEMENT},
+      {"hosts", required_argument, NULL, SO_HOSTS},
+      {"stats", required_argument, NULL, SO_STATS},
+      {"model", required_argument, NULL, SO_MODEL},
+      {"shape", required_argument, NULL, SO_SHAPE},
+      {"moe-layers", required_argument, NULL, SO_MOE_LAYERS},
+      {"format", required_argument, NULL, SO_FORMAT},
+      {"rates-format", required_argument, NULL, SO_RATES_FORMAT},
+      {"expert-bytes", required_argument, NULL, SO_EXPERT_BYTES},
+      {"wire", required_argument, NULL, SO_WIRE},
+      {"kernels", required_argument, NULL, SO_KERNELS},
+      {"host-kernels", required_argument, NULL, SO_HOST_KERNELS},
+      {"client-kernels", required_argument, NULL, SO_CLIENT_KERNELS},
+      {"speed", required_argument, NULL, SO_SPEED},
+      {"rpc", required_argument, NULL, SO_RPC},
+      {"rpc-fixed-us", required_argument, NULL, SO_RPC_FIXED},
+      {"rpc-per-kb-us", required_argument, NULL, SO_RPC_KB},
+      {"link-gbps", required_argument, NULL, SO_LINK},
+      {"link-latency-us", required_argument, NULL, SO_LATENCY},
+      {"host-link", required_argument, NULL, SO_HOST_LINK},
+      {"client-link-gbps", required_argument, NULL, SO_CLIENT_LINK},
+      {"client-bench", required_argument, NULL, SO_CLIENT_BENCH},
+      {"client-step-us", required_argument, NULL, SO_CLIENT_STEP},
+      {"client-prefill-us", required_argument, NULL, SO_CLIENT_PREFILL},
+      {"batch", required_argument, NULL, SO_BATCH},
+      {"prompt-len", required_argument, NULL, SO_PLEN},
+      {"max-deferred", required_argument, NULL, SO_DEFER},
+      {"shared-cores", no_argument, NULL, SO_SHARED},
+      {"samples", required_argument, NULL, SO_SAMPLES},
+      {"seed", required_argument, NULL, SO_SEED},
+      {"json", no_argument, NULL, SO_JSON},
+      {"layers-detail", no_argument, NULL, SO_LAYERS},
+      {NULL, 0, NULL, 0}};
+  memset(o, 0, sizeof *o);
+  o->format = "bf16";
+  o->wire = "bf16";
+  o->batch = 1;
+  o->prompt_len = 128;
+  o->samples = 256;
+  o->seed = 1;
+  o->rpc_fixed = o->rpc_kb = o->client_link = o->client_step = o->client_prefill = -1;
+  optind = 1;
+  opterr = 0;
+  for (;;) {
+    int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi), r = 0;
+    if (opt == -1) break;
+    double d;
+    switch (opt) {
+      case SO_HELP: fputs(SIM_HELP, stdout); return 1;
+      case SO_PLACEMENT: o->placement = optarg; break;
+      case SO_HOSTS: r = parse_u32("--hosts", optarg, 1, PL_SIM_MAX_HOSTS, &o->hosts); break;
+      case SO_STATS: o->stats = optarg; break;
+      case SO_MODEL: o->model = optarg; break;
+      case SO_SHAPE: o->shape = optarg; break;
+      case SO_MOE_LAYERS: r = parse_u32("--moe-layers", optarg, 1, MR_MAX_LAYERS, &o->moe_layers); break;
+      case SO_FORMAT: o->format = optarg; break;
+      case SO_RATES_FORMAT: o->rates_format = optarg; break;
+      case SO_EXPERT_BYTES: r = parse_num("--expert-bytes", optarg, 1, 1e12, &o->expert_bytes); break;
+      case SO_WIRE: o->wire = optarg; break;
+      case SO_KERNELS: o->kernels = optarg; break;
+      case SO_HOST_KERNELS: r = parse_kv("--host-kernels", optarg, o->host_kernels, &o->n_hk); break;
+      case SO_CLIENT_KERNELS: o->client_kernels = optarg; break;
+      case SO_SPEED: r = parse_kv("--speed", optarg, o->speed, &o->n_speed); break;
+      case SO_RPC: o->rpc = optarg; break;
+      case SO_RPC_FIXED: r = parse_num("--rpc-fixed-us", optarg, 0, 1e9, &o->rpc_fixed); break;
+      case SO_RPC_KB: r = parse_num("--rpc-per-kb-us", optarg, 0, 1e9, &o->rpc_kb); break;
+      case SO_LINK: r = parse_num("--link-gbps", optarg, 0, 1e6, &o->link_gbps); break;
+      case SO_LATENCY: r = parse_num("--link-latency-us", optarg, 0, 1e9, &o->latency); break;
+      case SO_HOST_LINK: r = parse_kv("--host-link", optarg, o->host_link, &o->n_hl); break;
+      case SO_CLIENT_LINK: r = parse_num("--client-link-gbps", optarg, 0, 1e6, &o->client_link); break;
+      case SO_CLIENT_BENCH: o->client_bench = optarg; break;
+      case SO_CLIENT_STEP: r = parse_num("--client-step-us", optarg, 0, 1e12, &o->client_step); break;
+      case SO_CLIENT_PREFILL: r = parse_num("--client-prefill-us", optarg, 0, 1e12, &o->client_prefill); break;
+      case SO_BATCH: r = parse_u32("--batch", optarg, 1, 65536, &o->batch); o->batch_set = true; break;
+      case SO_PLEN: r = parse_u32("--prompt-len", optarg, 0, 1u << 20, &o->prompt_len); o->plen_set = true; break;
+      case SO_DEFER: r = parse_u32("--max-deferred", optarg, 0, 65536, &o->max_deferred); break;
+      case SO_SHARED: o->shared = true; break;
+      case SO_SAMPLES: r = parse_u32("--samples", optarg, 1, 100000, &o->samples); break;
+      case SO_SEED: r = parse_num("--seed", optarg, 0, 9007199254740992.0, &d); o->seed = (uint64_t)d; break;
+      case SO_JSON: o->json = true; break;
+      case SO_LAYERS: o->layers_detail = true; break;
+      default:
+        fprintf(stderr, PROG ": bad or incomplete option \"%s\" (see --help)\n", argv[optind - 1]);
+        return 2;
+    }
+    if (r) return 2;
+  }
+  if (optind < argc) {
+    fprintf(stderr, PROG ": unexpected argument \"%s\" (see --help)\n", argv[optind]);
+    return 2;
+  }
+  if (!o->model == !o->shape) {
+    fprintf(stderr, PROG ": give exactly one of --model DIR and --shape NAME (see --help)\n");
+    return 2;
+  }
+  if (o->moe_layers && !o->shape) {
+    fprintf(stderr, PROG ": --moe-layers goes with --shape\n");
+    return 2;
+  }
+  if (o->rpc && (o->rpc_fixed >= 0 || o->rpc_kb >= 0)) {
+    fprintf(stderr, PROG ": --rpc FILE or --rpc-fixed-us / --rpc-per-kb-us, not both\n");
+    return 2;
+  }
+  if (o->client_bench && (o->client_step >= 0 || o->client_prefill >= 0)) {
+    fprintf(stderr, PROG ": --client-bench FILE or --client-step-us / --client-prefill-us, "
+            "not both\n");
+    return 2;
+  }
+  if (!o->client_bench && o->client_step < 0) {
+    fprintf(stderr, PROG ": the client's own step time is needed: --client-bench FILE or "
+            "--client-step-us X\n");
+    return 2;
+  }
+  if (!pl_sim_expert_bytes(o->format, 64, 64)) {
+    fprintf(stderr, PROG ": --format = \"%s\", must be f32, f16, bf16, int8, int4[-gG] or fp8\n",
+            o->format);
+    return 2;
+  }
+  if (strcmp(o->wire, "bf16") && strcmp(o->wire, "f16") && strcmp(o->wire, "f32")) {
+    fprintf(stderr, PROG ": --wire = \"%s\", must be bf16, f16 or f32\n", o->wire);
+    return 2;
+  }
+  return 0;
+}
+
+/* The shapes of --shape; is_moe from first_dense. */
+static int builtin_shape(const char *name, uint32_t moe_layers, mr_model_config *c) {
+  memset(c, 0, sizeof *c);
+  uint32_t dense = 0;
+  if (strcmp(name, "qwen3-30b-a3b") == 0) {
+    c->hidden_size = 2048, c->moe_intermediate = 768, c->num_experts = 128, c->top_k = 8;
+    c->num_layers = 48;
+  } else if (strcmp(name, "deepseek-v3") == 0) {
+    c->hidden_size = 7168, c->moe_intermediate = 2048, c->num_experts = 256, c->top_k = 8;
+    c->num_layers = 61, dense = 3;
+  } else {
+    fprintf(stderr, PROG ": --shape = \"%s\", must be qwen3-30b-a3b or deepseek-v3\n", name);
+    return 2;
+  }
+  if (moe_layers) c->num_layers = dense + moe_layers;
+  if (c->num_layers > MR_MAX_LAYERS) {
+    fprintf(stderr, PROG ": --moe-layers = %u: %u layers, at most %u\n", moe_layers,
+            c->num_layers, MR_MAX_LAYERS);
+    return 2;
+  }
+  for (uint32_t l = 0; l < c->num_layers; l++) c->is_moe[l] = l >= dense;
+  snprintf(c->arch_name, sizeof c->arch_name, "%s", name);
+  return 0;
+}
+
+static const kv *kv_find(const kv *list, uint32_t n, const char *name) {
+  for (uint32_t i = 0; i < n; i++)
+    if (strcmp(list[i].name, name) == 0) return &list[i];
+  return NULL;
+}
+
+/* Checks that every NAME of a per-host flag is a host. */
+static int kv_check(const char *flag, const kv *list, uint32_t n, const pl_sim_host *hosts,
+                    uint32_t nh) {
+  for (uint32_t i = 0; i < n; i++) {
+    bool ok = false;
+    for (uint32_t h = 0; h < nh; h++) ok |= strcmp(hosts[h].name, list[i].name) == 0;
+    if (!ok) {
+      fprintf(stderr, PROG ": %s %s=...: no host of that name (hosts:", flag, list[i].name);
+      for (uint32_t h = 0; h < nh; h++) fprintf(stderr, " %s", hosts[h].name);
+      fprintf(stderr, ")\n");
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static void print_result(const sim_opts *o, const pl_sim_input *in, const pl_sim_result *r,
+                         const mr_model_config *cfg) {
+  const uint32_t N = in->n_hosts;
+  const pl_sim_phase *ph[2] = {&r->decode, &r->prefill};
+  const char *pn[2] = {"decode", "prefill"};
+  if (o->json) {
+    printf("{\"bench\": \"simulate\", \"model\": \"%s\", \"hosts\": %u, \"format\": \"%s\", "
+           "\"expert_bytes\": %.0f, \"batch\": %u, \"prompt_len\": %u, \"max_deferred\": %u, "
+           "\"shared_cores\": %s, \"rpc_fixed_us\": %.2f, \"rpc_per_kb_us\": %.4f, "
+           "\"decode_other_us\": %.1f, \"prefill_other_us\": %.1f",
+           o->model ? o->model : o->shape, N, o->format, in->expert_bytes, in->batch,
+           in->prompt_len, in->max_deferred, in->shared_cores ? "true" : "false",
+           in->rpc.fixed_us, in->rpc.per_byte_us * 1024, in->decode_other_us,
+           in->prefill_other_us);
+    for (int i = 0; i < 2; i++) {
+      const pl_sim_phase *p = ph[i];
+      if (p->step_us < 0) {
+        printf(", \"%s_tok_s\": null", pn[i]);
+        continue;
+      }
+      printf(", \"%s_tok_s\": %.3f, \"%s_step_us\": %.1f, \"%s_bottleneck\": \"%s\", "
+             "\"%s_bottleneck_share\": %.3f, \"%s_imbalance\": %.3f, \"%s_shares\": {",
+             pn[i], p->tok_s, pn[i], p->step_us, pn[i],
+             pl_sim_component_name(in, p->bottleneck), pn[i], p->share[p->bottleneck], pn[i],
+             p->imbalance, pn[i]);
+      for (uint32_t c = 0; c < 2 + N; c++)
+        printf("%s\"%s\": %.4f", c ? ", " : "", pl_sim_component_name(in, (int)c), p->share[c]);
+      printf("}, \"%s_host_busy_us\": {", pn[i]);
+      for (uint32_t h = 0; h < N; h++)
+        printf("%s\"%s\": %.1f", h ? ", " : "", in->hosts[h].name, p->host_busy_us[h]);
+      printf("}");
+    }
+    printf("}\n");
+    if (o->layers_detail)
+      for (int i = 0; i < 2; i++) {
+        if (ph[i]->step_us < 0) continue;
+        for (uint32_t l = 0; l < in->num_layers; l++)
+          if (!in->is_moe || in->is_moe[l])
+            printf("{\"bench\": \"simulate-layer\", \"phase\": \"%s\", \"layer\": %u, "
+                   "\"moe_us\": %.2f}\n", pn[i], l, ph[i]->layer_us[l]);
+      }
+    return;
+  }
+  printf("%s: H %u, I %u, %u experts top-%u, %u MoE layers; %s, %.2f MB per expert; %u host%s%s\n",
+         o->model ? o->model : o->shape, cfg->hidden_size, cfg->moe_intermediate,
+         cfg->num_experts, cfg->top_k, mr_config_num_moe_layers(cfg), o->format,
+         in->expert_bytes / 1e6, N, N == 1 ? "" : "s",
+         in->shared_cores ? " on the client's cores" : "");
+  printf("inputs: rpc %.1f us + %.3f us/KiB; client %.1f us per decode step besides experts\n",
+         in->rpc.fixed_us, in->rpc.per_byte_us * 1024, in->decode_other_us);
+  for (int i = 0; i < 2; i++) {
+    const pl_sim_phase *p = ph[i];
+    if (p->step_us < 0) {
+      printf("%s: not simulated (no client prefill time: --client-bench or --client-prefill-us)\n",
+             pn[i]);
+      continue;
+    }
+    printf("%s: %.2f tok/s (%.1f us per step of %u tokens); bottleneck %s (%.0f %% of the step)",
+           pn[i], p->tok_s, p->step_us, i ? in->batch * in->prompt_len : in->batch,
+           pl_sim_component_name(in, p->bottleneck), 100 * p->share[p->bottleneck]);
+    if (N) printf("; host imbalance %.2f", p->imbalance);
+    printf("\n  shares:");
+    for (uint32_t c = 0; c < 2 + N; c++)
+      printf(" %s %.1f %%", pl_sim_component_name(in, (int)c), 100 * p->share[c]);
+    printf("\n");
+    if (o->layers_detail)
+      for (uint32_t l = 0; l < in->num_layers; l++)
+        if (!in->is_moe || in->is_moe[l]) printf("  layer %3u MoE %.1f us\n", l, p->layer_us[l]);
+  }
+}
+
+int pl_cmd_simulate(int argc, char **argv) {
+  sim_opts o;
+  int r = sim_parse(argc, argv, &o);
+  if (r) return r == 1 ? 0 : 2;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = 0, status = 1;
+  mr_model_config cfg;
+  mr_placement pl;
+  pl_stats st;
+  memset(&pl, 0, sizeof pl);
+  memset(&st, 0, sizeof st);
+  bool have_pl = false, have_st = false;
+  pl_rates *rates = NULL; /* [0] --kernels, [1] --client-kernels, [2 + i] --host-kernels i */
+  pl_sim_host *hosts = NULL;
+  int32_t *route = NULL;
+  uint8_t *local = NULL;
+  pl_sim_result res;
+  memset(&res, 0, sizeof res);
+
+  if (o.model) {
+    if ((rc = mr_config_load(&cfg, o.model, &e))) goto fail;
+  } else if ((r = builtin_shape(o.shape, o.moe_layers, &cfg))) {
+    return r;
+  }
+  const uint32_t L = cfg.num_layers, E = cfg.num_experts;
+  pl_sim_input in;
+  memset(&in, 0, sizeof in);
+  in.hidden = cfg.hidden_size;
+  in.inter = cfg.moe_intermediate;
+  in.num_experts = E;
+  in.top_k = cfg.top_k;
+  in.num_layers = L;
+  in.is_moe = cfg.is_moe;
+  in.expert_bytes = o.expert_bytes > 0 ? o.expert_bytes
+                                       : pl_sim_expert_bytes(o.format, in.hidden, in.inter);
+  in.wire_bytes = strcmp(o.wire, "f32") == 0 ? 4 : 2;
+  in.max_deferred = o.max_deferred;
+  in.shared_cores = o.shared;
+  in.samples = o.samples;
+  in.seed = o.seed;
+
+  if (o.stats) {
+    if ((rc = pl_stats_load(&st, o.stats, &e))) goto fail;
+    have_st = true;
+    if (st.num_layers != L || st.num_experts != E) {
+      rc = mr_err_set(&e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
+                      o.stats, st.num_layers, st.num_experts, L, E);
+      goto fail;
+    }
+    in.counts = st.counts;
+  }
+  uint32_t N = 0;
+  if (o.placement) {
+    if ((rc = mr_placement_load(&pl, o.placement, &e))) goto fail;
+    have_pl = true;
+    if (pl.num_layers != L || pl.num_experts != E) {
+      rc = mr_err_set(&e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
+                      o.placement, pl.num_layers, pl.num_experts, L, E);
+      goto fail;
+    }
+    N = pl.n_servers;
+    if (o.hosts && N && o.hosts != N) {
+      fprintf(stderr, PROG ": --hosts %u, but %s names %u servers\n", o.hosts, o.placement, N);
+      status = 2;
+      goto out;
+    }
+  }
+  const bool named = N > 0;
+  if (!N) N = o.hosts;
+  hosts = mr_calloc(N ? N : 1, sizeof *hosts);
+  rates = mr_calloc(2 + o.n_hk, sizeof *rates);
+  route = mr_malloc((size_t)L * E * sizeof *route);
+  local = mr_calloc((size_t)L * E, 1);
+  if (!hosts || !rates || !route || !local) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+    goto fail;
+  }
+  for (size_t p = 0; p < (size_t)L * E; p++) {
+    if (have_pl) {
+      local[p] = pl.local[p];
+      route[p] = named ? pl.route[p] : -1;
+    } else {
+      route[p] = -1;
+    }
+    /* --hosts: contiguous ranges of experts per layer */
+    if (!named && N && !local[p]) route[p] = (int32_t)((p % E) * N / E);
+  }
+  const char *rfmt = o.rates_format ? o.rates_format : o.format;
+  if (strcmp(rfmt, "fp8") == 0) {
+    fprintf(stderr, PROG ": no kernel reads fp8 here: give --rates-format (e.g. int8, one byte "
+            "per weight as fp8)\n");
+    status = 2;
+    goto out;
+  }
+  if (o.kernels && (rc = pl_rates_load(&rates[0], o.kernels, rfmt, &e))) goto fail;
+  if (o.client_kernels && (rc = pl_rates_load(&rates[1], o.client_kernels, rfmt, &e))) goto fail;
+  for (uint32_t i = 0; i < o.n_hk; i++)
+    if ((rc = pl_rates_load(&rates[2 + i], o.host_kernels[i].val, rfmt, &e))) goto fail;
+  in.client_rates = o.client_kernels ? &rates[1] : o.kernels ? &rates[0] : NULL;
+  for (uint32_t h = 0; h < N; h++) {
+    pl_sim_host *ho = &hosts[h];
+    if (named) snprintf(ho->name, sizeof ho->name, "%s", pl.server[h]);
+    else snprintf(ho->name, sizeof ho->name, "h%u", h);
+    const kv *k = kv_find(o.host_kernels, o.n_hk, ho->name);
+    ho->rates = k ? &rates[2 + (k - o.host_kernels)] : o.kernels ? &rates[0] : NULL;
+    ho->speed = 1.0;
+    if ((k = kv_find(o.speed, o.n_speed, ho->name)) &&
+        parse_num("--speed", k->val, 1e-6, 1e6, &ho->speed)) {
+      status = 2;
+      goto out;
+    }
+    ho->link_gbps = o.link_gbps;
+    ho->link_latency_us = o.latency;
+    if ((k = kv_find(o.host_link, o.n_hl, ho->name))) {
+      char buf[128];
+      snprintf(buf, sizeof buf, "%s", k->val);
+      char *comma = strchr(buf, ',');
+      if (comma) *comma = '\0';
+      if (parse_num("--host-link (Gbit/s)", buf, 0, 1e6, &ho->link_gbps) ||
+          (comma && parse_num("--host-link (latency us)", comma + 1, 0, 1e9,
+                              &ho->link_latency_us))) {
+        status = 2;
+        goto out;
+      }
+    }
+  }
+  if (kv_check("--host-kernels", o.host_kernels, o.n_hk, hosts, N) ||
+      kv_check("--speed", o.speed, o.n_speed, hosts, N) ||
+      kv_check("--host-link", o.host_link, o.n_hl, hosts, N)) {
+    status = 2;
+    goto out;
+  }
+  in.n_hosts = N;
+  in.hosts = hosts;
+  in.local = local;
+  in.route = route;
+  if (o.rpc) {
+    if ((rc = pl_rpc_load(&in.rpc, o.rpc, &e))) goto fail;
+  } else {
+    in.rpc.fixed_us = o.rpc_fixed > 0 ? o.rpc_fixed : 0;
+    in.rpc.per_byte_us = o.rpc_kb > 0 ? o.rpc_kb / 1024 : 0;
+  }
+  in.client_link_gbps = o.client_link >= 0 ? o.client_link : o.link_gbps;
+  in.batch = o.batch;
+  in.prompt_len = o.prompt_len;
+  in.prefill_other_us = -1;
+  double prefill_measured_us = -1, decode_measured_us = -1;
+  if (o.client_bench) {
+    pl_client_bench cb;
+    if ((rc = pl_client_bench_load(&cb, o.client_bench, &e))) goto fail;
+    if (!o.batch_set) in.batch = cb.batch;
+    if (!o.plen_set) in.prompt_len = cb.prompt_len;
+    if (in.batch != cb.batch)
+      mr_log(MR_LOG_WARN, "%s was measured at batch %u, simulating batch %u: the client's "
+             "time is taken as it is", o.client_bench, cb.batch, in.batch);
+    decode_measured_us = cb.step_us;
+    if (in.batch == cb.batch && in.prompt_len == cb.prompt_len)
+      prefill_measured_us = (double)cb.batch * cb.prompt_len / cb.prefill_tok_s * 1e6;
+    else
+      mr_log(MR_LOG_WARN, "%s: prefill measured at batch %u x %u tokens, not simulated at %u x "
+             "%u", o.client_bench, cb.batch, cb.prompt_len, in.batch, in.prompt_len);
+  } else {
+    in.decode_other_us = o.client_step;
+    in.prefill_other_us = o.client_prefill;
+  }
+  if (decode_measured_us > 0) {
+    /* the client's time besides the experts: the measured all-local step less the experts'
+     * time by the same model on the client's rates, so that an error in the rates cancels
+     * between the all-local run and the simulated one (the runs' per-layer local_us are not
+     * used: moerpc-client bench's layer lines include its prefill) */
+    if (!in.client_rates) {
+      rc = mr_err_set(&e, MR_EINVAL, "the client's own time needs its kernel rates "
+                      "(--kernels or --client-kernels) to take the experts out of it");
+      goto fail;
+    }
+    pl_sim_input all = in;
+    uint8_t *ones = mr_malloc((size_t)L * E);
+    if (!ones) {
+      rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+      goto fail;
+    }
+    memset(ones, 1, (size_t)L * E);
+    all.local = ones;
+    all.route = NULL;
+    all.n_hosts = 0;
+    all.shared_cores = false;
+    all.max_deferred = 0;
+    all.decode_other_us = 0;
+    all.prefill_other_us = 0;
+    all.prefill_other_us = prefill_measured_us > 0 ? 0 : -1;
+    pl_sim_result ar;
+    rc = pl_sim_run(&all, &ar, &e);
+    mr_free(ones);
+    if (rc) goto fail;
+    in.decode_other_us = decode_measured_us - ar.decode.step_us;
+    mr_log(MR_LOG_INFO, "client decode step %.0f us measured, experts %.0f us modelled: %.0f us "
+           "besides the experts", decode_measured_us, ar.decode.step_us, in.decode_other_us);
+    if (prefill_measured_us > 0) {
+      in.prefill_other_us = prefill_measured_us - ar.prefill.step_us;
+      mr_log(MR_LOG_INFO, "client prefill %.0f us measured, experts %.0f us modelled: %.0f us "
+             "besides the experts", prefill_measured_us, ar.prefill.step_us,
+             in.prefill_other_us);
+    }
+    pl_sim_result_close(&ar);
+    if (in.decode_other_us < 0 || (prefill_measured_us > 0 && in.prefill_other_us < 0)) {
+      mr_log(MR_LOG_WARN, "the modelled experts take longer than the measured all-local run "
+             "(the kernel rates are faster than the client ran): its time besides the "
+             "experts is taken as 0");
+      if (in.decode_other_us < 0) in.decode_other_us = 0;
+      if (in.prefill_other_us < 0 && prefill_measured_us > 0) in.prefill_other_us = 0;
+    }
+  }
+  mr_log(MR_LOG_INFO, "simulating %u hosts, %u MoE layers, batch %u, prompt %u, %u samples",
+         N, mr_config_num_moe_layers(&cfg), in.batch, in.prompt_len, in.samples);
+  if ((rc = pl_sim_run(&in, &res, &e))) goto fail;
+  print_result(&o, &in, &res, &cfg);
+  status = 0;
+  goto out;
+fail:
+  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  status = 1;
+out:
+  pl_sim_result_close(&res);
+  if (have_pl) mr_placement_close(&pl);
+  if (have_st) pl_stats_close(&st);
+  mr_free(hosts);
+  mr_free(rates);
+  mr_free(route);
+  mr_free(local);
+  return status;
+}
