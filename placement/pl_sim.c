@@ -347,20 +347,13 @@ int pl_client_bench_load(pl_client_bench *b, const char *path, mr_err *e) {
 /* ---- formats -------------------------------------------------------------------------- */
 
 double pl_sim_expert_bytes(const char *format, uint32_t H, uint32_t I) {
-  const double h = H, i = I, w = 3.0 * h * i;
-  if (strcmp(format, "f32") == 0) return 4 * w;
-  if (strcmp(format, "f16") == 0 || strcmp(format, "bf16") == 0) return 2 * w;
-  if (strcmp(format, "int8") == 0) return w + 4.0 * (2 * i + h); /* a scale per row */
-  if (strcmp(format, "fp8") == 0) /* e4m3, one fp32 scale per 128 x 128 block */
-    return w + 4.0 * 3 * ceil(h / 128) * ceil(i / 128);
-  unsigned g = 64;
-  if (strcmp(format, "int4") == 0 || (sscanf(format, "int4-g%u", &g) == 1 && (g == 32 ||
-                                                                                 g == 64 ||
-                                                                                 g == 128))) {
-    /* gate/up rows of H, down rows of I, a fp32 scale per group of g along the row */
-    return w / 2 + 4.0 * (2 * i * ceil(h / g) + h * ceil(i / g));
-  }
-  return 0;
+  /* The servers' packed size (the planner's pl_expert_bytes); "fp8" and "int4" are short
+   * for fp8-b128 and int4-g64. */
+  pl_wformat f;
+  if (strcmp(format, "fp8") == 0) f = PL_WF_FP8_B128;
+  else if (strcmp(format, "int4") == 0) f = PL_WF_INT4_G64;
+  else if (pl_wformat_parse(format, &f) != 0) return 0;
+  return (double)pl_expert_bytes(f, H, I, 1);
 }
 
 /* ---- the model ------------------------------------------------------------------------ */
