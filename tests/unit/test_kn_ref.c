@@ -170,7 +170,7 @@ static void naive_layer(const model *m, const req *r, float *out) {
   free(acc);
 }
 
-static const kn_format all_fmts[KN_FMT_COUNT] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8,
+static const kn_format all_fmts[KN_FMT_COUNT] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_FP8,
                                                  KN_FMT_INT4};
 
 /* ---- names and detection ----------------------------------------------------------- */
@@ -728,7 +728,7 @@ MT_TEST(layer_tolerance_design_section5) {
     double tol;
   } cases[] = {{KN_FMT_F32, 0, 1e-5},   {KN_FMT_BF16, 0, 1e-2},  {KN_FMT_F16, 0, 1e-2},
                {KN_FMT_INT8, 0, 2.5e-2}, {KN_FMT_INT4, 32, 0.20}, {KN_FMT_INT4, 64, 0.22},
-               {KN_FMT_INT4, 128, 0.24}};
+               {KN_FMT_INT4, 128, 0.24}, {KN_FMT_FP8, 128, 0.06}};
   kn_engine *eng = engine_make(2);
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     kn_layer *L = layer_make(eng, &m, cases[c].f, cases[c].G, NULL, MR_DTYPE_BF16);
@@ -827,7 +827,7 @@ MT_TEST(layer_new_refuses_bad_desc) {
       {{64, 70000, 8, KN_FMT_BF16, 0}, "inter = 70000"},
       {{64, 64, 0, KN_FMT_BF16, 0}, "num_experts = 0, must be in 1..65536"},
       {{64, 64, 65537, KN_FMT_BF16, 0}, "num_experts = 65537"},
-      {{64, 64, 8, KN_FMT_COUNT, 0}, "format = 5"},
+      {{64, 64, 8, KN_FMT_COUNT, 0}, "format = 6"},
       {{64, 64, 8, KN_FMT_INT4, 0}, "group = 0, must be 32, 64 or 128"},
       {{64, 64, 8, KN_FMT_INT4, 48}, "group = 48"},
       {{64, 64, 8, KN_FMT_INT4, 256}, "group = 256"},
