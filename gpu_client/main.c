@@ -595,11 +595,9 @@ static int verify_layer_ref(const verify_run *r, uint32_t l, kn_layer **out, mr_
                      .num_experts = r->E, .format = r->fmt, .group = r->group};
   int rc = kn_layer_new(out, r->eng, &d, e);
   for (uint32_t x = 0; x < r->E && !rc; x++) {
-    const mr_st_tensor *t[3];
-    rc = mr_config_expert_tensors(&r->cfg, r->st, l, x, t, e);
-    if (!rc)
-      rc = kn_layer_load_expert(*out, x, t[MR_PROJ_GATE]->data, t[MR_PROJ_UP]->data,
-                                t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
+    const mr_st_tensor *t[3], *sc[3];
+    rc = mr_config_expert_tensors_q(&r->cfg, r->st, l, x, t, sc, e);
+    if (!rc) rc = kn_layer_load_expert_st(*out, x, t, sc, e);
   }
   return rc;
 }

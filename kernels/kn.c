@@ -443,46 +443,11 @@ void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float i
 
 /* ---- FP8 e4m3fn -------------------------------------------------------------------- */
 
-static float fp8_table[256];
-static pthread_once_t fp8_once = PTHREAD_ONCE_INIT;
+const float *kn__fp8_table(void) { return mr_f8e4m3_table(); }
 
-/* The value of every code from its fields: e = 0 subnormal m * 2^-9, else
- * (1 + m / 8) * 2^(e - 7); S.1111.111 is NaN (e4m3fn has no inf). */
-static void fp8_table_init(void) {
-  for (int c = 0; c < 256; c++) {
-    int e = (c >> 3) & 15, m = c & 7;
-    float v;
-    if (e == 15 && m == 7) v = NAN;
-    else if (e == 0) v = ldexpf((float)m, -9);
-    else v = ldexpf(1.0f + (float)m / 8.0f, e - 7);
-    fp8_table[c] = (c & 0x80) ? -v : v;
-  }
-}
+float kn_fp8_e4m3_to_f32(uint8_t code) { return mr_f8e4m3_table()[code]; }
 
-const float *kn__fp8_table(void) {
-  pthread_once(&fp8_once, fp8_table_init);
-  return fp8_table;
-}
-
-float kn_fp8_e4m3_to_f32(uint8_t code) { return kn__fp8_table()[code]; }
-
-uint8_t kn_fp8_e4m3_from_f32(float v) {
-  union { float f; uint32_t u; } x = {.f = v};
-  const uint8_t sign = (uint8_t)((x.u >> 24) & 0x80);
-  const uint32_t a = x.u & 0x7fffffffu;
-  if (a > 0x7f800000u) return sign | 0x7f;      /* NaN */
-  if (a >= 0x43e00000u) return sign | 0x7e;     /* >= 448 (and inf): saturate */
-  if (a < 0x3c800000u) {                        /* below 2^-6: subnormal, step 2^-9 */
-    float q = rintf(fabsf(v) * 512.0f);         /* exact scaling; RNE; 0..8 (8 = 2^-6) */
-    return sign | (uint8_t)q;
-  }
-  /* Normal: keep 3 of the 23 mantissa bits, ties to even; a carry out of the mantissa
-   * steps the exponent, which the code's layout (exponent above mantissa) does by itself. */
-  uint32_t E = (a >> 23) - 127 + 7, keep = (a >> 20) & 7, rest = a & 0xfffffu;
-  if (rest > 0x80000u || (rest == 0x80000u && (keep & 1))) keep++;
-  uint32_t code = (E << 3) + keep;
-  return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
-}
+uint8_t kn_fp8_e4m3_from_f32(float v) { return mr_f32_to_f8e4m3(v); }
 
 int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, uint8_t *q,
                          float *scale_inv, mr_err *e) {
@@ -504,18 +469,7 @@ int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, ui
         return mr_err_set(e, MR_EINVAL, "w[%u, %u] = %g: weights must be finite",
                           r0 + (uint32_t)(i / K), (uint32_t)(i % K), (double)bad);
       }
-    for (uint32_t kb = 0; kb < nkb; kb++) {
-      const uint32_t k0 = kb * B, k1 = k0 + B < K ? k0 + B : K;
-      float amax = 0.0f;
-      for (uint32_t r = 0; r < nr; r++)
-        for (uint32_t k = k0; k < k1; k++) amax = kn__maxf(amax, fabsf(buf[(size_t)r * K + k]));
-      float sc = amax / KN_FP8_MAX;
-      if (!(sc > 0.0f)) sc = 1.0f; /* all-zero block (or amax / 448 underflowing): codes 0 */
-      scale_inv[(size_t)(r0 / B) * nkb + kb] = sc;
-      for (uint32_t r = 0; r < nr; r++)
-        for (uint32_t k = k0; k < k1; k++)
-          q[(size_t)(r0 + r) * K + k] = kn_fp8_e4m3_from_f32(buf[(size_t)r * K + k] / sc);
-    }
+    mr_f8e4m3_quantize_rows(buf, nr, K, q + (size_t)r0 * K, scale_inv + (size_t)(r0 / B) * nkb);
   }
   mr_free(buf);
   return 0;
@@ -879,6 +833,41 @@ static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
 out_free:
   mr_free_aligned(j.rows);
   slices_free(j.w, L->n_slices);
+  return rc;
+}
+
+int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], mr_err *e) {
+  if (!t || !t[0] || !t[1] || !t[2])
+    return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: three tensors are required");
+  if (!scales || !scales[0])
+    return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+  if (!L) return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: layer is required");
+  float *sc[3] = {NULL, NULL, NULL};
+  int rc = 0;
+  for (int p = 0; p < 3 && !rc; p++) {
+    const mr_st_tensor *s = scales[p];
+    const uint32_t N = p == 2 ? L->d.hidden : L->d.inter, K = p == 2 ? L->d.inter : L->d.hidden;
+    const size_t n = (size_t)kn__ngroups(N, KN_FP8_BLOCK) * kn__ngroups(K, KN_FP8_BLOCK);
+    if (!s || (s->dtype != MR_DTYPE_F32 && s->dtype != MR_DTYPE_BF16) ||
+        s->nbytes != n * mr_dtype_size(s->dtype) || !mr_st_is_f8e4m3(t[p]) || t[p]->nbytes != (uint64_t)N * K) {
+      rc = mr_err_set(e, MR_EFORMAT, "expert %u: tensor \"%.200s\": fp8 weights need F8_E4M3 [%u, %u] "
+                      "and F32/BF16 scales [%zu] (found %s)", expert, t[p]->name, N, K, n,
+                      s ? s->dtype_name : "none");
+      break;
+    }
+    if (!(sc[p] = mr_malloc(n * sizeof(float)))) {
+      rc = mr_err_set(e, MR_ENOMEM, "expert %u: out of memory for scales", expert);
+      break;
+    }
+    mr_convert_to_f32(sc[p], s->data, s->dtype, n);
+    char what[256];
+    snprintf(what, sizeof what, "tensor \"%.200s\"", s->name);
+    rc = kn_fp8_check_scales(sc[p], N, K, what, e);
+  }
+  if (!rc)
+    rc = kn_layer_load_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1], t[2]->data, sc[2], e);
+  for (int p = 0; p < 3; p++) mr_free(sc[p]);
   return rc;
 }
 

@@ -154,6 +154,14 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
 int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
                              const float *gate_scale, const uint8_t *up, const float *up_scale,
                              const uint8_t *down, const float *down_scale, mr_err *e);
+/* Loads one expert from checkpoint tensors as mr_config_expert_tensors_q finds them: float
+ * projections through kn_layer_load_expert, F8_E4M3 ones (scales[p] != NULL, F32 or BF16)
+ * through kn_layer_load_expert_fp8 after converting the scales to fp32 and checking them
+ * (the error names the scale tensor: "tensor \"...gate_proj.weight_scale_inv\"
+ * scale_inv[0, 1] = 0: block scales must be finite and > 0"). The one loader of the
+ * server, the client's local experts and the tests. */
+int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], mr_err *e);
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert);
 const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
 /* Bytes of packed weights held (for load progress and metrics). */
