@@ -340,6 +340,9 @@ typedef struct kctx {
   __m512i gidx;         /* I4: lane -> group of its chunk (lane / (G / 8)) */
   __m512i lut[4];       /* FP8L: bf16 high bytes of codes 0..63, 64..127, low bytes 0..63,
                          * 64..127; FP8S: lut[0] = bf16 of the subnormals m * 2^-9, m < 8 */
+  const uint8_t *pre;   /* FP8 prefill: the tile's rows converted to bf16 (row r at
+                         * pre + r * prestride), read instead of the codes; NULL = decode */
+  size_t prestride;
 } kctx;
 
 /* The loop orders of a tile over its RW rows and the K steps of each row:
@@ -483,14 +486,12 @@ AI __m512i fp8_shift32(const kctx *cx, __m256i w8) {
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
 }
 
-/* FP8 step: one 128-element block of the row (one scale): four vdpbf16ps per token into a
- * fresh sum, then acc += sum * scale. tm0 / tm1 mask the two 64-byte halves of a short
- * last block (codes 0 = +0 there, against zero padding of x). */
-AI void step_fp8(const v512 v, const int C, const kctx *cx, const uint8_t *wr, const float *sr,
-                 const uint8_t *const *xp, uint32_t s, bool tail, __mmask64 tm0, __mmask64 tm1,
-                 __m512 *a, const int st) {
+/* The 128 codes of block s of row wr as four vectors of 32 bf16 (the order of x's
+ * activations for v). tm0 / tm1 mask the two 64-byte halves of a short last block (codes 0
+ * = +0 there, against zero padding of x). */
+AI void fp8_block(const v512 v, const kctx *cx, const uint8_t *wr, uint32_t s, bool tail,
+                  __mmask64 tm0, __mmask64 tm1, __m512i *wb) {
   const size_t k = 128 * (size_t)s;
-  __m512i wb[4];
   if (v == V_FP8L) {
     __m512i w0 = tail ? _mm512_maskz_loadu_epi8(tm0, wr + k) : _mm512_loadu_si512(wr + k);
     __m512i w1 = tail ? _mm512_maskz_loadu_epi8(tm1, wr + k + 64) : _mm512_loadu_si512(wr + k + 64);
@@ -502,6 +503,34 @@ AI void step_fp8(const v512 v, const int C, const kctx *cx, const uint8_t *wr, c
       __m256i w8 = tail ? _mm256_maskz_loadu_epi8(m, wr + k + 32 * q) : _mm256_loadu_si256((const __m256i *)(wr + k + 32 * q));
       wb[q] = fp8_shift32(cx, w8);
     }
+  }
+}
+
+/* Row wr of K codes converted once into dst as bf16, block s at dst + 256 s (zero beyond K
+ * up to the next multiple of 128): the prefill tiles then read the same row for every
+ * token block without converting it again. */
+AI void fp8_row_to_bf16(const v512 v, const kctx *cx, const uint8_t *wr, uint32_t K, uint8_t *dst) {
+  const uint32_t nfull = K / 128, tb = K % 128;
+  const __mmask64 tm0 = mask64(tb), tm1 = mask64(tb > 64 ? tb - 64 : 0);
+  for (uint32_t s = 0; s < nfull + (tb != 0); s++) {
+    __m512i wb[4];
+    fp8_block(v, cx, wr, s, s == nfull, tm0, tm1, wb);
+    UNROLL for (int q = 0; q < 4; q++) _mm512_storeu_si512(dst + 256 * (size_t)s + 64 * q, wb[q]);
+  }
+}
+
+/* FP8 step: one 128-element block of the row (one scale): four vdpbf16ps per token into a
+ * fresh sum, then acc += sum * scale. pre: wr is the row already converted by
+ * fp8_row_to_bf16 (prefill); else the codes are converted here (decode). */
+AI void step_fp8(const v512 v, const bool pre, const int C, const kctx *cx, const uint8_t *wr,
+                 const float *sr, const uint8_t *const *xp, uint32_t s, bool tail, __mmask64 tm0,
+                 __mmask64 tm1, __m512 *a, const int st) {
+  const size_t k = 128 * (size_t)s;
+  __m512i wb[4];
+  if (pre) {
+    UNROLL for (int q = 0; q < 4; q++) wb[q] = _mm512_loadu_si512(wr + 256 * (size_t)s + 64 * q);
+  } else {
+    fp8_block(v, cx, wr, s, tail, tm0, tm1, wb);
   }
   const __m512 sc = _mm512_set1_ps(sr[s]);
   UNROLL for (int c = 0; c < C; c++) {
@@ -564,9 +593,15 @@ AI __m512 tile(const v512 v, const int RW, const int C, const bool seq, const kc
   } else if (IS_FP8(v)) {
     const uint32_t tb = K % 128;
     const __mmask64 tm0 = mask64(tb), tm1 = mask64(tb > 64 ? tb - 64 : 0);
-#define STEP(r, st, tail, a, stride) step_fp8(v, C, cx, w[r], s[r], xp, st, tail, tm0, tm1, a, stride)
-    TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 128, tb != 0, 128, STEP);
+    if (cx->pre) {
+#define STEP(r, st, tail, a, stride) step_fp8(v, true, C, cx, w[r], s[r], xp, st, tail, tm0, tm1, a, stride)
+      TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 128, tb != 0, 256, STEP);
 #undef STEP
+    } else {
+#define STEP(r, st, tail, a, stride) step_fp8(v, false, C, cx, w[r], s[r], xp, st, tail, tm0, tm1, a, stride)
+      TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 128, tb != 0, 128, STEP);
+#undef STEP
+    }
   } else { /* V_I4 */
     const uint32_t tb = (uint32_t)(cx->rb % 64); /* short last chunk: 16, 32 or 48 bytes */
     const __mmask64 tm = mask64(tb);
@@ -606,8 +641,8 @@ AI void gu_block(const v512 v, const int R, const int C, const kn__task *t, cons
   const float *s[16];
   UNROLL for (int r = 0; r < R; r++) {
     uint32_t row = i + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
-    w[r] = (const uint8_t *)ws->gate + row * cx->rb;
-    w[R + r] = (const uint8_t *)ws->up + row * cx->rb;
+    w[r] = cx->pre ? cx->pre + (size_t)r * cx->prestride : (const uint8_t *)ws->gate + row * cx->rb;
+    w[R + r] = cx->pre ? cx->pre + (size_t)(R + r) * cx->prestride : (const uint8_t *)ws->up + row * cx->rb;
     if (v == V_I4 || IS_FP8(v)) {
       s[r] = ws->gate_scale + (size_t)row * cx->ng;
       s[R + r] = ws->up_scale + (size_t)row * cx->ng;
@@ -621,7 +656,7 @@ AI void gu_block(const v512 v, const int R, const int C, const kn__task *t, cons
                                      _mm512_sub_epi32(iota16(), _mm512_set1_epi32(R)), us);
   }
   /* The first token block prefetches the rows of the next tile (R rows further on). */
-  __m512 d = tile(v, 2 * R, C, false, cx, w, s, rsc, c0, Cv, c0 == 0 ? R * cx->rb : 0);
+  __m512 d = tile(v, 2 * R, C, false, cx, w, s, rsc, c0, Cv, c0 == 0 && !cx->pre ? R * cx->rb : 0);
   __m512 hv = _mm512_mul_ps(silu_ps(d), rot_ps(d, R)); /* lane c*2R + r: token c, row i + r */
   UNROLL for (int c = 0; c < C; c++)
     if ((uint32_t)c < Cv)
@@ -643,12 +678,12 @@ AI void mat_block(const v512 v, const int RW, const int C, const bool seq, const
   const float *s[16];
   UNROLL for (int r = 0; r < RW; r++) {
     uint32_t rr = row + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
-    w[r] = base + rr * cx->rb;
+    w[r] = cx->pre ? cx->pre + (size_t)r * cx->prestride : base + rr * cx->rb;
     if (v == V_I4 || IS_FP8(v)) s[r] = scale + (size_t)rr * cx->ng;
   }
   __m512 rsc = _mm512_setzero_ps();
   if (v == V_I8) rsc = _mm512_maskz_loadu_ps(mask16(Rv), scale + row);
-  __m512 d = tile(v, RW, C, seq, cx, w, s, rsc, c0, Cv, !seq && c0 == 0 ? RW * cx->rb : 0);
+  __m512 d = tile(v, RW, C, seq, cx, w, s, rsc, c0, Cv, !seq && c0 == 0 && !cx->pre ? RW * cx->rb : 0);
   UNROLL for (int c = 0; c < C; c++)
     if ((uint32_t)c < Cv) {
       float *dst = out + (size_t)(c0 + c) * out_stride + row;
@@ -656,6 +691,13 @@ AI void mat_block(const v512 v, const int RW, const int C, const bool seq, const
       if (ep == EP_SILU_MUL) val = _mm512_mul_ps(silu_ps(_mm512_maskz_loadu_ps(mask16(Rv), dst)), val);
       _mm512_mask_storeu_ps(dst, mask16(Rv), val);
     }
+}
+
+/* Bytes of one row of K elements converted to bf16 for the prefill tiles (whole 128-blocks;
+ * an odd number of cache lines apart, so that the tile's rows do not share L1 sets). */
+static inline size_t fp8_pre_stride(uint32_t K) {
+  size_t b = (size_t)(K + 127) / 128 * 256;
+  return b % 1024 == 0 ? b + 64 : b;
 }
 
 /* FP8 conversion tables (built once by fp8_luts_init from the exact code table):
@@ -759,6 +801,23 @@ AI void gate_up_run(const v512 v, const kn__task *t, uint32_t i0, uint32_t i1) {
     return;
   }
 #define GU(R_, C_, c0_, Cv_) gu_block(v, R_, C_, t, &cx, i, i1, c0_, Cv_)
+  if (IS_FP8(v)) {
+    /* Prefill: the tile's 2 gate and 2 up rows converted to bf16 once (into tmp, which
+     * gate_up does not otherwise use), then read by every token block. */
+    const kn__slice_w *ws = t->w;
+    uint8_t *buf = (uint8_t *)t->tmp;
+    cx.prestride = fp8_pre_stride(H);
+    cx.pre = buf;
+    for (uint32_t i = i0; i < i1; i += 2) {
+      for (uint32_t r = 0; r < 2; r++) {
+        uint32_t row = i + r < i1 ? i + r : i1 - 1;
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->gate + row * cx.rb, H, buf + r * cx.prestride);
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->up + row * cx.rb, H, buf + (2 + r) * cx.prestride);
+      }
+      TOKEN_BLOCKS(n, GU, 2);
+    }
+    return;
+  }
   for (uint32_t i = i0; i < i1; i += 2) TOKEN_BLOCKS(n, GU, 2);
 #undef GU
 }
@@ -783,6 +842,19 @@ AI void down_run(const v512 v, const kn__task *t, uint32_t j0, uint32_t j1) {
     return;
   }
 #define MB(RW_, C_, c0_, Cv_) mat_block(v, RW_, C_, false, EP_STORE, &cx, ws->down, ws->down_scale, j, j1, c0_, Cv_, t->y, H)
+  if (IS_FP8(v)) { /* prefill: 4 rows converted once, after the activations in tmp */
+    uint8_t *buf = (uint8_t *)t->tmp + kn__x86_align64(acts_layout(v, Is, L->d.group, n).bytes);
+    cx.prestride = fp8_pre_stride(Is);
+    cx.pre = buf;
+    for (uint32_t j = j0; j < j1; j += 4) {
+      for (uint32_t r = 0; r < 4; r++) {
+        uint32_t row = j + r < j1 ? j + r : j1 - 1;
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->down + row * cx.rb, Is, buf + r * cx.prestride);
+      }
+      TOKEN_BLOCKS(n, MB, 4);
+    }
+    return;
+  }
   for (uint32_t j = j0; j < j1; j += 4) TOKEN_BLOCKS(n, MB, 4);
 #undef MB
 }
@@ -793,7 +865,13 @@ static size_t prep_bytes_of(const v512 v, const kn_layer *L, uint32_t n) {
   return acts_layout(v, L->d.hidden, L->d.group, n).bytes;
 }
 static size_t tmp_floats_of(const v512 v, const kn_layer *L, uint32_t slice, uint32_t n) {
-  return kn__x86_floats_for(acts_layout(v, L->slice_len[slice], L->d.group, n).bytes);
+  size_t b = acts_layout(v, L->slice_len[slice], L->d.group, n).bytes;
+  if (IS_FP8(v)) { /* + the prefill's converted rows: 4 of down after h, or 4 of gate/up */
+    size_t d = kn__x86_align64(b) + 4 * fp8_pre_stride(L->slice_len[slice]);
+    size_t g = 4 * fp8_pre_stride(L->d.hidden);
+    b = d > g ? d : g;
+  }
+  return kn__x86_floats_for(b);
 }
 static void prep_of(const v512 v, const kn_layer *L, uint32_t n, const float *x, void *xq) {
   kn__x86_acts a = acts_layout(v, L->d.hidden, L->d.group, n);
