@@ -3,7 +3,8 @@
  * reference kn_ref_moe_forward on the same layer (the same stored weights).
  *
  * For every ISA this CPU runs (AVX2, AVX-512) x every format (f32, f16, bf16, int8, int4
- * with groups 32/64/128) x T in {1, 2, 7, 64, 300} x shapes with and without 32/64/128
+ * with groups 32/64/128, fp8-b128 where it has a fast path: AVX-512 BF16, both of its
+ * e4m3 -> bf16 conversions) x T in {1, 2, 7, 64, 300} x shapes with and without 32/64/128
  * multiples (tails in every loop) x 1 or 2 slices (one of them short or empty), on a layer
  * holding an odd subset of the experts, with empty slots, repeated experts within and
  * across tokens, a token hitting all of its k experts and a token with every slot empty.
@@ -33,6 +34,9 @@
  *                     1.0e-2 .. 2.2e-2 over the cases here; 3e-2 leaves ~1.4x margin.
  *                     The layer error against the fp32 model stays under docs/DESIGN.md's
  *                     int8 limit of 2.5e-2, checked below.
+ *
+ * fp8-b128 is held to TOL_BF16X (its kernels round x and h to bf16 like bf16_bf16; the
+ * weights convert exactly, fp8_conversion_exact_for_every_code).
  *
  * Also: the engine picks the expected kernel per format (a silent fall-back to REF fails
  * here), row ranges compose (each kernel writes only its rows; split calls from two
@@ -489,7 +493,7 @@ MT_TEST(fast_layer_error_within_design_budget) {
     double tol;
   } cases[] = {{KN_FMT_F32, 0, 1e-5},   {KN_FMT_BF16, 0, 1e-2},  {KN_FMT_F16, 0, 1e-2},
                {KN_FMT_INT8, 0, 2.5e-2}, {KN_FMT_INT4, 32, 0.20}, {KN_FMT_INT4, 64, 0.22},
-               {KN_FMT_INT4, 128, 0.24}};
+               {KN_FMT_INT4, 128, 0.24}, {KN_FMT_FP8, 0, 0.06}};
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
   for (int ii = 0; ii < n_isa; ii++) {
