@@ -1,7 +1,7 @@
 /*
  * moe_avx512.c - the AVX-512 entries of the kernel table (internal.h section C), compiled
- * with the AVX-512 flags of the Makefile only (F/BW/VL/DQ + BF16 + VNNI + FMA + F16C); the
- * registration checks BF16 and VNNI at run time and leaves out what the CPU lacks.
+ * with the AVX-512 flags of the Makefile only (F/BW/VL/DQ + BF16 + VNNI + VBMI + FMA + F16C);
+ * the registration checks BF16, VNNI and VBMI at run time and leaves out what the CPU lacks.
  *
  * Every step is a set of dot products between packed weight rows (canonical layout,
  * internal.h section A: row-major, K contiguous) and the n token vectors of the expert:
@@ -72,6 +72,16 @@
  *              per output instead of one subtraction per chunk). The per-group fp32 step
  *              (vcvtdq2ps + vfmaddps for every 2 vpdpbusd) bounds prefill at ~45% of the
  *              vpdpbusd peak, against ~65% for int8 (docs/BENCHMARKS.md).
+ *
+ *   fp8_bf16   (fp8-b128, AVX512_BF16) e4m3 codes converted to bf16 in registers, exactly
+ *              (fp8_lut64: vpermi2b tables, needs VBMI, the default; fp8_shift32: exponent
+ *              bias shift/add with a masked table for the subnormals, BW only), then
+ *              vdpbf16ps against bf16 x / h per 128-element block into a fresh sum that the
+ *              block scale multiplies into the accumulator. Decode converts in the
+ *              sequential tiles; prefill converts each tile's rows once into tmp
+ *              (fp8_row_to_bf16) and runs the tile over every token block from there.
+ *              The LUT order of the converted words (per 128-bit lane: elements 0-7 then
+ *              8-15) is matched by preparing x as KN__ACT_BF16P.
  *
  * Threads: gate_up and down may run concurrently on disjoint row ranges of the same task.
  * They read the weights, t->x / t->xq (prepared once per task by prep) and t->h; they write
