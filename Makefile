@@ -55,7 +55,7 @@ LDFLAGS = $(SAN) -pthread $(EXTRA_LDFLAGS)
 
 # Per-ISA flags: only the files of that ISA get them (STYLE.md 11).
 ISA_AVX2   = -mavx2 -mfma -mf16c
-ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mfma -mf16c
+ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mavx512vbmi -mfma -mf16c
 
 GRPC_LIBS = -lgrpc -lgpr
 EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm

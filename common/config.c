@@ -333,6 +333,67 @@ static int cfg_deepseek(const cfg_ctx *c, mr_model_config *cfg) {
   return 0;
 }
 
+/* quantization_config: absent/null = plain weights; {"quant_method": "fp8", ...} =
+ * FineGrainedFP8 (DeepSeek-V3, Qwen3-*-FP8); anything else is refused by name rather than
+ * served as garbage. */
+static int cfg_quant(const cfg_ctx *c, mr_model_config *cfg) {
+  const cJSON *q = cfg_get(c, "quantization_config");
+  if (!q) return 0;
+  char desc[96];
+  if (!cJSON_IsObject(q)) {
+    mr__json_describe(q, desc, sizeof desc);
+    return mr_err_set(c->e, MR_EFORMAT, "%s: quantization_config = %s, must be an object or null",
+                      c->label, desc);
+  }
+  cfg_ctx sub = {.root = q, .label = c->label, .e = c->e};
+  const cJSON *m = cfg_get(&sub, "quant_method");
+  if (!cJSON_IsString(m)) {
+    mr__json_describe(m, desc, sizeof desc);
+    return mr_err_set(c->e, MR_EFORMAT, "%s: quantization_config.quant_method = %s, must be a string "
+                      "(supported: \"fp8\")", c->label, desc);
+  }
+  if (strcmp(m->valuestring, "fp8") != 0)
+    return mr_err_set(c->e, MR_ENOTSUP, "%s: quantization_config.quant_method = \"%.64s\" is not "
+                      "supported (supported: \"fp8\", 128x128 block-scaled e4m3)", c->label,
+                      m->valuestring);
+  const cJSON *fmt = cfg_get(&sub, "fmt");
+  if (fmt && (!cJSON_IsString(fmt) || strcmp(fmt->valuestring, "e4m3") != 0)) {
+    mr__json_describe(fmt, desc, sizeof desc);
+    return mr_err_set(c->e, MR_ENOTSUP, "%s: quantization_config.fmt = %s, only \"e4m3\" is "
+                      "supported", c->label, desc);
+  }
+  const cJSON *act = cfg_get(&sub, "activation_scheme");
+  if (act && (!cJSON_IsString(act) || strcmp(act->valuestring, "dynamic") != 0)) {
+    mr__json_describe(act, desc, sizeof desc);
+    return mr_err_set(c->e, MR_ENOTSUP, "%s: quantization_config.activation_scheme = %s, only "
+                      "\"dynamic\" is supported (static input scales are not read)", c->label, desc);
+  }
+  const cJSON *bs = cfg_get(&sub, "weight_block_size");
+  uint64_t b[2] = {128, 128};
+  if (bs) {
+    if (!cJSON_IsArray(bs) || cJSON_GetArraySize(bs) != 2) {
+      mr__json_describe(bs, desc, sizeof desc);
+      return mr_err_set(c->e, MR_EFORMAT, "%s: quantization_config.weight_block_size = %s, must be "
+                        "[rows, cols]", c->label, desc);
+    }
+    int i = 0;
+    for (const cJSON *x = bs->child; x; x = x->next, i++) {
+      char field[64];
+      snprintf(field, sizeof field, "quantization_config.weight_block_size[%d]", i);
+      int rc = mr__json_u64(x, c->label, field, 1, 65536, &b[i], c->e);
+      if (rc) return rc;
+    }
+    if (b[0] != 128 || b[1] != 128)
+      return mr_err_set(c->e, MR_ENOTSUP, "%s: quantization_config.weight_block_size = [%llu, %llu], "
+                        "only [128, 128] is supported", c->label, (unsigned long long)b[0],
+                        (unsigned long long)b[1]);
+  }
+  cfg->fp8 = true;
+  cfg->fp8_block[0] = (uint32_t)b[0];
+  cfg->fp8_block[1] = (uint32_t)b[1];
+  return 0;
+}
+
 int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const char *label,
                     mr_err *e) {
   memset(cfg, 0, sizeof *cfg);
@@ -351,6 +412,7 @@ int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const ch
   default: MR_ASSERT(!"cfg_arch returned an unknown arch");
   }
   if (rc) goto out_free_root;
+  if ((rc = cfg_quant(&c, cfg))) goto out_free_root;
   if (mr_config_num_moe_layers(cfg) == 0) {
     rc = mr_err_set(e, MR_EFORMAT,
                     "%s: no layer of the %u has routed experts (check decoder_sparse_step, "
@@ -404,15 +466,49 @@ int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expe
 
 int mr_config_expert_tensors(const mr_model_config *c, const mr_st *st, uint32_t layer,
                              uint32_t expert, const mr_st_tensor *out[3], mr_err *e) {
+  const mr_st_tensor *scales[3];
+  return mr_config_expert_tensors_q(c, st, layer, expert, out, scales, e);
+}
+
+int mr_config_expert_tensors_q(const mr_model_config *c, const mr_st *st, uint32_t layer,
+                               uint32_t expert, const mr_st_tensor *out[3],
+                               const mr_st_tensor *scales[3], mr_err *e) {
   static const char *const proj[] = {"gate", "up", "down"};
   const uint64_t gate_up[2] = {c->moe_intermediate, c->hidden_size};
   const uint64_t down[2] = {c->hidden_size, c->moe_intermediate};
   char key[256];
   for (int p = MR_PROJ_GATE; p <= MR_PROJ_DOWN; p++) {
+    scales[p] = NULL;
     mr_config_expert_key(c, layer, expert, (mr_proj)p, key, sizeof key);
-    int rc = mr_st_expect(st, key, 2, p == MR_PROJ_DOWN ? down : gate_up, &out[p], e);
+    const uint64_t *shp = p == MR_PROJ_DOWN ? down : gate_up;
+    const mr_st_tensor *t = mr_st_find(st, key);
+    bool f8 = t && mr_st_is_f8e4m3(t);
+    if (f8 && !c->fp8)
+      return mr_err_set(e, MR_EFORMAT,
+                        "layer %u expert %u %s: %s: tensor \"%.200s\" is F8_E4M3 but config.json has "
+                        "no quantization_config {\"quant_method\": \"fp8\"}",
+                        layer, expert, proj[p], t->file, key);
+    int rc = mr_st_expect_as(st, key, f8 ? "F8_E4M3" : NULL, 2, shp, &out[p], e);
     if (rc) return mr_err_prefix(e, rc, "layer %u expert %u %s", layer, expert, proj[p]);
+    if (!f8) continue;
+    /* "...weight" -> "...weight_scale_inv", [ceil(N / 128), ceil(K / 128)], F32 or BF16. */
+    char skey[280];
+    snprintf(skey, sizeof skey, "%s_scale_inv", key);
+    const uint64_t sshp[2] = {(shp[0] + c->fp8_block[0] - 1) / c->fp8_block[0],
+                              (shp[1] + c->fp8_block[1] - 1) / c->fp8_block[1]};
+    rc = mr_st_expect(st, skey, 2, sshp, &scales[p], e);
+    if (rc == 0 && scales[p]->dtype == MR_DTYPE_F16)
+      rc = mr_err_set(e, MR_EFORMAT, "%s: tensor \"%.200s\": dtype = F16, expected F32 or BF16",
+                      scales[p]->file, skey);
+    if (rc)
+      return mr_err_prefix(e, rc, "layer %u expert %u %s (fp8 block scales of %ux%u)", layer, expert,
+                           proj[p], c->fp8_block[0], c->fp8_block[1]);
   }
+  if ((scales[0] != NULL) != (scales[1] != NULL) || (scales[0] != NULL) != (scales[2] != NULL))
+    return mr_err_set(e, MR_EFORMAT,
+                      "layer %u expert %u: gate/up/down are %s/%s/%s; all three must be F8_E4M3 "
+                      "or all float",
+                      layer, expert, out[0]->dtype_name, out[1]->dtype_name, out[2]->dtype_name);
   if (out[0]->dtype != out[1]->dtype || out[0]->dtype != out[2]->dtype)
     return mr_err_set(e, MR_EFORMAT,
                       "layer %u expert %u: gate/up/down have different dtypes (%s in %s, %s in "

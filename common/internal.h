@@ -53,6 +53,9 @@ void mr__st_shard_get(const mr_st *st, size_t i, mr__st_shard_view *v);
 typedef int (*mr__st_fill_fn)(void *ctx, size_t index, uint64_t offset, size_t n, void *dst);
 int mr__st_writer_add_lazy(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
                            const uint64_t *shape);
+/* The same for a tensor of float8_e4m3fn codes (dtype "F8_E4M3", 1 byte per element). */
+int mr__st_writer_add_lazy_f8e4m3(mr_st_writer *w, const char *name, uint32_t ndim,
+                                  const uint64_t *shape);
 int mr__st_writer_write_fill(mr_st_writer *w, const char *path, mr__st_fill_fn fill, void *ctx,
                              mr_err *e);
 /* Total bytes the file would have if written now (header + data). */

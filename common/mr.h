@@ -217,6 +217,18 @@ static inline uint16_t mr_f32_to_bf16(float f) {
 }
 float mr_f16_to_f32(uint16_t h);
 uint16_t mr_f32_to_f16(float f); /* round to nearest even, overflow to inf */
+/* float8_e4m3fn (safetensors "F8_E4M3"; storage only, not a wire dtype): 1 sign, 4
+ * exponent bits (bias 7), 3 mantissa bits; no inf; 0x7f / 0xff are NaN; largest 448. */
+#define MR_F8E4M3_MAX 448.0f
+/* The 256 exact code values (NaN for 0x7f, 0xff), built once, thread-safe. */
+const float *mr_f8e4m3_table(void);
+/* Round to nearest even, saturating to +-448 (inf too); NaN -> 0x7f (sign kept). */
+uint8_t mr_f32_to_f8e4m3(float v);
+/* Block quantization of rows <= 128 rows of K finite fp32 values (one 128-row band of a
+ * matrix): per 128-column block scale_inv[b] = amax / 448 (1 for an all-zero block),
+ * q = e4m3(w / scale_inv), so that w ~ e4m3(q) * scale_inv (DeepSeek-V3 weight_scale_inv). */
+void mr_f8e4m3_quantize_rows(const float *w, uint32_t rows, uint32_t K, uint8_t *q,
+                             float *scale_inv);
 /* Converts n elements of src (dtype dt, little-endian) to f32. */
 void mr_convert_to_f32(float *dst, const void *src, mr_dtype dt, size_t n);
 /* Converts n f32 elements to dtype dt at dst. */
@@ -302,6 +314,12 @@ const mr_st_tensor *mr_st_at(const mr_st *st, size_t i);
  * errors name the file, tensor and both shapes. */
 int mr_st_expect(const mr_st *st, const char *name, uint32_t ndim, const uint64_t *shape,
                  const mr_st_tensor **out, mr_err *e);
+/* Like mr_st_expect, but the tensor's safetensors dtype must be dtype_name (e.g. "F8_E4M3",
+ * which maps to no mr_dtype), or, for dtype_name NULL, a float dtype as mr_st_expect. */
+int mr_st_expect_as(const mr_st *st, const char *name, const char *dtype_name, uint32_t ndim,
+                    const uint64_t *shape, const mr_st_tensor **out, mr_err *e);
+/* The tensor holds float8_e4m3fn codes (safetensors dtype "F8_E4M3"; mr_dtype UNSPECIFIED). */
+bool mr_st_is_f8e4m3(const mr_st_tensor *t);
 /* Parses one safetensors file image held in memory (len bytes); used by mr_st_open and by
  * the fuzzer. On success *out lists the tensors with data pointing into buf. */
 int mr_st_parse_buffer(mr_st **out, const void *buf, size_t len, const char *label, mr_err *e);
@@ -311,6 +329,9 @@ typedef struct mr_st_writer mr_st_writer;
 int mr_st_writer_new(mr_st_writer **out);
 int mr_st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
                      const uint64_t *shape, const void *data);
+/* A tensor of float8_e4m3fn codes (dtype "F8_E4M3"), prod(shape) bytes at data. */
+int mr_st_writer_add_f8e4m3(mr_st_writer *w, const char *name, uint32_t ndim,
+                            const uint64_t *shape, const void *data);
 /* Writes the file atomically (tmp + rename); e names the path on failure. */
 int mr_st_writer_write(mr_st_writer *w, const char *path, mr_err *e);
 void mr_st_writer_free(mr_st_writer *w);
@@ -349,6 +370,13 @@ typedef struct mr_model_config {
   bool qk_norm;                /* per-head RMSNorm of q and k before RoPE (Qwen3) */
   uint32_t sliding_window;     /* attention window in tokens, 0 = none */
   uint32_t max_position;       /* max_position_embeddings, 0 if absent */
+  /* quantization_config {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+   * "dynamic", "weight_block_size": [128, 128]} (transformers FineGrainedFP8: DeepSeek-V3,
+   * Qwen3-*-FP8): expert projections may then be F8_E4M3 with F32 (or BF16)
+   * "<name>_scale_inv" block scales [ceil(N/128), ceil(K/128)]. Other quant_methods, fmts
+   * and block sizes are refused by name (MR_ENOTSUP). */
+  bool fp8;
+  uint32_t fp8_block[2];       /* weight_block_size: [128, 128] when fp8 */
 } mr_model_config;
 /* Reads config.json at path (a file, or a directory containing config.json). Validates
  * ranges (hidden 1..65536, experts 1..65536, top_k 1..num_experts, layers 1..MR_MAX_LAYERS)
@@ -374,6 +402,15 @@ int mr_config_expert_key(const mr_model_config *c, uint32_t layer, uint32_t expe
  * with "layer L expert X gate|up|down"; MR_EFORMAT when the three dtypes differ. */
 int mr_config_expert_tensors(const mr_model_config *c, const mr_st *st, uint32_t layer,
                              uint32_t expert, const mr_st_tensor *out[3], mr_err *e);
+/* The same, and for FP8 checkpoints (c->fp8) also the F8_E4M3 projections' block scales:
+ * scales[p] = "<key of p>_scale_inv" (F32 or BF16, shape [ceil(N/128), ceil(K/128)] of the
+ * projection's [N, K]), or NULL for a float projection. All three projections must then be
+ * F8_E4M3 or all float. Errors name the tensor and the expected shape; an F8_E4M3
+ * projection in a config without fp8 quantization_config is MR_EFORMAT. The values of the
+ * scales are checked at load (kn_fp8_check_scales). */
+int mr_config_expert_tensors_q(const mr_model_config *c, const mr_st *st, uint32_t layer,
+                               uint32_t expert, const mr_st_tensor *out[3],
+                               const mr_st_tensor *scales[3], mr_err *e);
 
 /* Fingerprint of a model: 16 hex chars over config.json and every shard's header and a
  * sample of its data, identical on every server that opens the same files. */

@@ -3,6 +3,8 @@
  * conversion. See mr.h for the contracts.
  */
 #include <errno.h>
+#include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -392,6 +394,64 @@ int mr_dtype_parse(const char *s, mr_dtype *out) {
     return MR_EINVAL;
   }
   return 0;
+}
+
+/* ---- float8_e4m3fn ---- */
+
+static float f8_table[256];
+static pthread_once_t f8_once = PTHREAD_ONCE_INIT;
+
+/* From the fields: e = 0 subnormal m * 2^-9, else (1 + m / 8) * 2^(e - 7); S.1111.111 NaN. */
+static void f8_table_init(void) {
+  for (int c = 0; c < 256; c++) {
+    int ex = (c >> 3) & 15, m = c & 7;
+    float v;
+    if (ex == 15 && m == 7) v = NAN;
+    else if (ex == 0) v = ldexpf((float)m, -9);
+    else v = ldexpf(1.0f + (float)m / 8.0f, ex - 7);
+    f8_table[c] = (c & 0x80) ? -v : v;
+  }
+}
+
+const float *mr_f8e4m3_table(void) {
+  pthread_once(&f8_once, f8_table_init);
+  return f8_table;
+}
+
+uint8_t mr_f32_to_f8e4m3(float v) {
+  union { float f; uint32_t u; } x = {.f = v};
+  const uint8_t sign = (uint8_t)((x.u >> 24) & 0x80);
+  const uint32_t a = x.u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;  /* NaN */
+  if (a >= 0x43e00000u) return sign | 0x7e; /* >= 448 (and inf): saturate */
+  if (a < 0x3c800000u) {                    /* below 2^-6: subnormal, step 2^-9 */
+    float q = rintf(fabsf(v) * 512.0f);     /* exact scaling; ties to even; 0..8 (8 = 2^-6) */
+    return sign | (uint8_t)q;
+  }
+  /* Normal: keep 3 of the 23 mantissa bits, ties to even; a carry out of the mantissa steps
+   * the exponent, which the code's layout (exponent above mantissa) does by itself. */
+  uint32_t E = (a >> 23) - 127 + 7, keep = (a >> 20) & 7, rest = a & 0xfffffu;
+  if (rest > 0x80000u || (rest == 0x80000u && (keep & 1))) keep++;
+  uint32_t code = (E << 3) + keep;
+  return sign | (uint8_t)(code > 0x7e ? 0x7e : code);
+}
+
+void mr_f8e4m3_quantize_rows(const float *w, uint32_t rows, uint32_t K, uint8_t *q,
+                             float *scale_inv) {
+  for (uint32_t k0 = 0, b = 0; k0 < K; k0 += 128, b++) {
+    const uint32_t k1 = k0 + 128 < K ? k0 + 128 : K;
+    float amax = 0.0f;
+    for (uint32_t r = 0; r < rows; r++)
+      for (uint32_t k = k0; k < k1; k++) {
+        float a = fabsf(w[(size_t)r * K + k]);
+        amax = a > amax ? a : amax;
+      }
+    float sc = amax / MR_F8E4M3_MAX;
+    if (!(sc > 0.0f)) sc = 1.0f; /* all-zero block (or amax / 448 underflowing): codes 0 */
+    scale_inv[b] = sc;
+    for (uint32_t r = 0; r < rows; r++)
+      for (uint32_t k = k0; k < k1; k++) q[(size_t)r * K + k] = mr_f32_to_f8e4m3(w[(size_t)r * K + k] / sc);
+  }
 }
 
 float mr_f16_to_f32(uint16_t h) {

@@ -655,14 +655,26 @@ const mr_st_tensor *mr_st_at(const mr_st *st, size_t i) {
   return i < st->n_tensors ? &st->tensors[i] : NULL;
 }
 
+bool mr_st_is_f8e4m3(const mr_st_tensor *t) {
+  return t && t->dtype == MR_DTYPE_UNSPECIFIED && t->dtype_name && strcmp(t->dtype_name, "F8_E4M3") == 0;
+}
+
 int mr_st_expect(const mr_st *st, const char *name, uint32_t ndim, const uint64_t *shape,
                  const mr_st_tensor **out, mr_err *e) {
+  return mr_st_expect_as(st, name, NULL, ndim, shape, out, e);
+}
+
+int mr_st_expect_as(const mr_st *st, const char *name, const char *dtype_name, uint32_t ndim,
+                    const uint64_t *shape, const mr_st_tensor **out, mr_err *e) {
   if (out) *out = NULL;
   const mr_st_tensor *t = mr_st_find(st, name);
   if (!t)
     return mr_err_set(e, MR_ENOTFOUND, "%s: tensor \"%.200s\" not found (%zu tensors)",
                       st->label, name, st->n_tensors);
-  if (t->dtype != MR_DTYPE_F32 && t->dtype != MR_DTYPE_F16 && t->dtype != MR_DTYPE_BF16)
+  if (dtype_name && strcmp(t->dtype_name, dtype_name) != 0)
+    return mr_err_set(e, MR_EFORMAT, "%s: tensor \"%.200s\": dtype = %s, expected %s", t->file,
+                      name, t->dtype_name, dtype_name);
+  if (!dtype_name && t->dtype != MR_DTYPE_F32 && t->dtype != MR_DTYPE_F16 && t->dtype != MR_DTYPE_BF16)
     return mr_err_set(e, MR_EFORMAT, "%s: tensor \"%.200s\": dtype = %s, expected F32, F16 or BF16",
                       t->file, name, t->dtype_name);
   bool same = t->ndim == ndim;
@@ -682,7 +694,8 @@ int mr_st_expect(const mr_st *st, const char *name, uint32_t ndim, const uint64_
 
 typedef struct st_wtensor {
   char *name;      /* owned */
-  mr_dtype dt;
+  mr_dtype dt;     /* MR_DTYPE_UNSPECIFIED when f8 */
+  bool f8;         /* F8_E4M3 codes, 1 byte each */
   uint32_t ndim;
   uint64_t shape[MR_ST_MAX_DIMS];
   uint64_t nbytes;
@@ -755,9 +768,9 @@ void mr_st_writer_free(mr_st_writer *w) {
 
 size_t mr__st_writer_count(const mr_st_writer *w) { return w->n; }
 
-static int st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
+static int st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, bool f8, uint32_t ndim,
                          const uint64_t *shape, const void *data, bool lazy) {
-  if (!name || strcmp(name, "__metadata__") == 0 || !st_dtype_file_name(dt) ||
+  if (!name || strcmp(name, "__metadata__") == 0 || (!f8 && !st_dtype_file_name(dt)) ||
       ndim > MR_ST_MAX_DIMS || (ndim > 0 && !shape) || (!lazy && !data))
     return MR_EINVAL;
   uint64_t nelem = 1;
@@ -765,7 +778,7 @@ static int st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_
     if (shape[i] != 0 && nelem > UINT64_MAX / shape[i]) return MR_ERANGE;
     nelem *= shape[i];
   }
-  size_t es = mr_dtype_size(dt);
+  size_t es = f8 ? 1 : mr_dtype_size(dt);
   if (nelem > UINT64_MAX / es) return MR_ERANGE;
   uint64_t nbytes = nelem * es;
   if (!lazy && nbytes > SIZE_MAX) return MR_ERANGE;
@@ -792,7 +805,8 @@ static int st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_
     }
     if (nbytes) memcpy(t->data, data, (size_t)nbytes);
   }
-  t->dt = dt;
+  t->dt = f8 ? MR_DTYPE_UNSPECIFIED : dt;
+  t->f8 = f8;
   t->ndim = ndim;
   for (uint32_t i = 0; i < ndim; i++) t->shape[i] = shape[i];
   t->nbytes = nbytes;
@@ -804,12 +818,22 @@ static int st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_
 
 int mr_st_writer_add(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
                      const uint64_t *shape, const void *data) {
-  return st_writer_add(w, name, dt, ndim, shape, data, false);
+  return st_writer_add(w, name, dt, false, ndim, shape, data, false);
+}
+
+int mr_st_writer_add_f8e4m3(mr_st_writer *w, const char *name, uint32_t ndim,
+                            const uint64_t *shape, const void *data) {
+  return st_writer_add(w, name, MR_DTYPE_UNSPECIFIED, true, ndim, shape, data, false);
+}
+
+int mr__st_writer_add_lazy_f8e4m3(mr_st_writer *w, const char *name, uint32_t ndim,
+                                  const uint64_t *shape) {
+  return st_writer_add(w, name, MR_DTYPE_UNSPECIFIED, true, ndim, shape, NULL, true);
 }
 
 int mr__st_writer_add_lazy(mr_st_writer *w, const char *name, mr_dtype dt, uint32_t ndim,
                            const uint64_t *shape) {
-  return st_writer_add(w, name, dt, ndim, shape, NULL, true);
+  return st_writer_add(w, name, dt, false, ndim, shape, NULL, true);
 }
 
 /* The reference writer sorts tensors by dtype, descending in the order of its Rust `Dtype`
@@ -817,8 +841,9 @@ int mr__st_writer_add_lazy(mr_st_writer *w, const char *name, mr_dtype dt, uint3
  * elements thus come first, so every tensor stays aligned to its element size, and our
  * files are byte-identical to what safetensors writes for the same tensors
  * (tests/conformance/test_safetensors_python.py checks this). */
-static int st_dtype_rank(mr_dtype dt) {
-  switch (dt) {
+static int st_dtype_rank(const st_wtensor *t) {
+  if (t->f8) return -1; /* F8_E4M3 < F16 in the reference's enum */
+  switch (t->dt) {
   case MR_DTYPE_F32: return 2;
   case MR_DTYPE_BF16: return 1;
   default: return 0; /* F16 */
@@ -827,7 +852,7 @@ static int st_dtype_rank(mr_dtype dt) {
 
 static int st_wtensor_cmp(const void *a, const void *b) {
   const st_wtensor *const *x = a, *const *y = b;
-  int rx = st_dtype_rank((*x)->dt), ry = st_dtype_rank((*y)->dt);
+  int rx = st_dtype_rank(*x), ry = st_dtype_rank(*y);
   if (rx != ry) return rx > ry ? -1 : 1;
   return strcmp((*x)->name, (*y)->name);
 }
@@ -900,7 +925,7 @@ static int st_writer_layout(mr_st_writer *w, st_wtensor ***order_out, st_text *h
     st_text_put(hdr, ",", 1);
     st_text_json_str(hdr, t->name);
     st_text_str(hdr, ":{\"dtype\":\"");
-    st_text_str(hdr, st_dtype_file_name(t->dt));
+    st_text_str(hdr, t->f8 ? "F8_E4M3" : st_dtype_file_name(t->dt));
     st_text_str(hdr, "\",\"shape\":[");
     for (uint32_t d = 0; d < t->ndim; d++) {
       if (d) st_text_put(hdr, ",", 1);
@@ -1033,7 +1058,7 @@ int mr__st_writer_write_fill(mr_st_writer *w, const char *path, mr__st_fill_fn f
     }
     /* Lazy tensor: fill() writes straight into the output buffer, whole elements at a
      * time, so nothing bigger than the buffer is ever held. */
-    size_t es = mr_dtype_size(t->dt);
+    size_t es = t->f8 ? 1 : mr_dtype_size(t->dt);
     uint64_t off = 0;
     while (!rc && off < t->nbytes) {
       size_t room = (o.cap - o.used) / es * es;

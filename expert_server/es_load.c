@@ -131,8 +131,8 @@ static void es__progress_log(es_progress *p, bool final) {
 
 /* Step 3: finds the three tensors of (layer, expert), checks dtype and shape. */
 static int es__expect_expert(es_server *s, const mr_st *st, uint32_t l, uint32_t x,
-                             const mr_st_tensor *t[3], mr_err *e) {
-  int rc = mr_config_expert_tensors(&s->cfg, st, l, x, t, e);
+                             const mr_st_tensor *t[3], const mr_st_tensor *sc[3], mr_err *e) {
+  int rc = mr_config_expert_tensors_q(&s->cfg, st, l, x, t, sc, e);
   return rc ? es__file_err(e, rc, "model %s", s->model_dir) : 0;
 }
 
@@ -170,17 +170,24 @@ int es__load_prepare(es_server *s, mr_err *e) {
   uint32_t n_experts = mr_idset_count(&s->owned_experts);
   es_progress prog = {.tensors_total = 3ull * n_layers * n_experts};
   mr_dtype stored = MR_DTYPE_UNSPECIFIED;
+  bool stored_fp8 = false;
   for (uint32_t l = 0; l < c->num_layers; l++) {
     if (!mr_idset_has(&s->owned_layers, l)) continue;
     for (uint32_t x = 0; x < c->num_experts; x++) {
       if (!mr_idset_has(&s->owned_experts, x)) continue;
-      const mr_st_tensor *t[3];
-      if ((rc = es__expect_expert(s, st, l, x, t, e))) goto out_close_st;
-      if (stored == MR_DTYPE_UNSPECIFIED) stored = t[0]->dtype;
+      const mr_st_tensor *t[3], *sc[3];
+      if ((rc = es__expect_expert(s, st, l, x, t, sc, e))) goto out_close_st;
+      if (sc[0]) stored_fp8 = true; /* F8_E4M3 with block scales (t[0]->dtype unspecified) */
+      else if (stored == MR_DTYPE_UNSPECIFIED) stored = t[0]->dtype;
       prog.bytes_total += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
     }
   }
-  s->format = s->opts.quant_set ? s->opts.quant : es__format_of_dtype(stored);
+  /* Without --quant the weights stay as stored: fp8-b128 for an FP8 checkpoint. --quant
+   * fp8 on a float checkpoint quantizes at load; --quant bf16/int8/int4 on an FP8 one
+   * dequantizes (w = e4m3 * scale_inv) and re-quantizes (kn_layer_load_expert_st). */
+  s->format = s->opts.quant_set ? s->opts.quant
+              : stored_fp8      ? KN_FMT_FP8
+                                : es__format_of_dtype(stored);
   s->group = s->format == KN_FMT_INT4 ? s->opts.group : 0;
   kn_format_wire_name(s->format, s->group, s->weight_format, sizeof s->weight_format);
 
@@ -246,9 +253,9 @@ int es__load_weights(es_server *s, mr_err *e) {
     if (!s->layers[l]) continue;
     for (uint32_t x = 0; x < c->num_experts; x++) {
       if (!mr_idset_has(&s->owned_experts, x)) continue;
-      const mr_st_tensor *t[3];
-      if ((rc = es__expect_expert(s, st, l, x, t, e))) goto out_close_st;
-      rc = kn_layer_load_expert(s->layers[l], x, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+      const mr_st_tensor *t[3], *sc[3];
+      if ((rc = es__expect_expert(s, st, l, x, t, sc, e))) goto out_close_st;
+      rc = kn_layer_load_expert_st(s->layers[l], x, t, sc, e);
       if (rc) {
         rc = es__file_err(e, rc, "loading layer %" PRIu32 " expert %" PRIu32 " from %s", l, x,
                           t[0]->file);

@@ -40,7 +40,12 @@ static void usage(FILE *f) {
           "  --threads N              kernel worker threads, 0 = one per core (default 0)\n"
           "  --numa auto|N|LIST       NUMA nodes: auto, a node count, or a list like 0,1 (default auto)\n"
           "  --max-tokens N           most tokens in one request, 1..%u (default %u)\n"
-          "  --quant FMT              weight format: bf16|f16|f32|int8|int4 (default: as stored)\n"
+          "  --quant FMT              weight format: bf16|f16|f32|int8|int4|fp8 (default: as\n"
+          "                           stored; fp8 = fp8-b128, e4m3 with 128x128 block scales: an\n"
+          "                           FP8 checkpoint (quantization_config fp8) keeps its codes,\n"
+          "                           a float one is quantized at load (for benchmarks); an FP8\n"
+          "                           checkpoint with bf16|int8|int4 is dequantized and\n"
+          "                           re-quantized at load)\n"
           "  --group N                int4 group size along K: 32|64|128 (default %u; int4 only)\n"
           "  --grpc-threads N         gRPC completion-queue threads, 1..%u (default 1)\n"
           "  --drain-timeout-ms N     on SIGTERM/SIGINT, how long to wait for accepted requests,\n"
@@ -233,7 +238,7 @@ int main(int argc, char **argv) {
       break;
     case OPT_QUANT:
       if (kn_format_parse(optarg, &o.quant) != 0)
-        return usage_error("--quant \"%s\": must be bf16, f16, f32, int8 or int4", optarg);
+        return usage_error("--quant \"%s\": must be bf16, f16, f32, int8, int4 or fp8", optarg);
       o.quant_set = true;
       break;
     case OPT_GROUP:

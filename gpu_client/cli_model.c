@@ -171,7 +171,7 @@ static bool p_format(const char *flag, const char *s, kn_format *f, uint32_t *gr
   }
   if (kn_format_parse(s, f) == 0 && *f != KN_FMT_INT4) return true;
 bad:
-  fprintf(stderr, PROG ": %s = \"%s\", must be f32, f16, bf16, int8 or int4[-g32|64|128]\n",
+  fprintf(stderr, PROG ": %s = \"%s\", must be f32, f16, bf16, int8, int4[-g32|64|128] or fp8[-b128]\n",
           flag, s);
   return false;
 }

@@ -308,10 +308,11 @@ int gc_weight_format_parse(const char *s, kn_format *fmt, uint32_t *group, mr_er
     *group = g;
     return 0;
   }
-  if (kn_format_parse(s, fmt) != 0)
+  /* Wire names only: "fp8" is a flag alias (kn_format_parse), the wire says "fp8-b128". */
+  if (strcmp(s, "fp8") == 0 || kn_format_parse(s, fmt) != 0)
     return mr_err_set(e, MR_EINVAL,
-                      "weight_format \"%s\" is unknown, must be f32, f16, bf16, int8 or "
-                      "int4-g<32|64|128>",
+                      "weight_format \"%s\" is unknown, must be f32, f16, bf16, int8, "
+                      "int4-g<32|64|128> or fp8-b128",
                       s);
   return 0;
 }

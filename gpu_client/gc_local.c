@@ -58,11 +58,9 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
     }
     for (uint32_t x = 0; x < c->E; x++) {
       if (!mr_idset_has(&experts, x)) continue;
-      const mr_st_tensor *t[3];
-      rc = mr_config_expert_tensors(&cfg, st, l, x, t, e);
-      if (!rc)
-        rc = kn_layer_load_expert(c->local_layers[l], x, t[MR_PROJ_GATE]->data,
-                                  t[MR_PROJ_UP]->data, t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
+      const mr_st_tensor *t[3], *sc[3];
+      rc = mr_config_expert_tensors_q(&cfg, st, l, x, t, sc, e);
+      if (!rc) rc = kn_layer_load_expert_st(c->local_layers[l], x, t, sc, e); /* fp8 too */
       if (rc) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;

@@ -403,7 +403,8 @@ static const char VERIFY_HELP[] =
     "      relative rounding per element of x and of each server's partial sum); bf16 wire\n"
     "      1e-2 (8-bit mantissa, 2^-9 per element, same reasoning).\n"
     "  (b) f32/f16 weights 1e-5 (the fast kernels compute in fp32); bf16 weights 1e-2 (with\n"
-    "      AVX512_BF16 the kernel rounds x and the hidden activation to bf16, ~3e-3);\n"
+    "      AVX512_BF16 the kernel rounds x and the hidden activation to bf16, ~3e-3; fp8-b128\n"
+    "      weights the same, its kernel also runs on bf16 x and h);\n"
     "      int8/int4 weights 5e-2 (the VNNI kernels quantize x and the hidden activation to\n"
     "      int8 per token, ~2.5e-2 measured on small models).\n"
     "A real fault (a wrong expert, row or slot) gives errors of order 1.\n"
@@ -485,7 +486,7 @@ static void route(const float *W, uint32_t E, uint32_t H, const float *x, uint32
 static double verify_default_tol(mr_dtype wire, kn_format weights) {
   double w = wire == MR_DTYPE_F32 ? 1e-5 : wire == MR_DTYPE_F16 ? 2e-3 : 1e-2;
   double k = weights == KN_FMT_F32 || weights == KN_FMT_F16 ? 1e-5
-             : weights == KN_FMT_BF16                     ? 1e-2
+             : weights == KN_FMT_BF16 || weights == KN_FMT_FP8 ? 1e-2
                                                           : 5e-2;
   return w > k ? w : k;
 }
@@ -595,11 +596,9 @@ static int verify_layer_ref(const verify_run *r, uint32_t l, kn_layer **out, mr_
                      .num_experts = r->E, .format = r->fmt, .group = r->group};
   int rc = kn_layer_new(out, r->eng, &d, e);
   for (uint32_t x = 0; x < r->E && !rc; x++) {
-    const mr_st_tensor *t[3];
-    rc = mr_config_expert_tensors(&r->cfg, r->st, l, x, t, e);
-    if (!rc)
-      rc = kn_layer_load_expert(*out, x, t[MR_PROJ_GATE]->data, t[MR_PROJ_UP]->data,
-                                t[MR_PROJ_DOWN]->data, t[0]->dtype, e);
+    const mr_st_tensor *t[3], *sc[3];
+    rc = mr_config_expert_tensors_q(&r->cfg, r->st, l, x, t, sc, e);
+    if (!rc) rc = kn_layer_load_expert_st(*out, x, t, sc, e);
   }
   return rc;
 }

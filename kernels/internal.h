@@ -88,6 +88,15 @@
  *                   K (the padding decodes to 0, so a SIMD reader may also read it whole
  *                   as long as it multiplies it by zeros or masks x).
  *
+ *   FP8             "fp8-b128": K e4m3fn codes (kn.h), row stride K bytes, plus one fp32
+ *                   scale per (row, 128-column block), row-major: scale[row * ceil(K/128) + g]
+ *                   is the checkpoint's scale_inv[hf_row / 128, hf_col / 128] of that block
+ *                   (the 128x128 block scale repeated on each of its rows: 4 bytes per 128
+ *                   weights, +3% over the codes, and a row decodes without knowing its row
+ *                   block). w = e4m3(q) * scale in fp32, exactly as the checkpoint defines.
+ *                   Slices are cut at multiples of 128, so blocks never straddle a slice.
+ *                   No NaN codes (0x7f, 0xff) are stored: the loader refuses them.
+ *
  * Later phases may add other layouts (e.g. AMX tiles); they then add a layout tag here and
  * a row decoder for it in kn__row_to_f32, so that kn_ref keeps reading every layer.
  */
@@ -101,9 +110,9 @@ typedef struct kn__slice_w {
   void *gate;         /* [I_s rows][H], format layout above */
   void *up;           /* [I_s rows][H] */
   void *down;         /* [H rows][I_s] */
-  float *gate_scale;  /* INT8: [I_s]; INT4: [I_s * ng(H)]; NULL for float formats */
+  float *gate_scale;  /* INT8: [I_s]; INT4 / FP8: [I_s * ng(H)]; NULL for float formats */
   float *up_scale;    /* same shape as gate_scale */
-  float *down_scale;  /* INT8: [H]; INT4: [H * ng(I_s)]; NULL for float formats */
+  float *down_scale;  /* INT8: [H]; INT4 / FP8: [H * ng(I_s)]; NULL for float formats */
 } kn__slice_w;
 
 /* Which matrix of a slice. */
@@ -152,6 +161,9 @@ void kn__split_inter(uint32_t I, uint32_t n, uint32_t unit, uint32_t *off, uint3
  * layout; the reference path and the tests use it. */
 void kn__row_to_f32(const kn_layer *L, uint32_t slice, const kn__slice_w *w, kn__proj p,
                     uint32_t row, float *dst);
+
+/* The 256 e4m3fn code values (kn_fp8_e4m3_to_f32), built once, thread-safe. */
+const float *kn__fp8_table(void);
 
 /* Largest |src[i]| of n values. */
 float kn__amax(const float *src, uint32_t n);
@@ -229,6 +241,7 @@ typedef struct kn__cpu {
   bool avx2, fma, f16c;                 /* all three make KN_ISA_AVX2 */
   bool avx512f, avx512bw, avx512vl, avx512dq; /* all four make KN_ISA_AVX512 */
   bool avx512_bf16, avx512_vnni;        /* extras, used when present */
+  bool avx512_vbmi;                     /* vpermi2b: the fp8 LUT kernel */
   bool amx_tile, amx_bf16, amx_int8;    /* cpuid bits */
   bool os_avx, os_avx512, os_amx;       /* XCR0 enables the register state */
   bool amx_perm;                        /* arch_prctl(ARCH_REQ_XCOMP_PERM) succeeded */

@@ -37,7 +37,7 @@
 
 /* ---- names ------------------------------------------------------------------------- */
 
-static const char *const fmt_names[KN_FMT_COUNT] = {"f32", "f16", "bf16", "int8", "int4"};
+static const char *const fmt_names[KN_FMT_COUNT] = {"f32", "f16", "bf16", "int8", "int4", "fp8-b128"};
 static const char *const isa_names[KN_ISA_COUNT] = {"ref", "avx2", "avx512", "amx"};
 
 const char *kn_format_name(kn_format f) {
@@ -46,6 +46,10 @@ const char *kn_format_name(kn_format f) {
 
 int kn_format_parse(const char *s, kn_format *out) {
   if (!s) return MR_EINVAL;
+  if (strcmp(s, "fp8") == 0) {
+    *out = KN_FMT_FP8;
+    return 0;
+  }
   for (int f = 0; f < KN_FMT_COUNT; f++)
     if (strcmp(s, fmt_names[f]) == 0) {
       *out = (kn_format)f;
@@ -113,6 +117,7 @@ static void cpu_detect(void) {
     c->avx512bw = (b >> 30) & 1;
     c->avx512vl = (b >> 31) & 1;
     c->avx512_vnni = (cx >> 11) & 1;
+    c->avx512_vbmi = (cx >> 1) & 1;
     c->amx_bf16 = (d >> 22) & 1;
     c->amx_tile = (d >> 24) & 1;
     c->amx_int8 = (d >> 25) & 1;
@@ -321,6 +326,7 @@ size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G) {
     case KN_FMT_BF16: return (size_t)K * 2;
     case KN_FMT_INT8: return K;
     case KN_FMT_INT4: return (size_t)kn__ngroups(K, G) * G / 2;
+    case KN_FMT_FP8: return K;
     default: MR_ASSERT(!"kn__row_bytes: bad format");
   }
   return 0;
@@ -329,6 +335,7 @@ size_t kn__row_bytes(kn_format f, uint32_t K, uint32_t G) {
 size_t kn__row_scales(kn_format f, uint32_t K, uint32_t G) {
   if (f == KN_FMT_INT8) return 1;
   if (f == KN_FMT_INT4) return kn__ngroups(K, G);
+  if (f == KN_FMT_FP8) return kn__ngroups(K, KN_FP8_BLOCK);
   return 0;
 }
 
@@ -434,6 +441,52 @@ void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float i
   }
 }
 
+/* ---- FP8 e4m3fn -------------------------------------------------------------------- */
+
+const float *kn__fp8_table(void) { return mr_f8e4m3_table(); }
+
+float kn_fp8_e4m3_to_f32(uint8_t code) { return mr_f8e4m3_table()[code]; }
+
+uint8_t kn_fp8_e4m3_from_f32(float v) { return mr_f32_to_f8e4m3(v); }
+
+int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, uint8_t *q,
+                         float *scale_inv, mr_err *e) {
+  if (!w || !q || !scale_inv || N == 0 || K == 0)
+    return mr_err_set(e, MR_EINVAL, "kn_fp8_quantize_b128: w, q, scale_inv and a non-empty shape are required");
+  if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
+    return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
+  const uint32_t B = KN_FP8_BLOCK, nkb = kn__ngroups(K, B);
+  const size_t es = mr_dtype_size(src);
+  float *buf = mr_malloc((size_t)B * K * sizeof(float)); /* one block row in fp32 */
+  if (!buf) return mr_err_set(e, MR_ENOMEM, "kn_fp8_quantize_b128: out of memory");
+  for (uint32_t r0 = 0; r0 < N; r0 += B) {
+    const uint32_t nr = N - r0 < B ? N - r0 : B;
+    mr_convert_to_f32(buf, (const char *)w + (size_t)r0 * K * es, src, (size_t)nr * K);
+    for (size_t i = 0; i < (size_t)nr * K; i++)
+      if (!isfinite(buf[i])) {
+        float bad = buf[i];
+        mr_free(buf);
+        return mr_err_set(e, MR_EINVAL, "w[%u, %u] = %g: weights must be finite",
+                          r0 + (uint32_t)(i / K), (uint32_t)(i % K), (double)bad);
+      }
+    mr_f8e4m3_quantize_rows(buf, nr, K, q + (size_t)r0 * K, scale_inv + (size_t)(r0 / B) * nkb);
+  }
+  mr_free(buf);
+  return 0;
+}
+
+int kn_fp8_check_scales(const float *s, uint32_t N, uint32_t K, const char *what, mr_err *e) {
+  const uint32_t nr = kn__ngroups(N, KN_FP8_BLOCK), nc = kn__ngroups(K, KN_FP8_BLOCK);
+  for (uint32_t r = 0; r < nr; r++)
+    for (uint32_t c = 0; c < nc; c++) {
+      float v = s[(size_t)r * nc + c];
+      if (!(isfinite(v) && v > 0.0f))
+        return mr_err_set(e, MR_EINVAL, "%s scale_inv[%u, %u] = %g: block scales must be finite and > 0",
+                          what ? what : "fp8", r, c, (double)v);
+    }
+  return 0;
+}
+
 /* ---- layer ------------------------------------------------------------------------- */
 
 int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err *e) {
@@ -454,7 +507,7 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
   kn_layer *L = mr_calloc(1, sizeof *L);
   if (!L) return mr_err_set(e, MR_ENOMEM, "kn_layer_new: out of memory");
   L->d = *d;
-  if (d->format != KN_FMT_INT4) L->d.group = 0;
+  if (d->format != KN_FMT_INT4) L->d.group = d->format == KN_FMT_FP8 ? KN_FP8_BLOCK : 0;
   L->n_slices = eng->n_nodes;
   memcpy(L->node, eng->node, sizeof L->node);
   L->eng = eng;
@@ -464,6 +517,8 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
    * depend on it. */
   uint32_t unit = KN_SLICE_ALIGN;
   if (d->format == KN_FMT_INT4 && d->group > unit) unit = d->group;
+  /* FP8 slices are cut at whole 128x128 blocks for the same reason. */
+  if (d->format == KN_FMT_FP8) unit = KN_FP8_BLOCK;
   kn__split_inter(d->inter, L->n_slices, unit, L->slice_off, L->slice_len);
   for (uint32_t s = 0; s < L->n_slices; s++) {
     if (L->slice_len[s] > L->max_slice_len) L->max_slice_len = L->slice_len[s];
@@ -518,7 +573,9 @@ typedef struct load_job {
   kn_layer *L;
   kn__slice_w *w;                    /* [n_slices], being filled */
   const void *src[3];                /* gate [I, H], up [I, H], down [H, I] */
-  mr_dtype dt;
+  mr_dtype dt;                       /* MR_DTYPE_UNSPECIFIED when src_fp8 */
+  bool src_fp8;                      /* src are e4m3 codes with block scales bscale */
+  const float *bscale[3];            /* [ceil(N/128)][ceil(K/128)] of each matrix (src_fp8) */
   float *rows;                       /* [n_workers][row_floats]: one fp32 row per worker */
   size_t row_floats;
   uint32_t gu_items[KN_MAX_NODES];   /* items of group s: gate/up row blocks, then down */
@@ -541,13 +598,38 @@ static void note_bad(load_job *j, kn__proj p, uint32_t row, uint32_t col, float 
  * every token routed to the expert. */
 static bool load_row(load_job *j, float *dst, kn__proj p, size_t elem_off, uint32_t K, uint32_t row,
                      uint32_t col0) {
-  mr_convert_to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);
+  if (j->src_fp8) {
+    /* Dequantize: w = e4m3 * scale_inv of its block, one fp32 multiply (kn.h). */
+    const float *tbl = kn__fp8_table();
+    const uint8_t *q = (const uint8_t *)j->src[p] + elem_off;
+    const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
+    const float *sr = j->bscale[p] + (size_t)(row / KN_FP8_BLOCK) * kn__ngroups(Kf, KN_FP8_BLOCK);
+    for (uint32_t k = 0; k < K; k++) dst[k] = tbl[q[k]] * sr[(col0 + k) / KN_FP8_BLOCK];
+  } else {
+    mr_convert_to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);
+  }
   for (uint32_t k = 0; k < K; k++)
     if (!isfinite(dst[k])) {
       note_bad(j, p, row, col0 + k, dst[k]);
       return false;
     }
   return true;
+}
+
+/* FP8 layer from an FP8 source: copies the K codes of HF row `row` from column col0 (noting
+ * a NaN code) and writes the row's ceil(K / 128) scales from the block scales. */
+static void load_row_fp8(load_job *j, kn__proj p, uint32_t row, uint32_t col0, uint32_t K,
+                         uint8_t *dst, float *scale) {
+  const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
+  const uint8_t *q = (const uint8_t *)j->src[p] + (size_t)row * Kf + col0;
+  for (uint32_t k = 0; k < K; k++)
+    if ((q[k] & 0x7f) == 0x7f) {
+      note_bad(j, p, row, col0 + k, NAN);
+      return;
+    }
+  memcpy(dst, q, K);
+  const float *sr = j->bscale[p] + (size_t)(row / KN_FP8_BLOCK) * kn__ngroups(Kf, KN_FP8_BLOCK);
+  for (uint32_t g = 0; g < kn__ngroups(K, KN_FP8_BLOCK); g++) scale[g] = sr[col0 / KN_FP8_BLOCK + g];
 }
 
 static void load_fn(void *arg, const kn__pool_ctx *c) {
@@ -568,7 +650,9 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       float *scs[2] = {ws->gate_scale, ws->up_scale};
       for (uint32_t i = i0; i < i1; i++)
         for (int p = 0; p < 2; p++)
-          if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
+          if (f == KN_FMT_FP8)
+            load_row_fp8(j, (kn__proj)p, off + i, 0, H, (uint8_t *)dsts[p] + i * rb, scs[p] + i * sc);
+          else if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
             kn__pack_row(f, G, row, H, f == KN_FMT_INT8 ? kn__amax(row, H) / 127.0f : 0.0f,
                          (char *)dsts[p] + i * rb,
                          scs[p] ? scs[p] + i * sc : NULL);
@@ -576,7 +660,9 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       const size_t rb = kn__row_bytes(f, Is, G), sc = kn__row_scales(f, Is, G);
       const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
       const uint32_t j1 = j0 + LOAD_BLOCK < H ? j0 + LOAD_BLOCK : H;
-      for (uint32_t r = j0; r < j1; r++) {
+      for (uint32_t r = j0; r < j1 && f == KN_FMT_FP8; r++)
+        load_row_fp8(j, KN__DOWN, r, off, Is, (uint8_t *)ws->down + r * rb, ws->down_scale + r * sc);
+      for (uint32_t r = j0; r < j1 && f != KN_FMT_FP8; r++) {
         /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
          * the slice's band, so that the packed values do not depend on the slice count and
          * a layer gives the same result on any number of nodes (docs/DESIGN.md section 5). */
@@ -615,16 +701,17 @@ static int slice_alloc(kn_layer *L, uint32_t expert, uint32_t s, kn__slice_w *ws
   ws->gate = mem + lay.gate;
   ws->up = mem + lay.up;
   ws->down = mem + lay.down;
-  const bool scaled = L->d.format == KN_FMT_INT8 || L->d.format == KN_FMT_INT4;
+  const bool scaled = L->d.format == KN_FMT_INT8 || L->d.format == KN_FMT_INT4 || L->d.format == KN_FMT_FP8;
   ws->gate_scale = scaled ? (float *)(mem + lay.gate_scale) : NULL;
   ws->up_scale = scaled ? (float *)(mem + lay.up_scale) : NULL;
   ws->down_scale = scaled ? (float *)(mem + lay.down_scale) : NULL;
   return 0;
 }
 
+static int load_run(load_job *jp, uint32_t expert, mr_err *e);
+
 int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
                          const void *down, mr_dtype src, mr_err *e) {
-  int rc = 0;
   if (!L || !gate || !up || !down)
     return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert: layer, gate, up and down are required");
   if (expert >= L->d.num_experts)
@@ -632,11 +719,59 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
                       L->d.num_experts);
   if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
     return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
+  if (L->d.format == KN_FMT_FP8) {
+    /* Quantize each matrix to fp8-b128 here (block scales need 128 whole rows), then pack
+     * the codes as from an FP8 checkpoint. */
+    const uint32_t H = L->d.hidden, I = L->d.inter;
+    const size_t nq = (size_t)I * H, ns = (size_t)kn__ngroups(I, KN_FP8_BLOCK) * kn__ngroups(H, KN_FP8_BLOCK);
+    uint8_t *q = mr_malloc(3 * nq);
+    float *sc = mr_malloc(3 * ns * sizeof(float));
+    int rc = q && sc ? 0 : mr_err_set(e, MR_ENOMEM, "expert %u: out of memory quantizing to fp8", expert);
+    const void *srcs[3] = {gate, up, down};
+    for (int p = 0; p < 3 && !rc; p++) {
+      rc = kn_fp8_quantize_b128(srcs[p], src, p == 2 ? H : I, p == 2 ? I : H, q + p * nq, sc + p * ns, e);
+      if (rc) mr_err_prefix(e, rc, "expert %u %s", expert, proj_names[p]);
+    }
+    if (!rc)
+      rc = kn_layer_load_expert_fp8(L, expert, q, sc, q + nq, sc + ns, q + 2 * nq, sc + 2 * ns, e);
+    mr_free(q);
+    mr_free(sc);
+    return rc;
+  }
+  load_job j = {.L = L, .src = {gate, up, down}, .dt = src, .bad = {.set = false}};
+  return load_run(&j, expert, e);
+}
 
+int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
+                             const float *gate_scale, const uint8_t *up, const float *up_scale,
+                             const uint8_t *down, const float *down_scale, mr_err *e) {
+  if (!L || !gate || !up || !down || !gate_scale || !up_scale || !down_scale)
+    return mr_err_set(e, MR_EINVAL,
+                      "kn_layer_load_expert_fp8: layer, gate, up, down and their scales are required");
+  if (expert >= L->d.num_experts)
+    return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
+                      L->d.num_experts);
+  const uint32_t H = L->d.hidden, I = L->d.inter;
+  const float *scs[3] = {gate_scale, up_scale, down_scale};
+  for (int p = 0; p < 3; p++) {
+    char what[64];
+    snprintf(what, sizeof what, "expert %u %s", expert, proj_names[p]);
+    int rc = kn_fp8_check_scales(scs[p], p == 2 ? H : I, p == 2 ? I : H, what, e);
+    if (rc) return rc;
+  }
+  load_job j = {.L = L, .src = {gate, up, down}, .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
+                .bscale = {gate_scale, up_scale, down_scale}, .bad = {.set = false}};
+  return load_run(&j, expert, e);
+}
+
+/* Runs a prepared load job (src, dt / src_fp8 set) for one expert. */
+static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
+  int rc = 0;
+  load_job j = *jp;
+  kn_layer *L = j.L;
   kn_engine *eng = L->eng;
   MR_ASSERT(eng->plan.n_groups == L->n_slices);
   const uint32_t H = L->d.hidden, I = L->d.inter, nw = eng->plan.n_workers;
-  load_job j = {.L = L, .src = {gate, up, down}, .dt = src, .bad = {.set = false}};
   /* One row per worker, each on its own cache lines. */
   j.row_floats = ((size_t)(H > I ? H : I) + 15) & ~(size_t)15;
   j.w = mr_calloc(L->n_slices, sizeof *j.w);
@@ -665,8 +800,9 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
   kn__pool_run(eng->pool, load_fn, &j);
   pthread_mutex_destroy(&j.lock);
   if (j.bad.set) {
-    rc = mr_err_set(e, MR_EINVAL, "expert %u %s[%u, %u] = %g: weights must be finite", expert,
-                    proj_names[j.bad.proj], j.bad.row, j.bad.col, (double)j.bad.v);
+    rc = mr_err_set(e, MR_EINVAL, "expert %u %s[%u, %u] = %g: weights must be finite%s", expert,
+                    proj_names[j.bad.proj], j.bad.row, j.bad.col, (double)j.bad.v,
+                    j.src_fp8 ? " (an e4m3 NaN code 0x7f/0xff)" : "");
     goto out_free;
   }
   if (L->numa_place)
@@ -697,6 +833,41 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
 out_free:
   mr_free_aligned(j.rows);
   slices_free(j.w, L->n_slices);
+  return rc;
+}
+
+int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], mr_err *e) {
+  if (!t || !t[0] || !t[1] || !t[2])
+    return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: three tensors are required");
+  if (!scales || !scales[0])
+    return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+  if (!L) return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: layer is required");
+  float *sc[3] = {NULL, NULL, NULL};
+  int rc = 0;
+  for (int p = 0; p < 3 && !rc; p++) {
+    const mr_st_tensor *s = scales[p];
+    const uint32_t N = p == 2 ? L->d.hidden : L->d.inter, K = p == 2 ? L->d.inter : L->d.hidden;
+    const size_t n = (size_t)kn__ngroups(N, KN_FP8_BLOCK) * kn__ngroups(K, KN_FP8_BLOCK);
+    if (!s || (s->dtype != MR_DTYPE_F32 && s->dtype != MR_DTYPE_BF16) ||
+        s->nbytes != n * mr_dtype_size(s->dtype) || !mr_st_is_f8e4m3(t[p]) || t[p]->nbytes != (uint64_t)N * K) {
+      rc = mr_err_set(e, MR_EFORMAT, "expert %u: tensor \"%.200s\": fp8 weights need F8_E4M3 [%u, %u] "
+                      "and F32/BF16 scales [%zu] (found %s)", expert, t[p]->name, N, K, n,
+                      s ? s->dtype_name : "none");
+      break;
+    }
+    if (!(sc[p] = mr_malloc(n * sizeof(float)))) {
+      rc = mr_err_set(e, MR_ENOMEM, "expert %u: out of memory for scales", expert);
+      break;
+    }
+    mr_convert_to_f32(sc[p], s->data, s->dtype, n);
+    char what[256];
+    snprintf(what, sizeof what, "tensor \"%.200s\"", s->name);
+    rc = kn_fp8_check_scales(sc[p], N, K, what, e);
+  }
+  if (!rc)
+    rc = kn_layer_load_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1], t[2]->data, sc[2], e);
+  for (int p = 0; p < 3; p++) mr_free(sc[p]);
   return rc;
 }
 

@@ -51,14 +51,40 @@ typedef enum kn_format {
   KN_FMT_BF16,    /* as stored, bf16 */
   KN_FMT_INT8,    /* symmetric, one fp32 scale per output row */
   KN_FMT_INT4,    /* symmetric, group-wise along K (group 32, 64 or 128) */
+  KN_FMT_FP8,     /* "fp8-b128": float8_e4m3fn, one fp32 scale per 128x128 block (DeepSeek-V3,
+                   * Qwen3-FP8 checkpoints); expert weights only (kn_linear refuses it) */
   KN_FMT_COUNT
 } kn_format;
-/* "f32", "f16", "bf16", "int8", "int4" */
+/* "f32", "f16", "bf16", "int8", "int4", "fp8-b128" */
 const char *kn_format_name(kn_format f);
-/* Parses the names above; MR_EINVAL otherwise. */
+/* Parses the names above (and "fp8" for "fp8-b128"); MR_EINVAL otherwise. */
 int kn_format_parse(const char *s, kn_format *out);
-/* Writes the wire name of a format ("bf16", "int8", "int4-g64") into buf. */
+/* Writes the wire name of a format ("bf16", "int8", "int4-g64", "fp8-b128") into buf. */
 void kn_format_wire_name(kn_format f, uint32_t group, char *buf, size_t len);
+
+/* ---- FP8 e4m3fn with 128x128 block scales (format "fp8-b128") --------------------------
+ * A checkpoint matrix W [N, K] (HF nn.Linear) is stored as N x K e4m3fn codes (1 sign, 4
+ * exponent bits with bias 7, 3 mantissa bits; no inf; 0x7f / 0xff are NaN; largest finite
+ * 448) and scale_inv [ceil(N / 128), ceil(K / 128)] fp32, row-major:
+ *     w[n, k] = e4m3(q[n, k]) * scale_inv[n / 128, k / 128]      (one fp32 multiply)
+ * exactly as the DeepSeek-V3 / transformers FineGrainedFP8 "weight_scale_inv" tensors. */
+#define KN_FP8_BLOCK 128u
+#define KN_FP8_MAX 448.0f
+/* The exact value of an e4m3fn code (a 256-entry table; NaN for 0x7f and 0xff). */
+float kn_fp8_e4m3_to_f32(uint8_t code);
+/* Rounds v to e4m3fn: nearest, ties to even, saturating to +-448 (inf too); NaN -> 0x7f
+ * (sign kept); -0 -> 0x80. */
+uint8_t kn_fp8_e4m3_from_f32(float v);
+/* Quantizes W [N, K] (dtype src: f32, f16 or bf16; finite values) block-wise: per 128x128
+ * block scale_inv = amax / 448 (1 for an all-zero block, so that every scale is > 0) and
+ * q = e4m3(w / scale_inv). q: N * K bytes, scale_inv: ceil(N/128) * ceil(K/128) floats.
+ * MR_EINVAL (naming row and column) for a non-finite weight, MR_ENOMEM. */
+int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, uint8_t *q,
+                         float *scale_inv, mr_err *e);
+/* Checks the ceil(N/128) x ceil(K/128) block scales of a matrix: each finite and > 0.
+ * MR_EINVAL naming `what`, the block [r, c] and the value. */
+int kn_fp8_check_scales(const float *scale_inv, uint32_t N, uint32_t K, const char *what,
+                        mr_err *e);
 
 typedef enum kn_isa {
   KN_ISA_REF = 0, /* scalar reference kn_ref, always available */
@@ -103,7 +129,8 @@ typedef struct kn_layer_desc {
   uint32_t inter;       /* I of one expert, 1..65536 */
   uint32_t num_experts; /* E: ids are < E, 1..65536 */
   kn_format format;
-  uint32_t group;       /* INT4 group size along K: 32, 64 or 128; ignored otherwise */
+  uint32_t group;       /* INT4 group size along K: 32, 64 or 128; ignored otherwise (FP8:
+                         * set to its block, 128, by kn_layer_new) */
 } kn_layer_desc;
 typedef struct kn_layer kn_layer;
 /* Creates an empty layer for eng (slices per node of eng). Shape/format pairs the packed
@@ -116,6 +143,25 @@ void kn_layer_free(kn_layer *L); /* NULL is a no-op */
  * [I, H], down is [H, I], all of dtype src (f32/f16/bf16). The inputs are not kept. */
 int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
                          const void *down, mr_dtype src, mr_err *e);
+/* Packs one expert given as FP8 block-scaled matrices (the layout above): gate/up codes
+ * [I, H] with scales [ceil(I/128), ceil(H/128)], down [H, I] with [ceil(H/128),
+ * ceil(I/128)]. An FP8 layer keeps the codes and scales as they are (bit-exact); any other
+ * format dequantizes (w = e4m3 * scale in fp32) and packs as from an f32 source (bf16
+ * rounding, int8 / int4 quantization). Errors: a scale that is not finite and > 0 (named:
+ * "expert 3 gate scale_inv[1, 0] = 0"), a NaN code ("expert 3 up[5, 7] = nan"), as
+ * kn_layer_load_expert otherwise. kn_layer_load_expert into an FP8 layer quantizes with
+ * kn_fp8_quantize_b128 (on the calling thread) and then packs as here. */
+int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
+                             const float *gate_scale, const uint8_t *up, const float *up_scale,
+                             const uint8_t *down, const float *down_scale, mr_err *e);
+/* Loads one expert from checkpoint tensors as mr_config_expert_tensors_q finds them: float
+ * projections through kn_layer_load_expert, F8_E4M3 ones (scales[p] != NULL, F32 or BF16)
+ * through kn_layer_load_expert_fp8 after converting the scales to fp32 and checking them
+ * (the error names the scale tensor: "tensor \"...gate_proj.weight_scale_inv\"
+ * scale_inv[0, 1] = 0: block scales must be finite and > 0"). The one loader of the
+ * server, the client's local experts and the tests. */
+int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], mr_err *e);
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert);
 const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
 /* Bytes of packed weights held (for load progress and metrics). */

@@ -46,6 +46,12 @@ void kn__row_to_f32(const kn_layer *L, uint32_t slice, const kn__slice_w *w, kn_
       }
       break;
     }
+    case KN_FMT_FP8: {
+      /* e4m3 through the exact table, times the block scale (one fp32 multiply). */
+      const float *tbl = kn__fp8_table(), *sc = scales + (size_t)row * kn__ngroups(K, KN_FP8_BLOCK);
+      for (uint32_t k = 0; k < K; k++) dst[k] = tbl[r[k]] * sc[k / KN_FP8_BLOCK];
+      break;
+    }
     default:
       MR_ASSERT(!"kn__row_to_f32: bad format");
   }
@@ -91,7 +97,7 @@ static void ref_down(const kn__task *t, uint32_t j0, uint32_t j1) {
 
 void kn__ref_register(kn__kernel_table *t) {
   static const char *const names[KN_FMT_COUNT] = {"ref_f32_f32", "ref_f16_f32", "ref_bf16_f32",
-                                                  "ref_int8_f32", "ref_int4_f32"};
+                                                  "ref_int8_f32", "ref_int4_f32", "ref_fp8_f32"};
   for (int f = 0; f < KN_FMT_COUNT; f++)
     t->k[f][KN_ISA_REF] = (kn__kernel){.gate_up = ref_gate_up,
                                        .down = ref_down,

@@ -41,6 +41,9 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
     return mr_err_set(e, MR_EINVAL, "format = %d, must be below %d", (int)fmt, KN_FMT_COUNT);
   if (fmt == KN_FMT_INT4 && group != 32 && group != 64 && group != 128)
     return mr_err_set(e, MR_EINVAL, "group = %u, must be 32, 64 or 128 for int4", group);
+  if (fmt == KN_FMT_FP8)
+    return mr_err_set(e, MR_ENOTSUP,
+                      "format = fp8-b128 is for expert weights only (kn_layer), not dense layers");
 
   kn_linear *lin = mr_calloc(1, sizeof *lin);
   if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_new: out of memory");

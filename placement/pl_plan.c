@@ -106,7 +106,8 @@ static uint64_t row_bytes(pl_wformat f, uint32_t K) {
 static uint64_t mat_scales(pl_wformat f, uint32_t rows, uint32_t K) {
   if (f == PL_WF_INT8) return rows;
   if (wf_is_int4(f)) return (uint64_t)rows * ((K + wf_group(f) - 1) / wf_group(f));
-  if (f == PL_WF_FP8_B128) return (uint64_t)((rows + 127) / 128) * ((K + 127) / 128);
+  /* fp8-b128: the kernels repeat a 128 x 128 block's scale on each of its rows */
+  if (f == PL_WF_FP8_B128) return (uint64_t)rows * ((K + 127) / 128);
   return 0;
 }
 

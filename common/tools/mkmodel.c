@@ -5,7 +5,19 @@
  * Qwen3MoeForCausalLM loads it as it is.
  *
  *   moerpc-mkmodel --out DIR [--layers 4 --experts 16 --topk 4 --hidden 256 --inter 128
- *                  --vocab 512 --heads 4 --kv-heads 2 --head-dim 64 --seed 1 --shard-mb 0]
+ *                  --vocab 512 --heads 4 --kv-heads 2 --head-dim 64 --seed 1 --shard-mb 0
+ *                  --dtype bf16|fp8]
+ *
+ * --dtype fp8 writes the routed experts' projections as an FP8 checkpoint does (DeepSeek-V3,
+ * Qwen3-*-FP8, transformers FineGrainedFP8): "...gate_proj.weight" F8_E4M3 [N, K] codes
+ * and "...gate_proj.weight_scale_inv" F32 [ceil(N/128), ceil(K/128)], the quantization of
+ * the bf16 values the same seed gives (scale = amax / 448 per 128x128 block, e4m3 round to
+ * nearest even, saturating), and config.json gets quantization_config {"quant_method":
+ * "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}.
+ * Everything else stays bf16 (embeddings, norms, router and lm_head are bf16 in the real
+ * checkpoints too; their attention projections are fp8, ours bf16, since the servers only
+ * hold experts and the client's dense layers take no fp8), listed in
+ * modules_to_not_convert.
  *
  * Determinism: every tensor draws from its own xoshiro256** stream seeded from (--seed,
  * tensor name), so a tensor's values do not depend on sharding, write order or the other
@@ -40,6 +52,7 @@ typedef struct mk_args {
   uint64_t seed;
   uint64_t shard_mb;
   double router_skew; /* --router-skew S: 0 = plain random routers */
+  bool fp8;           /* --dtype fp8: experts as F8_E4M3 + F32 weight_scale_inv */
   const char *out;
 } mk_args;
 
@@ -87,7 +100,7 @@ static void mk_rng_seed(mk_rng *r, uint64_t seed, const char *name) {
 /* Tensor i of the model, in checkpoint order: embed, then per layer 9 + 3E tensors, then
  * the final norm and lm_head. Generated from the index so no list is ever held. */
 typedef struct mk_tensor {
-  char name[128];
+  char name[160];
   uint32_t ndim;
   uint64_t shape[2];
   /* Values: 2-D weights are uniform with std 1/sqrt(fan_in) (fan_in = shape[1]) so that
@@ -96,9 +109,12 @@ typedef struct mk_tensor {
   float scale; /* half-width of the uniform distribution */
   bool norm;
   int64_t router_layer; /* the layer of a router (mlp.gate) tensor, else -1 */
+  enum { MK_BF16 = 0, MK_F8, MK_SCALE } kind; /* F8: e4m3 codes; SCALE: F32 scale_inv */
+  uint64_t src_rows, src_cols; /* F8 / SCALE: the shape of the quantized weight */
+  char src_name[160];          /* F8 / SCALE: the weight's name (its rng stream) */
 } mk_tensor;
 
-static uint64_t mk_per_layer(const mk_args *a) { return 9 + 3 * (uint64_t)a->experts; }
+static uint64_t mk_per_layer(const mk_args *a) { return 9 + (a->fp8 ? 6 : 3) * (uint64_t)a->experts; }
 
 static uint64_t mk_tensor_count(const mk_args *a) {
   return 1 + (uint64_t)a->layers * mk_per_layer(a) + 2;
@@ -111,6 +127,7 @@ static void mk_2d(mk_tensor *t, uint64_t rows, uint64_t cols) {
   t->scale = (float)(sqrt(3.0) / sqrt((double)cols));
   t->norm = false;
   t->router_layer = -1;
+  t->kind = MK_BF16;
 }
 
 static void mk_1d(mk_tensor *t, uint64_t n) {
@@ -119,6 +136,7 @@ static void mk_1d(mk_tensor *t, uint64_t n) {
   t->scale = 0.05f;
   t->norm = true;
   t->router_layer = -1;
+  t->kind = MK_BF16;
 }
 
 static void mk_tensor_get(const mk_args *a, uint64_t i, mk_tensor *t) {
@@ -164,16 +182,31 @@ static void mk_tensor_get(const mk_args *a, uint64_t i, mk_tensor *t) {
     return;
   default: break;
   }
-  uint64_t e = (k - 9) / 3, p = (k - 9) % 3;
+  const uint64_t per = a->fp8 ? 6 : 3;
+  uint64_t e = (k - 9) / per, p = (k - 9) % per;
   static const char *const proj[] = {"gate_proj", "up_proj", "down_proj"};
   snprintf(t->name, sizeof t->name, "%smlp.experts.%llu.%s.weight", pre, (unsigned long long)e,
-           proj[p]);
-  if (p == 2) mk_2d(t, H, I);
+           proj[p % 3]);
+  if (p % 3 == 2) mk_2d(t, H, I);
   else mk_2d(t, I, H);
+  if (!a->fp8) return;
+  snprintf(t->src_name, sizeof t->src_name, "%s", t->name);
+  t->src_rows = t->shape[0];
+  t->src_cols = t->shape[1];
+  if (p < 3) {
+    t->kind = MK_F8;
+  } else { /* the block scales of projection p - 3 */
+    t->kind = MK_SCALE;
+    /* Names are short (model.layers.L.mlp.experts.E.x_proj.weight); cut, never overrun. */
+    int nl = snprintf(t->name, sizeof t->name, "%.140s_scale_inv", t->src_name);
+    MR_ASSERT(nl > 0 && (size_t)nl < sizeof t->name);
+    t->shape[0] = (t->src_rows + 127) / 128;
+    t->shape[1] = (t->src_cols + 127) / 128;
+  }
 }
 
 static uint64_t mk_tensor_bytes(const mk_tensor *t) {
-  uint64_t n = 2; /* bf16 */
+  uint64_t n = t->kind == MK_F8 ? 1 : t->kind == MK_SCALE ? 4 : 2; /* bf16, e4m3, f32 */
   for (uint32_t d = 0; d < t->ndim; d++) n *= t->shape[d];
   return n;
 }
@@ -188,6 +221,8 @@ typedef struct mk_fill_ctx {
   mk_tensor t;
   mk_rng rng;
   float *row_scale;    /* [experts]: router skew of the current router tensor, or NULL */
+  uint8_t *q8;         /* F8 / SCALE tensor being written: its weight's codes */
+  float *s8;           /* and block scales */
   /* progress over the whole model */
   uint64_t bytes_done, bytes_total, tensors_done, tensors_total;
   uint64_t t0_ns, last_report_ns;
@@ -231,6 +266,36 @@ static void mk_router_skew(const mk_args *a, int64_t layer, float *out) {
   mr_free(rank);
 }
 
+/* The bf16 values of a whole 2-D weight t (as mk_fill draws them for a tensor written in one
+ * piece), as fp32, then its fp8 block quantization into c->q8 / c->s8. */
+static int mk_fp8_quantize(mk_fill_ctx *c, const mk_tensor *t) {
+  const uint64_t R = t->src_rows, K = t->src_cols, n = R * K;
+  float *w = mr_malloc((size_t)n * sizeof(float));
+  mr_free(c->q8);
+  mr_free(c->s8);
+  c->q8 = mr_malloc((size_t)n);
+  c->s8 = mr_malloc((size_t)((R + 127) / 128) * ((K + 127) / 128) * sizeof(float));
+  if (!w || !c->q8 || !c->s8) {
+    mr_free(w);
+    return MR_ENOMEM;
+  }
+  mk_rng r;
+  mk_rng_seed(&r, c->a->seed, t->src_name);
+  const float inv24 = 1.0f / 16777216.0f, sc = (float)(sqrt(3.0) / sqrt((double)K));
+  for (uint64_t i = 0; i < n; i += 2) {
+    uint64_t x = mk_rng_next(&r);
+    float u0 = (float)(x >> 40) * inv24, u1 = (float)((x >> 16) & 0xffffffu) * inv24;
+    w[i] = mr_bf16_to_f32(mr_f32_to_bf16(sc * (2.0f * u0 - 1.0f)));
+    if (i + 1 < n) w[i + 1] = mr_bf16_to_f32(mr_f32_to_bf16(sc * (2.0f * u1 - 1.0f)));
+  }
+  const uint64_t nkb = (K + 127) / 128;
+  for (uint64_t r0 = 0; r0 < R; r0 += 128)
+    mr_f8e4m3_quantize_rows(w + r0 * K, (uint32_t)(R - r0 < 128 ? R - r0 : 128), (uint32_t)K,
+                            c->q8 + r0 * K, c->s8 + (r0 / 128) * nkb);
+  mr_free(w);
+  return 0;
+}
+
 static int mk_fill(void *ctx, size_t index, uint64_t offset, size_t n, void *dst) {
   mk_fill_ctx *c = ctx;
   if (index != c->cur) {
@@ -240,6 +305,18 @@ static int mk_fill(void *ctx, size_t index, uint64_t offset, size_t n, void *dst
     c->cur = index;
     c->next_off = 0;
     if (c->row_scale && c->t.router_layer >= 0) mk_router_skew(c->a, c->t.router_layer, c->row_scale);
+    if (c->t.kind != MK_BF16) {
+      int rc = mk_fp8_quantize(c, &c->t);
+      if (rc) return rc;
+    }
+  }
+  if (c->t.kind != MK_BF16) { /* codes or scales of the quantized weight */
+    memcpy(dst, c->t.kind == MK_F8 ? (const void *)(c->q8 + offset) : (const void *)((const char *)c->s8 + offset), n);
+    c->next_off += n;
+    c->bytes_done += n;
+    if (c->next_off == mk_tensor_bytes(&c->t)) c->tensors_done++;
+    mk_progress(c, false);
+    return 0;
   }
   MR_ASSERT(offset == c->next_off && n % 2 == 0);
   uint16_t *out = dst;
@@ -329,8 +406,14 @@ static int mk_write_config(const mk_args *a, mr_err *e) {
   mk_buf b = {0};
   char path[4096];
   /* Recorded only when set, so that a plain model's config (and fingerprint) is unchanged. */
-  char skew[64] = "";
+  char skew[512] = "";
   if (a->router_skew > 0) snprintf(skew, sizeof skew, ",\n  \"moerpc_router_skew\": %.17g", a->router_skew);
+  if (a->fp8)
+    snprintf(skew + strlen(skew), sizeof skew - strlen(skew),
+             ",\n  \"quantization_config\": {\"quant_method\": \"fp8\", \"fmt\": \"e4m3\", "
+             "\"activation_scheme\": \"dynamic\", \"weight_block_size\": [128, 128], "
+             "\"modules_to_not_convert\": [\"lm_head\", \"model.embed_tokens\", \"self_attn\", "
+             "\"mlp.gate\"]}");
   int rc = mk_printf(
       &b,
       "{\n"
@@ -425,6 +508,7 @@ static int mk_run(const mk_args *a, mr_err *e) {
   mk_buf idx = {0};
   mk_tensor t;
   char path[4096], name[64];
+  mk_fill_ctx fc = {0}; /* freed at out, whichever goto gets there */
 
   /* Plan the shards: greedy in checkpoint order, a new shard when the next tensor would
    * push the current one past the limit (HF's rule), or past the tensor cap. */
@@ -486,7 +570,7 @@ static int mk_run(const mk_args *a, mr_err *e) {
    * remove it before writing. For a sharded model the new index replaces the old one
    * atomically at the end, and leftovers are removed after it. */
   if (n_shards == 1) mk_remove_stale(a->out, n_shards);
-  mk_fill_ctx fc = {.a = a, .bytes_total = total, .tensors_total = n, .t0_ns = mr_now_ns()};
+  fc = (mk_fill_ctx){.a = a, .bytes_total = total, .tensors_total = n, .t0_ns = mr_now_ns()};
   fc.last_report_ns = fc.t0_ns;
   if (a->router_skew > 0) {
     fc.row_scale = mr_malloc((size_t)a->experts * sizeof *fc.row_scale);
@@ -515,7 +599,9 @@ static int mk_run(const mk_args *a, mr_err *e) {
     }
     for (uint64_t i = shard_first[s]; i < shard_first[s + 1]; i++) {
       mk_tensor_get(a, i, &t);
-      rc = mr__st_writer_add_lazy(w, t.name, MR_DTYPE_BF16, t.ndim, t.shape);
+      rc = t.kind == MK_F8      ? mr__st_writer_add_lazy_f8e4m3(w, t.name, t.ndim, t.shape)
+           : t.kind == MK_SCALE ? mr__st_writer_add_lazy(w, t.name, MR_DTYPE_F32, t.ndim, t.shape)
+                                : mr__st_writer_add_lazy(w, t.name, MR_DTYPE_BF16, t.ndim, t.shape);
       if (rc) {
         rc = mr_err_set(e, rc, "%s: cannot add tensor %s: %s", path, t.name, mr_strerror(rc));
         goto out;
@@ -558,6 +644,8 @@ static int mk_run(const mk_args *a, mr_err *e) {
 out:
   mr_st_writer_free(w);
   mr_free(fc.row_scale);
+  mr_free(fc.q8);
+  mr_free(fc.s8);
   mr_free(idx.s);
   mr_free(shard_first);
   return rc;
@@ -586,6 +674,9 @@ static void mk_usage(FILE *f) {
           "                   model is larger, 0..1048576; 0 = auto: 2 GiB     default 0\n"
           "  --router-skew S  popular experts: router row e of a layer is scaled by\n"
           "                   (1 + rank)^-S, ranks a per-layer permutation, 0..8   default 0\n"
+          "  --dtype D        bf16, or fp8: routed experts as F8_E4M3 with F32 128x128 block\n"
+          "                   scales (weight_scale_inv) and quantization_config fp8, the rest\n"
+          "                   bf16 (DeepSeek-V3 / Qwen3-FP8 layout)            default bf16\n"
           "  --help           this text\n",
           MR_MAX_LAYERS);
 }
@@ -645,7 +736,8 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
       snprintf(flag, sizeof flag, "%s", arg);
     }
     bool known = strcmp(flag, "--out") == 0 || strcmp(flag, "--seed") == 0 ||
-                 strcmp(flag, "--shard-mb") == 0 || strcmp(flag, "--router-skew") == 0;
+                 strcmp(flag, "--shard-mb") == 0 || strcmp(flag, "--router-skew") == 0 ||
+                 strcmp(flag, "--dtype") == 0;
     for (size_t k = 0; k < sizeof nums / sizeof nums[0]; k++)
       if (strcmp(flag, nums[k].flag) == 0) known = true;
     if (!known || strncmp(arg, "--", 2) != 0) {
@@ -678,6 +770,12 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
         return 2;
       }
       a->router_skew = v;
+    } else if (strcmp(flag, "--dtype") == 0) {
+      if (strcmp(val, "bf16") != 0 && strcmp(val, "fp8") != 0) {
+        fprintf(stderr, "moerpc-mkmodel: --dtype \"%s\": must be bf16 or fp8\n", val);
+        return 2;
+      }
+      a->fp8 = strcmp(val, "fp8") == 0;
     } else if (strcmp(flag, "--shard-mb") == 0) {
       if (!mk_num(flag, val, 0, 1u << 20, &x)) return 2;
       a->shard_mb = x;

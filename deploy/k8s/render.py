@@ -3,7 +3,7 @@
 
     deploy/k8s/render.py --config /models/qwen3-30b-a3b/config.json --servers 4 \
         --image registry.example/moerpc:1.1 --model-path /models/qwen3-30b-a3b \
-        [--format bf16|int8|int4] [--replicas 1|2] [--namespace moerpc] > moerpc.yaml
+        [--format bf16|int8|int4|fp8] [--replicas 1|2] [--namespace moerpc] > moerpc.yaml
 
 Writes one multi-document YAML (JSON is YAML, so no YAML library is needed):
   ConfigMap   moerpc-config: cluster.json for clients, and the --experts of each ordinal
@@ -20,7 +20,8 @@ import json
 import math
 import sys
 
-BYTES_PER_WEIGHT = {"bf16": 2.0, "f16": 2.0, "f32": 4.0, "int8": 1.0 + 4.0 / 1024, "int4": 0.5 + 4.0 / 64}
+BYTES_PER_WEIGHT = {"bf16": 2.0, "f16": 2.0, "f32": 4.0, "int8": 1.0 + 4.0 / 1024, "int4": 0.5 + 4.0 / 64,
+                    "fp8": 1.0 + 4.0 / 128}  # fp8-b128: e4m3 + one fp32 per row and 128-block
 GRPC_PORT = 50051
 METRICS_PORT = 9464
 GIB = 1 << 30

@@ -33,6 +33,9 @@ typedef enum kn__x86_act_kind {
   KN__ACT_QI8,      /* int8 per token (amax / 127), natural order; + xs, xsum */
   KN__ACT_QI4,      /* int8 per token, per block of `block` elements: even ones, then odd
                      * ones (the order of the low / high nibbles of int4 weights); + xs, x8 */
+  KN__ACT_BF16P,    /* bf16, per block of 64 elements in the order of vpunpck{l,h}bw over
+                     * 128-bit lanes: [0-7, 16-23, 32-39, 48-55 | 8-15, 24-31, 40-47, 56-63]
+                     * (the fp8 LUT kernel's weight order, moe_avx512.c) */
 } kn__x86_act_kind;
 
 typedef struct kn__x86_acts {
@@ -59,7 +62,7 @@ static inline kn__x86_acts kn__x86_acts_layout(kn__x86_act_kind kind, uint32_t K
   a.block = block;
   if (kind == KN__ACT_NONE) return a;
   a.Kp = (K + quantum - 1) / quantum * quantum;
-  size_t esz = kind == KN__ACT_BF16 ? 2 : kind == KN__ACT_F32EO ? 4 : 1;
+  size_t esz = kind == KN__ACT_BF16 || kind == KN__ACT_BF16P ? 2 : kind == KN__ACT_F32EO ? 4 : 1;
   a.stride = kn__x86_align64((size_t)a.Kp * esz);
   /* Token rows a multiple of 1 KiB apart would share L1 sets (H = 2048 bf16: all on one set
    * every 4 KiB), and the C tokens a tile re-reads for every weight row fight the weights

@@ -1,7 +1,7 @@
 /*
  * moe_avx512.c - the AVX-512 entries of the kernel table (internal.h section C), compiled
- * with the AVX-512 flags of the Makefile only (F/BW/VL/DQ + BF16 + VNNI + FMA + F16C); the
- * registration checks BF16 and VNNI at run time and leaves out what the CPU lacks.
+ * with the AVX-512 flags of the Makefile only (F/BW/VL/DQ + BF16 + VNNI + VBMI + FMA + F16C);
+ * the registration checks BF16, VNNI and VBMI at run time and leaves out what the CPU lacks.
  *
  * Every step is a set of dot products between packed weight rows (canonical layout,
  * internal.h section A: row-major, K contiguous) and the n token vectors of the expert:
@@ -73,6 +73,16 @@
  *              (vcvtdq2ps + vfmaddps for every 2 vpdpbusd) bounds prefill at ~45% of the
  *              vpdpbusd peak, against ~65% for int8 (docs/BENCHMARKS.md).
  *
+ *   fp8_bf16   (fp8-b128, AVX512_BF16) e4m3 codes converted to bf16 in registers, exactly
+ *              (fp8_lut64: vpermi2b tables, needs VBMI, the default; fp8_shift32: exponent
+ *              bias shift/add with a masked table for the subnormals, BW only), then
+ *              vdpbf16ps against bf16 x / h per 128-element block into a fresh sum that the
+ *              block scale multiplies into the accumulator. Decode converts in the
+ *              sequential tiles; prefill converts each tile's rows once into tmp
+ *              (fp8_row_to_bf16) and runs the tile over every token block from there.
+ *              The LUT order of the converted words (per 128-bit lane: elements 0-7 then
+ *              8-15) is matched by preparing x as KN__ACT_BF16P.
+ *
  * Threads: gate_up and down may run concurrently on disjoint row ranges of the same task.
  * They read the weights, t->x / t->xq (prepared once per task by prep) and t->h; they write
  * only their own rows of h / y, and down converts h into t->tmp, which must therefore be
@@ -82,19 +92,22 @@
 #include "kernels/x86/common_x86.h"
 
 #include <immintrin.h>
+#include <pthread.h>
 #include <string.h>
 
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* The kernel variants of this file. */
-typedef enum v512 { V_F32, V_F16, V_BF16DP, V_BF16F32, V_I8, V_I4, V_COUNT } v512;
+typedef enum v512 { V_F32, V_F16, V_BF16DP, V_BF16F32, V_I8, V_I4, V_FP8L, V_FP8S, V_COUNT } v512;
+#define IS_FP8(v) ((v) == V_FP8L || (v) == V_FP8S)
 
 /* Activation kind of each variant and its padding (the step of the K loop), which is also
  * the even/odd block of F32EO and QI4. */
 static const kn__x86_act_kind act_kind[V_COUNT] = {KN__ACT_NONE, KN__ACT_NONE, KN__ACT_BF16,
-                                                    KN__ACT_F32EO, KN__ACT_QI8, KN__ACT_QI4};
-static const uint32_t act_quantum[V_COUNT] = {16, 16, 32, 32, 64, 128};
+                                                    KN__ACT_F32EO, KN__ACT_QI8, KN__ACT_QI4,
+                                                    KN__ACT_BF16P, KN__ACT_BF16};
+static const uint32_t act_quantum[V_COUNT] = {16, 16, 32, 32, 64, 128, 128, 128};
 
 static kn__x86_acts acts_layout(const v512 v, uint32_t K, uint32_t G, uint32_t n) {
   return kn__x86_acts_layout(act_kind[v], K, act_quantum[v], act_quantum[v], G, n);
@@ -218,6 +231,7 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
   const uint32_t K = a->K, Kp = a->Kp;
   MR_ASSERT(a->kind != KN__ACT_F32EO || a->block == 32);
   MR_ASSERT(a->kind != KN__ACT_QI4 || a->block == 128);
+  MR_ASSERT(a->kind != KN__ACT_BF16P || a->Kp % 64 == 0);
   for (uint32_t r = 0; r < n; r++) {
     const float *x = src + (size_t)r * src_stride;
     uint8_t *row = dst + (size_t)r * a->stride;
@@ -229,6 +243,31 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
           _mm512_storeu_si512(row + 2 * (size_t)k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
         break;
+      case KN__ACT_BF16P: {
+        /* Natural bf16 of 64 elements (n0: 0..31, n1: 32..63), then the unpack order: word
+         * i of the first vector is element 16 (i / 8) + i % 8, of the second that + 8. */
+        __m512i ia, ib;
+        {
+          uint16_t a16[32], b16[32];
+          for (int i = 0; i < 32; i++) {
+            a16[i] = (uint16_t)(16 * (i / 8) + i % 8);
+            b16[i] = (uint16_t)(a16[i] + 8);
+          }
+          ia = _mm512_loadu_si512(a16);
+          ib = _mm512_loadu_si512(b16);
+        }
+        for (uint32_t k = 0; k < Kp; k += 64) {
+          __m512 v[4];
+          for (int q = 0; q < 4; q++) {
+            uint32_t kk = k + 16 * (uint32_t)q;
+            v[q] = kk < K ? _mm512_maskz_loadu_ps(mask16(K - kk), x + kk) : _mm512_setzero_ps();
+          }
+          __m512i n0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), n1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
+          _mm512_storeu_si512(row + 2 * (size_t)k, _mm512_permutex2var_epi16(n0, ia, n1));
+          _mm512_storeu_si512(row + 2 * (size_t)k + 64, _mm512_permutex2var_epi16(n0, ib, n1));
+        }
+        break;
+      }
       case KN__ACT_F32EO: {
         const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
@@ -309,6 +348,11 @@ typedef struct kctx {
   const float *x8;      /* I4: [n][ng16] */
   uint32_t ng16;
   __m512i gidx;         /* I4: lane -> group of its chunk (lane / (G / 8)) */
+  __m512i lut[4];       /* FP8L: bf16 high bytes of codes 0..63, 64..127, low bytes 0..63,
+                         * 64..127; FP8S: lut[0] = bf16 of the subnormals m * 2^-9, m < 8 */
+  const uint8_t *pre;   /* FP8 prefill: the tile's rows converted to bf16 (row r at
+                         * pre + r * prestride), read instead of the codes; NULL = decode */
+  size_t prestride;
 } kctx;
 
 /* The loop orders of a tile over its RW rows and the K steps of each row:
@@ -426,6 +470,89 @@ AI void step_i4(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
   }
 }
 
+/* FP8 e4m3 -> bf16, exact for every code (vdpbf16ps treats bf16 subnormals as zero, but
+ * no e4m3 value is one: they span 2^-9 .. 448, all bf16 normals).
+ *   LUT (AVX512_VBMI): 64 codes at a time; vpermi2b looks up the high and the low byte of
+ *     the bf16 of (code & 0x7f) in two 128-entry tables (it ignores index bit 7), the sign
+ *     is or-ed into the high byte, and vpunpck{l,h}bw interleave low/high bytes into words:
+ *     per 128-bit lane, elements 0-7 then 8-15, hence the KN__ACT_BF16P order of x.
+ *   shift (AVX512BW only): 32 codes zero-extended to words; a normal e.m is bf16
+ *     ((e + 120) << 7 | m << 4), i.e. (code & 0x7f) << 4 plus 120 << 7; the 16 codes with
+ *     e = 0 (+-m * 2^-9) are replaced from an 8-entry word table (vpermw under a mask),
+ *     then the sign goes to bit 15. Natural order. */
+AI void fp8_lut64(const kctx *cx, __m512i w, __m512i *a, __m512i *b) {
+  __m512i hi = _mm512_permutex2var_epi8(cx->lut[0], w, cx->lut[1]);
+  __m512i lo = _mm512_permutex2var_epi8(cx->lut[2], w, cx->lut[3]);
+  hi = _mm512_ternarylogic_epi32(hi, w, _mm512_set1_epi8((char)0x80), 0xF8); /* hi | (w & 0x80) */
+  *a = _mm512_unpacklo_epi8(lo, hi);
+  *b = _mm512_unpackhi_epi8(lo, hi);
+}
+AI __m512i fp8_shift32(const kctx *cx, __m256i w8) {
+  __m512i w = _mm512_cvtepu8_epi16(w8);
+  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 4),
+                               _mm512_set1_epi16(120 << 7));
+  __mmask32 sub = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
+  v = _mm512_mask_permutexvar_epi16(v, sub, w, cx->lut[0]);
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+}
+
+/* The 128 codes of block s of row wr as four vectors of 32 bf16 (the order of x's
+ * activations for v). tm0 / tm1 mask the two 64-byte halves of a short last block (codes 0
+ * = +0 there, against zero padding of x). */
+AI void fp8_block(const v512 v, const kctx *cx, const uint8_t *wr, uint32_t s, bool tail,
+                  __mmask64 tm0, __mmask64 tm1, __m512i *wb) {
+  const size_t k = 128 * (size_t)s;
+  if (v == V_FP8L) {
+    __m512i w0 = tail ? _mm512_maskz_loadu_epi8(tm0, wr + k) : _mm512_loadu_si512(wr + k);
+    __m512i w1 = tail ? _mm512_maskz_loadu_epi8(tm1, wr + k + 64) : _mm512_loadu_si512(wr + k + 64);
+    fp8_lut64(cx, w0, &wb[0], &wb[1]);
+    fp8_lut64(cx, w1, &wb[2], &wb[3]);
+  } else {
+    UNROLL for (int q = 0; q < 4; q++) {
+      __mmask32 m = (__mmask32)((q < 2 ? tm0 : tm1) >> (32 * (q & 1)));
+      __m256i w8 = tail ? _mm256_maskz_loadu_epi8(m, wr + k + 32 * q) : _mm256_loadu_si256((const __m256i *)(wr + k + 32 * q));
+      wb[q] = fp8_shift32(cx, w8);
+    }
+  }
+}
+
+/* Row wr of K codes converted once into dst as bf16, block s at dst + 256 s (zero beyond K
+ * up to the next multiple of 128): the prefill tiles then read the same row for every
+ * token block without converting it again. */
+AI void fp8_row_to_bf16(const v512 v, const kctx *cx, const uint8_t *wr, uint32_t K, uint8_t *dst) {
+  const uint32_t nfull = K / 128, tb = K % 128;
+  const __mmask64 tm0 = mask64(tb), tm1 = mask64(tb > 64 ? tb - 64 : 0);
+  for (uint32_t s = 0; s < nfull + (tb != 0); s++) {
+    __m512i wb[4];
+    fp8_block(v, cx, wr, s, s == nfull, tm0, tm1, wb);
+    UNROLL for (int q = 0; q < 4; q++) _mm512_storeu_si512(dst + 256 * (size_t)s + 64 * q, wb[q]);
+  }
+}
+
+/* FP8 step: one 128-element block of the row (one scale): four vdpbf16ps per token into a
+ * fresh sum, then acc += sum * scale. pre: wr is the row already converted by
+ * fp8_row_to_bf16 (prefill); else the codes are converted here (decode). */
+AI void step_fp8(const v512 v, const bool pre, const int C, const kctx *cx, const uint8_t *wr,
+                 const float *sr, const uint8_t *const *xp, uint32_t s, bool tail, __mmask64 tm0,
+                 __mmask64 tm1, __m512 *a, const int st) {
+  const size_t k = 128 * (size_t)s;
+  __m512i wb[4];
+  if (pre) {
+    UNROLL for (int q = 0; q < 4; q++) wb[q] = _mm512_loadu_si512(wr + 256 * (size_t)s + 64 * q);
+  } else {
+    fp8_block(v, cx, wr, s, tail, tm0, tm1, wb);
+  }
+  const __m512 sc = _mm512_set1_ps(sr[s]);
+  UNROLL for (int c = 0; c < C; c++) {
+    const uint8_t *x = xp[c] + 2 * k;
+    __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wb[0], (__m512bh)_mm512_loadu_si512(x));
+    d = _mm512_dpbf16_ps(d, (__m512bh)wb[1], (__m512bh)_mm512_loadu_si512(x + 64));
+    d = _mm512_dpbf16_ps(d, (__m512bh)wb[2], (__m512bh)_mm512_loadu_si512(x + 128));
+    d = _mm512_dpbf16_ps(d, (__m512bh)wb[3], (__m512bh)_mm512_loadu_si512(x + 192));
+    a[c * st] = _mm512_fmadd_ps(d, sc, a[c * st]);
+  }
+}
+
 /*
  * The dot products of RW weight rows w[r] (row scales in lanes r of rsc, INT8 only; group
  * scales at s[r], INT4 only) with the tokens c0 .. c0 + Cv - 1 (Cv <= C; the missing tokens
@@ -473,6 +600,18 @@ AI __m512 tile(const v512 v, const int RW, const int C, const bool seq, const kc
 #define STEP(r, st, tail, a, stride) step_bf16(v, C, w[r], xp, st, tail, tm, a, stride)
     TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 32, K % 32 != 0, 64, STEP);
 #undef STEP
+  } else if (IS_FP8(v)) {
+    const uint32_t tb = K % 128;
+    const __mmask64 tm0 = mask64(tb), tm1 = mask64(tb > 64 ? tb - 64 : 0);
+    if (cx->pre) {
+#define STEP(r, st, tail, a, stride) step_fp8(v, true, C, cx, w[r], s[r], xp, st, tail, tm0, tm1, a, stride)
+      TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 128, tb != 0, 256, STEP);
+#undef STEP
+    } else {
+#define STEP(r, st, tail, a, stride) step_fp8(v, false, C, cx, w[r], s[r], xp, st, tail, tm0, tm1, a, stride)
+      TILE_ORDER(__m512, _mm512_setzero_ps(), _mm512_add_ps, seq, K / 128, tb != 0, 128, STEP);
+#undef STEP
+    }
   } else { /* V_I4 */
     const uint32_t tb = (uint32_t)(cx->rb % 64); /* short last chunk: 16, 32 or 48 bytes */
     const __mmask64 tm = mask64(tb);
@@ -512,9 +651,9 @@ AI void gu_block(const v512 v, const int R, const int C, const kn__task *t, cons
   const float *s[16];
   UNROLL for (int r = 0; r < R; r++) {
     uint32_t row = i + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
-    w[r] = (const uint8_t *)ws->gate + row * cx->rb;
-    w[R + r] = (const uint8_t *)ws->up + row * cx->rb;
-    if (v == V_I4) {
+    w[r] = cx->pre ? cx->pre + (size_t)r * cx->prestride : (const uint8_t *)ws->gate + row * cx->rb;
+    w[R + r] = cx->pre ? cx->pre + (size_t)(R + r) * cx->prestride : (const uint8_t *)ws->up + row * cx->rb;
+    if (v == V_I4 || IS_FP8(v)) {
       s[r] = ws->gate_scale + (size_t)row * cx->ng;
       s[R + r] = ws->up_scale + (size_t)row * cx->ng;
     }
@@ -527,7 +666,7 @@ AI void gu_block(const v512 v, const int R, const int C, const kn__task *t, cons
                                      _mm512_sub_epi32(iota16(), _mm512_set1_epi32(R)), us);
   }
   /* The first token block prefetches the rows of the next tile (R rows further on). */
-  __m512 d = tile(v, 2 * R, C, false, cx, w, s, rsc, c0, Cv, c0 == 0 ? R * cx->rb : 0);
+  __m512 d = tile(v, 2 * R, C, false, cx, w, s, rsc, c0, Cv, c0 == 0 && !cx->pre ? R * cx->rb : 0);
   __m512 hv = _mm512_mul_ps(silu_ps(d), rot_ps(d, R)); /* lane c*2R + r: token c, row i + r */
   UNROLL for (int c = 0; c < C; c++)
     if ((uint32_t)c < Cv)
@@ -549,12 +688,12 @@ AI void mat_block(const v512 v, const int RW, const int C, const bool seq, const
   const float *s[16];
   UNROLL for (int r = 0; r < RW; r++) {
     uint32_t rr = row + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
-    w[r] = base + rr * cx->rb;
-    if (v == V_I4) s[r] = scale + (size_t)rr * cx->ng;
+    w[r] = cx->pre ? cx->pre + (size_t)r * cx->prestride : base + rr * cx->rb;
+    if (v == V_I4 || IS_FP8(v)) s[r] = scale + (size_t)rr * cx->ng;
   }
   __m512 rsc = _mm512_setzero_ps();
   if (v == V_I8) rsc = _mm512_maskz_loadu_ps(mask16(Rv), scale + row);
-  __m512 d = tile(v, RW, C, seq, cx, w, s, rsc, c0, Cv, !seq && c0 == 0 ? RW * cx->rb : 0);
+  __m512 d = tile(v, RW, C, seq, cx, w, s, rsc, c0, Cv, !seq && c0 == 0 && !cx->pre ? RW * cx->rb : 0);
   UNROLL for (int c = 0; c < C; c++)
     if ((uint32_t)c < Cv) {
       float *dst = out + (size_t)(c0 + c) * out_stride + row;
@@ -562,6 +701,31 @@ AI void mat_block(const v512 v, const int RW, const int C, const bool seq, const
       if (ep == EP_SILU_MUL) val = _mm512_mul_ps(silu_ps(_mm512_maskz_loadu_ps(mask16(Rv), dst)), val);
       _mm512_mask_storeu_ps(dst, mask16(Rv), val);
     }
+}
+
+/* Bytes of one row of K elements converted to bf16 for the prefill tiles (whole 128-blocks;
+ * an odd number of cache lines apart, so that the tile's rows do not share L1 sets). */
+static inline size_t fp8_pre_stride(uint32_t K) {
+  size_t b = (size_t)(K + 127) / 128 * 256;
+  return b % 1024 == 0 ? b + 64 : b;
+}
+
+/* FP8 conversion tables (built once by fp8_luts_init from the exact code table):
+ * [0] LUT: high bytes of bf16(code) for codes 0..63, 64..127, low bytes 0..63, 64..127;
+ * [1] shift: words 0..7 = bf16(m * 2^-9) (the subnormals), rest 0. */
+static _Alignas(64) uint8_t fp8_luts[2][4][64];
+static pthread_once_t fp8_luts_once = PTHREAD_ONCE_INIT;
+static void fp8_luts_init(void) {
+  const float *tbl = kn__fp8_table();
+  for (int c = 0; c < 128; c++) {
+    uint16_t b = mr_f32_to_bf16(tbl[c]);
+    fp8_luts[0][c / 64][c % 64] = (uint8_t)(b >> 8);
+    fp8_luts[0][2 + c / 64][c % 64] = (uint8_t)b;
+  }
+  for (int m = 0; m < 8; m++) {
+    uint16_t b = mr_f32_to_bf16(tbl[m]);
+    memcpy(&fp8_luts[1][0][2 * m], &b, 2);
+  }
 }
 
 /* The call-level set-up: where the activations are, in which layout. */
@@ -579,6 +743,10 @@ static kctx ctx_make(const v512 v, const kn_layer *L, uint32_t K, const void *ac
     return cx;
   }
   kn__x86_acts a = acts_layout(v, K, cx.G, n);
+  if (IS_FP8(v)) {
+    cx.ng = kn__ngroups(K, KN_FP8_BLOCK);
+    for (int i = 0; i < 4; i++) cx.lut[i] = _mm512_load_si512(fp8_luts[v == V_FP8L ? 0 : 1][i]);
+  }
   cx.xb = acts;
   cx.xstride = a.stride;
   if (v == V_I8 || v == V_I4) cx.xs = (const float *)((const uint8_t *)acts + a.off_xs);
@@ -600,7 +768,7 @@ static kctx ctx_make(const v512 v, const kn_layer *L, uint32_t K, const void *ac
  * expert streamed from DRAM (GFLOP/s, sequential vs interleaved): bf16 2 tokens 50 vs 47,
  * 4: 77 vs 84; int8 4: 203 vs 159, 8: 173 vs 242; int4 4: 207 vs 203, 8: 174 vs 229.
  * f32/f16 follow bf16 (their rows are as long or longer). */
-static const uint32_t seq_max_tokens[V_COUNT] = {2, 2, 2, 2, 4, 4};
+static const uint32_t seq_max_tokens[V_COUNT] = {2, 2, 2, 2, 4, 4, 2, 2};
 
 /* Token blocks of 4, then one block of the rest (1..3). */
 #define TOKEN_BLOCKS(n, BLOCK, ...)                                      \
@@ -643,6 +811,23 @@ AI void gate_up_run(const v512 v, const kn__task *t, uint32_t i0, uint32_t i1) {
     return;
   }
 #define GU(R_, C_, c0_, Cv_) gu_block(v, R_, C_, t, &cx, i, i1, c0_, Cv_)
+  if (IS_FP8(v)) {
+    /* Prefill: the tile's 2 gate and 2 up rows converted to bf16 once (into tmp, which
+     * gate_up does not otherwise use), then read by every token block. */
+    const kn__slice_w *ws = t->w;
+    uint8_t *buf = (uint8_t *)t->tmp;
+    cx.prestride = fp8_pre_stride(H);
+    cx.pre = buf;
+    for (uint32_t i = i0; i < i1; i += 2) {
+      for (uint32_t r = 0; r < 2; r++) {
+        uint32_t row = i + r < i1 ? i + r : i1 - 1;
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->gate + row * cx.rb, H, buf + r * cx.prestride);
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->up + row * cx.rb, H, buf + (2 + r) * cx.prestride);
+      }
+      TOKEN_BLOCKS(n, GU, 2);
+    }
+    return;
+  }
   for (uint32_t i = i0; i < i1; i += 2) TOKEN_BLOCKS(n, GU, 2);
 #undef GU
 }
@@ -667,6 +852,19 @@ AI void down_run(const v512 v, const kn__task *t, uint32_t j0, uint32_t j1) {
     return;
   }
 #define MB(RW_, C_, c0_, Cv_) mat_block(v, RW_, C_, false, EP_STORE, &cx, ws->down, ws->down_scale, j, j1, c0_, Cv_, t->y, H)
+  if (IS_FP8(v)) { /* prefill: 4 rows converted once, after the activations in tmp */
+    uint8_t *buf = (uint8_t *)t->tmp + kn__x86_align64(acts_layout(v, Is, L->d.group, n).bytes);
+    cx.prestride = fp8_pre_stride(Is);
+    cx.pre = buf;
+    for (uint32_t j = j0; j < j1; j += 4) {
+      for (uint32_t r = 0; r < 4; r++) {
+        uint32_t row = j + r < j1 ? j + r : j1 - 1;
+        fp8_row_to_bf16(v, &cx, (const uint8_t *)ws->down + row * cx.rb, Is, buf + r * cx.prestride);
+      }
+      TOKEN_BLOCKS(n, MB, 4);
+    }
+    return;
+  }
   for (uint32_t j = j0; j < j1; j += 4) TOKEN_BLOCKS(n, MB, 4);
 #undef MB
 }
@@ -677,7 +875,13 @@ static size_t prep_bytes_of(const v512 v, const kn_layer *L, uint32_t n) {
   return acts_layout(v, L->d.hidden, L->d.group, n).bytes;
 }
 static size_t tmp_floats_of(const v512 v, const kn_layer *L, uint32_t slice, uint32_t n) {
-  return kn__x86_floats_for(acts_layout(v, L->slice_len[slice], L->d.group, n).bytes);
+  size_t b = acts_layout(v, L->slice_len[slice], L->d.group, n).bytes;
+  if (IS_FP8(v)) { /* + the prefill's converted rows: 4 of down after h, or 4 of gate/up */
+    size_t d = kn__x86_align64(b) + 4 * fp8_pre_stride(L->slice_len[slice]);
+    size_t g = 4 * fp8_pre_stride(L->d.hidden);
+    b = d > g ? d : g;
+  }
+  return kn__x86_floats_for(b);
 }
 static void prep_of(const v512 v, const kn_layer *L, uint32_t n, const float *x, void *xq) {
   kn__x86_acts a = acts_layout(v, L->d.hidden, L->d.group, n);
@@ -691,6 +895,8 @@ KN__X86_ENTRY(V_BF16DP, bf16dp)
 KN__X86_ENTRY(V_BF16F32, bf16f32)
 KN__X86_ENTRY(V_I8, i8)
 KN__X86_ENTRY(V_I4, i4)
+KN__X86_ENTRY(V_FP8L, fp8l)
+KN__X86_ENTRY(V_FP8S, fp8s)
 
 
 void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
@@ -705,6 +911,13 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
     t->k[KN_FMT_INT8][KN_ISA_AVX512] = KN__X86_KERNEL(i8, true, "avx512_int8_int8");
     t->k[KN_FMT_INT4][KN_ISA_AVX512] = KN__X86_KERNEL(i4, true, "avx512_int4_int8");
   }
+  /* FP8 needs vdpbf16ps; the LUT conversion also VBMI (else the shift conversion). Without
+   * BF16 it stays on the REF kernel. */
+  pthread_once(&fp8_luts_once, fp8_luts_init);
+  if (cpu->avx512_bf16 && cpu->avx512_vbmi)
+    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8l, true, "avx512_fp8lut_bf16");
+  else if (cpu->avx512_bf16)
+    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8s, true, "avx512_fp8shift_bf16");
 }
 
 void kn__avx512_register(kn__kernel_table *t) { kn__avx512_register_cpu(t, kn__cpu_get()); }

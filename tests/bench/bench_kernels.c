@@ -5,7 +5,14 @@
  *   moerpc-bench-kernels [--shape qwen3-30b-a3b|deepseek-v3] [--tokens 1,4,16,...]
  *                        [--format bf16,int8,int4,...] [--isa avx512,avx2,ref,auto]
  *                        [--threads N] [--layers N] [--group G] [--repeats N]
- *                        [--max-gb G] [--llc-mb M] [--seed S] [--json]
+ *                        [--max-gb G] [--llc-mb M] [--seed S] [--fp8-kernel lut|shift]
+ *                        [--json]
+ *
+ * fp8-b128 (--format fp8): the random bf16 expert is quantized once (kn_fp8_quantize_b128)
+ * and every used expert loaded from those codes (kn_layer_load_expert_fp8), as from an FP8
+ * checkpoint. --fp8-kernel shift replaces the AVX-512 fp8 kernel by its shift-conversion
+ * variant (the one CPUs without VBMI get), so that both conversions are compared in one
+ * run; the kernel name in the output tells which ran.
  *
  * Per case (shape, format, isa, tokens T):
  *   - routing: every token picks top_k distinct experts uniformly at random; calls cycle
@@ -80,6 +87,7 @@ typedef struct opts {
   double llc_mb; /* 0 = detect */
   uint64_t seed;
   bool json;
+  int fp8_shift; /* --fp8-kernel shift: the AVX-512 fp8 kernel without VBMI's LUT */
   bool streams; /* --streams: the row-interleaving read test instead of the cases */
   uint32_t lin_n[MAX_LIST], lin_k[MAX_LIST]; /* --linear: dense-layer shapes N x K */
   int n_lin;
@@ -89,7 +97,8 @@ static void usage(FILE *f) {
   fprintf(f,
           "usage: moerpc-bench-kernels [--shape qwen3-30b-a3b|deepseek-v3] [--tokens 1,4,16]\n"
           "         [--format bf16,int8,int4] [--isa avx512,ref] [--threads N] [--layers N]\n"
-          "         [--group 32|64|128] [--repeats N] [--max-gb G] [--llc-mb M] [--seed S] [--json]\n"
+          "         [--group 32|64|128] [--repeats N] [--max-gb G] [--llc-mb M] [--seed S]\n"
+          "         [--fp8-kernel lut|shift] [--json]\n"
           "       moerpc-bench-kernels --linear NxK[,NxK...]|qwen3-30b-a3b [--tokens ...] [--format ...]\n"
           "         [--isa ...] [--threads N] [--group G] [--repeats N] [--max-gb G] [--json]   (dense layers)\n"
           "       moerpc-bench-kernels --streams   (one thread: reading R rows side by side vs one after another)\n");
@@ -126,7 +135,7 @@ static int one_token(const char *s, void *out, int i) {
 }
 static int one_fmt(const char *s, void *out, int i) {
   if (kn_format_parse(s, &((kn_format *)out)[i]) != 0) {
-    fprintf(stderr, "--format: \"%s\" must be f32, f16, bf16, int8 or int4\n", s);
+    fprintf(stderr, "--format: \"%s\" must be f32, f16, bf16, int8, int4 or fp8 (fp8-b128)\n", s);
     return -1;
   }
   return 0;
@@ -226,6 +235,12 @@ static int parse_args(int argc, char **argv, opts *o) {
         o->lin_n[q] = nk[q][0];
         o->lin_k[q] = nk[q][1];
       }
+    } else if (strcmp(a, "--fp8-kernel") == 0) {
+      if (strcmp(val, "lut") != 0 && strcmp(val, "shift") != 0) {
+        fprintf(stderr, "--fp8-kernel = \"%s\": must be lut or shift\n", val);
+        return -1;
+      }
+      o->fp8_shift = strcmp(val, "shift") == 0;
     } else if (strcmp(a, "--tokens") == 0) {
       if (parse_list(val, MAX_LIST, one_token, o->tokens, &o->n_tokens)) return -1;
     } else if (strcmp(a, "--format") == 0) {
@@ -515,7 +530,7 @@ static void peak_fn(int id, int n, void *arg) {
 static peak_kind peak_for(kn_format f) {
   const kn__cpu *c = kn__cpu_get();
   bool z = c->best >= KN_ISA_AVX512;
-  if (f == KN_FMT_BF16 && z && c->avx512_bf16) return PK_DPBF16;
+  if ((f == KN_FMT_BF16 || f == KN_FMT_FP8) && z && c->avx512_bf16) return PK_DPBF16;
   if ((f == KN_FMT_INT8 || f == KN_FMT_INT4) && z && c->avx512_vnni) return PK_DPBUSD;
   if (z) return PK_FMA512;
   if (c->best >= KN_ISA_AVX2) return PK_FMA256;
@@ -622,6 +637,9 @@ static int fmt_setup(const opts *o, kn_engine *eng, kn_format f, fmt_run *fr) {
   int rc = -1;
   uint64_t rs = o->seed * 0x9E3779B97F4A7C15ull + 7;
   uint16_t *src = NULL;
+  uint8_t *q8 = NULL; /* fp8: the quantized source expert */
+  float *s8 = NULL;
+  size_t ns8 = 0;
   uint8_t *used = calloc((size_t)fr->n_layers * sh->E, 1);
   fr->rt = calloc((size_t)o->n_tokens, sizeof *fr->rt);
   fr->layers = calloc(fr->n_layers, sizeof *fr->layers);
@@ -664,6 +682,19 @@ static int fmt_setup(const opts *o, kn_engine *eng, kn_format f, fmt_run *fr) {
     float v = ((float)(rng_next(&ws) >> 40) / 16777216.0f - 0.5f) * 0.1f;
     src[i] = mr_f32_to_bf16(v);
   }
+  if (f == KN_FMT_FP8) { /* quantize once; load every copy from the codes */
+    const size_t nb = (size_t)((sh->I + 127) / 128) * ((sh->H + 127) / 128);
+    ns8 = nb;
+    q8 = malloc(3 * n);
+    s8 = malloc(3 * nb * sizeof(float));
+    if (!q8 || !s8) goto out_nomem;
+    for (int p = 0; p < 3; p++)
+      if (kn_fp8_quantize_b128(src + p * n, MR_DTYPE_BF16, p == 2 ? sh->H : sh->I, p == 2 ? sh->I : sh->H,
+                               q8 + p * n, s8 + p * nb, &e) != 0) {
+        fprintf(stderr, "fp8: %s\n", e.msg);
+        goto out_free;
+      }
+  }
   uint64_t t0 = mr_now_ns();
   uint32_t loaded = 0;
   for (uint32_t l = 0; l < fr->n_layers; l++) {
@@ -673,7 +704,9 @@ static int fmt_setup(const opts *o, kn_engine *eng, kn_format f, fmt_run *fr) {
     }
     for (uint32_t x = 0; x < sh->E; x++) {
       if (!used[(size_t)l * sh->E + x]) continue;
-      if (kn_layer_load_expert(fr->layers[l], x, src, src + n, src + 2 * n, MR_DTYPE_BF16, &e) != 0) {
+      if (f == KN_FMT_FP8 ? kn_layer_load_expert_fp8(fr->layers[l], x, q8, s8, q8 + n, s8 + ns8, q8 + 2 * n,
+                                                     s8 + 2 * ns8, &e) != 0
+                          : kn_layer_load_expert(fr->layers[l], x, src, src + n, src + 2 * n, MR_DTYPE_BF16, &e) != 0) {
         fprintf(stderr, "load: %s\n", e.msg);
         goto out_free;
       }
@@ -690,6 +723,8 @@ out_nomem:
   fprintf(stderr, "%s: out of memory for routing or source weights (--tokens, --repeats)\n", kn_format_name(f));
 out_free:
   free(src);
+  free(q8);
+  free(s8);
   free(used);
   return rc;
 }
@@ -1044,7 +1079,18 @@ int main(int argc, char **argv) {
     if (kn_engine_new(&eng[i], &eo, &e) != 0) {
       fprintf(stderr, "isa %s: %s\n", o.isa[i] == KN_ISA_COUNT ? "auto" : kn_isa_name(o.isa[i]), e.msg);
       failures++;
+      continue;
     }
+#if MR_HAVE_AVX512
+    if (o.fp8_shift && eng[i]->fmt_isa[KN_FMT_FP8] == KN_ISA_AVX512) {
+      kn__cpu c = *kn__cpu_get();
+      c.avx512_vbmi = false;
+      kn__kernel_table tab;
+      memset(&tab, 0, sizeof tab);
+      kn__avx512_register_cpu(&tab, &c);
+      eng[i]->table.k[KN_FMT_FP8][KN_ISA_AVX512] = tab.k[KN_FMT_FP8][KN_ISA_AVX512];
+    }
+#endif
   }
   kn_engine *any = NULL;
   for (int i = 0; i < o.n_isa && !any; i++) any = eng[i];

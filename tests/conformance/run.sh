@@ -27,5 +27,6 @@ make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BU
 rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1
+"$VENV/bin/python" tests/conformance/test_fp8_loading.py --build "$BUILD" || rc=1
 "$VENV/bin/python" tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
 exit $rc

@@ -10,6 +10,10 @@ index-added per token), run in float32 on CPU over the same weights the kernel s
     kernels/internal.h (an independent implementation of the format) -> rel L2 <= 1e-5;
     and, as a quality check, against the unquantized bf16 weights under the bounds of
     tests/unit/test_kn_ref.c (int8: docs/DESIGN.md's 2.5e-2; int4: see that test's comment).
+  * fp8-b128 layers: FP8 files (F8_E4M3 codes + F32 weight_scale_inv, quantized here by
+    torch's float8_e4m3fn cast per 128x128 block) and bf16 files quantized at load by the
+    kernel: the oracle runs on torch's dequantization -> rel L2 <= 1e-5 (the kernel's own
+    quantization gives the same codes), quality bound 0.06 against the bf16 weights.
 
 Each case runs tests/.../kn_ref_cli on a safetensors file written here, both through
 kn_ref_moe_forward and through kn_moe_forward with 1 and 3 slices.
@@ -53,10 +57,33 @@ def quant_int4(w, group):
     return out
 
 
+def quant_fp8(w):
+    """kernels/kn.h fp8-b128, in torch: per 128x128 block scale_inv = amax / 448 (1 for a
+    zero block), q = (w / scale_inv) cast to float8_e4m3fn (round to nearest even)."""
+    N, K = w.shape
+    q = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    s = torch.empty((N + 127) // 128, (K + 127) // 128)
+    for i in range(0, N, 128):
+        for k in range(0, K, 128):
+            blk = w[i:i + 128, k:k + 128]
+            sc = blk.abs().max() / 448.0
+            sc = torch.where(sc > 0, sc, torch.ones_like(sc))
+            s[i // 128, k // 128] = sc
+            q[i:i + 128, k:k + 128] = (blk / sc).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def dequant_fp8(q, s):
+    N, K = q.shape
+    return q.float() * s.repeat_interleave(128, 0).repeat_interleave(128, 1)[:N, :K]
+
+
 def stored(w, fmt, group):
     """The fp32 values the kernel holds for an HF weight matrix w (fp32)."""
     if fmt in DT:
         return w.to(DT[fmt]).float()
+    if fmt == "fp8":
+        return dequant_fp8(*quant_fp8(w))
     if fmt == "int8":
         return quant_int8(w)
     return quant_int4(w, group)
@@ -84,9 +111,10 @@ def rel_l2(y, ref):
 
 def make_case(seed, T, k, E, H, I, wdtype, xdtype, p_empty):
     g = torch.Generator().manual_seed(seed)
-    gate = (torch.randn(E, I, H, generator=g) * 0.05).to(DT[wdtype]).float()
-    up = (torch.randn(E, I, H, generator=g) * 0.05).to(DT[wdtype]).float()
-    down = (torch.randn(E, H, I, generator=g) * 0.05).to(DT[wdtype]).float()
+    wd = DT.get(wdtype, torch.bfloat16)  # fp8 files: quantized from bf16 values
+    gate = (torch.randn(E, I, H, generator=g) * 0.05).to(wd).float()
+    up = (torch.randn(E, I, H, generator=g) * 0.05).to(wd).float()
+    down = (torch.randn(E, H, I, generator=g) * 0.05).to(wd).float()
     x = torch.randn(T, H, generator=g).to(DT[xdtype])
     ids = torch.randint(0, E, (T, k), generator=g, dtype=torch.int32)
     ids[torch.rand(T, k, generator=g) < p_empty] = -1
@@ -101,6 +129,12 @@ def make_case(seed, T, k, E, H, I, wdtype, xdtype, p_empty):
 def write_input(path, gate, up, down, x, ids, weights, wdtype):
     t = {"x": x.contiguous(), "ids": ids.contiguous(), "weights": weights.float().contiguous()}
     for e in range(gate.shape[0]):
+        if wdtype == "fp8":  # F8_E4M3 codes + F32 weight_scale_inv, as DeepSeek-V3 ships
+            for p, w in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
+                q, sc = quant_fp8(w)
+                t[f"experts.{e}.{p}.weight"] = q.contiguous()
+                t[f"experts.{e}.{p}.weight_scale_inv"] = sc.contiguous()
+            continue
         t[f"experts.{e}.gate_proj.weight"] = gate[e].to(DT[wdtype]).contiguous()
         t[f"experts.{e}.up_proj.weight"] = up[e].to(DT[wdtype]).contiguous()
         t[f"experts.{e}.down_proj.weight"] = down[e].to(DT[wdtype]).contiguous()
@@ -143,6 +177,11 @@ def main():
         ("int4-g64", 12, 4, 8, 192, 128, "bf16", "f32", "int4", 64, 0.22),
         ("int4-g128", 12, 4, 8, 256, 384, "bf16", "bf16", "int4", 128, 0.24),
         ("int4-g32-tail", 5, 3, 4, 100, 90, "bf16", "bf16", "int4", 32, None),
+        # fp8-b128 from an FP8 file (codes + scales kept), H and I off 128 (short blocks,
+        # slices cut at 128); and from a bf16 file, quantized at load by the kernel.
+        ("fp8", 17, 4, 8, 200, 300, "fp8", "bf16", "fp8", 0, 0.06),
+        ("fp8-aligned", 9, 8, 6, 256, 384, "fp8", "f32", "fp8", 0, 0.06),
+        ("fp8-from-bf16", 12, 4, 8, 136, 200, "bf16", "bf16", "fp8", 0, 0.06),
     ]
     passed = failed = 0
 
@@ -171,7 +210,7 @@ def main():
         # fast path of this CPU (isa None = auto) rounds activations to bf16 (bf16 weights)
         # or int8 (int8/int4 weights), so it is held to the fast-path tolerances of
         # tests/unit/test_kn_fast.c instead: 1e-5 / 1e-2 / 3e-2.
-        fast_tol = {"f32": 1e-5, "f16": 1e-5, "bf16": 1e-2, "int8": 3e-2, "int4": 3e-2}[fmt]
+        fast_tol = {"f32": 1e-5, "f16": 1e-5, "bf16": 1e-2, "int8": 3e-2, "int4": 3e-2, "fp8": 1e-2}[fmt]
         for path, split, isa, tol in (("ref", 1, None, 1e-5), ("forward", 1, "ref", 1e-5),
                                       ("forward", 3, "ref", 1e-5),
                                       ("forward", 1, None, fast_tol),

@@ -26,6 +26,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (c.moe_intermediate < 1 || c.num_heads < 1 || c.num_kv_heads < 1 || c.head_dim < 1) abort();
   if (c.num_heads % c.num_kv_heads != 0) abort();
   if (!(c.rms_norm_eps > 0) || !(c.routed_scaling_factor > 0)) abort();
+  /* quantization_config: only fp8 with 128x128 blocks is ever accepted. */
+  if (c.fp8 && (c.fp8_block[0] != 128 || c.fp8_block[1] != 128)) abort();
+  if (!c.fp8 && (c.fp8_block[0] || c.fp8_block[1])) abort();
   uint32_t n = mr_config_num_moe_layers(&c);
   if (n < 1 || n > c.num_layers) abort();
   char key[128];

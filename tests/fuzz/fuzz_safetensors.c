@@ -44,6 +44,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     bool is_float = t->dtype == MR_DTYPE_F32 || t->dtype == MR_DTYPE_F16 ||
                     t->dtype == MR_DTYPE_BF16;
     if (is_float != (rc == 0) || (is_float && x != t)) abort();
+    /* float8_e4m3fn (F8_E4M3): flagged as such, found by mr_st_expect_as with its name and
+     * refused by mr_st_expect (not a float mr_dtype), one byte per element. */
+    const bool f8 = strcmp(t->dtype_name, "F8_E4M3") == 0;
+    if (f8 != mr_st_is_f8e4m3(t)) abort();
+    rc = mr_st_expect_as(st, t->name, "F8_E4M3", t->ndim, t->shape, &x, NULL);
+    if (f8 != (rc == 0) || (f8 && x != t)) abort();
+    if (f8) {
+      uint64_t want = 1;
+      for (uint32_t d = 0; d < t->ndim; d++) want *= t->shape[d];
+      if (want != t->nbytes) abort();
+    }
     if (is_float) { /* nbytes = prod(shape) * size; the parser proved it cannot overflow */
       uint64_t want = mr_dtype_size(t->dtype);
       for (uint32_t d = 0; d < t->ndim; d++) want *= t->shape[d];

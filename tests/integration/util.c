@@ -406,11 +406,9 @@ int itu_ref_forward(const char *model, uint32_t layer, kn_format format, uint32_
   for (uint32_t i = 0; i < a->n_tokens * a->top_k; i++) {
     int32_t x = a->ids[i];
     if (x < 0 || (uint32_t)x >= cfg.num_experts || kn_layer_has_expert(L, (uint32_t)x)) continue;
-    const mr_st_tensor *t[3];
-    if ((rc = mr_config_expert_tensors(&cfg, st, layer, (uint32_t)x, t, e))) goto out;
-    if ((rc = kn_layer_load_expert(L, (uint32_t)x, t[0]->data, t[1]->data, t[2]->data,
-                                   t[0]->dtype, e)))
-      goto out;
+    const mr_st_tensor *t[3], *sc[3];
+    if ((rc = mr_config_expert_tensors_q(&cfg, st, layer, (uint32_t)x, t, sc, e))) goto out;
+    if ((rc = kn_layer_load_expert_st(L, (uint32_t)x, t, sc, e))) goto out;
   }
   rc = kn_ref_moe_forward(L, a, e);
 out:

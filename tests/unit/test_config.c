@@ -414,4 +414,41 @@ MT_TEST(concurrent_parse) {
   }
 }
 
+/* quantization_config: FineGrainedFP8 as DeepSeek-V3 / Qwen3-FP8 write it is read; other
+ * methods, formats, schemes and block sizes are refused naming the field and the limit. */
+MT_TEST(quantization_config_fp8) {
+  mr_model_config c;
+  mr_err e = {0};
+  char buf[4096];
+  const char *tail = strrchr(qwen3_30b, '}');
+  const size_t head = (size_t)(tail - qwen3_30b);
+#define WITH_Q(q) (snprintf(buf, sizeof buf, "%.*s, \"quantization_config\": %s}", (int)head, qwen3_30b, q), buf)
+  MT_OK(parse(&c, qwen3_30b, &e), &e);
+  MT_FALSE(c.fp8);
+  MT_OK(parse(&c, WITH_Q("{\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", \"quant_method\": "
+                         "\"fp8\", \"weight_block_size\": [128, 128], \"modules_to_not_convert\": [\"lm_head\"]}"), &e), &e);
+  MT_TRUE(c.fp8 && c.fp8_block[0] == 128 && c.fp8_block[1] == 128);
+  MT_OK(parse(&c, WITH_Q("{\"quant_method\": \"fp8\"}"), &e), &e); /* defaults: e4m3, 128x128 */
+  MT_TRUE(c.fp8);
+  MT_OK(parse(&c, WITH_Q("null"), &e), &e);
+  MT_FALSE(c.fp8);
+  struct { const char *q; int rc; const char *msg; } bad[] = {
+      {"{\"quant_method\": \"fp8\", \"weight_block_size\": [64, 64]}", MR_ENOTSUP,
+       "quantization_config.weight_block_size = [64, 64], only [128, 128] is supported"},
+      {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128]}", MR_EFORMAT, "weight_block_size = an array, must be [rows, cols]"},
+      {"{\"quant_method\": \"fp8\", \"weight_block_size\": [128, 0]}", MR_ERANGE, "weight_block_size[1]"},
+      {"{\"quant_method\": \"fp8\", \"fmt\": \"e5m2\"}", MR_ENOTSUP, "fmt = \"e5m2\", only \"e4m3\""},
+      {"{\"quant_method\": \"fp8\", \"activation_scheme\": \"static\"}", MR_ENOTSUP, "activation_scheme = \"static\""},
+      {"{\"quant_method\": \"gptq\", \"bits\": 4}", MR_ENOTSUP, "quant_method = \"gptq\" is not supported"},
+      {"{\"bits\": 4}", MR_EFORMAT, "quant_method = (missing), must be a string"},
+      {"[1]", MR_EFORMAT, "quantization_config = "},
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    MT_EQ_INT(parse(&c, WITH_Q(bad[i].q), &e), bad[i].rc);
+    MT_CONTAINS(e.msg, "m/config.json: ");
+    MT_CONTAINS(e.msg, bad[i].msg);
+  }
+#undef WITH_Q
+}
+
 MT_MAIN()

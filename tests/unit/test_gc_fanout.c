@@ -345,8 +345,13 @@ MT_TEST(weight_format_parse) {
   MT_CONTAINS(e->msg, "int4 needs a group");
   MT_EQ_INT(gc_weight_format_parse("int4-g48", &f, &g, e), MR_EINVAL);
   MT_EQ_INT(gc_weight_format_parse("int4-g64x", &f, &g, e), MR_EINVAL);
-  MT_EQ_INT(gc_weight_format_parse("fp8", &f, &g, e), MR_EINVAL);
+  MT_OK(gc_weight_format_parse("fp8-b128", &f, &g, e), e); /* DeepSeek-V3 block-scaled fp8 */
+  MT_EQ_INT(f, KN_FMT_FP8);
+  MT_EQ_INT(g, 0);
+  MT_EQ_INT(gc_weight_format_parse("fp8", &f, &g, e), MR_EINVAL); /* a flag alias, not a wire name */
   MT_CONTAINS(e->msg, "weight_format \"fp8\" is unknown");
+  MT_CONTAINS(e->msg, "fp8-b128");
+  MT_EQ_INT(gc_weight_format_parse("fp8-b64", &f, &g, e), MR_EINVAL);
   MT_EQ_INT(gc_weight_format_parse("", &f, &g, e), MR_EINVAL);
 }
 

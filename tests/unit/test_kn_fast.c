@@ -3,7 +3,8 @@
  * reference kn_ref_moe_forward on the same layer (the same stored weights).
  *
  * For every ISA this CPU runs (AVX2, AVX-512) x every format (f32, f16, bf16, int8, int4
- * with groups 32/64/128) x T in {1, 2, 7, 64, 300} x shapes with and without 32/64/128
+ * with groups 32/64/128, fp8-b128 where it has a fast path: AVX-512 BF16, both of its
+ * e4m3 -> bf16 conversions) x T in {1, 2, 7, 64, 300} x shapes with and without 32/64/128
  * multiples (tails in every loop) x 1 or 2 slices (one of them short or empty), on a layer
  * holding an odd subset of the experts, with empty slots, repeated experts within and
  * across tokens, a token hitting all of its k experts and a token with every slot empty.
@@ -33,6 +34,9 @@
  *                     1.0e-2 .. 2.2e-2 over the cases here; 3e-2 leaves ~1.4x margin.
  *                     The layer error against the fp32 model stays under docs/DESIGN.md's
  *                     int8 limit of 2.5e-2, checked below.
+ *
+ * fp8-b128 is held to TOL_BF16X (its kernels round x and h to bf16 like bf16_bf16; the
+ * weights convert exactly, fp8_conversion_exact_for_every_code).
  *
  * Also: the engine picks the expected kernel per format (a silent fall-back to REF fails
  * here), row ranges compose (each kernel writes only its rows; split calls from two
@@ -197,11 +201,16 @@ static kn_isa expected_isa(kn_isa isa, kn_format f) {
   const kn__cpu *c = kn__cpu_get();
   if (isa == KN_ISA_AVX512 && (f == KN_FMT_INT8 || f == KN_FMT_INT4) && !c->avx512_vnni)
     return KN_ISA_AVX2;
+  /* fp8-b128 has an AVX-512 BF16 kernel only; elsewhere it runs on the reference. */
+  if (f == KN_FMT_FP8 && !(isa >= KN_ISA_AVX512 && c->avx512_bf16)) return KN_ISA_REF;
   return isa;
 }
 static double tolerance(const kn_engine *eng, kn_format f) {
   const char *name = eng->kern[f]->name;
   if (strcmp(name, "avx512_bf16_bf16") == 0) return TOL_BF16X;
+  /* fp8 x bf16 activations: the same bf16 rounding of x and h as bf16_bf16; the weights
+   * are the reference's own (exact conversion, the unit test below). */
+  if (strncmp(name, "avx512_fp8", 10) == 0) return TOL_BF16X;
   if (strcmp(name, "avx512_int8_int8") == 0 || strcmp(name, "avx512_int4_int8") == 0) return TOL_Q8X;
   return TOL_FP32;
 }
@@ -242,6 +251,8 @@ MT_TEST(engine_picks_the_fast_kernels) {
  * groups); tiny (a row shorter than one SIMD block). */
 static const uint32_t shapes[3][2] = {{256, 192}, {200, 72}, {40, 24}};
 
+static const kn__kernel *fp8_variant; /* NULL: the engine's own fp8 kernel */
+
 static void check_format(kn_format f, uint32_t G) {
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
@@ -255,6 +266,14 @@ static void check_format(kn_format f, uint32_t G) {
       for (int ii = 0; ii < n_isa; ii++) {
         kn_engine *eng = engine_make(isas[ii], split);
         MT_EQ_INT(kn_engine_isa(eng, f), expected_isa(isas[ii], f));
+        if (kn_engine_isa(eng, f) == KN_ISA_REF) { /* no fast path for f here (fp8 on AVX2) */
+          kn_engine_free(eng);
+          continue;
+        }
+        if (fp8_variant && f == KN_FMT_FP8) { /* the other conversion, where the CPU has both */
+          eng->table.k[f][KN_ISA_AVX512] = *fp8_variant;
+          MT_TRUE(eng->kern[f] == &eng->table.k[f][KN_ISA_AVX512]);
+        }
         kn_layer *L = layer_make(eng, &m, f, G, own);
         double tol = tolerance(eng, f), worst_here = 0.0;
         for (int ti = 0; ti < 5; ti++) {
@@ -281,6 +300,7 @@ static void check_format(kn_format f, uint32_t G) {
     model_free(&m);
   }
   printf("  %s g%u: %d cases, worst %.3g\n", kn_format_name(f), G, cases, worst);
+  if (cases == 0) MT_SKIP("no fast path for %s on this CPU", kn_format_name(f));
 }
 
 MT_TEST(fast_matches_ref_f32) { check_format(KN_FMT_F32, 0); }
@@ -290,6 +310,96 @@ MT_TEST(fast_matches_ref_int8) { check_format(KN_FMT_INT8, 0); }
 MT_TEST(fast_matches_ref_int4_g32) { check_format(KN_FMT_INT4, 32); }
 MT_TEST(fast_matches_ref_int4_g64) { check_format(KN_FMT_INT4, 64); }
 MT_TEST(fast_matches_ref_int4_g128) { check_format(KN_FMT_INT4, 128); }
+MT_TEST(fast_matches_ref_fp8) { check_format(KN_FMT_FP8, 0); }
+
+/* The fp8 kernel table of this CPU registered as if it lacked VBMI: the shift conversion
+ * (and, with VBMI, the LUT one is the default checked above). NULL name: not available. */
+static kn__kernel fp8_kernel_for(bool vbmi) {
+  kn__kernel none = {0};
+#if MR_HAVE_AVX512
+  kn__cpu c = *kn__cpu_get();
+  c.avx512_vbmi = c.avx512_vbmi && vbmi;
+  kn__kernel_table tab;
+  memset(&tab, 0, sizeof tab);
+  if (kn_isa_detect() >= KN_ISA_AVX512 && c.avx512_bf16) {
+    kn__avx512_register_cpu(&tab, &c);
+    return tab.k[KN_FMT_FP8][KN_ISA_AVX512];
+  }
+#endif
+  (void)vbmi;
+  return none;
+}
+
+MT_TEST(fast_matches_ref_fp8_shift_variant) {
+  kn__kernel k = fp8_kernel_for(false);
+  if (!k.gate_up) MT_SKIP("no AVX-512 BF16 on this CPU (or built without AVX-512)");
+  MT_EQ_STR(k.name, "avx512_fp8shift_bf16");
+  fp8_variant = &k;
+  check_format(KN_FMT_FP8, 0);
+  fp8_variant = NULL;
+}
+
+/* Both e4m3 -> bf16 conversions are exact for every code (254 of 256: NaN codes never
+ * reach a kernel, the loader refuses them): a down matrix whose row j holds code
+ * (j + k) % 256 in column k (NaN codes replaced by 0), block scales powers of two, and a
+ * one-hot h at column k give y[j] = e4m3(code) * scale exactly (one non-zero product,
+ * exact in bf16 x bf16 -> fp32 and in the scale multiply), for every column k of the
+ * 128-wide block (every lane position of the conversion), 1 token (sequential tiles) and
+ * 3 tokens (interleaved tiles). */
+MT_TEST(fp8_conversion_exact_for_every_code) {
+  int variants = 0;
+  for (int vb = 1; vb >= 0; vb--) {
+    kn__kernel k = fp8_kernel_for(vb == 1);
+    if (!k.gate_up || (vb == 1 && strcmp(k.name, "avx512_fp8lut_bf16") != 0)) continue;
+    variants++;
+    const uint32_t H = 256, I = 160; /* two row blocks; a short second column block */
+    kn_engine *eng = engine_make(KN_ISA_AVX512, 1);
+    kn_layer *L = NULL;
+    mr_err e = {0};
+    kn_layer_desc d = {.hidden = H, .inter = I, .num_experts = 1, .format = KN_FMT_FP8};
+    MT_OK(kn_layer_new(&L, eng, &d, &e), ep(&e));
+    uint8_t *g = calloc((size_t)I * H, 1), *dn = malloc((size_t)H * I);
+    for (uint32_t j = 0; j < H; j++)
+      for (uint32_t c = 0; c < I; c++) {
+        uint8_t code = (uint8_t)((j + c) % 256);
+        dn[(size_t)j * I + c] = (code & 0x7f) == 0x7f ? 0 : code;
+      }
+    float gs[4] = {1, 1, 1, 1}, ds[4] = {0.125f, 4.0f, 1.0f, 0.5f}; /* [2][2] blocks */
+    MT_OK(kn_layer_load_expert_fp8(L, 0, g, gs, g, gs, dn, ds, &e), ep(&e));
+    const float *tbl = kn__fp8_table();
+    float *h = calloc(3 * (size_t)I, sizeof(float)), *y = malloc(3 * (size_t)H * sizeof(float));
+    float *tmp = malloc(k.tmp_floats(L, 0, 3) * sizeof(float) + 64);
+    int checked = 0;
+    for (uint32_t n = 1; n <= 3; n += 2)
+      for (uint32_t c = 0; c + (n - 1) * 7 < I; c++) {
+        memset(h, 0, 3 * (size_t)I * sizeof(float));
+        for (uint32_t r = 0; r < n; r++) h[(size_t)r * I + c + 7 * r] = 1.0f;
+        kn__task t = {.L = L, .slice = 0, .w = L->w[0], .n = n, .h = h, .y = y, .tmp = tmp};
+        k.down(&t, 0, H);
+        for (uint32_t r = 0; r < n; r++) {
+          uint32_t col = c + 7 * r;
+          for (uint32_t j = 0; j < H; j++) {
+            float want = tbl[dn[(size_t)j * I + col]] * ds[(j / 128) * 2 + col / 128];
+            if (y[(size_t)r * H + j] != want) {
+              printf("  %s n=%u code 0x%02x (row %u col %u): %a, want %a\n", k.name, n,
+                     dn[(size_t)j * I + col], j, col, (double)y[(size_t)r * H + j], (double)want);
+              MT_TRUE(false);
+            }
+            checked++;
+          }
+        }
+      }
+    printf("  %s: %d outputs exact (every code at every lane of a block)\n", k.name, checked);
+    free(h);
+    free(y);
+    free(tmp);
+    free(g);
+    free(dn);
+    kn_layer_free(L);
+    kn_engine_free(eng);
+  }
+  if (variants == 0) MT_SKIP("no AVX-512 BF16 on this CPU (or built without AVX-512)");
+}
 
 /* The AVX-512 bf16 kernel of CPUs without AVX512_BF16 (bf16 widened to fp32 in registers)
  * is exact fp32 math: run it here by registering the table for such a CPU. */
@@ -383,7 +493,7 @@ MT_TEST(fast_layer_error_within_design_budget) {
     double tol;
   } cases[] = {{KN_FMT_F32, 0, 1e-5},   {KN_FMT_BF16, 0, 1e-2},  {KN_FMT_F16, 0, 1e-2},
                {KN_FMT_INT8, 0, 2.5e-2}, {KN_FMT_INT4, 32, 0.20}, {KN_FMT_INT4, 64, 0.22},
-               {KN_FMT_INT4, 128, 0.24}};
+               {KN_FMT_INT4, 128, 0.24}, {KN_FMT_FP8, 0, 0.06}};
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
   for (int ii = 0; ii < n_isa; ii++) {

@@ -170,7 +170,7 @@ static void naive_layer(const model *m, const req *r, float *out) {
   free(acc);
 }
 
-static const kn_format all_fmts[KN_FMT_COUNT] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8,
+static const kn_format all_fmts[KN_FMT_COUNT] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_FP8,
                                                  KN_FMT_INT4};
 
 /* ---- names and detection ----------------------------------------------------------- */
@@ -728,7 +728,7 @@ MT_TEST(layer_tolerance_design_section5) {
     double tol;
   } cases[] = {{KN_FMT_F32, 0, 1e-5},   {KN_FMT_BF16, 0, 1e-2},  {KN_FMT_F16, 0, 1e-2},
                {KN_FMT_INT8, 0, 2.5e-2}, {KN_FMT_INT4, 32, 0.20}, {KN_FMT_INT4, 64, 0.22},
-               {KN_FMT_INT4, 128, 0.24}};
+               {KN_FMT_INT4, 128, 0.24}, {KN_FMT_FP8, 128, 0.06}};
   kn_engine *eng = engine_make(2);
   for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
     kn_layer *L = layer_make(eng, &m, cases[c].f, cases[c].G, NULL, MR_DTYPE_BF16);
@@ -827,7 +827,7 @@ MT_TEST(layer_new_refuses_bad_desc) {
       {{64, 70000, 8, KN_FMT_BF16, 0}, "inter = 70000"},
       {{64, 64, 0, KN_FMT_BF16, 0}, "num_experts = 0, must be in 1..65536"},
       {{64, 64, 65537, KN_FMT_BF16, 0}, "num_experts = 65537"},
-      {{64, 64, 8, KN_FMT_COUNT, 0}, "format = 5"},
+      {{64, 64, 8, KN_FMT_COUNT, 0}, "format = 6"},
       {{64, 64, 8, KN_FMT_INT4, 0}, "group = 0, must be 32, 64 or 128"},
       {{64, 64, 8, KN_FMT_INT4, 48}, "group = 48"},
       {{64, 64, 8, KN_FMT_INT4, 256}, "group = 256"},
@@ -918,6 +918,150 @@ MT_TEST(allocation_failures_are_errors) {
   kn_layer_free(L);
   kn_engine_free(eng);
   model_free(&m);
+}
+
+/* ---- fp8-b128 ---------------------------------------------------------------------- */
+
+/* The e4m3fn table and the rounding: every finite code round-trips; the midpoint between
+ * two neighbours rounds to the even code; beyond 448 saturates; NaN stays NaN. */
+MT_TEST(fp8_e4m3_table_and_rounding) {
+  MT_EQ_INT(kn_fp8_e4m3_to_f32(0x7e) == 448.0f, 1);
+  MT_EQ_INT(kn_fp8_e4m3_to_f32(0x01) == ldexpf(1.0f, -9), 1); /* smallest subnormal */
+  MT_EQ_INT(kn_fp8_e4m3_to_f32(0x08) == ldexpf(1.0f, -6), 1); /* smallest normal */
+  MT_EQ_INT(kn_fp8_e4m3_to_f32(0x38) == 1.0f, 1);
+  MT_EQ_INT(kn_fp8_e4m3_to_f32(0xb8) == -1.0f, 1);
+  MT_TRUE(isnan(kn_fp8_e4m3_to_f32(0x7f)) && isnan(kn_fp8_e4m3_to_f32(0xff)));
+  MT_TRUE(signbit(kn_fp8_e4m3_to_f32(0x80)) && kn_fp8_e4m3_to_f32(0x80) == 0.0f);
+  int n = 0;
+  for (int c = 0; c < 256; c++) {
+    if ((c & 0x7f) == 0x7f) continue;
+    float v = kn_fp8_e4m3_to_f32((uint8_t)c);
+    MT_EQ_INT(kn_fp8_e4m3_from_f32(v), c);
+    /* Midpoint to the next code up (in magnitude): ties go to the even code. */
+    if ((c & 0x7f) < 0x7e) {
+      float up = kn_fp8_e4m3_to_f32((uint8_t)(c + 1));
+      float mid = (v + up) / 2.0f; /* exact: few mantissa bits */
+      int even = (c & 1) ? c + 1 : c;
+      MT_EQ_INT(kn_fp8_e4m3_from_f32(mid), even);
+      MT_EQ_INT(kn_fp8_e4m3_from_f32(nextafterf(mid, 0.0f)), c); /* just below: down */
+      MT_EQ_INT(kn_fp8_e4m3_from_f32(nextafterf(mid, (c & 0x80) ? -INFINITY : INFINITY)), c + 1);
+    }
+    n++;
+  }
+  MT_EQ_INT(n, 254);
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(449.0f), 0x7e);
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(1e30f), 0x7e);
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(-INFINITY), 0xfe);
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(NAN) & 0x7f, 0x7f);
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(ldexpf(1.0f, -11)), 0x00); /* below half the smallest: 0 */
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(ldexpf(1.0f, -10)), 0x00); /* the tie 0 / 2^-9: even = 0 */
+  MT_EQ_INT(kn_fp8_e4m3_from_f32(ldexpf(3.0f, -10)), 0x02); /* 1.5 * 2^-9 ties to 2 * 2^-9 */
+}
+
+/* Block quantization: scale = amax / 448 of each 128x128 block (1 for a zero block), and
+ * the dequantized weights within half a step (relative 2^-4) of the originals; an FP8
+ * layer loaded from the codes decodes to e4m3 * scale bit-exactly, and other formats
+ * loaded from the same codes see those values. */
+MT_TEST(fp8_quantize_and_load_round_trip) {
+  const uint32_t N = 200, K = 300; /* partial blocks in both directions */
+  float *w = malloc((size_t)N * K * 4);
+  for (uint32_t i = 0; i < N; i++)
+    for (uint32_t k = 0; k < K; k++)
+      w[(size_t)i * K + k] = (i >= 128 && k < 128) ? 0.0f : sinf(0.37f * (float)(i * K + k)) * (1.0f + (float)(k / 128));
+  uint8_t *q = malloc((size_t)N * K);
+  float sc[2 * 3];
+  mr_err e = {0};
+  MT_OK(kn_fp8_quantize_b128(w, MR_DTYPE_F32, N, K, q, sc, &e), ep(&e));
+  MT_TRUE(sc[3] == 1.0f); /* block [1, 0] is all zero */
+  for (int b = 0; b < 6; b++) MT_TRUE(sc[b] > 0.0f);
+  for (uint32_t i = 0; i < N; i++)
+    for (uint32_t k = 0; k < K; k++) {
+      float s = sc[(i / 128) * 3 + k / 128], v = w[(size_t)i * K + k];
+      float dq = kn_fp8_e4m3_to_f32(q[(size_t)i * K + k]) * s;
+      MT_TRUE(fabsf(dq - v) <= fmaxf(fabsf(v) / 16.0f, s * ldexpf(1.0f, -10)) * 1.0001f);
+    }
+  /* As an expert: gate = up = W [I = 200, H = 300], down = W^T needs [300, 200]. */
+  uint8_t *qd = malloc((size_t)N * K);
+  float scd[3 * 2];
+  float *wt = malloc((size_t)N * K * 4);
+  for (uint32_t i = 0; i < N; i++)
+    for (uint32_t k = 0; k < K; k++) wt[(size_t)k * N + i] = w[(size_t)i * K + k];
+  MT_OK(kn_fp8_quantize_b128(wt, MR_DTYPE_F32, K, N, qd, scd, &e), ep(&e));
+  const kn_format fmts[2] = {KN_FMT_FP8, KN_FMT_F32};
+  for (int fi = 0; fi < 2; fi++)
+    for (uint32_t split = 1; split <= 2; split++) {
+      kn_engine *eng = engine_make(split);
+      kn_layer *L = NULL;
+      kn_layer_desc d = {.hidden = K, .inter = N, .num_experts = 2, .format = fmts[fi]};
+      MT_OK(kn_layer_new(&L, eng, &d, &e), ep(&e));
+      MT_OK(kn_layer_load_expert_fp8(L, 1, q, sc, q, sc, qd, scd, &e), ep(&e));
+      float *row = malloc(K * 4);
+      for (uint32_t s = 0; s < L->n_slices; s++) {
+        if (fmts[fi] == KN_FMT_FP8) MT_EQ_INT(L->slice_off[s] % 128, 0);
+        for (uint32_t i = 0; i < L->slice_len[s]; i++) {
+          kn__row_to_f32(L, s, &L->w[1][s], KN__UP, i, row);
+          uint32_t hi = L->slice_off[s] + i;
+          for (uint32_t k = 0; k < K; k++)
+            MT_TRUE(row[k] == kn_fp8_e4m3_to_f32(q[(size_t)hi * K + k]) * sc[(hi / 128) * 3 + k / 128]);
+        }
+        for (uint32_t j = 0; j < K; j++) {
+          kn__row_to_f32(L, s, &L->w[1][s], KN__DOWN, j, row);
+          for (uint32_t c = 0; c < L->slice_len[s]; c++) {
+            uint32_t col = L->slice_off[s] + c;
+            MT_TRUE(row[c] == kn_fp8_e4m3_to_f32(qd[(size_t)j * N + col]) * scd[(j / 128) * 2 + col / 128]);
+          }
+        }
+      }
+      free(row);
+      kn_layer_free(L);
+      kn_engine_free(eng);
+    }
+  free(w);
+  free(wt);
+  free(q);
+  free(qd);
+}
+
+/* Bad fp8 input: a zero, negative, NaN or inf block scale (named: expert, matrix, block),
+ * a NaN code (named by row and column), non-finite source weights when quantizing. */
+MT_TEST(fp8_load_refuses_bad_scales_and_codes) {
+  const uint32_t H = 130, I = 64;
+  kn_engine *eng = engine_make(1);
+  kn_layer *L = NULL;
+  mr_err e = {0};
+  kn_layer_desc d = {.hidden = H, .inter = I, .num_experts = 4, .format = KN_FMT_FP8};
+  MT_OK(kn_layer_new(&L, eng, &d, &e), ep(&e));
+  MT_EQ_INT(L->d.group, 128);
+  uint8_t *q = calloc((size_t)H * I, 1);
+  float gs[2] = {1, 1}, ds[2] = {1, 1};
+  MT_OK(kn_layer_load_expert_fp8(L, 0, q, gs, q, gs, q, ds, &e), ep(&e));
+  const float bad[4] = {0.0f, -1.0f, NAN, INFINITY};
+  for (int b = 0; b < 4; b++) {
+    float us[2] = {1, bad[b]};
+    MT_EQ_INT(kn_layer_load_expert_fp8(L, 2, q, gs, q, us, q, ds, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "expert 2 up scale_inv[0, 1]");
+    MT_CONTAINS(e.msg, "finite and > 0");
+  }
+  MT_FALSE(kn_layer_has_expert(L, 2));
+  uint8_t *qd = calloc((size_t)H * I, 1);
+  qd[5 * I + 7] = 0xff; /* down [H, I]: [5, 7] */
+  MT_EQ_INT(kn_layer_load_expert_fp8(L, 3, q, gs, q, gs, qd, ds, &e), MR_EINVAL);
+  free(qd);
+  MT_CONTAINS(e.msg, "expert 3 down[5, 7] = nan");
+  MT_FALSE(kn_layer_has_expert(L, 3));
+  MT_EQ_INT(kn_layer_load_expert_fp8(L, 3, q, gs, NULL, gs, q, ds, &e), MR_EINVAL);
+  float *w = calloc((size_t)H * I, 4);
+  w[H * 3 + 1] = INFINITY; /* gate [I, H]: [3, 1] */
+  MT_EQ_INT(kn_layer_load_expert(L, 1, w, w, w, MR_DTYPE_F32, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "expert 1 gate");
+  MT_CONTAINS(e.msg, "w[3, 1] = inf");
+  kn_linear *lin = NULL;
+  MT_EQ_INT(kn_linear_new(&lin, eng, 64, 64, KN_FMT_FP8, 0, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "fp8-b128");
+  free(w);
+  free(q);
+  kn_layer_free(L);
+  kn_engine_free(eng);
 }
 
 MT_MAIN()

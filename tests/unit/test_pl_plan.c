@@ -158,7 +158,7 @@ MT_TEST(expert_bytes_match_the_kernels) {
       {PL_WF_BF16, KN_FMT_BF16, 0},          {PL_WF_F16, KN_FMT_F16, 0},
       {PL_WF_F32, KN_FMT_F32, 0},            {PL_WF_INT8, KN_FMT_INT8, 0},
       {PL_WF_INT4_G32, KN_FMT_INT4, 32},     {PL_WF_INT4_G64, KN_FMT_INT4, 64},
-      {PL_WF_INT4_G128, KN_FMT_INT4, 128},
+      {PL_WF_INT4_G128, KN_FMT_INT4, 128},   {PL_WF_FP8_B128, KN_FMT_FP8, 0},
   };
   static const uint32_t shapes[][2] = {{256, 128}, {200, 100}, {2048, 768}, {96, 1000}};
   for (uint32_t split = 1; split <= 3; split++) {
@@ -183,11 +183,9 @@ MT_TEST(expert_bytes_match_the_kernels) {
       }
     kn_engine_free(eng);
   }
-  /* fp8-b128: 1 byte a weight, one f32 per 128 x 128 block of each matrix, arrays 64-aligned:
-   * H = I = 256: 3 x 65536 weights + 3 x 4 blocks x 4 bytes (each scale array padded to 64). */
-  MT_EQ_INT(pl_expert_bytes(PL_WF_FP8_B128, 256, 256, 1), 3 * 65536 + 3 * 64);
-  /* A 128 x 128 matrix has one block; 129 x 128 has two. */
-  MT_EQ_INT(pl_expert_bytes(PL_WF_FP8_B128, 128, 128, 1), 3 * 16384 + 3 * 64);
+  /* fp8-b128: 1 byte a weight, and each row repeats the f32 scale of its 128 x 128 blocks:
+   * H = I = 256: 3 x 65536 codes + 3 x 256 rows x 2 scales x 4 bytes. */
+  MT_EQ_INT(pl_expert_bytes(PL_WF_FP8_B128, 256, 256, 1), 3 * 65536 + 3 * 256 * 2 * 4);
   MT_EQ_INT(pl_expert_bytes(PL_WF_BF16, 2048, 768, 0), pl_expert_bytes(PL_WF_BF16, 2048, 768, 1));
   pl_wformat f;
   MT_EQ_INT(pl_wformat_parse("int4-g64", &f), 0);

@@ -80,7 +80,9 @@ MT_TEST(expert_bytes_by_format) {
   /* int4 g64: half a byte per weight, a fp32 scale per 64 */
   MT_NEAR(pl_sim_expert_bytes("int4", 2048, 768), 3.0 * 2048 * 768 / 2 + 4 * (2 * 768 * 32 + 2048 * 12), 0);
   MT_NEAR(pl_sim_expert_bytes("int4-g128", 7168, 2048), 3.0 * 7168 * 2048 / 2 + 4 * (2 * 2048 * 56 + 7168 * 16), 0);
-  MT_NEAR(pl_sim_expert_bytes("fp8", 7168, 2048), 3.0 * 7168 * 2048 + 4 * 3 * 56 * 16, 0);
+  /* fp8-b128: the kernels repeat the block scale on each row: 2048 gate/up rows x 56 blocks,
+   * 7168 down rows x 16 */
+  MT_NEAR(pl_sim_expert_bytes("fp8", 7168, 2048), 3.0 * 7168 * 2048 + 4 * (2 * 2048 * 56 + 7168 * 16), 0);
   MT_NEAR(pl_sim_expert_bytes("int4-g48", 64, 64), 0, 0);
   MT_NEAR(pl_sim_expert_bytes("q4_k", 64, 64), 0, 0);
 }

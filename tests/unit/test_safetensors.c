@@ -898,4 +898,121 @@ MT_TEST(mkmodel_rejects_bad_flags) {
   MT_EQ_INT(run_cmd("%s --help %s >/dev/null", mk, ""), 0);
 }
 
+/* ---- float8_e4m3fn ------------------------------------------------------------------ */
+
+/* F8_E4M3 tensors parse (1 byte per element), are flagged, found by mr_st_expect_as and
+ * refused by mr_st_expect (no float mr_dtype); a wrong byte count is refused. */
+MT_TEST(f8_e4m3_parse_and_expect) {
+  const char *h = "{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[4,3],\"data_offsets\":[0,12]},"
+                  "\"s\":{\"dtype\":\"F32\",\"shape\":[1,1],\"data_offsets\":[12,16]},"
+                  "\"v\":{\"dtype\":\"F8_E5M2\",\"shape\":[2],\"data_offsets\":[16,18]}}";
+  size_t n;
+  uint8_t *b = make_image(h, strlen(h), 18, &n);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_parse_buffer(&st, b, n, "f8.safetensors", &e), &e);
+  const mr_st_tensor *t = mr_st_find(st, "w");
+  MT_TRUE(t && mr_st_is_f8e4m3(t) && t->nbytes == 12 && t->dtype == MR_DTYPE_UNSPECIFIED);
+  MT_FALSE(mr_st_is_f8e4m3(mr_st_find(st, "v")));
+  MT_FALSE(mr_st_is_f8e4m3(mr_st_find(st, "s")));
+  uint64_t shp[2] = {4, 3}, one[2] = {1, 1}, v2[1] = {2};
+  const mr_st_tensor *x = NULL;
+  MT_OK(mr_st_expect_as(st, "w", "F8_E4M3", 2, shp, &x, &e), &e);
+  MT_TRUE(x == t);
+  MT_EQ_INT(mr_st_expect(st, "w", 2, shp, &x, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"w\": dtype = F8_E4M3, expected F32, F16 or BF16");
+  MT_EQ_INT(mr_st_expect_as(st, "s", "F8_E4M3", 2, one, &x, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "tensor \"s\": dtype = F32, expected F8_E4M3");
+  MT_EQ_INT(mr_st_expect_as(st, "v", "F8_E4M3", 1, v2, &x, &e), MR_EFORMAT);
+  MT_EQ_INT(mr_st_expect_as(st, "w", "F8_E4M3", 2, one, &x, &e), MR_EMISMATCH);
+  MT_OK(mr_st_expect_as(st, "s", NULL, 2, one, &x, &e), &e); /* NULL: any float dtype */
+  mr_st_close(st);
+  free(b);
+  MT_EQ_INT(parse_hdr("{\"w\":{\"dtype\":\"F8_E4M3\",\"shape\":[4,3],\"data_offsets\":[0,24]}}", 24, &e),
+            MR_EFORMAT);
+  MT_CONTAINS(e.msg, "hold 24 bytes, but shape [4, 3] of F8_E4M3 needs 12");
+}
+
+/* The writer writes F8_E4M3 (eager and lazy) after the wider dtypes, and reads back. */
+MT_TEST(f8_e4m3_writer_roundtrip) {
+  tdir_make();
+  mr_st_writer *w = NULL;
+  MT_EQ_INT(mr_st_writer_new(&w), 0);
+  uint8_t q[6] = {0x38, 0xb8, 0x7e, 0x01, 0x80, 0x00};
+  float sc = 0.25f;
+  uint64_t shp[2] = {2, 3}, one[2] = {1, 1};
+  MT_EQ_INT(mr_st_writer_add_f8e4m3(w, "a.weight", 2, shp, q), 0);
+  MT_EQ_INT(mr_st_writer_add(w, "a.weight_scale_inv", MR_DTYPE_F32, 2, one, &sc), 0);
+  MT_EQ_INT(mr_st_writer_add_f8e4m3(w, "a.weight", 2, shp, q), MR_EINVAL); /* duplicate */
+  mr_err e = {0};
+  MT_OK(mr_st_writer_write(w, tpath("f8.safetensors"), &e), &e);
+  mr_st_writer_free(w);
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath("f8.safetensors"), &e), &e);
+  const mr_st_tensor *t = NULL, *s = NULL;
+  MT_OK(mr_st_expect_as(st, "a.weight", "F8_E4M3", 2, shp, &t, &e), &e);
+  MT_OK(mr_st_expect(st, "a.weight_scale_inv", 2, one, &s, &e), &e);
+  MT_TRUE(memcmp(t->data, q, 6) == 0);
+  MT_TRUE((const uint8_t *)t->data > (const uint8_t *)s->data); /* F32 first, F8 last */
+  const float *tbl = mr_f8e4m3_table();
+  MT_TRUE(tbl[((const uint8_t *)t->data)[0]] * *(const float *)s->data == 0.25f);
+  mr_st_close(st);
+}
+
+/* mkmodel --dtype fp8: F8_E4M3 experts with F32 scale_inv [ceil(N/128), ceil(K/128)] that
+ * mr_config_expert_tensors_q finds; a quantization_config; the rest bf16; the dequantized
+ * values within an e4m3 step of the bf16 model's of the same seed. */
+MT_TEST(mkmodel_fp8_checkpoint) {
+  tdir_make();
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  const char *flags = "--seed 7 --layers 2 --experts 3 --topk 2 --hidden 200 --inter 136 --vocab 64";
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/fp8 --dtype fp8 %s 2>/dev/null", flags);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/bf16 %s 2>/dev/null", flags);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  MT_EQ_INT(run_cmd("%s --out %s/x --dtype fp16 2>/dev/null", mk, tdir), 2); /* usage error */
+  mr_model_config c, cb;
+  mr_err e = {0};
+  MT_OK(mr_config_load(&c, tpath("fp8"), &e), &e);
+  MT_OK(mr_config_load(&cb, tpath("bf16"), &e), &e);
+  MT_TRUE(c.fp8 && c.fp8_block[0] == 128 && c.fp8_block[1] == 128 && !cb.fp8);
+  mr_st *st = NULL, *sb = NULL;
+  MT_OK(mr_st_open(&st, tpath("fp8"), &e), &e);
+  MT_OK(mr_st_open(&sb, tpath("bf16"), &e), &e);
+  MT_EQ_U64(mr_st_count(st), 3 + 2 * (9 + 6 * 3));
+  const float *tbl = mr_f8e4m3_table();
+  for (uint32_t l = 0; l < 2; l++)
+    for (uint32_t x = 0; x < 3; x++) {
+      const mr_st_tensor *t[3], *sc[3], *tb[3], *sb3[3];
+      MT_OK(mr_config_expert_tensors_q(&c, st, l, x, t, sc, &e), &e);
+      MT_OK(mr_config_expert_tensors_q(&cb, sb, l, x, tb, sb3, &e), &e);
+      for (int p = 0; p < 3; p++) {
+        MT_TRUE(mr_st_is_f8e4m3(t[p]) && sc[p] && sc[p]->dtype == MR_DTYPE_F32 && !sb3[p]);
+        const uint64_t N = t[p]->shape[0], K = t[p]->shape[1], nkb = (K + 127) / 128;
+        MT_EQ_U64(sc[p]->shape[0], (N + 127) / 128);
+        MT_EQ_U64(sc[p]->shape[1], nkb);
+        const uint8_t *q = t[p]->data;
+        const float *s = sc[p]->data;
+        const uint16_t *wb = tb[p]->data;
+        for (uint64_t i = 0; i < N * K; i++) {
+          float v = mr_bf16_to_f32(wb[i]), bs = s[(i / K / 128) * nkb + (i % K) / 128];
+          float dq = tbl[q[i]] * bs;
+          MT_TRUE(fabsf(dq - v) <= fmaxf(fabsf(v) / 16.0f, bs * 0.001f) * 1.001f);
+        }
+      }
+    }
+  const mr_st_tensor *r = mr_st_find(st, "model.layers.1.self_attn.q_proj.weight");
+  MT_TRUE(r && r->dtype == MR_DTYPE_BF16);
+  /* The fp8 checkpoint read as if it had no quantization_config: refused by name. */
+  mr_model_config plain = c;
+  plain.fp8 = false;
+  const mr_st_tensor *t[3], *sc[3];
+  MT_EQ_INT(mr_config_expert_tensors_q(&plain, st, 0, 0, t, sc, &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "model.layers.0.mlp.experts.0.gate_proj.weight\" is F8_E4M3");
+  mr_st_close(st);
+  mr_st_close(sb);
+}
+
 MT_MAIN()
