@@ -84,6 +84,7 @@ struct gc_model {
   model_bufs b;
   gc_model_stats st;
   gc_layer_stats *lst;
+  gc_layer_stats *lst_snap; /* [L] what gc_model_stats_get handed out last */
   /* Metrics for gc_model_metrics_render: written by the stepping thread with __atomic
    * builtins, read by the metrics responder thread; never reset. */
   mr_hist step_hist;              /* wall time of gc_model_step, ns */
@@ -541,8 +542,9 @@ static int alloc_state(gc_model *m, mr_err *e) {
   m->local = mr_calloc(pairs, 1);
   m->seq_len = mr_calloc(m->max_batch, sizeof *m->seq_len);
   m->lst = mr_calloc(m->L, sizeof *m->lst);
+  m->lst_snap = mr_calloc(m->L, sizeof *m->lst_snap);
   m->seen = mr_calloc((m->E + 63) / 64, sizeof *m->seen);
-  if (!m->layer || !m->local || !m->seq_len || !m->lst || !m->seen)
+  if (!m->layer || !m->local || !m->seq_len || !m->lst || !m->lst_snap || !m->seen)
     return mr_err_set(e, MR_ENOMEM, "model: out of memory");
   m->st.layer = m->lst;
   return 0;
@@ -719,6 +721,7 @@ void gc_model_close(gc_model *m) {
   mr_free(m->local);
   mr_free(m->seq_len);
   mr_free(m->lst);
+  mr_free(m->lst_snap);
   mr_free(m->seen);
   mr_free(m);
 }
@@ -732,9 +735,11 @@ uint32_t gc_model_seq_len(const gc_model *m, uint32_t seq) {
 
 void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset) {
   *out = m->st;
-  out->layer = m->lst;
+  memcpy(m->lst_snap, m->lst, (size_t)m->L * sizeof *m->lst);
+  out->layer = m->lst_snap;
   if (reset) {
     memset(&m->st, 0, sizeof m->st);
+    memset(m->lst, 0, (size_t)m->L * sizeof *m->lst);
     m->st.layer = m->lst;
   }
 }

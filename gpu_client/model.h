@@ -124,8 +124,8 @@ typedef struct gc_model_stats {
   uint64_t dense_bytes_read; /* dense bytes read, summed over steps */
   gc_layer_stats *layer;     /* [num_layers], owned by the model */
 } gc_model_stats;
-/* Copies the totals (layer points into the model; valid until close) and, with reset,
- * zeroes them. */
+/* Copies the totals, the per-layer ones included (layer points to a copy kept by the
+ * model, valid until the next call or close) and, with reset, zeroes them all. */
 void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset);
 /* Writes the client's metrics in Prometheus text (docs/DESIGN.md 3.7): steps, tokens,
  * generated tokens, local expert slots, step-time and layer-RPC histograms, and per server

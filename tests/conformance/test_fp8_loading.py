@@ -16,7 +16,9 @@
 Prints one line per check and "fp8_loading: N passed, N failed"; exits 1 on any failure.
 """
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +83,8 @@ def main():
     ap.add_argument("--keep", help="keep the files in this directory")
     args = ap.parse_args()
     tmp = args.keep or tempfile.mkdtemp(prefix="fp8-conf-")
+    if not args.keep:
+        atexit.register(shutil.rmtree, tmp, True)
     os.makedirs(tmp, exist_ok=True)
     mk = os.path.join(args.build, "bin", "moerpc-mkmodel")
     cli = os.path.join(args.build, "tests", "kn_ref_cli")

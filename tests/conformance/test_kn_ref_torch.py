@@ -22,7 +22,9 @@ kn_ref_moe_forward and through kn_moe_forward with 1 and 3 slices.
 Prints one line per check and "N passed, N failed"; exits 1 on any failure.
 """
 import argparse
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,6 +166,8 @@ def main():
     hf_logging.set_verbosity_error()
     torch.manual_seed(0)
     tmp = args.keep or tempfile.mkdtemp(prefix="kn-conf-")
+    if not args.keep:
+        atexit.register(shutil.rmtree, tmp, True)
     os.makedirs(tmp, exist_ok=True)
 
     # (name, T, k, E, H, I, weight dtype in file, x dtype, layer format, group, quality bound)

@@ -217,6 +217,35 @@ MT_TEST(fast_path_is_close_to_reference) {
   rm_model();
 }
 
+/* Stats with reset zero the per-layer totals too (bench's repeats read one repeat each). */
+MT_TEST(stats_reset_clears_the_layers) {
+  make_model(NULL);
+  gc_model *m = open_model(KN_ISA_REF, 1, 64);
+  static float logits[12 * 128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  mr_err e = {0};
+  gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = logits};
+  for (int r = 0; r < 8; r++) { /* enough work for whole microseconds per layer */
+    gc_model_seq_reset(m, 0);
+    MT_OK(gc_model_step(m, &s, &e), &e);
+  }
+  gc_model_stats st;
+  gc_model_stats_get(m, &st, true);
+  MT_EQ_INT(st.steps, 8);
+  uint64_t attn = 0;
+  for (uint32_t l = 0; l < 3; l++) attn += st.layer[l].attn_us + st.layer[l].local_us;
+  MT_TRUE(attn > 0);
+  gc_model_stats_get(m, &st, false);
+  MT_EQ_INT(st.steps, 0);
+  for (uint32_t l = 0; l < 3; l++) {
+    MT_EQ_INT(st.layer[l].attn_us, 0);
+    MT_EQ_INT(st.layer[l].local_us, 0);
+  }
+  gc_model_close(m);
+  rm_model();
+}
+
 MT_TEST(open_refuses_bad_options) {
   make_model(NULL);
   gc_model_opts o;
