@@ -292,6 +292,8 @@ typedef struct pl_sim_input {
    * (several copies or unrouted: each sampled slot goes to the least-loaded host so far) */
   const uint8_t *local;         /* NULL = nothing local */
   const int32_t *route;         /* NULL = every pair -1 */
+  const uint32_t *rep_off;      /* NULL, or [L * E + 1]: a replicated pair's hosts are */
+  const int32_t *rep;           /* rep[rep_off[p] .. rep_off[p + 1]) (mr_placement's lists) */
   uint32_t n_hosts;             /* 0..PL_SIM_MAX_HOSTS (0: all local) */
   const pl_sim_host *hosts;
   const pl_rates *client_rates; /* the client's expert throughput (hot experts; all-local) */

@@ -100,6 +100,8 @@ typedef struct rates_ctx {
 /* "int4-g64" matches format "int4" with group 64; "int4" any group. */
 static bool format_matches(const char *want, const char *fmt, uint64_t group) {
   if (!want) return true;
+  if (strcmp(want, "fp8") == 0 || strcmp(want, "fp8-b128") == 0) /* the kernels' name */
+    return strcmp(fmt, "fp8-b128") == 0;
   const char *dash = strchr(want, '-');
   size_t n = dash ? (size_t)(dash - want) : strlen(want);
   if (strlen(fmt) != n || strncmp(want, fmt, n) != 0) return false;
@@ -530,7 +532,16 @@ static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uin
         h = N;
       } else if (in->route && in->route[p] >= 0) {
         h = (uint32_t)in->route[p];
-      } else { /* several copies, or no route: the least-loaded host of this step */
+      } else if (in->rep_off && in->rep_off[p + 1] > in->rep_off[p]) {
+        /* replicas: the least-loaded of the pair's own hosts this step (the client's rule) */
+        const int32_t *c = in->rep + in->rep_off[p];
+        const uint32_t nc = in->rep_off[p + 1] - in->rep_off[p];
+        h = (uint32_t)c[0];
+        for (uint32_t i = 1; i < nc; i++) {
+          uint32_t g = (uint32_t)c[i];
+          if (s->now[g].slots + s->def[g].slots < s->now[h].slots + s->def[h].slots) h = g;
+        }
+      } else { /* no route: the least-loaded host of this step */
         h = 0;
         for (uint32_t i = 1; i < N; i++)
           if (s->now[i].slots + s->def[i].slots < s->now[h].slots + s->def[h].slots) h = i;
@@ -823,7 +834,9 @@ static const char SIM_HELP[] =
     "\n"
     "Placement and routing:\n"
     "  --placement FILE       moerpc-placement JSON; the hosts are its servers (a pair with no\n"
-    "                         server goes to the least-loaded host of each step)\n"
+    "                         server goes to the least-loaded host of each step; a replicated\n"
+    "                         pair to the least-loaded of its own servers)\n"
+    "  --cluster FILE         cluster file: each host's \"speed\" key (--speed overrides it)\n"
     "  --hosts N              N hosts h0..h{N-1}, experts split in N contiguous ranges per\n"
     "                         layer (without --placement, or when it names no server)\n"
     "  --stats FILE           moerpc-stats JSON: routing frequencies per (layer, expert)\n"
@@ -834,9 +847,9 @@ static const char SIM_HELP[] =
     "                         deepseek-v3 (H 7168, I 2048, 256 top-8, 61 layers, 3 dense)\n"
     "  --moe-layers N         with --shape: that many MoE layers instead\n"
     "  --format F             weight format on the servers: bf16 (default), f16, f32, int8,\n"
-    "                         int4[-g32|64|128], fp8; its bench-kernels lines are used\n"
-    "  --rates-format F       the bench-kernels lines to read, if not --format's (fp8 has no\n"
-    "                         kernel here: e.g. int8 lines, same bytes per weight)\n"
+    "                         int4[-g32|64|128], fp8 (= fp8-b128); its bench-kernels lines\n"
+    "                         are used\n"
+    "  --rates-format F       the bench-kernels lines to read, if not --format's\n"
     "  --expert-bytes N       bytes of one expert as stored (default: from --format)\n"
     "  --wire F               hidden states on the wire: bf16 (default), f16, f32\n"
     "Measured throughput:\n"
@@ -880,7 +893,7 @@ enum {
   SO_FORMAT, SO_RATES_FORMAT, SO_EXPERT_BYTES, SO_WIRE, SO_KERNELS, SO_HOST_KERNELS,
   SO_CLIENT_KERNELS, SO_SPEED, SO_RPC, SO_RPC_FIXED, SO_RPC_KB, SO_LINK, SO_LATENCY,
   SO_HOST_LINK, SO_CLIENT_LINK, SO_CLIENT_BENCH, SO_CLIENT_STEP, SO_CLIENT_PREFILL, SO_BATCH,
-  SO_PLEN, SO_DEFER, SO_SHARED, SO_SAMPLES, SO_SEED, SO_JSON, SO_LAYERS
+  SO_PLEN, SO_DEFER, SO_SHARED, SO_SAMPLES, SO_SEED, SO_JSON, SO_LAYERS, SO_CLUSTER
 };
 
 #define SIM_MAX_KV 256
@@ -889,7 +902,7 @@ typedef struct kv {
   const char *val;
 } kv;
 typedef struct sim_opts {
-  const char *placement, *stats, *model, *shape, *format, *rates_format, *wire, *kernels;
+  const char *placement, *cluster, *stats, *model, *shape, *format, *rates_format, *wire, *kernels;
   const char *client_kernels, *rpc, *client_bench;
   uint32_t hosts, moe_layers, batch, prompt_len, max_deferred, samples;
   bool batch_set, plen_set, shared, json, layers_detail;
@@ -944,6 +957,7 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
   static const struct option lo[] = {
       {"help", no_argument, NULL, SO_HELP},
       {"placement", required_argument, NULL, SO_PLACEMENT},
+      {"cluster", required_argument, NULL, SO_CLUSTER},
       {"hosts", required_argument, NULL, SO_HOSTS},
       {"stats", required_argument, NULL, SO_STATS},
       {"model", required_argument, NULL, SO_MODEL},
@@ -993,6 +1007,7 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
     switch (opt) {
       case SO_HELP: fputs(SIM_HELP, stdout); return 1;
       case SO_PLACEMENT: o->placement = optarg; break;
+      case SO_CLUSTER: o->cluster = optarg; break;
       case SO_HOSTS: r = parse_u32("--hosts", optarg, 1, PL_SIM_MAX_HOSTS, &o->hosts); break;
       case SO_STATS: o->stats = optarg; break;
       case SO_MODEL: o->model = optarg; break;
@@ -1203,6 +1218,7 @@ int pl_cmd_simulate(int argc, char **argv) {
   pl_sim_host *hosts = NULL;
   int32_t *route = NULL;
   uint8_t *local = NULL;
+  mr_cluster_file *cf = NULL; /* --cluster: the hosts' speed keys (large: on the heap) */
   pl_sim_result res;
   memset(&res, 0, sizeof res);
 
@@ -1275,17 +1291,18 @@ int pl_cmd_simulate(int argc, char **argv) {
     if (!named && N && !local[p]) route[p] = (int32_t)((p % E) * N / E);
   }
   const char *rfmt = o.rates_format ? o.rates_format : o.format;
-  if (strcmp(rfmt, "fp8") == 0) {
-    fprintf(stderr, PROG ": no kernel reads fp8 here: give --rates-format (e.g. int8, one byte "
-            "per weight as fp8)\n");
-    status = 2;
-    goto out;
-  }
   if (o.kernels && (rc = pl_rates_load(&rates[0], o.kernels, rfmt, &e))) goto fail;
   if (o.client_kernels && (rc = pl_rates_load(&rates[1], o.client_kernels, rfmt, &e))) goto fail;
   for (uint32_t i = 0; i < o.n_hk; i++)
     if ((rc = pl_rates_load(&rates[2 + i], o.host_kernels[i].val, rfmt, &e))) goto fail;
   in.client_rates = o.client_kernels ? &rates[1] : o.kernels ? &rates[0] : NULL;
+  if (o.cluster) {
+    if (!(cf = mr_malloc(sizeof *cf))) {
+      rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+      goto fail;
+    }
+    if ((rc = mr_cluster_load(cf, o.cluster, &e))) goto fail;
+  }
   for (uint32_t h = 0; h < N; h++) {
     pl_sim_host *ho = &hosts[h];
     if (named) snprintf(ho->name, sizeof ho->name, "%s", pl.server[h]);
@@ -1293,6 +1310,8 @@ int pl_cmd_simulate(int argc, char **argv) {
     const kv *k = kv_find(o.host_kernels, o.n_hk, ho->name);
     ho->rates = k ? &rates[2 + (k - o.host_kernels)] : o.kernels ? &rates[0] : NULL;
     ho->speed = 1.0;
+    for (uint32_t c = 0; cf && c < cf->n_servers; c++)
+      if (strcmp(cf->servers[c].name, ho->name) == 0) ho->speed = cf->servers[c].speed;
     if ((k = kv_find(o.speed, o.n_speed, ho->name)) &&
         parse_num("--speed", k->val, 1e-6, 1e6, &ho->speed)) {
       status = 2;
@@ -1323,6 +1342,10 @@ int pl_cmd_simulate(int argc, char **argv) {
   in.hosts = hosts;
   in.local = local;
   in.route = route;
+  if (have_pl && named) {
+    in.rep_off = pl.rep_off;
+    in.rep = pl.rep;
+  }
   if (o.rpc) {
     if ((rc = pl_rpc_load(&in.rpc, o.rpc, &e))) goto fail;
   } else {
@@ -1415,6 +1438,7 @@ out:
   mr_free(hosts);
   mr_free(rates);
   mr_free(route);
+  mr_free(cf);
   mr_free(local);
   return status;
 }

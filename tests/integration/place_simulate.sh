@@ -57,6 +57,33 @@ sys.exit(0 if r["decode_bottleneck"] == "s0" and b["s0"] > 1.5 * b["s1"] and r["
          and r["prefill_tok_s"] is None else 1)
 PY
 
+# 2b. the cluster file's speed keys, and replicas: the same skewed stats with s0 twice as
+# fast (from --cluster) halve s0's busy time; the hot experts 0-7 replicated on s0 and s1
+# go to those two only, never to s2 (which holds only cold ones).
+cat >"$tmp/c.json" <<'EOF2'
+{"servers": [{"name": "s0", "address": "127.0.0.1:1", "speed": 2},
+             {"name": "s1", "address": "127.0.0.1:2"}]}
+EOF2
+python3 - "$tmp" <<'PY'
+import json, sys
+d = sys.argv[1]
+json.dump({"format": "moerpc-placement", "version": 1, "num_layers": 2, "num_experts": 16,
+           "layers": [{"layer": l, "remote": {"s0": "0-7", "s1": "0-11", "s2": "12-15"}}
+                      for l in range(2)]},
+          open(d + "/prep.json", "w"))
+PY
+sim2() { "$BIN/moerpc-place" simulate --model "$M" --kernels "$tmp/k.jsonl" --rpc-fixed-us 0 \
+           --stats "$tmp/s.json" --batch 4 --client-step-us 10 --prompt-len 0 --json "$@" 2>>"$tmp/e2"; }
+fast=$(sim2 --placement "$tmp/p.json" --cluster "$tmp/c.json")
+rep=$(sim2 --placement "$tmp/prep.json")
+python3 - "$out" "$fast" "$rep" <<'PY' && ok cluster_speed_and_replicas || bad cluster_speed_and_replicas "$fast / $rep $(tail -1 "$tmp/e2")"
+import json, sys
+base, fast, rep = (json.loads(a) for a in sys.argv[1:])
+b, f, r = base["decode_host_busy_us"], fast["decode_host_busy_us"], rep["decode_host_busy_us"]
+ok = 0.4 < f["s0"] / b["s0"] < 0.6 and r["s2"] < 0.5 * min(r["s0"], r["s1"])
+sys.exit(0 if ok else 1)
+PY
+
 # 3. bad files exit 1 naming the field; bad flags exit 2
 expect() { # name want-status want-text args...
   local name=$1 st=$2 want=$3; shift 3
