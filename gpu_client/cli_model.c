@@ -26,13 +26,14 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_WATCH
 };
 
 #define MODEL_OPTIONS                                                                    \
   {"model", required_argument, NULL, MO_MODEL},                                          \
       {"cluster", required_argument, NULL, MO_CLUSTER},                                  \
       {"placement", required_argument, NULL, MO_PLACEMENT},                              \
+      {"watch-placement", no_argument, NULL, MO_WATCH},                                  \
       {"local-experts", required_argument, NULL, MO_LOCAL},                              \
       {"max-deferred", required_argument, NULL, MO_DEFER},                               \
       {"max-seq", required_argument, NULL, MO_MAXSEQ},                                   \
@@ -59,6 +60,11 @@ static const char MODEL_HELP[] =
     "  --placement FILE         with --cluster: a placement file (local and remote experts\n"
     "                           per layer, see gpu_client/README.md); exclusive with\n"
     "                           --local-experts\n"
+    "  --watch-placement        with --placement: at each step boundary, if FILE changed,\n"
+    "                           Hello every server again and switch routing to it between\n"
+    "                           two steps (moerpc-place apply writes it); a bad file is\n"
+    "                           logged and ignored; local experts cannot change. The active\n"
+    "                           placement is at GET /placement of --metrics-listen\n"
     "  --max-deferred K         defer each token's K lowest-ranked cold slots to the next\n"
     "                           MoE layer (kt-kernel semantics; changes results), default 0\n"
     "  --max-seq N              KV cache positions per sequence, 1..1048576 (default 4096,\n"
@@ -75,7 +81,8 @@ static const char MODEL_HELP[] =
     "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
-    "                           the command runs (port 0 = any free port, logged)\n"
+    "                           the command runs (port 0 = any free port, logged); also\n"
+    "                           GET /placement (JSON: generation, hash, switched_at)\n"
     "  --help                   this text\n";
 
 typedef struct mcli {
@@ -92,6 +99,8 @@ typedef struct mcli {
 static mr_http_server *cli_metrics;
 
 static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p); }
+/* GET /placement: the active placement (live apply). */
+static void placement_render(void *ud, mr_prom *p) { gc_model_placement_render(ud, p); }
 
 /* Stops the responder and closes the model (the responder reads the model). */
 static void close_model(gc_model *m) {
@@ -155,6 +164,7 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_MODEL: o->model_dir = arg; return 1;
   case MO_CLUSTER: o->cluster_path = arg; return 1;
   case MO_PLACEMENT: o->placement_path = arg; return 1;
+  case MO_WATCH: o->watch_placement = true; return 1;
   case MO_LOCAL:
     if (!gc__cli_u32("--local-experts", arg, 0, 65536, &v)) return -1;
     o->local_experts = (int32_t)v;
@@ -249,6 +259,10 @@ static int parse(int argc, char **argv, const struct option *lo, const char *usa
     fprintf(stderr, PROG " %s: --local-experts and --placement are exclusive\n", argv[0]);
     return 2;
   }
+  if (c->mo.watch_placement && !c->mo.placement_path) {
+    fprintf(stderr, PROG " %s: --watch-placement needs --placement FILE\n", argv[0]);
+    return 2;
+  }
   return 0;
 }
 
@@ -317,6 +331,12 @@ static int open_model(mcli *c, gc_model **m) {
   if (c->metrics_listen) {
     rc = mr_http_server_new(&cli_metrics, c->metrics_listen, "--metrics-listen", "/metrics",
                             metrics_render, *m, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+      return rc;
+    }
+    rc = mr_http_server_add_path(cli_metrics, "/placement", "application/json", placement_render,
+                                 *m, &e);
     if (rc) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
