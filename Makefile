@@ -12,7 +12,8 @@
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
 #   make fuzz-check       runs each of them FUZZ_SECONDS (20) on a copy of its corpus
 #
-# Layers (one way): common <- kernels <- expert_server, gpu_client; proto <- server, client.
+# Layers (one way): common <- kernels <- expert_server, gpu_client <- placement; proto <- server,
+# client.
 # Only proto and the code above it include the generated protobuf-c header, so only their
 # objects wait for protoc-c.
 
@@ -91,6 +92,8 @@ ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
 # subcommands; the rest of gpu_client/ is the library.
 CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
 GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
+# placement/: libpl from pl_*.c; main.c is the moerpc-place command table.
+PL_SRC  = $(wildcard placement/pl_*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -100,6 +103,7 @@ KN_OBJ  = $(call obj,$(KN_SRC))
 ES_OBJ  = $(call obj,$(ES_SRC))
 GC_OBJ  = $(call obj,$(GC_SRC))
 CLI_OBJ = $(call obj,$(CLI_SRC))
+PL_OBJ  = $(call obj,$(PL_SRC))
 
 LIB_MR = $(BUILD)/lib/libmr.a
 LIB_PR = $(BUILD)/lib/libpr.a
@@ -107,10 +111,12 @@ LIB_KN = $(BUILD)/lib/libkn.a
 LIB_ES = $(BUILD)/lib/libes.a
 LIB_GC = $(BUILD)/lib/libmoerpc-client.a
 SO_GC  = $(BUILD)/lib/libmoerpc-client.so
-LIBS_ALL = $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+LIB_PL = $(BUILD)/lib/libpl.a
+LIBS_ALL = $(LIB_PL) $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
-       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay
+       $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay \
+       $(BUILD)/bin/moerpc-place
 
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
 UNIT_BINS  = $(patsubst tests/unit/%.c,$(BUILD)/tests/%,$(UNIT_SRC))
@@ -169,6 +175,7 @@ $(LIB_PR): $(PR_OBJ) ; $(mklib)
 $(LIB_KN): $(KN_OBJ) ; $(mklib)
 $(LIB_ES): $(ES_OBJ) ; $(mklib)
 $(LIB_GC): $(GC_OBJ) ; $(mklib)
+$(LIB_PL): $(PL_OBJ) ; $(mklib)
 
 $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
@@ -179,6 +186,9 @@ $(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-mkmodel: $(BUILD)/obj/common/tools/mkmodel.o $(LIB_MR)
@@ -222,7 +232,8 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 # instrumentation, ASan + UBSan), without the per-ISA kernel files (MR_FUZZ_NO_ISA).
 FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
-FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC)
+FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC) \
+               $(PL_SRC)
 FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o
 $(BUILD)/fuzz/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)

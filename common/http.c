@@ -147,6 +147,15 @@ struct mr_http_server {
   mr_http_render_fn render;
   void *ud;
   _Atomic(mr_http_probe_fn) probe; /* /healthz and /readyz, or NULL (404) */
+  /* Extra paths (mr_http_server_route): entries below n_routes are complete and fixed. */
+  struct mr__http_route {
+    char *path;
+    const char *ctype;
+    mr_http_render_fn render;
+    void *ud;
+  } routes[MR_HTTP_MAX_ROUTES];
+  _Atomic uint32_t n_routes;
+  pthread_mutex_t route_lock; /* writers of routes[] */
   pthread_t thread;
   bool started;
   mr_prom text;    /* responder thread only */
@@ -195,8 +204,9 @@ static void mr__http_send_all(mr_http_server *h, int fd, const char *b, size_t n
 }
 
 /* Answers status with body (NULL: a one-line text reason); HEAD gets the head only. */
-static void mr__http_answer(mr_http_server *h, int fd, int status, const char *body, size_t blen,
-                            bool head_only, uint64_t deadline_ms) {
+static void mr__http_answer_ct(mr_http_server *h, int fd, int status, const char *body,
+                               size_t blen, bool head_only, uint64_t deadline_ms,
+                               const char *ctype) {
   char err[128];
   if (!body) {
     blen = (size_t)snprintf(err, sizeof err, "%d %s\n", status, mr__http_reason(status));
@@ -204,11 +214,38 @@ static void mr__http_answer(mr_http_server *h, int fd, int status, const char *b
   }
   char hd[320];
   int n = snprintf(hd, sizeof hd,
-                   "HTTP/1.1 %d %s\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                   "HTTP/1.1 %d %s\r\nContent-Type: %s\r\n"
                    "Content-Length: %zu\r\n%sConnection: close\r\n\r\n",
-                   status, mr__http_reason(status), blen, status == 405 ? "Allow: GET, HEAD\r\n" : "");
+                   status, mr__http_reason(status), ctype, blen,
+                   status == 405 ? "Allow: GET, HEAD\r\n" : "");
   mr__http_send_all(h, fd, hd, (size_t)n, deadline_ms);
   if (!head_only) mr__http_send_all(h, fd, body, blen, deadline_ms);
+}
+
+#define MR__HTTP_PROM_TYPE "text/plain; version=0.0.4; charset=utf-8"
+static void mr__http_answer(mr_http_server *h, int fd, int status, const char *body, size_t blen,
+                            bool head_only, uint64_t deadline_ms) {
+  mr__http_answer_ct(h, fd, status, body, blen, head_only, deadline_ms, MR__HTTP_PROM_TYPE);
+}
+
+/* Renders one path's body into h->text and answers it (500 when out of memory). */
+static void mr__http_render(mr_http_server *h, int fd, mr_http_render_fn render, void *ud,
+                            const char *ctype, bool head, uint64_t deadline) {
+  mr_prom_reset(&h->text);
+  render(ud, &h->text);
+  if (h->text.oom)
+    mr__http_answer(h, fd, 500, NULL, 0, head, deadline);
+  else
+    mr__http_answer_ct(h, fd, 200, h->text.buf ? h->text.buf : "", h->text.len, head, deadline,
+                       ctype);
+}
+
+/* The extra route serving path, or NULL. */
+static const struct mr__http_route *mr__http_find(mr_http_server *h, const char *path) {
+  uint32_t n = atomic_load_explicit(&h->n_routes, memory_order_acquire);
+  for (uint32_t i = 0; i < n; i++)
+    if (strcmp(h->routes[i].path, path) == 0) return &h->routes[i];
+  return NULL;
 }
 
 static void mr__http_conn(mr_http_server *h, int fd) {
@@ -234,7 +271,12 @@ static void mr__http_conn(mr_http_server *h, int fd) {
   bool head = strcmp(req.method, "HEAD") == 0;
   if (!head && strcmp(req.method, "GET") != 0) {
     mr__http_answer(h, fd, 405, NULL, 0, false, deadline);
-  } else if (strcmp(req.path, h->path) != 0) {
+  } else if (strcmp(req.path, h->path) == 0) {
+    mr__http_render(h, fd, h->render, h->ud, MR__HTTP_PROM_TYPE, head, deadline);
+  } else if (mr__http_find(h, req.path)) {
+    const struct mr__http_route *r = mr__http_find(h, req.path);
+    mr__http_render(h, fd, r->render, r->ud, r->ctype, head, deadline);
+  } else {
     mr_http_probe_fn probe = atomic_load(&h->probe);
     bool ready = strcmp(req.path, "/readyz") == 0;
     if (probe && (ready || strcmp(req.path, "/healthz") == 0)) {
@@ -245,13 +287,6 @@ static void mr__http_conn(mr_http_server *h, int fd) {
     } else {
       mr__http_answer(h, fd, 404, NULL, 0, head, deadline);
     }
-  } else {
-    mr_prom_reset(&h->text);
-    h->render(h->ud, &h->text);
-    if (h->text.oom)
-      mr__http_answer(h, fd, 500, NULL, 0, head, deadline);
-    else
-      mr__http_answer(h, fd, 200, h->text.buf ? h->text.buf : "", h->text.len, head, deadline);
   }
 }
 
@@ -319,6 +354,7 @@ int mr_http_server_new(mr_http_server **out, const char *addr, const char *flag,
     return mr_err_set(e, MR_ENOMEM, "out of memory for the %s responder", flag);
   }
   h->fd = h->stop_fd[0] = h->stop_fd[1] = -1;
+  pthread_mutex_init(&h->route_lock, NULL);
   mr_prom_init(&h->text);
   h->render = render;
   h->ud = ud;
@@ -387,5 +423,176 @@ void mr_http_server_free(mr_http_server *h) {
   if (h->stop_fd[1] >= 0) close(h->stop_fd[1]);
   mr_prom_close(&h->text);
   mr_free(h->path);
+  for (uint32_t i = 0; i < atomic_load(&h->n_routes); i++) mr_free(h->routes[i].path);
+  pthread_mutex_destroy(&h->route_lock);
   mr_free(h);
+}
+
+int mr_http_server_route(mr_http_server *h, const char *path, const char *content_type,
+                         mr_http_render_fn render, void *ud, mr_err *e) {
+  if (!path || path[0] != '/' || strlen(path) > 1023)
+    return mr_err_set(e, MR_EINVAL, "http route \"%.64s\": must start with / and have at most "
+                      "1023 bytes", path ? path : "(null)");
+  pthread_mutex_lock(&h->route_lock);
+  int rc = 0;
+  uint32_t n = atomic_load(&h->n_routes);
+  if (strcmp(path, h->path) == 0 || mr__http_find(h, path))
+    rc = mr_err_set(e, MR_EINVAL, "http route %s: already served", path);
+  else if (n >= MR_HTTP_MAX_ROUTES)
+    rc = mr_err_set(e, MR_ERANGE, "http route %s: at most %u extra routes", path,
+                    MR_HTTP_MAX_ROUTES);
+  else if (!(h->routes[n].path = mr_strdup(path)))
+    rc = mr_err_set(e, MR_ENOMEM, "http route %s: out of memory", path);
+  if (!rc) {
+    h->routes[n].ctype = content_type ? content_type : MR__HTTP_PROM_TYPE;
+    h->routes[n].render = render;
+    h->routes[n].ud = ud;
+    atomic_store_explicit(&h->n_routes, n + 1, memory_order_release);
+  }
+  pthread_mutex_unlock(&h->route_lock);
+  return rc;
+}
+
+/* ---- the one-shot GET client ------------------------------------------------------------ */
+
+/* Waits for events on fd until deadline_ms (monotonic ms); false on timeout or error. */
+static bool mr__http_cwait(int fd, short events, uint64_t deadline_ms) {
+  for (;;) {
+    uint64_t now = mr_now_ns() / 1000000u;
+    if (now >= deadline_ms) return false;
+    struct pollfd pf = {.fd = fd, .events = events};
+    int r = poll(&pf, 1, (int)(deadline_ms - now));
+    if (r < 0 && errno == EINTR) continue;
+    return r > 0;
+  }
+}
+
+int mr_http_get(const char *url, const char *default_path, size_t max_body, int timeout_ms,
+                int *status, char **body, size_t *len, mr_err *e) {
+  *status = 0;
+  *body = NULL;
+  *len = 0;
+  const char *p = url;
+  if (strncmp(p, "http://", 7) == 0) p += 7;
+  else if (strstr(p, "://"))
+    return mr_err_set(e, MR_EINVAL, "%.200s: only http:// URLs (HOST:PORT[/PATH])", url);
+  char hostport[300], path[1024];
+  const char *slash = strchr(p, '/');
+  size_t hl = slash ? (size_t)(slash - p) : strlen(p);
+  if (hl == 0 || hl >= sizeof hostport)
+    return mr_err_set(e, MR_EINVAL, "%.200s: must be http://HOST:PORT[/PATH]", url);
+  memcpy(hostport, p, hl);
+  hostport[hl] = '\0';
+  snprintf(path, sizeof path, "%s", slash && slash[1] ? slash : default_path ? default_path : "/");
+  for (const char *c = path; *c; c++)
+    if ((unsigned char)*c <= 0x20 || (unsigned char)*c >= 0x7f)
+      return mr_err_set(e, MR_EINVAL, "%.200s: the path has a space or a control byte", url);
+  char host[256];
+  const char *port = NULL;
+  int rc = mr__http_split(hostport, url, host, sizeof host, &port, e);
+  if (rc) return rc;
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_NUMERICSERV}, *ai = NULL;
+  int gai = getaddrinfo(host, port, &hints, &ai);
+  if (gai) return mr_err_set(e, MR_EINVAL, "%.200s: %s", url, gai_strerror(gai));
+  uint64_t deadline = mr_now_ns() / 1000000u + (uint64_t)(timeout_ms > 0 ? timeout_ms : 1);
+  int fd = -1, err = ECONNREFUSED;
+  for (struct addrinfo *a = ai; a && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
+    if (fd < 0) {
+      err = errno;
+      continue;
+    }
+    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+    int ok = errno == EINPROGRESS && mr__http_cwait(fd, POLLOUT, deadline);
+    socklen_t sl = sizeof err;
+    if (ok && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &sl) == 0 && err == 0) break;
+    if (!ok) err = ETIMEDOUT;
+    close(fd);
+    fd = -1;
+  }
+  freeaddrinfo(ai);
+  if (fd < 0)
+    return mr_err_set(e, err == ETIMEDOUT ? MR_ETIMEDOUT : MR_EUNAVAIL, "%.200s: cannot connect: %s",
+                      url, strerror(err));
+  char req[1400];
+  int n = snprintf(req, sizeof req, "GET %s HTTP/1.0\r\nHost: %s\r\nConnection: close\r\n\r\n",
+                   path, hostport);
+  for (int off = 0; off < n;) {
+    ssize_t w = send(fd, req + off, (size_t)(n - off), MSG_NOSIGNAL);
+    if (w > 0) {
+      off += (int)w;
+    } else if (w < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) {
+      if (!mr__http_cwait(fd, POLLOUT, deadline)) {
+        close(fd);
+        return mr_err_set(e, MR_ETIMEDOUT, "%.200s: no answer within %d ms", url, timeout_ms);
+      }
+    } else {
+      rc = mr_err_set(e, MR_EUNAVAIL, "%.200s: send: %s", url, strerror(errno));
+      close(fd);
+      return rc;
+    }
+  }
+  /* The answer: a head of at most MR_HTTP_MAX_HEAD bytes, then at most max_body. */
+  const size_t limit = MR_HTTP_MAX_HEAD + max_body + 1;
+  size_t cap = limit < 65536 ? limit : 65536, got = 0;
+  char *buf = mr_malloc(cap);
+  if (!buf) {
+    close(fd);
+    return mr_err_set(e, MR_ENOMEM, "%.200s: out of memory for %zu bytes", url, cap);
+  }
+  for (;;) {
+    if (got == cap && cap < limit) { /* grows by doubling up to the limit */
+      size_t nc = cap * 2 < limit ? cap * 2 : limit;
+      char *nb = mr_realloc(buf, nc);
+      if (!nb) {
+        rc = mr_err_set(e, MR_ENOMEM, "%.200s: out of memory for %zu bytes", url, nc);
+        goto out;
+      }
+      buf = nb;
+      cap = nc;
+    }
+    if (got == cap) {
+      rc = mr_err_set(e, MR_EEXHAUSTED, "%.200s: answer over %zu bytes of body", url, max_body);
+      goto out;
+    }
+    ssize_t r = recv(fd, buf + got, cap - got, 0);
+    if (r > 0) {
+      got += (size_t)r;
+      continue;
+    }
+    if (r == 0) break;
+    if (errno == EINTR) continue;
+    if ((errno == EAGAIN || errno == EWOULDBLOCK) && mr__http_cwait(fd, POLLIN, deadline)) continue;
+    rc = errno == EAGAIN || errno == EWOULDBLOCK
+             ? mr_err_set(e, MR_ETIMEDOUT, "%.200s: no complete answer within %d ms", url, timeout_ms)
+             : mr_err_set(e, MR_EUNAVAIL, "%.200s: recv: %s", url, strerror(errno));
+    goto out;
+  }
+  buf[got] = '\0';
+  char *end = NULL;
+  for (size_t i = 0; i + 3 < got; i++)
+    if (memcmp(buf + i, "\r\n\r\n", 4) == 0) {
+      end = buf + i + 4;
+      break;
+    }
+  int st = 0;
+  if (!end || (size_t)(end - buf) > MR_HTTP_MAX_HEAD || sscanf(buf, "HTTP/1.%*1[01] %3d", &st) != 1 ||
+      st < 100 || st > 599) {
+    rc = mr_err_set(e, MR_EPROTO, "%.200s: not an HTTP/1.x answer (%zu bytes)", url, got);
+    goto out;
+  }
+  if ((size_t)(buf + got - end) > max_body) {
+    rc = mr_err_set(e, MR_EEXHAUSTED, "%.200s: answer over %zu bytes of body", url, max_body);
+    goto out;
+  }
+  *len = (size_t)(buf + got - end);
+  memmove(buf, end, *len + 1);
+  *status = st;
+  *body = buf;
+  buf = NULL;
+out:
+  mr_free(buf);
+  close(fd);
+  return rc;
 }

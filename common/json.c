@@ -139,3 +139,21 @@ int mr__json_parse_object(const char *text, size_t len, const char *label, cJSON
   *out = NULL;
   return mr_err_set(e, MR_EFORMAT, "%s: top level is %s, must be a JSON object", label, desc);
 }
+
+/* The public face of the helpers above (mr.h), for placement/'s file formats. */
+int mr_json_u64(const cJSON *item, const char *label, const char *field, uint64_t lo,
+                uint64_t hi, uint64_t *out, mr_err *e) {
+  return mr__json_u64(item, label, field, lo, hi, out, e);
+}
+int mr_json_check_keys(const cJSON *obj, const char *const *allowed, const char *label,
+                       const char *where, mr_err *e) {
+  return mr__json_check_keys(obj, allowed, label, where, e);
+}
+int mr_json_parse_object(const char *text, size_t len, const char *label, cJSON **out,
+                         mr_err *e) {
+  if (len > MR_JSON_MAX_BYTES)
+    return mr_err_set(e, MR_ERANGE, "%s: %zu bytes of JSON, at most %zu", label, len,
+                      MR_JSON_MAX_BYTES);
+  return mr__json_parse_object(text, len, label, out, e);
+}
+void mr_json_describe(const cJSON *item, char *buf, size_t len) { mr__json_describe(item, buf, len); }

@@ -490,6 +490,27 @@ bool mr_secret_equal(const char *a, size_t alen, const char *b, size_t blen);
 void mr_secret_wipe(void *p, size_t n);
 
 /* ---------------------------------------------------------------------------------------
+ * JSON field readers for the file formats of the modules above common (placement/'s stats
+ * and plan files), worded like common's own readers: "<label>: <field> = <value>, <what was
+ * expected>". cJSON values; the caller includes <cjson/cJSON.h>.
+ */
+struct cJSON;
+/* An integer-valued number in lo..hi (no fraction, at most 2^53), else MR_EFORMAT/MR_ERANGE. */
+int mr_json_u64(const struct cJSON *item, const char *label, const char *field, uint64_t lo,
+                uint64_t hi, uint64_t *out, mr_err *e);
+/* Every key of object obj is in allowed[] (NULL-terminated) and appears once; `where` names
+ * the object ("top level", "window"). */
+int mr_json_check_keys(const struct cJSON *obj, const char *const *allowed, const char *label,
+                       const char *where, mr_err *e);
+/* Parses len bytes (at most MR_JSON_MAX_BYTES; only whitespace may follow) into an object;
+ * the caller deletes *out with cJSON_Delete. Thread-safe. */
+#define MR_JSON_MAX_BYTES ((size_t)256 << 20)
+int mr_json_parse_object(const char *text, size_t len, const char *label, struct cJSON **out,
+                         mr_err *e);
+/* Short text of a value for messages ("\"abc\"", "12.5", "an object"). */
+void mr_json_describe(const struct cJSON *item, char *buf, size_t len);
+
+/* ---------------------------------------------------------------------------------------
  * Prometheus text exposition, format 0.0.4 (metrics.c). A growable text buffer with one
  * writer per sample kind; the server's and the client's /metrics both use it.
  *
@@ -601,6 +622,25 @@ typedef bool (*mr_http_probe_fn)(void *ud, bool ready);
 void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
 /* Stops the thread (an answer in progress is cut) and closes the socket. NULL is a no-op. */
 void mr_http_server_free(mr_http_server *h);
+
+/* More paths on the same responder, each with its own render and Content-Type (NULL = the
+ * Prometheus text type; kept, not copied: a string literal), e.g. the client's GET /routing
+ * (JSON). At most MR_HTTP_MAX_ROUTES;
+ * a path already served is MR_EINVAL, past the limit MR_ERANGE. Call it from any thread,
+ * before or after traffic starts (a route becomes visible atomically). */
+#define MR_HTTP_MAX_ROUTES 8u
+int mr_http_server_route(mr_http_server *h, const char *path, const char *content_type,
+                         mr_http_render_fn render, void *ud, mr_err *e);
+
+/* A one-shot HTTP/1.0 GET client for our own endpoints (moerpc-place reads a client's
+ * /routing): url is "http://HOST:PORT/PATH" (or "HOST:PORT/PATH"; PATH defaults to
+ * default_path). Connects, sends, reads the answer within timeout_ms in all; an answer over
+ * max_body bytes of body is MR_EEXHAUSTED. On success *status is the HTTP status and *body
+ * a NUL-terminated copy of the body (caller frees with mr_free), *len its length. Errors
+ * (MR_EINVAL bad url, MR_EUNAVAIL cannot connect, MR_ETIMEDOUT, MR_EPROTO a malformed
+ * answer) name the url. */
+int mr_http_get(const char *url, const char *default_path, size_t max_body, int timeout_ms,
+                int *status, char **body, size_t *len, mr_err *e);
 
 #ifdef __cplusplus
 }

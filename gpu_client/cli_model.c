@@ -26,7 +26,7 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_WATCH
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -47,6 +47,8 @@ enum {
       {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
       {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
       {"metrics-listen", required_argument, NULL, MO_METRICS},                           \
+      {"routing-window", required_argument, NULL, MO_RWINDOW},                           \
+      {"routing-stats", required_argument, NULL, MO_RSTATS},                             \
       {"help", no_argument, NULL, MO_HELP}
 
 static const char MODEL_HELP[] =
@@ -82,7 +84,13 @@ static const char MODEL_HELP[] =
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
     "                           the command runs (port 0 = any free port, logged); also\n"
-    "                           GET /placement (JSON: generation, hash, switched_at)\n"
+    "                           GET /placement (JSON: generation, hash, switched_at) and\n"
+    "                           GET /routing: the routing counters as moerpc-stats JSON\n"
+    "routing statistics (every routed slot, hot experts included; placement/README.md):\n"
+    "  --routing-window STEPS   sliding window of the counters, 1..16777216 steps (a step:\n"
+    "                           one pass of the model; default 1024)\n"
+    "  --routing-stats FILE     at exit, write the window's counts there (moerpc-stats JSON,\n"
+    "                           input of moerpc-place plan)\n"
     "  --help                   this text\n";
 
 typedef struct mcli {
@@ -92,6 +100,7 @@ typedef struct mcli {
   bool batch_set, json;
   gc_sampling smp;
   const char *metrics_listen; /* --metrics-listen, NULL = off */
+  const char *routing_stats;  /* --routing-stats FILE, NULL = off */
 } mcli;
 
 /* The --metrics-listen responder of this run (common/http.c): serves
@@ -102,11 +111,32 @@ static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p
 /* GET /placement: the active placement (live apply). */
 static void placement_render(void *ud, mr_prom *p) { gc_model_placement_render(ud, p); }
 
-/* Stops the responder and closes the model (the responder reads the model). */
-static void close_model(gc_model *m) {
+/* GET /routing: the routing counters' window as moerpc-stats JSON (a 500 when out of
+ * memory: the responder answers 500 for a text marked oom). */
+static void routing_render(void *ud, mr_prom *p) {
+  mr_err e;
+  if (gc_model_routing_json(ud, GC_ROUTING_WINDOW, p, &e)) p->oom = true;
+}
+
+/* Writes --routing-stats (when given and the model opened); 0, or 1 on failure. Then stops
+ * the responder and closes the model (the responder reads the model). */
+static int close_model(const mcli *c, gc_model *m) {
+  int status = 0;
+  if (m && c->routing_stats) {
+    mr_err e;
+    mr_err_clear(&e);
+    int rc = gc_model_routing_save(m, GC_ROUTING_WINDOW, c->routing_stats, &e);
+    if (rc) {
+      fprintf(stderr, PROG ": --routing-stats: %s: %s\n", mr_err_name(rc), e.msg);
+      status = 1;
+    } else {
+      mr_log(MR_LOG_INFO, "routing statistics written to %s", c->routing_stats);
+    }
+  }
   mr_http_server_free(cli_metrics);
   cli_metrics = NULL;
   gc_model_close(m);
+  return status;
 }
 
 bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
@@ -199,6 +229,9 @@ static int model_opt(mcli *c, int opt, const char *arg) {
     return 1;
   case MO_QUIET: o->quiet = true; return 1;
   case MO_METRICS: c->metrics_listen = arg; return 1;
+  case MO_RWINDOW:
+    return gc__cli_u32("--routing-window", arg, 1, GC_ROUTING_MAX_WINDOW, &o->routing_window) ? 1 : -1;
+  case MO_RSTATS: c->routing_stats = arg; return 1;
   case MO_PROMPT: c->prompt = arg; return 1;
   case MO_IDS: c->ids = arg; return 1;
   case MO_OUT: c->out = arg; return 1;
@@ -335,8 +368,10 @@ static int open_model(mcli *c, gc_model **m) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
     }
-    rc = mr_http_server_add_path(cli_metrics, "/placement", "application/json", placement_render,
-                                 *m, &e);
+    rc = mr_http_server_route(cli_metrics, "/routing", "application/json", routing_render, *m, &e);
+    if (rc == 0)
+      rc = mr_http_server_route(cli_metrics, "/placement", "application/json", placement_render,
+                                *m, &e);
     if (rc) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
@@ -500,7 +535,7 @@ int gc__cli_generate(int argc, char **argv) {
   rc = 0;
 out:
   failover_summary(m, c.json);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(prompts);
@@ -613,7 +648,7 @@ int gc__cli_logits(int argc, char **argv) {
   rc = 0;
 out:
   if (f) fclose(f);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(seq);
@@ -882,7 +917,7 @@ fail:
   rc = 1;
 out:
   failover_summary(m, c.json);
-  close_model(m);
+  if (close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(seq);
   free(pos);

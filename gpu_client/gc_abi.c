@@ -36,6 +36,7 @@ static const abi_entry abi_table[] = {
     ABI_FIELD(gc_options, no_local),
     ABI_FIELD(gc_options, caller_local),
     ABI_FIELD(gc_options, caller_local_len),
+    ABI_FIELD(gc_options, routing_window),
     ABI_SIZE(gc_layer_req),
     ABI_FIELD(gc_layer_req, layer),
     ABI_FIELD(gc_layer_req, n_tokens),

@@ -711,6 +711,17 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     rc = mr_err_set(e, MR_EPRECOND, "%s", msg);
     goto out_close;
   }
+  /* A step ends at the last layer that anyone computes (a server, local or the caller). */
+  uint32_t last_layer = 0;
+  for (size_t i = 0; i < pairs; i++)
+    if (c->owner[i] != GC_OWNER_NONE) last_layer = (uint32_t)(i / c->E);
+  if (c->opts.routing_window > GC_ROUTING_MAX_WINDOW) {
+    rc = mr_err_set(e, MR_EINVAL, "routing_window = %u steps, must be 1..%u (0 = default %u)",
+                    c->opts.routing_window, GC_ROUTING_MAX_WINDOW, GC_ROUTING_DEFAULT_WINDOW);
+    goto out_close;
+  }
+  rc = gc_routing_new(&c->routing, c->L, c->E, c->opts.routing_window, last_layer, e);
+  if (rc) goto out_close;
 
   rc = gc__streams_start(c, e);
   if (rc) goto out_close;
@@ -760,6 +771,7 @@ void gc_cluster_close(gc_cluster *c) {
   mr_free(c->rep_off);
   mr_free(c->rep);
   mr_free(c->pref);
+  gc_routing_free(c->routing);
   if (c->creds) grpc_channel_credentials_release(c->creds);
   if (c->n_auth_md) {
     grpc_slice_unref(c->auth_md.key);
@@ -898,6 +910,8 @@ void gc_stats_close(gc_stats *s) {
   mr_free(s->counts);
   memset(s, 0, sizeof *s);
 }
+
+gc_routing *gc_cluster_routing(gc_cluster *c) { return c ? c->routing : NULL; }
 
 /* ---- control handle (placement apply) ---------------------------------------------------- */
 

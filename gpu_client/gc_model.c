@@ -104,6 +104,9 @@ struct gc_model {
   double pl_switched_at;          /* Unix time of the last switch (or of open) */
   uint64_t pl_rejected;           /* new files refused (the old placement stayed) */
   char pl_error[512];             /* why the last one was refused, "" = none */
+  /* Routing counters without a cluster (with one, the cluster's count every slot). */
+  gc_routing *routing_own;
+  char fingerprint[64];           /* the model's (the servers' with a cluster) */
 };
 
 void gc_model_opts_init(gc_model_opts *o) {
@@ -118,6 +121,24 @@ const mr_model_config *gc_model_config(const gc_model *m) { return &m->cfg; }
 uint32_t gc_model_max_seq(const gc_model *m) { return m->max_seq; }
 uint32_t gc_model_max_batch(const gc_model *m) { return m->max_batch; }
 gc_cluster *gc_model_cluster(gc_model *m) { return m->cluster; }
+gc_routing *gc_model_routing(gc_model *m) {
+  return m->cluster ? gc_cluster_routing(m->cluster) : m->routing_own;
+}
+/* Both may run on the metrics responder's thread: cl_lock keeps a placement switch from
+ * closing the cluster (and its counters) under them. A switch starts the counters afresh
+ * (they belong to the cluster). */
+int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_prom *out, mr_err *e) {
+  pthread_mutex_lock(&m->cl_lock);
+  int rc = gc_routing_json(gc_model_routing(m), span, m->fingerprint, out, e);
+  pthread_mutex_unlock(&m->cl_lock);
+  return rc;
+}
+int gc_model_routing_save(gc_model *m, gc_routing_span span, const char *path, mr_err *e) {
+  pthread_mutex_lock(&m->cl_lock);
+  int rc = gc_routing_save(gc_model_routing(m), span, m->fingerprint, path, e);
+  pthread_mutex_unlock(&m->cl_lock);
+  return rc;
+}
 kn_engine *gc_model_engine(gc_model *m) { return m->eng; }
 uint64_t gc_model_dense_bytes(const gc_model *m) { return m->dense_bytes; }
 uint64_t gc_model_expert_bytes(const gc_model *m) { return m->expert_bytes_one; }
@@ -548,6 +569,7 @@ static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32
   co.caller_local_len = (size_t)m->L * m->E;
   co.route = route;
   co.route_len = route ? (size_t)m->L * m->E : 0;
+  co.routing_window = m->o.routing_window;
   int rc = gc_cluster_open_parsed(out_cl, cf, &co, e);
   if (rc) return rc;
   gc_cluster_info ci;
@@ -694,6 +716,17 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   if ((rc = gc_bk_cpu_new(&m->bk, m->eng, m->max_seq, e))) goto out;
   if (cf && (rc = cluster_open(m, cf, route, e))) goto out;
   if ((rc = mr_st_open(&st, m->model_dir, e))) goto out;
+  if (m->cluster) {
+    gc_cluster_info ci;
+    gc_cluster_info_get(m->cluster, &ci);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%s", ci.model_fingerprint);
+  } else {
+    char fp[17];
+    if ((rc = mr_model_fingerprint(m->model_dir, st, fp, e))) goto out;
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%s", fp);
+    if ((rc = gc_routing_new(&m->routing_own, m->L, m->E, o->routing_window, m->last_moe, e)))
+      goto out;
+  }
   if (!m->cluster && o->expert_format == KN_FMT_COUNT) {
     /* all local: keep the experts as stored, as the servers do by default */
     char key[256];
@@ -748,6 +781,7 @@ void gc_model_close(gc_model *m) {
   if (!m) return;
   gc_moe_free(m->moe);
   gc_cluster_close(m->cluster);
+  gc_routing_free(m->routing_own);
   if (m->bk) {
     const gc_bk_ops *op = m->bk->ops;
     for (uint32_t l = 0; m->layer && l < m->L; l++) {
@@ -1078,6 +1112,7 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
   count_experts(m, T);
 
   /* The cold slots go out first, so that the servers work while we compute the hot ones. */
+  if (!remote) gc_routing_count(m->routing_own, l, b->ids, TK, T, true);
   if (remote) {
     gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = m->k, .ids = b->ids, .weights = b->w,
                       .x = b->wire, .dtype = m->wire};

@@ -358,7 +358,14 @@ struct gc_cluster {
   bool tls;
   grpc_metadata auth_md;    /* "authorization: Bearer <token>" */
   size_t n_auth_md;         /* 1 with a token, else 0: sent on every call */
+  /* Routing counters (gc_routing.c), created at open, counted in gc_layer_submit. */
+  gc_routing *routing;
 };
+
+/* gc_layer.c: gc_layer_submit, where may_step false keeps the call from ending a routing
+ * step (gc_moe's deferred part of a layer already counted as one). */
+int gc__layer_submit(gc_cluster *c, const gc_layer_req *q, bool may_step, gc_pending **pending,
+                     mr_err *e);
 
 /* gc_local.c */
 /* Loads the local experts of the cluster file's "local" section from c->model_dir into

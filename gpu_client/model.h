@@ -59,6 +59,8 @@ typedef struct gc_model_opts {
   bool pin_caller;            /* pin the opening thread to worker 0's core
                                * (kn_engine_pin_caller): set it when that thread makes the
                                * steps and does nothing else heavy */
+  uint32_t routing_window;    /* steps of the routing counters' window, 0 = the default
+                               * (moerpc_client.h "routing statistics") */
 } gc_model_opts;
 void gc_model_opts_init(gc_model_opts *o);
 
@@ -73,6 +75,12 @@ uint32_t gc_model_max_batch(const gc_model *m);
 kn_engine *gc_model_engine(gc_model *m);
 /* The cluster, or NULL when every expert is local. */
 gc_cluster *gc_model_cluster(gc_model *m);
+/* The routing counters of the run: the cluster's, or the runner's own without a cluster
+ * (every routed slot of every MoE layer, hot experts included; a step = one gc_model_step).
+ * _json appends them as moerpc-stats JSON with the model's fingerprint; _save writes a file. */
+gc_routing *gc_model_routing(gc_model *m);
+int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_prom *out, mr_err *e);
+int gc_model_routing_save(gc_model *m, gc_routing_span span, const char *path, mr_err *e);
 /* Whether the client computes (layer, expert) itself. */
 bool gc_model_is_local(const gc_model *m, uint32_t layer, uint32_t expert);
 /* The documented --local-experts rule: MoE layer l keeps experts (l * n + i) mod E, i < n,

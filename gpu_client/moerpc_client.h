@@ -126,6 +126,9 @@ typedef struct gc_options {
    * cluster file's "failover_ms", else min(deadline_ms / 4, 1000) (at least 1). A value
    * of deadline_ms or more leaves only broken streams to fail over. */
   uint32_t failover_ms;
+  /* Sliding window of the routing counters, in steps (see "routing statistics"), 1..
+   * GC_ROUTING_MAX_WINDOW; 0 = GC_ROUTING_DEFAULT_WINDOW. */
+  uint32_t routing_window;
 } gc_options;
 /* Fills o with the defaults above. */
 void gc_options_init(gc_options *o);
@@ -362,6 +365,61 @@ int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e);
 int gc_control_call(gc_cluster *c, uint32_t idx, const char *method, const void *req,
                     size_t req_len, uint32_t timeout_ms, uint8_t **resp, size_t *resp_len,
                     mr_err *e);
+
+/* ---- routing statistics (for placement) -------------------------------------------------
+ * The client counts every routing decision: one per token per selected expert (a "slot")
+ * of every layer call, whoever computes it (a server, the library's local experts, or the
+ * caller: gc_options.caller_local slots are counted too), in gc_layer_submit (which the
+ * runner, gc_moe and the Python adapter all go through; a gc_moe deferred part is counted
+ * once, with its layer). Two spans: since open (or gc_routing_reset) and a sliding window
+ * of the last gc_options.routing_window steps, where a step ends with the call for the
+ * last MoE layer (the highest layer any server, local or caller expert covers). The window
+ * is a ring of GC_ROUTING_BUCKETS + 1 buckets of ceil(window / GC_ROUTING_BUCKETS) steps:
+ * a count stays at least `window` steps and leaves within window + window/16 steps; the
+ * snapshot says exactly how many steps and tokens it covers. Cost per call: a read lock
+ * and two relaxed atomic adds per slot, no allocation. Memory: (BUCKETS + 2) x L x E x 8
+ * bytes (2.2 MB for 61 x 256). Any thread.
+ */
+typedef struct gc_routing gc_routing;
+#define GC_ROUTING_DEFAULT_WINDOW 1024u
+#define GC_ROUTING_MAX_WINDOW (1u << 24)
+#define GC_ROUTING_BUCKETS 16u
+#define GC_ROUTING_MAX_PAIRS (1u << 22)
+typedef enum gc_routing_span { GC_ROUTING_WINDOW = 0, GC_ROUTING_TOTAL = 1 } gc_routing_span;
+typedef struct gc_routing_counts {
+  uint32_t num_layers, num_experts;
+  uint32_t window_steps;   /* the configured window */
+  gc_routing_span span;
+  uint64_t steps, tokens;  /* covered by this snapshot (tokens: of the last MoE layer's calls) */
+  double seconds;          /* time the snapshot covers */
+  uint64_t *counts;        /* [num_layers * num_experts] slots per (layer, expert); owned */
+} gc_routing_counts;
+/* The cluster's counters (created at open; never NULL for an open cluster). */
+gc_routing *gc_cluster_routing(gc_cluster *c);
+/* A snapshot into out (release with gc_routing_counts_close, also after a failure). */
+int gc_routing_get(gc_routing *r, gc_routing_span span, gc_routing_counts *out, mr_err *e);
+void gc_routing_counts_close(gc_routing_counts *c);
+/* Appends a snapshot as a "moerpc-stats" version 1 JSON document (placement/README.md;
+ * window kind "steps" for the window, "since_reset" for the total; sources ["client"]). */
+int gc_routing_json(gc_routing *r, gc_routing_span span, const char *fingerprint, mr_prom *out,
+                    mr_err *e);
+/* Writes gc_routing_json to path (path.tmp, then rename). Errors name the path. */
+int gc_routing_save(gc_routing *r, gc_routing_span span, const char *fingerprint,
+                    const char *path, mr_err *e);
+/* Zeroes both spans. */
+void gc_routing_reset(gc_routing *r);
+/* The configured window in steps. */
+uint32_t gc_routing_window(const gc_routing *r);
+/* Standalone counters (the runner without a cluster, tests): L x E (at most
+ * GC_ROUTING_MAX_PAIRS), window_steps 0 = GC_ROUTING_DEFAULT_WINDOW, last_layer ends a step.
+ * Free with gc_routing_free (NULL is a no-op). */
+int gc_routing_new(gc_routing **out, uint32_t num_layers, uint32_t num_experts,
+                   uint32_t window_steps, uint32_t last_layer, mr_err *e);
+void gc_routing_free(gc_routing *r);
+/* Counts n_slots ids of one call of layer (ids -1 or out of range are skipped); when
+ * may_step and layer is the last MoE layer, a step of n_tokens tokens ends. */
+void gc_routing_count(gc_routing *r, uint32_t layer, const int32_t *ids, size_t n_slots,
+                      uint32_t n_tokens, bool may_step);
 
 /* Parses a HelloReply weight_format ("f32", "f16", "bf16", "int8", "int4-g32|64|128") into a
  * kernel format and its INT4 group (0 for the others). A bare "int4" is refused rather than

@@ -1,0 +1,286 @@
+/*
+ * placement/pl_collect.c - `moerpc-place stats`: collects the routing statistics of a
+ * running cluster into one moerpc-stats file (pl.h).
+ *
+ * Sources: every server of the cluster file (Hello, then the Stats RPC: tokens per
+ * (layer, expert) it computed, remote slots only) and every client named by --client URL
+ * (its GET /routing: every routing decision it made, local experts included, over its
+ * window). Merge rule (docs/DESIGN.md section 13):
+ *   - with client sources, counts = the sum of the clients' counts; the servers' counts are
+ *     only cross-checked (one log line: remote slots the servers saw vs the clients' total);
+ *   - without, counts = the sum of the servers' counts (remote slots only: local experts are
+ *     never seen by a server), and "sources" and a log line say so.
+ * Every source must serve one model: the servers' fingerprints are checked at open
+ * (gc_cluster_open names both servers), a client's fingerprint and shape against theirs.
+ */
+#include "placement/pl.h"
+
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gpu_client/moerpc_client.h"
+
+#define PROG "moerpc-place stats"
+#define MAX_CLIENTS 32
+/* Bound of one client's /routing answer: the largest stats file (2^22 pairs of up to 16
+ * digits and a comma) with room for its head. */
+#define ROUTING_MAX_BODY ((size_t)80 << 20)
+#define DEFAULT_HTTP_TIMEOUT_MS 5000
+
+static const char STATS_HELP[] =
+    "usage: moerpc-place stats --cluster FILE [--client URL]... [--reset] [-o FILE]\n"
+    "\n"
+    "Collects routing statistics of a running cluster into one moerpc-stats JSON file\n"
+    "(placement/README.md): tokens routed to each (layer, expert), one per token per\n"
+    "selected expert, num_layers rows of num_experts counts.\n"
+    "\n"
+    "Hellos every server of the cluster file (they must serve one model: equal fingerprints),\n"
+    "calls Stats on each, and fetches GET /routing of each --client (moerpc-client\n"
+    "--metrics-listen). Merge rule: with --client sources the counts are the sum of the\n"
+    "clients' (they see every slot, local experts included; the servers' counts are only\n"
+    "cross-checked in a log line); without, the sum of the servers' (remote slots only:\n"
+    "the client's local experts are not counted; \"sources\" lists the servers).\n"
+    "\n"
+    "  --cluster FILE           cluster file (required)\n"
+    "  --client URL             a client's metrics endpoint, http://HOST:PORT[/routing];\n"
+    "                           repeatable, at most 32\n"
+    "  --reset                  ask each server to zero its counters after answering\n"
+    "  -o, --output FILE        write the stats there (atomically); default stdout\n"
+    "  --timeout-ms N           deadline of each server RPC and client GET, 1..600000\n"
+    "                           (default: the cluster file's deadline; 5000 for GETs)\n"
+    "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
+    "  --help                   this text\n";
+
+enum { OPT_CLUSTER = 1000, OPT_CLIENT, OPT_RESET, OPT_TIMEOUT, OPT_LOG, OPT_HELP };
+
+typedef struct stats_args {
+  const char *cluster, *output;
+  const char *clients[MAX_CLIENTS];
+  uint32_t n_clients;
+  bool reset;
+  uint32_t timeout_ms;
+} stats_args;
+
+/* 0 to run, 1 after --help, 2 on a usage error. */
+static int parse(int argc, char **argv, stats_args *a) {
+  static const struct option lo[] = {{"cluster", required_argument, NULL, OPT_CLUSTER},
+                                     {"client", required_argument, NULL, OPT_CLIENT},
+                                     {"reset", no_argument, NULL, OPT_RESET},
+                                     {"output", required_argument, NULL, 'o'},
+                                     {"timeout-ms", required_argument, NULL, OPT_TIMEOUT},
+                                     {"log", required_argument, NULL, OPT_LOG},
+                                     {"help", no_argument, NULL, OPT_HELP},
+                                     {0, 0, 0, 0}};
+  optind = 1;
+  opterr = 0;
+  for (;;) {
+    int opt = getopt_long(argc, argv, "o:", lo, NULL);
+    if (opt == -1) break;
+    char *end = NULL;
+    unsigned long v;
+    int lvl;
+    switch (opt) {
+    case OPT_HELP: fputs(STATS_HELP, stdout); return 1;
+    case OPT_CLUSTER: a->cluster = optarg; break;
+    case 'o': a->output = optarg; break;
+    case OPT_RESET: a->reset = true; break;
+    case OPT_CLIENT:
+      if (a->n_clients >= MAX_CLIENTS) {
+        fprintf(stderr, PROG ": more than %d --client URLs\n", MAX_CLIENTS);
+        return 2;
+      }
+      a->clients[a->n_clients++] = optarg;
+      break;
+    case OPT_TIMEOUT:
+      v = strtoul(optarg, &end, 10);
+      if (!*optarg || *end || optarg[0] == '-' || v < 1 || v > 600000) {
+        fprintf(stderr, PROG ": --timeout-ms = \"%s\", must be an integer in 1..600000\n", optarg);
+        return 2;
+      }
+      a->timeout_ms = (uint32_t)v;
+      break;
+    case OPT_LOG:
+      if (mr_log_parse_level(optarg, &lvl) != 0) {
+        fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", optarg);
+        return 2;
+      }
+      mr_log_set_level(lvl);
+      break;
+    default:
+      fprintf(stderr, PROG ": bad or incomplete option \"%s\" (see --help)\n", argv[optind - 1]);
+      return 2;
+    }
+  }
+  if (optind < argc) {
+    fprintf(stderr, PROG ": unexpected argument \"%s\" (see --help)\n", argv[optind]);
+    return 2;
+  }
+  if (!a->cluster) {
+    fprintf(stderr, PROG ": --cluster FILE is required (see --help)\n");
+    return 2;
+  }
+  return 0;
+}
+
+/* Opens the cluster for Hello and Stats only. Local experts are not loaded; a cluster whose
+ * coverage needs them (a model with a "local" section) is opened again with them. */
+static int open_cluster(const stats_args *a, gc_cluster **c, mr_err *e) {
+  gc_options o;
+  gc_options_init(&o);
+  o.client_name = "moerpc-place";
+  o.no_local = true;
+  o.deadline_ms = a->timeout_ms;
+  int rc = gc_cluster_open(c, a->cluster, &o, e);
+  if (rc == MR_EPRECOND) {
+    mr_log(MR_LOG_INFO, "stats: %s; opening again with the file's local experts", e->msg);
+    o.no_local = false;
+    rc = gc_cluster_open(c, a->cluster, &o, e);
+  }
+  return rc;
+}
+
+/* The servers' counts summed into srv (already L x E). */
+static int collect_servers(gc_cluster *c, const gc_cluster_info *ci, bool reset, pl_stats *srv,
+                           mr_err *e) {
+  for (uint32_t i = 0; i < ci->n_servers; i++) {
+    gc_server_info si;
+    gc_stats st;
+    int rc = gc_server_info_get(c, i, &si, e);
+    if (rc) return rc;
+    rc = gc_cluster_stats(c, i, reset, &st, e);
+    if (rc) {
+      gc_stats_close(&st);
+      return rc;
+    }
+    uint64_t total = 0;
+    for (size_t k = 0; k < st.n_counts; k++) {
+      const gc_expert_count *x = &st.counts[k];
+      if (x->layer >= srv->num_layers || x->expert >= srv->num_experts) {
+        rc = mr_err_set(e, MR_EPROTO, "server %s (%s): Stats count for layer %u expert %u, "
+                        "beyond the model's %u x %u", si.name, si.address, x->layer, x->expert,
+                        srv->num_layers, srv->num_experts);
+        break;
+      }
+      srv->counts[(size_t)x->layer * srv->num_experts + x->expert] += x->tokens;
+      total += x->tokens;
+    }
+    if (!rc) rc = pl_stats_source_add(srv, si.name, e);
+    if (!rc)
+      mr_log(MR_LOG_INFO, "stats: server %s (%s): %llu requests, %llu slots over %zu pairs%s",
+             si.name, si.address, (unsigned long long)st.requests, (unsigned long long)total,
+             st.n_counts, reset ? " (now reset)" : "");
+    gc_stats_close(&st);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+/* Fetches one client's /routing and adds it to acc (which takes its window). */
+static int collect_client(const char *url, uint32_t timeout_ms, const gc_cluster_info *ci,
+                          pl_stats *acc, mr_err *e) {
+  int status = 0;
+  char *body = NULL;
+  size_t len = 0;
+  int rc = mr_http_get(url, "/routing", ROUTING_MAX_BODY,
+                       (int)(timeout_ms ? timeout_ms : DEFAULT_HTTP_TIMEOUT_MS), &status, &body,
+                       &len, e);
+  if (rc) return mr_err_prefix(e, rc, "--client");
+  if (status != 200) {
+    rc = mr_err_set(e, MR_EPROTO, "--client %s: GET answered HTTP %d (is it a moerpc-client "
+                    "with --metrics-listen?)", url, status);
+    mr_free(body);
+    return rc;
+  }
+  char label[300];
+  snprintf(label, sizeof label, "--client %.200s", url);
+  pl_stats one;
+  rc = pl_stats_parse(&one, body, len, label, e);
+  mr_free(body);
+  if (rc) return rc;
+  if (one.num_layers != ci->num_layers || one.num_experts != ci->num_experts)
+    rc = mr_err_set(e, MR_EMISMATCH, "%s: %u x %u counts, but the servers serve %u layers x %u "
+                    "experts", label, one.num_layers, one.num_experts, ci->num_layers,
+                    ci->num_experts);
+  else if (one.model_fingerprint[0] && strcmp(one.model_fingerprint, ci->model_fingerprint) != 0)
+    rc = mr_err_set(e, MR_EMISMATCH, "%s has model_fingerprint %s but the servers serve %s (not "
+                    "the same model)", label, one.model_fingerprint, ci->model_fingerprint);
+  if (!rc) {
+    mr_log(MR_LOG_INFO, "stats: client %s: %llu slots over %llu steps (%llu tokens) in its %s "
+           "window", url, (unsigned long long)pl_stats_total(&one), (unsigned long long)one.steps,
+           (unsigned long long)one.tokens, one.window_kind);
+    if (acc->n_sources == 0) snprintf(acc->window_kind, sizeof acc->window_kind, "%s", one.window_kind);
+    else if (strcmp(acc->window_kind, one.window_kind) != 0)
+      snprintf(acc->window_kind, sizeof acc->window_kind, "since_reset");
+    one.n_sources = 0;
+    rc = pl_stats_add(acc, &one, e);
+    if (!rc) rc = pl_stats_source_add(acc, "client", e);
+  }
+  pl_stats_close(&one);
+  return rc;
+}
+
+int pl_cmd_stats(int argc, char **argv) {
+  stats_args a = {0};
+  int pr = parse(argc, argv, &a);
+  if (pr) return pr == 1 ? 0 : 2;
+  mr_err e;
+  mr_err_clear(&e);
+  gc_cluster *c = NULL;
+  pl_stats srv = {0}, cli = {0};
+  int rc = open_cluster(&a, &c, &e);
+  if (rc) goto fail;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  if ((rc = pl_stats_init(&srv, ci.num_layers, ci.num_experts, &e))) goto fail;
+  if ((rc = pl_stats_init(&cli, ci.num_layers, ci.num_experts, &e))) goto fail;
+  snprintf(srv.model_fingerprint, sizeof srv.model_fingerprint, "%s", ci.model_fingerprint);
+  snprintf(cli.model_fingerprint, sizeof cli.model_fingerprint, "%s", ci.model_fingerprint);
+  if ((rc = collect_servers(c, &ci, a.reset, &srv, &e))) goto fail;
+  for (uint32_t i = 0; i < a.n_clients; i++)
+    if ((rc = collect_client(a.clients[i], a.timeout_ms, &ci, &cli, &e))) goto fail;
+  gc_cluster_close(c);
+  c = NULL;
+
+  pl_stats *out = &srv;
+  uint64_t srv_total = pl_stats_total(&srv);
+  if (a.n_clients) {
+    uint64_t cli_total = pl_stats_total(&cli);
+    mr_log(MR_LOG_INFO, "stats: counts from %u client%s: %llu slots (local experts included); "
+           "the servers saw %llu remote slots since their last reset (cross-check only)",
+           a.n_clients, a.n_clients == 1 ? "" : "s", (unsigned long long)cli_total,
+           (unsigned long long)srv_total);
+    for (uint32_t i = 0; i < srv.n_sources && !rc; i++) rc = pl_stats_source_add(&cli, srv.sources[i], &e);
+    if (rc) goto fail;
+    out = &cli;
+  } else {
+    mr_log(MR_LOG_INFO, "stats: no --client: counts are the servers' (%llu remote slots; "
+           "experts the client computes locally are not counted)", (unsigned long long)srv_total);
+    snprintf(srv.window_kind, sizeof srv.window_kind, "since_reset");
+  }
+  if (a.output && strcmp(a.output, "-") != 0) {
+    if ((rc = pl_stats_save(out, a.output, &e))) goto fail;
+    mr_log(MR_LOG_INFO, "stats: wrote %s (%u x %u, %llu slots)", a.output, out->num_layers,
+           out->num_experts, (unsigned long long)pl_stats_total(out));
+  } else {
+    char *text = NULL;
+    size_t len = 0;
+    if ((rc = pl_stats_format(out, &text, &len, &e))) goto fail;
+    bool ok = fwrite(text, 1, len, stdout) == len && fflush(stdout) == 0;
+    mr_free(text);
+    if (!ok) {
+      rc = mr_err_set(&e, MR_EIO, "stdout: write failed");
+      goto fail;
+    }
+  }
+  pl_stats_close(&srv);
+  pl_stats_close(&cli);
+  return 0;
+fail:
+  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  gc_cluster_close(c);
+  pl_stats_close(&srv);
+  pl_stats_close(&cli);
+  return 1;
+}
