@@ -752,15 +752,15 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
          (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
          m->cluster ? "cold experts on the cluster" : "all experts local", m->bk->ops->name,
          kn_engine_threads(m->eng), m->max_seq, m->max_batch, m->moe ? o->max_deferred : 0);
+  if (o->watch_placement) {
+    m->cf = cf; /* kept to reopen the cluster on a switch */
+    cf = NULL;
+  }
   *out = m;
   m = NULL;
 out:
   mr_st_close(st);
   mr_free(route);
-  if (m && o->watch_placement && rc == 0) {
-    m->cf = cf; /* kept to reopen the cluster on a switch */
-    cf = NULL;
-  }
   mr_free(cf);
   gc_model_close(m);
   return rc;

@@ -3,6 +3,7 @@
  * file of the module (placement/README.md):
  *
  *   moerpc-place stats    --cluster FILE [...]   collect routing statistics (moerpc-stats JSON)
+ *   moerpc-place apply    --cluster FILE PLAN    apply a placement live (pl_apply.c)
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure, 2 usage error. Lifecycle
  * lines go to stderr through mr_log; results to stdout or -o FILE.
@@ -24,6 +25,7 @@ typedef struct pl_command {
 /* One line per subcommand; each helper's command is implemented in its own pl_*.c. */
 static const pl_command commands[] = {
     {"stats", pl_cmd_stats, "collect and merge routing statistics of a running cluster"},
+    {"apply", pl_cmd_apply, "apply a placement to a running cluster live (load, switch, unload)"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 
