@@ -106,15 +106,15 @@ static uint64_t es__mem_available(void) {
   return kb == UINT64_MAX ? kb : kb * 1024u;
 }
 
-/* Bytes a load may still add now (ctl_lock held). */
-static uint64_t es__load_free(es_server *s) {
+/* Bytes a load may still add now, with weight_bytes packed (ctl_lock held). */
+static uint64_t es__load_free(es_server *s, uint64_t weight_bytes) {
   uint64_t avail = es__mem_available();
   uint64_t free_b = avail == UINT64_MAX ? UINT64_MAX
                     : avail > ES_LOAD_MEM_MARGIN ? avail - ES_LOAD_MEM_MARGIN : 0;
   uint64_t running = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? s->ld_packed : 0;
   free_b = free_b > running ? free_b - running : 0;
   if (s->opts.max_expert_memory) {
-    uint64_t used = atomic_load(&s->cur_weight_bytes) + running;
+    uint64_t used = weight_bytes + running;
     uint64_t lim = s->opts.max_expert_memory > used ? s->opts.max_expert_memory - used : 0;
     if (lim < free_b) free_b = lim;
   }
@@ -220,7 +220,7 @@ static int es__tab_finish(es_server *s, es_table *t, mr_err *e) {
   r.weight_bytes = t->weight_bytes;
   r.expert_bytes = s->expert_bytes;
   /* load_free_bytes is a snapshot at publish time (MemAvailable moves on its own). */
-  r.load_free_bytes = s->auth_on ? es__load_free(s) : 0;
+  r.load_free_bytes = es__load_free(s, t->weight_bytes);
   size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
   grpc_slice_unref(t->hello);
   t->hello = grpc_slice_malloc(len);
@@ -502,7 +502,7 @@ void es__on_load(es_rpc *r) {
         n_pairs--;
       }
     }
-  uint64_t need = n_pairs * s->expert_bytes, free_b = es__load_free(s);
+  uint64_t need = n_pairs * s->expert_bytes, free_b = es__load_free(s, cur->weight_bytes);
   if ((rc = es_load_mem_check(need, free_b, &e))) goto out_unlock;
   /* The tensors, before anything moves: presence, dtype and shape (headers only). */
   uint64_t tensors = 0, bytes = 0;
