@@ -429,10 +429,9 @@ static void *es__ctl_load_main(void *arg) {
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
            ", %" PRIu64 " pairs, %.3f GB packed", s->ld_id, t->gen, t->pairs, t->weight_bytes / 1e9);
   } else {
-    /* Out of memory: nothing published. The rebuilt layers are dropped without their
-     * weights (those lent by cur's layers stay readable there and are leaked, as are the
-     * staged ones: out of memory only). */
-    for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l]);
+    /* Out of memory: nothing published. The rebuilt layers are undone: cur's experts are
+     * cur's again, the staged ones are freed. */
+    for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l], cur->layers[l]);
   }
   pthread_mutex_unlock(&s->ctl_lock);
 
@@ -700,11 +699,11 @@ void es__on_unload(es_rpc *r) {
   es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
   goto out_free;
 out_unlock:
-  pthread_mutex_unlock(&s->ctl_lock);
-  /* A rebuilt layer that was not published: its experts are lent from cur's layer, which
-   * keeps reading them; the layer object is dropped without freeing them. */
+  /* A rebuilt layer that was not published: its experts are cur's again (under ctl_lock:
+   * no publisher runs meanwhile, so s->tab is the cur it was rebuilt from). */
   for (uint32_t l = 0; changed && l < L; l++)
-    if (changed[l]) kn_layer_forget(changed[l]);
+    if (changed[l]) kn_layer_forget(changed[l], s->tab->layers[l]);
+  pthread_mutex_unlock(&s->ctl_lock);
   mr_log_ratelimited(MR_LOG_WARN, 1, "placement: UnloadExperts from %s refused: %s", peer, e.msg);
   es__reply_err(r, rc, "UnloadExperts refused", &e);
 out_free:

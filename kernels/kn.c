@@ -502,8 +502,15 @@ void kn_layer_free(kn_layer *L) {
   mr_free(L);
 }
 
-void kn_layer_forget(kn_layer *L) {
+void kn_layer_forget(kn_layer *L, kn_layer *old) {
   if (!L) return;
+  for (uint32_t x = 0; x < L->d.num_experts; x++) {
+    if (!L->w[x]) continue;
+    if (old && x < old->d.num_experts && old->w[x] == L->w[x])
+      old->lent[x >> 6] &= ~(1ull << (x & 63));
+    else
+      slices_free(L->w[x], L->n_slices);
+  }
   mr_free(L->w);
   mr_free(L->owned);
   mr_free(L->lent);

@@ -131,9 +131,10 @@ uint64_t kn_layer_expert_bytes(const kn_layer *L);
  * must come from one engine with one desc. Neither may be loaded into meanwhile. Errors:
  * MR_EINVAL (mismatch), MR_ENOMEM; on error nothing moved. */
 int kn_layer_rebuild(kn_layer **out, kn_layer *old, const uint8_t *keep, kn_layer *add, mr_err *e);
-/* Frees a layer kn_layer_rebuild made but that is not used after all, without freeing its
- * weights (they may be shared with old). NULL is a no-op. */
-void kn_layer_forget(kn_layer *L);
+/* Undoes kn_layer_rebuild(&L, old, ...) for a layer that is not used after all: the experts
+ * L shares with old are old's again (kn_layer_free(old) frees them), those it took from add
+ * are freed, and L goes. NULL L is a no-op. */
+void kn_layer_forget(kn_layer *L, kn_layer *old);
 
 typedef struct kn_moe_args {
   uint32_t n_tokens;     /* T */
