@@ -313,12 +313,16 @@ static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
   return t;
 }
 
-void es__control_close(es_server *s) {
+void es__control_stop(es_server *s) {
   if (s->ld_thread_started) {
     atomic_store(&s->load_abort, true);
     pthread_join(s->ld_thread, NULL);
     s->ld_thread_started = false;
   }
+}
+
+void es__control_close(es_server *s) {
+  es__control_stop(s);
   mr_st_close(s->ld_st);
   s->ld_st = NULL;
   mr_free(s->ld_want);
@@ -372,6 +376,10 @@ static void *es__ctl_load_main(void *arg) {
   kn_layer **changed = mr_calloc(L, sizeof *changed);
   uint8_t *keep = mr_malloc(E);
   uint64_t tensors = 0, bytes = 0, last_log = mr_now_ns();
+  /* Set by es__on_load before this thread started; changed only by the next load, which
+   * waits for this one's end: read here without ctl_lock until that end. */
+  const uint64_t id = s->ld_id, t0 = s->ld_t0_ns, tensors_total = s->ld_tensors_total,
+                 bytes_total = s->ld_bytes_total;
   if (!staging || !is_changed || !changed || !keep) {
     rc = mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
     goto out;
@@ -398,17 +406,17 @@ static void *es__ctl_load_main(void *arg) {
       uint64_t now = mr_now_ns();
       if (now - last_log >= 1000000000ull) {
         last_log = now;
-        double sec = (double)(now - s->ld_t0_ns) / 1e9, gbs = sec > 0 ? bytes / sec / 1e9 : 0;
-        mr_log(MR_LOG_INFO, "placement: loading %" PRIu64 "/%" PRIu64 " tensors, %.3f/%.3f GB, "
-               "%.2f GB/s, ETA %.0f s", tensors, s->ld_tensors_total, bytes / 1e9,
-               s->ld_bytes_total / 1e9, gbs, gbs > 0 ? (s->ld_bytes_total - bytes) / 1e9 / gbs : 0);
+        double sec = (double)(now - t0) / 1e9, gbs = sec > 0 ? bytes / sec / 1e9 : 0;
+        mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 "/%" PRIu64 " tensors, "
+               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", id, tensors, tensors_total, bytes / 1e9,
+               bytes_total / 1e9, gbs, gbs > 0 ? (bytes_total - bytes) / 1e9 / gbs : 0);
       }
       for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort) &&
                                !atomic_load(&s->draining); slept += 5)
         usleep(5000);
       if (atomic_load(&s->load_abort) || atomic_load(&s->draining))
         rc = mr_err_set(&e, MR_ECANCELED, "the server began to drain: load stopped after %"
-                        PRIu64 " of %" PRIu64 " tensors", tensors, s->ld_tensors_total);
+                        PRIu64 " of %" PRIu64 " tensors", tensors, tensors_total);
     }
   }
   if (rc) goto out;
@@ -427,7 +435,7 @@ static void *es__ctl_load_main(void *arg) {
   if (t) {
     es__tab_publish(s, t);
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
-           ", %" PRIu64 " pairs, %.3f GB packed", s->ld_id, t->gen, t->pairs, t->weight_bytes / 1e9);
+           ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
   } else {
     /* Out of memory: nothing published. The rebuilt layers are undone: cur's experts are
      * cur's again, the staged ones are freed. */
@@ -435,22 +443,23 @@ static void *es__ctl_load_main(void *arg) {
   }
   pthread_mutex_unlock(&s->ctl_lock);
 
-out:
+out:;
+  const uint64_t t1 = mr_now_ns();
   pthread_mutex_lock(&s->ctl_lock);
-  s->ld_t1_ns = mr_now_ns();
+  s->ld_t1_ns = t1;
   s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
   s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
   snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e.msg : "");
   mr_st_close(s->ld_st);
   s->ld_st = NULL;
   pthread_mutex_unlock(&s->ctl_lock);
-  double sec = (double)(s->ld_t1_ns - s->ld_t0_ns) / 1e9;
+  double sec = (double)(t1 - t0) / 1e9;
   if (rc)
     mr_log(MR_LOG_ERROR, "placement: load %" PRIu64 " failed after %.1f s: %s (nothing published)",
-           s->ld_id, sec, e.msg);
+           id, sec, e.msg);
   else
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
-           "(%.2f GB/s)", s->ld_id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
+           "(%.2f GB/s)", id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
   for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
   mr_free(staging);
   mr_free(is_changed);

@@ -224,6 +224,7 @@ void es_server_stop(es_server *s) {
 void es_server_free(es_server *s) {
   if (!s) return;
   es__metrics_stop(s);
+  es__control_stop(s); /* a live load still packing stops after its expert */
   if (s->loader_started) { /* es_server_run failed or was cut short during the load */
     atomic_store(&s->load_abort, true);
     pthread_join(s->loader, NULL);

@@ -478,7 +478,9 @@ static inline void es__tab_put(es_table *t) {
 int es__tab_init(es_server *s, mr_err *e);
 /* Admin thread, housekeeping: frees retired tables nobody references. */
 void es__tab_reap(es_server *s);
-/* es_server_free: joins the live loader, frees every table. */
+/* es_server_free: stops and joins the live loader (first, before the engine and gRPC go) */
+void es__control_stop(es_server *s);
+/* ... and later frees every table. */
 void es__control_close(es_server *s);
 /* The control calls (CQ thread); the caller checked authorisation. */
 void es__on_load(es_rpc *r);
