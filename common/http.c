@@ -467,6 +467,31 @@ static bool mr__http_cwait(int fd, short events, uint64_t deadline_ms) {
   }
 }
 
+int mr_http_parse_answer(const char *buf, size_t len, size_t max_body, int *status,
+                         size_t *body_off, mr_err *e) {
+  *status = 0;
+  *body_off = 0;
+  size_t end = 0;
+  for (size_t i = 0; i + 3 < len && i < MR_HTTP_MAX_HEAD; i++)
+    if (memcmp(buf + i, "\r\n\r\n", 4) == 0) {
+      end = i + 4;
+      break;
+    }
+  if (!end)
+    return mr_err_set(e, MR_EPROTO, "not an HTTP/1.x answer: no end of head within %u bytes "
+                      "(%zu received)", MR_HTTP_MAX_HEAD, len);
+  /* "HTTP/1.x NNN " or "HTTP/1.x NNN\r": the status line's fixed prefix, byte by byte. */
+  if (end < 14 || memcmp(buf, "HTTP/1.", 7) != 0 || (buf[7] != '0' && buf[7] != '1') ||
+      buf[8] != ' ' || buf[9] < '1' || buf[9] > '5' || buf[10] < '0' || buf[10] > '9' ||
+      buf[11] < '0' || buf[11] > '9' || (buf[12] != ' ' && buf[12] != '\r'))
+    return mr_err_set(e, MR_EPROTO, "not an HTTP/1.x status line (want \"HTTP/1.x NNN ...\")");
+  if (len - end > max_body)
+    return mr_err_set(e, MR_EEXHAUSTED, "answer over %zu bytes of body", max_body);
+  *status = (buf[9] - '0') * 100 + (buf[10] - '0') * 10 + (buf[11] - '0');
+  *body_off = end;
+  return 0;
+}
+
 int mr_http_get(const char *url, const char *default_path, size_t max_body, int timeout_ms,
                 int *status, char **body, size_t *len, mr_err *e) {
   *status = 0;
@@ -570,24 +595,14 @@ int mr_http_get(const char *url, const char *default_path, size_t max_body, int 
     goto out;
   }
   buf[got] = '\0';
-  char *end = NULL;
-  for (size_t i = 0; i + 3 < got; i++)
-    if (memcmp(buf + i, "\r\n\r\n", 4) == 0) {
-      end = buf + i + 4;
-      break;
-    }
   int st = 0;
-  if (!end || (size_t)(end - buf) > MR_HTTP_MAX_HEAD || sscanf(buf, "HTTP/1.%*1[01] %3d", &st) != 1 ||
-      st < 100 || st > 599) {
-    rc = mr_err_set(e, MR_EPROTO, "%.200s: not an HTTP/1.x answer (%zu bytes)", url, got);
+  size_t body_off = 0;
+  if ((rc = mr_http_parse_answer(buf, got, max_body, &st, &body_off, e))) {
+    mr_err_prefix(e, rc, "%.200s", url);
     goto out;
   }
-  if ((size_t)(buf + got - end) > max_body) {
-    rc = mr_err_set(e, MR_EEXHAUSTED, "%.200s: answer over %zu bytes of body", url, max_body);
-    goto out;
-  }
-  *len = (size_t)(buf + got - end);
-  memmove(buf, end, *len + 1);
+  *len = got - body_off;
+  memmove(buf, buf + body_off, *len + 1);
   *status = st;
   *body = buf;
   buf = NULL;

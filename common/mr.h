@@ -641,6 +641,14 @@ int mr_http_server_route(mr_http_server *h, const char *path, const char *conten
  * answer) name the url. */
 int mr_http_get(const char *url, const char *default_path, size_t max_body, int timeout_ms,
                 int *status, char **body, size_t *len, mr_err *e);
+/* The pure part of mr_http_get (network input; fuzzed by tests/fuzz/fuzz_http_answer.c):
+ * checks that buf[0..len) starts with an HTTP/1.0 or 1.1 status line and has a whole head
+ * (ending in an empty CRLF line within MR_HTTP_MAX_HEAD bytes) and at most max_body bytes
+ * after it; sets *status (100..599) and *body_off (the body's first byte). MR_EPROTO or
+ * MR_EEXHAUSTED with the reason otherwise. Headers are not interpreted (our answers end
+ * with the connection). */
+int mr_http_parse_answer(const char *buf, size_t len, size_t max_body, int *status,
+                         size_t *body_off, mr_err *e);
 
 #ifdef __cplusplus
 }

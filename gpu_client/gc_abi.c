@@ -45,6 +45,8 @@ static const abi_entry abi_table[] = {
     ABI_FIELD(gc_layer_req, weights),
     ABI_FIELD(gc_layer_req, x),
     ABI_FIELD(gc_layer_req, dtype),
+    ABI_FIELD(gc_layer_req, caller_ids),
+    ABI_FIELD(gc_layer_req, flags),
     ABI_SIZE(gc_cluster_info),
     ABI_FIELD(gc_cluster_info, hidden_size),
     ABI_FIELD(gc_cluster_info, intermediate_size),
@@ -60,6 +62,7 @@ static const abi_entry abi_table[] = {
     ABI_FIELD(gc_cluster_info, model_dir),
     ABI_SIZE(gc_call_timing),
     {"GC_WAIT_ACCUMULATE", GC_WAIT_ACCUMULATE},
+    {"GC_REQ_PART", GC_REQ_PART},
 };
 
 long gc_abi_layout(const char *name) {

@@ -311,11 +311,6 @@ static int replicas_view(gc_cluster *c, gc_pending *p, uint32_t layer, int32_t s
 }
 
 int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, mr_err *e) {
-  return gc__layer_submit(c, q, true, pending, e);
-}
-
-int gc__layer_submit(gc_cluster *c, const gc_layer_req *q, bool may_step, gc_pending **pending,
-                     mr_err *e) {
   MR_ASSERT(c && pending);
   *pending = NULL;
   int rc = req_validate(c, q, e);
@@ -338,9 +333,14 @@ int gc__layer_submit(gc_cluster *c, const gc_layer_req *q, bool may_step, gc_pen
     gc__down_explain(c, q->layer, p->plan.missing, e->msg, sizeof e->msg);
   if (rc) goto out_unref;
   const uint32_t np = p->plan.n_parts;
-  /* Every slot is valid now: count the routing decisions, caller-computed ones included. */
-  gc_routing_count(c->routing, q->layer, q->ids, (size_t)q->n_tokens * q->top_k, q->n_tokens,
-                   may_step);
+  /* Every slot is valid now: count the routing decisions, caller-computed ones included
+   * (caller_local slots are in ids; caller_ids holds those a caller masked out). */
+  const size_t n_slots = (size_t)q->n_tokens * q->top_k;
+  const bool may_step = !(q->flags & GC_REQ_PART);
+  gc_routing_count(c->routing, q->layer, q->ids, n_slots, q->n_tokens,
+                   may_step && !q->caller_ids);
+  if (q->caller_ids)
+    gc_routing_count(c->routing, q->layer, q->caller_ids, n_slots, q->n_tokens, may_step);
 
   /* Describe every request before the first is queued: the I/O thread may complete one
    * while later ones are still being queued, and counts against n_reqs. */

@@ -128,7 +128,9 @@ int gc_moe_submit(gc_moe *m, const gc_layer_req *q, bool last, mr_err *e) {
   rc = gc_layer_submit(m->c, &now, &m->now, e);
   if (rc) return rc;
   if (n_def == 0) return 0;
-  rc = gc__layer_submit(m->c, &def, false, &m->deferred_cur, e); /* not a second step */
+  def.flags |= GC_REQ_PART; /* counted, but not a second step */
+  def.caller_ids = NULL;     /* counted with the immediate part */
+  rc = gc_layer_submit(m->c, &def, &m->deferred_cur, e);
   if (rc) {
     gc_layer_cancel(m->c, m->now);
     m->now = NULL;

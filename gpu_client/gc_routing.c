@@ -3,16 +3,19 @@
  * routing decision, one per token per selected expert (a slot), local and caller-computed
  * experts included, since start and over a sliding window of steps.
  *
- * The window is a ring of GC_ROUTING_BUCKETS + 1 buckets of `per` = ceil(window / BUCKETS)
- * steps each: the current one fills, the BUCKETS before it are full. A step ends at the call
+ * The window is a ring of nb + 1 buckets, nb = min(GC_ROUTING_BUCKETS, window), of `per` =
+ * ceil(window / nb) steps each: the current one fills, the nb before it are full. A step ends at the call
  * for the last MoE layer (its counts go into the current bucket before it may rotate), so a
  * bucket holds whole steps. The window (every bucket) covers between window and window + per
  * steps; its exact count is reported. Rotation zeroes the oldest bucket and makes it
  * current.
  *
- * Cost per call: a read lock, then two relaxed atomic adds per slot (the total and the
- * current bucket); no allocation. Rotation (every `per` steps) and snapshots take the write
- * lock, so that no add lands in a bucket while it is being zeroed.
+ * Cost per call: a read lock, then one relaxed atomic add per slot into the current bucket;
+ * a call with many slots per expert (a prefill) first counts into a histogram on the stack
+ * and adds each expert's count once. No allocation. The since-start total is `folded` (the
+ * buckets rotation dropped, added in before zeroing) plus every live bucket. Rotation
+ * (every `per` steps) and snapshots take the write lock, so that no add lands in a bucket
+ * while it is being zeroed.
  */
 #include <pthread.h>
 #include <stdio.h>
@@ -21,12 +24,16 @@
 #include "moerpc_client.h"
 
 #define NB (GC_ROUTING_BUCKETS + 1u)
+/* Experts up to which a call with many slots counts into a stack histogram first (16 KiB of
+ * uint32: used only below 2^32 slots; gc_layer_submit's calls have at most 2^30). */
+#define HIST_MAX 4096u
 
 struct gc_routing {
   uint32_t L, E, window, per, last_layer;
+  uint32_t nb;            /* buckets in the ring: min(BUCKETS, window) + 1 */
   pthread_rwlock_t lock;
   uint32_t cur;           /* current bucket; changes under the write lock only */
-  uint64_t *total;        /* [L * E] since start or reset (atomic adds) */
+  uint64_t *folded;       /* [L * E] counts of buckets rotated out since start or reset */
   uint64_t *bucket;       /* [NB][L * E] (atomic adds) */
   uint64_t b_steps[NB], b_tokens[NB]; /* per bucket (atomic adds) */
   uint64_t b_start_ns[NB];            /* when each bucket became current (0: never) */
@@ -52,12 +59,12 @@ int gc_routing_new(gc_routing **out, uint32_t num_layers, uint32_t num_experts,
   gc_routing *r = mr_calloc(1, sizeof *r);
   size_t pairs = (size_t)num_layers * num_experts;
   if (r) {
-    r->total = mr_calloc(pairs, sizeof *r->total);
+    r->folded = mr_calloc(pairs, sizeof *r->folded);
     r->bucket = mr_calloc(pairs * NB, sizeof *r->bucket);
   }
-  if (!r || !r->total || !r->bucket) {
+  if (!r || !r->folded || !r->bucket) {
     if (r) {
-      mr_free(r->total);
+      mr_free(r->folded);
       mr_free(r->bucket);
     }
     mr_free(r);
@@ -67,7 +74,9 @@ int gc_routing_new(gc_routing **out, uint32_t num_layers, uint32_t num_experts,
   r->L = num_layers;
   r->E = num_experts;
   r->window = window_steps;
-  r->per = (window_steps + GC_ROUTING_BUCKETS - 1) / GC_ROUTING_BUCKETS;
+  const uint32_t full = window_steps < GC_ROUTING_BUCKETS ? window_steps : GC_ROUTING_BUCKETS;
+  r->nb = full + 1;
+  r->per = (window_steps + full - 1) / full;
   r->last_layer = last_layer;
   pthread_rwlock_init(&r->lock, NULL);
   r->start_ns = r->b_start_ns[0] = mr_now_ns();
@@ -78,16 +87,19 @@ int gc_routing_new(gc_routing **out, uint32_t num_layers, uint32_t num_experts,
 void gc_routing_free(gc_routing *r) {
   if (!r) return;
   pthread_rwlock_destroy(&r->lock);
-  mr_free(r->total);
+  mr_free(r->folded);
   mr_free(r->bucket);
   mr_free(r);
 }
 
-/* Makes the oldest bucket current, zeroed (write lock held). */
+/* Makes the oldest bucket current, zeroed after folding it into the total (write lock
+ * held). */
 static void rotate(gc_routing *r) {
   size_t pairs = (size_t)r->L * r->E;
-  r->cur = (r->cur + 1) % NB;
-  memset(r->bucket + (size_t)r->cur * pairs, 0, pairs * sizeof *r->bucket);
+  r->cur = (r->cur + 1) % r->nb;
+  uint64_t *b = r->bucket + (size_t)r->cur * pairs;
+  for (size_t i = 0; i < pairs; i++) r->folded[i] += b[i];
+  memset(b, 0, pairs * sizeof *r->bucket);
   r->b_steps[r->cur] = r->b_tokens[r->cur] = 0;
   r->b_start_ns[r->cur] = mr_now_ns();
 }
@@ -100,13 +112,22 @@ void gc_routing_count(gc_routing *r, uint32_t layer, const int32_t *ids, size_t 
   bool full = false;
   pthread_rwlock_rdlock(&r->lock);
   const uint32_t cur = r->cur;
-  uint64_t *tot = r->total + (size_t)layer * r->E;
   uint64_t *bk = r->bucket + (size_t)cur * pairs + (size_t)layer * r->E;
-  for (size_t i = 0; i < n_slots; i++) {
-    int32_t x = ids[i];
-    if (x < 0 || (uint32_t)x >= r->E) continue;
-    __atomic_fetch_add(&tot[x], 1, __ATOMIC_RELAXED);
-    __atomic_fetch_add(&bk[x], 1, __ATOMIC_RELAXED);
+  if (n_slots >= 2u * r->E && r->E <= HIST_MAX && n_slots < UINT32_MAX) {
+    /* Many slots per expert: count on the stack, then one add per expert used. */
+    uint32_t h[HIST_MAX];
+    memset(h, 0, r->E * sizeof *h);
+    for (size_t i = 0; i < n_slots; i++) {
+      int32_t x = ids[i];
+      if (x >= 0 && (uint32_t)x < r->E) h[x]++;
+    }
+    for (uint32_t x = 0; x < r->E; x++)
+      if (h[x]) __atomic_fetch_add(&bk[x], h[x], __ATOMIC_RELAXED);
+  } else {
+    for (size_t i = 0; i < n_slots; i++) {
+      int32_t x = ids[i];
+      if (x >= 0 && (uint32_t)x < r->E) __atomic_fetch_add(&bk[x], 1, __ATOMIC_RELAXED);
+    }
   }
   if (step) {
     __atomic_fetch_add(&r->steps, 1, __ATOMIC_RELAXED);
@@ -126,7 +147,7 @@ void gc_routing_reset(gc_routing *r) {
   if (!r) return;
   pthread_rwlock_wrlock(&r->lock);
   size_t pairs = (size_t)r->L * r->E;
-  memset(r->total, 0, pairs * sizeof *r->total);
+  memset(r->folded, 0, pairs * sizeof *r->folded);
   memset(r->bucket, 0, pairs * NB * sizeof *r->bucket);
   memset(r->b_steps, 0, sizeof r->b_steps);
   memset(r->b_tokens, 0, sizeof r->b_tokens);
@@ -152,23 +173,23 @@ int gc_routing_get(gc_routing *r, gc_routing_span span, gc_routing_counts *out, 
   out->span = span;
   pthread_rwlock_wrlock(&r->lock);
   uint64_t now = mr_now_ns();
+  /* The window: every live bucket; the total: those plus what rotation folded. */
+  if (span == GC_ROUTING_TOTAL) memcpy(out->counts, r->folded, pairs * sizeof *out->counts);
+  else memset(out->counts, 0, pairs * sizeof *out->counts);
+  uint64_t oldest = now;
+  for (uint32_t b = 0; b < r->nb; b++) {
+    if (!r->b_start_ns[b]) continue; /* never used since start or reset */
+    const uint64_t *bk = r->bucket + (size_t)b * pairs;
+    for (size_t i = 0; i < pairs; i++) out->counts[i] += bk[i];
+    out->steps += r->b_steps[b];
+    out->tokens += r->b_tokens[b];
+    if (r->b_start_ns[b] < oldest) oldest = r->b_start_ns[b];
+  }
+  out->seconds = (double)(now - oldest) / 1e9;
   if (span == GC_ROUTING_TOTAL) {
-    memcpy(out->counts, r->total, pairs * sizeof *out->counts);
     out->steps = r->steps;
     out->tokens = r->tokens;
     out->seconds = (double)(now - r->start_ns) / 1e9;
-  } else {
-    memset(out->counts, 0, pairs * sizeof *out->counts);
-    uint64_t oldest = now;
-    for (uint32_t b = 0; b < NB; b++) {
-      if (!r->b_start_ns[b]) continue; /* never used since start or reset */
-      const uint64_t *bk = r->bucket + (size_t)b * pairs;
-      for (size_t i = 0; i < pairs; i++) out->counts[i] += bk[i];
-      out->steps += r->b_steps[b];
-      out->tokens += r->b_tokens[b];
-      if (r->b_start_ns[b] < oldest) oldest = r->b_start_ns[b];
-    }
-    out->seconds = (double)(now - oldest) / 1e9;
   }
   pthread_rwlock_unlock(&r->lock);
   return 0;
@@ -180,12 +201,12 @@ void gc_routing_counts_close(gc_routing_counts *c) {
   memset(c, 0, sizeof *c);
 }
 
-/* A JSON string of printable ASCII; anything else escaped (as placement/pl_stats.c). */
+/* A JSON string, escaped as placement/pl_stats.c does (quote, backslash, control bytes). */
 static void put_str(mr_prom *p, const char *s) {
   mr_prom_append(p, "\"", 1);
   for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
     if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20 || *c >= 0x7f) mr_prom_printf(p, "\\u%04x", *c);
+    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
     else mr_prom_append(p, (const char *)c, 1);
   }
   mr_prom_append(p, "\"", 1);

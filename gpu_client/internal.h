@@ -362,11 +362,6 @@ struct gc_cluster {
   gc_routing *routing;
 };
 
-/* gc_layer.c: gc_layer_submit, where may_step false keeps the call from ending a routing
- * step (gc_moe's deferred part of a layer already counted as one). */
-int gc__layer_submit(gc_cluster *c, const gc_layer_req *q, bool may_step, gc_pending **pending,
-                     mr_err *e);
-
 /* gc_local.c */
 /* Loads the local experts of the cluster file's "local" section from c->model_dir into
  * c->local_layers (format c->fmt / c->group, or the options' override), marking local[]

@@ -168,7 +168,14 @@ typedef struct gc_layer_req {
   const float *weights;  /* [T * k] slot weights (ignored for empty slots) */
   const void *x;         /* [T, hidden_size] row-major, of dtype */
   mr_dtype dtype;        /* wire dtype of x and of the servers' replies: f32, f16 or bf16 */
+  /* Routing statistics only (see "routing statistics"); zero = none. */
+  const int32_t *caller_ids; /* [T * k] or NULL: slots the caller computes itself and left
+                              * out of ids (e.g. GPU experts masked to -1), counted, never
+                              * routed; ids outside 0..num_experts-1 are ignored */
+  uint32_t flags;            /* GC_REQ_PART: another part (a deferred one) of a call of this
+                              * layer already submitted: counted, but ends no step */
 } gc_layer_req;
+#define GC_REQ_PART 1u
 
 /*
  * Starts one layer call: validates req (ids -1 or < num_experts, each owned by a server or
@@ -374,10 +381,12 @@ int gc_control_call(gc_cluster *c, uint32_t idx, const char *method, const void 
  * once, with its layer). Two spans: since open (or gc_routing_reset) and a sliding window
  * of the last gc_options.routing_window steps, where a step ends with the call for the
  * last MoE layer (the highest layer any server, local or caller expert covers). The window
- * is a ring of GC_ROUTING_BUCKETS + 1 buckets of ceil(window / GC_ROUTING_BUCKETS) steps:
- * a count stays at least `window` steps and leaves within window + window/16 steps; the
+ * is a ring of nb + 1 buckets of ceil(window / nb) steps, nb = min(GC_ROUTING_BUCKETS,
+ * window): a count stays at least `window` steps and leaves within window + window/nb
+ * (rounded up) steps; the
  * snapshot says exactly how many steps and tokens it covers. Cost per call: a read lock
- * and two relaxed atomic adds per slot, no allocation. Memory: (BUCKETS + 2) x L x E x 8
+ * and one relaxed atomic add per slot (a call with many slots per expert counts on the
+ * stack first: one add per expert), no allocation. Memory: (BUCKETS + 2) x L x E x 8
  * bytes (2.2 MB for 61 x 256). Any thread.
  */
 typedef struct gc_routing gc_routing;

@@ -78,9 +78,10 @@ int pl_stats_format(const pl_stats *s, char **out, size_t *len, mr_err *e);
 /* Writes the file atomically: path.tmp.PID, then rename over path. */
 int pl_stats_save(const pl_stats *s, const char *path, mr_err *e);
 /* Adds src's counts, steps and tokens into dst (seconds: the larger) and appends src's
- * sources; the shapes must match (MR_EINVAL naming both). */
+ * sources not yet listed; the shapes must match (MR_EINVAL naming both). */
 int pl_stats_add(pl_stats *dst, const pl_stats *src, mr_err *e);
-/* Appends a source name (MR_ERANGE past PL_STATS_MAX_SOURCES or 63 characters). */
+/* Appends a source name unless it is listed already (MR_ERANGE past PL_STATS_MAX_SOURCES
+ * or 63 characters). */
 int pl_stats_source_add(pl_stats *s, const char *name, mr_err *e);
 /* Sum of all counts. */
 uint64_t pl_stats_total(const pl_stats *s);

@@ -30,7 +30,9 @@
 #define DEFAULT_HTTP_TIMEOUT_MS 5000
 
 static const char STATS_HELP[] =
-    "usage: moerpc-place stats --cluster FILE [--client URL]... [--reset] [-o FILE]\n"
+    "usage: moerpc-place stats --cluster FILE [--client URL]... [--from FILE]... [--reset]\n"
+    "                          [-o FILE]\n"
+    "       moerpc-place stats --from FILE... [-o FILE]          (merge files only)\n"
     "\n"
     "Collects routing statistics of a running cluster into one moerpc-stats JSON file\n"
     "(placement/README.md): tokens routed to each (layer, expert), one per token per\n"
@@ -42,10 +44,14 @@ static const char STATS_HELP[] =
     "clients' (they see every slot, local experts included; the servers' counts are only\n"
     "cross-checked in a log line); without, the sum of the servers' (remote slots only:\n"
     "the client's local experts are not counted; \"sources\" lists the servers).\n"
+    "--from files (moerpc-client --routing-stats, placement/sglang_dump.py imports, earlier\n"
+    "outputs) count like clients: they are added to the clients' counts; their shape must\n"
+    "match the servers' and their fingerprint too (\"\" = unknown matches any).\n"
     "\n"
-    "  --cluster FILE           cluster file (required)\n"
+    "  --cluster FILE           cluster file (required unless --from is given)\n"
     "  --client URL             a client's metrics endpoint, http://HOST:PORT[/routing];\n"
     "                           repeatable, at most 32\n"
+    "  --from FILE              a moerpc-stats file to add; repeatable, at most 32\n"
     "  --reset                  ask each server to zero its counters after answering\n"
     "  -o, --output FILE        write the stats there (atomically); default stdout\n"
     "  --timeout-ms N           deadline of each server RPC and client GET, 1..600000\n"
@@ -53,12 +59,14 @@ static const char STATS_HELP[] =
     "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
     "  --help                   this text\n";
 
-enum { OPT_CLUSTER = 1000, OPT_CLIENT, OPT_RESET, OPT_TIMEOUT, OPT_LOG, OPT_HELP };
+enum { OPT_CLUSTER = 1000, OPT_CLIENT, OPT_FROM, OPT_RESET, OPT_TIMEOUT, OPT_LOG, OPT_HELP };
 
 typedef struct stats_args {
   const char *cluster, *output;
   const char *clients[MAX_CLIENTS];
   uint32_t n_clients;
+  const char *files[MAX_CLIENTS];
+  uint32_t n_files;
   bool reset;
   uint32_t timeout_ms;
 } stats_args;
@@ -67,6 +75,7 @@ typedef struct stats_args {
 static int parse(int argc, char **argv, stats_args *a) {
   static const struct option lo[] = {{"cluster", required_argument, NULL, OPT_CLUSTER},
                                      {"client", required_argument, NULL, OPT_CLIENT},
+                                     {"from", required_argument, NULL, OPT_FROM},
                                      {"reset", no_argument, NULL, OPT_RESET},
                                      {"output", required_argument, NULL, 'o'},
                                      {"timeout-ms", required_argument, NULL, OPT_TIMEOUT},
@@ -93,6 +102,13 @@ static int parse(int argc, char **argv, stats_args *a) {
       }
       a->clients[a->n_clients++] = optarg;
       break;
+    case OPT_FROM:
+      if (a->n_files >= MAX_CLIENTS) {
+        fprintf(stderr, PROG ": more than %d --from files\n", MAX_CLIENTS);
+        return 2;
+      }
+      a->files[a->n_files++] = optarg;
+      break;
     case OPT_TIMEOUT:
       v = strtoul(optarg, &end, 10);
       if (!*optarg || *end || optarg[0] == '-' || v < 1 || v > 600000) {
@@ -117,8 +133,12 @@ static int parse(int argc, char **argv, stats_args *a) {
     fprintf(stderr, PROG ": unexpected argument \"%s\" (see --help)\n", argv[optind]);
     return 2;
   }
-  if (!a->cluster) {
-    fprintf(stderr, PROG ": --cluster FILE is required (see --help)\n");
+  if (!a->cluster && !a->n_files) {
+    fprintf(stderr, PROG ": --cluster FILE (or --from FILE) is required (see --help)\n");
+    return 2;
+  }
+  if (!a->cluster && (a->n_clients || a->reset)) {
+    fprintf(stderr, PROG ": --client and --reset need --cluster (see --help)\n");
     return 2;
   }
   return 0;
@@ -177,6 +197,35 @@ static int collect_servers(gc_cluster *c, const gc_cluster_info *ci, bool reset,
   return 0;
 }
 
+/* Adds one parsed source to acc, which takes its window kind (several differing kinds give
+ * "since_reset"), after checking its shape and fingerprint against the servers' (ci) or,
+ * without a cluster, acc's. name: the source to list, NULL = the file's own sources. */
+static int add_source(pl_stats *acc, pl_stats *one, const char *label, const char *name,
+                      const gc_cluster_info *ci, mr_err *e) {
+  const uint32_t L = ci ? ci->num_layers : acc->num_layers, E = ci ? ci->num_experts : acc->num_experts;
+  const char *fp = ci ? ci->model_fingerprint : acc->model_fingerprint;
+  const char *whose = ci ? "the servers serve" : "the first --from file has";
+  if (one->num_layers != L || one->num_experts != E)
+    return mr_err_set(e, MR_EMISMATCH, "%s: %u x %u counts, but %s %u layers x %u experts", label,
+                      one->num_layers, one->num_experts, whose, L, E);
+  if (one->model_fingerprint[0] && fp[0] && strcmp(one->model_fingerprint, fp) != 0)
+    return mr_err_set(e, MR_EMISMATCH, "%s has model_fingerprint %s but %s %s (not the same "
+                      "model)", label, one->model_fingerprint, whose, fp);
+  if (!fp[0] && one->model_fingerprint[0])
+    snprintf(acc->model_fingerprint, sizeof acc->model_fingerprint, "%s", one->model_fingerprint);
+  mr_log(MR_LOG_INFO, "stats: %s: %llu slots over %llu steps (%llu tokens), window %s", label,
+         (unsigned long long)pl_stats_total(one), (unsigned long long)one->steps,
+         (unsigned long long)one->tokens, one->window_kind);
+  if (acc->n_sources == 0) snprintf(acc->window_kind, sizeof acc->window_kind, "%s", one->window_kind);
+  else if (strcmp(acc->window_kind, one->window_kind) != 0)
+    snprintf(acc->window_kind, sizeof acc->window_kind, "since_reset");
+  if (name) one->n_sources = 0;
+  int rc = pl_stats_add(acc, one, e);
+  if (!rc && name) rc = pl_stats_source_add(acc, name, e);
+  if (!rc && !name && one->n_sources == 0) rc = pl_stats_source_add(acc, "file", e);
+  return rc;
+}
+
 /* Fetches one client's /routing and adds it to acc (which takes its window). */
 static int collect_client(const char *url, uint32_t timeout_ms, const gc_cluster_info *ci,
                           pl_stats *acc, mr_err *e) {
@@ -199,25 +248,83 @@ static int collect_client(const char *url, uint32_t timeout_ms, const gc_cluster
   rc = pl_stats_parse(&one, body, len, label, e);
   mr_free(body);
   if (rc) return rc;
-  if (one.num_layers != ci->num_layers || one.num_experts != ci->num_experts)
-    rc = mr_err_set(e, MR_EMISMATCH, "%s: %u x %u counts, but the servers serve %u layers x %u "
-                    "experts", label, one.num_layers, one.num_experts, ci->num_layers,
-                    ci->num_experts);
-  else if (one.model_fingerprint[0] && strcmp(one.model_fingerprint, ci->model_fingerprint) != 0)
-    rc = mr_err_set(e, MR_EMISMATCH, "%s has model_fingerprint %s but the servers serve %s (not "
-                    "the same model)", label, one.model_fingerprint, ci->model_fingerprint);
-  if (!rc) {
-    mr_log(MR_LOG_INFO, "stats: client %s: %llu slots over %llu steps (%llu tokens) in its %s "
-           "window", url, (unsigned long long)pl_stats_total(&one), (unsigned long long)one.steps,
-           (unsigned long long)one.tokens, one.window_kind);
-    if (acc->n_sources == 0) snprintf(acc->window_kind, sizeof acc->window_kind, "%s", one.window_kind);
-    else if (strcmp(acc->window_kind, one.window_kind) != 0)
-      snprintf(acc->window_kind, sizeof acc->window_kind, "since_reset");
-    one.n_sources = 0;
-    rc = pl_stats_add(acc, &one, e);
-    if (!rc) rc = pl_stats_source_add(acc, "client", e);
-  }
+  rc = add_source(acc, &one, label, "client", ci, e);
   pl_stats_close(&one);
+  return rc;
+}
+
+/* Reads one --from file and adds it to acc (shape and fingerprint checked against the
+ * servers' when ci is known, else against acc's). */
+static int collect_file(const char *path, const gc_cluster_info *ci, pl_stats *acc, mr_err *e) {
+  pl_stats one;
+  int rc = pl_stats_load(&one, path, e);
+  if (rc) return rc;
+  char label[300];
+  snprintf(label, sizeof label, "--from %.200s", path);
+  if (!acc->counts) { /* the first file, without a cluster: it sets the shape */
+    rc = pl_stats_init(acc, one.num_layers, one.num_experts, e);
+    if (!rc) snprintf(acc->model_fingerprint, sizeof acc->model_fingerprint, "%s", one.model_fingerprint);
+  }
+  if (!rc) rc = add_source(acc, &one, label, NULL, ci, e);
+  pl_stats_close(&one);
+  return rc;
+}
+
+/* Writes the result to path ("-" or NULL: stdout). */
+static int write_out(const pl_stats *out, const char *path, mr_err *e) {
+  if (path && strcmp(path, "-") != 0) {
+    int rc = pl_stats_save(out, path, e);
+    if (rc) return rc;
+    mr_log(MR_LOG_INFO, "stats: wrote %s (%u x %u, %llu slots)", path, out->num_layers,
+           out->num_experts, (unsigned long long)pl_stats_total(out));
+    return 0;
+  }
+  char *text = NULL;
+  size_t len = 0;
+  int rc = pl_stats_format(out, &text, &len, e);
+  if (rc) return rc;
+  bool ok = fwrite(text, 1, len, stdout) == len && fflush(stdout) == 0;
+  mr_free(text);
+  return ok ? 0 : mr_err_set(e, MR_EIO, "stdout: write failed");
+}
+
+/* The cluster's sources merged into *out (srv or cli, per the merge rule). */
+static int collect_cluster(const stats_args *a, pl_stats *srv, pl_stats *cli, pl_stats **out,
+                           mr_err *e) {
+  gc_cluster *c = NULL;
+  int rc = open_cluster(a, &c, e);
+  if (rc) return rc;
+  gc_cluster_info ci;
+  gc_cluster_info_get(c, &ci);
+  if (!(rc = pl_stats_init(srv, ci.num_layers, ci.num_experts, e)))
+    rc = pl_stats_init(cli, ci.num_layers, ci.num_experts, e);
+  if (!rc) {
+    snprintf(srv->model_fingerprint, sizeof srv->model_fingerprint, "%s", ci.model_fingerprint);
+    snprintf(cli->model_fingerprint, sizeof cli->model_fingerprint, "%s", ci.model_fingerprint);
+    rc = collect_servers(c, &ci, a->reset, srv, e);
+  }
+  for (uint32_t i = 0; i < a->n_clients && !rc; i++)
+    rc = collect_client(a->clients[i], a->timeout_ms, &ci, cli, e);
+  for (uint32_t i = 0; i < a->n_files && !rc; i++) rc = collect_file(a->files[i], &ci, cli, e);
+  gc_cluster_close(c);
+  if (rc) return rc;
+
+  uint64_t srv_total = pl_stats_total(srv);
+  if (a->n_clients || a->n_files) {
+    mr_log(MR_LOG_INFO, "stats: counts from %u client%s and %u file%s: %llu slots (local experts "
+           "included); the servers saw %llu remote slots since their last reset (cross-check "
+           "only)", a->n_clients, a->n_clients == 1 ? "" : "s", a->n_files,
+           a->n_files == 1 ? "" : "s", (unsigned long long)pl_stats_total(cli),
+           (unsigned long long)srv_total);
+    for (uint32_t i = 0; i < srv->n_sources && !rc; i++)
+      rc = pl_stats_source_add(cli, srv->sources[i], e);
+    *out = cli;
+  } else {
+    mr_log(MR_LOG_INFO, "stats: no --client: counts are the servers' (%llu remote slots; "
+           "experts the client computes locally are not counted)", (unsigned long long)srv_total);
+    snprintf(srv->window_kind, sizeof srv->window_kind, "since_reset");
+    *out = srv;
+  }
   return rc;
 }
 
@@ -227,60 +334,19 @@ int pl_cmd_stats(int argc, char **argv) {
   if (pr) return pr == 1 ? 0 : 2;
   mr_err e;
   mr_err_clear(&e);
-  gc_cluster *c = NULL;
-  pl_stats srv = {0}, cli = {0};
-  int rc = open_cluster(&a, &c, &e);
-  if (rc) goto fail;
-  gc_cluster_info ci;
-  gc_cluster_info_get(c, &ci);
-  if ((rc = pl_stats_init(&srv, ci.num_layers, ci.num_experts, &e))) goto fail;
-  if ((rc = pl_stats_init(&cli, ci.num_layers, ci.num_experts, &e))) goto fail;
-  snprintf(srv.model_fingerprint, sizeof srv.model_fingerprint, "%s", ci.model_fingerprint);
-  snprintf(cli.model_fingerprint, sizeof cli.model_fingerprint, "%s", ci.model_fingerprint);
-  if ((rc = collect_servers(c, &ci, a.reset, &srv, &e))) goto fail;
-  for (uint32_t i = 0; i < a.n_clients; i++)
-    if ((rc = collect_client(a.clients[i], a.timeout_ms, &ci, &cli, &e))) goto fail;
-  gc_cluster_close(c);
-  c = NULL;
-
-  pl_stats *out = &srv;
-  uint64_t srv_total = pl_stats_total(&srv);
-  if (a.n_clients) {
-    uint64_t cli_total = pl_stats_total(&cli);
-    mr_log(MR_LOG_INFO, "stats: counts from %u client%s: %llu slots (local experts included); "
-           "the servers saw %llu remote slots since their last reset (cross-check only)",
-           a.n_clients, a.n_clients == 1 ? "" : "s", (unsigned long long)cli_total,
-           (unsigned long long)srv_total);
-    for (uint32_t i = 0; i < srv.n_sources && !rc; i++) rc = pl_stats_source_add(&cli, srv.sources[i], &e);
-    if (rc) goto fail;
-    out = &cli;
-  } else {
-    mr_log(MR_LOG_INFO, "stats: no --client: counts are the servers' (%llu remote slots; "
-           "experts the client computes locally are not counted)", (unsigned long long)srv_total);
-    snprintf(srv.window_kind, sizeof srv.window_kind, "since_reset");
+  pl_stats srv = {0}, cli = {0}, *out = &cli;
+  int rc = 0;
+  if (a.cluster) {
+    rc = collect_cluster(&a, &srv, &cli, &out, &e);
+  } else { /* files only */
+    for (uint32_t i = 0; i < a.n_files && !rc; i++) rc = collect_file(a.files[i], NULL, &cli, &e);
+    if (!rc)
+      mr_log(MR_LOG_INFO, "stats: %u file%s merged: %llu slots", a.n_files,
+             a.n_files == 1 ? "" : "s", (unsigned long long)pl_stats_total(&cli));
   }
-  if (a.output && strcmp(a.output, "-") != 0) {
-    if ((rc = pl_stats_save(out, a.output, &e))) goto fail;
-    mr_log(MR_LOG_INFO, "stats: wrote %s (%u x %u, %llu slots)", a.output, out->num_layers,
-           out->num_experts, (unsigned long long)pl_stats_total(out));
-  } else {
-    char *text = NULL;
-    size_t len = 0;
-    if ((rc = pl_stats_format(out, &text, &len, &e))) goto fail;
-    bool ok = fwrite(text, 1, len, stdout) == len && fflush(stdout) == 0;
-    mr_free(text);
-    if (!ok) {
-      rc = mr_err_set(&e, MR_EIO, "stdout: write failed");
-      goto fail;
-    }
-  }
+  if (!rc) rc = write_out(out, a.output, &e);
+  if (rc) fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
   pl_stats_close(&srv);
   pl_stats_close(&cli);
-  return 0;
-fail:
-  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
-  gc_cluster_close(c);
-  pl_stats_close(&srv);
-  pl_stats_close(&cli);
-  return 1;
+  return rc ? 1 : 0;
 }

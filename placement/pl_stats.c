@@ -57,6 +57,8 @@ int pl_stats_source_add(pl_stats *s, const char *name, mr_err *e) {
   if (n == 0 || n >= sizeof s->sources[0])
     return mr_err_set(e, MR_ERANGE, "stats: source \"%.64s\" has %zu characters, must be 1..%zu",
                       name, n, sizeof s->sources[0] - 1);
+  for (uint32_t i = 0; i < s->n_sources; i++)
+    if (strcmp(s->sources[i], name) == 0) return 0; /* listed once */
   if (s->n_sources >= PL_STATS_MAX_SOURCES)
     return mr_err_set(e, MR_ERANGE, "stats: more than %u sources", PL_STATS_MAX_SOURCES);
   memcpy(s->sources[s->n_sources++], name, n + 1);
@@ -268,12 +270,13 @@ int pl_stats_load(pl_stats *s, const char *path, mr_err *e) {
 
 /* ---- writer ------------------------------------------------------------------------------ */
 
-/* A JSON string of printable ASCII (our names and fingerprints; anything else is escaped). */
+/* A JSON string: quote, backslash and control bytes escaped, other bytes as they are (what
+ * the reader accepted, so that a file survives a round trip byte for byte). */
 static void put_str(mr_prom *p, const char *s) {
   mr_prom_append(p, "\"", 1);
   for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
     if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20 || *c >= 0x7f) mr_prom_printf(p, "\\u%04x", *c);
+    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
     else mr_prom_append(p, (const char *)c, 1);
   }
   mr_prom_append(p, "\"", 1);

@@ -218,6 +218,38 @@ def sglang_sequence():
     return f"worst rel L2 {worst:.2e}"
 
 
+def routing_stats():
+    """The library counts every slot, GPU-masked ones included, and a deferred part is no
+    extra step: one pass of T tokens over every layer gives rows of T x k and one step."""
+    import json
+    mask = torch.zeros(E, dtype=torch.bool)
+    mask[[2, 5]] = True
+    ws = wrappers(CL, K=2, mask=mask)
+    path = os.path.join(CL.work, "routing0.json")
+    ws[0].save_routing_stats(path, total=True)
+    before = json.load(open(path))
+    g = torch.Generator().manual_seed(21)
+    T = 5
+    want = [[0] * E for _ in range(LAYERS)]
+    for layer, wr in enumerate(ws):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids, w = routing(g, T, special=False)
+        for e in ids.reshape(-1).tolist():
+            want[layer][e] += 1
+        wr.forward(x, ids, w, 0)
+    ws[0].save_routing_stats(path, total=True)
+    s = json.load(open(path))
+    got = [[a - b for a, b in zip(r, r0)] for r, r0 in zip(s["counts"], before["counts"])]
+    if s["format"] != "moerpc-stats" or s["window"]["kind"] != "since_reset":
+        raise AssertionError(f"header {s['window']}")
+    if got != want:
+        raise AssertionError(f"counts {got}, want the ids' histogram {want}")
+    if s["window"]["steps"] - before["window"]["steps"] != 1:
+        raise AssertionError(f"steps {before['window']['steps']} -> {s['window']['steps']}, want one more")
+    gpu = sum(want[l][2] + want[l][5] for l in range(LAYERS))
+    return f"{gpu} GPU-masked slots counted"
+
+
 def mask_live():
     ws = wrappers(CL)
     wr = ws[1]
@@ -511,7 +543,7 @@ def main():
     work = tempfile.mkdtemp(prefix="moerpc-py-", dir=os.environ.get("TMPDIR", "/tmp"))
     CL = Cluster(work)
     try:
-        for fn in (sglang_sequence, mask_live, deferral, capture_sizes, bad_input, vs_ktkernel,
+        for fn in (sglang_sequence, mask_live, routing_stats, deferral, capture_sizes, bad_input, vs_ktkernel,
                    hook, sglang_kt, server_killed):
             case(fn)
     finally:

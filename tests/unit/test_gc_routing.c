@@ -63,6 +63,24 @@ MT_TEST(window_keeps_counts_window_steps_then_drops_them) {
   gc_routing_free(r);
 }
 
+/* A window shorter than the bucket count is exact: one-step buckets. */
+MT_TEST(small_window_is_exact) {
+  gc_routing *r = NULL;
+  mr_err e = {0};
+  MT_OK(gc_routing_new(&r, 2, 8, 3, 1, &e), &e);
+  const int32_t ids[1] = {6};
+  gc_routing_count(r, 1, ids, 1, 1, true); /* step 1 routes expert 6 */
+  uint64_t steps = 0;
+  for (int s = 0; s < 3; s++) {
+    MT_EQ_INT(window_count(r, 8 + 6, &steps), 1);
+    MT_EQ_INT(steps, 1 + s);
+    empty_step(r);
+  }
+  MT_EQ_INT(window_count(r, 8 + 6, &steps), 0); /* 3 steps later it is gone */
+  MT_EQ_INT(steps, 3);
+  gc_routing_free(r);
+}
+
 MT_TEST(deferred_part_is_no_second_step_and_bad_ids_are_skipped) {
   gc_routing *r = NULL;
   mr_err e = {0};
@@ -81,6 +99,30 @@ MT_TEST(deferred_part_is_no_second_step_and_bad_ids_are_skipped) {
   uint64_t sum = 0;
   for (int i = 0; i < 16; i++) sum += c.counts[i];
   MT_EQ_INT(sum, 3);
+  gc_routing_counts_close(&c);
+  gc_routing_free(r);
+}
+
+/* A call with many slots per expert (the stack-histogram path) counts the same. */
+MT_TEST(large_call_counts_exact) {
+  gc_routing *r = NULL;
+  mr_err e = {0};
+  MT_OK(gc_routing_new(&r, 1, 8, 0, 0, &e), &e);
+  int32_t ids[400];
+  uint64_t want[8] = {0};
+  for (int i = 0; i < 400; i++) {
+    ids[i] = i % 11 == 0 ? -1 : i % 13 == 0 ? 9 : (int32_t)((i * 7) % 8);
+    if (ids[i] >= 0 && ids[i] < 8) want[ids[i]]++;
+  }
+  gc_routing_count(r, 0, ids, 400, 100, true);
+  gc_routing_count(r, 0, ids, 3, 1, true); /* and a small one: the atomic path */
+  for (int i = 0; i < 3; i++)
+    if (ids[i] >= 0 && ids[i] < 8) want[ids[i]]++;
+  gc_routing_counts c;
+  MT_OK(gc_routing_get(r, GC_ROUTING_TOTAL, &c, &e), &e);
+  for (int x = 0; x < 8; x++) MT_EQ_INT(c.counts[x], want[x]);
+  MT_EQ_INT(c.steps, 2);
+  MT_EQ_INT(c.tokens, 101);
   gc_routing_counts_close(&c);
   gc_routing_free(r);
 }
@@ -130,6 +172,27 @@ MT_TEST(concurrent_counts_are_exact) {
   for (int x = 0; x < 4; x++) MT_EQ_INT(c.counts[4 + x], c.steps);
   gc_routing_counts_close(&t);
   gc_routing_counts_close(&c);
+  gc_routing_free(r);
+}
+
+/* The cost of counting: ns per slot of a decode-sized and a prefill-sized call (printed,
+ * with a loose bound: the counters must stay far below a layer call's microseconds). */
+MT_TEST(cost_per_slot) {
+  gc_routing *r = NULL;
+  mr_err e = {0};
+  MT_OK(gc_routing_new(&r, 61, 256, 1024, 60, &e), &e); /* DeepSeek-V3's shape */
+  static int32_t ids[4096 * 8];
+  for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) ids[i] = (int32_t)((i * 2654435761u) % 256);
+  const uint32_t Ts[2] = {4, 4096};
+  for (int c = 0; c < 2; c++) {
+    uint32_t T = Ts[c];
+    uint64_t iters = c ? 200 : 200000, t0 = mr_now_ns();
+    for (uint64_t i = 0; i < iters; i++) gc_routing_count(r, (uint32_t)(i % 61), ids, (size_t)T * 8, T, true);
+    double ns = (double)(mr_now_ns() - t0) / ((double)iters * T * 8);
+    fprintf(stderr, "  routing count: T=%u top-8: %.2f ns per slot (%.0f ns per call)\n", T, ns,
+            ns * T * 8);
+    MT_TRUE(ns < 200);
+  }
   gc_routing_free(r);
 }
 

@@ -184,6 +184,74 @@ MT_TEST(responder) {
   mr_http_server_free(NULL);
 }
 
+static void render_json(void *ud, mr_prom *out) { mr_prom_printf(out, "{\"n\": %d}\n", *(int *)ud); }
+static void render_big(void *ud, mr_prom *out) {
+  for (int i = 0; i < 1000; i++) mr_prom_append(out, "0123456789", 10);
+}
+
+/* Extra routes (mr_http_server_route) and the one-shot GET client (mr_http_get). */
+MT_TEST(routes_and_get) {
+  mr_http_server *h;
+  mr_err e;
+  MT_OK(mr_http_server_new(&h, "127.0.0.1:0", "--metrics-listen", "/metrics", render, (void *)7, &e), &e);
+  static int n = 5;
+  MT_OK(mr_http_server_route(h, "/routing", "application/json", render_json, &n, &e), &e);
+  MT_OK(mr_http_server_route(h, "/big", NULL, render_big, NULL, &e), &e);
+  MT_EQ_INT(mr_http_server_route(h, "/routing", NULL, render_json, &n, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "already served");
+  MT_EQ_INT(mr_http_server_route(h, "/metrics", NULL, render_json, &n, &e), MR_EINVAL);
+  MT_EQ_INT(mr_http_server_route(h, "nopath", NULL, render_json, &n, &e), MR_EINVAL);
+  char url[80], *body = NULL;
+  size_t len = 0;
+  int status = 0;
+  snprintf(url, sizeof url, "http://127.0.0.1:%d", mr_http_server_port(h));
+  MT_OK(mr_http_get(url, "/routing", 1024, 2000, &status, &body, &len, &e), &e);
+  MT_EQ_INT(status, 200);
+  MT_EQ_STR(body, "{\"n\": 5}\n");
+  MT_EQ_U64(len, 9);
+  mr_free(body);
+  static char buf[4096];
+  const char *get = "GET /routing HTTP/1.1\r\n\r\n";
+  roundtrip(mr_http_server_port(h), get, strlen(get), buf, sizeof buf);
+  MT_CONTAINS(buf, "Content-Type: application/json\r\n");
+  char u2[96];
+  snprintf(u2, sizeof u2, "127.0.0.1:%d/metrics", mr_http_server_port(h));
+  MT_OK(mr_http_get(u2, "/routing", 1024, 2000, &status, &body, &len, &e), &e);
+  MT_CONTAINS(body, "t_up 7");
+  mr_free(body);
+  snprintf(u2, sizeof u2, "%s/nothing", url);
+  MT_OK(mr_http_get(u2, "/routing", 1024, 2000, &status, &body, &len, &e), &e);
+  MT_EQ_INT(status, 404);
+  mr_free(body);
+  /* A body over the limit, a bad URL, nobody listening. */
+  snprintf(u2, sizeof u2, "%s/big", url);
+  MT_EQ_INT(mr_http_get(u2, NULL, 1000, 2000, &status, &body, &len, &e), MR_EEXHAUSTED);
+  MT_CONTAINS(e.msg, "1000 bytes");
+  MT_TRUE(body == NULL);
+  MT_OK(mr_http_get(u2, NULL, 10000, 2000, &status, &body, &len, &e), &e);
+  MT_EQ_U64(len, 10000);
+  mr_free(body);
+  MT_EQ_INT(mr_http_get("https://127.0.0.1:1/x", NULL, 10, 100, &status, &body, &len, &e), MR_EINVAL);
+  MT_EQ_INT(mr_http_get("http://nocolon/x", NULL, 10, 100, &status, &body, &len, &e), MR_EINVAL);
+  MT_EQ_INT(mr_http_get("http://127.0.0.1:9/a b", NULL, 10, 100, &status, &body, &len, &e), MR_EINVAL);
+  mr_http_server_free(h);
+  MT_EQ_INT(mr_http_get(url, "/routing", 10, 500, &status, &body, &len, &e), MR_EUNAVAIL);
+  MT_CONTAINS(e.msg, url + 7);
+  /* A peer that accepts and never answers: the timeout. */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  MT_EQ_INT(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+  MT_EQ_INT(listen(lfd, 4), 0);
+  socklen_t sl = sizeof a;
+  getsockname(lfd, (struct sockaddr *)&a, &sl);
+  snprintf(u2, sizeof u2, "http://127.0.0.1:%d/routing", ntohs(a.sin_port));
+  uint64_t t0 = mr_now_ns();
+  MT_EQ_INT(mr_http_get(u2, NULL, 10, 300, &status, &body, &len, &e), MR_ETIMEDOUT);
+  MT_TRUE((mr_now_ns() - t0) / 1000000u < 2000);
+  close(lfd);
+}
+
 MT_TEST(responder_bad_address) {
   mr_http_server *h;
   mr_err e;

@@ -130,7 +130,11 @@ class Lib:
             ("gc_layer_cancel", [vp, vp], None),
             ("gc_pending_empty", [vp], ctypes.c_bool),
             ("mr_err_name", [i32], ctypes.c_char_p),
+            ("gc_cluster_routing", [vp], vp),
+            ("gc_routing_save", [vp, i32, ctypes.c_char_p, ctypes.c_char_p, vp], i32),
         ]:
+            if not hasattr(so, name) and name in ("gc_cluster_routing", "gc_routing_save"):
+                continue  # an older library: no routing statistics
             f = getattr(so, name)
             f.argtypes = args
             f.restype = res

@@ -71,6 +71,8 @@ class _Stage:
         self.T = T
         self.ids_now = torch.full((T, k), -1, dtype=torch.int32, pin_memory=pin)
         self.ids_def = torch.full((T, k), -1, dtype=torch.int32, pin_memory=pin)
+        # the GPU's slots (gpu_experts_mask), counted by the library's routing statistics
+        self.ids_gpu = torch.full((T, k), -1, dtype=torch.int32, pin_memory=pin)
         self.w = torch.zeros((T, k), dtype=torch.float32, pin_memory=pin)
         self.out = torch.zeros((T, H), dtype=torch.float32, pin_memory=pin)
         self.x = None  # [T, H] wire dtype; always on the CUDA path, on demand on the CPU one
@@ -234,6 +236,20 @@ class _Cluster:
             self.cancel(self.deferred[2])
             self.deferred = None
 
+    def save_routing_stats(self, path: str, total: bool = False) -> None:
+        """The library's routing counters (every slot of every layer, GPU ones included) as
+        a moerpc-stats file at path: the sliding window, or with total the counts since
+        open (gpu_client/README.md "Routing statistics")."""
+        if self.handle is None:
+            raise RuntimeError(f"{self.path}: the cluster is not open yet")
+        so = self.lib.so
+        if not hasattr(so, "gc_routing_save"):
+            raise RuntimeError(f"{self.lib.path} has no routing statistics: rebuild it")
+        r = so.gc_cluster_routing(self.handle)
+        rc = so.gc_routing_save(r, 1 if total else 0, b"", os.fsencode(path), self.err.ptr)
+        if rc:
+            raise self.lib.error(rc, self.err)
+
     def submit(self, req) -> ctypes.c_void_p:
         p = ctypes.c_void_p()
         rc = self.lib.so.gc_layer_submit(self.handle, req.ptr, ctypes.byref(p), self.err.ptr)
@@ -388,17 +404,19 @@ class MoeRpcWrapper:
     # ---- the routing split (kt-kernel's select_deferred_experts + the mask) -------------
 
     def _split(self, ids: torch.Tensor, w: torch.Tensor, mask: torch.Tensor):
-        """(now, deferred) int32 [T, k] of logical ids, -1 where a slot is not in that call;
-        deferred is None without deferral. Shape-static torch ops only (capturable)."""
+        """(now, deferred, gpu) int32 [T, k] of logical ids, -1 where a slot is not in that
+        call; deferred is None without deferral; gpu = the slots the mask keeps on the GPU
+        (only counted, for the routing statistics). Shape-static torch ops only (capturable)."""
         E, k = self.num_experts, ids.shape[-1]
         ids = ids.to(torch.long)
         valid = (ids >= 0) & (ids < E)
         safe = torch.where(valid, ids, torch.zeros_like(ids))
         kept = valid & ~mask[safe]
         logical = safe if self._p2l is None else self._p2l.to(ids.device)[safe]
+        gpu = torch.where(valid & ~kept, logical, -1).to(torch.int32)
         K = self.max_deferred_experts_per_token
         if K == 0:
-            return torch.where(kept, logical, -1).to(torch.int32), None
+            return torch.where(kept, logical, -1).to(torch.int32), None, gpu
         pk = k - K
         if pk <= 0:
             prot = torch.zeros_like(valid)
@@ -412,7 +430,7 @@ class MoeRpcWrapper:
             prot = valid & flag[safe]
         now = torch.where(kept & prot, logical, -1).to(torch.int32)
         dfr = torch.where(kept & ~prot, logical, -1).to(torch.int32)
-        return now, dfr
+        return now, dfr, gpu
 
     # ---- the host side of one call (CPU path: directly; CUDA path: host functions) ------
 
@@ -428,8 +446,13 @@ class MoeRpcWrapper:
                              f"but no server serves it (it was the GPU's when {ctx.path} was "
                              "opened, so it was left to the GPU)")
 
-    def _fill(self, req, ids, st: _Stage, T: int, x_ptr: int, code: int) -> None:
+    def _fill(self, req, ids, st: _Stage, T: int, x_ptr: int, code: int,
+              part: bool = False) -> None:
         vp, u32 = ctypes.c_void_p, ctypes.c_uint32
+        lib = self._ctx.lib
+        if lib.layout("gc_layer_req.caller_ids", strict=False) >= 0:  # routing statistics
+            req.set("caller_ids", vp, None if part else st.ids_gpu.data_ptr())
+            req.set("flags", u32, lib.layout("GC_REQ_PART") if part else 0)
         req.set("layer", u32, self.layer_idx)
         req.set("n_tokens", u32, T)
         req.set("top_k", u32, self.num_experts_per_tok)
@@ -458,7 +481,7 @@ class MoeRpcWrapper:
         try:
             self._pending = ctx.submit(st.req_now)
             if has_def:
-                self._fill(st.req_def, st.ids_def, st, T, x_ptr, code)
+                self._fill(st.req_def, st.ids_def, st, T, x_ptr, code, part=True)
                 ctx.deferred = (self.layer_idx, T, ctx.submit(st.req_def))
         except BaseException:
             ctx.cancel(self._pending)
@@ -513,8 +536,9 @@ class MoeRpcWrapper:
             return
         st = self._ctx.stage(T, k, H, dev, xdtype)
         if dev.type == "cpu":
-            now, dfr = self._split(topk_ids.cpu(), topk_weights.cpu(), self.gpu_experts_mask)
+            now, dfr, gpu = self._split(topk_ids.cpu(), topk_weights.cpu(), self.gpu_experts_mask)
             st.ids_now.copy_(now)
+            st.ids_gpu.copy_(gpu)
             has_def = dfr is not None and bool((dfr >= 0).any())
             if has_def:
                 st.ids_def.copy_(dfr)
@@ -548,6 +572,13 @@ class MoeRpcWrapper:
             return self._sync_cuda(st, cuda_stream)
         self._host_wait(st)
         return st.out.to(dtype) if dtype != torch.float32 else st.out.clone()
+
+    def save_routing_stats(self, path: str, total: bool = False) -> None:
+        """Writes the cluster's routing counters (all layers, GPU-masked slots included) to
+        path as moerpc-stats JSON (input of moerpc-place plan); see _Cluster."""
+        if self._ctx.handle is None:
+            self._ensure_open()
+        self._ctx.save_routing_stats(path, total)
 
     def forward(self, hidden_states: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, cuda_stream=None) -> torch.Tensor:
@@ -601,8 +632,9 @@ class MoeRpcWrapper:
             self._mask_dev = torch.zeros(self.num_experts, dtype=torch.bool, device=x.device)
         with torch.cuda.stream(stream):
             self._mask_dev.copy_(self.gpu_experts_mask, non_blocking=True)
-            now, dfr = self._split(topk_ids, topk_weights, self._mask_dev)
+            now, dfr, gpu = self._split(topk_ids, topk_weights, self._mask_dev)
             st.ids_now.copy_(now, non_blocking=True)
+            st.ids_gpu.copy_(gpu, non_blocking=True)
             if dfr is not None:
                 st.ids_def.copy_(dfr, non_blocking=True)
             st.w.copy_(topk_weights.to(torch.float32), non_blocking=True)
