@@ -79,6 +79,9 @@ typedef struct es_server_opts {
   const char *auth_token_file; /* bearer token every Hello, Stats and Forward call must carry
                                 * ("authorization: Bearer <token>"); NULL = no token needed */
   bool insecure;             /* allow plaintext on a non-loopback listen address */
+  uint64_t max_expert_memory; /* live placement: LoadExperts is refused RESOURCE_EXHAUSTED when
+                               * the packed expert bytes would exceed this; 0 = no limit of its
+                               * own (MemAvailable minus ES_LOAD_MEM_MARGIN always applies) */
   const char *metrics_listen; /* "HOST:PORT" of the Prometheus /metrics endpoint, NULL = off;
                                * port 0 = any free port (logged; es_server_metrics_port) */
 } es_server_opts;
@@ -114,6 +117,8 @@ static inline uint32_t es_max_top_k(uint32_t experts_per_tok, uint32_t num_exper
   return k > num_experts ? num_experts : (uint32_t)k;
 }
 #define ES_MAX_PEM_BYTES ((size_t)1 << 20)
+/* A LoadExperts must leave this much of MemAvailable (/proc/meminfo) free. */
+#define ES_LOAD_MEM_MARGIN ((uint64_t)512 << 20)
 
 /* True if the host of listen ("HOST:PORT", "[V6]:PORT") is a loopback address: 127.0.0.0/8,
  * ::1 or "localhost". 0.0.0.0, [::] and every other name are not. es_server_new refuses
@@ -175,6 +180,10 @@ void es_server_free(es_server *s);
 
 /* ---- request validation ---------------------------------------------------------------- */
 
+/* Largest LoadRequest / UnloadRequest accepted (a whole model's pairs fit). */
+#define ES_MAX_CONTROL_REQUEST_BYTES_LARGE (16u << 20)
+struct Moerpc__V1__LayerExperts;
+
 /* A ForwardRequest header as pr_forward_request_decode returns it (proto/pr.h). */
 struct Moerpc__V1__ForwardRequest;
 
@@ -207,6 +216,20 @@ typedef struct es_limits {
  * INVALID_ARGUMENT, whatever its other ids are.) */
 int es_forward_validate(const struct Moerpc__V1__ForwardRequest *req, size_t hidden_len,
                         const es_limits *lim, mr_err *e);
+
+/* Checks the pairs of a LoadRequest.add / UnloadRequest.drop (n_items LayerExperts) against
+ * the model: req_fingerprint ("" or NULL = not checked) must equal fingerprint (else
+ * MR_EMISMATCH), each layer < num_layers and a MoE layer (lim->is_moe), each expert <
+ * num_experts, at least one expert per item and one pair in all (else MR_EINVAL naming the
+ * item, the value and the limit). Ownership is not looked at (the caller skips pairs that
+ * need nothing). Fills pairs[num_layers * num_experts] (1 = named) and *n_pairs (distinct
+ * pairs). Pure. */
+int es_control_validate(const struct Moerpc__V1__LayerExperts *const *items, size_t n_items,
+                        const char *req_fingerprint, const char *fingerprint, const es_limits *lim,
+                        uint8_t *pairs, uint64_t *n_pairs, mr_err *e);
+/* The memory rule of LoadExperts: 0 if need <= free_bytes, else MR_EEXHAUSTED naming both
+ * (RESOURCE_EXHAUSTED on the wire). Pure. */
+int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e);
 
 /* Checks that the n_tokens x H hidden states at x (row-major, dtype dt: F32, F16 or BF16,
  * little-endian, any alignment) are all finite: one pass, an integer test of each

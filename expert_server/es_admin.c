@@ -186,6 +186,7 @@ static void es__on_drain_tick(uv_timer_t *t) { es__drain_step(t->data); }
 static void es__house(es_server *s) {
   if (s->phase < ES_PHASE_SERVING || s->phase >= ES_PHASE_DRAIN_SHUTDOWN) return;
   es__streams_service(s);
+  es__tab_reap(s);
   int64_t held = atomic_load(&s->held_bytes);
   if (held > s->house_trim_peak) s->house_trim_peak = held;
   /* Activity: requests or calls came or went since the last tick. */
@@ -228,7 +229,8 @@ static void es__load_done(es_server *s) {
     return;
   }
   if (!s->opts.max_inflight_bytes) s->max_inflight_bytes = es__inflight_budget(s);
-  int rc = es__compute_start(s, &s->load_err);
+  int rc = es__tab_init(s, &s->load_err);
+  if (!rc) rc = es__compute_start(s, &s->load_err);
   if (rc) {
     s->load_rc = s->run_rc = rc;
     es__stop_loop(s);

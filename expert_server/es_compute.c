@@ -65,6 +65,8 @@ void es__job_done(es_server *s, es_job *job) {
   if (job->reply) grpc_byte_buffer_destroy(job->reply);
   if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
   if (job->buf) es__buf_release(job->buf);
+  es__tab_put(job->tab);
+  job->tab = NULL;
   if (job->counted) {
     if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
     es__counter_dec(s, &s->inflight);
@@ -240,7 +242,7 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
     bool took = false;
     while (st->cq_head && n < ES_MERGE_MAX) {
       es_job *j = st->cq_head;
-      if (j->layer != h->layer || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
+      if (j->layer != h->layer || j->tab != h->tab || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
         break;
       es__stream_pop_locked(s, st);
       took = true;
@@ -412,7 +414,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   }
   if (rc == 0) {
     a.out = out;
-    rc = kn_moe_forward(s->eng, s->layers[h->layer], &a, &s->arena, &e);
+    rc = kn_moe_forward(s->eng, h->tab->layers[h->layer], &a, &s->arena, &e);
   } else {
     mr_err_set(&e, rc, "server out of memory for a batch of %" PRIu32 " tokens", T);
   }

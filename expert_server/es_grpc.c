@@ -35,66 +35,22 @@ static const char *const es__method_path[ES_M_COUNT] = {
     [ES_M_STATS] = PR_METHOD_STATS,
     [ES_M_HEALTH] = PR_METHOD_HEALTH_CHECK,
     [ES_M_FORWARD] = PR_METHOD_FORWARD,
+    [ES_M_LOAD] = PR_METHOD_LOAD_EXPERTS,
+    [ES_M_LOAD_STATUS] = PR_METHOD_LOAD_STATUS,
+    [ES_M_UNLOAD] = PR_METHOD_UNLOAD_EXPERTS,
+};
+static const char *const es__method_name[ES_M_COUNT] = {
+    [ES_M_HELLO] = "Hello", [ES_M_STATS] = "Stats", [ES_M_HEALTH] = "Health",
+    [ES_M_FORWARD] = "Forward", [ES_M_LOAD] = "LoadExperts", [ES_M_LOAD_STATUS] = "LoadStatus",
+    [ES_M_UNLOAD] = "UnloadExperts",
 };
 
 /* ---- set-up ------------------------------------------------------------------------------ */
 
-/* Packs the HelloReply once: it does not change while the server lives. */
-static int es__hello_pack(es_server *s, mr_err *e) {
-  uint32_t n_layers = mr_idset_count(&s->owned_layers);
-  uint32_t n_experts = mr_idset_count(&s->owned_experts);
-  int rc = 0;
-  Moerpc__V1__LayerExperts *items = mr_calloc(n_layers, sizeof *items);
-  Moerpc__V1__LayerExperts **ptrs = mr_calloc(n_layers, sizeof *ptrs);
-  uint32_t *experts = mr_calloc(n_experts, sizeof *experts);
-  if (!items || !ptrs || !experts) {
-    rc = mr_err_set(e, MR_ENOMEM, "out of memory packing HelloReply");
-    goto out_free_arrays;
-  }
-  uint32_t k = 0;
-  for (uint32_t x = 0; x < s->cfg.num_experts; x++)
-    if (mr_idset_has(&s->owned_experts, x)) experts[k++] = x;
-  k = 0;
-  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
-    if (!mr_idset_has(&s->owned_layers, l)) continue;
-    Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
-    items[k] = init;
-    items[k].layer = l;
-    items[k].n_experts = n_experts;
-    items[k].experts = experts;
-    ptrs[k] = &items[k];
-    k++;
-  }
-  Moerpc__V1__HelloReply r = MOERPC__V1__HELLO_REPLY__INIT;
-  r.protocol_major = PR_PROTOCOL_MAJOR;
-  r.protocol_minor = PR_PROTOCOL_MINOR;
-  r.model_fingerprint = s->fingerprint;
-  r.hidden_size = s->cfg.hidden_size;
-  r.intermediate_size = s->cfg.moe_intermediate;
-  r.num_layers = s->cfg.num_layers;
-  r.num_experts = s->cfg.num_experts;
-  r.n_owned = k;
-  r.owned = ptrs;
-  r.weight_format = s->weight_format;
-  r.max_tokens = s->opts.max_tokens;
-  r.max_top_k = s->limits.max_top_k;
-  size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
-  s->hello_reply = grpc_slice_malloc(len);
-  moerpc__v1__hello_reply__pack(&r, GRPC_SLICE_START_PTR(s->hello_reply));
-out_free_arrays:
-  mr_free(items);
-  mr_free(ptrs);
-  mr_free(experts);
-  return rc;
-}
-
 int es__grpc_create(es_server *s, mr_err *e) {
   grpc_init();
   s->grpc_inited = true;
-  s->hello_reply = grpc_empty_slice();
   s->t_shutdown = (es_tag){ES_TAG_SHUTDOWN, s}; /* before any failure: teardown waits for it */
-  int rc = es__hello_pack(s, e);
-  if (rc) return rc;
 
   grpc_arg args[PR_SERVER_ARGS + 8];
   size_t nargs = pr_server_args(args, s->max_message_bytes);
@@ -184,8 +140,8 @@ static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
 }
 
 /* Answers a unary call: status, details (copied) and, for OK, reply (owned from here on). */
-static void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
-                          grpc_byte_buffer *reply) {
+void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
+                   grpc_byte_buffer *reply) {
   grpc_op ops[4];
   size_t n = 0;
   memset(ops, 0, sizeof ops);
@@ -256,7 +212,9 @@ static void es__on_hello(es_rpc *r) {
     mr_log_escape(name, sizeof name, cn, strlen(cn));
     mr_log_ratelimited(MR_LOG_INFO, 5, "hello from %s: client \"%s\", protocol %" PRIu32
                        ".%" PRIu32, peer, name, major, minor);
-    es__rpc_reply(r, GRPC_STATUS_OK, "", grpc_raw_byte_buffer_create(&s->hello_reply, 1));
+    es_table *t = es__tab_get(s); /* not NULL once loaded */
+    es__rpc_reply(r, GRPC_STATUS_OK, "", grpc_raw_byte_buffer_create(&t->hello, 1));
+    es__tab_put(t);
   }
   if (req) protobuf_c_message_free_unpacked(&req->base, NULL);
 }
@@ -290,12 +248,14 @@ static void es__on_stats(es_rpc *r) {
   }
 
   uint32_t E = s->cfg.num_experts;
-  size_t cap = (size_t)mr_idset_count(&s->owned_layers) * mr_idset_count(&s->owned_experts);
+  es_table *tab = es__tab_get(s);
+  size_t cap = tab->pairs;
   Moerpc__V1__ExpertCount *items = mr_calloc(cap ? cap : 1, sizeof *items);
   Moerpc__V1__ExpertCount **ptrs = mr_calloc(cap ? cap : 1, sizeof *ptrs);
   if (!items || !ptrs) {
     mr_free(items);
     mr_free(ptrs);
+    es__tab_put(tab);
     es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory for StatsReply", NULL);
     return;
   }
@@ -303,9 +263,9 @@ static void es__on_stats(es_rpc *r) {
    * land either in this reply or in the next one, never in neither. */
   size_t n = 0;
   for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
-    if (!s->layers || !s->layers[l]) continue;
+    if (!tab->owned[l]) continue;
     for (uint32_t x = 0; x < E; x++) {
-      if (!mr_idset_has(&s->owned_experts, x)) continue;
+      if (!mr_idset_has(tab->owned[l], x)) continue;
       atomic_ullong *c = &s->tokens[(size_t)l * E + x];
       uint64_t v = reset ? atomic_exchange(c, 0) : atomic_load(c);
       if (!v) continue;
@@ -334,6 +294,7 @@ static void es__on_stats(es_rpc *r) {
   grpc_byte_buffer *bb = pr_encode(&rep.base);
   mr_free(items);
   mr_free(ptrs);
+  es__tab_put(tab);
   if (!bb)
     es__rpc_reply(r, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory for StatsReply", NULL);
   else
@@ -375,10 +336,18 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
   }
   if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cqt, r->m);
   atomic_fetch_add(&s->live_calls, 1);
+  bool control = r->m == ES_M_LOAD || r->m == ES_M_LOAD_STATUS || r->m == ES_M_UNLOAD;
+  if (control && !s->auth_on) {
+    /* Changing what a server holds needs a credential: no token configured, no control. */
+    es__rpc_reply(r, GRPC_STATUS_PERMISSION_DENIED,
+                  "control RPCs (LoadExperts, LoadStatus, UnloadExperts) are disabled: start the "
+                  "server with --auth-token-file to allow them", NULL);
+    return;
+  }
   if (r->m != ES_M_HEALTH) {
     char peer[96];
     es__call_peer(r->call, peer, sizeof peer);
-    if (!es__auth_ok(s, &r->md, peer, r->m == ES_M_HELLO ? "Hello" : "Stats")) {
+    if (!es__auth_ok(s, &r->md, peer, es__method_name[r->m])) {
       es__rpc_reply(r, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG, NULL);
       return;
     }
@@ -387,6 +356,9 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
   case ES_M_HELLO: es__on_hello(r); break;
   case ES_M_STATS: es__on_stats(r); break;
   case ES_M_HEALTH: es__on_health(r); break;
+  case ES_M_LOAD: es__on_load(r); break;
+  case ES_M_LOAD_STATUS: es__on_load_status(r); break;
+  case ES_M_UNLOAD: es__on_unload(r); break;
   default: MR_ASSERT(!"unary method");
   }
 }

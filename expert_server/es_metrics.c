@@ -18,6 +18,13 @@
 #define ES_VERSION "0.1.0"
 
 /* VmRSS of this process in bytes, 0 if /proc/self/status cannot be read. */
+/* Layers with per-layer series: those served at start-up and any served since. */
+static bool es__layer_labelled(es_server *s, uint32_t l) {
+  if (mr_idset_has(&s->owned_layers, l)) return true;
+  return atomic_load_explicit(&s->loaded, memory_order_acquire) && s->layer_served &&
+         atomic_load(&s->layer_served[l]);
+}
+
 static uint64_t es__rss_bytes(void) {
   FILE *f = fopen("/proc/self/status", "r");
   if (!f) return 0;
@@ -71,9 +78,11 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   es__gauge(p, "moerpc_load_loaded_bytes", "Bytes of the owned tensors loaded so far.",
             (double)atomic_load(&s->load_bytes_done));
   es__gauge(p, "moerpc_loaded_experts", "Experts (layer, expert pairs) loaded and served.",
-            loaded ? (double)s->n_experts_loaded : 0);
+            loaded ? (double)atomic_load(&s->cur_pairs) : 0);
   es__gauge(p, "moerpc_weight_bytes", "Bytes of packed expert weights held.",
-            loaded ? (double)s->weight_bytes : 0);
+            loaded ? (double)atomic_load(&s->cur_weight_bytes) : 0);
+  es__gauge(p, "moerpc_owned_generation", "Generation of the owned set (1 at start-up, +1 per "
+            "LoadExperts or UnloadExperts that changed it).", loaded ? (double)atomic_load(&s->cur_gen) : 0);
 
   es__counter(p, "moerpc_requests_total", "ForwardRequests received (decoded or not).",
               atomic_load(&s->tot_requests));
@@ -104,7 +113,7 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   char lid[16];
   mr_prom_family(p, "moerpc_layer_tokens_total", MR_PROM_COUNTER, "Tokens computed, by layer.");
   for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
-    if (!mr_idset_has(&s->owned_layers, l)) continue;
+    if (!es__layer_labelled(s, l)) continue;
     snprintf(lid, sizeof lid, "%" PRIu32, l);
     const char *ll[] = {"layer", lid, NULL};
     mr_prom_u64(p, "moerpc_layer_tokens_total", ll, atomic_load(&s->layer_tokens[l]));
@@ -112,7 +121,7 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   mr_prom_family(p, "moerpc_layer_compute_seconds", MR_PROM_HISTOGRAM,
                  "Engine time of each computed request (that of its batch), by layer.");
   for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
-    if (!mr_idset_has(&s->owned_layers, l)) continue;
+    if (!es__layer_labelled(s, l)) continue;
     snprintf(lid, sizeof lid, "%" PRIu32, l);
     const char *ll[] = {"layer", lid, NULL};
     mr_prom_hist(p, "moerpc_layer_compute_seconds", ll, &s->layer_hist[l]);

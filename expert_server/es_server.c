@@ -121,7 +121,8 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   pthread_mutex_init(&s->streams_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_cond, NULL);
-  s->hello_reply = grpc_empty_slice();
+  pthread_mutex_init(&s->tab_lock, NULL);
+  pthread_mutex_init(&s->ctl_lock, NULL);
   mr_arena_init(&s->arena, ES_COMPUTE_ARENA_BLOCK);
 
   s->opts = *opts;
@@ -223,6 +224,7 @@ void es_server_stop(es_server *s) {
 void es_server_free(es_server *s) {
   if (!s) return;
   es__metrics_stop(s);
+  es__control_stop(s); /* a live load still packing stops after its expert */
   if (s->loader_started) { /* es_server_run failed or was cut short during the load */
     atomic_store(&s->load_abort, true);
     pthread_join(s->loader, NULL);
@@ -230,7 +232,7 @@ void es_server_free(es_server *s) {
   }
   es__compute_stop(s);
   es__grpc_destroy(s);
-  grpc_slice_unref(s->hello_reply);
+  es__control_close(s); /* the tables hold grpc slices: before grpc_shutdown */
   if (s->grpc_inited) grpc_shutdown();
   es__admin_close(s);
   es__unload(s);
@@ -250,5 +252,7 @@ void es_server_free(es_server *s) {
   pthread_cond_destroy(&s->q_cond);
   pthread_mutex_destroy(&s->q_lock);
   pthread_mutex_destroy(&s->streams_lock);
+  pthread_mutex_destroy(&s->tab_lock);
+  pthread_mutex_destroy(&s->ctl_lock);
   mr_free(s);
 }

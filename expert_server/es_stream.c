@@ -395,14 +395,19 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
                            false);
     goto out_free_input;
   }
-  rc = es_forward_validate(req, st->split.payload.len, &s->limits, &e);
+  /* Validated against the current owned table, which the job keeps until it is done
+   * (es_control.c): a switch meanwhile does not take its experts away. */
+  es_table *tab = es__tab_get(s);
+  rc = es_forward_validate(req, st->split.payload.len, &tab->lim, &e);
   if (rc) {
+    es__tab_put(tab);
     es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
     goto out_free_input;
   }
   es_job *job = es__job_get(&s->pool);
   es_buf *buf = job ? es__buf_get(&s->pool, st->split.payload.len) : NULL;
   if (!buf) {
+    es__tab_put(tab);
     if (job) es__job_put(&s->pool, job);
     snprintf(msg, sizeof msg, "server out of memory for a %zu-byte request buffer",
              st->split.payload.len);
@@ -415,12 +420,14 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   rc = es_hidden_check_finite(buf->data, (mr_dtype)req->dtype, req->n_tokens,
                               s->limits.hidden_size, &e);
   if (rc) {
+    es__tab_put(tab);
     es__buf_release(buf);
     es__job_put(&s->pool, job);
     es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
     goto out_free_input;
   }
   job->st = st;
+  job->tab = tab;
   job->req = req;
   req = NULL;
   job->id = id;

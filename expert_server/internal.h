@@ -14,6 +14,8 @@
  *   es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
  *   es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite (pure)
  *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
+ *   es_control.c   live placement: the owned table (RCU-like), LoadExperts / LoadStatus /
+ *                  UnloadExperts, the live loader thread, retiring old tables
  *
  * Threads and where they meet (STYLE.md 8):
  *
@@ -54,8 +56,15 @@
  * job inline. The held request's stream re-arms its RECV only after the reply's send has
  * started (es_stream.recv_held, es_stream.c).
  *
+ *   control loader         es_control.c: packs the experts of a LoadExperts into staging
+ *                          layers (nobody else sees them), then publishes a new es_table
+ *                          under ctl_lock. Requests hold a reference to the table they were
+ *                          validated against (es_job.tab) until their reply is sent; the
+ *                          admin thread frees retired tables once unreferenced.
+ *
  * Lock order (never take an earlier lock while holding a later one):
  *   srv->streams_lock  ->  es_stream.lock  ->  srv->q_lock  ->  es_pool.lock
+ *   srv->ctl_lock  ->  srv->tab_lock (a leaf: held for a pointer read and an increment)
  * es_pool.lock is a leaf: gRPC may call the slice release callback (es__buf_release) from
  * inside grpc_byte_buffer_destroy while a stream lock is held.
  */
@@ -143,8 +152,29 @@ typedef enum es_method {
   ES_M_STATS,
   ES_M_HEALTH,
   ES_M_FORWARD,
+  ES_M_LOAD,        /* control (protocol 1.2): LoadExperts */
+  ES_M_LOAD_STATUS, /* LoadStatus */
+  ES_M_UNLOAD,      /* UnloadExperts */
   ES_M_COUNT
 } es_method;
+
+/* The owned set and its weights, as one immutable object (es_control.c). A new one is built
+ * and swapped in for every change; readers hold a reference (refs) from validation to the
+ * reply, so an old table, and the weights only it holds, are freed (by the admin thread)
+ * only once no request can use them. */
+typedef struct es_table {
+  atomic_long refs;          /* +1 while current, +1 per holder */
+  uint64_t gen;              /* owned_generation: 1 at start-up, +1 per change */
+  kn_layer **layers;         /* [num_layers], NULL where no expert is owned */
+  uint8_t *passed;           /* [num_layers]: layers[l] now belongs to the next table */
+  mr_idset *sets;            /* [num_layers] experts owned (empty where layers[l] NULL) */
+  const mr_idset **owned;    /* [num_layers] &sets[l] or NULL, for lim */
+  es_limits lim;             /* the server's limits with this owned set */
+  uint64_t weight_bytes;     /* packed bytes of the owned experts */
+  uint64_t pairs;            /* (layer, expert) pairs owned */
+  grpc_slice hello;          /* the packed HelloReply of this set */
+  struct es_table *next;     /* the retired list (ctl_lock) */
+} es_table;
 
 /* One gRPC thread with its completion queue. */
 typedef struct es_cqt {
@@ -236,6 +266,7 @@ struct es_job {
   es_job *next;                    /* link in the compute queue, a send queue or the pool */
   es_stream *st;                   /* holds one unit of st->jobs_pending */
   Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
+  es_table *tab;                   /* the owned table it was validated against (a reference) */
   uint64_t id;
   uint32_t layer, n_tokens, top_k;
   mr_dtype dtype;
@@ -303,6 +334,27 @@ struct es_server {
   mr_err load_err;
   uint32_t load_delay_ms;    /* MOERPC_TEST_LOAD_DELAY_MS: test only, per expert */
 
+  /* Live placement (es_control.c). tab: the current owned table, swapped under tab_lock by
+   * publishers serialised by ctl_lock; NULL until the start-up load is done. */
+  pthread_mutex_t tab_lock, ctl_lock;
+  es_table *tab;
+  es_table *retired;         /* tables no longer current, not yet freed (ctl_lock) */
+  uint64_t tab_gen;          /* ctl_lock */
+  uint64_t expert_bytes;     /* packed bytes of one expert (set with the first table) */
+  atomic_ullong cur_weight_bytes, cur_pairs, cur_gen; /* of the current table, for metrics */
+  atomic_uchar *layer_served; /* [num_layers]: the layer was ever served (metrics labels) */
+  /* The live load (ctl_lock, except the progress atomics). */
+  uint64_t ld_id;            /* the latest load, 0 = none */
+  int ld_state;              /* MOERPC__V1__LOAD_STATE__* */
+  uint32_t ld_status;
+  char ld_error[512];
+  uint64_t ld_t0_ns, ld_t1_ns, ld_tensors_total, ld_bytes_total, ld_packed;
+  atomic_ullong ld_tensors_done, ld_bytes_done;
+  uint8_t *ld_want;          /* [num_layers * num_experts]: the pairs being loaded */
+  mr_st *ld_st;              /* the model's safetensors, opened for the load */
+  pthread_t ld_thread;
+  bool ld_thread_started;    /* joined by the next load, or at free */
+
   /* gRPC: created by es_server_new, started by es_server_run. */
   bool grpc_inited;
   grpc_server *gs;
@@ -311,7 +363,6 @@ struct es_server {
   uint32_t n_cqts;
   int port;
   bool shutdown_called;    /* grpc_server_shutdown_and_notify called */
-  grpc_slice hello_reply;  /* the constant HelloReply, packed once */
   es_tag t_shutdown;
   int max_message_bytes;
 
@@ -415,6 +466,28 @@ int es__load_weights(es_server *s, mr_err *e);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
+
+/* es_control.c */
+/* A reference to the current table (NULL before the start-up load is done). Any thread. */
+es_table *es__tab_get(es_server *s);
+/* Drops a reference (any thread, lock-free; NULL is a no-op). */
+static inline void es__tab_put(es_table *t) {
+  if (t) atomic_fetch_sub_explicit(&t->refs, 1, memory_order_release);
+}
+/* Admin thread, after the start-up load: the first table from s->layers (moved into it). */
+int es__tab_init(es_server *s, mr_err *e);
+/* Admin thread, housekeeping: frees retired tables nobody references. */
+void es__tab_reap(es_server *s);
+/* es_server_free: stops and joins the live loader (first, before the engine and gRPC go) */
+void es__control_stop(es_server *s);
+/* ... and later frees every table. */
+void es__control_close(es_server *s);
+/* The control calls (CQ thread); the caller checked authorisation. */
+void es__on_load(es_rpc *r);
+void es__on_load_status(es_rpc *r);
+void es__on_unload(es_rpc *r);
+/* es_grpc.c: answers a unary call (status, details copied, reply owned from here on). */
+void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details, grpc_byte_buffer *reply);
 
 /* es_metrics.c */
 /* Binds opts.metrics_listen and starts its responder (es_server_new, before the load). */

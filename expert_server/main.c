@@ -63,7 +63,13 @@ static void usage(FILE *f) {
           "  --tls-client-ca FILE     mTLS: require a client certificate signed by these PEM roots\n"
           "  --auth-token-file FILE   require \"authorization: Bearer <token>\" on Hello, Stats and\n"
           "                           Forward; FILE holds the token (1..%d printable bytes, one\n"
-          "                           trailing newline allowed); health stays open\n"
+          "                           trailing newline allowed); health stays open. Also\n"
+          "                           enables the control RPCs LoadExperts / LoadStatus /\n"
+          "                           UnloadExperts (live placement, moerpc-place apply), which\n"
+          "                           are refused PERMISSION_DENIED without it\n"
+          "  --max-expert-memory N    refuse a LoadExperts that would make the packed expert\n"
+          "                           weights exceed N bytes (suffixes K, M, G; default: only\n"
+          "                           MemAvailable minus 512 MiB limits it)\n"
           "  --insecure               allow plaintext on a non-loopback --listen address (without\n"
           "                           it, only 127.0.0.0/8, ::1 and localhost serve plaintext)\n"
           "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
@@ -183,7 +189,7 @@ static bool check_numa(const char *s) {
 enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
-  OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT,
+  OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT, OPT_MAX_EXPERT_MEMORY,
   OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN
 };
 
@@ -201,6 +207,7 @@ int main(int argc, char **argv) {
       {"grpc-threads", required_argument, NULL, OPT_GRPC_THREADS},
       {"drain-timeout-ms", required_argument, NULL, OPT_DRAIN},
       {"max-inflight-bytes", required_argument, NULL, OPT_MAX_INFLIGHT},
+      {"max-expert-memory", required_argument, NULL, OPT_MAX_EXPERT_MEMORY},
       {"max-streams", required_argument, NULL, OPT_MAX_STREAMS},
       {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
@@ -256,6 +263,10 @@ int main(int argc, char **argv) {
       break;
     case OPT_DRAIN:
       if (!parse_u32("--drain-timeout-ms", optarg, 0, ES_MAX_DRAIN_TIMEOUT_MS, &o.drain_timeout_ms))
+        return 2;
+      break;
+    case OPT_MAX_EXPERT_MEMORY:
+      if (!parse_bytes("--max-expert-memory", optarg, 1, (uint64_t)1 << 50, &o.max_expert_memory))
         return 2;
       break;
     case OPT_MAX_INFLIGHT:

@@ -26,13 +26,14 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH
 };
 
 #define MODEL_OPTIONS                                                                    \
   {"model", required_argument, NULL, MO_MODEL},                                          \
       {"cluster", required_argument, NULL, MO_CLUSTER},                                  \
       {"placement", required_argument, NULL, MO_PLACEMENT},                              \
+      {"watch-placement", no_argument, NULL, MO_WATCH},                                  \
       {"local-experts", required_argument, NULL, MO_LOCAL},                              \
       {"max-deferred", required_argument, NULL, MO_DEFER},                               \
       {"max-seq", required_argument, NULL, MO_MAXSEQ},                                   \
@@ -61,6 +62,11 @@ static const char MODEL_HELP[] =
     "  --placement FILE         with --cluster: a placement file (local and remote experts\n"
     "                           per layer, see gpu_client/README.md); exclusive with\n"
     "                           --local-experts\n"
+    "  --watch-placement        with --placement: at each step boundary, if FILE changed,\n"
+    "                           Hello every server again and switch routing to it between\n"
+    "                           two steps (moerpc-place apply writes it); a bad file is\n"
+    "                           logged and ignored; local experts cannot change. The active\n"
+    "                           placement is at GET /placement of --metrics-listen\n"
     "  --max-deferred K         defer each token's K lowest-ranked cold slots to the next\n"
     "                           MoE layer (kt-kernel semantics; changes results), default 0\n"
     "  --max-seq N              KV cache positions per sequence, 1..1048576 (default 4096,\n"
@@ -78,6 +84,7 @@ static const char MODEL_HELP[] =
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
     "                           the command runs (port 0 = any free port, logged); also\n"
+    "                           GET /placement (JSON: generation, hash, switched_at) and\n"
     "                           GET /routing: the routing counters as moerpc-stats JSON\n"
     "routing statistics (every routed slot, hot experts included; placement/README.md):\n"
     "  --routing-window STEPS   sliding window of the counters, 1..16777216 steps (a step:\n"
@@ -101,6 +108,8 @@ typedef struct mcli {
 static mr_http_server *cli_metrics;
 
 static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p); }
+/* GET /placement: the active placement (live apply). */
+static void placement_render(void *ud, mr_prom *p) { gc_model_placement_render(ud, p); }
 
 /* GET /routing: the routing counters' window as moerpc-stats JSON (a 500 when out of
  * memory: the responder answers 500 for a text marked oom). */
@@ -185,6 +194,7 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_MODEL: o->model_dir = arg; return 1;
   case MO_CLUSTER: o->cluster_path = arg; return 1;
   case MO_PLACEMENT: o->placement_path = arg; return 1;
+  case MO_WATCH: o->watch_placement = true; return 1;
   case MO_LOCAL:
     if (!gc__cli_u32("--local-experts", arg, 0, 65536, &v)) return -1;
     o->local_experts = (int32_t)v;
@@ -282,6 +292,10 @@ static int parse(int argc, char **argv, const struct option *lo, const char *usa
     fprintf(stderr, PROG " %s: --local-experts and --placement are exclusive\n", argv[0]);
     return 2;
   }
+  if (c->mo.watch_placement && !c->mo.placement_path) {
+    fprintf(stderr, PROG " %s: --watch-placement needs --placement FILE\n", argv[0]);
+    return 2;
+  }
   return 0;
 }
 
@@ -355,6 +369,9 @@ static int open_model(mcli *c, gc_model **m) {
       return rc;
     }
     rc = mr_http_server_route(cli_metrics, "/routing", "application/json", routing_render, *m, &e);
+    if (rc == 0)
+      rc = mr_http_server_route(cli_metrics, "/placement", "application/json", placement_render,
+                                *m, &e);
     if (rc) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;

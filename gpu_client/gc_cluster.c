@@ -22,6 +22,7 @@
 #include <time.h>
 
 #include <grpc/byte_buffer.h>
+#include <grpc/byte_buffer_reader.h>
 #include <grpc/grpc_security.h>
 #include <grpc/slice.h>
 #include <grpc/support/alloc.h>
@@ -911,3 +912,72 @@ void gc_stats_close(gc_stats *s) {
 }
 
 gc_routing *gc_cluster_routing(gc_cluster *c) { return c ? c->routing : NULL; }
+
+/* ---- control handle (placement apply) ---------------------------------------------------- */
+
+int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e) {
+  MR_ASSERT(out && file);
+  *out = NULL;
+  gc_cluster *c = mr_calloc(1, sizeof *c);
+  if (!c) return mr_err_set(e, MR_ENOMEM, "cluster: out of memory");
+  gc_options o;
+  gc_options_init(&o);
+  o.client_name = "moerpc-place";
+  int rc = cluster_init(c, file, &o, e);
+  if (rc) goto out_close;
+  grpc_init();
+  c->grpc_inited = true;
+  if ((rc = security_init(c, e))) goto out_close;
+  for (uint32_t i = 0; i < c->n_servers; i++) {
+    c->servers[i].ctl = gc__channel_new(c, &c->servers[i], GC__CTL_MAX_BYTES);
+    if (!c->servers[i].ctl) {
+      rc = mr_err_set(e, MR_EUNAVAIL, GC__SRV_FMT ": could not create a channel to %s",
+                      GC__SRV_ARGS(&c->servers[i]), c->servers[i].target);
+      goto out_close;
+    }
+  }
+  *out = c;
+  return 0;
+out_close:
+  gc_cluster_close(c);
+  return rc;
+}
+
+int gc_control_call(gc_cluster *c, uint32_t idx, const char *method, const void *req,
+                    size_t req_len, uint32_t timeout_ms, uint8_t **resp, size_t *resp_len,
+                    mr_err *e) {
+  *resp = NULL;
+  *resp_len = 0;
+  if (idx >= c->n_servers)
+    return mr_err_set(e, MR_ERANGE, "server index %u, must be < %u", idx, c->n_servers);
+  const gc__server *sv = &c->servers[idx];
+  const char *rpc = strrchr(method, '/') ? strrchr(method, '/') + 1 : method;
+  grpc_slice sl = grpc_slice_from_copied_buffer(req_len ? (const char *)req : "", req_len);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+  grpc_slice_unref(sl);
+  gc__unary u;
+  grpc_channel *ch = sv->ctl;
+  unary_round(c, &ch, 1, method, bb, timeout_ms ? timeout_ms : c->deadline_ms, &u);
+  grpc_byte_buffer_destroy(bb);
+  int rc = unary_result(c, &u, sv, rpc, timeout_ms ? timeout_ms : c->deadline_ms, e);
+  if (rc == 0) {
+    grpc_byte_buffer_reader rd;
+    if (!grpc_byte_buffer_reader_init(&rd, u.resp)) {
+      rc = mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": %s reply unreadable", GC__SRV_ARGS(sv), rpc);
+    } else {
+      grpc_slice all = grpc_byte_buffer_reader_readall(&rd);
+      grpc_byte_buffer_reader_destroy(&rd);
+      size_t n = GRPC_SLICE_LENGTH(all);
+      *resp = mr_malloc(n ? n : 1);
+      if (!*resp) {
+        rc = mr_err_set(e, MR_ENOMEM, "%s reply: out of memory", rpc);
+      } else {
+        memcpy(*resp, GRPC_SLICE_START_PTR(all), n);
+        *resp_len = n;
+      }
+      grpc_slice_unref(all);
+    }
+  }
+  unary_free(&u);
+  return rc;
+}

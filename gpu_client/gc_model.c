@@ -23,6 +23,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
+#include <sys/stat.h>
+#include <sys/time.h>
 
 #include "model.h"
 
@@ -90,6 +93,18 @@ struct gc_model {
   mr_hist step_hist;              /* wall time of gc_model_step, ns */
   mr_hist rpc_hist;               /* a MoE layer's immediate call: requests queued -> last reply, ns */
   uint64_t mx_steps, mx_tokens, mx_generated, mx_local_slots;
+  /* Live placement (--watch-placement, docs/DESIGN.md section 15). The stepping thread
+   * checks the file at each step boundary and swaps cluster and moe under cl_lock, which
+   * the metrics responder holds while it reads the cluster; pl_* under pl_lock. */
+  mr_cluster_file *cf;            /* the parsed cluster file, kept for reopening */
+  pthread_mutex_t cl_lock, pl_lock;
+  bool locks_inited;
+  struct stat pl_stat;            /* of the file last looked at (dev, ino, mtime, size) */
+  uint64_t pl_gen;                /* 1 = the placement opened with, +1 per switch */
+  uint64_t pl_hash;               /* FNV-1a 64 of the active file's bytes */
+  double pl_switched_at;          /* Unix time of the last switch (or of open) */
+  uint64_t pl_rejected;           /* new files refused (the old placement stayed) */
+  char pl_error[512];             /* why the last one was refused, "" = none */
   /* Routing counters without a cluster (with one, the cluster's count every slot). */
   gc_routing *routing_own;
   char fingerprint[64];           /* the model's (the servers' with a cluster) */
@@ -110,11 +125,20 @@ gc_cluster *gc_model_cluster(gc_model *m) { return m->cluster; }
 gc_routing *gc_model_routing(gc_model *m) {
   return m->cluster ? gc_cluster_routing(m->cluster) : m->routing_own;
 }
+/* Both may run on the metrics responder's thread: cl_lock keeps a placement switch from
+ * closing the cluster (and its counters) under them. A switch starts the counters afresh
+ * (they belong to the cluster). */
 int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_prom *out, mr_err *e) {
-  return gc_routing_json(gc_model_routing(m), span, m->fingerprint, out, e);
+  pthread_mutex_lock(&m->cl_lock);
+  int rc = gc_routing_json(gc_model_routing(m), span, m->fingerprint, out, e);
+  pthread_mutex_unlock(&m->cl_lock);
+  return rc;
 }
 int gc_model_routing_save(gc_model *m, gc_routing_span span, const char *path, mr_err *e) {
-  return gc_routing_save(gc_model_routing(m), span, m->fingerprint, path, e);
+  pthread_mutex_lock(&m->cl_lock);
+  int rc = gc_routing_save(gc_model_routing(m), span, m->fingerprint, path, e);
+  pthread_mutex_unlock(&m->cl_lock);
+  return rc;
 }
 kn_engine *gc_model_engine(gc_model *m) { return m->eng; }
 uint64_t gc_model_dense_bytes(const gc_model *m) { return m->dense_bytes; }
@@ -396,10 +420,27 @@ static int load_weights(gc_model *m, const mr_st *st, mr_err *e) {
 
 /* ---- placement --------------------------------------------------------------------------- */
 
+/* Largest placement file read (a 61 x 256 model's file is ~200 KB). */
+#define PLACEMENT_MAX_FILE_BYTES ((size_t)64 << 20)
+
+/* FNV-1a 64 of a placement file's bytes: what GET /placement reports, and what
+ * moerpc-place apply compares with the hash of the file it wrote. */
+static uint64_t placement_hash(const char *b, size_t n) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (size_t i = 0; i < n; i++) {
+    h ^= (uint8_t)b[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+static int placement_parse(gc_model *m, const mr_cluster_file *cf, const char *json, size_t len,
+                           uint8_t *local, int32_t **route, mr_err *e);
+static int placement_cluster_local(gc_model *m, const mr_cluster_file *cf, mr_err *e);
+
 /* Fills m->local from the options; route (L * E, cluster-file server indices) from a
  * placement file's "remote". */
 static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **route, mr_err *e) {
-  const size_t pairs = (size_t)m->L * m->E;
   *route = NULL;
   if (!m->o.cluster_path) { /* every expert local */
     for (uint32_t l = 0; l < m->L; l++)
@@ -424,9 +465,29 @@ static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **rout
     return 0;
   }
   if (m->o.placement_path) {
-    mr_placement p;
-    int rc = mr_placement_load(&p, m->o.placement_path, e);
+    char *json = NULL;
+    size_t len = 0;
+    int rc = mr_file_read(m->o.placement_path, PLACEMENT_MAX_FILE_BYTES, &json, &len, e);
     if (rc) return rc;
+    m->pl_hash = placement_hash(json, len);
+    rc = placement_parse(m, cf, json, len, m->local, route, e);
+    mr_free(json);
+    return rc;
+  }
+  /* The cluster file's "local" section: the runner computes those experts itself. */
+  return placement_cluster_local(m, cf, e);
+}
+
+static int placement_parse(gc_model *m, const mr_cluster_file *cf, const char *json, size_t len,
+                           uint8_t *local, int32_t **route, mr_err *e) {
+  const size_t pairs = (size_t)m->L * m->E;
+  {
+    mr_placement p;
+    int rc = mr_placement_parse(&p, json, len, m->o.placement_path, e);
+    if (rc) {
+      mr_placement_close(&p);
+      return rc;
+    }
     if (p.num_layers != m->L || p.num_experts != m->E) {
       rc = mr_err_set(e, MR_EMISMATCH, "%s: num_layers = %u, num_experts = %u, the model has "
                       "%u and %u", m->o.placement_path, p.num_layers, p.num_experts, m->L, m->E);
@@ -455,7 +516,7 @@ static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **rout
                         "place", m->o.placement_path, l);
         goto out_placement;
       }
-      m->local[i] = p.local[i];
+      local[i] = p.local[i];
       (*route)[i] = p.route[i] >= 0 ? map[p.route[i]] : -1;
     }
   out_placement:
@@ -466,7 +527,9 @@ static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **rout
     }
     return rc;
   }
-  /* The cluster file's "local" section: the runner computes those experts itself. */
+}
+
+static int placement_cluster_local(gc_model *m, const mr_cluster_file *cf, mr_err *e) {
   if (cf->local_layers[0] && cf->local_experts[0]) {
     mr_idset ls, xs;
     int rc = mr_idset_parse(&ls, cf->local_layers, m->L, "cluster file local.layers", e);
@@ -486,8 +549,15 @@ static int placement_make(gc_model *m, const mr_cluster_file *cf, int32_t **rout
   return 0;
 }
 
+static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32_t *route,
+                             gc_cluster **out_cl, gc_moe **out_moe, mr_err *e);
 static int cluster_open(gc_model *m, const mr_cluster_file *cf, const int32_t *route,
                         mr_err *e) {
+  return cluster_open_into(m, cf, route, &m->cluster, &m->moe, e);
+}
+
+static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32_t *route,
+                             gc_cluster **out_cl, gc_moe **out_moe, mr_err *e) {
   gc_options co;
   gc_options_init(&co);
   co.client_name = "moerpc-client model";
@@ -501,10 +571,10 @@ static int cluster_open(gc_model *m, const mr_cluster_file *cf, const int32_t *r
   co.route = route;
   co.route_len = route ? (size_t)m->L * m->E : 0;
   co.routing_window = m->o.routing_window;
-  int rc = gc_cluster_open_parsed(&m->cluster, cf, &co, e);
+  int rc = gc_cluster_open_parsed(out_cl, cf, &co, e);
   if (rc) return rc;
   gc_cluster_info ci;
-  gc_cluster_info_get(m->cluster, &ci);
+  gc_cluster_info_get(*out_cl, &ci);
   if (ci.num_layers != m->L || ci.num_experts != m->E || ci.hidden_size != m->H)
     return mr_err_set(e, MR_EMISMATCH, "cluster %s serves a model of %u layers x %u experts, "
                       "hidden %u; %s has %u x %u, hidden %u", m->o.cluster_path, ci.num_layers,
@@ -516,7 +586,7 @@ static int cluster_open(gc_model *m, const mr_cluster_file *cf, const int32_t *r
     m->expert_fmt = f;
     m->expert_group = g ? g : 64;
   }
-  return gc_moe_new(&m->moe, m->cluster, m->o.max_deferred, e);
+  return gc_moe_new(out_moe, *out_cl, m->o.max_deferred, e);
 }
 
 /* ---- open / close ------------------------------------------------------------------------ */
@@ -582,6 +652,13 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   gc_model *m = mr_calloc(1, sizeof *m);
   if (!m) return mr_err_set(e, MR_ENOMEM, "model: out of memory");
   m->o = *o;
+  pthread_mutex_init(&m->cl_lock, NULL);
+  pthread_mutex_init(&m->pl_lock, NULL);
+  m->locks_inited = true;
+  if (o->watch_placement && (!o->placement_path || !o->cluster_path)) {
+    mr_free(m);
+    return mr_err_set(e, MR_EINVAL, "--watch-placement needs --placement FILE and --cluster");
+  }
   mr_hist_init_latency(&m->step_hist);
   mr_hist_init_latency(&m->rpc_hist);
   snprintf(m->model_dir, sizeof m->model_dir, "%s", o->model_dir);
@@ -620,7 +697,17 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     }
     if ((rc = mr_cluster_load(cf, o->cluster_path, e))) goto out;
   }
+  if (o->watch_placement && stat(o->placement_path, &m->pl_stat) != 0) {
+    rc = mr_err_set(e, MR_ENOTFOUND, "--placement %s: cannot stat it", o->placement_path);
+    goto out;
+  }
   if ((rc = placement_make(m, cf, &route, e))) goto out;
+  m->pl_gen = 1;
+  {
+    struct timeval tv;
+    gettimeofday(&tv, NULL);
+    m->pl_switched_at = (double)tv.tv_sec + tv.tv_usec / 1e6;
+  }
   if ((rc = kn_engine_new(&m->eng, &o->engine, e))) goto out;
   if (o->pin_caller) {
     mr_err pe;
@@ -667,6 +754,10 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
          (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
          m->cluster ? "cold experts on the cluster" : "all experts local", m->bk->ops->name,
          kn_engine_threads(m->eng), m->max_seq, m->max_batch, m->moe ? o->max_deferred : 0);
+  if (o->watch_placement) {
+    m->cf = cf; /* kept to reopen the cluster on a switch */
+    cf = NULL;
+  }
   *out = m;
   m = NULL;
 out:
@@ -723,7 +814,132 @@ void gc_model_close(gc_model *m) {
   mr_free(m->lst);
   mr_free(m->lst_snap);
   mr_free(m->seen);
+  mr_free(m->cf);
+  if (m->locks_inited) {
+    pthread_mutex_destroy(&m->cl_lock);
+    pthread_mutex_destroy(&m->pl_lock);
+  }
   mr_free(m);
+}
+
+/* ---- live placement ---------------------------------------------------------------------- */
+
+static void placement_refuse(gc_model *m, const char *why) {
+  pthread_mutex_lock(&m->pl_lock);
+  m->pl_rejected++;
+  snprintf(m->pl_error, sizeof m->pl_error, "%s", why);
+  pthread_mutex_unlock(&m->pl_lock);
+  mr_log(MR_LOG_ERROR, "placement: %s: new file refused, the active placement (generation %llu) "
+         "stays: %s", m->o.placement_path, (unsigned long long)m->pl_gen, why);
+}
+
+/* At a step boundary (no call in flight): if the placement file changed, validate it against
+ * fresh Hellos of every server (a new gc_cluster: every routed pair must be announced by its
+ * server, every pair covered) and switch to it; a file that fails is logged and ignored. */
+static void placement_poll(gc_model *m) {
+  struct stat st;
+  if (stat(m->o.placement_path, &st) != 0) return; /* mid-rename or gone: look again later */
+  if (st.st_ino == m->pl_stat.st_ino && st.st_dev == m->pl_stat.st_dev &&
+      st.st_size == m->pl_stat.st_size && st.st_mtim.tv_sec == m->pl_stat.st_mtim.tv_sec &&
+      st.st_mtim.tv_nsec == m->pl_stat.st_mtim.tv_nsec)
+    return;
+  m->pl_stat = st; /* a refused file is not retried until it changes again */
+  uint64_t t0 = mr_now_ns();
+  mr_err e;
+  mr_err_clear(&e);
+  char *json = NULL;
+  size_t len = 0;
+  uint8_t *local = NULL;
+  int32_t *route = NULL;
+  gc_cluster *cl = NULL;
+  gc_moe *moe = NULL;
+  if (mr_file_read(m->o.placement_path, PLACEMENT_MAX_FILE_BYTES, &json, &len, &e) != 0) {
+    placement_refuse(m, e.msg);
+    return;
+  }
+  uint64_t hash = placement_hash(json, len);
+  if (hash == m->pl_hash) goto out_free; /* touched, same content */
+  local = mr_calloc((size_t)m->L * m->E, 1);
+  if (!local) {
+    placement_refuse(m, "out of memory");
+    goto out_free;
+  }
+  if (placement_parse(m, m->cf, json, len, local, &route, &e) != 0) {
+    placement_refuse(m, e.msg);
+    goto out_free;
+  }
+  if (memcmp(local, m->local, (size_t)m->L * m->E) != 0) {
+    placement_refuse(m, "its local (hot) experts differ from the active placement's: the client "
+                     "cannot change its local experts while running (restart it with the new "
+                     "file)");
+    goto out_free;
+  }
+  if (cluster_open_into(m, m->cf, route, &cl, &moe, &e) != 0) {
+    placement_refuse(m, e.msg);
+    gc_moe_free(moe);
+    gc_cluster_close(cl);
+    goto out_free;
+  }
+  pthread_mutex_lock(&m->cl_lock);
+  gc_cluster *old_cl = m->cluster;
+  gc_moe *old_moe = m->moe;
+  m->cluster = cl;
+  m->moe = moe;
+  pthread_mutex_unlock(&m->cl_lock);
+  gc_moe_free(old_moe);
+  gc_cluster_close(old_cl);
+  struct timeval tv;
+  gettimeofday(&tv, NULL);
+  pthread_mutex_lock(&m->pl_lock);
+  m->pl_gen++;
+  m->pl_hash = hash;
+  m->pl_switched_at = (double)tv.tv_sec + tv.tv_usec / 1e6;
+  m->pl_error[0] = '\0';
+  pthread_mutex_unlock(&m->pl_lock);
+  mr_log(MR_LOG_INFO, "placement: switched to %s (generation %llu, hash %016llx) in %.1f ms, "
+         "between two steps", m->o.placement_path, (unsigned long long)m->pl_gen,
+         (unsigned long long)hash, (double)(mr_now_ns() - t0) / 1e6);
+out_free:
+  mr_free(json);
+  mr_free(local);
+  mr_free(route);
+}
+
+void gc_model_placement_get(gc_model *m, gc_model_placement *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&m->pl_lock);
+  out->watching = m->o.watch_placement;
+  out->generation = m->pl_gen;
+  out->hash = m->pl_hash;
+  out->switched_at = m->pl_switched_at;
+  out->rejected = m->pl_rejected;
+  snprintf(out->error, sizeof out->error, "%s", m->pl_error);
+  pthread_mutex_unlock(&m->pl_lock);
+}
+
+/* Appends s as a JSON string body (quotes, backslashes and control bytes escaped). */
+static void json_str(mr_prom *p, const char *s) {
+  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
+    if (*c == '"' || *c == '\\')
+      mr_prom_printf(p, "\\%c", *c);
+    else if (*c < 0x20 || *c >= 0x7f)
+      mr_prom_printf(p, "\\u%04x", *c);
+    else
+      mr_prom_append(p, (const char *)c, 1);
+  }
+}
+
+void gc_model_placement_render(gc_model *m, mr_prom *p) {
+  gc_model_placement pl;
+  gc_model_placement_get(m, &pl);
+  mr_prom_append(p, "{\"file\": \"", 10);
+  json_str(p, m->o.placement_path ? m->o.placement_path : "");
+  mr_prom_printf(p, "\", \"watching\": %s, \"generation\": %llu, \"hash\": \"%016llx\", "
+                 "\"switched_at\": %.3f, \"rejected\": %llu, \"last_error\": \"",
+                 pl.watching ? "true" : "false", (unsigned long long)pl.generation,
+                 (unsigned long long)pl.hash, pl.switched_at, (unsigned long long)pl.rejected);
+  json_str(p, pl.error);
+  mr_prom_append(p, "\"}\n", 3);
 }
 
 void gc_model_seq_reset(gc_model *m, uint32_t seq) {
@@ -970,6 +1186,7 @@ static int step_head(gc_model *m, const gc_step *s, uint32_t n_want, mr_err *e) 
 }
 
 int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
+  if (m->o.watch_placement) placement_poll(m); /* step boundary: nothing in flight */
   uint32_t n_want = 0;
   int rc = step_validate(m, s, &n_want, e);
   if (rc) return rc;
@@ -1154,6 +1371,7 @@ out:
 
 /* ---- metrics ----------------------------------------------------------------------------- */
 
+static void metrics_render_cluster(gc_model *m, mr_prom *p);
 void gc_model_metrics_render(gc_model *m, mr_prom *p) {
   mr_prom_family(p, "moerpc_client_steps_total", MR_PROM_COUNTER, "Forward steps (gc_model_step).");
   mr_prom_u64(p, "moerpc_client_steps_total", NULL, __atomic_load_n(&m->mx_steps, __ATOMIC_RELAXED));
@@ -1172,6 +1390,12 @@ void gc_model_metrics_render(gc_model *m, mr_prom *p) {
   mr_prom_family(p, "moerpc_client_layer_rpc_seconds", MR_PROM_HISTOGRAM,
                  "A MoE layer's server call: requests queued to the last reply (all servers).");
   mr_prom_hist(p, "moerpc_client_layer_rpc_seconds", NULL, &m->rpc_hist);
+  pthread_mutex_lock(&m->cl_lock); /* a placement switch swaps the cluster */
+  metrics_render_cluster(m, p);
+  pthread_mutex_unlock(&m->cl_lock);
+}
+
+static void metrics_render_cluster(gc_model *m, mr_prom *p) {
   if (!m->cluster) return;
   gc_cluster_info ci;
   gc_cluster_info_get(m->cluster, &ci);

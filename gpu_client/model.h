@@ -53,6 +53,9 @@ typedef struct gc_model_opts {
   mr_dtype wire;              /* hidden states to the servers; 0 = bf16 */
   uint32_t deadline_ms, connect_timeout_ms; /* 0 = the cluster file's / the library's */
   bool quiet;                 /* no loading progress lines */
+  bool watch_placement;       /* with placement_path and cluster_path: at each step boundary
+                               * re-read placement_path if it changed (inode, size, mtime)
+                               * and switch to it (see gc_model_placement_get) */
   bool pin_caller;            /* pin the opening thread to worker 0's core
                                * (kn_engine_pin_caller): set it when that thread makes the
                                * steps and does nothing else heavy */
@@ -133,6 +136,30 @@ void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset);
  * m is open (what the stepping thread writes is read through atomics, the per-server
  * counters under their stream's lock); for the --metrics-listen responder. Never reset. */
 void gc_model_metrics_render(gc_model *m, mr_prom *p);
+
+/* ---- live placement (docs/DESIGN.md section 15) -------------------------------------------
+ *
+ * With opts.watch_placement, gc_model_step first looks at the placement file (one stat): if
+ * its inode, size or mtime changed and its bytes differ, it parses it, refuses it if its
+ * local (hot) experts differ from the active ones (the runner cannot load hot experts while
+ * running), opens a new cluster with its routing (a fresh Hello of every server: every
+ * routed pair must be announced by its server, every pair covered) and, only if all that
+ * passed, swaps it in and closes the old one: between two steps, with no call in flight.
+ * A file that fails is logged and ignored (the active placement stays) until it changes
+ * again. */
+typedef struct gc_model_placement {
+  bool watching;
+  uint64_t generation;  /* 1 = the file opened with, +1 per switch */
+  uint64_t hash;        /* FNV-1a 64 of the active file's bytes (0 without a placement file) */
+  double switched_at;   /* Unix time of the last switch (of the open for generation 1) */
+  uint64_t rejected;    /* changed files refused */
+  char error[512];      /* why the last one was refused, "" when the last change switched */
+} gc_model_placement;
+/* Any thread while m is open. */
+void gc_model_placement_get(gc_model *m, gc_model_placement *out);
+/* GET /placement of --metrics-listen: {"file", "watching", "generation", "hash" (16 hex
+ * digits), "switched_at", "rejected", "last_error"} as one JSON object. Any thread. */
+void gc_model_placement_render(gc_model *m, mr_prom *p);
 
 /* ---- generation -------------------------------------------------------------------------- */
 

@@ -356,6 +356,23 @@ typedef struct gc_stats {
 int gc_cluster_stats(gc_cluster *c, uint32_t server_idx, bool reset, gc_stats *out, mr_err *e);
 void gc_stats_close(gc_stats *s);
 
+/* ---- control calls (live placement, protocol 1.2; docs/DESIGN.md section 15) ------------
+ *
+ * For moerpc-place apply: a cluster handle with the file's channels, TLS and token but no
+ * Hello round, no coverage check and no streams (so it opens whatever the servers own),
+ * and one raw unary call. The caller packs the request and unpacks the reply (proto/pr.h,
+ * moe.pb-c.h): this header stays free of protobuf types. The handle answers
+ * gc_cluster_find_server and gc_cluster_close only. */
+int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e);
+/* Calls method (a PR_METHOD_* path) on server idx with the packed request req[req_len],
+ * waiting up to timeout_ms (0 = the cluster's deadline_ms) for a connection and the reply.
+ * On success *resp (mr_free) holds the packed reply. Errors name the server and the RPC and
+ * carry the server's message: MR_ETIMEDOUT, or the status mapped to MR_E* by pr_mr_from_status
+ * (PERMISSION_DENIED and UNAUTHENTICATED -> MR_EAUTH, RESOURCE_EXHAUSTED -> MR_EEXHAUSTED). */
+int gc_control_call(gc_cluster *c, uint32_t idx, const char *method, const void *req,
+                    size_t req_len, uint32_t timeout_ms, uint8_t **resp, size_t *resp_len,
+                    mr_err *e);
+
 /* ---- routing statistics (for placement) -------------------------------------------------
  * The client counts every routing decision: one per token per selected expert (a "slot")
  * of every layer call, whoever computes it (a server, the library's local experts, or the

@@ -133,6 +133,8 @@ struct kn_layer {
   uint32_t misplaced;               /* slices found off their node after loading (WARNed) */
   kn__slice_w **w;                  /* [E]: NULL, or [n_slices] slices of a loaded expert */
   uint64_t *owned;                  /* bitmap of E bits: expert loaded */
+  uint64_t *lent;                   /* bitmap of E bits: its slices now belong to a layer
+                                     * kn_layer_rebuild made; read here, freed there */
   uint32_t n_owned;                 /* experts loaded */
   uint64_t bytes;                   /* packed bytes held (sum of mem_bytes) */
   uint64_t expert_bytes;            /* packed bytes of one expert (all slices) */

@@ -526,7 +526,8 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
   }
   L->w = mr_calloc(d->num_experts, sizeof *L->w);
   L->owned = mr_calloc((d->num_experts + 63) / 64, sizeof *L->owned);
-  if (!L->w || !L->owned) {
+  L->lent = mr_calloc((d->num_experts + 63) / 64, sizeof *L->lent);
+  if (!L->w || !L->owned || !L->lent) {
     kn_layer_free(L);
     return mr_err_set(e, MR_ENOMEM, "kn_layer_new: out of memory for %u experts", d->num_experts);
   }
@@ -548,10 +549,64 @@ static void slices_free(kn__slice_w *w, uint32_t n) {
 void kn_layer_free(kn_layer *L) {
   if (!L) return;
   if (L->w)
-    for (uint32_t x = 0; x < L->d.num_experts; x++) slices_free(L->w[x], L->n_slices);
+    for (uint32_t x = 0; x < L->d.num_experts; x++)
+      if (!L->lent || !((L->lent[x >> 6] >> (x & 63)) & 1u)) slices_free(L->w[x], L->n_slices);
   mr_free(L->w);
   mr_free(L->owned);
+  mr_free(L->lent);
   mr_free(L);
+}
+
+void kn_layer_forget(kn_layer *L, kn_layer *old) {
+  if (!L) return;
+  for (uint32_t x = 0; x < L->d.num_experts; x++) {
+    if (!L->w[x]) continue;
+    if (old && x < old->d.num_experts && old->w[x] == L->w[x])
+      old->lent[x >> 6] &= ~(1ull << (x & 63));
+    else
+      slices_free(L->w[x], L->n_slices);
+  }
+  mr_free(L->w);
+  mr_free(L->owned);
+  mr_free(L->lent);
+  mr_free(L);
+}
+
+int kn_layer_rebuild(kn_layer **out, kn_layer *old, const uint8_t *keep, kn_layer *add, mr_err *e) {
+  *out = NULL;
+  kn_layer *ref = old ? old : add;
+  if (!ref) return mr_err_set(e, MR_EINVAL, "kn_layer_rebuild: old or add is required");
+  if (old && add &&
+      (old->eng != add->eng || memcmp(&old->d, &add->d, sizeof old->d) != 0 ||
+       old->n_slices != add->n_slices))
+    return mr_err_set(e, MR_EINVAL, "kn_layer_rebuild: old and add differ in engine, shape or "
+                      "format");
+  kn_layer *N = NULL;
+  int rc = kn_layer_new(&N, ref->eng, &ref->d, e);
+  if (rc) return rc;
+  const uint32_t E = ref->d.num_experts;
+  /* Nothing below can fail: the new layer's arrays exist. */
+  for (uint32_t x = 0; x < E; x++) {
+    const uint64_t bit = 1ull << (x & 63);
+    if (add && kn__layer_owns(add, x)) {
+      N->w[x] = add->w[x];
+      add->w[x] = NULL;
+      add->owned[x >> 6] &= ~bit;
+      add->n_owned--;
+      add->bytes -= add->expert_bytes;
+    } else if (old && keep && keep[x] && kn__layer_owns(old, x) && !(old->lent[x >> 6] & bit)) {
+      N->w[x] = old->w[x];
+      old->lent[x >> 6] |= bit;
+    } else {
+      continue;
+    }
+    N->owned[x >> 6] |= bit;
+    N->n_owned++;
+    N->bytes += N->expert_bytes;
+  }
+  N->misplaced = ref->misplaced;
+  *out = N;
+  return 0;
 }
 
 static const char *const proj_names[3] = {"gate", "up", "down"};

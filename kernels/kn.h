@@ -168,6 +168,19 @@ const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
 uint64_t kn_layer_bytes(const kn_layer *L);
 /* Bytes of weights one expert occupies in this layer's format. */
 uint64_t kn_layer_expert_bytes(const kn_layer *L);
+/* Live placement (docs/DESIGN.md section 15): a new layer *out with the experts of old for
+ * which keep[x] != 0 ([num_experts] bytes; NULL = none) and every expert of add (which
+ * wins over old for an expert both hold). No weight is copied: the slices of add move to
+ * *out (add is left without them), those of old are shared, *out owns them and old keeps
+ * reading them, so old stays valid for calls already running on it, and kn_layer_free(old)
+ * later frees only the experts it did not pass on. old or add may be NULL, not both; both
+ * must come from one engine with one desc. Neither may be loaded into meanwhile. Errors:
+ * MR_EINVAL (mismatch), MR_ENOMEM; on error nothing moved. */
+int kn_layer_rebuild(kn_layer **out, kn_layer *old, const uint8_t *keep, kn_layer *add, mr_err *e);
+/* Undoes kn_layer_rebuild(&L, old, ...) for a layer that is not used after all: the experts
+ * L shares with old are old's again (kn_layer_free(old) frees them), those it took from add
+ * are freed, and L goes. NULL L is a no-op. */
+void kn_layer_forget(kn_layer *L, kn_layer *old);
 
 typedef struct kn_moe_args {
   uint32_t n_tokens;     /* T */

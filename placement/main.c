@@ -6,6 +6,7 @@
  *   moerpc-place plan     --model DIR --cluster FILE [--stats FILE] [...]   plan a placement
  *   moerpc-place diff     A.json B.json [--model DIR]   compare two placements
  *   moerpc-place simulate --model DIR [...]      tokens/s of a placement from measured inputs
+ *   moerpc-place apply    --cluster FILE PLAN    apply a placement live (pl_apply.c)
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure, 2 usage error. Lifecycle
  * lines go to stderr through mr_log; results to stdout or -o FILE.
@@ -30,6 +31,7 @@ static const pl_command commands[] = {
     {"plan", pl_cmd_plan, "plan a placement from statistics, the model and the cluster"},
     {"diff", pl_cmd_diff, "compare two placements: pairs and bytes moved per server"},
     {"simulate", pl_cmd_simulate, "project decode / prefill tokens/s of a placement on N hosts"},
+    {"apply", pl_cmd_apply, "apply a placement to a running cluster live (load, switch, unload)"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -197,7 +197,34 @@ int pl_cmd_plan(int argc, char **argv);
 int pl_cmd_diff(int argc, char **argv);
 /* ---- end plan ---- */
 
-/* ---- apply ---- */
+/* ---- apply ------------------------------------------------------------------------------
+ * `moerpc-place apply` (pl_apply.c, docs/DESIGN.md section 15): applies a placement file
+ * to a running cluster through the control RPCs (LoadExperts, LoadStatus, UnloadExperts) and
+ * the clients' --watch-placement. The pure part, for tests: */
+typedef struct pl_apply_plan {
+  uint32_t n_servers, num_layers, num_experts;
+  uint8_t *want;            /* [n_servers][L * E]: the plan puts (l, x) on server s */
+  uint8_t *add, *drop;      /* same shape: to load (wanted, not owned), to unload (owned,
+                             * not wanted) */
+  uint64_t *n_add, *n_drop; /* [n_servers] */
+} pl_apply_plan;
+/* Computes ap from a plan (single-server form: route[] per pair), the cluster file (server
+ * names, in file order) and what each server owns now (owned[s][L * E], 1 = announced in its
+ * Hello). Refuses, naming label (the plan's path): a plan server not in the cluster file
+ * (MR_ENOTFOUND); a pair of a served layer (one a server owns something in, or the plan
+ * places something in) that is neither local nor on a server (MR_EPRECOND "layer 3: experts
+ * 4-7 are neither local nor on a server"); with free_bytes ([n_servers], may be NULL), a
+ * server that must load more than n_add * expert_bytes fits (MR_EEXHAUSTED naming server,
+ * bytes needed and free). On error ap is empty. Release with pl_apply_plan_close. */
+int pl_apply_prepare(pl_apply_plan *ap, const mr_placement *plan, const mr_cluster_file *cf,
+                     const uint8_t *owned, const uint64_t *free_bytes, uint64_t expert_bytes,
+                     const char *label, mr_err *e);
+void pl_apply_plan_close(pl_apply_plan *ap);
+/* FNV-1a 64 of a placement file's bytes: what a client's GET /placement reports as "hash"
+ * (16 hex digits; gpu_client/gc_model.c computes the same). */
+uint64_t pl_placement_hash(const void *bytes, size_t len);
+/* `moerpc-place apply`. */
+int pl_cmd_apply(int argc, char **argv);
 
 /* ---- simulate ---------------------------------------------------------------------------
  * `moerpc-place simulate` (pl_sim.c): decode and prefill tokens/s of a placement on N hosts

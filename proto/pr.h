@@ -35,11 +35,15 @@ extern "C" {
 #endif
 
 #define PR_PROTOCOL_MAJOR 1
-#define PR_PROTOCOL_MINOR 1
+#define PR_PROTOCOL_MINOR 2
 #define PR_PAYLOAD_FIELD 15
 #define PR_METHOD_HELLO "/moerpc.v1.ExpertService/Hello"
 #define PR_METHOD_FORWARD "/moerpc.v1.ExpertService/Forward"
 #define PR_METHOD_STATS "/moerpc.v1.ExpertService/Stats"
+/* Control methods (protocol 1.2, docs/DESIGN.md section 15). */
+#define PR_METHOD_LOAD_EXPERTS "/moerpc.v1.ExpertService/LoadExperts"
+#define PR_METHOD_LOAD_STATUS "/moerpc.v1.ExpertService/LoadStatus"
+#define PR_METHOD_UNLOAD_EXPERTS "/moerpc.v1.ExpertService/UnloadExperts"
 #define PR_METHOD_HEALTH_CHECK "/grpc.health.v1.Health/Check"
 /* Largest header (all fields but the payload) accepted: ids + weights of max_tokens*top_k
  * slots fit easily (16 MiB). */

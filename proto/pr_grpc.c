@@ -400,7 +400,8 @@ int pr_mr_from_status(grpc_status_code st) {
   case GRPC_STATUS_CANCELLED: return MR_ECANCELED;
   case GRPC_STATUS_UNIMPLEMENTED: return MR_ENOTSUP;
   case GRPC_STATUS_NOT_FOUND: return MR_ENOTFOUND;
-  case GRPC_STATUS_UNAUTHENTICATED: return MR_EAUTH;
+  case GRPC_STATUS_UNAUTHENTICATED:
+  case GRPC_STATUS_PERMISSION_DENIED: return MR_EAUTH; /* control RPCs without a token */
   default: return MR_EINTERNAL;
   }
 }

@@ -1,6 +1,7 @@
 /*
  * gen_control_seeds.c - writes the seed corpora of the control-message and finite-check
  * fuzz targets: hello_request, stats_request, hello_reply, stats_reply, health_request,
+ * load_request, unload_request, load_progress (control, protocol 1.2),
  * health_response (each input = one split byte + the message, fuzz_bb.h) and hidden_finite
  * (dtype byte, H - 1 byte, payload; fuzz_hidden_finite.c). ok_* seeds must be accepted and
  * bad_* refused (fuzz.h). Not built by make; rebuild the corpora with:
@@ -289,6 +290,68 @@ static void hidden_finite(void) {
   put_hidden("bad_bf16_inf_row_end", 2, 0, 64, h, sizeof h);
 }
 
+/* Control requests (protocol 1.2), against 4 layers (layer 0 dense) x 16 experts. */
+static void control_requests(void) {
+  static uint32_t ids[] = {0, 3, 15}, bad_ids[] = {16};
+  Moerpc__V1__LayerExperts it = MOERPC__V1__LAYER_EXPERTS__INIT, *items[1] = {&it};
+  it.layer = 1;
+  it.experts = ids;
+  it.n_experts = 3;
+  for (int k = 0; k < 2; k++) {
+    const char *d = k ? "unload_request" : "load_request";
+    Moerpc__V1__LoadRequest lq = MOERPC__V1__LOAD_REQUEST__INIT;
+    Moerpc__V1__UnloadRequest uq = MOERPC__V1__UNLOAD_REQUEST__INIT;
+    ProtobufCMessage *m = k ? &uq.base : &lq.base;
+    if (k) uq.n_drop = 1, uq.drop = items;
+    else lq.n_add = 1, lq.add = items;
+    it.layer = 1, it.experts = ids, it.n_experts = 3;
+    put_msg(d, "ok_three_pairs", 0, buf, pack(m));
+    if (k) uq.model_fingerprint = "0123456789abcdef";
+    else lq.model_fingerprint = "0123456789abcdef";
+    put_msg(d, "ok_fingerprint", 2, buf, pack(m));
+    if (k) uq.model_fingerprint = "ffffffffffffffff";
+    else lq.model_fingerprint = "ffffffffffffffff";
+    put_msg(d, "bad_other_model", 1, buf, pack(m));
+    if (k) uq.model_fingerprint = "";
+    else lq.model_fingerprint = "";
+    it.layer = 0;
+    put_msg(d, "bad_dense_layer", 0, buf, pack(m));
+    it.layer = 4;
+    put_msg(d, "bad_layer_range", 3, buf, pack(m));
+    it.layer = 2, it.experts = bad_ids, it.n_experts = 1;
+    put_msg(d, "bad_expert_range", 1, buf, pack(m));
+    it.n_experts = 0;
+    put_msg(d, "bad_no_expert", 0, buf, pack(m));
+    put_msg(d, "bad_empty_message", 0, buf, 0);
+    static const uint8_t trunc[] = {0x0a, 0x05, 0x08};
+    put_msg(d, "bad_truncated", 0, trunc, sizeof trunc);
+  }
+  /* Replies apply reads: first byte 0 LoadProgress, 1 LoadReply, 2 UnloadReply. */
+  const char *d = "load_progress";
+  Moerpc__V1__LoadProgress p = MOERPC__V1__LOAD_PROGRESS__INIT;
+  p.load_id = 3, p.state = MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING, p.tensors_done = 9;
+  p.tensors_total = 48, p.bytes_done = 1 << 20, p.bytes_total = 3 << 20, p.seconds = 0.25;
+  size_t n = pack(&p.base);
+  uint8_t pre = 0;
+  put(d, "ok_running", &pre, 1, buf, n);
+  p.state = MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED, p.status = 8, p.error = "out of memory";
+  n = pack(&p.base);
+  put(d, "ok_failed", &pre, 1, buf, n);
+  Moerpc__V1__LoadReply lr = MOERPC__V1__LOAD_REPLY__INIT;
+  lr.load_id = 1, lr.pairs = 16, lr.tensors_total = 48, lr.bytes_total = 3 << 20;
+  n = pack(&lr.base);
+  pre = 1;
+  put(d, "ok_load_reply", &pre, 1, buf, n);
+  Moerpc__V1__UnloadReply ur = MOERPC__V1__UNLOAD_REPLY__INIT;
+  ur.pairs = 16, ur.bytes_freed = 3 << 20, ur.owned_generation = 4;
+  n = pack(&ur.base);
+  pre = 2;
+  put(d, "ok_unload_reply", &pre, 1, buf, n);
+  static const uint8_t trunc[] = {0x08};
+  pre = 0;
+  put(d, "bad_truncated", &pre, 1, trunc, sizeof trunc);
+}
+
 int main(int argc, char **argv) {
   if (argc != 2) {
     fprintf(stderr, "usage: %s CORPUS_ROOT\n", argv[0]);
@@ -296,7 +359,8 @@ int main(int argc, char **argv) {
   }
   root = argv[1];
   static const char *dirs[] = {"hello_request", "stats_request", "hello_reply", "stats_reply",
-                               "health_request", "health_response", "hidden_finite"};
+                               "health_request", "health_response", "hidden_finite",
+                               "load_request", "unload_request", "load_progress"};
   for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
     char cmd[1200];
     snprintf(cmd, sizeof cmd, "mkdir -p '%s/%s'", root, dirs[i]);
@@ -308,6 +372,7 @@ int main(int argc, char **argv) {
   stats_reply();
   health();
   hidden_finite();
+  control_requests();
   printf("%d seeds written under %s\n", written, root);
   return 0;
 }

@@ -785,7 +785,7 @@ MT_TEST(open_refuses_mismatch_and_gaps) {
   o1.proto_major = 2;
   fs_start(&f1, o1);
   MT_EQ_INT(open_two(&f0, &f1, 5000, &c, e), MR_EMISMATCH);
-  MT_CONTAINS(e->msg, "speaks protocol 2.0, this client speaks 1.1");
+  MT_CONTAINS(e->msg, "speaks protocol 2.0, this client speaks 1.2");
   fs_stop(&f1);
 
   o1 = fs_defaults(4, 5);

@@ -1112,6 +1112,7 @@ MT_TEST(status_mapping) {
       {GRPC_STATUS_UNKNOWN, MR_EINTERNAL},
       {GRPC_STATUS_ABORTED, MR_EINTERNAL},
       {GRPC_STATUS_DATA_LOSS, MR_EINTERNAL},
+      {GRPC_STATUS_PERMISSION_DENIED, MR_EAUTH}, /* control RPCs without a token (1.2) */
   };
   for (size_t i = 0; i < sizeof inv / sizeof inv[0]; i++)
     MT_EQ_INT(pr_mr_from_status(inv[i].st), inv[i].mr);
@@ -1121,7 +1122,8 @@ MT_TEST(status_mapping) {
               st == 0 || st == 1 || st == 3 || st == 4 || st == 5 || st == 8 || st == 9 ||
                       st == 12 || st == 14 || st == 16
                   ? st
-                  : GRPC_STATUS_INTERNAL);
+                  : st == 7 ? GRPC_STATUS_UNAUTHENTICATED /* both are MR_EAUTH */
+                            : GRPC_STATUS_INTERNAL);
 }
 
 MT_TEST(channel_args) {

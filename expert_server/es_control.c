@@ -1,0 +1,724 @@
+/*
+ * es_control.c - live placement (docs/DESIGN.md section 15): the owned table, the control
+ * calls LoadExperts / LoadStatus / UnloadExperts, the live loader thread.
+ *
+ * The owned table (es_table, internal.h) holds what a request needs to be validated and
+ * computed: the kn_layer of each layer, the owned sets, the es_limits over them and the
+ * packed HelloReply. It never changes once published. A change builds a new table and
+ * swaps it in under tab_lock:
+ *
+ *   - a layer that does not change is passed on as it is (old->passed[l]: the old table
+ *     will not free it);
+ *   - a layer that changes is rebuilt with kn_layer_rebuild: the experts kept are shared
+ *     (the new layer owns them, the old one only reads them), the experts loaded move in
+ *     from a staging layer, the experts dropped stay owned by the old layer only.
+ *
+ * A ForwardRequest takes a reference to the current table when it is validated (es_stream.c)
+ * and keeps it until its job is done, and the compute uses that table's layer, so a request
+ * validated before a switch computes on the weights it was validated against, and a request
+ * validated after it sees the new set (an unloaded expert gets FAILED_PRECONDITION "expert
+ * not served here", like any expert the server does not own). Retired tables are freed by
+ * the admin thread (es__tab_reap, every housekeeping tick) once no reference is left, and
+ * with them the weights of dropped experts.
+ *
+ * Loading runs on its own thread (es-ctl-load), one load at a time: the experts are packed
+ * from the model's safetensors (the same files, loader and formats as at start-up:
+ * kn_layer_load_expert) into staging layers nobody else sees; packing shares the engine's
+ * workers with the compute (kn.h: calls queue up), so requests keep being answered between
+ * two experts. Then the new table is published at once. A load that fails publishes
+ * nothing. The drain stops it after the expert it is packing.
+ *
+ * Authorisation is checked by es_grpc.c before these handlers run: a server without
+ * --auth-token-file refuses every control call (PERMISSION_DENIED), a wrong or missing token
+ * gets UNAUTHENTICATED.
+ */
+#define _GNU_SOURCE /* pthread_setname_np */
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+/* Most (layer, expert) pairs one control request may name (bounded by the message size
+ * anyway; this bounds the work of validating it). */
+#define ES_CONTROL_MAX_PAIRS (1u << 22)
+
+/* ---- validation (pure) --------------------------------------------------------------------- */
+
+int es_control_validate(const struct Moerpc__V1__LayerExperts *const *items, size_t n_items,
+                        const char *req_fingerprint, const char *fingerprint, const es_limits *lim,
+                        uint8_t *pairs, uint64_t *n_pairs, mr_err *e) {
+  const uint32_t L = lim->num_layers, E = lim->num_experts;
+  *n_pairs = 0;
+  memset(pairs, 0, (size_t)L * E);
+  if (req_fingerprint && req_fingerprint[0] && strcmp(req_fingerprint, fingerprint) != 0)
+    return mr_err_set(e, MR_EMISMATCH, "model_fingerprint = \"%.64s\", but this server serves "
+                      "model %s: the request is for another model", req_fingerprint, fingerprint);
+  uint64_t named = 0;
+  for (size_t i = 0; i < n_items; i++) {
+    const Moerpc__V1__LayerExperts *it = items[i];
+    if (it->layer >= L)
+      return mr_err_set(e, MR_EINVAL, "layers[%zu].layer = %" PRIu32 ", must be < num_layers = %"
+                        PRIu32, i, it->layer, L);
+    if (!lim->is_moe[it->layer])
+      return mr_err_set(e, MR_EINVAL, "layers[%zu].layer = %" PRIu32 " is a dense layer: it has "
+                        "no experts", i, it->layer);
+    if (it->n_experts == 0)
+      return mr_err_set(e, MR_EINVAL, "layers[%zu] (layer %" PRIu32 ") names no expert", i,
+                        it->layer);
+    named += it->n_experts;
+    if (named > ES_CONTROL_MAX_PAIRS)
+      return mr_err_set(e, MR_EINVAL, "more than %u pairs in one request", ES_CONTROL_MAX_PAIRS);
+    for (size_t k = 0; k < it->n_experts; k++) {
+      uint32_t x = it->experts[k];
+      if (x >= E)
+        return mr_err_set(e, MR_EINVAL, "layers[%zu].experts[%zu] = %" PRIu32 " in layer %" PRIu32
+                          ", must be < num_experts = %" PRIu32, i, k, x, it->layer, E);
+      uint8_t *p = &pairs[(size_t)it->layer * E + x];
+      if (!*p) (*n_pairs)++;
+      *p = 1;
+    }
+  }
+  if (*n_pairs == 0) return mr_err_set(e, MR_EINVAL, "the request names no (layer, expert) pair");
+  return 0;
+}
+
+int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e) {
+  if (need <= free_bytes) return 0;
+  return mr_err_set(e, MR_EEXHAUSTED, "loading needs %" PRIu64 " bytes (%.3f GB) of packed "
+                    "weights, only %" PRIu64 " bytes (%.3f GB) are free for experts (MemAvailable "
+                    "minus %" PRIu64 " MiB, and --max-expert-memory)",
+                    need, (double)need / 1e9, free_bytes, (double)free_bytes / 1e9,
+                    ES_LOAD_MEM_MARGIN >> 20);
+}
+
+/* MemAvailable of /proc/meminfo in bytes; UINT64_MAX when it cannot be read. */
+static uint64_t es__mem_available(void) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return UINT64_MAX;
+  char line[256];
+  uint64_t kb = UINT64_MAX;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1) break;
+  fclose(f);
+  return kb == UINT64_MAX ? kb : kb * 1024u;
+}
+
+/* Bytes a load may still add now, with weight_bytes packed (ctl_lock held). */
+static uint64_t es__load_free(es_server *s, uint64_t weight_bytes) {
+  uint64_t avail = es__mem_available();
+  uint64_t free_b = avail == UINT64_MAX ? UINT64_MAX
+                    : avail > ES_LOAD_MEM_MARGIN ? avail - ES_LOAD_MEM_MARGIN : 0;
+  uint64_t running = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? s->ld_packed : 0;
+  free_b = free_b > running ? free_b - running : 0;
+  if (s->opts.max_expert_memory) {
+    uint64_t used = weight_bytes + running;
+    uint64_t lim = s->opts.max_expert_memory > used ? s->opts.max_expert_memory - used : 0;
+    if (lim < free_b) free_b = lim;
+  }
+  return free_b == UINT64_MAX ? (uint64_t)INT64_MAX : free_b;
+}
+
+/* ---- tables ---------------------------------------------------------------------------------- */
+
+es_table *es__tab_get(es_server *s) {
+  pthread_mutex_lock(&s->tab_lock);
+  es_table *t = s->tab;
+  if (t) atomic_fetch_add_explicit(&t->refs, 1, memory_order_relaxed);
+  pthread_mutex_unlock(&s->tab_lock);
+  if (t) atomic_thread_fence(memory_order_acquire);
+  return t;
+}
+
+static void es__tab_free(es_server *s, es_table *t) {
+  if (!t) return;
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
+    if (t->layers && !t->passed[l]) kn_layer_free(t->layers[l]);
+    if (t->sets && t->sets[l].bits) mr_idset_close(&t->sets[l]);
+  }
+  mr_free(t->layers);
+  mr_free(t->passed);
+  mr_free(t->sets);
+  mr_free(t->owned);
+  grpc_slice_unref(t->hello);
+  mr_free(t);
+}
+
+static es_table *es__tab_alloc(es_server *s) {
+  const uint32_t L = s->cfg.num_layers;
+  es_table *t = mr_calloc(1, sizeof *t);
+  if (!t) return NULL;
+  t->hello = grpc_empty_slice();
+  t->layers = mr_calloc(L, sizeof *t->layers);
+  t->passed = mr_calloc(L, 1);
+  t->sets = mr_calloc(L, sizeof *t->sets);
+  t->owned = mr_calloc(L, sizeof *t->owned);
+  if (!t->layers || !t->passed || !t->sets || !t->owned) {
+    es__tab_free(s, t);
+    return NULL;
+  }
+  return t;
+}
+
+/* Fills sets, owned, lim, counts and the packed Hello from t->layers. */
+static int es__tab_finish(es_server *s, es_table *t, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  uint32_t n_items = 0;
+  for (uint32_t l = 0; l < L; l++) {
+    if (!t->layers[l]) continue;
+    if (mr_idset_init(&t->sets[l], E)) return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
+    for (uint32_t x = 0; x < E; x++)
+      if (kn_layer_has_expert(t->layers[l], x)) mr_idset_add(&t->sets[l], x);
+    uint32_t c = mr_idset_count(&t->sets[l]);
+    if (!c) continue; /* an empty layer serves nothing: no owned entry */
+    t->owned[l] = &t->sets[l];
+    t->pairs += c;
+    t->weight_bytes += kn_layer_bytes(t->layers[l]);
+    n_items++;
+  }
+  t->lim = s->limits;
+  t->lim.owned = t->owned;
+
+  Moerpc__V1__LayerExperts *items = mr_calloc(n_items ? n_items : 1, sizeof *items);
+  Moerpc__V1__LayerExperts **ptrs = mr_calloc(n_items ? n_items : 1, sizeof *ptrs);
+  uint32_t *ids = mr_calloc(t->pairs ? t->pairs : 1, sizeof *ids);
+  int rc = 0;
+  if (!items || !ptrs || !ids) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory packing HelloReply");
+    goto out_free;
+  }
+  uint32_t k = 0;
+  size_t off = 0;
+  for (uint32_t l = 0; l < L; l++) {
+    if (!t->owned[l]) continue;
+    Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
+    items[k] = init;
+    items[k].layer = l;
+    items[k].experts = ids + off;
+    for (uint32_t x = 0; x < E; x++)
+      if (mr_idset_has(&t->sets[l], x)) ids[off + items[k].n_experts++] = x;
+    off += items[k].n_experts;
+    ptrs[k] = &items[k];
+    k++;
+  }
+  Moerpc__V1__HelloReply r = MOERPC__V1__HELLO_REPLY__INIT;
+  r.protocol_major = PR_PROTOCOL_MAJOR;
+  r.protocol_minor = PR_PROTOCOL_MINOR;
+  r.model_fingerprint = s->fingerprint;
+  r.hidden_size = s->cfg.hidden_size;
+  r.intermediate_size = s->cfg.moe_intermediate;
+  r.num_layers = s->cfg.num_layers;
+  r.num_experts = s->cfg.num_experts;
+  r.n_owned = k;
+  r.owned = ptrs;
+  r.weight_format = s->weight_format;
+  r.max_tokens = s->opts.max_tokens;
+  r.max_top_k = s->limits.max_top_k;
+  r.owned_generation = t->gen;
+  r.weight_bytes = t->weight_bytes;
+  r.expert_bytes = s->expert_bytes;
+  /* load_free_bytes is a snapshot at publish time (MemAvailable moves on its own). */
+  r.load_free_bytes = es__load_free(s, t->weight_bytes);
+  size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
+  grpc_slice_unref(t->hello);
+  t->hello = grpc_slice_malloc(len);
+  moerpc__v1__hello_reply__pack(&r, GRPC_SLICE_START_PTR(t->hello));
+out_free:
+  mr_free(items);
+  mr_free(ptrs);
+  mr_free(ids);
+  return rc;
+}
+
+/* Makes t current (ctl_lock held); the previous table goes to the retired list. */
+static void es__tab_publish(es_server *s, es_table *t) {
+  atomic_init(&t->refs, 1);
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
+    if (t->owned[l]) atomic_store(&s->layer_served[l], 1);
+  atomic_store(&s->cur_weight_bytes, t->weight_bytes);
+  atomic_store(&s->cur_pairs, t->pairs);
+  atomic_store(&s->cur_gen, t->gen);
+  pthread_mutex_lock(&s->tab_lock);
+  es_table *old = s->tab;
+  s->tab = t;
+  pthread_mutex_unlock(&s->tab_lock);
+  if (old) {
+    old->next = s->retired;
+    s->retired = old;
+    es__tab_put(old); /* its "current" reference */
+  }
+}
+
+int es__tab_init(es_server *s, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers;
+  s->layer_served = mr_calloc(L, sizeof *s->layer_served);
+  es_table *t = es__tab_alloc(s);
+  if (!t || !s->layer_served) {
+    es__tab_free(s, t);
+    return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
+  }
+  for (uint32_t l = 0; l < L; l++) {
+    t->layers[l] = s->layers[l];
+    if (!s->expert_bytes && s->layers[l]) s->expert_bytes = kn_layer_expert_bytes(s->layers[l]);
+  }
+  /* The layers belong to the table from here on (es__unload then frees an empty array). */
+  memset(s->layers, 0, L * sizeof *s->layers);
+  pthread_mutex_lock(&s->ctl_lock);
+  t->gen = s->tab_gen = 1;
+  int rc = es__tab_finish(s, t, e);
+  if (rc == 0) es__tab_publish(s, t);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (rc) es__tab_free(s, t);
+  return rc;
+}
+
+void es__tab_reap(es_server *s) {
+  pthread_mutex_lock(&s->ctl_lock);
+  es_table **pp = &s->retired;
+  while (*pp) {
+    es_table *t = *pp;
+    if (atomic_load_explicit(&t->refs, memory_order_acquire) == 0) {
+      *pp = t->next;
+      uint64_t gen = t->gen;
+      es__tab_free(s, t);
+      mr_log(MR_LOG_DEBUG, "placement: owned table %" PRIu64 " freed (no request uses it)", gen);
+    } else {
+      pp = &t->next;
+    }
+  }
+  pthread_mutex_unlock(&s->ctl_lock);
+}
+
+/* A new table from cur with every layer passed on except those in changed[] (ctl_lock). */
+static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
+                                const uint8_t *is_changed, mr_err *e) {
+  es_table *t = es__tab_alloc(s);
+  if (!t) {
+    mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
+    return NULL;
+  }
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
+    t->layers[l] = is_changed[l] ? changed[l] : cur->layers[l];
+  t->gen = s->tab_gen + 1;
+  if (es__tab_finish(s, t, e)) {
+    memset(t->layers, 0, s->cfg.num_layers * sizeof *t->layers); /* the caller frees changed[] */
+    es__tab_free(s, t);
+    return NULL;
+  }
+  s->tab_gen++;
+  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
+    if (!is_changed[l]) cur->passed[l] = 1;
+  return t;
+}
+
+void es__control_stop(es_server *s) {
+  if (s->ld_thread_started) {
+    atomic_store(&s->load_abort, true);
+    pthread_join(s->ld_thread, NULL);
+    s->ld_thread_started = false;
+  }
+}
+
+void es__control_close(es_server *s) {
+  es__control_stop(s);
+  mr_st_close(s->ld_st);
+  s->ld_st = NULL;
+  mr_free(s->ld_want);
+  s->ld_want = NULL;
+  /* Teardown: no request is left, so every table goes, current and retired. */
+  es_table *t = s->retired;
+  while (t) {
+    es_table *n = t->next;
+    es__tab_free(s, t);
+    t = n;
+  }
+  s->retired = NULL;
+  es__tab_free(s, s->tab);
+  s->tab = NULL;
+  mr_free((void *)s->layer_served);
+  s->layer_served = NULL;
+}
+
+/* ---- the control calls ----------------------------------------------------------------------- */
+
+/* Common refusals: not serving yet, draining. Returns true if r was answered. */
+static bool es__control_refused(es_server *s, es_rpc *r) {
+  char msg[600];
+  if (atomic_load(&s->draining)) {
+    es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, "server is draining (shutting down)", NULL);
+    return true;
+  }
+  if (!atomic_load_explicit(&s->loaded, memory_order_acquire)) {
+    es__loading_msg(s, msg, sizeof msg);
+    es__rpc_reply(r, GRPC_STATUS_UNAVAILABLE, msg, NULL);
+    return true;
+  }
+  return false;
+}
+
+static void es__reply_err(es_rpc *r, int rc, const char *what, const mr_err *e) {
+  char msg[700];
+  snprintf(msg, sizeof msg, "%s: %s", what, e->msg);
+  es__rpc_reply(r, pr_status_from_mr(rc), msg, NULL);
+}
+
+static void *es__ctl_load_main(void *arg) {
+  es_server *s = arg;
+  pthread_setname_np(pthread_self(), "es-ctl-load");
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = 0;
+  kn_layer **staging = mr_calloc(L, sizeof *staging);
+  uint8_t *is_changed = mr_calloc(L, 1);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  uint8_t *keep = mr_malloc(E);
+  uint64_t tensors = 0, bytes = 0, last_log = mr_now_ns();
+  /* Set by es__on_load before this thread started; changed only by the next load, which
+   * waits for this one's end: read here without ctl_lock until that end. */
+  const uint64_t id = s->ld_id, t0 = s->ld_t0_ns, tensors_total = s->ld_tensors_total,
+                 bytes_total = s->ld_bytes_total;
+  if (!staging || !is_changed || !changed || !keep) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
+    goto out;
+  }
+  memset(keep, 1, E);
+  kn_layer_desc d = {.hidden = s->cfg.hidden_size, .inter = s->cfg.moe_intermediate,
+                     .num_experts = E, .format = s->format, .group = s->group};
+  for (uint32_t l = 0; l < L && !rc; l++) {
+    for (uint32_t x = 0; x < E && !rc; x++) {
+      if (!s->ld_want[(size_t)l * E + x]) continue;
+      if (!staging[l] && (rc = kn_layer_new(&staging[l], s->eng, &d, &e))) break;
+      const mr_st_tensor *t[3];
+      rc = mr_config_expert_tensors(&s->cfg, s->ld_st, l, x, t, &e);
+      if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                         t[0]->dtype, &e);
+      if (rc) {
+        mr_err_prefix(&e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
+        break;
+      }
+      tensors += 3;
+      bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      atomic_store(&s->ld_tensors_done, tensors);
+      atomic_store(&s->ld_bytes_done, bytes);
+      uint64_t now = mr_now_ns();
+      if (now - last_log >= 1000000000ull) {
+        last_log = now;
+        double sec = (double)(now - t0) / 1e9, gbs = sec > 0 ? bytes / sec / 1e9 : 0;
+        mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 "/%" PRIu64 " tensors, "
+               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", id, tensors, tensors_total, bytes / 1e9,
+               bytes_total / 1e9, gbs, gbs > 0 ? (bytes_total - bytes) / 1e9 / gbs : 0);
+      }
+      for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort) &&
+                               !atomic_load(&s->draining); slept += 5)
+        usleep(5000);
+      if (atomic_load(&s->load_abort) || atomic_load(&s->draining))
+        rc = mr_err_set(&e, MR_ECANCELED, "the server began to drain: load stopped after %"
+                        PRIu64 " of %" PRIu64 " tensors", tensors, tensors_total);
+    }
+  }
+  if (rc) goto out;
+
+  /* Publish: rebuild every changed layer from the current table (which may have changed
+   * since the load started: an unload meanwhile is kept). */
+  pthread_mutex_lock(&s->ctl_lock);
+  es_table *cur = s->tab;
+  for (uint32_t l = 0; l < L && !rc; l++) {
+    if (!staging[l]) continue;
+    rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, staging[l], &e);
+    is_changed[l] = 1;
+  }
+  es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, &e);
+  if (!t && !rc) rc = e.code ? e.code : MR_ENOMEM;
+  if (t) {
+    es__tab_publish(s, t);
+    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
+           ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
+  } else {
+    /* Out of memory: nothing published. The rebuilt layers are undone: cur's experts are
+     * cur's again, the staged ones are freed. */
+    for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l], cur->layers[l]);
+  }
+  pthread_mutex_unlock(&s->ctl_lock);
+
+out:;
+  const uint64_t t1 = mr_now_ns();
+  pthread_mutex_lock(&s->ctl_lock);
+  s->ld_t1_ns = t1;
+  s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
+  s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
+  snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e.msg : "");
+  mr_st_close(s->ld_st);
+  s->ld_st = NULL;
+  pthread_mutex_unlock(&s->ctl_lock);
+  double sec = (double)(t1 - t0) / 1e9;
+  if (rc)
+    mr_log(MR_LOG_ERROR, "placement: load %" PRIu64 " failed after %.1f s: %s (nothing published)",
+           id, sec, e.msg);
+  else
+    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
+           "(%.2f GB/s)", id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
+  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
+  mr_free(staging);
+  mr_free(is_changed);
+  mr_free(changed);
+  mr_free(keep);
+  return NULL;
+}
+
+void es__on_load(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  mr_err_clear(&e);
+  if (es__control_refused(s, r)) return;
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  Moerpc__V1__LoadRequest *req = NULL;
+  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__load_request__descriptor,
+                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
+                      : mr_err_set(&e, MR_EINVAL, "empty message");
+  if (rc) {
+    es__reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
+    return;
+  }
+  uint8_t *want = mr_malloc((size_t)L * E);
+  mr_st *st = NULL;
+  uint64_t n_pairs = 0;
+  char peer[96];
+  es__call_peer(r->call, peer, sizeof peer);
+  pthread_mutex_lock(&s->ctl_lock);
+  if (!want) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+    goto out_unlock;
+  }
+  if (s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING) {
+    rc = mr_err_set(&e, MR_EPRECOND, "load %" PRIu64 " is still running: one load at a time "
+                    "(poll LoadStatus)", s->ld_id);
+    goto out_unlock;
+  }
+  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->add, req->n_add,
+                           req->model_fingerprint, s->fingerprint, &s->limits, want, &n_pairs, &e);
+  if (rc) goto out_unlock;
+  /* Pairs owned already are skipped (a retried apply is not an error). */
+  es_table *cur = s->tab;
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; x < E; x++) {
+      uint8_t *p = &want[(size_t)l * E + x];
+      if (*p && cur->owned[l] && mr_idset_has(cur->owned[l], x)) {
+        *p = 0;
+        n_pairs--;
+      }
+    }
+  uint64_t need = n_pairs * s->expert_bytes, free_b = es__load_free(s, cur->weight_bytes);
+  if ((rc = es_load_mem_check(need, free_b, &e))) goto out_unlock;
+  /* The tensors, before anything moves: presence, dtype and shape (headers only). */
+  uint64_t tensors = 0, bytes = 0;
+  if (n_pairs) {
+    if ((rc = mr_st_open(&st, s->model_dir, &e))) {
+      mr_err_prefix(&e, rc, "model %s", s->model_dir);
+      goto out_unlock;
+    }
+    char fp[17];
+    if ((rc = mr_model_fingerprint(s->model_dir, st, fp, &e))) goto out_unlock;
+    if (strcmp(fp, s->fingerprint) != 0) {
+      rc = mr_err_set(&e, MR_EMISMATCH, "model %s changed on disk since start-up (fingerprint "
+                      "%s, was %s): restart the server", s->model_dir, fp, s->fingerprint);
+      goto out_unlock;
+    }
+    for (uint32_t l = 0; l < L && !rc; l++)
+      for (uint32_t x = 0; x < E && !rc; x++) {
+        if (!want[(size_t)l * E + x]) continue;
+        const mr_st_tensor *t[3];
+        rc = mr_config_expert_tensors(&s->cfg, st, l, x, t, &e);
+        if (rc) {
+          mr_err_prefix(&e, MR_EFORMAT, "model %s", s->model_dir);
+          rc = MR_EFORMAT;
+          break;
+        }
+        tensors += 3;
+        bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      }
+    if (rc) goto out_unlock;
+  }
+  if (s->ld_thread_started) { /* the previous load's thread has finished (state not RUNNING) */
+    pthread_join(s->ld_thread, NULL);
+    s->ld_thread_started = false;
+  }
+  s->ld_id++;
+  s->ld_t0_ns = s->ld_t1_ns = mr_now_ns();
+  s->ld_tensors_total = tensors;
+  s->ld_bytes_total = bytes;
+  s->ld_packed = need;
+  s->ld_status = 0;
+  s->ld_error[0] = '\0';
+  atomic_store(&s->ld_tensors_done, 0);
+  atomic_store(&s->ld_bytes_done, 0);
+  if (n_pairs == 0) {
+    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
+    mr_st_close(st);
+    st = NULL;
+  } else {
+    mr_free(s->ld_want);
+    s->ld_want = want;
+    want = NULL;
+    s->ld_st = st;
+    st = NULL;
+    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING;
+    int err = pthread_create(&s->ld_thread, NULL, es__ctl_load_main, s);
+    if (err) {
+      s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED;
+      rc = mr_err_set(&e, MR_EINTERNAL, "cannot start the load thread: error %d", err);
+      snprintf(s->ld_error, sizeof s->ld_error, "%s", e.msg);
+      goto out_unlock;
+    }
+    s->ld_thread_started = true;
+  }
+  mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " from %s: %" PRIu64 " pairs, %" PRIu64
+         " tensors, %.3f GB to read, %.3f GB packed (%.3f GB free)", s->ld_id, peer, n_pairs,
+         tensors, bytes / 1e9, need / 1e9, free_b / 1e9);
+  Moerpc__V1__LoadReply rep = MOERPC__V1__LOAD_REPLY__INIT;
+  rep.load_id = s->ld_id;
+  rep.pairs = n_pairs;
+  rep.tensors_total = tensors;
+  rep.bytes_total = bytes;
+  rep.packed_bytes = need;
+  rep.free_bytes = free_b;
+  pthread_mutex_unlock(&s->ctl_lock);
+  grpc_byte_buffer *bb = pr_encode(&rep.base);
+  es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
+  goto out_free;
+out_unlock:
+  pthread_mutex_unlock(&s->ctl_lock);
+  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e.msg);
+  es__reply_err(r, rc, "LoadExperts refused", &e);
+out_free:
+  mr_st_close(st);
+  mr_free(want);
+  moerpc__v1__load_request__free_unpacked(req, NULL);
+}
+
+void es__on_load_status(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  mr_err_clear(&e);
+  if (es__control_refused(s, r)) return;
+  Moerpc__V1__LoadStatusRequest *req = NULL;
+  if (r->payload && pr_decode(r->payload, &moerpc__v1__load_status_request__descriptor,
+                              ES_MAX_CONTROL_REQUEST_BYTES, (ProtobufCMessage **)&req, &e)) {
+    es__reply_err(r, MR_EINVAL, "LoadStatusRequest does not decode", &e);
+    return;
+  }
+  uint64_t id = req ? req->load_id : 0;
+  if (req) moerpc__v1__load_status_request__free_unpacked(req, NULL);
+  Moerpc__V1__LoadProgress p = MOERPC__V1__LOAD_PROGRESS__INIT;
+  char err[sizeof s->ld_error];
+  pthread_mutex_lock(&s->ctl_lock);
+  if (id && id != s->ld_id) {
+    uint64_t latest = s->ld_id;
+    pthread_mutex_unlock(&s->ctl_lock);
+    char msg[160];
+    snprintf(msg, sizeof msg, "load_id = %" PRIu64 ": unknown (the latest load is %" PRIu64 ")",
+             id, latest);
+    es__rpc_reply(r, GRPC_STATUS_NOT_FOUND, msg, NULL);
+    return;
+  }
+  p.load_id = s->ld_id;
+  p.state = (Moerpc__V1__LoadState)s->ld_state;
+  p.tensors_done = atomic_load(&s->ld_tensors_done);
+  p.tensors_total = s->ld_tensors_total;
+  p.bytes_done = atomic_load(&s->ld_bytes_done);
+  p.bytes_total = s->ld_bytes_total;
+  uint64_t end = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? mr_now_ns() : s->ld_t1_ns;
+  p.seconds = s->ld_id ? (double)(end - s->ld_t0_ns) / 1e9 : 0;
+  p.status = s->ld_status;
+  snprintf(err, sizeof err, "%s", s->ld_error);
+  p.error = err;
+  p.owned_generation = s->tab_gen;
+  pthread_mutex_unlock(&s->ctl_lock);
+  grpc_byte_buffer *bb = pr_encode(&p.base);
+  es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
+}
+
+void es__on_unload(es_rpc *r) {
+  es_server *s = r->srv;
+  mr_err e;
+  mr_err_clear(&e);
+  if (es__control_refused(s, r)) return;
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  Moerpc__V1__UnloadRequest *req = NULL;
+  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__unload_request__descriptor,
+                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
+                      : mr_err_set(&e, MR_EINVAL, "empty message");
+  if (rc) {
+    es__reply_err(r, MR_EINVAL, "UnloadRequest does not decode", &e);
+    return;
+  }
+  char peer[96];
+  es__call_peer(r->call, peer, sizeof peer);
+  uint8_t *drop = mr_malloc((size_t)L * E), *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  uint64_t n_pairs = 0, dropped = 0, freed = 0, gen = 0;
+  pthread_mutex_lock(&s->ctl_lock);
+  if (!drop || !keep || !is_changed || !changed) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+    goto out_unlock;
+  }
+  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->drop, req->n_drop,
+                           req->model_fingerprint, s->fingerprint, &s->limits, drop, &n_pairs, &e);
+  if (rc) goto out_unlock;
+  es_table *cur = s->tab;
+  for (uint32_t l = 0; l < L && !rc; l++) {
+    if (!cur->owned[l]) continue;
+    uint32_t n_drop = 0;
+    for (uint32_t x = 0; x < E; x++) {
+      bool d = drop[(size_t)l * E + x] && mr_idset_has(cur->owned[l], x);
+      keep[x] = !d;
+      n_drop += d;
+    }
+    if (!n_drop) continue;
+    is_changed[l] = 1;
+    dropped += n_drop;
+    freed += n_drop * s->expert_bytes;
+    if (n_drop < mr_idset_count(cur->owned[l]))
+      rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, NULL, &e);
+    /* else: the layer goes empty (changed[l] stays NULL) */
+  }
+  if (rc) goto out_unlock;
+  if (dropped) {
+    es_table *t = es__tab_derive(s, cur, changed, is_changed, &e);
+    if (!t) {
+      rc = e.code ? e.code : MR_ENOMEM;
+      goto out_unlock;
+    }
+    es__tab_publish(s, t);
+    gen = t->gen;
+  } else {
+    gen = s->tab_gen;
+  }
+  pthread_mutex_unlock(&s->ctl_lock);
+  mr_log(MR_LOG_INFO, "placement: unload from %s: %" PRIu64 " of %" PRIu64 " pairs named were "
+         "owned and are dropped (%.3f GB, freed once no request uses them); owned generation %"
+         PRIu64, peer, dropped, n_pairs, freed / 1e9, gen);
+  Moerpc__V1__UnloadReply rep = MOERPC__V1__UNLOAD_REPLY__INIT;
+  rep.pairs = dropped;
+  rep.bytes_freed = freed;
+  rep.owned_generation = gen;
+  grpc_byte_buffer *bb = pr_encode(&rep.base);
+  es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
+  goto out_free;
+out_unlock:
+  /* A rebuilt layer that was not published: its experts are cur's again (under ctl_lock:
+   * no publisher runs meanwhile, so s->tab is the cur it was rebuilt from). */
+  for (uint32_t l = 0; changed && l < L; l++)
+    if (changed[l]) kn_layer_forget(changed[l], s->tab->layers[l]);
+  pthread_mutex_unlock(&s->ctl_lock);
+  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: UnloadExperts from %s refused: %s", peer, e.msg);
+  es__reply_err(r, rc, "UnloadExperts refused", &e);
+out_free:
+  mr_free(drop);
+  mr_free(keep);
+  mr_free(is_changed);
+  mr_free(changed);
+  moerpc__v1__unload_request__free_unpacked(req, NULL);
+}

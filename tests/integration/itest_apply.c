@@ -1,0 +1,218 @@
+/*
+ * itest_apply.c - the control RPCs against a real moerpc-server (docs/DESIGN.md section 15),
+ * through the library (gc_control_call, gc_layer_forward):
+ *
+ *   unloaded_expert_gets_a_per_request_error: a client opened before UnloadExperts still
+ *     routes expert 5 to s0; the request gets FAILED_PRECONDITION naming the expert, the
+ *     stream keeps serving (expert 0 on the same server still computes, same output as
+ *     before), and a LoadExperts of it again serves it with the same output as before;
+ *   load_refusals: LoadStatus of an unknown load_id is NOT_FOUND, a dense or out-of-range
+ *     layer INVALID_ARGUMENT, over --max-expert-memory RESOURCE_EXHAUSTED naming the bytes,
+ *     another model's fingerprint FAILED_PRECONDITION; nothing changes (Hello's owned
+ *     generation stays).
+ */
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include "gpu_client/moerpc_client.h"
+#include "tests/integration/util.h"
+#include "tests/unit/mt.h"
+
+#define H 64u
+
+static char *tmp;
+static char model[600], cluster[700], tok[700];
+static itu_server s0;
+
+static void setup(const char *extra_flags) {
+  grpc_init();
+  tmp = itu_tmpdir();
+  snprintf(model, sizeof model, "%s/m", tmp);
+  MT_EQ_INT(itu_make_model(model, "--layers 2 --experts 8 --topk 2 --hidden 64 --inter 32 "
+                                  "--vocab 64 --heads 2 --kv-heads 1 --head-dim 32"), 0);
+  snprintf(tok, sizeof tok, "%s/tok", tmp);
+  FILE *f = fopen(tok, "w");
+  MT_TRUE(f != NULL);
+  fputs("itest-apply-token-0123456789\n", f);
+  MT_EQ_INT(fclose(f), 0);
+  char extra[1200];
+  snprintf(extra, sizeof extra, "--experts 0-7 --threads 1 --auth-token-file %s %s", tok,
+           extra_flags);
+  itu_client_security(NULL, NULL, NULL, NULL, "itest-apply-token-0123456789");
+  MT_EQ_INT(itu_server_start(&s0, model, extra, tmp, 20000), 0);
+  snprintf(cluster, sizeof cluster, "%s/cluster.json", tmp);
+  f = fopen(cluster, "w");
+  MT_TRUE(f != NULL);
+  fprintf(f, "{\"token_file\": \"%s\", \"servers\": [{\"name\": \"s0\", \"address\": \"%s\"}]}\n",
+          tok, s0.address);
+  MT_EQ_INT(fclose(f), 0);
+}
+
+static void teardown(void) {
+  int st = 0;
+  itu_server_stop(&s0, SIGTERM, 10000, &st);
+  MT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  itu_rm_rf(tmp);
+  grpc_shutdown();
+}
+
+/* One control call with a packed message; returns rc, the reply in *out (mr_free). */
+static int call(gc_cluster *c, const char *method, const ProtobufCMessage *m, uint8_t **out,
+                size_t *len, mr_err *e) {
+  uint8_t buf[4096];
+  size_t n = m ? protobuf_c_message_pack(m, buf) : 0;
+  return gc_control_call(c, 0, method, buf, n, 5000, out, len, e);
+}
+
+static uint64_t owned_generation(gc_cluster *c) {
+  Moerpc__V1__HelloRequest hq = MOERPC__V1__HELLO_REQUEST__INIT;
+  hq.protocol_major = 1;
+  hq.protocol_minor = 2;
+  uint8_t *r = NULL;
+  size_t n = 0;
+  mr_err e;
+  MT_OK(call(c, PR_METHOD_HELLO, &hq.base, &r, &n, &e), &e);
+  Moerpc__V1__HelloReply *h = moerpc__v1__hello_reply__unpack(NULL, n, r);
+  MT_TRUE(h != NULL);
+  uint64_t g = h->owned_generation;
+  MT_EQ_INT(h->protocol_minor, 2);
+  moerpc__v1__hello_reply__free_unpacked(h, NULL);
+  mr_free(r);
+  return g;
+}
+
+/* One token of layer 1 through expert x (weight 1). */
+static int forward(gc_cluster *c, int32_t x, float *out, mr_err *e) {
+  static float in[H];
+  for (uint32_t i = 0; i < H; i++) in[i] = (float)((int)(i % 7) - 3) * 0.125f;
+  int32_t ids[1] = {x};
+  float w[1] = {1.0f};
+  gc_layer_req q = {.layer = 1, .n_tokens = 1, .top_k = 1, .ids = ids, .weights = w, .x = in,
+                    .dtype = MR_DTYPE_F32};
+  return gc_layer_forward(c, &q, out, e);
+}
+
+static void pairs_msg(Moerpc__V1__LayerExperts *it, Moerpc__V1__LayerExperts **ptr, uint32_t layer,
+                      uint32_t *ids, size_t n) {
+  Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
+  *it = init;
+  it->layer = layer;
+  it->experts = ids;
+  it->n_experts = n;
+  *ptr = it;
+}
+
+MT_TEST(unloaded_expert_gets_a_per_request_error) {
+  setup("");
+  mr_err e;
+  mr_cluster_file cf;
+  MT_OK(mr_cluster_load(&cf, cluster, &e), &e);
+  gc_cluster *ctl = NULL, *cl = NULL;
+  MT_OK(gc_control_open(&ctl, &cf, &e), &e);
+  MT_OK(gc_cluster_open(&cl, cluster, NULL, &e), &e);
+  uint64_t g0 = owned_generation(ctl);
+  float ref0[H], ref5[H], out[H];
+  MT_OK(forward(cl, 0, ref0, &e), &e);
+  MT_OK(forward(cl, 5, ref5, &e), &e);
+
+  uint32_t five[] = {5};
+  Moerpc__V1__LayerExperts it, *ptr;
+  pairs_msg(&it, &ptr, 1, five, 1);
+  Moerpc__V1__UnloadRequest uq = MOERPC__V1__UNLOAD_REQUEST__INIT;
+  uq.n_drop = 1;
+  uq.drop = &ptr;
+  uint8_t *r = NULL;
+  size_t n = 0;
+  MT_OK(call(ctl, PR_METHOD_UNLOAD_EXPERTS, &uq.base, &r, &n, &e), &e);
+  Moerpc__V1__UnloadReply *ur = moerpc__v1__unload_reply__unpack(NULL, n, r);
+  MT_TRUE(ur != NULL);
+  MT_EQ_U64(ur->pairs, 1);
+  MT_EQ_U64(ur->owned_generation, g0 + 1);
+  moerpc__v1__unload_reply__free_unpacked(ur, NULL);
+  mr_free(r);
+
+  /* The old client still routes 5 to s0: a clear error for that request only. */
+  MT_EQ_INT(forward(cl, 5, out, &e), MR_EPRECOND);
+  MT_CONTAINS(e.msg, "expert 5");
+  MT_CONTAINS(e.msg, "not served");
+  MT_OK(forward(cl, 0, out, &e), &e);
+  MT_TRUE(memcmp(out, ref0, sizeof out) == 0);
+
+  /* Load it again: served again, same numbers (same file, same packing). */
+  Moerpc__V1__LoadRequest lq = MOERPC__V1__LOAD_REQUEST__INIT;
+  lq.n_add = 1;
+  lq.add = &ptr;
+  MT_OK(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), &e);
+  Moerpc__V1__LoadReply *lr = moerpc__v1__load_reply__unpack(NULL, n, r);
+  MT_TRUE(lr != NULL);
+  MT_EQ_U64(lr->pairs, 1);
+  MT_EQ_U64(lr->tensors_total, 3);
+  uint64_t id = lr->load_id;
+  moerpc__v1__load_reply__free_unpacked(lr, NULL);
+  mr_free(r);
+  int state = 0;
+  for (int i = 0; i < 500 && state != MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE; i++) {
+    Moerpc__V1__LoadStatusRequest sq = MOERPC__V1__LOAD_STATUS_REQUEST__INIT;
+    sq.load_id = id;
+    MT_OK(call(ctl, PR_METHOD_LOAD_STATUS, &sq.base, &r, &n, &e), &e);
+    Moerpc__V1__LoadProgress *p = moerpc__v1__load_progress__unpack(NULL, n, r);
+    MT_TRUE(p != NULL);
+    state = p->state;
+    MT_TRUE(state != MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED);
+    moerpc__v1__load_progress__free_unpacked(p, NULL);
+    mr_free(r);
+    if (state != MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE) usleep(10000);
+  }
+  MT_EQ_INT(state, MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE);
+  MT_EQ_U64(owned_generation(ctl), g0 + 2);
+  MT_OK(forward(cl, 5, out, &e), &e);
+  MT_TRUE(memcmp(out, ref5, sizeof out) == 0);
+  gc_cluster_close(cl);
+  gc_cluster_close(ctl);
+  teardown();
+}
+
+MT_TEST(load_refusals) {
+  setup("--max-expert-memory 20K");
+  mr_err e;
+  mr_cluster_file cf;
+  MT_OK(mr_cluster_load(&cf, cluster, &e), &e);
+  gc_cluster *ctl = NULL;
+  MT_OK(gc_control_open(&ctl, &cf, &e), &e);
+  uint64_t g0 = owned_generation(ctl);
+  uint8_t *r = NULL;
+  size_t n = 0;
+  Moerpc__V1__LoadStatusRequest sq = MOERPC__V1__LOAD_STATUS_REQUEST__INIT;
+  sq.load_id = 77;
+  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_STATUS, &sq.base, &r, &n, &e), MR_ENOTFOUND);
+  MT_CONTAINS(e.msg, "load_id = 77: unknown");
+  uint32_t ids[] = {1, 2};
+  Moerpc__V1__LayerExperts it, *ptr;
+  Moerpc__V1__LoadRequest lq = MOERPC__V1__LOAD_REQUEST__INIT;
+  lq.n_add = 1;
+  lq.add = &ptr;
+  pairs_msg(&it, &ptr, 2, ids, 2);
+  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "layers[0].layer = 2, must be < num_layers = 2");
+  /* Unload both experts of layer 1, then loading them back is over 20 KB of weights. */
+  Moerpc__V1__UnloadRequest uq = MOERPC__V1__UNLOAD_REQUEST__INIT;
+  uq.n_drop = 1;
+  uq.drop = &ptr;
+  pairs_msg(&it, &ptr, 1, ids, 2);
+  MT_OK(call(ctl, PR_METHOD_UNLOAD_EXPERTS, &uq.base, &r, &n, &e), &e);
+  mr_free(r);
+  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EEXHAUSTED);
+  MT_CONTAINS(e.msg, "RESOURCE_EXHAUSTED");
+  MT_CONTAINS(e.msg, "loading needs 24576 bytes");
+  lq.model_fingerprint = "ffffffffffffffff";
+  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EPRECOND);
+  MT_CONTAINS(e.msg, "model_fingerprint");
+  MT_EQ_U64(owned_generation(ctl), g0 + 1); /* only the unload changed anything */
+  gc_cluster_close(ctl);
+  teardown();
+}
+
+MT_MAIN()
