@@ -22,8 +22,8 @@
  * copies may stay loaded, which is harmless), after 5 nothing is unloaded unless every
  * client confirmed the switch.
  *
- * Replicas: the plan's single-server form is supported (each pair on at most one server, as
- * mr_placement has it); a pair routed to no server in a served layer is refused.
+ * Replicas: a pair listed under several servers (mr_placement's rep lists) is loaded on
+ * each of them; a pair on no server in a served layer is refused.
  */
 #include "placement/pl.h"
 
@@ -34,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <cjson/cJSON.h>
 
 #include "gpu_client/moerpc_client.h"
 #include "proto/pr.h"
@@ -96,6 +98,13 @@ static void pairs_str(const uint8_t *row, uint32_t E, char *buf, size_t len) {
   mr_idlist_end(&w, true);
 }
 
+/* Is pair i on at least one server? (Replicated pairs have route -1 and their servers in
+ * the rep lists; a placement made by hand without the lists is read by route alone.) */
+static bool pair_remote(const mr_placement *p, size_t i) {
+  if (p->rep_off) return p->rep_off[i + 1] > p->rep_off[i];
+  return p->route[i] >= 0;
+}
+
 int pl_apply_prepare(pl_apply_plan *ap, const mr_placement *plan, const mr_cluster_file *cf,
                      const uint8_t *owned, const uint64_t *free_bytes, uint64_t expert_bytes,
                      const char *label, mr_err *e) {
@@ -134,14 +143,19 @@ int pl_apply_prepare(pl_apply_plan *ap, const mr_placement *plan, const mr_clust
     for (uint32_t s = 0; s < S && !served; s++)
       for (uint32_t x = 0; x < E && !served; x++) served = owned[s * LE + (size_t)l * E + x];
     for (uint32_t x = 0; x < E && !served; x++)
-      served = plan->route[(size_t)l * E + x] >= 0 || plan->local[(size_t)l * E + x];
+      served = pair_remote(plan, (size_t)l * E + x) || plan->local[(size_t)l * E + x];
     if (!served) continue;
     bool missing = false;
     for (uint32_t x = 0; x < E; x++) {
       size_t i = (size_t)l * E + x;
-      row[x] = !plan->local[i] && plan->route[i] < 0;
+      row[x] = !plan->local[i] && !pair_remote(plan, i);
       missing |= row[x];
-      if (plan->route[i] >= 0) ap->want[(size_t)map[plan->route[i]] * LE + i] = 1;
+      if (plan->rep_off) { /* every copy: a replicated pair is loaded on each of its servers */
+        for (uint32_t c = plan->rep_off[i]; c < plan->rep_off[i + 1]; c++)
+          ap->want[(size_t)map[plan->rep[c]] * LE + i] = 1;
+      } else if (plan->route[i] >= 0) {
+        ap->want[(size_t)map[plan->route[i]] * LE + i] = 1;
+      }
     }
     if (missing) {
       char ids[256];
@@ -298,47 +312,17 @@ out:
   return rc;
 }
 
-static int write_atomic(const char *path, const char *data, size_t len, mr_err *e) {
-  char tmp[4200];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
-    return mr_err_set(e, MR_EINVAL, "%s: path too long", path);
-  FILE *f = fopen(tmp, "w");
-  if (!f) return mr_err_set(e, MR_EIO, "%s: cannot create: %s", tmp, strerror(errno));
-  size_t w = fwrite(data, 1, len, f);
-  int bad = w != len || fflush(f) != 0 || fsync(fileno(f)) != 0;
-  int saved = errno;
-  if (fclose(f) != 0) bad = 1;
-  if (bad) {
-    unlink(tmp);
-    return mr_err_set(e, MR_EIO, "%s: write: %s", tmp, strerror(saved));
-  }
-  if (rename(tmp, path) != 0) {
-    int rc = mr_err_set(e, MR_EIO, "%s: rename from %s: %s", path, tmp, strerror(errno));
-    unlink(tmp);
-    return rc;
-  }
-  return 0;
-}
-
-/* Reads a JSON number or string field "key" of a flat JSON object (our own /placement). */
-static bool json_field(const char *body, const char *key, char *out, size_t cap) {
-  char pat[64];
-  snprintf(pat, sizeof pat, "\"%s\": ", key);
-  const char *p = strstr(body, pat);
-  if (!p) return false;
-  p += strlen(pat);
-  size_t n = 0;
-  if (*p == '"') {
-    p++;
-    while (*p && *p != '"' && n + 1 < cap) {
-      if (*p == '\\' && p[1]) p++;
-      out[n++] = *p++;
-    }
-  } else {
-    while (*p && *p != ',' && *p != '}' && n + 1 < cap) out[n++] = *p++;
-  }
-  out[n] = '\0';
-  return true;
+/* The string field key of the client's GET /placement object, or "" (cJSON; a body that is
+ * not an object, or a field that is not a string, reads as ""). */
+static void placement_field(const char *body, size_t len, const char *key, char *out,
+                            size_t cap) {
+  cJSON *o = NULL;
+  mr_err pe;
+  out[0] = '\0';
+  if (mr_json_parse_object(body, len, "GET /placement", &o, &pe) != 0) return;
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+  if (cJSON_IsString(v)) snprintf(out, cap, "%s", v->valuestring);
+  cJSON_Delete(o);
 }
 
 static int parse_args(int argc, char **argv, apply_args *a) {
@@ -595,7 +579,7 @@ int pl_cmd_apply(int argc, char **argv) {
   char want_hash[24];
   snprintf(want_hash, sizeof want_hash, "%016" PRIx64, hash);
   for (uint32_t i = 0; i < a.n_files; i++) {
-    if ((rc = write_atomic(a.cl_files[i], plan_json, plan_len, &e))) goto out;
+    if ((rc = mr_file_write_atomic(a.cl_files[i], plan_json, plan_len, &e))) goto out;
     mr_log(MR_LOG_INFO, "apply: wrote %s (hash %s)", a.cl_files[i], want_hash);
   }
   deadline = mr_now_ns() + (uint64_t)a.switch_timeout_s * 1000000000ull;
@@ -609,8 +593,8 @@ int pl_cmd_apply(int argc, char **argv) {
       int grc = mr_http_get(a.cl_urls[i], "/placement", 1 << 16, 5000, &status, &body, &blen, &ge);
       char h[64] = "", err[600] = "";
       if (grc == 0 && status == 200) {
-        json_field(body, "hash", h, sizeof h);
-        json_field(body, "last_error", err, sizeof err);
+        placement_field(body, blen, "hash", h, sizeof h);
+        placement_field(body, blen, "last_error", err, sizeof err);
       }
       mr_free(body);
       if (strcmp(h, want_hash) == 0) {

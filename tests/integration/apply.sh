@@ -18,6 +18,8 @@
 #                               problem, and the owned sets are unchanged
 #   switch_timeout_keeps_copies a client that does not switch: apply fails after
 #                               --switch-timeout-s, nothing is unloaded
+#   replicated_plan_loads_every_copy  a pair under both servers is loaded on both; a client
+#                               runs on the replicated placement
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${MOERPC_BIN:-$PWD/build/bin}
@@ -215,6 +217,17 @@ why=""
 [ -z "$why" ] && [ "$after" != "0 0" ] && why="dry run after apply: \"$after\", expected \"0 0\""
 [ -z "$why" ] && ! grep -q 'placement: load 2 published' "$tmp/s1.log" && why="s1 did not log its load"
 if [ -z "$why" ]; then ok $c; else fail $c "$why"; fi
+
+# ---- replicas: a plan listing experts 4-7 under both servers loads a second copy --------
+c=replicated_plan_loads_every_copy
+plan "$tmp/rep.json" 0-7 4-15
+out=$("$BIN/moerpc-place" apply --cluster "$tmp/cluster.json" "$tmp/rep.json" --unload-without-clients 2>&1); rc=$?
+rep_after=$(moved_count "$tmp/cluster.json" "$tmp/rep.json")
+single_after=$(moved_count "$tmp/cluster.json" "$tmp/new.json")
+MOERPC_ISA=ref "$BIN/moerpc-client" "${GEN[@]}" --placement "$tmp/rep.json" --max-new 8 \
+    >"$tmp/rep.out" 2>"$tmp/rep.log"; grc=$?
+if [ $rc -eq 0 ] && [ "$rep_after" = "0 0" ] && [ "$single_after" = "0 16" ] && [ $grc -eq 0 ]; then
+  ok $c; else fail $c "apply rc $rc, dry runs after: rep \"$rep_after\" single \"$single_after\", generate rc $grc ($(tail -n 1 "$tmp/rep.log")): $out"; fi
 
 c=servers_drain_clean_after_apply
 why=""
