@@ -913,6 +913,13 @@ void gc_stats_close(gc_stats *s) {
 
 gc_routing *gc_cluster_routing(gc_cluster *c) { return c ? c->routing : NULL; }
 
+void gc_cluster_routing_exchange(gc_cluster *a, gc_cluster *b) {
+  if (!a || !b || a->L != b->L || a->E != b->E) return;
+  gc_routing *r = a->routing;
+  a->routing = b->routing;
+  b->routing = r;
+}
+
 /* ---- control handle (placement apply) ---------------------------------------------------- */
 
 int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e) {

@@ -883,6 +883,9 @@ static void placement_poll(gc_model *m) {
   pthread_mutex_lock(&m->cl_lock);
   gc_cluster *old_cl = m->cluster;
   gc_moe *old_moe = m->moe;
+  /* The routing counters (GET /routing, --routing-stats) carry on across the switch: the
+   * new cluster takes the old one's, which then closes with the new one's empty set. */
+  gc_cluster_routing_exchange(cl, old_cl);
   m->cluster = cl;
   m->moe = moe;
   pthread_mutex_unlock(&m->cl_lock);

@@ -405,6 +405,10 @@ typedef struct gc_routing_counts {
 } gc_routing_counts;
 /* The cluster's counters (created at open; never NULL for an open cluster). */
 gc_routing *gc_cluster_routing(gc_cluster *c);
+/* Exchanges the counters of two clusters of the same model (a placement switch hands the
+ * running counts to the new cluster); nothing when their shapes differ. Not thread-safe
+ * against counting on either: call between steps. */
+void gc_cluster_routing_exchange(gc_cluster *a, gc_cluster *b);
 /* A snapshot into out (release with gc_routing_counts_close, also after a failure). */
 int gc_routing_get(gc_routing *r, gc_routing_span span, gc_routing_counts *out, mr_err *e);
 void gc_routing_counts_close(gc_routing_counts *c);

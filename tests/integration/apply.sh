@@ -8,7 +8,8 @@
 #   live_apply_same_tokens      apply exits 0 mid-run; the generation exits 0 with tokens
 #                               identical to a run without apply; the servers answered no
 #                               request with an error; afterwards the servers own what the
-#                               plan says (a dry run finds nothing to move)
+#                               plan says (a dry run finds nothing to move); the routing
+#                               counters carry on across the switch (same counts)
 #   bad_client_file_ignored     a malformed placement file written under the running client
 #                               is refused and counted at GET /placement, generation 1 stays
 #   control_refused_*           a server without --auth-token-file refuses LoadExperts
@@ -175,10 +176,13 @@ cp "$tmp/old.json" "$tmp/active.json"
 [ "$(moved_count "$tmp/cluster.json" "$tmp/new.json")" = "16 16" ] || fail setup "could not return to the old placement"
 
 # ---- the live apply -----------------------------------------------------------------------
-MOERPC_ISA=ref "$BIN/moerpc-client" "${GEN[@]}" --placement "$tmp/active.json" >"$tmp/base.out" 2>"$tmp/base.log" ||
+RW=(--routing-window 65536)   # the whole run: the counters must survive the switch
+MOERPC_ISA=ref "$BIN/moerpc-client" "${GEN[@]}" --placement "$tmp/active.json" "${RW[@]}" \
+    --routing-stats "$tmp/base-routing.json" >"$tmp/base.out" 2>"$tmp/base.log" ||
   fail setup "baseline generate failed: $(tail -n 2 "$tmp/base.log")"
 mp=$(free_port)
 MOERPC_ISA=ref "$BIN/moerpc-client" "${GEN[@]}" --placement "$tmp/active.json" --watch-placement \
+    "${RW[@]}" --routing-stats "$tmp/live-routing.json" \
     --metrics-listen "127.0.0.1:$mp" >"$tmp/live.out" 2>"$tmp/live.log" &
 gpid=$!; pids+=($gpid)
 for _ in $(seq 1 100); do curl -sf "http://127.0.0.1:$mp/placement" >/dev/null 2>&1 && break; sleep 0.05; done
@@ -213,6 +217,8 @@ why=""
 [ -z "$why" ] && [ $grc -ne 0 ] && why="generate rc $grc: $(tail -n 3 "$tmp/live.log")"
 [ -z "$why" ] && ! cmp -s <(head -n 1 "$tmp/base.out") <(head -n 1 "$tmp/live.out") && why="tokens differ from the run without apply"
 [ -z "$why" ] && ! grep -q 'placement: switched' "$tmp/live.log" && why="the client never switched"
+[ -z "$why" ] && ! python3 -c 'import json,sys; a,b=(json.load(open(f))["counts"] for f in sys.argv[1:]); sys.exit(a!=b)' \
+    "$tmp/base-routing.json" "$tmp/live-routing.json" && why="routing counts differ from the run without apply (lost at the switch?)"
 [ -z "$why" ] && [ "$errs" -ne 0 ] && why="servers answered $errs requests with an error"
 [ -z "$why" ] && [ "$after" != "0 0" ] && why="dry run after apply: \"$after\", expected \"0 0\""
 [ -z "$why" ] && ! grep -q 'placement: load 2 published' "$tmp/s1.log" && why="s1 did not log its load"
