@@ -33,6 +33,10 @@ static const char PLAN_HELP[] =
     "                           hosts under their capacity, replicas, fewest moves from\n"
     "                           --current; or kt-kernel's uniform, frequency, front-loading,\n"
     "                           random (their GPU sets; cold pairs in even blocks per host)\n"
+    "  --speed-from NAME=FILE   server NAME's speed from its moerpc-bench-kernels --json\n"
+    "                           lines (repeatable): weight GB/s of --format at one token\n"
+    "                           per expert (decode), relative to the mean of the servers\n"
+    "                           given; replaces the cluster file's \"speed\"\n"
     "  --replicas R             most copies of a cold pair, 1..16 (default 1); copies go to\n"
     "                           the hottest pairs while there is room and they help\n"
     "  --current FILE           the placement in use: balanced keeps it where moving would\n"
@@ -65,7 +69,9 @@ static const char DIFF_HELP[] =
     "  --help                   this text\n";
 
 enum { OPT_MODEL = 1000, OPT_CLUSTER, OPT_STATS, OPT_FORMAT, OPT_GPU, OPT_STRATEGY,
-       OPT_REPLICAS, OPT_CURRENT, OPT_TOL, OPT_SEED, OPT_FP, OPT_LOG, OPT_HELP };
+       OPT_REPLICAS, OPT_CURRENT, OPT_TOL, OPT_SEED, OPT_FP, OPT_LOG, OPT_HELP, OPT_SPEED_FROM };
+
+#define PLAN_MAX_SPEED_FROM 256u
 
 typedef struct plan_args {
   const char *model, *cluster, *stats, *current, *output, *fingerprint;
@@ -74,6 +80,8 @@ typedef struct plan_args {
   uint64_t gpu_bytes, seed;
   uint32_t replicas;
   double tolerance;
+  uint32_t n_speed_from;                       /* --speed-from NAME=FILE */
+  const char *speed_from[PLAN_MAX_SPEED_FROM]; /* "NAME=FILE" as given */
 } plan_args;
 
 static int usage_err(const char *prog, const char *fmt, const char *arg) {
@@ -111,6 +119,7 @@ static int plan_parse(int argc, char **argv, plan_args *a) {
       {"tolerance", required_argument, NULL, OPT_TOL},   {"seed", required_argument, NULL, OPT_SEED},
       {"fingerprint", required_argument, NULL, OPT_FP},  {"output", required_argument, NULL, 'o'},
       {"log", required_argument, NULL, OPT_LOG},         {"help", no_argument, NULL, OPT_HELP},
+      {"speed-from", required_argument, NULL, OPT_SPEED_FROM},
       {0, 0, 0, 0}};
   a->format = PL_WF_BF16;
   a->strategy = PL_STRATEGY_BALANCED;
@@ -172,6 +181,14 @@ static int plan_parse(int argc, char **argv, plan_args *a) {
     case OPT_LOG:
       if (set_log(prog, optarg)) return 2;
       break;
+    case OPT_SPEED_FROM:
+      if (!strchr(optarg, '=') || optarg[0] == '=' || !strchr(optarg, '=')[1])
+        return usage_err(prog, "--speed-from = \"%s\", must be NAME=FILE (a server of the "
+                         "cluster file and its moerpc-bench-kernels --json lines)", optarg);
+      if (a->n_speed_from >= PLAN_MAX_SPEED_FROM)
+        return usage_err(prog, "--speed-from %s: more than 256 given", optarg);
+      a->speed_from[a->n_speed_from++] = optarg;
+      break;
     case ':': return usage_err(prog, "%s needs a value", argv[optind - 1]);
     default: return usage_err(prog, "unknown option \"%s\"", argv[optind - 1]);
     }
@@ -207,6 +224,44 @@ static void model_fingerprint(const char *dir, char out[64]) {
   mr_st_close(st);
 }
 
+/* --speed-from NAME=FILE: each named server's decode rate (GB/s of the plan's format at
+ * one token per expert, pl_rates_gbps) over the mean of the servers given. */
+static int speeds_from_benches(const plan_args *a, const mr_cluster_file *cf, pl_host *hosts,
+                               mr_err *e) {
+  if (!a->n_speed_from) return 0;
+  static double gbps[MR_CLUSTER_MAX_SERVERS];
+  static pl_rates r;
+  bool given[MR_CLUSTER_MAX_SERVERS] = {false};
+  double sum = 0;
+  for (uint32_t i = 0; i < a->n_speed_from; i++) {
+    const char *eq = strchr(a->speed_from[i], '=');
+    size_t nl = (size_t)(eq - a->speed_from[i]);
+    uint32_t h = 0;
+    while (h < cf->n_servers &&
+           (strlen(cf->servers[h].name) != nl || strncmp(cf->servers[h].name, a->speed_from[i], nl)))
+      h++;
+    if (h == cf->n_servers)
+      return mr_err_set(e, MR_ENOTFOUND, "--speed-from %s: no server \"%.*s\" in the cluster "
+                        "file", a->speed_from[i], (int)nl, a->speed_from[i]);
+    if (given[h])
+      return mr_err_set(e, MR_EINVAL, "--speed-from %s: server %s given twice", a->speed_from[i],
+                        cf->servers[h].name);
+    int rc = pl_rates_load(&r, eq + 1, pl_wformat_name(a->format), e);
+    if (rc) return rc;
+    given[h] = true;
+    gbps[h] = pl_rates_gbps(&r, 1.0);
+    sum += gbps[h];
+  }
+  const double mean = sum / a->n_speed_from;
+  for (uint32_t h = 0; h < cf->n_servers; h++)
+    if (given[h]) {
+      hosts[h].speed = gbps[h] / mean;
+      mr_log(MR_LOG_INFO, "plan: host %s: %.2f GB/s decode (%s) -> speed %.3f", cf->servers[h].name,
+             gbps[h], pl_wformat_name(a->format), hosts[h].speed);
+    }
+  return 0;
+}
+
 int pl_cmd_plan(int argc, char **argv) {
   static const char prog[] = "moerpc-place plan";
   plan_args a = {0};
@@ -230,6 +285,7 @@ int pl_cmd_plan(int argc, char **argv) {
     hosts[h].numa_nodes = cf.servers[h].numa_nodes ? cf.servers[h].numa_nodes : 1;
     hosts[h].speed = cf.servers[h].speed;
   }
+  if ((rc = speeds_from_benches(&a, &cf, hosts, &e))) goto fail;
   pl_problem pb = {0};
   pb.num_layers = cfg.num_layers;
   pb.num_experts = cfg.num_experts;

@@ -117,6 +117,33 @@ if "$P" plan --model "$tmp/m" --cluster "$cl" -o "$tmp/link.json" 2>/dev/null &&
    grep -q '"moerpc-placement"' "$tmp/target.json"; then ok output_in_place
 else bad output_in_place "link replaced or target not written"; fi
 
+# --- speed_from_benches: --speed-from reads each server's bench-kernels lines; a server
+# three times as fast gets the larger share of the cold experts
+for sp in s0:10 s1:30; do
+  printf '{"shape":"t","format":"bf16","group":0,"isa":"avx512","tokens":1,"top_k":2,"experts_pool":16,"threads":1,"weight_gbps":%s}\n' \
+    "${sp#*:}" >"$tmp/k-${sp%%:*}.jsonl"
+done
+"$P" plan --model "$tmp/m" --cluster "$cl" --speed-from "s0=$tmp/k-s0.jsonl" \
+    --speed-from "s1=$tmp/k-s1.jsonl" -o "$tmp/speed.json" 2>"$tmp/speed.err"; rc=$?
+n=$(python3 -c '
+import json, sys
+from collections import Counter
+c = Counter()
+def size(spec):
+    n = 0
+    for part in spec.split(","):
+        a, _, b = part.partition("-")
+        n += int(b or a) - int(a) + 1 if part else 0
+    return n
+for l in json.load(open(sys.argv[1]))["layers"]:
+    for srv, spec in l.get("remote", {}).items():
+        c[srv] += size(spec)
+print(c["s0"], c["s1"])' "$tmp/speed.json" 2>&1)
+if [ $rc -eq 0 ] && grep -q 'host s0: 10.00 GB/s decode (bf16) -> speed 0.500' "$tmp/speed.err" &&
+   grep -q 'host s1: 30.00 GB/s decode (bf16) -> speed 1.500' "$tmp/speed.err" &&
+   [ "${n% *}" -lt "${n#* }" ]; then ok speed_from_benches
+else bad speed_from_benches "exit $rc, pairs s0 s1 = $n: $(grep -E 'speed|error' "$tmp/speed.err" | head -3)"; fi
+
 # --- bad_inputs
 all=1
 expect() { # name, exit status, text, command...
@@ -155,5 +182,8 @@ expect bad_replicas 2 "--replicas = \"0\"" "$P" plan --model "$tmp/m" --cluster 
 expect no_model 2 "--model DIR is required" "$P" plan --cluster "$cl"
 expect bad_gpu 2 "--gpu-bytes = \"12Q\"" "$P" plan --model "$tmp/m" --cluster "$cl" --gpu-bytes 12Q
 expect diff_one_file 2 "needs two placement files" "$P" diff "$tmp/bal.json"
+expect speed_from_unknown 1 'no server "zz" in the cluster file' "$P" plan --model "$tmp/m" --cluster "$cl" --speed-from "zz=$tmp/k-s0.jsonl"
+expect speed_from_no_file 2 '--speed-from = "s0", must be NAME=FILE' "$P" plan --model "$tmp/m" --cluster "$cl" --speed-from s0
+expect speed_from_no_lines 1 'no moerpc-bench-kernels line of format int8' "$P" plan --model "$tmp/m" --cluster "$cl" --format int8 --speed-from "s0=$tmp/k-s0.jsonl"
 [ $all = 1 ] && ok bad_inputs
 [ $failed -eq 0 ]
