@@ -14,6 +14,11 @@
  *                            |    step == 0               |                    |
  *   norm_topk_prob           | norm_topk_prob (def false) | true (always)      | norm_topk_prob
  *   routed_scaling_factor    | 1                          | 1                  | routed_scaling_factor
+ *   scoring / topk_method    | softmax / greedy           | softmax / greedy   | scoring_func / topk_method
+ *                            |                            |                    | (V3: sigmoid / noaux_tc)
+ *   n_group / topk_group     | 1 / 1                      | 1 / 1              | n_group / topk_group
+ *   MLA, n_shared_experts    | -                          | -                  | q/kv_lora_rank, qk_*_head_dim,
+ *                            |                            |                    | v_head_dim, n_shared_experts
  *
  * Every value is validated here, once, with a message naming the file, the field, the
  * value and the limit; nothing downstream re-checks ranges.
@@ -115,6 +120,7 @@ static const struct cfg_arch {
     {"MixtralForCausalLM", "mixtral", MR_ARCH_MIXTRAL},
     {"DeepseekV3ForCausalLM", "deepseek_v3", MR_ARCH_DEEPSEEK_V3},
     {"DeepseekV2ForCausalLM", "deepseek_v2", MR_ARCH_DEEPSEEK_V3},
+    {"DeepseekV3ForCausalLM", "kimi_k2", MR_ARCH_DEEPSEEK_V3},
 };
 
 static int cfg_arch(const cfg_ctx *c, mr_model_config *cfg) {
@@ -159,6 +165,53 @@ static int cfg_arch(const cfg_ctx *c, mr_model_config *cfg) {
                     c->label, name);
 }
 
+/* yarn's parameters, from one rope_scaling / rope_parameters object (a later object
+ * overrides the fields it has). 0 = absent for the optional ones. */
+static int cfg_yarn_fields(const cfg_ctx *sub, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_float(sub, "factor", cfg->yarn_factor, 0.0, 1e6, &cfg->yarn_factor))) return rc;
+  if ((rc = cfg_float(sub, "beta_fast", cfg->yarn_beta_fast, 0.0, 1e6, &cfg->yarn_beta_fast)))
+    return rc;
+  if ((rc = cfg_float(sub, "beta_slow", cfg->yarn_beta_slow, 0.0, 1e6, &cfg->yarn_beta_slow)))
+    return rc;
+  /* mscale and mscale_all_dim may be 0 (= absent, as transformers' truthiness test reads). */
+  if ((rc = cfg_float(sub, "mscale", cfg->yarn_mscale, -1e-30, 1e6, &cfg->yarn_mscale))) return rc;
+  if ((rc = cfg_float(sub, "mscale_all_dim", cfg->yarn_mscale_all_dim, -1e-30, 1e6,
+                      &cfg->yarn_mscale_all_dim)))
+    return rc;
+  if ((rc = cfg_float(sub, "attention_factor", cfg->yarn_attention_factor, 0.0, 1e6,
+                      &cfg->yarn_attention_factor)))
+    return rc;
+  if ((rc = cfg_u32(sub, "original_max_position_embeddings", false,
+                    cfg->yarn_original_max_position, 1, UINT32_MAX,
+                    &cfg->yarn_original_max_position)))
+    return rc;
+  return cfg_bool(sub, "truncate", cfg->yarn_truncate, &cfg->yarn_truncate);
+}
+
+static float cfg_yarn_get_mscale(double scale, double mscale) {
+  return scale <= 1 ? 1.0f : (float)(0.1 * mscale * log(scale) + 1.0);
+}
+
+/* Completes yarn as transformers 5 does (_compute_yarn_parameters): the original length
+ * defaults to max_position, the factor to max_position / original, attention_factor to
+ * mscale / mscale_all_dim. What cannot be derived stays 0 (the runner refuses it; a server
+ * does not need RoPE). */
+static void cfg_yarn_finish(mr_model_config *cfg) {
+  if (!cfg->yarn_original_max_position) cfg->yarn_original_max_position = cfg->max_position;
+  if (!(cfg->yarn_factor > 0) && cfg->max_position && cfg->yarn_original_max_position)
+    cfg->yarn_factor = (float)((double)cfg->max_position / cfg->yarn_original_max_position);
+  if (!(cfg->yarn_beta_fast > 0)) cfg->yarn_beta_fast = 32;
+  if (!(cfg->yarn_beta_slow > 0)) cfg->yarn_beta_slow = 1;
+  if (!(cfg->yarn_attention_factor > 0) && cfg->yarn_factor > 0) {
+    if (cfg->yarn_mscale != 0 && cfg->yarn_mscale_all_dim != 0)
+      cfg->yarn_attention_factor = cfg_yarn_get_mscale(cfg->yarn_factor, cfg->yarn_mscale) /
+                                   cfg_yarn_get_mscale(cfg->yarn_factor, cfg->yarn_mscale_all_dim);
+    else
+      cfg->yarn_attention_factor = cfg_yarn_get_mscale(cfg->yarn_factor, 1.0);
+  }
+}
+
 /* The fields only a whole-model runner reads (attention, RoPE, head). transformers 5 moved
  * rope_theta and the scaling type into "rope_parameters"; 4.x writes "rope_theta" and
  * "rope_scaling" at the top level. Both are read; the nested value wins. */
@@ -167,6 +220,7 @@ static int cfg_runner(const cfg_ctx *c, mr_model_config *cfg) {
   float def_theta = cfg->arch == MR_ARCH_MIXTRAL ? 1e6f : 10000.0f;
   if ((rc = cfg_float(c, "rope_theta", def_theta, 0.0, 1e12, &cfg->rope_theta))) return rc;
   snprintf(cfg->rope_type, sizeof cfg->rope_type, "default");
+  cfg->yarn_truncate = true;
   static const char *const rope_keys[] = {"rope_scaling", "rope_parameters"};
   for (int i = 0; i < 2; i++) {
     const cJSON *rp = cfg_get(c, rope_keys[i]);
@@ -192,6 +246,7 @@ static int cfg_runner(const cfg_ctx *c, mr_model_config *cfg) {
       }
       snprintf(cfg->rope_type, sizeof cfg->rope_type, "%s", t->valuestring);
     }
+    if ((rc = cfg_yarn_fields(&sub, cfg))) return mr_err_prefix(c->e, rc, "%s", rope_keys[i]);
   }
   if ((rc = cfg_bool(c, "tie_word_embeddings", false, &cfg->tie_word_embeddings))) return rc;
   if ((rc = cfg_bool(c, "attention_bias", false, &cfg->attention_bias))) return rc;
@@ -208,6 +263,7 @@ static int cfg_runner(const cfg_ctx *c, mr_model_config *cfg) {
   cfg->sliding_window = use_sw ? sw : 0;
   if ((rc = cfg_u32(c, "max_position_embeddings", false, 0, 0, UINT32_MAX, &cfg->max_position)))
     return rc;
+  if (strcmp(cfg->rope_type, "yarn") == 0) cfg_yarn_finish(cfg);
   return 0;
 }
 
@@ -312,6 +368,79 @@ static int cfg_mixtral(const cfg_ctx *c, mr_model_config *cfg) {
   return 0;
 }
 
+/* A string field that must be one of names[0..n); absent -> *out = def. */
+static int cfg_enum(const cfg_ctx *c, const char *key, const char *const *names, int n, int def,
+                    int *out) {
+  const cJSON *v = cfg_get(c, key);
+  *out = def;
+  if (!v) return 0;
+  if (cJSON_IsString(v))
+    for (int i = 0; i < n; i++)
+      if (names[i] && strcmp(v->valuestring, names[i]) == 0) {
+        *out = i;
+        return 0;
+      }
+  char desc[96], list[256] = "";
+  mr__json_describe(v, desc, sizeof desc);
+  for (int i = 0; i < n; i++)
+    if (names[i])
+      snprintf(list + strlen(list), sizeof list - strlen(list), "%s\"%s\"", *list ? ", " : "",
+               names[i]);
+  return mr_err_set(c->e, cJSON_IsString(v) ? MR_ENOTSUP : MR_EFORMAT,
+                    "%s: %s = %s, must be one of %s", c->label, key, desc, list);
+}
+
+/* MLA attention, shared experts and the grouped router of DeepSeek-V2/V3 and Kimi-K2. */
+static int cfg_mla(const cfg_ctx *c, mr_model_config *cfg) {
+  int rc;
+  if ((rc = cfg_u32(c, "q_lora_rank", false, 0, 1, CFG_MAX_HIDDEN, &cfg->q_lora_rank))) return rc;
+  if ((rc = cfg_u32(c, "kv_lora_rank", false, 0, 1, CFG_MAX_HIDDEN, &cfg->kv_lora_rank)))
+    return rc;
+  if ((rc = cfg_u32(c, "qk_nope_head_dim", false, 0, 0, CFG_MAX_HEAD_DIM, &cfg->qk_nope_dim)))
+    return rc;
+  if ((rc = cfg_u32(c, "qk_rope_head_dim", false, 0, 0, CFG_MAX_HEAD_DIM, &cfg->qk_rope_dim)))
+    return rc;
+  if ((rc = cfg_u32(c, "v_head_dim", false, 0, 1, CFG_MAX_HEAD_DIM, &cfg->v_head_dim))) return rc;
+  if ((rc = cfg_u32(c, "n_shared_experts", false, 0, 0, 1024, &cfg->n_shared_experts))) return rc;
+  if ((rc = cfg_u32(c, "n_group", false, 1, 1, cfg->num_experts, &cfg->n_group))) return rc;
+  if ((rc = cfg_u32(c, "topk_group", false, cfg->n_group, 1, cfg->n_group, &cfg->topk_group)))
+    return rc;
+  if (cfg->num_experts % cfg->n_group)
+    return mr_err_set(c->e, MR_ERANGE, "%s: n_group = %u does not divide n_routed_experts = %u",
+                      c->label, cfg->n_group, cfg->num_experts);
+  const uint32_t per_group = cfg->num_experts / cfg->n_group;
+  if ((uint64_t)cfg->topk_group * per_group < cfg->top_k)
+    return mr_err_set(c->e, MR_ERANGE, "%s: num_experts_per_tok = %u exceeds the %u experts of "
+                      "topk_group = %u groups of %u", c->label, cfg->top_k,
+                      cfg->topk_group * per_group, cfg->topk_group, per_group);
+  bool v3 = strcmp(cfg->arch_name, "DeepseekV3ForCausalLM") == 0;
+  static const char *const scores[] = {"softmax", "sigmoid"};
+  static const char *const methods[] = {"greedy", "noaux_tc", "group_limited_greedy"};
+  int sc, tm;
+  if ((rc = cfg_enum(c, "scoring_func", scores, 2, v3 ? 1 : 0, &sc))) return rc;
+  if ((rc = cfg_enum(c, "topk_method", methods, 3, v3 ? 1 : 0, &tm))) return rc;
+  cfg->scoring = (mr_score_func)sc;
+  cfg->topk_method = (mr_topk_method)tm;
+  if (cfg->topk_method == MR_TOPK_NOAUX_TC && cfg->n_group > 1 && per_group < 2)
+    return mr_err_set(c->e, MR_ERANGE, "%s: topk_method noaux_tc scores a group by its top 2 "
+                      "experts, but n_group = %u leaves %u expert per group", c->label,
+                      cfg->n_group, per_group);
+  if ((rc = cfg_bool(c, "rope_interleave", v3, &cfg->rope_interleave))) return rc;
+  if (cfg->qk_nope_dim + cfg->qk_rope_dim > 0) {
+    /* MLA: a query head is nope + rope wide whatever "head_dim" says (transformers writes
+     * qk_rope_head_dim there). */
+    /* (kv_lora_rank, v_head_dim: only the runner needs them, and checks them) */
+    if (cfg->qk_rope_dim % 2)
+      return mr_err_set(c->e, MR_ERANGE, "%s: qk_rope_head_dim = %u, RoPE needs it even",
+                        c->label, cfg->qk_rope_dim);
+    cfg->head_dim = cfg->qk_nope_dim + cfg->qk_rope_dim;
+    if (cfg->head_dim > CFG_MAX_HEAD_DIM)
+      return mr_err_set(c->e, MR_ERANGE, "%s: qk_nope_head_dim + qk_rope_head_dim = %u, must be "
+                        "<= %u", c->label, cfg->head_dim, CFG_MAX_HEAD_DIM);
+  }
+  return 0;
+}
+
 static int cfg_deepseek(const cfg_ctx *c, mr_model_config *cfg) {
   int rc;
   if ((rc = cfg_experts(c, cfg, "n_routed_experts", "moe_intermediate_size"))) return rc;
@@ -330,7 +459,7 @@ static int cfg_deepseek(const cfg_ctx *c, mr_model_config *cfg) {
   if ((rc = cfg_u32(c, "moe_layer_freq", false, 1, 1, MR_MAX_LAYERS, &freq))) return rc;
   for (uint32_t l = 0; l < cfg->num_layers; l++)
     cfg->is_moe[l] = l >= first_dense && l % freq == 0;
-  return 0;
+  return cfg_mla(c, cfg);
 }
 
 /* quantization_config: absent/null = plain weights; {"quant_method": "fp8", ...} =
@@ -403,6 +532,7 @@ int mr_config_parse(mr_model_config *cfg, const char *json, size_t len, const ch
   if (rc) return rc;
   cfg_ctx c = {.root = root, .label = label, .e = e};
   cfg->routed_scaling_factor = 1.0f;
+  cfg->n_group = cfg->topk_group = 1;
   if ((rc = cfg_arch(&c, cfg))) goto out_free_root;
   if ((rc = cfg_common(&c, cfg))) goto out_free_root;
   switch (cfg->arch) {

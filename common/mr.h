@@ -346,6 +346,17 @@ typedef enum mr_arch {
   MR_ARCH_DEEPSEEK_V3 /* DeepseekV3ForCausalLM (also DeepseekV2ForCausalLM) */
 } mr_arch;
 typedef enum mr_proj { MR_PROJ_GATE = 0, MR_PROJ_UP = 1, MR_PROJ_DOWN = 2 } mr_proj;
+typedef enum mr_score_func { MR_SCORE_SOFTMAX = 0, MR_SCORE_SIGMOID = 1 } mr_score_func;
+/* How the k experts are chosen from the scores (DeepSeek's topk_method):
+ *   GREEDY    top-k of the scores (every family but DeepSeek-V3);
+ *   NOAUX_TC  DeepSeek-V3: top-k of score + e_score_correction_bias among the topk_group
+ *             groups of highest (sum of the top-2 biased scores); weights = the unbiased
+ *             scores of the chosen. */
+typedef enum mr_topk_method {
+  MR_TOPK_GREEDY = 0,
+  MR_TOPK_NOAUX_TC = 1,
+  MR_TOPK_GROUP_LIMITED_GREEDY = 2 /* DeepSeek-V2: parsed, not run by the model runner */
+} mr_topk_method;
 #define MR_MAX_LAYERS 1024
 typedef struct mr_model_config {
   mr_arch arch;
@@ -377,6 +388,24 @@ typedef struct mr_model_config {
    * and block sizes are refused by name (MR_ENOTSUP). */
   bool fp8;
   uint32_t fp8_block[2];       /* weight_block_size: [128, 128] when fp8 */
+  /* DeepSeek-V3 / Kimi-K2 (MLA attention, grouped routing, shared experts); 0 elsewhere.
+   * head_dim above is then qk_nope_dim + qk_rope_dim (a query head's width; transformers'
+   * config calls qk_rope_head_dim "head_dim"). */
+  uint32_t q_lora_rank;        /* 0 = a plain q_proj (q_lora_rank null) */
+  uint32_t kv_lora_rank;       /* the latent each token caches, besides its rope part */
+  uint32_t qk_nope_dim, qk_rope_dim, v_head_dim;
+  uint32_t n_shared_experts;   /* one MLP of n_shared * moe_intermediate per MoE layer */
+  uint32_t n_group, topk_group;/* group-limited top-k; 1, 1 when ungrouped */
+  mr_score_func scoring;       /* router scores: softmax (Qwen, Mixtral, V2) or sigmoid */
+  mr_topk_method topk_method;
+  bool rope_interleave;        /* RoPE on (x0, x1), (x2, x3)... pairs (DeepSeek-V3) */
+  /* rope_type "yarn" (rope_scaling / rope_parameters): the values as transformers 5 derives
+   * them (_compute_yarn_parameters); attention_factor multiplies cos and sin, and
+   * mscale_all_dim scales the softmax by yarn_get_mscale(factor, mscale_all_dim)^2. */
+  float yarn_factor, yarn_beta_fast, yarn_beta_slow, yarn_mscale, yarn_mscale_all_dim;
+  float yarn_attention_factor;
+  uint32_t yarn_original_max_position;
+  bool yarn_truncate;
 } mr_model_config;
 /* Reads config.json at path (a file, or a directory containing config.json). Validates
  * ranges (hidden 1..65536, experts 1..65536, top_k 1..num_experts, layers 1..MR_MAX_LAYERS)

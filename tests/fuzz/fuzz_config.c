@@ -6,6 +6,7 @@
 #include "tests/fuzz/fuzz.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -29,6 +30,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   /* quantization_config: only fp8 with 128x128 blocks is ever accepted. */
   if (c.fp8 && (c.fp8_block[0] != 128 || c.fp8_block[1] != 128)) abort();
   if (!c.fp8 && (c.fp8_block[0] || c.fp8_block[1])) abort();
+  /* grouped routing: what the router's loops rely on */
+  if (c.n_group < 1 || c.num_experts % c.n_group || c.topk_group < 1 || c.topk_group > c.n_group)
+    abort();
+  if ((uint64_t)c.topk_group * (c.num_experts / c.n_group) < c.top_k) abort();
+  if (c.qk_rope_dim % 2) abort();
+  if (strcmp(c.rope_type, "yarn") == 0 && c.yarn_factor > 0 &&
+      (!(c.yarn_attention_factor > 0) || !(c.yarn_beta_fast > 0) || !(c.yarn_beta_slow > 0)))
+    abort();
   uint32_t n = mr_config_num_moe_layers(&c);
   if (n < 1 || n > c.num_layers) abort();
   char key[128];

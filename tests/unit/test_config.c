@@ -14,6 +14,15 @@ static int parse(mr_model_config *c, const char *json, mr_err *e) {
   return mr_config_parse(c, json, strlen(json), "m/config.json", e);
 }
 
+/* out = base with its first `from` replaced by `to` (from must occur). */
+static const char *edit(const char *base, const char *from, const char *to, char *out,
+                        size_t len) {
+  const char *p = strstr(base, from);
+  MT_TRUE(p != NULL);
+  snprintf(out, len, "%.*s%s%s", (int)(p - base), base, to, p + strlen(from));
+  return out;
+}
+
 /* Qwen3-30B-A3B's config.json (fields that matter, values as released). */
 static const char *qwen3_30b =
     "{\"architectures\": [\"Qwen3MoeForCausalLM\"], \"model_type\": \"qwen3_moe\","
@@ -188,6 +197,97 @@ MT_TEST(deepseek_v3) {
   char key[128];
   mr_config_expert_key(&c, 3, 255, MR_PROJ_UP, key, sizeof key);
   MT_EQ_STR(key, "model.layers.3.mlp.experts.255.up_proj.weight");
+  /* MLA and the router */
+  MT_EQ_INT(c.q_lora_rank, 1536);
+  MT_EQ_INT(c.kv_lora_rank, 512);
+  MT_EQ_INT(c.qk_nope_dim, 128);
+  MT_EQ_INT(c.qk_rope_dim, 64);
+  MT_EQ_INT(c.v_head_dim, 128);
+  MT_EQ_INT(c.n_shared_experts, 1);
+  MT_EQ_INT(c.n_group, 8);
+  MT_EQ_INT(c.topk_group, 4);
+  MT_EQ_INT(c.scoring, MR_SCORE_SIGMOID);
+  MT_EQ_INT(c.topk_method, MR_TOPK_NOAUX_TC);
+  MT_TRUE(c.rope_interleave); /* V3's default */
+  MT_EQ_STR(c.rope_type, "default");
+}
+
+/* DeepSeek-V3's released rope_scaling (4.x layout, "type") and transformers 5's layout with
+ * the qk_rope_head_dim it writes as head_dim. */
+static int parse_ds(const char *extra, mr_model_config *c, mr_err *e) {
+  static char buf[8192];
+  snprintf(buf, sizeof buf, "%.*s,%s}", (int)strlen(deepseek_v3) - 1, deepseek_v3, extra);
+  return parse(c, buf, e);
+}
+
+MT_TEST(deepseek_yarn_and_mla_fields) {
+  mr_model_config c;
+  mr_err e;
+  MT_OK(parse_ds("\"max_position_embeddings\":163840,\"rope_theta\":10000,\"rope_scaling\":"
+                 "{\"beta_fast\":32,\"beta_slow\":1,\"factor\":40,\"mscale\":1.0,"
+                 "\"mscale_all_dim\":1.0,\"original_max_position_embeddings\":4096,"
+                 "\"type\":\"yarn\"},\"head_dim\":64",
+                 &c, &e),
+        &e);
+  MT_EQ_STR(c.rope_type, "yarn");
+  MT_NEAR(c.yarn_factor, 40, 0);
+  MT_EQ_INT(c.yarn_original_max_position, 4096);
+  MT_NEAR(c.yarn_attention_factor, 1.0, 1e-7); /* mscale / mscale_all_dim */
+  MT_NEAR(c.yarn_mscale_all_dim, 1.0, 0);
+  MT_TRUE(c.yarn_truncate);
+  MT_EQ_INT(c.head_dim, 192); /* nope + rope, not transformers' "head_dim" */
+  /* no mscale: attention_factor = 0.1 ln(factor) + 1; factor from the lengths */
+  MT_OK(parse_ds("\"max_position_embeddings\":16384,\"rope_parameters\":{\"rope_type\":"
+                 "\"yarn\",\"rope_theta\":50000,\"original_max_position_embeddings\":4096,"
+                 "\"beta_fast\":16}",
+                 &c, &e),
+        &e);
+  MT_NEAR(c.yarn_factor, 4, 0);
+  MT_NEAR(c.yarn_attention_factor, 0.1 * log(4.0) + 1, 1e-6);
+  MT_NEAR(c.yarn_beta_fast, 16, 0);
+  MT_NEAR(c.yarn_beta_slow, 1, 0);
+  MT_NEAR(c.rope_theta, 50000, 0);
+  /* q_lora_rank null = a plain q_proj; rope_interleave false */
+  char buf[4096];
+  MT_OK(parse(&c, edit(deepseek_v3, "\"q_lora_rank\":1536",
+                       "\"q_lora_rank\":null,\"rope_interleave\":false", buf, sizeof buf),
+              &e),
+        &e);
+  MT_EQ_INT(c.q_lora_rank, 0);
+  MT_FALSE(c.rope_interleave);
+}
+
+MT_TEST(deepseek_bad_groups_and_methods_are_named) {
+  mr_model_config c;
+  mr_err e;
+  char buf[4096], buf2[4096];
+  const char *ng = "\"n_group\":8", *tg = "\"topk_group\":4";
+#define DS_EDIT(from, to) edit(deepseek_v3, from, to, buf, sizeof buf)
+#define DS_EDIT2(from, to, from2, to2) edit(DS_EDIT(from, to), from2, to2, buf2, sizeof buf2)
+  MT_EQ_INT(parse(&c, DS_EDIT(ng, "\"n_group\":7"), &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "n_group = 7 does not divide n_routed_experts = 256");
+  MT_EQ_INT(parse(&c, DS_EDIT(tg, "\"topk_group\":9"), &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "topk_group = 9, must be an integer in 1..8");
+  /* 256 experts in 3 groups */
+  MT_EQ_INT(parse(&c, DS_EDIT2(ng, "\"n_group\":3", tg, "\"topk_group\":1"), &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "n_group = 3 does not divide n_routed_experts = 256");
+  /* top-8 from groups of 2: 128 groups keeping 4 = 8 experts is fine, keeping 3 is not */
+  MT_OK(parse(&c, DS_EDIT(ng, "\"n_group\":128"), &e), &e);
+  MT_EQ_INT(parse(&c, DS_EDIT2(ng, "\"n_group\":128", tg, "\"topk_group\":3"), &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "num_experts_per_tok = 8 exceeds the 6 experts of topk_group = 3 groups of 2");
+  /* a group of one expert cannot be scored by its top 2 */
+  MT_EQ_INT(parse(&c, DS_EDIT2(ng, "\"n_group\":256", tg, "\"topk_group\":8"), &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "leaves 1 expert per group");
+  MT_EQ_INT(parse(&c, DS_EDIT("\"noaux_tc\"", "\"auxfree\""), &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "topk_method = \"auxfree\", must be one of \"greedy\", \"noaux_tc\", "
+                     "\"group_limited_greedy\"");
+  MT_EQ_INT(parse(&c, DS_EDIT("\"sigmoid\"", "3"), &e), MR_EFORMAT);
+  MT_CONTAINS(e.msg, "scoring_func = 3, must be one of \"softmax\", \"sigmoid\"");
+  MT_EQ_INT(parse(&c, DS_EDIT("\"qk_rope_head_dim\":64", "\"qk_rope_head_dim\":63"), &e),
+            MR_ERANGE);
+  MT_CONTAINS(e.msg, "qk_rope_head_dim = 63, RoPE needs it even");
+#undef DS_EDIT2
+#undef DS_EDIT
 }
 
 MT_TEST(deepseek_v2_layer_freq_and_defaults) {
@@ -228,10 +328,7 @@ MT_TEST(model_type_fallback_and_nulls) {
 /* Replaces the first occurrence of `from` in qwen3_30b by `to` and parses the result. */
 static int parse_edit(const char *from, const char *to, mr_model_config *c, mr_err *e) {
   static char buf[8192];
-  const char *p = strstr(qwen3_30b, from);
-  MT_TRUE(p != NULL);
-  snprintf(buf, sizeof buf, "%.*s%s%s", (int)(p - qwen3_30b), qwen3_30b, to, p + strlen(from));
-  return parse(c, buf, e);
+  return parse(c, edit(qwen3_30b, from, to, buf, sizeof buf), e);
 }
 
 MT_TEST(missing_required_fields) {
