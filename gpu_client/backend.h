@@ -62,10 +62,56 @@ typedef struct gc_bk_attn {
   float *out;               /* [T, n_heads * head_dim], contiguous */
 } gc_bk_attn;
 
+/* MLA attention (DeepSeek-V2/V3, Kimi-K2) over a cache of compressed latents: a token
+ * caches c = kv_a_layernorm(its kv_lora_rank latent) and its rotated shared key k_rot, not
+ * the expanded K/V. The absorbed form (docs/DESIGN.md section 18): with kv_b_proj's rows of
+ * head h split into W_uk [nope, kv_lora] and W_uv [v, kv_lora],
+ *   score(t, s) = scale * ((W_uk^T q_nope) . c_s + q_rot . k_rot_s)
+ *   out_h(t)    = W_uv (sum_s p(t, s) c_s)
+ * which is q.k and p.v of the expanded keys and values without forming them. */
+typedef struct gc_bk_mla {
+  uint32_t n_tokens;        /* T */
+  const uint32_t *seq, *pos;/* [T] host, as in gc_bk_attn */
+  uint32_t n_heads, nope, rope, v_dim, kv_lora;
+  uint32_t max_seq;
+  float scale;              /* softmax scale ((nope + rope)^-0.5, times yarn's mscale^2) */
+  const float *q;           /* [T, n_heads * (nope + rope)], rope parts rotated; stride ldq */
+  size_t ldq;
+  const float *kv;          /* [T, kv_lora + rope]: c (normed) | k_rot (rotated); stride ldkv */
+  size_t ldkv;
+  const float *w_kv_b;      /* device [n_heads * (nope + v), kv_lora] fp32 (kv_b_proj) */
+  float *cache;             /* [slots, max_seq, kv_lora + rope] of this layer */
+  float *out;               /* [T, n_heads * v], contiguous */
+} gc_bk_mla;
+
+/* RoPE on one part of every head of T rows. */
+typedef struct gc_bk_rope {
+  uint32_t n_tokens, n_heads;
+  uint32_t head_stride;     /* floats from one head to the next */
+  uint32_t offset;          /* of the rotated part inside a head */
+  uint32_t dim;             /* rotated floats, even; inv_freq has dim / 2 */
+  bool interleave;          /* rotate pairs (2i, 2i+1) in place instead of (i, i + dim/2):
+                             * DeepSeek's rope_interleave, whose dot products are the same */
+  float scale;              /* cos and sin are multiplied by it (yarn's attention factor) */
+  float *x;                 /* device, rows of stride ld */
+  size_t ld;
+  const uint32_t *pos;      /* [T] host */
+  const float *inv_freq;    /* [dim / 2] device */
+} gc_bk_rope;
+
+/* Limits of route: top_k (every released MoE is <= 8) and n_group (DeepSeek-V3: 8). */
+#define GC_ROUTE_MAX_TOP_K 64u
+#define GC_ROUTE_MAX_GROUPS 1024u
+
 /* Routing rule of a MoE layer's router. */
 typedef struct gc_bk_route {
   uint32_t n_tokens, num_experts, top_k;
-  bool norm_topk;           /* divide the k weights by their sum */
+  bool norm_topk;           /* divide the k weights by their sum (+1e-20 with sigmoid) */
+  mr_score_func scoring;    /* softmax or sigmoid of the logits */
+  mr_topk_method method;    /* GREEDY or NOAUX_TC (mr.h) */
+  const float *bias;        /* NOAUX_TC: [E] device, e_score_correction_bias (selection only) */
+  uint32_t n_group, topk_group; /* NOAUX_TC groups (1, 1 = ungrouped) */
+  float scale;              /* routed_scaling_factor, multiplied into the k weights */
   const float *logits;      /* [T, E] device */
   int32_t *ids;             /* [T, k] host out: expert ids by decreasing weight */
   float *weights;           /* [T, k] host out */
@@ -102,6 +148,11 @@ typedef struct gc_bk_ops {
   int (*experts_new)(gc_backend *b, gc_bk_experts **out, const kn_layer_desc *d, mr_err *e);
   int (*experts_load)(gc_backend *b, gc_bk_experts *x, uint32_t expert, const void *gate,
                       const void *up, const void *down, mr_dtype src, mr_err *e);
+  /* The same from checkpoint tensors (t[gate, up, down], and for F8_E4M3 ones their block
+   * scales; scales NULL or scales[p] NULL for float tensors): kn_layer_load_expert_st. */
+  int (*experts_load_st)(gc_backend *b, gc_bk_experts *x, uint32_t expert,
+                         const mr_st_tensor *const t[3], const mr_st_tensor *const scales[3],
+                         mr_err *e);
   void (*experts_free)(gc_backend *b, gc_bk_experts *x);
   uint64_t (*experts_expert_bytes)(const gc_bk_experts *x);
 
@@ -116,12 +167,12 @@ typedef struct gc_bk_ops {
    * strides ldx / ldy (y may equal x). */
   int (*rmsnorm)(gc_backend *b, uint32_t rows, uint32_t dim, const float *x, size_t ldx,
                  const float *w, float eps, float *y, size_t ldy, mr_err *e);
-  /* Rotate-half RoPE in place on n_heads heads of head_dim floats at the start of each of
-   * T rows (stride ld); inv_freq [head_dim / 2] device; pos host [T]. */
-  int (*rope)(gc_backend *b, uint32_t T, uint32_t n_heads, uint32_t head_dim, float *x,
-              size_t ld, const uint32_t *pos, const float *inv_freq, mr_err *e);
+  /* RoPE in place (see gc_bk_rope; rotate-half unless interleave). */
+  int (*rope)(gc_backend *b, const gc_bk_rope *r, mr_err *e);
   /* Stores k / v at (seq, pos) in the cache, then causal attention (see gc_bk_attn). */
   int (*attention)(gc_backend *b, const gc_bk_attn *a, mr_err *e);
+  /* Stores each token's latent at (seq, pos), then causal MLA attention (gc_bk_mla). */
+  int (*mla_attention)(gc_backend *b, const gc_bk_mla *a, mr_err *e);
   /* h[t, i] = silu(gu[t, i]) * gu[t, n + i], i < n (gate columns first, then up). */
   int (*silu_mul)(gc_backend *b, uint32_t T, uint32_t n, const float *gu, float *h, mr_err *e);
   /* dev[0..n) = 0 */
@@ -131,7 +182,8 @@ typedef struct gc_bk_ops {
                      const uint32_t *rows, uint32_t n, mr_err *e);
   /* y[0..n) += x[0..n) */
   int (*add)(gc_backend *b, float *y, const float *x, size_t n, mr_err *e);
-  /* Softmax over E, top-k (ties: lower id first), optional renormalisation; host out. */
+  /* Scores (softmax or sigmoid), top-k (grouped with NOAUX_TC; ties: lower id first),
+   * optional renormalisation, times scale; host out (gc_bk_route). */
   int (*route)(gc_backend *b, const gc_bk_route *r, mr_err *e);
   /* out[T, H] (fp32, overwritten) = sum over slots with ids >= 0 of w * expert(x); every
    * non-negative id must be loaded in x (ids / w host [T, k]). */

@@ -22,6 +22,10 @@ typedef struct cpu_backend {
   uint32_t max_seq;
   uint32_t n_workers;
   float *scores; /* [n_workers, max_seq] attention scratch */
+  float *mla;    /* [n_workers, 2 * mla_lora] MLA scratch (q_lat, o_lat), grown on use */
+  uint32_t mla_lora;
+  float *route_buf; /* [2 * route_cap] noaux_tc scores */
+  uint32_t route_cap;
   mr_arena scratch;
 } cpu_backend;
 
@@ -144,6 +148,12 @@ static int cpu_experts_load(gc_backend *b, gc_bk_experts *x, uint32_t expert, co
   (void)b;
   return kn_layer_load_expert(x->L, expert, gate, up, down, src, e);
 }
+static int cpu_experts_load_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
+                               const mr_st_tensor *const t[3],
+                               const mr_st_tensor *const scales[3], mr_err *e) {
+  (void)b;
+  return kn_layer_load_expert_st(x->L, expert, t, scales, e);
+}
 static void cpu_experts_free(gc_backend *b, gc_bk_experts *x) {
   (void)b;
   if (!x) return;
@@ -196,9 +206,7 @@ typedef struct rows_job {
   float *y;
   float eps;
   /* rope */
-  uint32_t n_heads, head_dim;
-  const uint32_t *pos;
-  const float *inv_freq;
+  const gc_bk_rope *rp;
   /* silu_mul */
   const float *gu;
 } rows_job;
@@ -242,29 +250,32 @@ static int cpu_rmsnorm(gc_backend *b, uint32_t rows, uint32_t dim, const float *
 }
 
 static void rope_row(const rows_job *j, uint32_t t) {
-  const uint32_t half = j->head_dim / 2;
-  const float p = (float)j->pos[t];
-  float *row = j->y + (size_t)t * j->ldy;
+  const gc_bk_rope *r = j->rp;
+  const uint32_t half = r->dim / 2;
+  const float p = (float)r->pos[t];
+  float *row = r->x + (size_t)t * r->ld + r->offset;
+  /* pair i: (i, i + half) rotate-half, or (2i, 2i + 1) interleaved */
+  const uint32_t lo_step = r->interleave ? 2 : 1, hi_off = r->interleave ? 1 : half;
   for (uint32_t i = 0; i < half; i++) {
-    /* transformers forms the angle in fp32 (inv_freq * position) and then takes cos/sin */
-    float ang = p * j->inv_freq[i];
-    float c = (float)cos((double)ang), s = (float)sin((double)ang);
-    for (uint32_t h = 0; h < j->n_heads; h++) {
-      float *x = row + (size_t)h * j->head_dim;
-      float a = x[i], bb = x[i + half];
-      x[i] = a * c - bb * s;
-      x[i + half] = bb * c + a * s;
+    /* transformers forms the angle in fp32 (inv_freq * position) and then takes cos/sin,
+     * scaling both by the attention factor */
+    float ang = p * r->inv_freq[i];
+    float c = (float)cos((double)ang) * r->scale, s = (float)sin((double)ang) * r->scale;
+    for (uint32_t h = 0; h < r->n_heads; h++) {
+      float *x = row + (size_t)h * r->head_stride + (size_t)i * lo_step;
+      float a = x[0], bb = x[hi_off];
+      x[0] = a * c - bb * s;
+      x[hi_off] = bb * c + a * s;
     }
   }
 }
 
-static int cpu_rope(gc_backend *b, uint32_t T, uint32_t n_heads, uint32_t head_dim, float *x,
-                    size_t ld, const uint32_t *pos, const float *inv_freq, mr_err *e) {
-  if (head_dim % 2)
-    return mr_err_set(e, MR_EINVAL, "rope: head_dim = %u, must be even", head_dim);
-  rows_job j = {.rows = T, .row = rope_row, .y = x, .ldy = ld, .n_heads = n_heads,
-                .head_dim = head_dim, .pos = pos, .inv_freq = inv_freq};
-  rows_run(b, &j, n_heads * head_dim);
+static int cpu_rope(gc_backend *b, const gc_bk_rope *r, mr_err *e) {
+  if (r->dim % 2 || r->offset + r->dim > r->head_stride)
+    return mr_err_set(e, MR_EINVAL, "rope: %u dims at offset %u of heads of %u floats, must be "
+                      "even and inside the head", r->dim, r->offset, r->head_stride);
+  rows_job j = {.rows = r->n_tokens, .row = rope_row, .rp = r};
+  rows_run(b, &j, r->n_heads * r->dim);
   return 0;
 }
 
@@ -399,37 +410,187 @@ static int cpu_attention(gc_backend *b, const gc_bk_attn *a, mr_err *e) {
   return 0;
 }
 
+typedef struct mla_job {
+  const gc_bk_mla *a;
+  cpu_backend *cb;
+} mla_job;
+
+/* One (token, head) of MLA in the absorbed form (backend.h gc_bk_mla). */
+static void mla_item(void *arg, uint32_t item, uint32_t worker) {
+  const mla_job *j = arg;
+  const gc_bk_mla *a = j->a;
+  const uint32_t t = item / a->n_heads, h = item % a->n_heads;
+  const uint32_t R = a->kv_lora, lw = R + a->rope, qh = a->nope + a->rope;
+  const uint32_t pos = a->pos[t];
+  const float *cache = a->cache + (size_t)a->seq[t] * a->max_seq * lw;
+  const float *q = a->q + (size_t)t * a->ldq + (size_t)h * qh;
+  const float *w = a->w_kv_b + (size_t)h * (a->nope + a->v_dim) * R; /* W_uk, then W_uv */
+  float *sc = j->cb->scores + (size_t)worker * j->cb->max_seq;
+  float *q_lat = j->cb->mla + (size_t)worker * 2 * R, *o_lat = q_lat + R;
+  /* q_lat = W_uk^T q_nope */
+  for (uint32_t r = 0; r < R; r++) q_lat[r] = 0;
+  for (uint32_t i = 0; i < a->nope; i++) axpy_f32(q_lat, q[i], w + (size_t)i * R, R);
+  float mx = -INFINITY;
+  for (uint32_t p = 0; p <= pos; p++) {
+    const float *l = cache + (size_t)p * lw;
+    float s = (dot_f32(q_lat, l, R) + dot_f32(q + a->nope, l + R, a->rope)) * a->scale;
+    sc[p] = s;
+    if (s > mx) mx = s;
+  }
+  double sum = 0;
+  for (uint32_t p = 0; p <= pos; p++) {
+    float e = expf(sc[p] - mx);
+    sc[p] = e;
+    sum += e;
+  }
+  const float inv = (float)(1.0 / sum);
+  for (uint32_t r = 0; r < R; r++) o_lat[r] = 0;
+  for (uint32_t p = 0; p <= pos; p++) axpy_f32(o_lat, sc[p] * inv, cache + (size_t)p * lw, R);
+  /* out_h = W_uv o_lat */
+  const float *wv = w + (size_t)a->nope * R;
+  float *o = a->out + (size_t)t * a->n_heads * a->v_dim + (size_t)h * a->v_dim;
+  for (uint32_t d = 0; d < a->v_dim; d++) o[d] = dot_f32(wv + (size_t)d * R, o_lat, R);
+}
+
+static int cpu_mla_attention(gc_backend *b, const gc_bk_mla *a, mr_err *e) {
+  cpu_backend *cb = cpu(b);
+  const uint32_t lw = a->kv_lora + a->rope;
+  if (a->max_seq > cb->max_seq)
+    return mr_err_set(e, MR_ERANGE, "mla attention: max_seq %u exceeds the backend's %u",
+                      a->max_seq, cb->max_seq);
+  if (a->kv_lora > cb->mla_lora) {
+    float *m = mr_malloc((size_t)cb->n_workers * 2 * a->kv_lora * sizeof *m);
+    if (!m)
+      return mr_err_set(e, MR_ENOMEM, "mla attention: scratch of %u x %u: out of memory",
+                        cb->n_workers, 2 * a->kv_lora);
+    mr_free(cb->mla);
+  mr_free(cb->route_buf);
+    cb->mla = m;
+    cb->mla_lora = a->kv_lora;
+  }
+  for (uint32_t t = 0; t < a->n_tokens; t++) {
+    if (a->pos[t] >= a->max_seq)
+      return mr_err_set(e, MR_ERANGE, "mla attention: token %u at position %u, must be < "
+                        "max_seq %u", t, a->pos[t], a->max_seq);
+    size_t at = ((size_t)a->seq[t] * a->max_seq + a->pos[t]) * lw;
+    memcpy(a->cache + at, a->kv + (size_t)t * a->ldkv, lw * sizeof(float));
+  }
+  mla_job j = {.a = a, .cb = cb};
+  uint32_t items = a->n_tokens * a->n_heads;
+  if (items == 1) mla_item(&j, 0, 0);
+  else kn_engine_run(b->eng, items, mla_item, &j);
+  return 0;
+}
+
 /* ---- routing and experts ----------------------------------------------------------------- */
 
+/* Inserts candidate x with key v into the descending top list ids/keys of n <= k entries
+ * (ties: the lower id first, as x arrives in increasing order). */
+static void topk_insert(int32_t *ids, float *keys, uint32_t *n, uint32_t k, int32_t x, float v) {
+  uint32_t j = *n;
+  while (j > 0 && v > keys[j - 1]) j--;
+  if (j >= k) return;
+  uint32_t last = *n < k ? *n : k - 1;
+  memmove(ids + j + 1, ids + j, (last - j) * sizeof *ids);
+  memmove(keys + j + 1, keys + j, (last - j) * sizeof *keys);
+  ids[j] = x;
+  keys[j] = v;
+  if (*n < k) (*n)++;
+}
+
+/* DeepSeek-V3's noaux_tc for one token (transformers DeepseekV3TopkRouter): s = sigmoid,
+ * choice = s + bias; a group scores the sum of its top-2 choices; the topk_group best
+ * groups stay; the k best choices among them are taken, weighted by s. choice, s: [E]
+ * scratch. */
+static void route_noaux_tc(const gc_bk_route *r, const float *l, int32_t *ids, float *w,
+                           float *choice, float *s) {
+  const uint32_t E = r->num_experts, k = r->top_k, G = r->n_group, per = E / G;
+  for (uint32_t x = 0; x < E; x++) {
+    s[x] = 1.0f / (1.0f + expf(-l[x]));
+    choice[x] = s[x] + (r->bias ? r->bias[x] : 0.0f);
+  }
+  uint8_t keep[GC_ROUTE_MAX_GROUPS];
+  memset(keep, G > 1 ? 0 : 1, G);
+  if (G > 1) {
+    int32_t gid[GC_ROUTE_MAX_GROUPS];
+    float gkey[GC_ROUTE_MAX_GROUPS];
+    uint32_t ng = 0;
+    for (uint32_t g = 0; g < G; g++) {
+      float b1 = -INFINITY, b2 = -INFINITY;
+      for (uint32_t x = g * per; x < (g + 1) * per; x++) {
+        float v = choice[x];
+        if (v > b1) b2 = b1, b1 = v;
+        else if (v > b2) b2 = v;
+      }
+      topk_insert(gid, gkey, &ng, r->topk_group, (int32_t)g, b1 + b2);
+    }
+    for (uint32_t i = 0; i < ng; i++) keep[gid[i]] = 1;
+  }
+  float key[GC_ROUTE_MAX_TOP_K];
+  uint32_t n = 0;
+  for (uint32_t x = 0; x < E; x++)
+    if (keep[x / per]) topk_insert(ids, key, &n, k, (int32_t)x, choice[x]);
+  /* the weights are the unbiased scores; order the k by them (the contract: by weight) */
+  for (uint32_t j = 0; j < k; j++) key[j] = s[ids[j]];
+  for (uint32_t a = 1; a < k; a++)
+    for (uint32_t b = a; b > 0 && (key[b] > key[b - 1] ||
+                                   (key[b] == key[b - 1] && ids[b] < ids[b - 1])); b--) {
+      float tk = key[b]; key[b] = key[b - 1]; key[b - 1] = tk;
+      int32_t ti = ids[b]; ids[b] = ids[b - 1]; ids[b - 1] = ti;
+    }
+  float sum = 0;
+  for (uint32_t j = 0; j < k; j++) sum += (w[j] = key[j]);
+  if (r->norm_topk)
+    for (uint32_t j = 0; j < k; j++) w[j] /= sum + 1e-20f;
+}
+
 static int cpu_route(gc_backend *b, const gc_bk_route *r, mr_err *e) {
-  (void)b;
+  cpu_backend *cb = cpu(b);
   const uint32_t E = r->num_experts, k = r->top_k;
-  if (k == 0 || k > E)
-    return mr_err_set(e, MR_ERANGE, "route: top_k = %u, must be 1..%u", k, E);
+  if (k == 0 || k > E || k > GC_ROUTE_MAX_TOP_K)
+    return mr_err_set(e, MR_ERANGE, "route: top_k = %u, must be 1..%u and <= %u", k, E,
+                      GC_ROUTE_MAX_TOP_K);
+  if (r->method == MR_TOPK_NOAUX_TC &&
+      (r->n_group == 0 || r->n_group > GC_ROUTE_MAX_GROUPS || E % r->n_group || r->topk_group == 0 ||
+       r->topk_group > r->n_group || (uint64_t)r->topk_group * (E / r->n_group) < k))
+    return mr_err_set(e, MR_ERANGE, "route: %u experts in %u groups keeping %u, top_k %u",
+                      E, r->n_group, r->topk_group, k);
+  if (r->method != MR_TOPK_GREEDY && r->method != MR_TOPK_NOAUX_TC)
+    return mr_err_set(e, MR_ENOTSUP, "route: topk method %d", (int)r->method);
+  if (r->method == MR_TOPK_NOAUX_TC && cb->route_cap < E) {
+    float *p = mr_malloc(2 * (size_t)E * sizeof *p);
+    if (!p) return mr_err_set(e, MR_ENOMEM, "route: scratch of %u: out of memory", 2 * E);
+    mr_free(cb->route_buf);
+    cb->route_buf = p;
+    cb->route_cap = E;
+  }
   for (uint32_t t = 0; t < r->n_tokens; t++) {
     const float *l = r->logits + (size_t)t * E;
     int32_t *ids = r->ids + (size_t)t * k;
     float *w = r->weights + (size_t)t * k;
-    float mx = -INFINITY;
-    for (uint32_t x = 0; x < E; x++) mx = l[x] > mx ? l[x] : mx;
-    double sum = 0;
-    for (uint32_t x = 0; x < E; x++) sum += expf(l[x] - mx);
-    /* top-k of the logits = top-k of the softmax (monotone); ties: the lower id first */
-    for (uint32_t j = 0; j < k; j++) ids[j] = -1;
-    for (uint32_t x = 0; x < E; x++) {
-      uint32_t j = k;
-      while (j > 0 && (ids[j - 1] < 0 || l[x] > l[ids[j - 1]])) j--;
-      if (j >= k) continue;
-      memmove(ids + j + 1, ids + j, (k - 1 - j) * sizeof *ids);
-      ids[j] = (int32_t)x;
+    if (r->method == MR_TOPK_NOAUX_TC) {
+      route_noaux_tc(r, l, ids, w, cb->route_buf, cb->route_buf + E);
+    } else {
+      float mx = -INFINITY;
+      for (uint32_t x = 0; x < E; x++) mx = l[x] > mx ? l[x] : mx;
+      double sum = 0;
+      if (r->scoring == MR_SCORE_SOFTMAX)
+        for (uint32_t x = 0; x < E; x++) sum += expf(l[x] - mx);
+      /* top-k of the logits = top-k of softmax or sigmoid (monotone) */
+      float key[GC_ROUTE_MAX_TOP_K];
+      uint32_t n = 0;
+      for (uint32_t x = 0; x < E; x++) topk_insert(ids, key, &n, k, (int32_t)x, l[x]);
+      float s = 0;
+      for (uint32_t j = 0; j < k; j++) {
+        w[j] = r->scoring == MR_SCORE_SOFTMAX ? (float)(expf(l[ids[j]] - mx) / sum)
+                                              : 1.0f / (1.0f + expf(-l[ids[j]]));
+        s += w[j];
+      }
+      if (r->norm_topk)
+        for (uint32_t j = 0; j < k; j++) w[j] /= r->scoring == MR_SCORE_SOFTMAX ? s : s + 1e-20f;
     }
-    float s = 0;
-    for (uint32_t j = 0; j < k; j++) {
-      w[j] = (float)(expf(l[ids[j]] - mx) / sum);
-      s += w[j];
-    }
-    if (r->norm_topk)
-      for (uint32_t j = 0; j < k; j++) w[j] /= s;
+    if (r->scale != 1.0f)
+      for (uint32_t j = 0; j < k; j++) w[j] *= r->scale;
   }
   return 0;
 }
@@ -450,6 +611,8 @@ static void cpu_destroy(gc_backend *b) {
   if (!cb) return;
   mr_arena_close(&cb->scratch);
   mr_free(cb->scores);
+  mr_free(cb->mla);
+  mr_free(cb->route_buf);
   mr_free(cb);
 }
 
@@ -472,6 +635,7 @@ static const gc_bk_ops cpu_ops = {
     .table_free = cpu_table_free,
     .experts_new = cpu_experts_new,
     .experts_load = cpu_experts_load,
+    .experts_load_st = cpu_experts_load_st,
     .experts_free = cpu_experts_free,
     .experts_expert_bytes = cpu_experts_expert_bytes,
     .matmul = cpu_matmul,
@@ -479,6 +643,7 @@ static const gc_bk_ops cpu_ops = {
     .rmsnorm = cpu_rmsnorm,
     .rope = cpu_rope,
     .attention = cpu_attention,
+    .mla_attention = cpu_mla_attention,
     .silu_mul = cpu_silu_mul,
     .zero = cpu_zero,
     .gather_rows = cpu_gather_rows,

@@ -37,7 +37,13 @@
 
 typedef struct model_layer {
   bool moe;
+  /* qkv: q | k | v rows; with MLA q_a | kv_a (q_lora_rank) or q | kv_a (no q_lora_rank) */
   gc_bk_linear *qkv, *o;
+  gc_bk_linear *q_b;              /* MLA with q_lora_rank: [nh * (nope + rope), q_lora] */
+  float *q_a_norm, *kv_a_norm;    /* MLA: device [q_lora], [kv_lora] */
+  float *w_kv_b;                  /* MLA: device [nh * (nope + v), kv_lora] fp32 kv_b_proj */
+  float *e_bias;                  /* noaux_tc: device [E] e_score_correction_bias */
+  gc_bk_linear *sh_gate_up, *sh_down; /* shared experts (DeepSeek): one MLP of width Is */
   float *qkv_bias, *o_bias;       /* device, or NULL */
   float *ln1, *ln2;               /* device [H] */
   float *q_norm, *k_norm;         /* device [hd], Qwen3 */
@@ -45,13 +51,15 @@ typedef struct model_layer {
   gc_bk_experts *hot;             /* MoE: the local experts, or NULL when none */
   uint32_t n_hot;
   gc_bk_linear *gate_up, *down;   /* dense MLP */
-  float *k_cache, *v_cache;       /* device [max_batch, max_seq, kv*hd] */
+  float *k_cache, *v_cache;       /* device [max_batch, max_seq, kv*hd]; MLA: k_cache holds
+                                   * [max_batch, max_seq, kv_lora + rope] latents, no v_cache */
 } model_layer;
 
 /* Per-step buffers, grown to the largest T seen. */
 typedef struct model_bufs {
   uint32_t cap;                   /* tokens they hold */
   float *x, *h, *qkv, *attn, *y, *router, *gu, *mh;   /* device */
+  float *q, *qa, *y2;             /* device, MLA [T, nh * qh], [T, q_lora]; shared [T, H] */
   int32_t *ids;                   /* host [T * k] routed ids */
   float *w;                       /* host [T * k] */
   int32_t *hot_ids;               /* host [T * k] ids with the cold ones -1 */
@@ -70,6 +78,13 @@ struct gc_model {
   gc_moe *moe;
   uint32_t H, V, nh, nkv, hd, E, k, L, Id, Ie;
   uint32_t n_qkv;                 /* rows of the qkv linear */
+  /* MLA (DeepSeek-V3 family) */
+  bool mla;
+  uint32_t q_lora, kv_lora, nope, rope, vd, qh; /* qh = nope + rope, a query head's width */
+  uint32_t n_qa;                  /* rows of the qkv linear before the kv_a part */
+  uint32_t Is;                    /* shared experts' intermediate width (0 = none) */
+  uint32_t rot_dim;               /* RoPE width: hd, or rope with MLA */
+  float attn_scale, rope_scale;   /* softmax scale; cos/sin factor (yarn) */
   uint32_t max_seq, max_batch;
   uint32_t last_moe;              /* index of the last MoE layer */
   mr_dtype wire;
@@ -190,6 +205,17 @@ static int get_tensor(loader *ld, const char *name, uint32_t ndim, uint64_t d0, 
   return 0;
 }
 
+/* get_tensor for a weight matrix that may also be F8_E4M3 (an FP8 checkpoint). */
+static int get_weight(loader *ld, const char *name, uint64_t d0, uint64_t d1,
+                      const mr_st_tensor **out, mr_err *e) {
+  const mr_st_tensor *t = mr_st_find(ld->st, name);
+  if (!t || !mr_st_is_f8e4m3(t)) return get_tensor(ld, name, 2, d0, d1, out, e);
+  const uint64_t shape[2] = {d0, d1};
+  int rc = mr_st_expect_as(ld->st, name, "F8_E4M3", 2, shape, out, e);
+  if (rc) return mr_err_prefix(e, rc, "model %s", ld->m->model_dir);
+  return 0;
+}
+
 /* Uploads n host floats into a new device vector *out. */
 static int dev_vec(gc_model *m, const float *host, size_t n, float **out, mr_err *e) {
   float *dev = m->bk->ops->alloc(m->bk, n * sizeof *dev);
@@ -238,6 +264,66 @@ static kn_format dense_format_of(const gc_model *m, mr_dtype dt) {
   return dense_format_of_dtype(dt);
 }
 
+/* Dequantizes an F8_E4M3 [N, K] tensor (FP8 checkpoints: every linear of DeepSeek-V3's
+ * decoder layers) with its "<name>_scale_inv" block scales into a new fp32 host array:
+ * w = e4m3(q) * scale_inv[n / 128, k / 128], exactly (docs/DESIGN.md section 17). */
+static int fp8_dequant(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
+                       uint32_t K, float **out, mr_err *e) {
+  gc_model *m = ld->m;
+  *out = NULL;
+  if (!m->cfg.fp8)
+    return mr_err_set(e, MR_EFORMAT, "model %s: %s is F8_E4M3 but config.json has no fp8 "
+                      "quantization_config", m->model_dir, name);
+  char sn[160];
+  snprintf(sn, sizeof sn, "%s_scale_inv", name);
+  const uint32_t R = (N + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK, C = (K + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK;
+  const mr_st_tensor *st;
+  int rc = get_tensor(ld, sn, 2, R, C, &st, e);
+  if (rc) return rc;
+  float *sc = mr_malloc((size_t)R * C * sizeof *sc);
+  float *w = mr_malloc((size_t)N * K * sizeof *w);
+  if (!sc || !w) {
+    mr_free(sc);
+    mr_free(w);
+    return mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", name, N, K);
+  }
+  mr_convert_to_f32(sc, st->data, st->dtype, (size_t)R * C);
+  if ((rc = kn_fp8_check_scales(sc, N, K, sn, e))) goto out;
+  const uint8_t *q = t->data;
+  for (uint32_t n = 0; n < N; n++)
+    for (uint32_t k = 0; k < K; k++) {
+      float v = kn_fp8_e4m3_to_f32(q[(size_t)n * K + k]);
+      if (isnan(v)) {
+        rc = mr_err_set(e, MR_EFORMAT, "model %s: %s[%u, %u] is a NaN code", m->model_dir, name,
+                        n, k);
+        goto out;
+      }
+      w[(size_t)n * K + k] = v * sc[(size_t)(n / KN_FP8_BLOCK) * C + k / KN_FP8_BLOCK];
+    }
+  load_count(ld, st);
+  *out = w;
+  w = NULL;
+out:
+  mr_free(sc);
+  mr_free(w);
+  return rc;
+}
+
+/* The data of weight t (name [N, K], found by get_weight): as stored, or dequantized to
+ * fp32 when F8_E4M3; *owned is the copy to free, NULL when *data points into the file. */
+static int tensor_rows(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
+                       uint32_t K, const void **data, mr_dtype *dt, float **owned, mr_err *e) {
+  *owned = NULL;
+  *data = t->data;
+  *dt = t->dtype;
+  if (!mr_st_is_f8e4m3(t)) return 0;
+  int rc = fp8_dequant(ld, name, t, N, K, owned, e);
+  if (rc) return rc;
+  *data = *owned;
+  *dt = MR_DTYPE_F32;
+  return 0;
+}
+
 /* One linear from n_parts tensors stacked by rows (each [rows_i, n_in]). */
 static int load_linear(loader *ld, const char *const *names, const uint32_t *rows,
                        uint32_t n_parts, uint32_t n_in, gc_bk_linear **out, mr_err *e) {
@@ -246,24 +332,90 @@ static int load_linear(loader *ld, const char *const *names, const uint32_t *row
   uint32_t n_out = 0;
   MR_ASSERT(n_parts <= 4);
   for (uint32_t i = 0; i < n_parts; i++) {
-    int rc = get_tensor(ld, names[i], 2, rows[i], n_in, &t[i], e);
+    int rc = get_weight(ld, names[i], rows[i], n_in, &t[i], e);
     if (rc) return rc;
-    if (t[i]->dtype != t[0]->dtype)
-      return mr_err_set(e, MR_EFORMAT, "model %s: %s is %s but %s is %s, must be one dtype",
-                        m->model_dir, names[i], t[i]->dtype_name, names[0], t[0]->dtype_name);
     n_out += rows[i];
   }
-  int rc = m->bk->ops->linear_new(m->bk, out, n_out, n_in, dense_format_of(m, t[0]->dtype), 64, e);
+  /* As stored; parts of different dtypes (an FP8 checkpoint's q_a_proj beside a bf16
+   * kv_a_proj_with_mqa) in the widest; FP8 weights are dequantized at load and kept in bf16
+   * (the client's kernels take no fp8 GEMM). --dense-format overrides all of it. */
+  bool mixed = false, any_f32 = false;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    mixed |= t[i]->dtype != t[0]->dtype || mr_st_is_f8e4m3(t[i]) != mr_st_is_f8e4m3(t[0]);
+    any_f32 |= t[i]->dtype == MR_DTYPE_F32;
+  }
+  kn_format fmt = dense_format_of(m, t[0]->dtype);
+  if (m->dense_fmt == KN_FMT_COUNT && (mixed || mr_st_is_f8e4m3(t[0])))
+    fmt = any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
+  int rc = m->bk->ops->linear_new(m->bk, out, n_out, n_in, fmt, 64, e);
   if (rc) return mr_err_prefix(e, rc, "%s", names[0]);
   uint32_t row0 = 0;
   for (uint32_t i = 0; i < n_parts; i++) {
-    rc = m->bk->ops->linear_load(m->bk, *out, row0, rows[i], t[i]->data, t[i]->dtype, e);
+    const void *data;
+    mr_dtype dt;
+    float *owned;
+    rc = tensor_rows(ld, names[i], t[i], rows[i], n_in, &data, &dt, &owned, e);
+    if (!rc) rc = m->bk->ops->linear_load(m->bk, *out, row0, rows[i], data, dt, e);
+    mr_free(owned);
     if (rc) return mr_err_prefix(e, rc, "%s", names[i]);
     row0 += rows[i];
     load_count(ld, t[i]);
   }
   m->dense_bytes += m->bk->ops->linear_bytes(*out);
   return 0;
+}
+
+/* MLA attention (DeepSeek-V3): q_a_proj | kv_a_proj_with_mqa (or q_proj | kv_a_...) as one
+ * linear, q_b_proj, the two latent norms, kv_b_proj as fp32 for the absorbed form. */
+static int load_attention_mla(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
+  gc_model *m = ld->m;
+  char qn[128], kvn[128], qbn[128], kvbn[128], on[128], nm[128];
+  const char *pre = "model.layers";
+  snprintf(kvn, sizeof kvn, "%s.%u.self_attn.kv_a_proj_with_mqa.weight", pre, l);
+  snprintf(on, sizeof on, "%s.%u.self_attn.o_proj.weight", pre, l);
+  snprintf(kvbn, sizeof kvbn, "%s.%u.self_attn.kv_b_proj.weight", pre, l);
+  if (m->q_lora)
+    snprintf(qn, sizeof qn, "%s.%u.self_attn.q_a_proj.weight", pre, l);
+  else
+    snprintf(qn, sizeof qn, "%s.%u.self_attn.q_proj.weight", pre, l);
+  const char *names[2] = {qn, kvn};
+  const uint32_t rows[2] = {m->n_qa, m->kv_lora + m->rope};
+  int rc = load_linear(ld, names, rows, 2, m->H, &ly->qkv, e);
+  if (rc) return rc;
+  if (m->q_lora) {
+    snprintf(qbn, sizeof qbn, "%s.%u.self_attn.q_b_proj.weight", pre, l);
+    const char *qb[1] = {qbn};
+    const uint32_t qbr[1] = {m->nh * m->qh};
+    if ((rc = load_linear(ld, qb, qbr, 1, m->q_lora, &ly->q_b, e))) return rc;
+    snprintf(nm, sizeof nm, "%s.%u.self_attn.q_a_layernorm.weight", pre, l);
+    if ((rc = load_vec(ld, nm, m->q_lora, false, &ly->q_a_norm, e))) return rc;
+  }
+  snprintf(nm, sizeof nm, "%s.%u.self_attn.kv_a_layernorm.weight", pre, l);
+  if ((rc = load_vec(ld, nm, m->kv_lora, false, &ly->kv_a_norm, e))) return rc;
+  {
+    const mr_st_tensor *t;
+    const void *data;
+    mr_dtype dt;
+    float *owned;
+    const uint32_t N = m->nh * (m->nope + m->vd);
+    if ((rc = get_weight(ld, kvbn, N, m->kv_lora, &t, e))) return rc;
+    if ((rc = tensor_rows(ld, kvbn, t, N, m->kv_lora, &data, &dt, &owned, e))) return rc;
+    float *host = owned;
+    if (!host && !(host = mr_malloc((size_t)N * m->kv_lora * sizeof *host)))
+      return mr_err_set(e, MR_ENOMEM, "%s: out of memory", kvbn);
+    if (!owned) mr_convert_to_f32(host, data, dt, (size_t)N * m->kv_lora);
+    rc = dev_vec(m, host, (size_t)N * m->kv_lora, &ly->w_kv_b, e);
+    mr_free(host);
+    if (rc) return rc;
+    load_count(ld, t);
+  }
+  const char *oname[1] = {on};
+  const uint32_t orows[1] = {m->H};
+  if ((rc = load_linear(ld, oname, orows, 1, m->nh * m->vd, &ly->o, e))) return rc;
+  snprintf(nm, sizeof nm, "%s.%u.input_layernorm.weight", pre, l);
+  if ((rc = load_vec(ld, nm, m->H, false, &ly->ln1, e))) return rc;
+  snprintf(nm, sizeof nm, "%s.%u.post_attention_layernorm.weight", pre, l);
+  return load_vec(ld, nm, m->H, false, &ly->ln2, e);
 }
 
 static int load_attention(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
@@ -318,30 +470,44 @@ static int load_moe(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
   const uint32_t rows[1] = {m->E};
   int rc = load_linear(ld, names, rows, 1, m->H, &ly->router, e);
   if (rc) return rc;
+  if (m->cfg.topk_method == MR_TOPK_NOAUX_TC) {
+    /* the selection bias of noaux_tc: without it the routing would silently differ */
+    snprintf(nm, sizeof nm, "model.layers.%u.mlp.gate.e_score_correction_bias", l);
+    if (!mr_st_find(ld->st, nm))
+      return mr_err_set(e, MR_ENOTFOUND, "model %s: %s is missing (topk_method noaux_tc "
+                        "selects experts by score + this bias; shape [%u])", m->model_dir, nm,
+                        m->E);
+    if ((rc = load_vec(ld, nm, m->E, false, &ly->e_bias, e))) return rc;
+  }
+  if (m->Is) {
+    char g[128], u[128], d[128];
+    snprintf(g, sizeof g, "model.layers.%u.mlp.shared_experts.gate_proj.weight", l);
+    snprintf(u, sizeof u, "model.layers.%u.mlp.shared_experts.up_proj.weight", l);
+    snprintf(d, sizeof d, "model.layers.%u.mlp.shared_experts.down_proj.weight", l);
+    const char *gu[2] = {g, u};
+    const uint32_t gr[2] = {m->Is, m->Is};
+    if ((rc = load_linear(ld, gu, gr, 2, m->H, &ly->sh_gate_up, e))) return rc;
+    const char *dn[1] = {d};
+    const uint32_t dr[1] = {m->H};
+    if ((rc = load_linear(ld, dn, dr, 1, m->Is, &ly->sh_down, e))) return rc;
+  }
   for (uint32_t x = 0; x < m->E; x++) ly->n_hot += m->local[(size_t)l * m->E + x];
   if (ly->n_hot == 0) return 0;
   kn_layer_desc d = {.hidden = m->H, .inter = m->Ie, .num_experts = m->E,
                      .format = m->expert_fmt, .group = m->expert_group};
   if ((rc = m->bk->ops->experts_new(m->bk, &ly->hot, &d, e)))
     return mr_err_prefix(e, rc, "layer %u: hot experts", l);
-  const uint64_t sin[2] = {m->Ie, m->H}, sout[2] = {m->H, m->Ie};
   for (uint32_t x = 0; x < m->E; x++) {
     if (!m->local[(size_t)l * m->E + x]) continue;
-    const mr_st_tensor *t[3];
-    char key[256];
-    for (int p = 0; p < 3; p++) {
-      mr_config_expert_key(&m->cfg, l, x, (mr_proj)p, key, sizeof key);
-      rc = mr_st_expect(ld->st, key, 2, p == MR_PROJ_DOWN ? sout : sin, &t[p], e);
-      if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
-    }
-    if (t[1]->dtype != t[0]->dtype || t[2]->dtype != t[0]->dtype)
-      return mr_err_set(e, MR_EFORMAT, "model %s: layer %u expert %u: gate/up/down have dtypes "
-                        "%s/%s/%s, must be one dtype", m->model_dir, l, x, t[0]->dtype_name,
-                        t[1]->dtype_name, t[2]->dtype_name);
-    rc = m->bk->ops->experts_load(m->bk, ly->hot, x, t[0]->data, t[1]->data, t[2]->data,
-                                  t[0]->dtype, e);
+    const mr_st_tensor *t[3], *sc[3];
+    rc = mr_config_expert_tensors_q(&m->cfg, ld->st, l, x, t, sc, e);
+    if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
+    rc = m->bk->ops->experts_load_st(m->bk, ly->hot, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "layer %u expert %u", l, x);
-    for (int p = 0; p < 3; p++) load_count(ld, t[p]);
+    for (int p = 0; p < 3; p++) {
+      load_count(ld, t[p]);
+      if (sc[p]) load_count(ld, sc[p]);
+    }
   }
   m->expert_bytes_one = m->bk->ops->experts_expert_bytes(ly->hot);
   m->hot_bytes += (uint64_t)ly->n_hot * m->expert_bytes_one;
@@ -374,6 +540,9 @@ static void load_plan(loader *ld) {
     const mr_st_tensor *t = mr_st_at(ld->st, i);
     unsigned l, x;
     char tail[64];
+    /* layers past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer 61) are
+     * not read */
+    if (sscanf(t->name, "model.layers.%u.", &l) == 1 && l >= m->L) continue;
     if (sscanf(t->name, "model.layers.%u.mlp.experts.%u.%63s", &l, &x, tail) == 3 ||
         sscanf(t->name, "model.layers.%u.block_sparse_moe.experts.%u.%63s", &l, &x, tail) == 3) {
       if (l < m->L && x < m->E && m->local[(size_t)l * m->E + x]) {
@@ -400,7 +569,8 @@ static int load_weights(gc_model *m, const mr_st *st, mr_err *e) {
   for (uint32_t l = 0; l < m->L; l++) {
     model_layer *ly = &m->layer[l];
     ly->moe = m->cfg.is_moe[l];
-    if ((rc = load_attention(&ld, l, ly, e))) return rc;
+    rc = m->mla ? load_attention_mla(&ld, l, ly, e) : load_attention(&ld, l, ly, e);
+    if (rc) return rc;
     rc = ly->moe ? load_moe(&ld, l, ly, e) : load_dense_mlp(&ld, l, ly, e);
     if (rc) return rc;
   }
@@ -593,13 +763,42 @@ static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32
 
 static int config_check(gc_model *m, mr_err *e) {
   const mr_model_config *c = &m->cfg;
-  if (c->arch == MR_ARCH_DEEPSEEK_V3)
-    return mr_err_set(e, MR_ENOTSUP, "model %s: %s (MLA attention, shared experts) is not "
-                      "supported by the runner yet; supported: Qwen3MoeForCausalLM, "
-                      "MixtralForCausalLM", m->model_dir, c->arch_name);
-  if (strcmp(c->rope_type, "default") != 0)
-    return mr_err_set(e, MR_ENOTSUP, "model %s: rope type \"%s\" is not supported (only the "
-                      "default RoPE)", m->model_dir, c->rope_type);
+  if (c->arch == MR_ARCH_DEEPSEEK_V3) {
+    if (strcmp(c->arch_name, "DeepseekV3ForCausalLM") != 0)
+      return mr_err_set(e, MR_ENOTSUP, "model %s: %s is not supported by the runner (its "
+                        "routing and attention are not checked against transformers); "
+                        "supported: Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, "
+                        "MixtralForCausalLM, DeepseekV3ForCausalLM", m->model_dir, c->arch_name);
+    if (!c->kv_lora_rank || !c->qk_rope_dim || !c->qk_nope_dim || !c->v_head_dim)
+      return mr_err_set(e, MR_EFORMAT, "model %s: DeepseekV3ForCausalLM needs kv_lora_rank, "
+                        "qk_rope_head_dim, qk_nope_head_dim and v_head_dim (MLA)", m->model_dir);
+    if (c->num_kv_heads != c->num_heads)
+      return mr_err_set(e, MR_EFORMAT, "model %s: num_key_value_heads = %u, MLA needs it equal "
+                        "to num_attention_heads = %u", m->model_dir, c->num_kv_heads,
+                        c->num_heads);
+    if (c->topk_method == MR_TOPK_GROUP_LIMITED_GREEDY)
+      return mr_err_set(e, MR_ENOTSUP, "model %s: topk_method group_limited_greedy is not "
+                        "supported by the runner (supported: noaux_tc, greedy)", m->model_dir);
+    if (c->attention_bias)
+      return mr_err_set(e, MR_ENOTSUP, "model %s: attention_bias with MLA is not supported",
+                        m->model_dir);
+    if (c->n_group > GC_ROUTE_MAX_GROUPS)
+      return mr_err_set(e, MR_ERANGE, "model %s: n_group = %u, the runner's router takes at "
+                        "most %u", m->model_dir, c->n_group, GC_ROUTE_MAX_GROUPS);
+  }
+  if (c->top_k > GC_ROUTE_MAX_TOP_K)
+    return mr_err_set(e, MR_ERANGE, "model %s: num_experts_per_tok = %u, the runner's router "
+                      "takes at most %u", m->model_dir, c->top_k, GC_ROUTE_MAX_TOP_K);
+  if (strcmp(c->rope_type, "default") != 0) {
+    if (strcmp(c->rope_type, "yarn") != 0 || c->arch != MR_ARCH_DEEPSEEK_V3)
+      return mr_err_set(e, MR_ENOTSUP, "model %s: rope type \"%s\" is not supported for %s "
+                        "(supported: default; yarn with DeepseekV3ForCausalLM)", m->model_dir,
+                        c->rope_type, c->arch_name);
+    if (!(c->yarn_factor > 0) || !c->yarn_original_max_position)
+      return mr_err_set(e, MR_EFORMAT, "model %s: rope type yarn needs factor and "
+                        "original_max_position_embeddings (or max_position_embeddings)",
+                        m->model_dir);
+  }
   if (c->head_dim % 2)
     return mr_err_set(e, MR_EFORMAT, "model %s: head_dim = %u, RoPE needs an even head_dim",
                       m->model_dir, c->head_dim);
@@ -620,23 +819,55 @@ static int alloc_state(gc_model *m, mr_err *e) {
   return 0;
 }
 
+/* inv_freq[i] of RoPE over dim dims as transformers computes it in fp32: the default
+ * 1 / theta^(2i / dim), or yarn's blend of it with its interpolation by factor
+ * (_compute_yarn_parameters: a linear ramp between the correction dims of beta_fast and
+ * beta_slow rotations at original_max_position_embeddings). */
+static void rope_inv_freq(const mr_model_config *c, uint32_t dim, float *out) {
+  const uint32_t half = dim / 2;
+  const double base = c->rope_theta;
+  bool yarn = strcmp(c->rope_type, "yarn") == 0;
+  double low = 0, high = 0;
+  if (yarn) {
+    const double orig = c->yarn_original_max_position, tp = 2 * M_PI;
+    low = dim * log(orig / (c->yarn_beta_fast * tp)) / (2 * log(base));
+    high = dim * log(orig / (c->yarn_beta_slow * tp)) / (2 * log(base));
+    if (c->yarn_truncate) low = floor(low), high = ceil(high);
+    if (low < 0) low = 0;
+    if (high > dim - 1) high = dim - 1;
+    if (low == high) high += 0.001;
+  }
+  for (uint32_t i = 0; i < half; i++) {
+    float pos_freq = (float)pow(base, (double)(float)(2.0f * i / dim));
+    float extra = 1.0f / pos_freq;
+    if (!yarn) {
+      out[i] = extra;
+      continue;
+    }
+    float inter = 1.0f / (c->yarn_factor * pos_freq);
+    float ramp = (float)(((float)i - low) / (high - low));
+    ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+    float extra_factor = 1.0f - ramp;
+    out[i] = inter * (1.0f - extra_factor) + extra * extra_factor;
+  }
+}
+
 static int alloc_caches(gc_model *m, mr_err *e) {
-  const size_t n = (size_t)m->max_batch * m->max_seq * m->nkv * m->hd;
+  const size_t width = m->mla ? (size_t)m->kv_lora + m->rope : (size_t)m->nkv * m->hd;
+  const size_t n = (size_t)m->max_batch * m->max_seq * width;
   for (uint32_t l = 0; l < m->L; l++) {
     model_layer *ly = &m->layer[l];
     ly->k_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
-    ly->v_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
-    if (!ly->k_cache || !ly->v_cache)
-      return mr_err_set(e, MR_ENOMEM, "KV cache of layer %u (%u sequences x %u positions x %u "
+    if (!m->mla) ly->v_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
+    if (!ly->k_cache || (!m->mla && !ly->v_cache))
+      return mr_err_set(e, MR_ENOMEM, "KV cache of layer %u (%u sequences x %u positions x %zu "
                         "floats): out of memory; lower --max-seq or --batch", l, m->max_batch,
-                        m->max_seq, m->nkv * m->hd);
+                        m->max_seq, m->mla ? width : 2 * width);
   }
-  /* inv_freq[i] = 1 / theta^(2i / hd), in fp32 like transformers' default RoPE */
-  const uint32_t half = m->hd / 2;
+  const uint32_t half = m->rot_dim / 2;
   float *host = mr_malloc(half * sizeof *host);
   if (!host) return mr_err_set(e, MR_ENOMEM, "RoPE table: out of memory");
-  for (uint32_t i = 0; i < half; i++)
-    host[i] = (float)(1.0 / pow((double)m->cfg.rope_theta, (double)(float)(2.0f * i / m->hd)));
+  rope_inv_freq(&m->cfg, m->rot_dim, host);
   int rc = dev_vec(m, host, half, &m->inv_freq, e);
   mr_free(host);
   return rc;
@@ -670,6 +901,27 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   m->hd = c->head_dim, m->E = c->num_experts, m->k = c->top_k, m->L = c->num_layers;
   m->Id = c->dense_intermediate, m->Ie = c->moe_intermediate;
   m->n_qkv = (m->nh + 2 * m->nkv) * m->hd;
+  m->rot_dim = m->hd;
+  m->attn_scale = 1.0f / sqrtf((float)m->hd);
+  m->rope_scale = 1.0f;
+  if (c->arch == MR_ARCH_DEEPSEEK_V3) {
+    m->mla = true;
+    m->q_lora = c->q_lora_rank, m->kv_lora = c->kv_lora_rank;
+    m->nope = c->qk_nope_dim, m->rope = c->qk_rope_dim, m->vd = c->v_head_dim;
+    m->qh = m->nope + m->rope;
+    m->n_qa = m->q_lora ? m->q_lora : m->nh * m->qh;
+    m->n_qkv = m->n_qa + m->kv_lora + m->rope;
+    m->rot_dim = m->rope;
+    m->Is = c->n_shared_experts * m->Ie;
+    /* transformers: scaling = qk_head_dim^-0.5, times yarn_get_mscale(factor,
+     * mscale_all_dim)^2 with yarn and a non-zero mscale_all_dim (yarn_apply_mscale) */
+    m->attn_scale = (float)pow((double)m->qh, -0.5);
+    if (strcmp(c->rope_type, "yarn") == 0 && c->yarn_mscale_all_dim != 0 && c->yarn_factor > 1) {
+      double ms = 0.1 * c->yarn_mscale_all_dim * log(c->yarn_factor) + 1.0;
+      m->attn_scale = (float)(m->attn_scale * ms * ms);
+    }
+  }
+  if (strcmp(c->rope_type, "yarn") == 0) m->rope_scale = c->yarn_attention_factor;
   for (uint32_t l = 0; l < m->L; l++)
     if (c->is_moe[l]) m->last_moe = l;
   m->max_batch = o->max_batch ? o->max_batch : 1;
@@ -734,7 +986,7 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     char key[256];
     mr_config_expert_key(&m->cfg, m->last_moe, 0, MR_PROJ_GATE, key, sizeof key);
     const mr_st_tensor *t = mr_st_find(st, key);
-    if (t) m->expert_fmt = dense_format_of_dtype(t->dtype);
+    if (t) m->expert_fmt = mr_st_is_f8e4m3(t) ? KN_FMT_FP8 : dense_format_of_dtype(t->dtype);
   }
   if ((rc = load_weights(m, st, e))) goto out;
   if ((rc = alloc_caches(m, e))) goto out;
@@ -770,7 +1022,7 @@ out:
 
 static void bufs_free(gc_model *m) {
   model_bufs *b = &m->b;
-  float *dev[] = {b->x, b->h, b->qkv, b->attn, b->y, b->router, b->gu, b->mh};
+  float *dev[] = {b->x, b->h, b->qkv, b->attn, b->y, b->router, b->gu, b->mh, b->q, b->qa, b->y2};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
     if (dev[i]) m->bk->ops->free(m->bk, dev[i]);
   void *host[] = {b->ids, b->w, b->hot_ids, b->wire, b->cold, b->pos, b->seq};
@@ -793,9 +1045,13 @@ void gc_model_close(gc_model *m) {
       op->linear_free(m->bk, ly->router);
       op->linear_free(m->bk, ly->gate_up);
       op->linear_free(m->bk, ly->down);
+      op->linear_free(m->bk, ly->q_b);
+      op->linear_free(m->bk, ly->sh_gate_up);
+      op->linear_free(m->bk, ly->sh_down);
       op->experts_free(m->bk, ly->hot);
       float *v[] = {ly->qkv_bias, ly->o_bias, ly->ln1, ly->ln2, ly->q_norm, ly->k_norm,
-                    ly->k_cache, ly->v_cache};
+                    ly->k_cache, ly->v_cache, ly->q_a_norm, ly->kv_a_norm, ly->w_kv_b,
+                    ly->e_bias};
       for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
         if (v[i]) op->free(m->bk, v[i]);
     }
@@ -971,11 +1227,18 @@ static int bufs_grow(gc_model *m, uint32_t T, mr_err *e) {
   bufs_free(m);
   gc_backend *bk = m->bk;
   const size_t t = T, H = m->H;
-  const size_t gu = m->Id ? 2 * (size_t)m->Id : 1, mh = m->Id ? m->Id : 1;
+  const size_t wide = m->Id > m->Is ? m->Id : m->Is; /* dense MLP or shared experts */
+  const size_t gu = wide ? 2 * wide : 1, mh = wide ? wide : 1;
+  const size_t attn_w = m->mla ? (size_t)m->nh * m->vd : (size_t)m->nh * m->hd;
   b->x = bk->ops->alloc(bk, t * H * 4);
   b->h = bk->ops->alloc(bk, t * H * 4);
   b->qkv = bk->ops->alloc(bk, t * m->n_qkv * 4);
-  b->attn = bk->ops->alloc(bk, t * m->nh * m->hd * 4);
+  b->attn = bk->ops->alloc(bk, t * attn_w * 4);
+  if (m->mla) {
+    b->q = bk->ops->alloc(bk, t * m->nh * m->qh * 4);
+    b->qa = bk->ops->alloc(bk, t * (m->q_lora ? m->q_lora : 1) * 4);
+  }
+  if (m->Is) b->y2 = bk->ops->alloc(bk, t * H * 4);
   b->y = bk->ops->alloc(bk, t * H * 4);
   b->router = bk->ops->alloc(bk, t * m->E * 4);
   b->gu = bk->ops->alloc(bk, t * gu * 4);
@@ -988,7 +1251,8 @@ static int bufs_grow(gc_model *m, uint32_t T, mr_err *e) {
   b->pos = bk->ops->host_alloc(bk, t * 4);
   b->seq = bk->ops->host_alloc(bk, t * 4);
   if (!b->x || !b->h || !b->qkv || !b->attn || !b->y || !b->router || !b->gu || !b->mh ||
-      !b->ids || !b->w || !b->hot_ids || !b->wire || !b->cold || !b->pos || !b->seq) {
+      !b->ids || !b->w || !b->hot_ids || !b->wire || !b->cold || !b->pos || !b->seq ||
+      (m->mla && (!b->q || !b->qa)) || (m->Is && !b->y2)) {
     bufs_free(m);
     return mr_err_set(e, MR_ENOMEM, "step buffers for %u tokens: out of memory", T);
   }
@@ -1070,16 +1334,75 @@ static int layer_attention(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
         return rc;
     }
   }
-  if ((rc = op->rope(bk, T, m->nh, m->hd, q, m->n_qkv, b->pos, m->inv_freq, e))) return rc;
-  if ((rc = op->rope(bk, T, m->nkv, m->hd, k, m->n_qkv, b->pos, m->inv_freq, e))) return rc;
+  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->nh, .head_stride = m->hd, .dim = m->hd,
+                   .scale = m->rope_scale, .x = q, .ld = m->n_qkv, .pos = b->pos,
+                   .inv_freq = m->inv_freq};
+  if ((rc = op->rope(bk, &rq, e))) return rc;
+  gc_bk_rope rk = rq;
+  rk.n_heads = m->nkv, rk.x = k;
+  if ((rc = op->rope(bk, &rk, e))) return rc;
   gc_bk_attn a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->nh,
                   .n_kv_heads = m->nkv, .head_dim = m->hd, .max_seq = m->max_seq,
-                  .window = m->cfg.sliding_window, .scale = 1.0f / sqrtf((float)m->hd),
+                  .window = m->cfg.sliding_window, .scale = m->attn_scale,
                   .q = q, .k = k, .v = v, .ld = m->n_qkv, .k_cache = ly->k_cache,
                   .v_cache = ly->v_cache, .out = b->attn};
   if ((rc = op->attention(bk, &a, e))) return rc;
   if ((rc = op->matmul(bk, ly->o, T, b->attn, ly->o_bias, b->y, e))) return rc;
   return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+}
+
+/* MLA: x += o_proj(mla(q, latent)) with the latent cache (backend.h gc_bk_mla). */
+static int layer_attention_mla(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &m->layer[l];
+  const gc_bk_ops *op = m->bk->ops;
+  gc_backend *bk = m->bk;
+  model_bufs *b = &m->b;
+  const float eps = m->cfg.rms_norm_eps;
+  int rc;
+  if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln1, eps, b->h, m->H, e))) return rc;
+  /* one pass over q_a | kv_a (or q | kv_a) */
+  if ((rc = op->matmul(bk, ly->qkv, T, b->h, NULL, b->qkv, e))) return rc;
+  float *q = b->qkv;
+  size_t ldq = m->n_qkv;
+  if (m->q_lora) {
+    if ((rc = op->rmsnorm(bk, T, m->q_lora, b->qkv, m->n_qkv, ly->q_a_norm, eps, b->qa,
+                          m->q_lora, e)))
+      return rc;
+    if ((rc = op->matmul(bk, ly->q_b, T, b->qa, NULL, b->q, e))) return rc;
+    q = b->q;
+    ldq = (size_t)m->nh * m->qh;
+  }
+  float *kv = b->qkv + m->n_qa; /* c | k_rot of each token */
+  if ((rc = op->rmsnorm(bk, T, m->kv_lora, kv, m->n_qkv, ly->kv_a_norm, eps, kv, m->n_qkv, e)))
+    return rc;
+  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->nh, .head_stride = m->qh, .offset = m->nope,
+                   .dim = m->rope, .interleave = m->cfg.rope_interleave,
+                   .scale = m->rope_scale, .x = q, .ld = ldq, .pos = b->pos,
+                   .inv_freq = m->inv_freq};
+  if ((rc = op->rope(bk, &rq, e))) return rc;
+  gc_bk_rope rk = rq;
+  rk.n_heads = 1, rk.head_stride = m->kv_lora + m->rope, rk.offset = m->kv_lora, rk.x = kv;
+  rk.ld = m->n_qkv;
+  if ((rc = op->rope(bk, &rk, e))) return rc;
+  gc_bk_mla a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->nh,
+                 .nope = m->nope, .rope = m->rope, .v_dim = m->vd, .kv_lora = m->kv_lora,
+                 .max_seq = m->max_seq, .scale = m->attn_scale, .q = q, .ldq = ldq, .kv = kv,
+                 .ldkv = m->n_qkv, .w_kv_b = ly->w_kv_b, .cache = ly->k_cache,
+                 .out = b->attn};
+  if ((rc = op->mla_attention(bk, &a, e))) return rc;
+  if ((rc = op->matmul(bk, ly->o, T, b->attn, NULL, b->y, e))) return rc;
+  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+}
+
+/* out = down(silu(gate(h)) * up(h)) of width n (b->h in, b->gu and b->mh as scratch). */
+static int mlp(gc_model *m, const gc_bk_linear *gate_up, const gc_bk_linear *down, uint32_t n,
+               uint32_t T, float *out, mr_err *e) {
+  const gc_bk_ops *op = m->bk->ops;
+  model_bufs *b = &m->b;
+  int rc;
+  if ((rc = op->matmul(m->bk, gate_up, T, b->h, NULL, b->gu, e))) return rc;
+  if ((rc = op->silu_mul(m->bk, T, n, b->gu, b->mh, e))) return rc;
+  return op->matmul(m->bk, down, T, b->mh, NULL, out, e);
 }
 
 static int layer_dense_mlp(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
@@ -1090,9 +1413,7 @@ static int layer_dense_mlp(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
   int rc;
   if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h, m->H, e)))
     return rc;
-  if ((rc = op->matmul(bk, ly->gate_up, T, b->h, NULL, b->gu, e))) return rc;
-  if ((rc = op->silu_mul(bk, T, m->Id, b->gu, b->mh, e))) return rc;
-  if ((rc = op->matmul(bk, ly->down, T, b->mh, NULL, b->y, e))) return rc;
+  if ((rc = mlp(m, ly->gate_up, ly->down, m->Id, T, b->y, e))) return rc;
   return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
 }
 
@@ -1108,8 +1429,11 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
     return rc;
   if ((rc = op->matmul(bk, ly->router, T, b->h, NULL, b->router, e))) return rc;
   gc_bk_route r = {.n_tokens = T, .num_experts = m->E, .top_k = m->k,
-                   .norm_topk = m->cfg.norm_topk_prob, .logits = b->router, .ids = b->ids,
-                   .weights = b->w};
+                   .norm_topk = m->cfg.norm_topk_prob, .scoring = m->cfg.scoring,
+                   .method = m->cfg.topk_method, .bias = ly->e_bias,
+                   .n_group = m->cfg.n_group, .topk_group = m->cfg.topk_group,
+                   .scale = m->cfg.routed_scaling_factor, .logits = b->router,
+                   .ids = b->ids, .weights = b->w};
   if ((rc = op->route(bk, &r, e))) return rc;
   /* With a cluster every MoE layer goes through gc_moe, even one whose experts are all
    * local: its wait collects the previous MoE layer's deferred call. */
@@ -1141,6 +1465,9 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
   }
   if (any_hot) rc = op->experts(bk, ly->hot, T, m->k, b->hot_ids, b->w, b->h, b->y, e);
   else rc = op->zero(bk, b->y, TH, e);
+  /* shared experts: on the backend too, while the servers work on the cold slots */
+  if (!rc && ly->sh_gate_up && !(rc = mlp(m, ly->sh_gate_up, ly->sh_down, m->Is, T, b->y2, e)))
+    rc = op->add(bk, b->y, b->y2, TH, e);
   ls->local_us += (mr_now_ns() - t0) / 1000u;
   if (rc) {
     if (remote) gc_moe_abort(m->moe);
@@ -1201,7 +1528,7 @@ int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
   if ((rc = m->bk->ops->embed(m->bk, m->embed, T, s->ids, m->b.x, e))) goto fail;
   for (uint32_t l = 0; l < m->L; l++) {
     uint64_t ta = mr_now_ns();
-    if ((rc = layer_attention(m, l, T, e))) {
+    if ((rc = m->mla ? layer_attention_mla(m, l, T, e) : layer_attention(m, l, T, e))) {
       mr_err_prefix(e, rc, "layer %u attention", l);
       goto fail;
     }

@@ -1015,4 +1015,347 @@ MT_TEST(mkmodel_fp8_checkpoint) {
   mr_st_close(sb);
 }
 
+/* ---- moerpc-mkmodel --arch deepseek-v3 ---------------------------------------------- */
+
+/* The DeepSeek-V3 layout of docs/ds-shared (transformers 5.24 DeepseekV3ForCausalLM),
+ * restated here independently of mkmodel's tables: one expected tensor. */
+typedef struct ds_want {
+  char name[128];
+  const char *dtype; /* "BF16", "F32", "F8_E4M3" */
+  uint32_t ndim;
+  uint64_t shape[2];
+} ds_want;
+
+typedef struct ds_shape {
+  uint32_t L, E, H, I, V, nh, ql, kvl, nope, rope, vd, ns, dense, di;
+  bool tie, fp8;
+} ds_shape;
+
+/* Appends a Linear [n, k] (and with fp8 its F32 scale_inv [ceil(n/128), ceil(k/128)]). */
+static void ds_lin(ds_want *w, size_t *n, const ds_shape *d, const char *name, uint64_t rows,
+                   uint64_t cols) {
+  w[*n] = (ds_want){.dtype = d->fp8 ? "F8_E4M3" : "BF16", .ndim = 2, .shape = {rows, cols}};
+  snprintf(w[*n].name, sizeof w[*n].name, "%s", name);
+  (*n)++;
+  if (!d->fp8) return;
+  w[*n] = (ds_want){.dtype = "F32", .ndim = 2, .shape = {(rows + 127) / 128, (cols + 127) / 128}};
+  snprintf(w[*n].name, sizeof w[*n].name, "%s_scale_inv", name);
+  (*n)++;
+}
+
+static void ds_add(ds_want *w, size_t *n, const char *dtype, const char *name, uint32_t ndim,
+                   uint64_t d0, uint64_t d1) {
+  w[*n] = (ds_want){.dtype = dtype, .ndim = ndim, .shape = {d0, d1}};
+  snprintf(w[*n].name, sizeof w[*n].name, "%s", name);
+  (*n)++;
+}
+
+/* Every tensor a DeepSeek-V3 checkpoint of shape d holds; returns the count. */
+static size_t ds_layout(const ds_shape *d, ds_want *w) {
+  size_t n = 0;
+  char k[128];
+  ds_add(w, &n, "BF16", "model.embed_tokens.weight", 2, d->V, d->H);
+  ds_add(w, &n, "BF16", "model.norm.weight", 1, d->H, 0);
+  if (!d->tie) ds_add(w, &n, "BF16", "lm_head.weight", 2, d->V, d->H);
+  const uint64_t qk = (uint64_t)d->nope + d->rope;
+  for (uint32_t l = 0; l < d->L; l++) {
+#define K(fmt, ...) (snprintf(k, sizeof k, "model.layers.%u." fmt, l, ##__VA_ARGS__), k)
+    ds_add(w, &n, "BF16", K("input_layernorm.weight"), 1, d->H, 0);
+    ds_add(w, &n, "BF16", K("post_attention_layernorm.weight"), 1, d->H, 0);
+    if (d->ql) {
+      ds_lin(w, &n, d, K("self_attn.q_a_proj.weight"), d->ql, d->H);
+      ds_add(w, &n, "BF16", K("self_attn.q_a_layernorm.weight"), 1, d->ql, 0);
+      ds_lin(w, &n, d, K("self_attn.q_b_proj.weight"), d->nh * qk, d->ql);
+    } else {
+      ds_lin(w, &n, d, K("self_attn.q_proj.weight"), d->nh * qk, d->H);
+    }
+    ds_lin(w, &n, d, K("self_attn.kv_a_proj_with_mqa.weight"), d->kvl + d->rope, d->H);
+    ds_add(w, &n, "BF16", K("self_attn.kv_a_layernorm.weight"), 1, d->kvl, 0);
+    ds_lin(w, &n, d, K("self_attn.kv_b_proj.weight"), (uint64_t)d->nh * (d->nope + d->vd), d->kvl);
+    ds_lin(w, &n, d, K("self_attn.o_proj.weight"), d->H, (uint64_t)d->nh * d->vd);
+    if (l < d->dense) {
+      ds_lin(w, &n, d, K("mlp.gate_proj.weight"), d->di, d->H);
+      ds_lin(w, &n, d, K("mlp.up_proj.weight"), d->di, d->H);
+      ds_lin(w, &n, d, K("mlp.down_proj.weight"), d->H, d->di);
+      continue;
+    }
+    ds_add(w, &n, "BF16", K("mlp.gate.weight"), 2, d->E, d->H);
+    ds_add(w, &n, "F32", K("mlp.gate.e_score_correction_bias"), 1, d->E, 0);
+    ds_lin(w, &n, d, K("mlp.shared_experts.gate_proj.weight"), (uint64_t)d->I * d->ns, d->H);
+    ds_lin(w, &n, d, K("mlp.shared_experts.up_proj.weight"), (uint64_t)d->I * d->ns, d->H);
+    ds_lin(w, &n, d, K("mlp.shared_experts.down_proj.weight"), d->H, (uint64_t)d->I * d->ns);
+    for (uint32_t x = 0; x < d->E; x++) {
+      ds_lin(w, &n, d, K("mlp.experts.%u.gate_proj.weight", x), d->I, d->H);
+      ds_lin(w, &n, d, K("mlp.experts.%u.up_proj.weight", x), d->I, d->H);
+      ds_lin(w, &n, d, K("mlp.experts.%u.down_proj.weight", x), d->H, d->I);
+    }
+#undef K
+  }
+  return n;
+}
+
+/* Writes a deepseek-v3 model with flags into tdir/name and checks, with the C reader, that
+ * it holds exactly the tensors of d (names, dtypes, shapes), that its config says what d
+ * says, and that the expert lookup the server uses finds every routed expert. */
+static void ds_check(const char *name, const char *flags, const ds_shape *d) {
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  char cmd[1024];
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/%s --arch deepseek-v3 %s 2>/dev/null", name, flags);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  mr_model_config c;
+  mr_err e = {0};
+  MT_OK(mr_config_load(&c, tpath(name), &e), &e);
+  MT_EQ_INT(c.arch, MR_ARCH_DEEPSEEK_V3);
+  MT_EQ_INT(c.num_layers, d->L);
+  MT_EQ_INT(c.num_experts, d->E);
+  MT_EQ_INT(c.hidden_size, d->H);
+  MT_EQ_INT(c.moe_intermediate, d->I);
+  MT_EQ_INT(c.dense_intermediate, d->di);
+  MT_EQ_INT(c.num_heads, d->nh);
+  MT_EQ_INT(c.num_kv_heads, d->nh);
+  MT_EQ_INT(c.tie_word_embeddings, d->tie);
+  MT_EQ_INT(c.fp8, d->fp8);
+  for (uint32_t l = 0; l < d->L; l++) MT_EQ_INT(c.is_moe[l], l >= d->dense);
+  size_t cap = 64 + (size_t)d->L * (32 + 6 * d->E);
+  ds_want *w = calloc(cap, sizeof *w);
+  MT_TRUE(w != NULL);
+  size_t n = ds_layout(d, w);
+  MT_TRUE(n <= cap);
+  mr_st *st = NULL;
+  MT_OK(mr_st_open(&st, tpath(name), &e), &e);
+  MT_EQ_U64(mr_st_count(st), n); /* nothing more than the layout */
+  for (size_t i = 0; i < n; i++) {
+    const mr_st_tensor *t = NULL;
+    MT_OK(mr_st_expect_as(st, w[i].name, w[i].dtype, w[i].ndim, w[i].shape, &t, &e), &e);
+    MT_EQ_STR(t->dtype_name, w[i].dtype);
+  }
+  for (uint32_t l = d->dense; l < d->L; l++)
+    for (uint32_t x = 0; x < d->E; x++) {
+      const mr_st_tensor *t3[3], *s3[3];
+      MT_OK(mr_config_expert_tensors_q(&c, st, l, x, t3, s3, &e), &e);
+      MT_TRUE((s3[MR_PROJ_DOWN] != NULL) == d->fp8);
+    }
+  mr_st_close(st);
+  free(w);
+}
+
+/* The default shape, and the conformance case's: q_proj instead of the low-rank query, tied
+ * head, yarn, groups, two shared experts, two dense layers; odd sizes; fp8. */
+MT_TEST(mkmodel_deepseek_layout) {
+  tdir_make();
+  ds_shape def = {.L = 4, .E = 16, .H = 256, .I = 128, .V = 512, .nh = 4, .ql = 48, .kvl = 32,
+                  .nope = 16, .rope = 8, .vd = 16, .ns = 1, .dense = 1, .di = 256};
+  ds_check("def", "", &def);
+  ds_shape b = def;
+  b.ql = 0;
+  b.tie = true;
+  b.ns = 2;
+  b.dense = 2;
+  ds_check("b", "--q-lora-rank 0 --tie 1 --yarn 4 --groups 4 --topk-groups 2 --shared-experts 2 "
+                "--dense-layers 2", &b);
+  ds_shape odd = {.L = 3, .E = 6, .H = 200, .I = 136, .V = 64, .nh = 3, .ql = 129, .kvl = 33,
+                  .nope = 7, .rope = 6, .vd = 9, .ns = 0, .dense = 0, .di = 300, .fp8 = true};
+  ds_check("odd", "--layers 3 --experts 6 --topk 2 --hidden 200 --inter 136 --vocab 64 "
+                  "--heads 3 --q-lora-rank 129 --kv-lora-rank 33 --qk-nope-dim 7 "
+                  "--qk-rope-dim 6 --v-head-dim 9 --shared-experts 0 --dense-layers 0 "
+                  "--dense-inter 300 --groups 3 --dtype fp8", &odd);
+  ds_shape f = def;
+  f.fp8 = true;
+  ds_check("fp8", "--dtype fp8", &f);
+  /* The config's routing and RoPE fields. */
+  mr_model_config c;
+  mr_err e = {0};
+  MT_OK(mr_config_load(&c, tpath("def"), &e), &e);
+  MT_NEAR(c.routed_scaling_factor, 2.5, 0);
+  MT_TRUE(c.norm_topk_prob);
+  MT_EQ_STR(c.rope_type, "default");
+  MT_OK(mr_config_load(&c, tpath("b"), &e), &e);
+  MT_EQ_STR(c.rope_type, "yarn");
+  MT_EQ_INT(c.head_dim, 24); /* qk_nope + qk_rope */
+  /* Float fields are written as floats even when integer-valued (transformers' strict
+   * config refuses an int for routed_scaling_factor). */
+  const char *mk = mkmodel_path();
+  MT_EQ_INT(run_cmd("%s --out %s/f --arch deepseek-v3 --routed-scale 1 --yarn 4 2>/dev/null", mk,
+                    tdir), 0);
+  MT_EQ_INT(run_cmd("grep -q '\"routed_scaling_factor\": 1.0,' %s/f/config.json && "
+                    "grep -q '\"factor\": 4.0,' %s/f/config.json", tdir, tdir), 0);
+  MT_OK(mr_config_load(&c, tpath("f"), &e), &e);
+  MT_NEAR(c.routed_scaling_factor, 1.0, 0);
+}
+
+/* Values: the same tensor name and shape draws the same values whatever the architecture
+ * and the other flags (the embedding of a qwen3-moe and a deepseek-v3 model of one seed),
+ * and sharded or not; --router-skew acts on the deepseek router;
+ * the fp8 Linears are the block quantization of the bf16 model's values; the correction
+ * biases are F32 within +-0.05, not all zero, the same in the bf16 and fp8 models. */
+MT_TEST(mkmodel_deepseek_values) {
+  tdir_make();
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  const char *f = "--seed 4 --layers 2 --experts 4 --topk 2 --hidden 160 --inter 40 --vocab 96";
+  char cmd[512];
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/q %s 2>/dev/null", f);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/d --arch deepseek-v3 %s 2>/dev/null", f);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/d8 --arch deepseek-v3 --dtype fp8 %s 2>/dev/null", f);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/ds --arch deepseek-v3 --shard-mb 1 %s 2>/dev/null", f);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  snprintf(cmd, sizeof cmd, "%%s --out %%s/dk --arch deepseek-v3 --router-skew 2 %s 2>/dev/null", f);
+  MT_EQ_INT(run_cmd(cmd, mk, tdir), 0);
+  mr_st *q = NULL, *d = NULL, *d8 = NULL, *ds = NULL, *dk = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&q, tpath("q"), &e), &e);
+  MT_OK(mr_st_open(&d, tpath("d"), &e), &e);
+  MT_OK(mr_st_open(&d8, tpath("d8"), &e), &e);
+  MT_OK(mr_st_open(&ds, tpath("ds"), &e), &e);
+  const char *same[] = {"model.embed_tokens.weight", "lm_head.weight",
+                        "model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.gate.weight"};
+  for (size_t i = 0; i < sizeof same / sizeof same[0]; i++) {
+    const mr_st_tensor *a = mr_st_find(q, same[i]), *b = mr_st_find(d, same[i]);
+    MT_TRUE(a && b && a->nbytes == b->nbytes);
+    MT_EQ_INT(memcmp(a->data, b->data, a->nbytes), 0);
+  }
+  /* Sharded or not: the same bytes. */
+  MT_EQ_U64(mr_st_count(ds), mr_st_count(d));
+  for (size_t i = 0; i < mr_st_count(d); i++) {
+    const mr_st_tensor *a = mr_st_at(d, i), *b = mr_st_find(ds, a->name);
+    MT_TRUE(b && a->nbytes == b->nbytes);
+    MT_EQ_INT(memcmp(a->data, b->data, a->nbytes), 0);
+  }
+  /* fp8 = the quantization of the bf16 values, for every kind of Linear. */
+  const char *lin[] = {"model.layers.0.self_attn.q_b_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                       "model.layers.1.self_attn.kv_a_proj_with_mqa.weight",
+                       "model.layers.1.mlp.shared_experts.up_proj.weight",
+                       "model.layers.1.mlp.experts.2.gate_proj.weight"};
+  const float *tbl = mr_f8e4m3_table();
+  for (size_t i = 0; i < sizeof lin / sizeof lin[0]; i++) {
+    char sk[160];
+    snprintf(sk, sizeof sk, "%s_scale_inv", lin[i]);
+    const mr_st_tensor *wb = mr_st_find(d, lin[i]), *w8 = mr_st_find(d8, lin[i]), *sc = mr_st_find(d8, sk);
+    MT_TRUE(wb && w8 && sc && mr_st_is_f8e4m3(w8) && sc->dtype == MR_DTYPE_F32);
+    const uint64_t N = wb->shape[0], K = wb->shape[1], nkb = (K + 127) / 128;
+    const uint16_t *v = wb->data;
+    const uint8_t *c8 = w8->data;
+    const float *s = sc->data;
+    for (uint64_t j = 0; j < N * K; j++) {
+      float x = mr_bf16_to_f32(v[j]), bs = s[(j / K / 128) * nkb + (j % K) / 128];
+      MT_TRUE(fabsf(tbl[c8[j]] * bs - x) <= fmaxf(fabsf(x) / 16.0f, bs * 0.001f) * 1.001f);
+    }
+  }
+  /* Router, norms and embeddings stay bf16 with fp8. */
+  MT_EQ_STR(mr_st_find(d8, "model.layers.1.mlp.gate.weight")->dtype_name, "BF16");
+  MT_EQ_STR(mr_st_find(d8, "model.layers.1.self_attn.kv_a_layernorm.weight")->dtype_name, "BF16");
+  MT_EQ_STR(mr_st_find(d8, "lm_head.weight")->dtype_name, "BF16");
+  /* The correction bias. */
+  const mr_st_tensor *b1 = mr_st_find(d, "model.layers.1.mlp.gate.e_score_correction_bias");
+  MT_TRUE(b1 && b1->dtype == MR_DTYPE_F32 && b1->shape[0] == 4);
+  const float *bv = b1->data;
+  float amax = 0;
+  for (int j = 0; j < 4; j++) {
+    MT_TRUE(fabsf(bv[j]) <= 0.05f);
+    amax = fmaxf(amax, fabsf(bv[j]));
+  }
+  MT_TRUE(amax > 0.001f);
+  MT_TRUE(memcmp(bv, mr_st_find(d8, "model.layers.1.mlp.gate.e_score_correction_bias")->data, 16) == 0);
+  /* --router-skew 2 scales router row e by (1 + rank)^-2, ranks a permutation: the ratios
+   * of the skewed to the plain rows are 1, 1/4, 1/9, 1/16 in some order. */
+  MT_OK(mr_st_open(&dk, tpath("dk"), &e), &e);
+  const mr_st_tensor *rp = mr_st_find(d, "model.layers.1.mlp.gate.weight");
+  const mr_st_tensor *rk = mr_st_find(dk, "model.layers.1.mlp.gate.weight");
+  MT_TRUE(rp && rk && rp->nbytes == rk->nbytes && rp->shape[0] == 4);
+  bool rank_seen[4] = {false};
+  for (uint64_t r = 0; r < 4; r++) {
+    double np = 0, nk = 0;
+    for (uint64_t j = 0; j < rp->shape[1]; j++) {
+      double a = mr_bf16_to_f32(((const uint16_t *)rp->data)[r * rp->shape[1] + j]);
+      double b = mr_bf16_to_f32(((const uint16_t *)rk->data)[r * rp->shape[1] + j]);
+      np += a * a;
+      nk += b * b;
+    }
+    double ratio = sqrt(nk / np);
+    int rank = (int)lround(sqrt(1.0 / ratio)) - 1;
+    MT_TRUE(rank >= 0 && rank < 4 && !rank_seen[rank]);
+    MT_NEAR(ratio, 1.0 / ((rank + 1.0) * (rank + 1.0)), 0.01);
+    rank_seen[rank] = true;
+  }
+  /* Everything but the routers is as without the skew. */
+  const mr_st_tensor *ek = mr_st_find(dk, "model.layers.1.mlp.experts.1.up_proj.weight");
+  const mr_st_tensor *ep = mr_st_find(d, "model.layers.1.mlp.experts.1.up_proj.weight");
+  MT_TRUE(ek && ep && memcmp(ek->data, ep->data, ep->nbytes) == 0);
+  mr_st_close(q);
+  mr_st_close(d);
+  mr_st_close(d8);
+  mr_st_close(ds);
+  mr_st_close(dk);
+}
+
+/* Bad deepseek-v3 flags: exit 2, the message names the flag(s) and the limit, nothing
+ * written. */
+MT_TEST(mkmodel_deepseek_rejects_bad_flags) {
+  tdir_make();
+  const char *mk = mkmodel_path();
+  if (access(mk, X_OK) != 0) MT__FAIL("%s not found: build it (make) or set MOERPC_BIN", mk);
+  struct {
+    const char *args, *msg;
+  } cases[] = {
+      {"--arch deepseek", "--arch \"deepseek\": must be qwen3-moe or deepseek-v3"},
+      {"--arch deepseek-v3 --head-dim 64", "--head-dim does not apply to --arch deepseek-v3"},
+      {"--head-dim 64 --arch deepseek-v3", "--qk-nope-dim + --qk-rope-dim"},
+      {"--arch deepseek-v3 --kv-heads 2", "--kv-heads does not apply to --arch deepseek-v3"},
+      {"--q-lora-rank 8", "--q-lora-rank applies to --arch deepseek-v3 only"},
+      {"--yarn 4", "--yarn applies to --arch deepseek-v3 only"},
+      {"--arch deepseek-v3 --qk-rope-dim 7", "--qk-rope-dim = 7, must be even"},
+      {"--arch deepseek-v3 --qk-rope-dim 0", "--qk-rope-dim = \"0\", must be an integer in 2..4096"},
+      {"--arch deepseek-v3 --kv-lora-rank 0", "--kv-lora-rank = \"0\", must be an integer in 1..65536"},
+      {"--arch deepseek-v3 --q-lora-rank 65537", "--q-lora-rank = \"65537\", must be an integer in 0..65536"},
+      {"--arch deepseek-v3 --qk-nope-dim 4000 --qk-rope-dim 100",
+       "--qk-nope-dim + --qk-rope-dim = 4000 + 100, at most 4096"},
+      {"--arch deepseek-v3 --shared-experts 17", "--shared-experts = \"17\", must be an integer in 0..16"},
+      {"--arch deepseek-v3 --dense-layers 4", "--dense-layers = 4, must be in 0..--layers - 1 (3)"},
+      {"--arch deepseek-v3 --layers 1 --dense-layers 1", "--dense-layers = 1, must be in 0..--layers - 1 (0)"},
+      {"--arch deepseek-v3 --dense-inter 0", "--dense-inter = \"0\", must be an integer in 1..1048576"},
+      {"--arch deepseek-v3 --groups 3", "--groups = 3, must divide --experts (16)"},
+      {"--arch deepseek-v3 --groups 16", "--experts / --groups = 16 / 16, must be at least 2"},
+      {"--arch deepseek-v3 --groups 4 --topk-groups 5", "--topk-groups = 5, must be in 1..--groups (4)"},
+      {"--arch deepseek-v3 --groups 8 --topk-groups 1 --topk 3",
+       "--topk = 3, more than the 2 experts of the --topk-groups (1) kept groups of --experts / --groups (2) each"},
+      {"--arch deepseek-v3 --routed-scale 0", "--routed-scale \"0\": must be a number > 0 and <= 1000"},
+      {"--arch deepseek-v3 --routed-scale x", "--routed-scale \"x\""},
+      {"--arch deepseek-v3 --yarn 0.5", "--yarn \"0.5\": must be 0 (default RoPE) or a factor in 1..1024"},
+      {"--arch deepseek-v3 --yarn 2000", "--yarn \"2000\": must be a number in 0..1024"},
+      {"--arch deepseek-v3 --norm-topk 2", "--norm-topk = \"2\", must be an integer in 0..1"},
+      {"--tie yes", "--tie = \"yes\", must be an integer in 0..1"},
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    char cmd[2560], out[512] = {0};
+    snprintf(cmd, sizeof cmd, "%s --out %s/bad %s 2>&1", mk, tdir, cases[i].args);
+    FILE *p = popen(cmd, "r");
+    MT_TRUE(p != NULL);
+    size_t n = fread(out, 1, sizeof out - 1, p);
+    out[n] = '\0';
+    int st = pclose(p);
+    if (WEXITSTATUS(st) != 2 || !strstr(out, cases[i].msg))
+      MT__FAIL("%s: exit %d, output \"%s\", expected exit 2 and \"%s\"", cases[i].args,
+               WEXITSTATUS(st), out, cases[i].msg);
+  }
+  struct stat sb;
+  MT_TRUE(stat(tpath("bad"), &sb) != 0);
+  /* The help lists the deepseek flags. */
+  char cmd[1100], out[8192] = {0};
+  snprintf(cmd, sizeof cmd, "%s --help", mk);
+  FILE *p = popen(cmd, "r");
+  MT_TRUE(p != NULL);
+  size_t n = fread(out, 1, sizeof out - 1, p);
+  out[n] = '\0';
+  MT_EQ_INT(WEXITSTATUS(pclose(p)), 0);
+  const char *flags[] = {"--arch", "--q-lora-rank", "--kv-lora-rank", "--qk-nope-dim",
+                         "--qk-rope-dim", "--v-head-dim", "--shared-experts", "--dense-layers",
+                         "--dense-inter", "--groups", "--topk-groups", "--routed-scale", "--yarn",
+                         "--norm-topk", "--tie"};
+  for (size_t i = 0; i < sizeof flags / sizeof flags[0]; i++) MT_CONTAINS(out, flags[i]);
+}
+
 MT_MAIN()
