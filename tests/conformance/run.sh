@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
-# kn_moe_forward and the whole-model runner (moerpc-client logits) against PyTorch +
-# transformers (tests/conformance/README.md).
+# kn_moe_forward and the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
+# DeepSeek-V3 checkpoints) against PyTorch + transformers (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -28,5 +28,7 @@ rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1
 "$VENV/bin/python" tests/conformance/test_fp8_loading.py --build "$BUILD" || rc=1
+"$VENV/bin/python" tests/conformance/test_mkmodel_deepseek.py --build "$BUILD" || rc=1
 "$VENV/bin/python" tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
+"$VENV/bin/python" tests/conformance/test_deepseek_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
 exit $rc
