@@ -34,7 +34,7 @@ lc__free_port() {
 lc_start() {
   local dir=$1 model=$2 n=$3; shift 3
   local E ports=() i p
-  E=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_experts"])' "$model/config.json")
+  E=$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("num_experts") or c.get("n_routed_experts") or c["num_local_experts"])' "$model/config.json")
   lc_dir=$dir
   mkdir -p "$dir"
   for ((i = 0; i < n; i++)); do

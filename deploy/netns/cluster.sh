@@ -86,7 +86,7 @@ mh_start() {
   MH_MODEL=$(cd "$model" && pwd)
   mkdir -p "$dir"
   local E
-  E=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_experts"])' "$model/config.json")
+  E=$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("num_experts") or c.get("n_routed_experts") or c["num_local_experts"])' "$model/config.json")
   case "$layout" in
     split) for ((j = 0; j < n; j++)); do MH_SPEC[j]=$(mh__range "$E" "$n" "$j"); done ;;
     replicas)
