@@ -5,6 +5,8 @@
 #
 #   tests/bench/model_bench.sh                   makes build/bench/qwen3-30b-a3b-4l if missing
 #   MODEL=DIR ROUNDS=3 THREADS=2 PROMPT=32 DECODE=32 tests/bench/model_bench.sh
+#   CONFIGS="all-local 2-servers" ...        a subset of the five configurations (only the
+#                                            server sets they use are started)
 #
 # Writes JSON lines (one per run: moerpc-client bench --json summary + "config" and
 # "round") to $OUT (default build/bench/model_bench.jsonl) and prints a table of medians:
@@ -24,6 +26,7 @@ THREADS=${THREADS:-2}
 PROMPT=${PROMPT:-32}
 DECODE=${DECODE:-32}
 OUT=${OUT:-$BUILD/bench/model_bench.jsonl}
+CONFIGS=${CONFIGS:-all-local 1-server 1-server-K2 2-servers 2-servers-K2}
 DIR=$(mktemp -d)
 mkdir -p "$(dirname "$OUT")"
 : >"$OUT"
@@ -33,7 +36,7 @@ if [ ! -f "$MODEL/config.json" ]; then
   "$BIN/moerpc-mkmodel" --out "$MODEL" --layers 4 --hidden 2048 --inter 768 --experts 128 \
       --topk 8 --heads 32 --kv-heads 4 --head-dim 128 --vocab 32000 --seed 1
 fi
-E=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["num_experts"])' "$MODEL/config.json")
+E=$(python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(c.get("num_experts") or c.get("n_routed_experts") or c["num_local_experts"])' "$MODEL/config.json")
 half=$((E / 2))
 
 pids=()
@@ -68,17 +71,32 @@ cluster() { # file name:port...
 }
 
 T2=$((THREADS / 2)); [ "$T2" -ge 1 ] || T2=1
-start_server one all "$THREADS"; PA=$PORT
-start_server s0 "0-$((half - 1))" "$T2"; P0=$PORT
-start_server s1 "$half-$((E - 1))" "$T2"; P1=$PORT
-wait_serving one s0 s1
-cluster "$DIR/one.json" "one:$PA"
-cluster "$DIR/two.json" "s0:$P0" "s1:$P1"
+# only the server sets some configuration uses (each holds every expert once)
+want=()
+if [[ " $CONFIGS " == *" 1-server"* ]]; then
+  start_server one all "$THREADS"; PA=$PORT; want+=(one)
+  cluster "$DIR/one.json" "one:$PA"
+fi
+if [[ " $CONFIGS " == *" 2-servers"* ]]; then
+  start_server s0 "0-$((half - 1))" "$T2"; P0=$PORT
+  start_server s1 "$half-$((E - 1))" "$T2"; P1=$PORT; want+=(s0 s1)
+  cluster "$DIR/two.json" "s0:$P0" "s1:$P1"
+fi
+[ ${#want[@]} -eq 0 ] || wait_serving "${want[@]}"
 
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
 echo "model_bench: $MODEL, cpu $CPU, threads $THREADS, prompt $PROMPT, decode $DECODE, $ROUNDS rounds ($(date -u +%F))"
-configs=("all-local||0" "1-server|$DIR/one.json|0" "1-server-K2|$DIR/one.json|2"
-         "2-servers|$DIR/two.json|0" "2-servers-K2|$DIR/two.json|2")
+configs=()
+for c in $CONFIGS; do
+  case $c in
+    all-local) configs+=("all-local||0") ;;
+    1-server) configs+=("1-server|$DIR/one.json|0") ;;
+    1-server-K2) configs+=("1-server-K2|$DIR/one.json|2") ;;
+    2-servers) configs+=("2-servers|$DIR/two.json|0") ;;
+    2-servers-K2) configs+=("2-servers-K2|$DIR/two.json|2") ;;
+    *) echo "model_bench: CONFIGS: unknown configuration $c" >&2; exit 2 ;;
+  esac
+done
 for r in $(seq 1 "$ROUNDS"); do
   for c in "${configs[@]}"; do
     IFS='|' read -r name cl K <<<"$c"
