@@ -24,8 +24,9 @@
  * Errors: int functions return 0 or a negative MR_E* code with e naming the op and limit.
  * Threads: a backend is driven by one thread at a time (the runner's).
  *
- * Implementations: gc_bk_cpu_new (gc_backend_cpu.c: kn kernels on the engine's pool).
- * A CUDA backend plugs in here (kernels/cuda/, its own issue).
+ * Implementations: gc_bk_cpu_new (gc_backend_cpu.c: kn kernels on the engine's pool), and
+ * the CUDA backend of libmoerpc-cuda.so (kernels/cuda/: cuBLAS and CUDA C on one stream),
+ * loaded at run time (gc_cuda_lib_load below). gc_bk_open picks one by name.
  */
 #ifndef GC_BACKEND_H
 #define GC_BACKEND_H
@@ -118,8 +119,11 @@ typedef struct gc_bk_route {
 } gc_bk_route;
 
 typedef struct gc_bk_ops {
-  const char *name; /* "cpu" */
+  const char *name; /* "cpu", "cuda" */
   void (*destroy)(gc_backend *b);
+  /* The native queue the ops are ordered on (a cudaStream_t), for a device communicator
+   * (comm.h); NULL on the CPU backend. */
+  void *(*native_stream)(gc_backend *b);
 
   /* -- memory ------------------------------------------------------------------------ */
   void *(*alloc)(gc_backend *b, size_t bytes);      /* device memory, NULL when out */
@@ -199,6 +203,39 @@ struct gc_backend {
 /* The CPU backend over eng (not owned; must outlive the backend). max_seq sizes the
  * attention scratch. MR_ENOMEM only. Free with b->ops->destroy(b). */
 int gc_bk_cpu_new(gc_backend **out, kn_engine *eng, uint32_t max_seq, mr_err *e);
+
+/* ---- the CUDA backend: libmoerpc-cuda.so (kernels/cuda/), loaded at run time ------------
+ *
+ * The client binaries do not link CUDA: `--backend cuda` dlopens libmoerpc-cuda.so, so that
+ * one build runs on hosts with and without a GPU. The library exports the symbols below
+ * (GC_CUDA_ABI checks that both sides were built from the same header). */
+#define GC_CUDA_ABI 1u
+typedef struct gc_comm gc_comm;
+typedef struct gc_cuda_lib {
+  uint32_t abi; /* GC_CUDA_ABI */
+  /* CUDA devices visible (0 when none), or a negative MR_E* with e naming the CUDA error. */
+  int (*device_count)(mr_err *e);
+  /* One line naming device dev (model, memory, compute capability, driver/runtime). */
+  int (*device_name)(int dev, char *buf, size_t n, mr_err *e);
+  /* The backend on device dev (its own stream, cuBLAS handle, pinned staging); eng (not
+   * owned) serves host-side work such as packing. MR_ENOTSUP "no CUDA device" when none. */
+  int (*backend_new)(gc_backend **out, int dev, kn_engine *eng, uint32_t max_seq, mr_err *e);
+  /* The NCCL communicator over devs[0..n) of this process (comm.h), one rank per device. */
+  int (*comm_nccl_new)(gc_comm **out, uint32_t n, const int *devs, mr_err *e);
+} gc_cuda_lib;
+/* The library's entry point: fills *lib (the symbol gc_cuda_lib_get). */
+typedef int (*gc_cuda_lib_get_fn)(gc_cuda_lib *lib, mr_err *e);
+
+/* Loads libmoerpc-cuda.so once per process: $MOERPC_CUDA_LIB if set, else lib/ beside the
+ * running binary's bin/ (build/lib, or PREFIX/lib), else the loader's search path. On
+ * failure (MR_ENOTSUP) e says which file was tried and dlerror's reason, and that a build
+ * without nvcc has no CUDA backend. Thread-safe; the library stays loaded. */
+int gc_cuda_lib_load(const gc_cuda_lib **out, mr_err *e);
+
+/* The backend named by name ("cpu" or "cuda") on device dev (cuda only). MR_EINVAL for an
+ * unknown name; cuda: gc_cuda_lib_load's errors, then backend_new's. */
+int gc_bk_open(gc_backend **out, const char *name, int dev, kn_engine *eng, uint32_t max_seq,
+               mr_err *e);
 
 #ifdef __cplusplus
 }

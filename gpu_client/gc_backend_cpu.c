@@ -616,9 +616,12 @@ static void cpu_destroy(gc_backend *b) {
   mr_free(cb);
 }
 
+static void *cpu_native_stream(gc_backend *b) { return NULL; }
+
 static const gc_bk_ops cpu_ops = {
     .name = "cpu",
     .destroy = cpu_destroy,
+    .native_stream = cpu_native_stream,
     .alloc = cpu_alloc,
     .free = cpu_free,
     .host_alloc = cpu_alloc,
