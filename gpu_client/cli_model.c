@@ -15,6 +15,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "comm.h"
 #include "model.h"
 
 #define PROG "moerpc-client"
@@ -26,7 +27,8 @@ enum {
   MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH
+  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH,
+  MO_BACKEND, MO_DEVICE, MO_TP
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -38,6 +40,9 @@ enum {
       {"max-deferred", required_argument, NULL, MO_DEFER},                               \
       {"max-seq", required_argument, NULL, MO_MAXSEQ},                                   \
       {"threads", required_argument, NULL, MO_THREADS},                                  \
+      {"backend", required_argument, NULL, MO_BACKEND},                                  \
+      {"device", required_argument, NULL, MO_DEVICE},                                    \
+      {"tp", required_argument, NULL, MO_TP},                                            \
       {"isa", required_argument, NULL, MO_ISA},                                          \
       {"numa", required_argument, NULL, MO_NUMA},                                        \
       {"format", required_argument, NULL, MO_FORMAT},                                    \
@@ -72,7 +77,15 @@ static const char MODEL_HELP[] =
     "  --max-seq N              KV cache positions per sequence, 1..1048576 (default 4096,\n"
     "                           at most max_position_embeddings)\n"
     "compute:\n"
+    "  --backend cpu|cuda       where the dense parts and hot experts run (default cpu);\n"
+    "                           cuda loads libmoerpc-cuda.so (built where nvcc exists) and\n"
+    "                           fails with a clear error on a host without a GPU\n"
+    "  --device N               first CUDA device (rank r of --tp uses N + r), default 0\n"
+    "  --tp G                   tensor parallelism over G ranks of this process (attention\n"
+    "                           heads and dense MLP columns split, one all-reduce after each;\n"
+    "                           NCCL on cuda, shared memory on cpu), 1..16, default 1\n"
     "  --threads N              kernel threads, the caller included; 0 = one per core\n"
+    "                           (with --tp on cpu: split between the ranks)\n"
     "  --isa ref|avx2|avx512    force a kernel ISA (default: best; MOERPC_ISA too)\n"
     "  --numa SPEC              NUMA nodes of the kernel pool: auto, a count, or a list\n"
     "  --format FMT             hot experts: f32|f16|bf16|int8|int4 (default: the servers'\n"
@@ -202,6 +215,15 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_DEFER: return gc__cli_u32("--max-deferred", arg, 0, 1024, &o->max_deferred) ? 1 : -1;
   case MO_MAXSEQ: return gc__cli_u32("--max-seq", arg, 1, 1u << 20, &o->max_seq) ? 1 : -1;
   case MO_THREADS: return gc__cli_u32("--threads", arg, 0, 4096, &o->engine.threads) ? 1 : -1;
+  case MO_BACKEND:
+    if (strcmp(arg, "cpu") != 0 && strcmp(arg, "cuda") != 0) {
+      fprintf(stderr, PROG ": --backend = \"%s\", must be cpu or cuda\n", arg);
+      return -1;
+    }
+    o->backend = arg;
+    return 1;
+  case MO_DEVICE: return gc__cli_u32("--device", arg, 0, 1023, &o->device) ? 1 : -1;
+  case MO_TP: return gc__cli_u32("--tp", arg, 1, GC_COMM_MAX_RANKS, &o->tp) ? 1 : -1;
   case MO_ISA:
     if (kn_isa_parse(arg, &o->engine.isa) != 0) {
       fprintf(stderr, PROG ": --isa = \"%s\", must be ref, avx2, avx512 or amx\n", arg);

@@ -17,7 +17,15 @@
  *
  * q, k and v are packed into one linear (rows q | k | v) and a dense MLP's gate and up
  * into one (rows gate | up), so that one pass over the weights serves them.
+ *
+ * Tensor parallelism (--tp G, comm.h): rank r holds heads [r*nh/G, (r+1)*nh/G) of q/k/v
+ * (q_b and kv_b with MLA), the matching columns of o_proj, rows [r*I/G, ...) of each dense
+ * or shared MLP's gate and up and those columns of down, and every G-th of a layer's hot
+ * experts; router, norms and embedding are replicated, lm_head is rank 0's. Each layer's
+ * attention and its MLP/MoE end in a partial sum y_r that one all-reduce joins before
+ * x += y. Rank 0 alone talks to the servers and adds their sum into its y.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include <stddef.h>
 #include <math.h>
 #include <stdio.h>
@@ -26,7 +34,9 @@
 #include <pthread.h>
 #include <sys/stat.h>
 #include <sys/time.h>
+#include <unistd.h>
 
+#include "comm.h"
 #include "model.h"
 
 #define MODEL_DEFAULT_MAX_SEQ 4096u
@@ -55,7 +65,7 @@ typedef struct model_layer {
                                    * [max_batch, max_seq, kv_lora + rope] latents, no v_cache */
 } model_layer;
 
-/* Per-step buffers, grown to the largest T seen. */
+/* Per-step buffers of one rank, grown to the largest T seen. */
 typedef struct model_bufs {
   uint32_t cap;                   /* tokens they hold */
   float *x, *h, *qkv, *attn, *y, *router, *gu, *mh;   /* device */
@@ -68,12 +78,44 @@ typedef struct model_bufs {
   uint32_t *pos, *seq;            /* host [T] */
 } model_bufs;
 
+/* One tensor-parallel rank: its backend, its slices of the weights, its buffers; rank 0
+ * is the thread that calls gc_model_step, ranks 1.. are threads of the model's own. */
+typedef struct model_rank {
+  uint32_t id;
+  kn_engine *eng;                 /* rank 0: the model's; others their own (cpu) or it */
+  bool own_eng;
+  gc_backend *bk;
+  model_layer *layer;             /* [L] */
+  model_bufs b;
+  gc_bk_table *embed;
+  gc_bk_linear *head;             /* rank 0 */
+  float *final_norm, *inv_freq, *head_x, *head_out;
+  uint32_t head_cap;
+  pthread_t th;
+  bool th_started;
+  int rc;                         /* of its part of the last step */
+  mr_err err;
+} model_rank;
+
 struct gc_model {
   mr_model_config cfg;
   gc_model_opts o;
   char model_dir[1024];
   kn_engine *eng;
-  gc_backend *bk;
+  uint32_t tp;                    /* ranks (1 = no tensor parallelism) */
+  model_rank *rk;                 /* [tp] */
+  gc_comm *comm;                  /* tp > 1 */
+  /* Per-rank widths: heads, kv heads, dense and shared MLP columns, rows of the fused
+   * qkv linear (q_a | kv_a stay whole with MLA: every rank computes the latent). */
+  uint32_t lnh, lnkv, lId, lIs, ln_qkv, ln_qa;
+  uint8_t *owner;                 /* [L * E] rank that computes a local expert */
+  /* Worker ranks' step hand-off: rank 0 bumps st_gen and waits for st_pending == 0. */
+  pthread_mutex_t st_mu;
+  pthread_cond_t st_cv, st_done_cv;
+  bool st_inited, st_stop;
+  uint64_t st_gen;
+  uint32_t st_pending;
+  const gc_step *st_step;
   gc_cluster *cluster;
   gc_moe *moe;
   uint32_t H, V, nh, nkv, hd, E, k, L, Id, Ie;
@@ -90,16 +132,10 @@ struct gc_model {
   mr_dtype wire;
   kn_format dense_fmt, expert_fmt;
   uint32_t expert_group;
-  model_layer *layer;
-  gc_bk_table *embed;
-  gc_bk_linear *head;
-  float *final_norm, *inv_freq, *head_x, *head_out;
-  uint32_t head_cap;
   uint8_t *local;                 /* [L * E] the client computes it */
   uint32_t *seq_len;              /* [max_batch] */
   uint64_t dense_bytes, expert_bytes_one, hot_bytes;
   uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
-  model_bufs b;
   gc_model_stats st;
   gc_layer_stats *lst;
   gc_layer_stats *lst_snap; /* [L] what gc_model_stats_get handed out last */
@@ -172,6 +208,7 @@ bool gc_model_local_rule(uint32_t layer, uint32_t expert, uint32_t n, uint32_t E
 
 typedef struct loader {
   gc_model *m;
+  model_rank *r;                  /* the rank being loaded */
   const mr_st *st;
   uint64_t bytes_total, bytes_done, tensors_done, tensors_total;
   uint64_t t0, t_last;
@@ -192,6 +229,7 @@ static void load_progress(loader *ld, bool final) {
 }
 
 static void load_count(loader *ld, const mr_st_tensor *t) {
+  if (ld->r->id != 0) return; /* progress counts rank 0's pass (the others read the same) */
   ld->bytes_done += t->nbytes;
   ld->tensors_done++;
   load_progress(ld, false);
@@ -216,13 +254,14 @@ static int get_weight(loader *ld, const char *name, uint64_t d0, uint64_t d1,
   return 0;
 }
 
-/* Uploads n host floats into a new device vector *out. */
-static int dev_vec(gc_model *m, const float *host, size_t n, float **out, mr_err *e) {
-  float *dev = m->bk->ops->alloc(m->bk, n * sizeof *dev);
+/* Uploads n host floats into a new device vector *out of rank r. */
+static int dev_vec(gc_model *m, model_rank *r, const float *host, size_t n, float **out,
+                   mr_err *e) {
+  float *dev = r->bk->ops->alloc(r->bk, n * sizeof *dev);
   if (!dev) return mr_err_set(e, MR_ENOMEM, "a vector of %zu floats: out of memory", n);
-  int rc = m->bk->ops->upload(m->bk, dev, host, n, e);
+  int rc = r->bk->ops->upload(r->bk, dev, host, n, e);
   if (rc) {
-    m->bk->ops->free(m->bk, dev);
+    r->bk->ops->free(r->bk, dev);
     return rc;
   }
   m->dense_bytes += (uint64_t)n * sizeof(float);
@@ -248,7 +287,7 @@ static int load_vec(loader *ld, const char *name, uint32_t n, bool optional, flo
   float *host = mr_malloc((size_t)n * sizeof *host);
   if (!host) return mr_err_set(e, MR_ENOMEM, "%s: out of memory", name);
   int rc = read_vec(ld, name, n, host, e);
-  if (!rc) rc = dev_vec(ld->m, host, n, out, e);
+  if (!rc) rc = dev_vec(ld->m, ld->r, host, n, out, e);
   mr_free(host);
   return rc;
 }
@@ -324,17 +363,26 @@ static int tensor_rows(loader *ld, const char *name, const mr_st_tensor *t, uint
   return 0;
 }
 
-/* One linear from n_parts tensors stacked by rows (each [rows_i, n_in]). */
-static int load_linear(loader *ld, const char *const *names, const uint32_t *rows,
-                       uint32_t n_parts, uint32_t n_in, gc_bk_linear **out, mr_err *e) {
+/* One part of a linear: rows [row0, row0 + n) of tensor name ([rows, n_in]). */
+typedef struct lin_part {
+  const char *name;
+  uint32_t rows, row0, n;
+} lin_part;
+
+/* One linear of the parts' row ranges stacked, over input columns [col0, col0 + n_cols) of
+ * the tensors' n_in (a tensor-parallel slice; everything: 0, rows / 0, n_in). */
+static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, uint32_t n_in,
+                             uint32_t col0, uint32_t n_cols, gc_bk_linear **out, mr_err *e) {
   gc_model *m = ld->m;
+  gc_backend *bk = ld->r->bk;
   const mr_st_tensor *t[4];
   uint32_t n_out = 0;
-  MR_ASSERT(n_parts <= 4);
+  MR_ASSERT(n_parts <= 4 && col0 + n_cols <= n_in);
   for (uint32_t i = 0; i < n_parts; i++) {
-    int rc = get_weight(ld, names[i], rows[i], n_in, &t[i], e);
+    int rc = get_weight(ld, p[i].name, p[i].rows, n_in, &t[i], e);
     if (rc) return rc;
-    n_out += rows[i];
+    MR_ASSERT(p[i].row0 + p[i].n <= p[i].rows);
+    n_out += p[i].n;
   }
   /* As stored; parts of different dtypes (an FP8 checkpoint's q_a_proj beside a bf16
    * kv_a_proj_with_mqa) in the widest; FP8 weights are dequantized at load and kept in bf16
@@ -347,22 +395,57 @@ static int load_linear(loader *ld, const char *const *names, const uint32_t *row
   kn_format fmt = dense_format_of(m, t[0]->dtype);
   if (m->dense_fmt == KN_FMT_COUNT && (mixed || mr_st_is_f8e4m3(t[0])))
     fmt = any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
-  int rc = m->bk->ops->linear_new(m->bk, out, n_out, n_in, fmt, 64, e);
-  if (rc) return mr_err_prefix(e, rc, "%s", names[0]);
+  int rc = bk->ops->linear_new(bk, out, n_out, n_cols, fmt, 64, e);
+  if (rc) return mr_err_prefix(e, rc, "%s", p[0].name);
   uint32_t row0 = 0;
   for (uint32_t i = 0; i < n_parts; i++) {
     const void *data;
     mr_dtype dt;
     float *owned;
-    rc = tensor_rows(ld, names[i], t[i], rows[i], n_in, &data, &dt, &owned, e);
-    if (!rc) rc = m->bk->ops->linear_load(m->bk, *out, row0, rows[i], data, dt, e);
+    uint8_t *slice = NULL;
+    rc = tensor_rows(ld, p[i].name, t[i], p[i].rows, n_in, &data, &dt, &owned, e);
+    if (!rc) {
+      const size_t es = mr_dtype_size(dt);
+      const uint8_t *src = (const uint8_t *)data + (size_t)p[i].row0 * n_in * es;
+      if (n_cols != n_in) { /* a column slice: gather it row by row */
+        slice = mr_malloc((size_t)p[i].n * n_cols * es);
+        if (!slice) rc = mr_err_set(e, MR_ENOMEM, "%s: out of memory", p[i].name);
+        for (uint32_t row = 0; slice && row < p[i].n; row++)
+          memcpy(slice + (size_t)row * n_cols * es, src + ((size_t)row * n_in + col0) * es,
+                 (size_t)n_cols * es);
+        src = slice;
+      }
+      if (!rc) rc = bk->ops->linear_load(bk, *out, row0, p[i].n, src, dt, e);
+    }
+    mr_free(slice);
     mr_free(owned);
-    if (rc) return mr_err_prefix(e, rc, "%s", names[i]);
-    row0 += rows[i];
+    if (rc) return mr_err_prefix(e, rc, "%s", p[i].name);
+    row0 += p[i].n;
     load_count(ld, t[i]);
   }
-  m->dense_bytes += m->bk->ops->linear_bytes(*out);
+  m->dense_bytes += bk->ops->linear_bytes(*out);
   return 0;
+}
+
+/* One linear from n_parts whole tensors stacked by rows (each [rows_i, n_in]). */
+static int load_linear(loader *ld, const char *const *names, const uint32_t *rows,
+                       uint32_t n_parts, uint32_t n_in, gc_bk_linear **out, mr_err *e) {
+  lin_part p[4];
+  MR_ASSERT(n_parts <= 4);
+  for (uint32_t i = 0; i < n_parts; i++) p[i] = (lin_part){names[i], rows[i], 0, rows[i]};
+  return load_linear_parts(ld, p, n_parts, n_in, 0, n_in, out, e);
+}
+
+/* A dense MLP of width I (gate | up rows, down columns: rank r's 1/tp of them). */
+static int load_mlp(loader *ld, const char *g, const char *u, const char *d, uint32_t I,
+                    gc_bk_linear **gate_up, gc_bk_linear **down, mr_err *e) {
+  gc_model *m = ld->m;
+  const uint32_t n = I / m->tp, off = n * ld->r->id;
+  const lin_part gu[2] = {{g, I, off, n}, {u, I, off, n}};
+  int rc = load_linear_parts(ld, gu, 2, m->H, 0, m->H, gate_up, e);
+  if (rc) return rc;
+  const lin_part dn[1] = {{d, m->H, 0, m->H}};
+  return load_linear_parts(ld, dn, 1, I, off, n, down, e);
 }
 
 /* MLA attention (DeepSeek-V3): q_a_proj | kv_a_proj_with_mqa (or q_proj | kv_a_...) as one
@@ -378,15 +461,17 @@ static int load_attention_mla(loader *ld, uint32_t l, model_layer *ly, mr_err *e
     snprintf(qn, sizeof qn, "%s.%u.self_attn.q_a_proj.weight", pre, l);
   else
     snprintf(qn, sizeof qn, "%s.%u.self_attn.q_proj.weight", pre, l);
-  const char *names[2] = {qn, kvn};
-  const uint32_t rows[2] = {m->n_qa, m->kv_lora + m->rope};
-  int rc = load_linear(ld, names, rows, 2, m->H, &ly->qkv, e);
+  /* q_a (whole: every rank needs the latent) or q_proj (rank r's heads), then kv_a whole */
+  const uint32_t h0 = m->lnh * ld->r->id; /* the rank's first head */
+  const lin_part qkv[2] = {
+      {qn, m->n_qa, m->q_lora ? 0 : h0 * m->qh, m->ln_qa},
+      {kvn, m->kv_lora + m->rope, 0, m->kv_lora + m->rope}};
+  int rc = load_linear_parts(ld, qkv, 2, m->H, 0, m->H, &ly->qkv, e);
   if (rc) return rc;
   if (m->q_lora) {
     snprintf(qbn, sizeof qbn, "%s.%u.self_attn.q_b_proj.weight", pre, l);
-    const char *qb[1] = {qbn};
-    const uint32_t qbr[1] = {m->nh * m->qh};
-    if ((rc = load_linear(ld, qb, qbr, 1, m->q_lora, &ly->q_b, e))) return rc;
+    const lin_part qb[1] = {{qbn, m->nh * m->qh, h0 * m->qh, m->lnh * m->qh}};
+    if ((rc = load_linear_parts(ld, qb, 1, m->q_lora, 0, m->q_lora, &ly->q_b, e))) return rc;
     snprintf(nm, sizeof nm, "%s.%u.self_attn.q_a_layernorm.weight", pre, l);
     if ((rc = load_vec(ld, nm, m->q_lora, false, &ly->q_a_norm, e))) return rc;
   }
@@ -398,20 +483,26 @@ static int load_attention_mla(loader *ld, uint32_t l, model_layer *ly, mr_err *e
     mr_dtype dt;
     float *owned;
     const uint32_t N = m->nh * (m->nope + m->vd);
+    /* the rank's heads: rows [h0 * (nope + v), ...) */
+    const size_t n = (size_t)m->lnh * (m->nope + m->vd) * m->kv_lora;
+    const size_t skip = (size_t)h0 * (m->nope + m->vd) * m->kv_lora;
     if ((rc = get_weight(ld, kvbn, N, m->kv_lora, &t, e))) return rc;
     if ((rc = tensor_rows(ld, kvbn, t, N, m->kv_lora, &data, &dt, &owned, e))) return rc;
-    float *host = owned;
-    if (!host && !(host = mr_malloc((size_t)N * m->kv_lora * sizeof *host)))
+    float *host = mr_malloc(n * sizeof *host);
+    if (!host) {
+      mr_free(owned);
       return mr_err_set(e, MR_ENOMEM, "%s: out of memory", kvbn);
-    if (!owned) mr_convert_to_f32(host, data, dt, (size_t)N * m->kv_lora);
-    rc = dev_vec(m, host, (size_t)N * m->kv_lora, &ly->w_kv_b, e);
+    }
+    mr_convert_to_f32(host, (const uint8_t *)data + skip * mr_dtype_size(dt), dt, n);
+    mr_free(owned);
+    rc = dev_vec(m, ld->r, host, n, &ly->w_kv_b, e);
     mr_free(host);
     if (rc) return rc;
     load_count(ld, t);
   }
-  const char *oname[1] = {on};
-  const uint32_t orows[1] = {m->H};
-  if ((rc = load_linear(ld, oname, orows, 1, m->nh * m->vd, &ly->o, e))) return rc;
+  const lin_part op[1] = {{on, m->H, 0, m->H}};
+  if ((rc = load_linear_parts(ld, op, 1, m->nh * m->vd, h0 * m->vd, m->lnh * m->vd, &ly->o, e)))
+    return rc;
   snprintf(nm, sizeof nm, "%s.%u.input_layernorm.weight", pre, l);
   if ((rc = load_vec(ld, nm, m->H, false, &ly->ln1, e))) return rc;
   snprintf(nm, sizeof nm, "%s.%u.post_attention_layernorm.weight", pre, l);
@@ -425,29 +516,34 @@ static int load_attention(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
   snprintf(kn, sizeof kn, "model.layers.%u.self_attn.k_proj.weight", l);
   snprintf(vn, sizeof vn, "model.layers.%u.self_attn.v_proj.weight", l);
   snprintf(on, sizeof on, "model.layers.%u.self_attn.o_proj.weight", l);
-  const char *names[3] = {qn, kn, vn};
+  /* rank r's heads of q, k and v, and those columns of o */
+  const uint32_t r = ld->r->id, qw = m->lnh * m->hd, kvw = m->lnkv * m->hd;
   const uint32_t rows[3] = {m->nh * m->hd, m->nkv * m->hd, m->nkv * m->hd};
-  int rc = load_linear(ld, names, rows, 3, m->H, &ly->qkv, e);
+  const lin_part qkv[3] = {{qn, rows[0], r * qw, qw}, {kn, rows[1], r * kvw, kvw},
+                           {vn, rows[2], r * kvw, kvw}};
+  int rc = load_linear_parts(ld, qkv, 3, m->H, 0, m->H, &ly->qkv, e);
   if (rc) return rc;
-  const char *oname[1] = {on};
-  const uint32_t orows[1] = {m->H};
-  if ((rc = load_linear(ld, oname, orows, 1, m->nh * m->hd, &ly->o, e))) return rc;
+  const lin_part op[1] = {{on, m->H, 0, m->H}};
+  if ((rc = load_linear_parts(ld, op, 1, m->nh * m->hd, r * qw, qw, &ly->o, e))) return rc;
   if (m->cfg.attention_bias) {
-    /* q | k | v biases into one device vector, like the weights. */
+    /* q | k | v biases (the rank's heads) into one device vector, like the weights. */
     static const char *const which[3] = {"q", "k", "v"};
+    const uint32_t own[3] = {qw, kvw, kvw};
     float *host = mr_malloc((size_t)m->n_qkv * sizeof *host);
     if (!host) return mr_err_set(e, MR_ENOMEM, "layer %u: q/k/v biases: out of memory", l);
     size_t off = 0;
     for (int i = 0; i < 3 && !rc; i++) {
       snprintf(nm, sizeof nm, "model.layers.%u.self_attn.%s_proj.bias", l, which[i]);
       rc = read_vec(ld, nm, rows[i], host + off, e);
-      off += rows[i];
+      if (!rc) memmove(host + off, host + off + (size_t)r * own[i], own[i] * sizeof *host);
+      off += own[i];
     }
-    if (!rc) rc = dev_vec(m, host, m->n_qkv, &ly->qkv_bias, e);
+    if (!rc) rc = dev_vec(m, ld->r, host, m->ln_qkv, &ly->qkv_bias, e);
     mr_free(host);
     if (rc) return rc;
+    /* o's bias is added once: by rank 0 */
     snprintf(nm, sizeof nm, "model.layers.%u.self_attn.o_proj.bias", l);
-    if ((rc = load_vec(ld, nm, m->H, true, &ly->o_bias, e))) return rc;
+    if (r == 0 && (rc = load_vec(ld, nm, m->H, true, &ly->o_bias, e))) return rc;
   }
   if (m->cfg.qk_norm) {
     snprintf(nm, sizeof nm, "model.layers.%u.self_attn.q_norm.weight", l);
@@ -484,32 +580,31 @@ static int load_moe(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
     snprintf(g, sizeof g, "model.layers.%u.mlp.shared_experts.gate_proj.weight", l);
     snprintf(u, sizeof u, "model.layers.%u.mlp.shared_experts.up_proj.weight", l);
     snprintf(d, sizeof d, "model.layers.%u.mlp.shared_experts.down_proj.weight", l);
-    const char *gu[2] = {g, u};
-    const uint32_t gr[2] = {m->Is, m->Is};
-    if ((rc = load_linear(ld, gu, gr, 2, m->H, &ly->sh_gate_up, e))) return rc;
-    const char *dn[1] = {d};
-    const uint32_t dr[1] = {m->H};
-    if ((rc = load_linear(ld, dn, dr, 1, m->Is, &ly->sh_down, e))) return rc;
+    if ((rc = load_mlp(ld, g, u, d, m->Is, &ly->sh_gate_up, &ly->sh_down, e))) return rc;
   }
-  for (uint32_t x = 0; x < m->E; x++) ly->n_hot += m->local[(size_t)l * m->E + x];
+  /* the rank's hot experts: every tp-th of the layer's local ones (owner, at open) */
+  const uint32_t me = ld->r->id;
+  const size_t base = (size_t)l * m->E;
+  for (uint32_t x = 0; x < m->E; x++) ly->n_hot += m->local[base + x] && m->owner[base + x] == me;
   if (ly->n_hot == 0) return 0;
+  gc_backend *bk = ld->r->bk;
   kn_layer_desc d = {.hidden = m->H, .inter = m->Ie, .num_experts = m->E,
                      .format = m->expert_fmt, .group = m->expert_group};
-  if ((rc = m->bk->ops->experts_new(m->bk, &ly->hot, &d, e)))
+  if ((rc = bk->ops->experts_new(bk, &ly->hot, &d, e)))
     return mr_err_prefix(e, rc, "layer %u: hot experts", l);
   for (uint32_t x = 0; x < m->E; x++) {
-    if (!m->local[(size_t)l * m->E + x]) continue;
+    if (!m->local[base + x] || m->owner[base + x] != me) continue;
     const mr_st_tensor *t[3], *sc[3];
     rc = mr_config_expert_tensors_q(&m->cfg, ld->st, l, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
-    rc = m->bk->ops->experts_load_st(m->bk, ly->hot, x, t, sc, e);
+    rc = bk->ops->experts_load_st(bk, ly->hot, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "layer %u expert %u", l, x);
     for (int p = 0; p < 3; p++) {
       load_count(ld, t[p]);
       if (sc[p]) load_count(ld, sc[p]);
     }
   }
-  m->expert_bytes_one = m->bk->ops->experts_expert_bytes(ly->hot);
+  m->expert_bytes_one = bk->ops->experts_expert_bytes(ly->hot);
   m->hot_bytes += (uint64_t)ly->n_hot * m->expert_bytes_one;
   return 0;
 }
@@ -523,13 +618,7 @@ static int load_dense_mlp(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
   if (m->Id == 0)
     return mr_err_set(e, MR_EFORMAT, "model %s: layer %u is dense but config.json has no "
                       "intermediate_size", m->model_dir, l);
-  const char *gu[2] = {g, u};
-  const uint32_t rows[2] = {m->Id, m->Id};
-  int rc = load_linear(ld, gu, rows, 2, m->H, &ly->gate_up, e);
-  if (rc) return rc;
-  const char *dn[1] = {d};
-  const uint32_t drows[1] = {m->H};
-  return load_linear(ld, dn, drows, 1, m->Id, &ly->down, e);
+  return load_mlp(ld, g, u, d, m->Id, &ly->gate_up, &ly->down, e);
 }
 
 /* Bytes that loading will read: every tensor we keep. */
@@ -556,25 +645,32 @@ static void load_plan(loader *ld) {
   }
 }
 
-static int load_weights(gc_model *m, const mr_st *st, mr_err *e) {
-  loader ld = {.m = m, .st = st, .t0 = mr_now_ns()};
+/* Rank r's weights (its slices; rank 0 also the final norm and lm_head). */
+static int load_weights(gc_model *m, model_rank *r, const mr_st *st, mr_err *e) {
+  loader ld = {.m = m, .r = r, .st = st, .t0 = mr_now_ns()};
   ld.t_last = ld.t0;
   load_plan(&ld);
   const mr_st_tensor *t;
   int rc = get_tensor(&ld, "model.embed_tokens.weight", 2, m->V, m->H, &t, e);
   if (rc) return rc;
-  if ((rc = m->bk->ops->table_new(m->bk, &m->embed, m->V, m->H, t->data, t->dtype, e)))
+  if ((rc = r->bk->ops->table_new(r->bk, &r->embed, m->V, m->H, t->data, t->dtype, e)))
     return rc;
   load_count(&ld, t);
   for (uint32_t l = 0; l < m->L; l++) {
-    model_layer *ly = &m->layer[l];
+    model_layer *ly = &r->layer[l];
     ly->moe = m->cfg.is_moe[l];
     rc = m->mla ? load_attention_mla(&ld, l, ly, e) : load_attention(&ld, l, ly, e);
     if (rc) return rc;
     rc = ly->moe ? load_moe(&ld, l, ly, e) : load_dense_mlp(&ld, l, ly, e);
     if (rc) return rc;
   }
-  if ((rc = load_vec(&ld, "model.norm.weight", m->H, false, &m->final_norm, e))) return rc;
+  if (r->id != 0) {
+    if (!m->o.quiet)
+      mr_log(MR_LOG_INFO, "model: rank %u loaded its slices (%.1f s)", r->id,
+             (double)(mr_now_ns() - ld.t0) / 1e9);
+    return 0;
+  }
+  if ((rc = load_vec(&ld, "model.norm.weight", m->H, false, &r->final_norm, e))) return rc;
   const char *head = mr_st_find(st, "lm_head.weight") && !m->cfg.tie_word_embeddings
                          ? "lm_head.weight" : "model.embed_tokens.weight";
   if (!m->cfg.tie_word_embeddings && !mr_st_find(st, "lm_head.weight"))
@@ -583,7 +679,7 @@ static int load_weights(gc_model *m, const mr_st *st, mr_err *e) {
   const char *hn[1] = {head};
   const uint32_t hrows[1] = {m->V};
   if (m->cfg.tie_word_embeddings) ld.tensors_total++, ld.bytes_total += t->nbytes;
-  if ((rc = load_linear(&ld, hn, hrows, 1, m->H, &m->head, e))) return rc;
+  if ((rc = load_linear(&ld, hn, hrows, 1, m->H, &r->head, e))) return rc;
   load_progress(&ld, true);
   return 0;
 }
@@ -807,13 +903,19 @@ static int config_check(gc_model *m, mr_err *e) {
 
 static int alloc_state(gc_model *m, mr_err *e) {
   const size_t pairs = (size_t)m->L * m->E;
-  m->layer = mr_calloc(m->L, sizeof *m->layer);
+  m->rk = mr_calloc(m->tp, sizeof *m->rk);
+  for (uint32_t r = 0; m->rk && r < m->tp; r++) {
+    m->rk[r].id = r;
+    if (!(m->rk[r].layer = mr_calloc(m->L, sizeof *m->rk[r].layer)))
+      return mr_err_set(e, MR_ENOMEM, "model: out of memory");
+  }
+  m->owner = mr_calloc(pairs, 1);
   m->local = mr_calloc(pairs, 1);
   m->seq_len = mr_calloc(m->max_batch, sizeof *m->seq_len);
   m->lst = mr_calloc(m->L, sizeof *m->lst);
   m->lst_snap = mr_calloc(m->L, sizeof *m->lst_snap);
   m->seen = mr_calloc((m->E + 63) / 64, sizeof *m->seen);
-  if (!m->layer || !m->local || !m->seq_len || !m->lst || !m->lst_snap || !m->seen)
+  if (!m->rk || !m->owner || !m->local || !m->seq_len || !m->lst || !m->lst_snap || !m->seen)
     return mr_err_set(e, MR_ENOMEM, "model: out of memory");
   m->st.layer = m->lst;
   return 0;
@@ -852,13 +954,14 @@ static void rope_inv_freq(const mr_model_config *c, uint32_t dim, float *out) {
   }
 }
 
-static int alloc_caches(gc_model *m, mr_err *e) {
-  const size_t width = m->mla ? (size_t)m->kv_lora + m->rope : (size_t)m->nkv * m->hd;
+/* Rank r's KV cache (its kv heads; the whole latent with MLA) and RoPE table. */
+static int alloc_caches(gc_model *m, model_rank *r, mr_err *e) {
+  const size_t width = m->mla ? (size_t)m->kv_lora + m->rope : (size_t)m->lnkv * m->hd;
   const size_t n = (size_t)m->max_batch * m->max_seq * width;
   for (uint32_t l = 0; l < m->L; l++) {
-    model_layer *ly = &m->layer[l];
-    ly->k_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
-    if (!m->mla) ly->v_cache = m->bk->ops->alloc(m->bk, n * sizeof(float));
+    model_layer *ly = &r->layer[l];
+    ly->k_cache = r->bk->ops->alloc(r->bk, n * sizeof(float));
+    if (!m->mla) ly->v_cache = r->bk->ops->alloc(r->bk, n * sizeof(float));
     if (!ly->k_cache || (!m->mla && !ly->v_cache))
       return mr_err_set(e, MR_ENOMEM, "KV cache of layer %u (%u sequences x %u positions x %zu "
                         "floats): out of memory; lower --max-seq or --batch", l, m->max_batch,
@@ -868,10 +971,91 @@ static int alloc_caches(gc_model *m, mr_err *e) {
   float *host = mr_malloc(half * sizeof *host);
   if (!host) return mr_err_set(e, MR_ENOMEM, "RoPE table: out of memory");
   rope_inv_freq(&m->cfg, m->rot_dim, host);
-  int rc = dev_vec(m, host, half, &m->inv_freq, e);
+  int rc = dev_vec(m, r, host, half, &r->inv_freq, e);
   mr_free(host);
   return rc;
 }
+
+/* --tp G: every split width must divide (heads, kv heads, MLP columns). */
+static int tp_check(gc_model *m, mr_err *e) {
+  const uint32_t G = m->tp;
+  const mr_model_config *c = &m->cfg;
+  if (G < 1 || G > GC_COMM_MAX_RANKS)
+    return mr_err_set(e, MR_ERANGE, "--tp = %u, must be 1..%u", G, GC_COMM_MAX_RANKS);
+  struct {
+    const char *what;
+    uint32_t n;
+  } split[] = {{"num_attention_heads", m->nh},
+               {m->mla ? NULL : "num_key_value_heads", m->nkv},
+               {mr_config_num_moe_layers(c) < m->L ? "intermediate_size" : NULL, m->Id},
+               {m->Is ? "moe_intermediate_size x n_shared_experts" : NULL, m->Is}};
+  for (size_t i = 0; i < sizeof split / sizeof split[0]; i++)
+    if (split[i].what && split[i].n % G)
+      return mr_err_set(e, MR_EINVAL, "--tp %u: %s = %u is not a multiple of it (each rank "
+                        "takes an equal share)", G, split[i].what, split[i].n);
+  m->lnh = m->nh / G, m->lnkv = m->mla ? m->nkv : m->nkv / G;
+  m->lId = m->Id / G, m->lIs = m->Is / G;
+  if (m->mla) {
+    m->ln_qa = m->q_lora ? m->q_lora : m->lnh * m->qh;
+    m->ln_qkv = m->ln_qa + m->kv_lora + m->rope;
+  } else {
+    m->ln_qkv = (m->lnh + 2 * m->lnkv) * m->hd;
+  }
+  return 0;
+}
+
+/* Rank 0's engine is the model's; on the CPU backend the others get their own (threads
+ * split), on a device they share it (it packs on the host only). */
+static int ranks_open(gc_model *m, mr_err *e) {
+  const gc_model_opts *o = &m->o;
+  const bool cpu = !o->backend || strcmp(o->backend, "cpu") == 0;
+  kn_engine_opts eo = o->engine;
+  if (m->tp > 1 && cpu) {
+    uint32_t total = eo.threads;
+    if (!total) {
+      long n = sysconf(_SC_NPROCESSORS_ONLN);
+      total = n > 0 ? (uint32_t)n : 1;
+    }
+    eo.threads = total / m->tp ? total / m->tp : 1;
+  }
+  int rc = kn_engine_new(&m->eng, &eo, e);
+  if (rc) return rc;
+  if (o->pin_caller) {
+    mr_err pe;
+    if (kn_engine_pin_caller(m->eng, &pe) != 0)
+      mr_log(MR_LOG_WARN, "model: could not pin the calling thread (%s); running unpinned",
+             pe.msg);
+  }
+  for (uint32_t r = 0; r < m->tp; r++) {
+    model_rank *rk = &m->rk[r];
+    rk->eng = m->eng;
+    if (r > 0 && cpu) {
+      if ((rc = kn_engine_new(&rk->eng, &eo, e))) return mr_err_prefix(e, rc, "rank %u", r);
+      rk->own_eng = true;
+    }
+    if ((rc = gc_bk_open(&rk->bk, o->backend, (int)(o->device + r), rk->eng, m->max_seq, e)))
+      return m->tp > 1 ? mr_err_prefix(e, rc, "rank %u", r) : rc;
+  }
+  if (m->tp > 1) {
+    if (cpu) {
+      rc = gc_comm_cpu_new(&m->comm, m->tp, e);
+    } else {
+      const gc_cuda_lib *lib;
+      int devs[GC_COMM_MAX_RANKS];
+      for (uint32_t r = 0; r < m->tp; r++) devs[r] = (int)(o->device + r);
+      if (!(rc = gc_cuda_lib_load(&lib, e))) {
+        if (!lib->comm_nccl_new)
+          rc = mr_err_set(e, MR_ENOTSUP, "--tp %u: libmoerpc-cuda.so has no NCCL", m->tp);
+        else
+          rc = lib->comm_nccl_new(&m->comm, m->tp, devs, e);
+      }
+    }
+    if (rc) return mr_err_prefix(e, rc, "--tp %u", m->tp);
+  }
+  return 0;
+}
+
+static int ranks_start(gc_model *m, mr_err *e);
 
 int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   MR_ASSERT(out && o);
@@ -935,6 +1119,8 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     rc = mr_err_set(e, MR_ERANGE, "--max-seq = %u, must be 1..%u", m->max_seq, MODEL_MAX_SEQ);
     goto out;
   }
+  m->tp = o->tp ? o->tp : 1;
+  if ((rc = tp_check(m, e))) goto out;
   m->wire = o->wire ? o->wire : MR_DTYPE_BF16;
   m->dense_fmt = o->dense_format;
   m->expert_fmt = o->expert_format == KN_FMT_COUNT ? KN_FMT_BF16 : o->expert_format;
@@ -960,14 +1146,11 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     gettimeofday(&tv, NULL);
     m->pl_switched_at = (double)tv.tv_sec + tv.tv_usec / 1e6;
   }
-  if ((rc = kn_engine_new(&m->eng, &o->engine, e))) goto out;
-  if (o->pin_caller) {
-    mr_err pe;
-    if (kn_engine_pin_caller(m->eng, &pe) != 0)
-      mr_log(MR_LOG_WARN, "model: could not pin the calling thread (%s); running unpinned",
-             pe.msg);
-  }
-  if ((rc = gc_bk_cpu_new(&m->bk, m->eng, m->max_seq, e))) goto out;
+  /* hot experts go to the ranks in turn, per layer */
+  for (uint32_t l = 0; l < m->L; l++)
+    for (uint32_t x = 0, i = 0; x < m->E; x++)
+      if (m->local[(size_t)l * m->E + x]) m->owner[(size_t)l * m->E + x] = (uint8_t)(i++ % m->tp);
+  if ((rc = ranks_open(m, e))) goto out;
   if (cf && (rc = cluster_open(m, cf, route, e))) goto out;
   if ((rc = mr_st_open(&st, m->model_dir, e))) goto out;
   if (m->cluster) {
@@ -988,8 +1171,11 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     const mr_st_tensor *t = mr_st_find(st, key);
     if (t) m->expert_fmt = mr_st_is_f8e4m3(t) ? KN_FMT_FP8 : dense_format_of_dtype(t->dtype);
   }
-  if ((rc = load_weights(m, st, e))) goto out;
-  if ((rc = alloc_caches(m, e))) goto out;
+  for (uint32_t r = 0; r < m->tp; r++) {
+    if ((rc = load_weights(m, &m->rk[r], st, e))) goto out;
+    if ((rc = alloc_caches(m, &m->rk[r], e))) goto out;
+  }
+  if ((rc = ranks_start(m, e))) goto out;
   if (!m->expert_bytes_one) { /* no hot expert: size one from its shape and format */
     kn_layer *tmp = NULL;
     kn_layer_desc d = {.hidden = m->H, .inter = m->Ie, .num_experts = 1,
@@ -1000,12 +1186,13 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   uint64_t n_local = 0;
   for (size_t i = 0; i < (size_t)m->L * m->E; i++) n_local += m->local[i];
   mr_log(MR_LOG_INFO, "model open: %s %s, %u layers (%u MoE), H=%u E=%u k=%u, dense %.2f GB, "
-         "%llu hot experts (%.2f GB, %s), %s, backend %s, %u threads, max_seq %u, batch %u, "
-         "max_deferred %u", c->arch_name, m->model_dir, m->L, mr_config_num_moe_layers(c), m->H,
-         m->E, m->k, (double)m->dense_bytes / 1e9, (unsigned long long)n_local,
-         (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
-         m->cluster ? "cold experts on the cluster" : "all experts local", m->bk->ops->name,
-         kn_engine_threads(m->eng), m->max_seq, m->max_batch, m->moe ? o->max_deferred : 0);
+         "%llu hot experts (%.2f GB, %s), %s, backend %s, tp %u, %u threads, max_seq %u, "
+         "batch %u, max_deferred %u", c->arch_name, m->model_dir, m->L,
+         mr_config_num_moe_layers(c), m->H, m->E, m->k, (double)m->dense_bytes / 1e9,
+         (unsigned long long)n_local, (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
+         m->cluster ? "cold experts on the cluster" : "all experts local",
+         m->rk[0].bk->ops->name, m->tp, kn_engine_threads(m->eng), m->max_seq, m->max_batch,
+         m->moe ? o->max_deferred : 0);
   if (o->watch_placement) {
     m->cf = cf; /* kept to reopen the cluster on a switch */
     cf = NULL;
@@ -1020,51 +1207,62 @@ out:
   return rc;
 }
 
-static void bufs_free(gc_model *m) {
-  model_bufs *b = &m->b;
+static void bufs_free(model_rank *r) {
+  model_bufs *b = &r->b;
   float *dev[] = {b->x, b->h, b->qkv, b->attn, b->y, b->router, b->gu, b->mh, b->q, b->qa, b->y2};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
-    if (dev[i]) m->bk->ops->free(m->bk, dev[i]);
+    if (dev[i]) r->bk->ops->free(r->bk, dev[i]);
   void *host[] = {b->ids, b->w, b->hot_ids, b->wire, b->cold, b->pos, b->seq};
   for (size_t i = 0; i < sizeof host / sizeof host[0]; i++)
-    if (host[i]) m->bk->ops->host_free(m->bk, host[i]);
+    if (host[i]) r->bk->ops->host_free(r->bk, host[i]);
   memset(b, 0, sizeof *b);
 }
 
-void gc_model_close(gc_model *m) {
-  if (!m) return;
-  gc_moe_free(m->moe);
-  gc_cluster_close(m->cluster);
-  gc_routing_free(m->routing_own);
-  if (m->bk) {
-    const gc_bk_ops *op = m->bk->ops;
-    for (uint32_t l = 0; m->layer && l < m->L; l++) {
-      model_layer *ly = &m->layer[l];
-      op->linear_free(m->bk, ly->qkv);
-      op->linear_free(m->bk, ly->o);
-      op->linear_free(m->bk, ly->router);
-      op->linear_free(m->bk, ly->gate_up);
-      op->linear_free(m->bk, ly->down);
-      op->linear_free(m->bk, ly->q_b);
-      op->linear_free(m->bk, ly->sh_gate_up);
-      op->linear_free(m->bk, ly->sh_down);
-      op->experts_free(m->bk, ly->hot);
+static void rank_free(gc_model *m, model_rank *r) {
+  if (r->bk) {
+    const gc_bk_ops *op = r->bk->ops;
+    for (uint32_t l = 0; r->layer && l < m->L; l++) {
+      model_layer *ly = &r->layer[l];
+      op->linear_free(r->bk, ly->qkv);
+      op->linear_free(r->bk, ly->o);
+      op->linear_free(r->bk, ly->router);
+      op->linear_free(r->bk, ly->gate_up);
+      op->linear_free(r->bk, ly->down);
+      op->linear_free(r->bk, ly->q_b);
+      op->linear_free(r->bk, ly->sh_gate_up);
+      op->linear_free(r->bk, ly->sh_down);
+      op->experts_free(r->bk, ly->hot);
       float *v[] = {ly->qkv_bias, ly->o_bias, ly->ln1, ly->ln2, ly->q_norm, ly->k_norm,
                     ly->k_cache, ly->v_cache, ly->q_a_norm, ly->kv_a_norm, ly->w_kv_b,
                     ly->e_bias};
       for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
-        if (v[i]) op->free(m->bk, v[i]);
+        if (v[i]) op->free(r->bk, v[i]);
     }
-    op->table_free(m->bk, m->embed);
-    op->linear_free(m->bk, m->head);
-    float *v[] = {m->final_norm, m->inv_freq, m->head_x, m->head_out};
+    op->table_free(r->bk, r->embed);
+    op->linear_free(r->bk, r->head);
+    float *v[] = {r->final_norm, r->inv_freq, r->head_x, r->head_out};
     for (size_t i = 0; i < sizeof v / sizeof v[0]; i++)
-      if (v[i]) op->free(m->bk, v[i]);
-    bufs_free(m);
-    op->destroy(m->bk);
+      if (v[i]) op->free(r->bk, v[i]);
+    bufs_free(r);
+    op->destroy(r->bk);
   }
+  if (r->own_eng) kn_engine_free(r->eng);
+  mr_free(r->layer);
+}
+
+static void ranks_stop(gc_model *m);
+
+void gc_model_close(gc_model *m) {
+  if (!m) return;
+  ranks_stop(m);
+  gc_moe_free(m->moe);
+  gc_cluster_close(m->cluster);
+  gc_routing_free(m->routing_own);
+  for (uint32_t r = 0; m->rk && r < m->tp; r++) rank_free(m, &m->rk[r]);
+  if (m->comm) m->comm->ops->destroy(m->comm);
   kn_engine_free(m->eng);
-  mr_free(m->layer);
+  mr_free(m->rk);
+  mr_free(m->owner);
   mr_free(m->local);
   mr_free(m->seq_len);
   mr_free(m->lst);
@@ -1221,21 +1419,21 @@ void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset) {
 
 /* ---- the forward step -------------------------------------------------------------------- */
 
-static int bufs_grow(gc_model *m, uint32_t T, mr_err *e) {
-  model_bufs *b = &m->b;
+static int bufs_grow(gc_model *m, model_rank *r, uint32_t T, mr_err *e) {
+  model_bufs *b = &r->b;
   if (T <= b->cap) return 0;
-  bufs_free(m);
-  gc_backend *bk = m->bk;
+  bufs_free(r);
+  gc_backend *bk = r->bk;
   const size_t t = T, H = m->H;
-  const size_t wide = m->Id > m->Is ? m->Id : m->Is; /* dense MLP or shared experts */
+  const size_t wide = m->lId > m->lIs ? m->lId : m->lIs; /* dense MLP or shared experts */
   const size_t gu = wide ? 2 * wide : 1, mh = wide ? wide : 1;
-  const size_t attn_w = m->mla ? (size_t)m->nh * m->vd : (size_t)m->nh * m->hd;
+  const size_t attn_w = m->mla ? (size_t)m->lnh * m->vd : (size_t)m->lnh * m->hd;
   b->x = bk->ops->alloc(bk, t * H * 4);
   b->h = bk->ops->alloc(bk, t * H * 4);
-  b->qkv = bk->ops->alloc(bk, t * m->n_qkv * 4);
+  b->qkv = bk->ops->alloc(bk, t * m->ln_qkv * 4);
   b->attn = bk->ops->alloc(bk, t * attn_w * 4);
   if (m->mla) {
-    b->q = bk->ops->alloc(bk, t * m->nh * m->qh * 4);
+    b->q = bk->ops->alloc(bk, t * m->lnh * m->qh * 4);
     b->qa = bk->ops->alloc(bk, t * (m->q_lora ? m->q_lora : 1) * 4);
   }
   if (m->Is) b->y2 = bk->ops->alloc(bk, t * H * 4);
@@ -1253,7 +1451,7 @@ static int bufs_grow(gc_model *m, uint32_t T, mr_err *e) {
   if (!b->x || !b->h || !b->qkv || !b->attn || !b->y || !b->router || !b->gu || !b->mh ||
       !b->ids || !b->w || !b->hot_ids || !b->wire || !b->cold || !b->pos || !b->seq ||
       (m->mla && (!b->q || !b->qa)) || (m->Is && !b->y2)) {
-    bufs_free(m);
+    bufs_free(r);
     return mr_err_set(e, MR_ENOMEM, "step buffers for %u tokens: out of memory", T);
   }
   b->cap = T;
@@ -1296,11 +1494,11 @@ static int step_validate(gc_model *m, const gc_step *s, uint32_t *n_want, mr_err
 }
 
 /* Counts the distinct experts a MoE layer's routing activated (for decode_bw_ratio). */
-static void count_experts(gc_model *m, uint32_t T) {
+static void count_experts(gc_model *m, model_rank *r, uint32_t T) {
   memset(m->seen, 0, ((m->E + 63) / 64) * sizeof *m->seen);
   uint32_t n = 0;
   for (size_t i = 0; i < (size_t)T * m->k; i++) {
-    int32_t x = m->b.ids[i];
+    int32_t x = r->b.ids[i];
     if (x < 0) continue;
     uint64_t bit = 1ull << (x & 63);
     if (!(m->seen[x >> 6] & bit)) {
@@ -1311,12 +1509,14 @@ static void count_experts(gc_model *m, uint32_t T) {
   m->st.expert_bytes_read += (uint64_t)n * m->expert_bytes_one;
 }
 
-static int layer_attention(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
-  model_layer *ly = &m->layer[l];
-  const gc_bk_ops *op = m->bk->ops;
-  gc_backend *bk = m->bk;
-  model_bufs *b = &m->b;
-  const uint32_t qw = m->nh * m->hd, kvw = m->nkv * m->hd;
+/* Attention of rank r (its heads): y = o_proj(attention(rope(qk_norm(qkv(rmsnorm(x)))))),
+ * a partial sum over the heads when tp > 1. */
+static int layer_attention(gc_model *m, model_rank *r, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &r->layer[l];
+  const gc_bk_ops *op = r->bk->ops;
+  gc_backend *bk = r->bk;
+  model_bufs *b = &r->b;
+  const uint32_t qw = m->lnh * m->hd, kvw = m->lnkv * m->hd, ld = m->ln_qkv;
   int rc;
   if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln1, m->cfg.rms_norm_eps, b->h, m->H, e)))
     return rc;
@@ -1325,126 +1525,124 @@ static int layer_attention(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
   if (ly->q_norm) {
     /* per-head RMSNorm: the rows are T * heads vectors of hd floats */
     for (uint32_t t = 0; t < T; t++) {
-      float *row = b->qkv + (size_t)t * m->n_qkv;
-      if ((rc = op->rmsnorm(bk, m->nh, m->hd, row, m->hd, ly->q_norm, m->cfg.rms_norm_eps, row,
+      float *row = b->qkv + (size_t)t * ld;
+      if ((rc = op->rmsnorm(bk, m->lnh, m->hd, row, m->hd, ly->q_norm, m->cfg.rms_norm_eps, row,
                             m->hd, e)))
         return rc;
-      if ((rc = op->rmsnorm(bk, m->nkv, m->hd, row + qw, m->hd, ly->k_norm,
+      if ((rc = op->rmsnorm(bk, m->lnkv, m->hd, row + qw, m->hd, ly->k_norm,
                             m->cfg.rms_norm_eps, row + qw, m->hd, e)))
         return rc;
     }
   }
-  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->nh, .head_stride = m->hd, .dim = m->hd,
-                   .scale = m->rope_scale, .x = q, .ld = m->n_qkv, .pos = b->pos,
-                   .inv_freq = m->inv_freq};
+  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->lnh, .head_stride = m->hd, .dim = m->hd,
+                   .scale = m->rope_scale, .x = q, .ld = ld, .pos = b->pos,
+                   .inv_freq = r->inv_freq};
   if ((rc = op->rope(bk, &rq, e))) return rc;
   gc_bk_rope rk = rq;
-  rk.n_heads = m->nkv, rk.x = k;
+  rk.n_heads = m->lnkv, rk.x = k;
   if ((rc = op->rope(bk, &rk, e))) return rc;
-  gc_bk_attn a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->nh,
-                  .n_kv_heads = m->nkv, .head_dim = m->hd, .max_seq = m->max_seq,
+  gc_bk_attn a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->lnh,
+                  .n_kv_heads = m->lnkv, .head_dim = m->hd, .max_seq = m->max_seq,
                   .window = m->cfg.sliding_window, .scale = m->attn_scale,
-                  .q = q, .k = k, .v = v, .ld = m->n_qkv, .k_cache = ly->k_cache,
+                  .q = q, .k = k, .v = v, .ld = ld, .k_cache = ly->k_cache,
                   .v_cache = ly->v_cache, .out = b->attn};
   if ((rc = op->attention(bk, &a, e))) return rc;
-  if ((rc = op->matmul(bk, ly->o, T, b->attn, ly->o_bias, b->y, e))) return rc;
-  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+  return op->matmul(bk, ly->o, T, b->attn, ly->o_bias, b->y, e);
 }
 
-/* MLA: x += o_proj(mla(q, latent)) with the latent cache (backend.h gc_bk_mla). */
-static int layer_attention_mla(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
-  model_layer *ly = &m->layer[l];
-  const gc_bk_ops *op = m->bk->ops;
-  gc_backend *bk = m->bk;
-  model_bufs *b = &m->b;
+/* MLA of rank r (its heads) with the latent cache (backend.h gc_bk_mla): y = o_proj(mla). */
+static int layer_attention_mla(gc_model *m, model_rank *r, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &r->layer[l];
+  const gc_bk_ops *op = r->bk->ops;
+  gc_backend *bk = r->bk;
+  model_bufs *b = &r->b;
   const float eps = m->cfg.rms_norm_eps;
+  const size_t ld = m->ln_qkv;
   int rc;
   if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln1, eps, b->h, m->H, e))) return rc;
   /* one pass over q_a | kv_a (or q | kv_a) */
   if ((rc = op->matmul(bk, ly->qkv, T, b->h, NULL, b->qkv, e))) return rc;
   float *q = b->qkv;
-  size_t ldq = m->n_qkv;
+  size_t ldq = ld;
   if (m->q_lora) {
-    if ((rc = op->rmsnorm(bk, T, m->q_lora, b->qkv, m->n_qkv, ly->q_a_norm, eps, b->qa,
-                          m->q_lora, e)))
+    if ((rc = op->rmsnorm(bk, T, m->q_lora, b->qkv, ld, ly->q_a_norm, eps, b->qa, m->q_lora, e)))
       return rc;
     if ((rc = op->matmul(bk, ly->q_b, T, b->qa, NULL, b->q, e))) return rc;
     q = b->q;
-    ldq = (size_t)m->nh * m->qh;
+    ldq = (size_t)m->lnh * m->qh;
   }
-  float *kv = b->qkv + m->n_qa; /* c | k_rot of each token */
-  if ((rc = op->rmsnorm(bk, T, m->kv_lora, kv, m->n_qkv, ly->kv_a_norm, eps, kv, m->n_qkv, e)))
-    return rc;
-  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->nh, .head_stride = m->qh, .offset = m->nope,
+  float *kv = b->qkv + m->ln_qa; /* c | k_rot of each token */
+  if ((rc = op->rmsnorm(bk, T, m->kv_lora, kv, ld, ly->kv_a_norm, eps, kv, ld, e))) return rc;
+  gc_bk_rope rq = {.n_tokens = T, .n_heads = m->lnh, .head_stride = m->qh, .offset = m->nope,
                    .dim = m->rope, .interleave = m->cfg.rope_interleave,
                    .scale = m->rope_scale, .x = q, .ld = ldq, .pos = b->pos,
-                   .inv_freq = m->inv_freq};
+                   .inv_freq = r->inv_freq};
   if ((rc = op->rope(bk, &rq, e))) return rc;
   gc_bk_rope rk = rq;
   rk.n_heads = 1, rk.head_stride = m->kv_lora + m->rope, rk.offset = m->kv_lora, rk.x = kv;
-  rk.ld = m->n_qkv;
+  rk.ld = ld;
   if ((rc = op->rope(bk, &rk, e))) return rc;
-  gc_bk_mla a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->nh,
+  gc_bk_mla a = {.n_tokens = T, .seq = b->seq, .pos = b->pos, .n_heads = m->lnh,
                  .nope = m->nope, .rope = m->rope, .v_dim = m->vd, .kv_lora = m->kv_lora,
                  .max_seq = m->max_seq, .scale = m->attn_scale, .q = q, .ldq = ldq, .kv = kv,
-                 .ldkv = m->n_qkv, .w_kv_b = ly->w_kv_b, .cache = ly->k_cache,
-                 .out = b->attn};
+                 .ldkv = ld, .w_kv_b = ly->w_kv_b, .cache = ly->k_cache, .out = b->attn};
   if ((rc = op->mla_attention(bk, &a, e))) return rc;
-  if ((rc = op->matmul(bk, ly->o, T, b->attn, NULL, b->y, e))) return rc;
-  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+  return op->matmul(bk, ly->o, T, b->attn, NULL, b->y, e);
 }
 
 /* out = down(silu(gate(h)) * up(h)) of width n (b->h in, b->gu and b->mh as scratch). */
-static int mlp(gc_model *m, const gc_bk_linear *gate_up, const gc_bk_linear *down, uint32_t n,
+static int mlp(model_rank *r, const gc_bk_linear *gate_up, const gc_bk_linear *down, uint32_t n,
                uint32_t T, float *out, mr_err *e) {
-  const gc_bk_ops *op = m->bk->ops;
-  model_bufs *b = &m->b;
+  const gc_bk_ops *op = r->bk->ops;
+  model_bufs *b = &r->b;
   int rc;
-  if ((rc = op->matmul(m->bk, gate_up, T, b->h, NULL, b->gu, e))) return rc;
-  if ((rc = op->silu_mul(m->bk, T, n, b->gu, b->mh, e))) return rc;
-  return op->matmul(m->bk, down, T, b->mh, NULL, out, e);
+  if ((rc = op->matmul(r->bk, gate_up, T, b->h, NULL, b->gu, e))) return rc;
+  if ((rc = op->silu_mul(r->bk, T, n, b->gu, b->mh, e))) return rc;
+  return op->matmul(r->bk, down, T, b->mh, NULL, out, e);
 }
 
-static int layer_dense_mlp(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
-  model_layer *ly = &m->layer[l];
-  const gc_bk_ops *op = m->bk->ops;
-  gc_backend *bk = m->bk;
-  model_bufs *b = &m->b;
-  int rc;
-  if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h, m->H, e)))
-    return rc;
-  if ((rc = mlp(m, ly->gate_up, ly->down, m->Id, T, b->y, e))) return rc;
-  return op->add(bk, b->x, b->y, (size_t)T * m->H, e);
+/* y = the dense MLP of rank r's columns. */
+static int layer_dense_mlp(gc_model *m, model_rank *r, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &r->layer[l];
+  model_bufs *b = &r->b;
+  int rc = r->bk->ops->rmsnorm(r->bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h,
+                               m->H, e);
+  return rc ? rc : mlp(r, ly->gate_up, ly->down, m->lId, T, b->y, e);
 }
 
-static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
-  model_layer *ly = &m->layer[l];
-  const gc_bk_ops *op = m->bk->ops;
-  gc_backend *bk = m->bk;
-  model_bufs *b = &m->b;
+/* y = rank r's part of the MoE layer: its hot experts and its columns of the shared ones,
+ * and on rank 0 the servers' sum (and the previous layer's deferred one). Every rank routes
+ * (the same ids: x is the same on every rank); rank 0 alone counts and sends. */
+static int layer_moe(gc_model *m, model_rank *r, uint32_t l, uint32_t T, mr_err *e) {
+  model_layer *ly = &r->layer[l];
+  const gc_bk_ops *op = r->bk->ops;
+  gc_backend *bk = r->bk;
+  model_bufs *b = &r->b;
   gc_layer_stats *ls = &m->lst[l];
   const size_t TK = (size_t)T * m->k, TH = (size_t)T * m->H;
+  const bool lead = r->id == 0;
   int rc;
   if ((rc = op->rmsnorm(bk, T, m->H, b->x, m->H, ly->ln2, m->cfg.rms_norm_eps, b->h, m->H, e)))
     return rc;
   if ((rc = op->matmul(bk, ly->router, T, b->h, NULL, b->router, e))) return rc;
-  gc_bk_route r = {.n_tokens = T, .num_experts = m->E, .top_k = m->k,
-                   .norm_topk = m->cfg.norm_topk_prob, .scoring = m->cfg.scoring,
-                   .method = m->cfg.topk_method, .bias = ly->e_bias,
-                   .n_group = m->cfg.n_group, .topk_group = m->cfg.topk_group,
-                   .scale = m->cfg.routed_scaling_factor, .logits = b->router,
-                   .ids = b->ids, .weights = b->w};
-  if ((rc = op->route(bk, &r, e))) return rc;
+  gc_bk_route rt = {.n_tokens = T, .num_experts = m->E, .top_k = m->k,
+                    .norm_topk = m->cfg.norm_topk_prob, .scoring = m->cfg.scoring,
+                    .method = m->cfg.topk_method, .bias = ly->e_bias,
+                    .n_group = m->cfg.n_group, .topk_group = m->cfg.topk_group,
+                    .scale = m->cfg.routed_scaling_factor, .logits = b->router,
+                    .ids = b->ids, .weights = b->w};
+  if ((rc = op->route(bk, &rt, e))) return rc;
   /* With a cluster every MoE layer goes through gc_moe, even one whose experts are all
    * local: its wait collects the previous MoE layer's deferred call. */
-  const bool remote = m->moe != NULL;
-  if (remote && ly->n_hot < m->E && (rc = op->to_host(bk, b->wire, m->wire, b->h, TH, e)))
-    return rc;
+  const bool remote = lead && m->moe != NULL;
+  bool all_local = true;
+  for (uint32_t x = 0; x < m->E && all_local; x++) all_local = m->local[(size_t)l * m->E + x];
+  if (remote && !all_local && (rc = op->to_host(bk, b->wire, m->wire, b->h, TH, e))) return rc;
   if ((rc = op->sync(bk, e))) return rc;
-  count_experts(m, T);
+  if (lead) count_experts(m, r, T);
 
   /* The cold slots go out first, so that the servers work while we compute the hot ones. */
-  if (!remote) gc_routing_count(m->routing_own, l, b->ids, TK, T, true);
+  if (lead && !m->moe) gc_routing_count(m->routing_own, l, b->ids, TK, T, true);
   if (remote) {
     gc_layer_req q = {.layer = l, .n_tokens = T, .top_k = m->k, .ids = b->ids, .weights = b->w,
                       .x = b->wire, .dtype = m->wire};
@@ -1452,23 +1650,22 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
   }
   uint64_t t0 = mr_now_ns();
   bool any_hot = false;
+  uint64_t n_local = 0;
   for (size_t i = 0; i < TK; i++) {
     int32_t x = b->ids[i];
-    bool hot = x >= 0 && m->local[(size_t)l * m->E + x];
-    b->hot_ids[i] = hot ? x : -1;
-    any_hot |= hot;
+    bool local = x >= 0 && m->local[(size_t)l * m->E + x];
+    bool mine = local && m->owner[(size_t)l * m->E + x] == r->id;
+    n_local += local;
+    b->hot_ids[i] = mine ? x : -1;
+    any_hot |= mine;
   }
-  if (any_hot) {
-    uint64_t n_hot = 0;
-    for (size_t i = 0; i < TK; i++) n_hot += b->hot_ids[i] >= 0;
-    __atomic_fetch_add(&m->mx_local_slots, n_hot, __ATOMIC_RELAXED);
-  }
+  if (lead && n_local) __atomic_fetch_add(&m->mx_local_slots, n_local, __ATOMIC_RELAXED);
   if (any_hot) rc = op->experts(bk, ly->hot, T, m->k, b->hot_ids, b->w, b->h, b->y, e);
   else rc = op->zero(bk, b->y, TH, e);
   /* shared experts: on the backend too, while the servers work on the cold slots */
-  if (!rc && ly->sh_gate_up && !(rc = mlp(m, ly->sh_gate_up, ly->sh_down, m->Is, T, b->y2, e)))
+  if (!rc && ly->sh_gate_up && !(rc = mlp(r, ly->sh_gate_up, ly->sh_down, m->lIs, T, b->y2, e)))
     rc = op->add(bk, b->y, b->y2, TH, e);
-  ls->local_us += (mr_now_ns() - t0) / 1000u;
+  if (lead) ls->local_us += (mr_now_ns() - t0) / 1000u;
   if (rc) {
     if (remote) gc_moe_abort(m->moe);
     return rc;
@@ -1486,33 +1683,184 @@ static int layer_moe(gc_model *m, uint32_t l, uint32_t T, mr_err *e) {
     ls->deferred_slots += tm.deferred_slots;
     if ((rc = op->add_host(bk, b->y, b->cold, TH, e))) return rc;
   }
-  return op->add(bk, b->x, b->y, TH, e);
+  return 0;
+}
+
+/* x += all_reduce(y): joins the ranks' partial sums (a no-op reduction with tp 1). A rank
+ * that failed earlier in the step (failed) still takes part, so that no rank waits for it
+ * forever, and adds nothing. */
+static int join(gc_model *m, model_rank *r, uint32_t T, bool failed, mr_err *e) {
+  const size_t TH = (size_t)T * m->H;
+  if (m->comm) {
+    int rc = m->comm->ops->all_reduce_sum(m->comm, r->id, r->bk, r->b.y, TH, e);
+    if (rc) return rc;
+  }
+  return failed ? 0 : r->bk->ops->add(r->bk, r->b.x, r->b.y, TH, e);
+}
+
+/* Rank r's part of a step: embedding and every layer. With tp 1 it stops at the first
+ * error; with tp > 1 a failed rank keeps calling the collectives (computing nothing) to
+ * the end of the step, so that the others finish too, and reports its first error. A
+ * failed collective aborts the communicator: every rank stops at once. */
+static int rank_step(gc_model *m, model_rank *r, const gc_step *s, mr_err *e) {
+  const uint32_t T = s->n_tokens;
+  const bool lead = r->id == 0;
+  int first = r->bk->ops->embed(r->bk, r->embed, T, s->ids, r->b.x, e);
+  if (first && !m->comm) return first;
+  for (uint32_t l = 0; l < m->L; l++) {
+    mr_err le;
+    uint64_t ta = mr_now_ns();
+    int rc = first;
+    if (!first) {
+      rc = m->mla ? layer_attention_mla(m, r, l, T, &le) : layer_attention(m, r, l, T, &le);
+      if (rc) mr_err_prefix(&le, rc, "layer %u attention", l);
+    }
+    if (!first && rc) first = rc, *e = le;
+    if (first && !m->comm) return first;
+    if ((rc = join(m, r, T, first != 0, &le))) {
+      if (!first) *e = le;
+      if (m->comm) m->comm->ops->abort(m->comm);
+      return first ? first : rc;
+    }
+    if (lead) m->lst[l].attn_us += (mr_now_ns() - ta) / 1000u;
+    uint64_t tm = mr_now_ns();
+    if (!first) {
+      rc = r->layer[l].moe ? layer_moe(m, r, l, T, &le) : layer_dense_mlp(m, r, l, T, &le);
+      if (rc) mr_err_prefix(&le, rc, "layer %u %s", l, r->layer[l].moe ? "MoE" : "MLP");
+      if (rc) first = rc, *e = le;
+    }
+    if (first && !m->comm) return first;
+    if ((rc = join(m, r, T, first != 0, &le))) {
+      if (!first) *e = le;
+      if (m->comm) m->comm->ops->abort(m->comm);
+      return first ? first : rc;
+    }
+    if (lead && !r->layer[l].moe) m->lst[l].local_us += (mr_now_ns() - tm) / 1000u;
+  }
+  return first;
 }
 
 static int step_head(gc_model *m, const gc_step *s, uint32_t n_want, mr_err *e) {
-  const gc_bk_ops *op = m->bk->ops;
-  gc_backend *bk = m->bk;
+  model_rank *r = &m->rk[0];
+  const gc_bk_ops *op = r->bk->ops;
+  gc_backend *bk = r->bk;
   int rc;
-  if (n_want > m->head_cap) {
-    if (m->head_x) op->free(bk, m->head_x);
-    if (m->head_out) op->free(bk, m->head_out);
-    m->head_x = op->alloc(bk, (size_t)n_want * m->H * 4);
-    m->head_out = op->alloc(bk, (size_t)n_want * m->V * 4);
-    m->head_cap = m->head_x && m->head_out ? n_want : 0;
-    if (!m->head_cap) return mr_err_set(e, MR_ENOMEM, "logits of %u tokens: out of memory", n_want);
+  if (n_want > r->head_cap) {
+    if (r->head_x) op->free(bk, r->head_x);
+    if (r->head_out) op->free(bk, r->head_out);
+    r->head_x = op->alloc(bk, (size_t)n_want * m->H * 4);
+    r->head_out = op->alloc(bk, (size_t)n_want * m->V * 4);
+    r->head_cap = r->head_x && r->head_out ? n_want : 0;
+    if (!r->head_cap) return mr_err_set(e, MR_ENOMEM, "logits of %u tokens: out of memory", n_want);
   }
   /* gather the rows that want logits, then norm + lm_head on them only */
   uint32_t j = 0;
   for (uint32_t t = 0; t < s->n_tokens; t++)
-    if (!s->want_logits || s->want_logits[t]) m->b.pos[j++] = t; /* pos is free by now */
-  if ((rc = op->gather_rows(bk, m->head_x, m->b.x, m->H, m->b.pos, n_want, e))) return rc;
-  if ((rc = op->rmsnorm(bk, n_want, m->H, m->head_x, m->H, m->final_norm, m->cfg.rms_norm_eps,
-                        m->head_x, m->H, e)))
+    if (!s->want_logits || s->want_logits[t]) r->b.pos[j++] = t; /* pos is free by now */
+  if ((rc = op->gather_rows(bk, r->head_x, r->b.x, m->H, r->b.pos, n_want, e))) return rc;
+  if ((rc = op->rmsnorm(bk, n_want, m->H, r->head_x, m->H, r->final_norm, m->cfg.rms_norm_eps,
+                        r->head_x, m->H, e)))
     return rc;
-  if ((rc = op->matmul(bk, m->head, n_want, m->head_x, NULL, m->head_out, e))) return rc;
-  if ((rc = op->to_host(bk, s->logits, MR_DTYPE_F32, m->head_out, (size_t)n_want * m->V, e)))
+  if ((rc = op->matmul(bk, r->head, n_want, r->head_x, NULL, r->head_out, e))) return rc;
+  if ((rc = op->to_host(bk, s->logits, MR_DTYPE_F32, r->head_out, (size_t)n_want * m->V, e)))
     return rc;
   return op->sync(bk, e);
+}
+
+/* ---- worker ranks ------------------------------------------------------------------------ */
+
+typedef struct rank_arg {
+  gc_model *m;
+  model_rank *r;
+} rank_arg;
+
+static void *rank_main(void *arg) {
+  gc_model *m = ((rank_arg *)arg)->m;
+  model_rank *r = ((rank_arg *)arg)->r;
+  mr_free(arg);
+  char name[16];
+  snprintf(name, sizeof name, "gc-rank%u", r->id);
+  pthread_setname_np(pthread_self(), name);
+  uint64_t seen = 0;
+  for (;;) {
+    pthread_mutex_lock(&m->st_mu);
+    while (m->st_gen == seen && !m->st_stop) pthread_cond_wait(&m->st_cv, &m->st_mu);
+    if (m->st_stop) {
+      pthread_mutex_unlock(&m->st_mu);
+      break;
+    }
+    seen = m->st_gen;
+    const gc_step *s = m->st_step;
+    pthread_mutex_unlock(&m->st_mu);
+    r->rc = rank_step(m, r, s, &r->err);
+    pthread_mutex_lock(&m->st_mu);
+    if (--m->st_pending == 0) pthread_cond_signal(&m->st_done_cv);
+    pthread_mutex_unlock(&m->st_mu);
+  }
+  return NULL;
+}
+
+/* Starts the threads of ranks 1..tp-1 (they wait for steps). */
+static int ranks_start(gc_model *m, mr_err *e) {
+  if (m->tp == 1) return 0;
+  pthread_mutex_init(&m->st_mu, NULL);
+  pthread_cond_init(&m->st_cv, NULL);
+  pthread_cond_init(&m->st_done_cv, NULL);
+  m->st_inited = true;
+  for (uint32_t i = 1; i < m->tp; i++) {
+    rank_arg *a = mr_malloc(sizeof *a);
+    if (!a) return mr_err_set(e, MR_ENOMEM, "rank %u: out of memory", i);
+    *a = (rank_arg){m, &m->rk[i]};
+    int err = pthread_create(&m->rk[i].th, NULL, rank_main, a);
+    if (err) {
+      mr_free(a);
+      return mr_err_set(e, MR_EEXHAUSTED, "rank %u: could not start its thread: %s", i,
+                        strerror(err));
+    }
+    m->rk[i].th_started = true;
+  }
+  return 0;
+}
+
+static void ranks_stop(gc_model *m) {
+  if (!m->st_inited) return;
+  pthread_mutex_lock(&m->st_mu);
+  m->st_stop = true;
+  pthread_cond_broadcast(&m->st_cv);
+  pthread_mutex_unlock(&m->st_mu);
+  for (uint32_t i = 1; i < m->tp; i++)
+    if (m->rk[i].th_started) pthread_join(m->rk[i].th, NULL);
+  pthread_cond_destroy(&m->st_cv);
+  pthread_cond_destroy(&m->st_done_cv);
+  pthread_mutex_destroy(&m->st_mu);
+  m->st_inited = false;
+}
+
+/* Every rank's part of step s: ranks 1.. on their threads, rank 0 here; the first error
+ * by rank wins (a rank that only saw the abort of another reports MR_ECANCELED last). */
+static int ranks_step(gc_model *m, const gc_step *s, mr_err *e) {
+  if (m->tp == 1) return rank_step(m, &m->rk[0], s, e);
+  pthread_mutex_lock(&m->st_mu);
+  m->st_step = s;
+  m->st_pending = m->tp - 1;
+  m->st_gen++;
+  pthread_cond_broadcast(&m->st_cv);
+  pthread_mutex_unlock(&m->st_mu);
+  m->rk[0].rc = rank_step(m, &m->rk[0], s, &m->rk[0].err);
+  pthread_mutex_lock(&m->st_mu);
+  while (m->st_pending) pthread_cond_wait(&m->st_done_cv, &m->st_mu);
+  pthread_mutex_unlock(&m->st_mu);
+  int rc = 0;
+  for (int pass = 0; pass < 2 && !rc; pass++)
+    for (uint32_t i = 0; i < m->tp && !rc; i++) {
+      model_rank *r = &m->rk[i];
+      if (r->rc && (pass == 1 || r->rc != MR_ECANCELED)) {
+        rc = r->rc;
+        *e = r->err;
+        if (i) mr_err_prefix(e, rc, "rank %u", i);
+      }
+    }
+  return rc;
 }
 
 int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
@@ -1521,30 +1869,13 @@ int gc_model_step(gc_model *m, const gc_step *s, mr_err *e) {
   int rc = step_validate(m, s, &n_want, e);
   if (rc) return rc;
   const uint32_t T = s->n_tokens;
-  if ((rc = bufs_grow(m, T, e))) return rc;
-  const uint64_t t0 = mr_now_ns();
-  memcpy(m->b.pos, s->pos, T * sizeof *s->pos);
-  memcpy(m->b.seq, s->seq, T * sizeof *s->seq);
-  if ((rc = m->bk->ops->embed(m->bk, m->embed, T, s->ids, m->b.x, e))) goto fail;
-  for (uint32_t l = 0; l < m->L; l++) {
-    uint64_t ta = mr_now_ns();
-    if ((rc = m->mla ? layer_attention_mla(m, l, T, e) : layer_attention(m, l, T, e))) {
-      mr_err_prefix(e, rc, "layer %u attention", l);
-      goto fail;
-    }
-    m->lst[l].attn_us += (mr_now_ns() - ta) / 1000u;
-    if (m->layer[l].moe) {
-      rc = layer_moe(m, l, T, e);
-    } else {
-      uint64_t tm = mr_now_ns();
-      rc = layer_dense_mlp(m, l, T, e);
-      m->lst[l].local_us += (mr_now_ns() - tm) / 1000u;
-    }
-    if (rc) {
-      mr_err_prefix(e, rc, "layer %u %s", l, m->layer[l].moe ? "MoE" : "MLP");
-      goto fail;
-    }
+  for (uint32_t r = 0; r < m->tp; r++) {
+    if ((rc = bufs_grow(m, &m->rk[r], T, e))) return rc;
+    memcpy(m->rk[r].b.pos, s->pos, T * sizeof *s->pos);
+    memcpy(m->rk[r].b.seq, s->seq, T * sizeof *s->seq);
   }
+  const uint64_t t0 = mr_now_ns();
+  if ((rc = ranks_step(m, s, e))) goto fail;
   /* the last MoE layer defers nothing and collects the deferral before it */
   MR_ASSERT(!m->moe || !gc_moe_has_deferred(m->moe));
   uint64_t th = mr_now_ns();

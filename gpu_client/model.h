@@ -46,6 +46,9 @@ typedef struct gc_model_opts {
                                * model's max_position_embeddings) */
   uint32_t max_batch;         /* KV slots (sequences at once), 0 = 1 */
   kn_engine_opts engine;      /* the kernel engine (threads, ISA, NUMA) */
+  const char *backend;        /* "cpu" (NULL = cpu) or "cuda" (gc_bk_open) */
+  uint32_t device;            /* cuda: the first device; rank r uses device + r */
+  uint32_t tp;                /* tensor-parallel ranks (comm.h), 0 or 1 = none */
   kn_format expert_format;    /* hot experts; KN_FMT_COUNT = the servers' format, or as stored
                                * without a cluster */
   uint32_t expert_group;      /* INT4 group, 0 = 64 (or the servers') */

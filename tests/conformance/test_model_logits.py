@@ -292,8 +292,9 @@ def router_peak(cfg, ckpt, ids):
     return float(torch.stack([torch.softmax(r.float(), -1).amax(-1).mean() for r in rl]).mean())
 
 
-def run_client(client, ckpt, ids, out, threads, logf):
+def run_client(client, ckpt, ids, out, threads, logf, extra=()):
     cmd = [client, "logits", "--model", ckpt, "--ids", ",".join(map(str, ids)), "--out", out]
+    cmd += list(extra)
     if threads:
         cmd += ["--threads", str(threads)]
     env = dict(os.environ, MOERPC_ISA="ref")
@@ -413,6 +414,25 @@ def main():
         if not ok:
             print(f"     rel L2 per row: "
                   f"{' '.join(f'{rel_l2(got[t], ref[t]):.2g}' for t in range(T))}")
+
+        # 3. ours with tensor parallelism (--tp 2: heads and dense MLP columns split over two
+        # ranks, gpu_client/comm.h): the same limit against transformers, and within 1e-5 of
+        # one rank (the partial sums are added in another order)
+        out2 = os.path.join(cdir, "ours_tp2_logits.f32")
+        cmd2, r2 = run_client(args.client, ckpt, ids, out2, args.threads,
+                              os.path.join(cdir, "command_tp2.txt"), ["--tp", "2"])
+        got2 = (np.fromfile(out2, dtype="<f4") if r2.returncode == 0 and os.path.exists(out2)
+                else np.zeros(0, "<f4"))
+        if got2.size != T * V:
+            check(False, f"{name}: --tp 2: exit {r2.returncode}: "
+                  f"{(r2.stderr or r2.stdout).strip().splitlines()[-1:]}")
+            continue
+        got2 = got2.reshape(T, V)
+        e2, e21 = rel_l2(got2, ref), rel_l2(got2, got)
+        check(e2 <= REL_L2_LIMIT and e21 <= 1e-5 and (got2.argmax(-1) == am_ref).all(),
+              f"{name}: --tp 2 vs transformers fp32: rel L2 {e2:.3g} (limit "
+              f"{REL_L2_LIMIT:.0e}), vs one rank {e21:.3g} (limit 1e-05), argmax "
+              f"{'equal' if (got2.argmax(-1) == am_ref).all() else 'differs'}")
 
     if failed:
         print(f"conformance-model: debug files (ids.txt, ref_logits.f32/.npy [T, vocab] f32, "
