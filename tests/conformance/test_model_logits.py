@@ -93,6 +93,11 @@ CASES = [
                          tie_word_embeddings=True),
      torch.float32, None, 12),
     ("mixtral-c", MixtralForCausalLM, mixtral_config, torch.float32, None, 13),
+    # q/k/v/o biases (attention_bias): the --tp 2 run splits the q/k/v ones by heads and
+    # adds o's once
+    ("qwen3moe-bias", Qwen3MoeForCausalLM,
+     lambda: qwen_config(attention_bias=True, num_hidden_layers=2, norm_topk_prob=True),
+     torch.float32, None, 14),
 ]
 
 
@@ -221,9 +226,13 @@ def spec_forward(cfg, W, ids):
     for li in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{li}."
         h = rms_norm(x, W[p + "input_layernorm.weight"], eps)
-        q = (h @ W[p + "self_attn.q_proj.weight"].T).view(T, nh, hd)
-        kk = (h @ W[p + "self_attn.k_proj.weight"].T).view(T, nkv, hd)
-        v = (h @ W[p + "self_attn.v_proj.weight"].T).view(T, nkv, hd)
+        def proj(name, x_in):  # x W^T (+ b with attention_bias)
+            y = x_in @ W[p + f"self_attn.{name}.weight"].T
+            b = W.get(p + f"self_attn.{name}.bias")
+            return y if b is None else y + b
+        q = proj("q_proj", h).view(T, nh, hd)
+        kk = proj("k_proj", h).view(T, nkv, hd)
+        v = proj("v_proj", h).view(T, nkv, hd)
         if qwen:  # per-head RMSNorm over head_dim, BEFORE RoPE
             q = rms_norm(q, W[p + "self_attn.q_norm.weight"], eps)
             kk = rms_norm(kk, W[p + "self_attn.k_norm.weight"], eps)
@@ -235,7 +244,7 @@ def spec_forward(cfg, W, ids):
         s = s.masked_fill(causal[None], float("-inf"))
         a = torch.softmax(s, dim=-1)
         o = torch.einsum("hqk,khd->qhd", a, v).reshape(T, nh * hd)
-        x = x + o @ W[p + "self_attn.o_proj.weight"].T
+        x = x + proj("o_proj", o)
         h = rms_norm(x, W[p + "post_attention_layernorm.weight"], eps)
         if qwen:
             moe = li not in mlp_only and E > 0 and (li + 1) % step == 0
