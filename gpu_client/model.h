@@ -21,6 +21,10 @@
  *   dense layer: x += down(silu(gate(h)) * up(h))
  * then logits = lm_head(rmsnorm(x)) for the tokens that want them.
  *
+ * Tensor parallelism (opts.tp > 1, comm.h): ranks 1.. are threads of the model, each with
+ * its own backend and slice of the weights; gc_model_step runs rank 0 on the caller's
+ * thread and returns when every rank has finished the step.
+ *
  * Threads: one thread drives a gc_model. Errors name the field and the limit.
  */
 #ifndef GC_MODEL_H
