@@ -48,6 +48,10 @@ bundle() {
         *) cp -L "$path" "$D/lib/$name" ;;
       esac
     done
+  # debug info is most of their size; the GPU run needs none of it
+  if command -v strip >/dev/null; then
+    for f in "$D"/bin/* "$D"/tests/* "$D"/lib/*; do strip --strip-debug "$f" 2>/dev/null; done
+  fi
   # two small models: a Qwen3-MoE (GQA) and a DeepSeek-V3 (MLA, noaux_tc groups)
   "$D/bin/moerpc-mkmodel" --out "$D/models/qwen" --layers 3 --experts 16 --topk 4 --hidden 256 \
       --inter 128 --vocab 512 --heads 8 --kv-heads 2 --head-dim 64 --seed 7 >/dev/null || exit 1
@@ -74,9 +78,8 @@ run() {
   export LD_LIBRARY_PATH="$D/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   export MOERPC_CUDA_LIB="$D/lib/libmoerpc-cuda.so"
   if [ -n "${OUT:-}" ]; then mkdir -p "$OUT"; JSONL=$OUT/gpu.jsonl; : >"$JSONL"; fi
-  local W
   W=$(mktemp -d)
-  local pids=()
+  pids=()
   trap 'for p in "${pids[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; rm -rf "$W"' EXIT
   echo "== machine"
   nvidia-smi -L 2>&1 || echo "(no nvidia-smi)"
