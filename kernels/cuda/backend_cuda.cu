@@ -216,11 +216,12 @@ static int d2h_alloc(cu_backend *cb, size_t bytes, void **out, mr_err *e) {
   bytes = (bytes + 63) & ~(size_t)63;
   pinned *last = cb->n_d2h ? &cb->d2h[cb->n_d2h - 1] : NULL;
   if (!last || last->cap - last->used < bytes) {
+    /* the size first: realloc may move the array last points into */
+    size_t cap = last && last->cap * 2 > bytes ? last->cap * 2 : bytes;
+    if (cap < H2D_MIN_CAP) cap = H2D_MIN_CAP;
     pinned *nd = (pinned *)mr_realloc(cb->d2h, (cb->n_d2h + 1) * sizeof *nd);
     if (!nd) return mr_err_set(e, MR_ENOMEM, "cuda to_host: out of memory");
     cb->d2h = nd;
-    size_t cap = last && last->cap * 2 > bytes ? last->cap * 2 : bytes;
-    if (cap < H2D_MIN_CAP) cap = H2D_MIN_CAP;
     pinned *p = &cb->d2h[cb->n_d2h];
     p->used = 0;
     p->cap = 0;
@@ -725,6 +726,8 @@ static int cu_attention(gc_backend *b, const gc_bk_attn *a, mr_err *e) {
   if (a->n_kv_heads == 0 || a->n_heads % a->n_kv_heads)
     return mr_err_set(e, MR_EINVAL, "attention: %u heads over %u kv heads", a->n_heads,
                       a->n_kv_heads);
+  if (a->n_heads > 65535) /* a grid dimension */
+    return mr_err_set(e, MR_EINVAL, "attention: %u heads, at most 65535", a->n_heads);
   if (hd < 1 || hd > 8192)
     return mr_err_set(e, MR_EINVAL, "attention: head_dim %u, must be in 1..8192", hd);
   uint32_t max_pos = 0;
@@ -789,6 +792,8 @@ static int cu_mla_attention(gc_backend *b, const gc_bk_mla *a, mr_err *e) {
   cu_backend *cb = cub(b);
   const uint32_t T = a->n_tokens, R = a->kv_lora, nh = a->n_heads, lw = R + a->rope;
   const uint32_t qh = a->nope + a->rope;
+  if (nh < 1 || nh > 65535) /* a grid dimension */
+    return mr_err_set(e, MR_EINVAL, "mla attention: %u heads, must be in 1..65535", nh);
   if (R < 1 || R > CU_MLA_MAX_R || a->rope > 1024)
     return mr_err_set(e, MR_ENOTSUP, "mla attention: kv_lora_rank %u and rope %u, the cuda "
                       "backend takes kv_lora_rank 1..%u and rope <= 1024", R, a->rope, CU_MLA_MAX_R);

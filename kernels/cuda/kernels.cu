@@ -226,7 +226,7 @@ static __device__ __forceinline__ uint32_t first_key(uint32_t pos, uint32_t wind
   return window && pos + 1 > window ? pos + 1 - window : 0;
 }
 
-/* Split-K decode attention. grid (n_chunks, n_heads, T), 128 threads (4 warps); dynamic
+/* Split-K decode attention. grid (T, n_heads, n_chunks), 128 threads (4 warps); dynamic
  * shared memory: q [head_dim] + scores [CU_ATTN_CHUNK] + 32 reduction slots.
  *
  *   chunk c of (t, h) covers key positions [c * CHUNK, (c + 1) * CHUNK) of its window:
@@ -236,8 +236,8 @@ static __device__ __forceinline__ uint32_t first_key(uint32_t pos, uint32_t wind
  */
 __global__ void k_attn_decode(cu__attn_args a, float *part_o, float *part_ml) {
   extern __shared__ float sm[];
-  const uint32_t hd = a.head_dim, c = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
-  const uint32_t n_chunks = gridDim.x;
+  const uint32_t hd = a.head_dim, t = blockIdx.x, h = blockIdx.y, c = blockIdx.z;
+  const uint32_t n_chunks = gridDim.z;
   float *qs = sm, *sc = sm + hd, *red = sc + CU_ATTN_CHUNK;
   const uint32_t pos = a.pos[t], first = first_key(pos, a.window);
   uint32_t p0 = c * CU_ATTN_CHUNK, p1 = p0 + CU_ATTN_CHUNK;
@@ -308,7 +308,7 @@ cudaError_t cu__attn_decode(const cu__attn_args *a, float *part_o, float *part_m
                             cudaStream_t s) {
   if (!a->T) return cudaSuccess;
   const uint32_t n_chunks = a->max_pos / CU_ATTN_CHUNK + 1;
-  dim3 grid(n_chunks, a->n_heads, a->T);
+  dim3 grid(a->T, a->n_heads, n_chunks);
   size_t smem = (a->head_dim + CU_ATTN_CHUNK + 32) * sizeof(float);
   k_attn_decode<<<grid, 128, smem, s>>>(*a, part_o, part_ml);
   cudaError_t rc = cudaGetLastError();
@@ -409,7 +409,7 @@ cudaError_t cu__attn_prefill(const cu__attn_args *a, const cu__qtile *tiles, uin
   return cudaGetLastError();
 }
 
-/* MLA core. grid (n_heads, T), 256 threads (8 warps); dynamic shared memory:
+/* MLA core. grid (T, n_heads), 256 threads (8 warps); dynamic shared memory:
  * q_lat [R] | q_rot [rope] | per-warp (m, l) [16] | per-warp acc [8, R].
  * Each warp runs an online softmax over the positions p = warp, warp + 8, ... <= pos with
  * the latent in registers (lane owns r = lane + 32 i); the warps are merged at the end. */
@@ -419,7 +419,7 @@ __global__ void k_mla_core(float *o_lat, const float *q_lat, const float *q, siz
                            const float *cache, uint32_t max_seq, const uint32_t *seq,
                            const uint32_t *pos, float scale) {
   extern __shared__ float sm[];
-  const uint32_t h = blockIdx.x, t = blockIdx.y, nh = gridDim.x, lw = R + rope;
+  const uint32_t t = blockIdx.x, h = blockIdx.y, nh = gridDim.y, lw = R + rope;
   float *ql = sm, *qr = ql + R, *wml = qr + rope, *accw = wml + 2 * MLA_WARPS;
   const size_t item = (size_t)t * nh + h;
   for (uint32_t r = threadIdx.x; r < R; r += blockDim.x) ql[r] = q_lat[item * R + r];
@@ -476,7 +476,7 @@ cudaError_t cu__mla_core(float *o_lat, const float *q_lat, const float *q, size_
                          const uint32_t *seq, const uint32_t *pos, uint32_t T, float scale,
                          cudaStream_t s) {
   if (!T) return cudaSuccess;
-  dim3 grid(n_heads, T);
+  dim3 grid(T, n_heads);
   size_t smem = ((size_t)R + rope + 2 * MLA_WARPS + (size_t)MLA_WARPS * R) * sizeof(float);
   k_mla_core<<<grid, 32 * MLA_WARPS, smem, s>>>(o_lat, q_lat, q, ldq, qh, nope, rope, R, cache,
                                                 max_seq, seq, pos, scale);
