@@ -33,11 +33,24 @@ HAVE_NUMA   ?= 1
 HAVE_AVX2   ?= 1
 HAVE_AVX512 ?= 1
 
+# The CUDA backend (kernels/cuda/ -> $(BUILD)/lib/libmoerpc-cuda.so, dlopen'ed by the client
+# for --backend cuda): built when nvcc is found. Sanitizer builds skip it: nvcc's objects are
+# not instrumented and the CUDA runtime's own allocations trip ASan/TSan, so those builds
+# test the CPU backend only (the loader then reports "no CUDA backend").
+NVCC      ?= nvcc
+CUDA_HOME ?= /usr/local/cuda
+ifeq ($(origin HAVE_CUDA),undefined)
+HAVE_CUDA := $(if $(shell command -v $(NVCC) 2>/dev/null),1,0)
+endif
+ifneq ($(SANITIZER),)
+override HAVE_CUDA := 0
+endif
+
 STD   = -std=gnu11
 WARN  = -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes -Wvla -Werror=implicit-function-declaration
 OPT  ?= -O2 -g
 DEFS  = -DMR_HAVE_HWLOC=$(HAVE_HWLOC) -DMR_HAVE_NUMA=$(HAVE_NUMA) -DMR_HAVE_AVX2=$(HAVE_AVX2) \
-        -DMR_HAVE_AVX512=$(HAVE_AVX512)
+        -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_CUDA=$(HAVE_CUDA)
 INC   = -I. -I$(BUILD)/gen -I$(BUILD)/gen/proto
 
 ifeq ($(SANITIZER),address)
@@ -52,6 +65,14 @@ endif
 
 CFLAGS  = $(STD) $(WARN) $(OPT) $(DEFS) $(INC) $(SAN) -fPIC -pthread -MMD -MP $(EXTRA_CFLAGS)
 LDFLAGS = $(SAN) -pthread $(EXTRA_LDFLAGS)
+
+# nvcc compiles the .cu files as C++ (mr.h, kn.h and backend.h have extern "C" guards).
+# sm_90 (H100/H200) code plus its PTX, so that newer GPUs JIT it. Everything is hidden but
+# gc_cuda_lib_get; libmr/libkn (and the static CUDA runtime) are linked in and kept local.
+CUDA_ARCH ?= -gencode=arch=compute_90,code=sm_90 -gencode=arch=compute_90,code=compute_90
+NVCCFLAGS  = -O2 $(CUDA_ARCH) -std=c++17 -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra,-Wno-unused-parameter \
+             $(DEFS) -I. -isystem $(CUDA_HOME)/include $(EXTRA_NVCCFLAGS)
+CUDA_LIBS  = -cudart static -L$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lnccl
 
 # Per-ISA flags: only the files of that ISA get them (STYLE.md 11).
 ISA_AVX2   = -mavx2 -mfma -mf16c
@@ -94,6 +115,8 @@ CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
 GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
 # placement/: libpl from pl_*.c; main.c is the moerpc-place command table.
 PL_SRC  = $(wildcard placement/pl_*.c)
+# kernels/cuda/: the CUDA backend (.cu by nvcc, .c by $(CC) against the CUDA headers).
+CU_SRC  = $(wildcard kernels/cuda/*.cu) $(wildcard kernels/cuda/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -104,6 +127,7 @@ ES_OBJ  = $(call obj,$(ES_SRC))
 GC_OBJ  = $(call obj,$(GC_SRC))
 CLI_OBJ = $(call obj,$(CLI_SRC))
 PL_OBJ  = $(call obj,$(PL_SRC))
+CU_OBJ  = $(patsubst %.cu,$(BUILD)/obj/%.o,$(patsubst %.c,$(BUILD)/obj/%.o,$(CU_SRC)))
 
 LIB_MR = $(BUILD)/lib/libmr.a
 LIB_PR = $(BUILD)/lib/libpr.a
@@ -111,6 +135,7 @@ LIB_KN = $(BUILD)/lib/libkn.a
 LIB_ES = $(BUILD)/lib/libes.a
 LIB_GC = $(BUILD)/lib/libmoerpc-client.a
 SO_GC  = $(BUILD)/lib/libmoerpc-client.so
+SO_CUDA = $(BUILD)/lib/libmoerpc-cuda.so
 LIB_PL = $(BUILD)/lib/libpl.a
 LIBS_ALL = $(LIB_PL) $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
@@ -130,7 +155,10 @@ TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
 
 .SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration demo demo-multihost bench fuzz fuzz-check have-not clean help
-all: $(BINS) $(SO_GC) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
+ifeq ($(HAVE_CUDA),1)
+CUDA_TARGETS = $(SO_CUDA)
+endif
+all: $(BINS) $(SO_GC) $(CUDA_TARGETS) $(UNIT_BINS) $(REPLAY_BINS) $(TEST_HELPERS)
 
 help:
 	@sed -n '1,/^$$/p' Makefile
@@ -165,6 +193,15 @@ $(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
 
+# The CUDA backend's objects: nvcc for .cu, $(CC) with the CUDA headers for .c (these rules
+# are more specific than kernels/%.o's, so they win for kernels/cuda/).
+$(BUILD)/obj/kernels/cuda/%.o: kernels/cuda/%.cu
+	@mkdir -p $(dir $@)
+	$(call say,NVCC,$<)$(Q)$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
+$(BUILD)/obj/kernels/cuda/%.o: kernels/cuda/%.c
+	@mkdir -p $(dir $@)
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -fvisibility=hidden -isystem $(CUDA_HOME)/include -c $< -o $@
+
 # ---- libraries --------------------------------------------------------------------------
 define mklib
 	@mkdir -p $(dir $@)
@@ -181,6 +218,19 @@ $(LIB_PL): $(PL_OBJ) ; $(mklib)
 $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -shared -o $@ $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR) $(LDFLAGS) $(EXT_LIBS)
+
+KN_EXT_LIBS = -lm
+ifeq ($(HAVE_HWLOC),1)
+KN_EXT_LIBS += -lhwloc
+endif
+ifeq ($(HAVE_NUMA),1)
+KN_EXT_LIBS += -lnuma
+endif
+$(SO_CUDA): $(CU_OBJ) $(LIB_KN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(NVCC) -shared $(CUDA_ARCH) -o $@ $(CU_OBJ) $(LIB_KN) $(LIB_MR) \
+	    $(CUDA_LIBS) $(KN_EXT_LIBS) -lpthread -Xlinker --exclude-libs,ALL \
+	    -Xlinker -rpath,'$$ORIGIN:$(CUDA_HOME)/lib64'
 
 # ---- binaries ---------------------------------------------------------------------------
 $(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
@@ -280,10 +330,11 @@ demo:
 demo-multihost: all
 	@NO_BUILD=1 BUILD=$(BUILD) deploy/netns/demo-multihost.sh
 
-# The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma; proves every fallback
-# compiles and passes the unit tests (STYLE.md 15). (There are no AMX or CUDA sources yet,
-# so there is nothing of theirs to leave out.)
-HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_HWLOC=0 HAVE_NUMA=0
+# The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma, no CUDA backend; proves
+# every fallback compiles and passes the unit tests (STYLE.md 15), the CPU backend alone
+# included (test_gc_cuda then checks that --backend cuda is refused by name). (There are no
+# AMX sources yet, so there is nothing of theirs to leave out.)
+HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_HWLOC=0 HAVE_NUMA=0 HAVE_CUDA=0
 have-not:
 	@$(MAKE) --no-print-directory BUILD=build/have-not $(HAVE_NOT) all
 	@BUILD=build/have-not tests/run.sh unit
