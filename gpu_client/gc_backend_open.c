@@ -103,10 +103,19 @@ int gc_bk_open(gc_backend **out, const char *name, int dev, kn_engine *eng, uint
   const gc_cuda_lib *lib;
   int rc = gc_cuda_lib_load(&lib, e);
   if (rc) return rc;
-  int n = lib->device_count(e);
-  if (n < 0) return n;
-  if (n == 0)
-    return mr_err_set(e, MR_ENOTSUP, "backend cuda: no CUDA device on this host (use --backend cpu)");
+  mr_err why = {0};
+  int n = lib->device_count(&why);
+  if (n < 0) {
+    *e = why;
+    return n;
+  }
+  if (n == 0) { /* why.msg: the runtime's reason (no driver, too old a driver, none found) */
+    const char *r = strncmp(why.msg, "cuda: ", 6) == 0 ? why.msg + 6 : why.msg;
+    if (strncmp(r, "no CUDA device", 14) == 0) r += 14;
+    while (*r == ' ') r++;
+    return mr_err_set(e, MR_ENOTSUP, "backend cuda: no CUDA device on this host%s%s (use "
+                      "--backend cpu)", *r ? " " : "", r);
+  }
   if (dev < 0 || dev >= n)
     return mr_err_set(e, MR_ERANGE, "cuda device %d: this host has %d (0..%d)", dev, n, n - 1);
   return lib->backend_new(out, dev, eng, max_seq, e);
