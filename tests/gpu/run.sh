@@ -12,6 +12,7 @@
 #                                  greedy tokens identical, cuda all-local vs cuda with two CPU
 #                                  expert servers (identical tokens);
 #                               3. decode tok/s and overlap (moerpc-client bench --json) on cuda;
+#                               4. with two GPUs or more: --tp 2 over NCCL vs --tp 1 (logits);
 #                             and writes JSON lines to $OUT/gpu.jsonl when OUT is set.
 #                             Budget: well under 8 minutes (each step has a timeout).
 #
@@ -148,7 +149,21 @@ run() {
     wait 2>/dev/null
     pids=()
   done
-  echo "== NCCL: covered by test_gc_cuda (nccl_all_reduce_one_rank) on the $(nvidia-smi -L 2>/dev/null | wc -l) GPU(s) present"
+  local ngpu
+  ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  echo "== NCCL: test_gc_cuda's one-rank all-reduce above; tensor parallelism on the $ngpu GPU(s) present"
+  if [ "$ngpu" -ge 2 ]; then
+    for m in qwen dsv3; do
+      timeout 90 "$C" logits --model "$D/models/$m" --ids "$ids" --out "$W/$m.tp2.f32" --backend cuda \
+          --tp 2 --compare "$W/$m.cuda.f32" >"$W/l.log" 2>&1 || { cat "$W/l.log"; fail "tp2_$m" "run failed"; continue; }
+      cat "$W/l.log"
+      rel=$(sed -n 's/.*relative L2 \([0-9.e+-]*\).*/\1/p' "$W/l.log" | tail -n 1)
+      if [ -n "$rel" ] && awk -v r="$rel" 'BEGIN { exit !(r <= 1e-3) }'; then pass "tp2_$m" "\"rel_l2\": $rel"
+      else fail "tp2_$m" "--tp 2 vs --tp 1 relative L2 ${rel:-?} > 1e-3"; fi
+    done
+  else
+    echo "(one GPU: --tp 2 over NCCL needs two; the decomposition itself is tested on the CPU in make test)"
+  fi
   echo "gpu run: $FAILS check(s) failed"
   [ $FAILS -eq 0 ]
 }
