@@ -32,6 +32,12 @@ HAVE_HWLOC  ?= 1
 HAVE_NUMA   ?= 1
 HAVE_AVX2   ?= 1
 HAVE_AVX512 ?= 1
+# AMX tile kernels (kernels/x86/moe_amx.c); they forward small token counts to the AVX-512
+# kernels and are compiled with the AVX-512 flags, so they need HAVE_AVX512=1.
+HAVE_AMX    ?= 1
+ifneq ($(HAVE_AVX512),1)
+override HAVE_AMX := 0
+endif
 
 # The CUDA backend (kernels/cuda/ -> $(BUILD)/lib/libmoerpc-cuda.so, dlopen'ed by the client
 # for --backend cuda): built when nvcc is found. Sanitizer builds skip it: nvcc's objects are
@@ -50,7 +56,7 @@ STD   = -std=gnu11
 WARN  = -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes -Wvla -Werror=implicit-function-declaration
 OPT  ?= -O2 -g
 DEFS  = -DMR_HAVE_HWLOC=$(HAVE_HWLOC) -DMR_HAVE_NUMA=$(HAVE_NUMA) -DMR_HAVE_AVX2=$(HAVE_AVX2) \
-        -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_CUDA=$(HAVE_CUDA)
+        -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_AMX=$(HAVE_AMX) -DMR_HAVE_CUDA=$(HAVE_CUDA)
 INC   = -I. -I$(BUILD)/gen -I$(BUILD)/gen/proto
 
 ifeq ($(SANITIZER),address)
@@ -77,6 +83,7 @@ CUDA_LIBS  = -cudart static -L$(CUDA_HOME)/lib64 -lcublas -lcublasLt -lnccl
 # Per-ISA flags: only the files of that ISA get them (STYLE.md 11).
 ISA_AVX2   = -mavx2 -mfma -mf16c
 ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnni -mavx512vbmi -mfma -mf16c
+ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-bf16 -mamx-int8
 
 GRPC_LIBS = -lgrpc -lgpr
 EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm
@@ -107,6 +114,9 @@ KN_SRC += $(wildcard kernels/x86/*_avx2.c)
 endif
 ifeq ($(HAVE_AVX512),1)
 KN_SRC += $(wildcard kernels/x86/*_avx512.c)
+endif
+ifeq ($(HAVE_AMX),1)
+KN_SRC += $(wildcard kernels/x86/*_amx.c)
 endif
 ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
 # moerpc-client is main.c (the command table) plus one cli_<group>.c per group of
@@ -192,6 +202,15 @@ $(BUILD)/obj/kernels/x86/%_avx2.o: kernels/x86/%_avx2.c
 $(BUILD)/obj/kernels/x86/%_avx512.o: kernels/x86/%_avx512.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -c $< -o $@
+$(BUILD)/obj/kernels/x86/%_amx.o: kernels/x86/%_amx.c
+	@mkdir -p $(dir $@)
+	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) $(ISA_AMX) -c $< -o $@
+# The same AMX source over the scalar tile model (kernels/x86/amx_tile.h), AVX-512 flags
+# only, symbols kn__amx_emu_*: linked into tests/unit/test_kn_amx.c alone, so that make
+# test checks the AMX kernels on CPUs without AMX.
+$(BUILD)/obj/kernels/x86/%_amx_emu.o: kernels/x86/%_amx.c
+	@mkdir -p $(dir $@)
+	$(call say,CC,$@)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -DKN_AMX_EMULATE=1 -c $< -o $@
 
 # The CUDA backend's objects: nvcc for .cu, $(CC) with the CUDA headers for .c (these rules
 # are more specific than kernels/%.o's, so they win for kernels/cuda/).
@@ -265,6 +284,13 @@ $(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
+ifeq ($(HAVE_AMX),1)
+AMX_EMU_OBJ = $(BUILD)/obj/kernels/x86/moe_amx_emu.o
+endif
+$(BUILD)/tests/test_kn_amx: $(BUILD)/obj/tests/unit/test_kn_amx.o $(AMX_EMU_OBJ) $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
 $(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
@@ -287,7 +313,7 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 # instrumentation, ASan + UBSan), without the per-ISA kernel files (MR_FUZZ_NO_ISA).
 FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
-FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC) \
+FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c %_amx.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC) \
                $(PL_SRC)
 FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o
 $(BUILD)/fuzz/obj/gen/moe.pb-c.o: $(GEN_PB_C)
@@ -330,11 +356,11 @@ demo:
 demo-multihost: all
 	@NO_BUILD=1 BUILD=$(BUILD) deploy/netns/demo-multihost.sh
 
-# The "have-not" build: no AVX2/AVX-512 kernels, no hwloc/libnuma, no CUDA backend; proves
-# every fallback compiles and passes the unit tests (STYLE.md 15), the CPU backend alone
-# included (test_gc_cuda then checks that --backend cuda is refused by name). (There are no
-# AMX sources yet, so there is nothing of theirs to leave out.)
-HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_HWLOC=0 HAVE_NUMA=0 HAVE_CUDA=0
+# The "have-not" build: no AVX2/AVX-512/AMX kernels, no hwloc/libnuma, no CUDA backend;
+# proves every fallback compiles and passes the unit tests (STYLE.md 15), the CPU backend
+# alone included (test_gc_cuda then checks that --backend cuda is refused by name; the AMX
+# test ends skipped).
+HAVE_NOT = HAVE_AVX2=0 HAVE_AVX512=0 HAVE_AMX=0 HAVE_HWLOC=0 HAVE_NUMA=0 HAVE_CUDA=0
 have-not:
 	@$(MAKE) --no-print-directory BUILD=build/have-not $(HAVE_NOT) all
 	@BUILD=build/have-not tests/run.sh unit

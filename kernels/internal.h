@@ -97,8 +97,9 @@
  *                   Slices are cut at multiples of 128, so blocks never straddle a slice.
  *                   No NaN codes (0x7f, 0xff) are stored: the loader refuses them.
  *
- * Later phases may add other layouts (e.g. AMX tiles); they then add a layout tag here and
- * a row decoder for it in kn__row_to_f32, so that kn_ref keeps reading every layer.
+ * Later phases may add other layouts; they then add a layout tag here and a row decoder
+ * for it in kn__row_to_f32, so that kn_ref keeps reading every layer. (The AMX kernels,
+ * kernels/x86/moe_amx.c, read this layout as their A operand and need none.)
  */
 
 /* The packed weights of one slice of one expert (all pointers inside mem). */
@@ -475,10 +476,35 @@ static inline float kn__silu(float g) {
  * five; moe_avx512.c: f32, f16, bf16, and int8/int4 when the CPU has AVX512_VNNI).
  * Their kernels follow the thread contract of section C and use tmp as scratch private
  * to the calling worker (down converts h into it); gate_up uses no tmp.
- * No AMX kernels: no machine with AMX is available to this project to test them.
+ * moe_amx.c: bf16, int8, int4 on AMX tiles from KN_AMX_MIN_TOKENS tokens per expert (the
+ * AVX-512 kernels below), registered only on a CPU with AMX and only for the formats whose
+ * start-up self-test against the REF kernels passes (never run on real AMX hardware yet;
+ * kernels/README.md, "AMX").
  */
 void kn__avx2_register(kn__kernel_table *t);
 void kn__avx512_register(kn__kernel_table *t);
+void kn__amx_register(kn__kernel_table *t);
+/* The AVX-512 entry of format f for this CPU, NULL where there is none (built once). */
+const kn__kernel *kn__avx512_kernel(kn_format f);
+/* moe_amx.c's other exports, also built as kn__amx_emu_* over the emulated tiles
+ * (-DKN_AMX_EMULATE=1, linked by tests/unit/test_kn_amx.c only):
+ *   _kernels(f, &dispatched, &forced): the entries of f without the self-test (gate_up
+ *        NULL for formats without one): dispatched = AVX-512 below the crossover,
+ *        forced = tiles at every token count;
+ *   _selftest(f, tol, &worst): the start-up self-test of f (tol <= 0: the format's own),
+ *        0 = passed, else one WARN logged;
+ *   _register_gated(t, tol): fills t's AMX column with the formats that pass it;
+ *   _min_tokens(): the crossover; _usable(): this CPU can run the entries. */
+void kn__amx_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
+int kn__amx_selftest(kn_format f, double tol, double *worst);
+void kn__amx_register_gated(kn__kernel_table *t, double tol);
+uint32_t kn__amx_min_tokens(void);
+bool kn__amx_usable(void);
+void kn__amx_emu_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
+int kn__amx_emu_selftest(kn_format f, double tol, double *worst);
+void kn__amx_emu_register_gated(kn__kernel_table *t, double tol);
+uint32_t kn__amx_emu_min_tokens(void);
+bool kn__amx_emu_usable(void);
 /* kn__avx512_register for a given feature set (the bf16 variant and int8/int4 depend on
  * AVX512_BF16 / AVX512_VNNI): lets tests run the paths of CPUs they are not on, e.g. the
  * fp32 bf16 kernel of an AVX-512 CPU without BF16. Never pass features the CPU lacks. */

@@ -185,6 +185,11 @@ static const struct {
 #if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX512
     {KN_ISA_AVX512, kn__avx512_register},
 #endif
+#if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AMX
+    /* after AVX-512: it forwards small token counts to those kernels; registers nothing
+     * for a format whose start-up self-test fails (moe_amx.c) */
+    {KN_ISA_AMX, kn__amx_register},
+#endif
 };
 
 /* The pool's spin before sleeping: KN_POOL_SPIN_US, or MOERPC_SPIN_US (microseconds). */

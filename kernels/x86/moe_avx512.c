@@ -921,3 +921,14 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
 }
 
 void kn__avx512_register(kn__kernel_table *t) { kn__avx512_register_cpu(t, kn__cpu_get()); }
+
+/* The AVX-512 entry of format f for this CPU (NULL where it has none), from a table built
+ * once: the AMX kernels forward small token counts to it (moe_amx.c). */
+static kn__kernel_table cpu_tab;
+static pthread_once_t cpu_tab_once = PTHREAD_ONCE_INIT;
+static void cpu_tab_init(void) { kn__avx512_register(&cpu_tab); }
+const kn__kernel *kn__avx512_kernel(kn_format f) {
+  pthread_once(&cpu_tab_once, cpu_tab_init);
+  const kn__kernel *k = &cpu_tab.k[f][KN_ISA_AVX512];
+  return k->gate_up ? k : NULL;
+}

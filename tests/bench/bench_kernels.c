@@ -3,7 +3,7 @@
  * real model shapes, next to the two ceilings of this machine measured in the same run.
  *
  *   moerpc-bench-kernels [--shape qwen3-30b-a3b|deepseek-v3] [--tokens 1,4,16,...]
- *                        [--format bf16,int8,int4,...] [--isa avx512,avx2,ref,auto]
+ *                        [--format bf16,int8,int4,...] [--isa amx,avx512,avx2,ref,auto]
  *                        [--threads N] [--layers N] [--group G] [--repeats N]
  *                        [--max-gb G] [--llc-mb M] [--seed S] [--fp8-kernel lut|shift]
  *                        [--json]
@@ -27,11 +27,13 @@
  *     (capped at 512 MiB) from a buffer not in cache, on the same number of threads,
  *     timed right after each call: bw_ratio = weight_gbps / read_gbps;
  *   - tflops: 2 * 3 * H * I * T * top_k / time (int8/int4: int ops);
- *   - peak_tflops: the AMX peak if this CPU had AMX (it has no AMX kernels, so never),
- *     else the register-only peak of the best dot instruction for the format, measured
+ *   - peak_tflops: the register-only peak of the best dot instruction for the format, measured
  *     once per run on the same number of threads: vdpbf16ps (bf16), vpdpbusd (int8,
  *     int4), vfmadd231ps (f32, f16, and bf16/int8/int4 without BF16/VNNI); peak_kind
- *     names it; peak_ratio = tflops / peak_tflops.
+ *     names it; peak_ratio = tflops / peak_tflops. There is no AMX peak loop: with
+ *     --isa amx (kernels/x86/moe_amx.c, AMX CPUs only) the ratio is still against the
+ *     AVX-512 instruction and may exceed 1; compare against --isa avx512 of the same run
+ *     (tests/bench/amx_host.sh prints those ratios).
  * JSON lines on stdout with --json; a human table on stderr always.
  *
  *   moerpc-bench-kernels --linear NxK[,NxK...]|qwen3-30b-a3b [--tokens ...] [--format ...]

@@ -1,0 +1,760 @@
+/*
+ * moe_amx.c - the AMX entries of the kernel table (internal.h section C): bf16 x bf16
+ * (TDPBF16PS), int8 x int8 and int4 x int8 (TDPBSSD), for many tokens per expert.
+ * Compiled twice (Makefile):
+ *   - with -mamx-tile -mamx-bf16 -mamx-int8 and the AVX-512 flags into libkn, as
+ *     kn__amx_register (listed in registrations[] of kn.c): the real instructions;
+ *   - with -DKN_AMX_EMULATE=1 and the AVX-512 flags only, as the object the unit test
+ *     tests/unit/test_kn_amx.c links (symbols kn__amx_emu_*): the SAME source over the
+ *     scalar tile model of amx_tile.h, so that packing, tile indexing, edge tiles and
+ *     dispatch are tested against kn_ref on CPUs without AMX (the Zen 4 this was written
+ *     on). Everything but the eight tile macros is the same machine code path in both.
+ *
+ * UNVERIFIED ON HARDWARE. No AMX host was reachable when this was written: the real
+ * instructions have never executed. Hence the gate below (self-test) and
+ * tests/bench/amx_host.sh, the one script to run on a Sapphire/Emerald/Granite Rapids.
+ *
+ * ---- operands: weights as A, activations as B ---------------------------------------
+ *
+ * The tile dot products compute C[M x N] += A[M x K] . B[K x N] where A's rows are K
+ * contiguous (pairs of bf16 / quads of int8 per 4-byte column) and B is "VNNI-packed":
+ * B row k holds, for each of the N columns, the pair / quad k of that column. The
+ * canonical weight layout (internal.h section A: rows K-contiguous) IS the A layout, so
+ * the weights are the A operand and are loaded straight from the packed layer with the
+ * row stride (bf16 and int8, when a block has 16 rows and K is a multiple of the K step);
+ * the activations, small and reused by every weight row, are VNNI-packed once per task
+ * (prep for x, each down call for h). The output tile is therefore [rows x tokens] and
+ * is transposed (16x16, in registers) on the way into h[token][row] / y[token][row].
+ *
+ *   bf16 (K step 32 elements):                               int8: the same with s8 quads,
+ *                                                            K step 64 (colsb 64, 16 rows
+ *           A = tile 4/5: 16 weight rows x 32 bf16          of 16 quads); int4: nibbles
+ *               (row m = w[row0+m][k0 .. k0+31],             unpacked to s8 rows in tmp,
+ *                colsb 64, stride = row bytes)               K step min(G, 64) so that no
+ *           B = tile 6/7: 16 pair-rows x 16 tokens          step straddles a group.
+ *               (row k = (x[t][k0+2k], x[t][k0+2k+1])
+ *                for t = 16 tokens, colsb 64)
+ *           C = tiles 0-3: 16 rows x 16 tokens fp32 (int32 for int8 / int4)
+ *
+ *   per K step:  C0 += A4 . B6   C1 += A4 . B7   C2 += A5 . B6   C3 += A5 . B7
+ *     gate_up: A4 = 16 gate rows, A5 = the same 16 up rows; B6 / B7 = 2 blocks of 16 tokens
+ *     down:    A4 / A5 = two blocks of 16 down rows;        B6 / B7 = 2 blocks of 16 tokens
+ *
+ * Prepared activations of one task (n tokens, K elements), token block tb (16 tokens) at
+ * tb * P * 64 bytes: a [P x 16] matrix of 4-byte columns, P = Kp * esz / 4 rows (Kp = K
+ * rounded up to the K step), so that the B tile of K step kb is rows kb * (KS*esz/4) ..
+ * of it, stride 64. Tokens beyond n and elements beyond K are zero (they then contribute
+ * nothing whatever the weights hold). int8 / int4: then one fp32 scale per token (16 per
+ * token block: amax / 127, the AVX-512 path's per-token quantization, round to nearest
+ * even, clamp to +-127). No u8 offset trick is needed: AMX-INT8 has s8 x s8 (TDPBSSD).
+ *
+ * Edges: a row block of fewer than 16 rows, or K not a multiple of the K step, is copied
+ * (zero-padded) into the worker's tmp before its tiles are loaded; int4 rows always are
+ * (unpacked to s8). Token tails are the zero columns of B (results computed, not stored).
+ * int8 sums stay in int32 over the whole K (|acc| <= 127 * 127 * 65536 < 2^31); int4
+ * sums one group in int32 (G <= 128), then C is stored, converted and multiplied by the
+ * (row, group) scale into an fp32 accumulator in tmp. No new packed layout: weights are
+ * read in the canonical one (the edge copies are the only repacking).
+ *
+ * ---- dispatch, crossover ------------------------------------------------------------
+ *
+ * Below KN_AMX_MIN_TOKENS tokens per expert every entry (prep, prep_bytes, tmp_floats,
+ * gate_up, down) forwards to the AVX-512 kernel of the same format (kn__avx512_kernel),
+ * unchanged; from it on, the tiles. prep_bytes / tmp_floats answer for the n they are
+ * given, so a task's buffers always match the path its n takes.
+ *
+ * ---- the start-up gate --------------------------------------------------------------
+ *
+ * kn__amx_register fills the AMX column only when the CPU has AMX (kn__cpu.best ==
+ * KN_ISA_AMX: cpuid, XCR0, the arch_prctl permission of kn.c) and AVX512_BF16/VNNI, and
+ * only for the formats whose self-test passes: once per process, each kernel runs a small
+ * random problem (H = 160, I = 56, KN_AMX_MIN_TOKENS + 5 tokens: partial row blocks, a
+ * K tail, a partial token block; int4 at every group size) through gate_up and down on
+ * the tiles and through the REF kernels, and must agree to the format's tolerance
+ * (rel L2 1e-2 bf16, 3e-2 int8 / int4, as tests/unit/test_kn_fast.c holds AVX-512) with
+ * finite outputs. A mismatch logs one WARN naming the kernel and the errors and leaves
+ * that format on AVX-512. A fault (SIGILL/SIGSEGV) cannot be caught this way: it would
+ * kill the process at engine creation, before serving; MOERPC_ISA=avx512 avoids the AMX
+ * path entirely.
+ *
+ * Threads: as moe_avx512.c. Each call loads the tile configuration (tile state is per
+ * thread), works in its own tmp, writes only its rows of h / y, and releases the tiles.
+ */
+#include "kernels/x86/common_x86.h"
+
+#include "kernels/x86/amx_tile.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <string.h>
+
+#if KN_AMX_EMULATE
+#define AMX_SYM(x) kn__amx_emu_##x
+#define AMX_LABEL "amx-emulated"
+#else
+#define AMX_SYM(x) kn__amx_##x
+#define AMX_LABEL "amx"
+#endif
+
+#define AI static inline __attribute__((always_inline))
+#define UNROLL _Pragma("GCC unroll 16")
+
+/* Tokens per expert from which the tiles are used (below: AVX-512). A guess, NOT a
+ * measurement: no AMX host was available. Conservative: a 16-token block is one full
+ * B tile, below it the tiles multiply padding. Measure with tests/bench/amx_host.sh
+ * (moerpc-bench-kernels --isa amx,avx512 over --tokens) and set it per format. */
+#define KN_AMX_MIN_TOKENS 16u
+
+/* Self-test tolerances (rel L2 against the REF kernels on the same stored weights). */
+#define KN_AMX_TOL_BF16 1e-2
+#define KN_AMX_TOL_Q8 3e-2
+
+typedef enum av { A_BF16, A_I8, A_I4, A_COUNT } av;
+static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+static const char *const av_name[A_COUNT] = {AMX_LABEL "_bf16_bf16", AMX_LABEL "_int8_int8",
+                                             AMX_LABEL "_int4_int8"};
+
+/* ---- prepared activations (B operand) ---------------------------------------------- */
+
+typedef struct amx_acts {
+  uint32_t K, KS, esz; /* elements, elements per K step, bytes per element */
+  uint32_t nkb, ntb;   /* K steps, token blocks of 16 */
+  uint32_t P;          /* 4-byte rows per token block: nkb * KS * esz / 4 */
+  size_t tb_bytes;     /* P * 64 */
+  size_t off_xs;       /* int8 / int4: ntb * 16 fp32 token scales */
+  size_t bytes;
+} amx_acts;
+
+static uint32_t k_step(const av v, uint32_t G) { return v == A_BF16 ? 32 : v == A_I8 ? 64 : (G < 64 ? G : 64); }
+
+static amx_acts acts_layout(const av v, uint32_t K, uint32_t G, uint32_t n) {
+  amx_acts a;
+  memset(&a, 0, sizeof a);
+  a.K = K;
+  a.KS = k_step(v, G);
+  a.esz = v == A_BF16 ? 2 : 1;
+  a.nkb = (K + a.KS - 1) / a.KS;
+  a.ntb = (n + 15) / 16;
+  a.P = a.nkb * a.KS * a.esz / 4;
+  a.tb_bytes = (size_t)a.P * 64;
+  size_t at = a.tb_bytes * a.ntb;
+  if (v != A_BF16) {
+    a.off_xs = at;
+    at = kn__x86_align64(at + (size_t)a.ntb * 16 * sizeof(float));
+  }
+  a.bytes = at;
+  return a;
+}
+
+static inline __m512i iota16(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+static inline __mmask16 mask16(uint32_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+static inline __mmask32 mask32(uint32_t n) { return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1); }
+static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
+static inline __m512 load16(const float *x, uint32_t k, uint32_t K) {
+  return k < K ? _mm512_maskz_loadu_ps(mask16(K - k), x + k) : _mm512_setzero_ps();
+}
+
+/* Per-token int8 quantization as in moe_avx512.c: scale amax / 127 (NaN if any value is
+ * NaN, so that the token's outputs are NaN), q = round_even(x * 127 / amax) in +-127. */
+static float token_scale(const float *x, uint32_t K, __m512 *inv) {
+  __m512 m = _mm512_setzero_ps();
+  __mmask16 nan = 0;
+  for (uint32_t k = 0; k < K; k += 16) {
+    __m512 v = _mm512_maskz_loadu_ps(mask16(K - k), x + k);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    m = _mm512_max_ps(m, _mm512_abs_ps(v));
+  }
+  float amax = nan ? NAN : _mm512_reduce_max_ps(m);
+  float scale = amax / 127.0f;
+  *inv = _mm512_set1_ps(scale > 0.0f && isfinite(scale) ? 127.0f / amax : 0.0f);
+  return isfinite(amax) ? scale : NAN;
+}
+static inline __m128i quant16(const float *x, uint32_t k, uint32_t K, __m512 inv) {
+  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, k, K), inv)); /* MXCSR: RNE */
+  q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+  return _mm512_cvtepi32_epi8(q);
+}
+
+/* Packs n rows of K fp32 values (row r at src + r * sstride) into the layout a. Each
+ * 64-byte chunk of a token's converted row (32 bf16 or 64 int8 = 16 columns of 4 bytes)
+ * is scattered down one column of its token block: 4-byte column p to row p. */
+static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *src, size_t sstride,
+                      uint8_t *dst) {
+  memset(dst, 0, a->bytes);
+  float *xs = v != A_BF16 ? (float *)(dst + a->off_xs) : NULL;
+  const __m512i rows = _mm512_slli_epi32(iota16(), 6); /* p * 64 */
+  const uint32_t K = a->K;
+  for (uint32_t r = 0; r < n; r++) {
+    const float *x = src + (size_t)r * sstride;
+    uint8_t *col = dst + (size_t)(r / 16) * a->tb_bytes + 4 * (r % 16);
+    if (v == A_BF16) {
+      for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += 32) {
+        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(load16(x, k0 + 16, K), load16(x, k0, K));
+        _mm512_mask_i32scatter_epi32(col + (size_t)p0 * 64, mask16(a->P - p0), rows, w, 1);
+      }
+    } else {
+      __m512 inv;
+      xs[r] = token_scale(x, K, &inv);
+      for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += 64) {
+        __m512i w = _mm512_castsi128_si512(quant16(x, k0, K, inv));
+        w = _mm512_inserti32x4(w, quant16(x, k0 + 16, K, inv), 1);
+        w = _mm512_inserti32x4(w, quant16(x, k0 + 32, K, inv), 2);
+        w = _mm512_inserti32x4(w, quant16(x, k0 + 48, K, inv), 3);
+        _mm512_mask_i32scatter_epi32(col + (size_t)p0 * 64, mask16(a->P - p0), rows, w, 1);
+      }
+    }
+  }
+}
+
+/* ---- vector helpers of the epilogue -------------------------------------------------- */
+
+KN__X86_EXP_POLY(exp_poly, __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
+                 _mm512_mul_ps, _mm512_add_ps)
+AI __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+  x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KN__EXP_LOG2E)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _mm512_scalef_ps(exp_poly(x, n), n);
+}
+AI __m512 silu_ps(__m512 g) {
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+}
+
+/* In-place transpose of a 16x16 matrix of 32-bit lanes (r[i] lane j <-> r[j] lane i). */
+AI void transpose16(__m512 *r) {
+  __m512i t[16], u[16];
+  UNROLL for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
+  }
+  /* per 128-bit lane of u[4i + j]: rows 4i..4i+3 of column 4 * lane + j */
+  UNROLL for (int i = 0; i < 4; i++) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  UNROLL for (int j = 0; j < 4; j++) {
+    __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    r[0 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0)));
+    r[8 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1)));
+    r[4 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0)));
+    r[12 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
+
+/* ---- the weight side (A operand) ----------------------------------------------------- */
+
+typedef struct kctx {
+  amx_acts a;        /* the B side of this step */
+  const uint8_t *xb; /* prepared activations */
+  const float *xs;   /* their token scales (int8 / int4) */
+  uint32_t G, ng;    /* int4 group, groups per row */
+  size_t rb;         /* bytes of one packed weight row */
+  uint32_t KSb;      /* bytes of one K step of an A row (= A tile colsb) */
+  size_t Kpb;        /* bytes of one zero-padded A row in tmp: nkb * KSb */
+  bool direct;       /* K is a multiple of the K step: full row blocks load in place */
+  uint8_t *scr[2];   /* two A row blocks of 16 x Kpb bytes */
+  int32_t *stage;    /* 4 tiles of 16 x 16 int32 */
+  float *res;        /* 4 tiles of 16 x 16 fp32 results */
+} kctx;
+
+/* Bytes of tmp the tiles need after the (down) activations. */
+static size_t tile_tmp_bytes(const av v, uint32_t K, uint32_t G) {
+  uint32_t KS = k_step(v, G), esz = v == A_BF16 ? 2 : 1;
+  size_t Kpb = (size_t)((K + KS - 1) / KS) * KS * esz;
+  return 2 * 16 * Kpb + 2 * 4 * 1024;
+}
+
+static kctx ctx_make(const av v, const kn_layer *L, uint32_t K, uint32_t n, const uint8_t *acts, uint8_t *tmp) {
+  kctx cx;
+  memset(&cx, 0, sizeof cx);
+  cx.G = L->d.group;
+  cx.a = acts_layout(v, K, cx.G, n);
+  cx.xb = acts;
+  cx.xs = v != A_BF16 ? (const float *)(acts + cx.a.off_xs) : NULL;
+  cx.ng = v == A_I4 ? kn__ngroups(K, cx.G) : 0;
+  cx.rb = kn__row_bytes(L->d.format, K, cx.G);
+  cx.KSb = cx.a.KS * cx.a.esz;
+  cx.Kpb = (size_t)cx.a.nkb * cx.KSb;
+  cx.direct = v != A_I4 && K % cx.a.KS == 0;
+  cx.scr[0] = tmp;
+  cx.scr[1] = tmp + 16 * cx.Kpb;
+  cx.stage = (int32_t *)(tmp + 32 * cx.Kpb);
+  cx.res = (float *)(tmp + 32 * cx.Kpb + 4096);
+  return cx;
+}
+
+/* The 16-row A block of rows [row, row + Mv) of a matrix at base: in place (stride rb)
+ * when it is whole and K a multiple of the K step; else copied (int4: unpacked to s8)
+ * into scr with zero padding (stride Kpb). */
+static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, uint32_t row, uint32_t Mv,
+                              uint8_t *scr, size_t *stride) {
+  if (cx->direct && Mv == 16) {
+    *stride = cx->rb;
+    return base + (size_t)row * cx->rb;
+  }
+  *stride = cx->Kpb;
+  const size_t Kpb = cx->Kpb;
+  for (uint32_t r = 0; r < 16; r++) {
+    uint8_t *d = scr + r * Kpb;
+    if (r >= Mv) {
+      memset(d, 0, Kpb);
+      continue;
+    }
+    const uint8_t *s = base + (size_t)(row + r) * cx->rb;
+    if (v != A_I4) {
+      memcpy(d, s, cx->rb);
+      memset(d + cx->rb, 0, Kpb - cx->rb);
+      continue;
+    }
+    /* int4: Kpb elements = Kpb / 2 bytes (<= the row's ng * G / 2); byte b -> s8 of its
+     * low nibble (element 2b), then its high nibble (element 2b + 1). */
+    const __m512i m4 = _mm512_set1_epi16(0xf), e8 = _mm512_set1_epi16(8), lo8 = _mm512_set1_epi16(0xff);
+    for (size_t b0 = 0; b0 < Kpb / 2; b0 += 32) {
+      __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask32((uint32_t)(Kpb / 2 - b0)), s + b0));
+      __m512i lo = _mm512_sub_epi16(_mm512_xor_si512(_mm512_and_si512(w, m4), e8), e8);
+      __m512i hi = _mm512_sub_epi16(_mm512_xor_si512(_mm512_srli_epi16(w, 4), e8), e8);
+      __m512i o = _mm512_or_si512(_mm512_and_si512(lo, lo8), _mm512_slli_epi16(hi, 8));
+      _mm512_mask_storeu_epi8(d + 2 * b0, mask64((uint32_t)(Kpb - 2 * b0)), o);
+    }
+  }
+  return scr;
+}
+
+static void tiles_config(const kctx *cx) {
+  _Alignas(64) kn__amx_cfg c;
+  kn__amx_cfg_init(&c);
+  for (int t = 0; t < 4; t++) kn__amx_cfg_tile(&c, t, 16, 64);          /* C */
+  kn__amx_cfg_tile(&c, 4, 16, (int)cx->KSb);                            /* A */
+  kn__amx_cfg_tile(&c, 5, 16, (int)cx->KSb);
+  kn__amx_cfg_tile(&c, 6, (int)cx->KSb / 4, 64);                        /* B */
+  kn__amx_cfg_tile(&c, 7, (int)cx->KSb / 4, 64);
+  KN_AMX_LOADCFG(&c);
+}
+
+#define DOT(v, c, a, b)                 \
+  do {                                  \
+    if ((v) == A_BF16)                  \
+      KN_AMX_DPBF16PS(c, a, b);         \
+    else                                \
+      KN_AMX_DPBSSD(c, a, b);           \
+  } while (0)
+
+/* res[2 * ia + ib] (16 rows x 16 tokens) = A_ia . B_ib over the whole K, for ia < na
+ * (A1 = NULL: one; astride[ia] = A_ia's row stride), ib < nb. B is token block tb's [P x 16] matrix, B_1 the next one.
+ * int4: sc[ia] = the scales of the A block's first row (row m at sc[ia] + m * ng; rows
+ * >= Mv[ia] are zero in A and use row 0's scales), summed per group into res. */
+static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *A1, const size_t astride[2],
+                  const uint8_t *B, uint32_t nb, const float *const sc[2], const uint32_t Mv[2]) {
+  const bool two_a = A1 != NULL, two_b = nb > 1;
+  const uint32_t nkb = cx->a.nkb, KSb = cx->KSb;
+  const size_t btile = (size_t)KSb * 16; /* KSb / 4 rows of 64 bytes */
+  const uint32_t gsteps = v == A_I4 ? cx->G / cx->a.KS : nkb;
+  if (v == A_I4) memset(cx->res, 0, 4 * 1024);
+  for (uint32_t kb = 0; kb < nkb; kb++) {
+    if (kb % gsteps == 0) {
+      KN_AMX_ZERO(0);
+      if (two_b) KN_AMX_ZERO(1);
+      if (two_a) {
+        KN_AMX_ZERO(2);
+        if (two_b) KN_AMX_ZERO(3);
+      }
+    }
+    KN_AMX_LOAD(4, A0 + (size_t)kb * KSb, astride[0]);
+    if (two_a) KN_AMX_LOAD(5, A1 + (size_t)kb * KSb, astride[1]);
+    KN_AMX_LOAD(6, B + kb * btile, 64);
+    if (two_b) KN_AMX_LOAD(7, B + cx->a.tb_bytes + kb * btile, 64);
+    DOT(v, 0, 4, 6);
+    if (two_b) DOT(v, 1, 4, 7);
+    if (two_a) {
+      DOT(v, 2, 5, 6);
+      if (two_b) DOT(v, 3, 5, 7);
+    }
+    if (kb % gsteps != gsteps - 1 && kb != nkb - 1) continue;
+    /* flush: bf16 results straight into res; int8 / int4 through stage */
+    void *dst = v == A_BF16 ? (void *)cx->res : (void *)cx->stage;
+    KN_AMX_STORE(0, (uint8_t *)dst + 0 * 1024, 64);
+    if (two_b) KN_AMX_STORE(1, (uint8_t *)dst + 1 * 1024, 64);
+    if (two_a) {
+      KN_AMX_STORE(2, (uint8_t *)dst + 2 * 1024, 64);
+      if (two_b) KN_AMX_STORE(3, (uint8_t *)dst + 3 * 1024, 64);
+    }
+    if (v == A_BF16) continue;
+    const uint32_t g = kb / gsteps;
+    for (uint32_t c = 0; c < 4; c++) {
+      const uint32_t ia = c / 2, ib = c % 2;
+      if ((ia && !two_a) || (ib && !two_b)) continue;
+      for (uint32_t m = 0; m < 16; m++) {
+        __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(cx->stage + c * 256 + m * 16));
+        float *o = cx->res + c * 256 + m * 16;
+        if (v == A_I8) {
+          _mm512_storeu_ps(o, s);
+        } else {
+          float gs = sc[ia][(size_t)(m < Mv[ia] ? m : 0) * cx->ng + g];
+          _mm512_storeu_ps(o, _mm512_fmadd_ps(s, _mm512_set1_ps(gs), _mm512_loadu_ps(o)));
+        }
+      }
+    }
+  }
+}
+
+/* Row m's multiplier of the result tile: int8 the weight row's scale, else 1 (bf16, and
+ * int4 whose group scales are in res already). */
+AI __m512 row_scaled(const av v, const kctx *cx, uint32_t c, uint32_t m, const float *wscale, uint32_t Mv, __m512 xsv) {
+  __m512 r = _mm512_loadu_ps(cx->res + c * 256 + m * 16);
+  if (v == A_I8) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
+  if (v == A_I4) r = _mm512_mul_ps(r, xsv);
+  return r;
+}
+
+AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
+  const kn_layer *L = t->L;
+  const uint32_t n = t->n, H = L->d.hidden, Is = L->slice_len[t->slice];
+  if (n == 0 || i0 >= i1) return;
+  const kn__slice_w *ws = t->w;
+  kctx cx = ctx_make(v, L, H, n, (const uint8_t *)t->xq, (uint8_t *)t->tmp);
+  tiles_config(&cx);
+  for (uint32_t i = i0; i < i1; i += 16) {
+    const uint32_t Mv = i1 - i < 16 ? i1 - i : 16;
+    size_t st[2];
+    const uint8_t *Ag = a_block(v, &cx, ws->gate, i, Mv, cx.scr[0], &st[0]);
+    const uint8_t *Au = a_block(v, &cx, ws->up, i, Mv, cx.scr[1], &st[1]);
+    const float *sc[2] = {NULL, NULL};
+    if (v == A_I4) {
+      sc[0] = ws->gate_scale + (size_t)i * cx.ng;
+      sc[1] = ws->up_scale + (size_t)i * cx.ng;
+    }
+    const uint32_t Mvs[2] = {Mv, Mv};
+    for (uint32_t tb = 0; tb < cx.a.ntb; tb += 2) {
+      const uint32_t nb = cx.a.ntb - tb < 2 ? 1 : 2;
+      micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+      for (uint32_t ib = 0; ib < nb; ib++) {
+        const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
+        const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+        __m512 hv[16];
+        UNROLL for (uint32_t m = 0; m < 16; m++) {
+          __m512 g = row_scaled(v, &cx, ib, m, v == A_I8 ? ws->gate_scale + i : NULL, Mv, xsv);
+          __m512 u = row_scaled(v, &cx, 2 + ib, m, v == A_I8 ? ws->up_scale + i : NULL, Mv, xsv);
+          hv[m] = _mm512_mul_ps(silu_ps(g), u);
+        }
+        transpose16(hv);
+        for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->h + (size_t)(c0 + c) * Is + i, mask16(Mv), hv[c]);
+      }
+    }
+  }
+  KN_AMX_RELEASE();
+}
+
+AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
+  const kn_layer *L = t->L;
+  const uint32_t n = t->n, H = L->d.hidden, Is = L->slice_len[t->slice];
+  if (n == 0 || j0 >= j1) return;
+  const kn__slice_w *ws = t->w;
+  /* h packed by every down call into its own tmp (as moe_avx512.c), the tiles' scratch after it */
+  const amx_acts a = acts_layout(v, Is, L->d.group, n);
+  uint8_t *acts = (uint8_t *)t->tmp;
+  acts_pack(v, &a, n, t->h, Is, acts);
+  kctx cx = ctx_make(v, L, Is, n, acts, acts + kn__x86_align64(a.bytes));
+  tiles_config(&cx);
+  for (uint32_t j = j0; j < j1; j += 32) {
+    const uint32_t M0 = j1 - j < 16 ? j1 - j : 16, M1 = j1 - j <= 16 ? 0 : (j1 - j - 16 < 16 ? j1 - j - 16 : 16);
+    size_t st[2] = {0, 0};
+    const uint8_t *A0 = a_block(v, &cx, ws->down, j, M0, cx.scr[0], &st[0]);
+    const uint8_t *A1 = M1 ? a_block(v, &cx, ws->down, j + 16, M1, cx.scr[1], &st[1]) : NULL;
+    const float *sc[2] = {NULL, NULL};
+    if (v == A_I4) {
+      sc[0] = ws->down_scale + (size_t)j * cx.ng;
+      sc[1] = ws->down_scale + (size_t)(M1 ? j + 16 : j) * cx.ng;
+    }
+    const uint32_t Mvs[2] = {M0, M1};
+    for (uint32_t tb = 0; tb < cx.a.ntb; tb += 2) {
+      const uint32_t nb = cx.a.ntb - tb < 2 ? 1 : 2;
+      micro(v, &cx, A0, A1, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+      for (uint32_t ia = 0; ia < (A1 ? 2u : 1u); ia++)
+        for (uint32_t ib = 0; ib < nb; ib++) {
+          const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
+          const uint32_t row = j + 16 * ia, Mv = Mvs[ia];
+          const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+          __m512 yv[16];
+          UNROLL for (uint32_t m = 0; m < 16; m++)
+            yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : NULL, Mv, xsv);
+          transpose16(yv);
+          for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->y + (size_t)(c0 + c) * H + row, mask16(Mv), yv[c]);
+        }
+    }
+  }
+  KN_AMX_RELEASE();
+}
+
+/* ---- table entries: tiles from KN_AMX_MIN_TOKENS on (forced: always), AVX-512 below ---- */
+
+#define SMALL(FORCED, n) (!(FORCED) && (n) < KN_AMX_MIN_TOKENS)
+
+static kn__kernel fallback[A_COUNT]; /* the AVX-512 kernels, set before any entry is used */
+
+static size_t amx_prep_bytes(const av v, const kn_layer *L, uint32_t n) {
+  return acts_layout(v, L->d.hidden, L->d.group, n).bytes;
+}
+static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t n) {
+  const uint32_t H = L->d.hidden, Is = L->slice_len[s], G = L->d.group;
+  size_t gu = tile_tmp_bytes(v, H, G);
+  size_t dn = kn__x86_align64(acts_layout(v, Is, G, n).bytes) + tile_tmp_bytes(v, Is, G);
+  return kn__x86_floats_for(gu > dn ? gu : dn);
+}
+
+#define AMX_ENTRY(V, id, FORCED)                                                                     \
+  static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) {                          \
+    if (SMALL(FORCED, t->n)) fallback[V].gate_up(t, i0, i1);                                               \
+    else amx_gate_up(V, t, i0, i1);                                                                 \
+  }                                                                                                 \
+  static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) {                             \
+    if (SMALL(FORCED, t->n)) fallback[V].down(t, j0, j1);                                                  \
+    else amx_down(V, t, j0, j1);                                                                    \
+  }                                                                                                 \
+  static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) {                 \
+    if (SMALL(FORCED, n)) {                                                                                \
+      if (fallback[V].prep) fallback[V].prep(L, n, x, xq);                                          \
+      return;                                                                                       \
+    }                                                                                               \
+    amx_acts a = acts_layout(V, L->d.hidden, L->d.group, n);                                        \
+    acts_pack(V, &a, n, x, L->d.hidden, xq);                                                        \
+  }                                                                                                 \
+  static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) {                                   \
+    if (SMALL(FORCED, n)) return fallback[V].prep_bytes ? fallback[V].prep_bytes(L, n) : 0;               \
+    return amx_prep_bytes(V, L, n);                                                                 \
+  }                                                                                                 \
+  static size_t tmp_##id(const kn_layer *L, uint32_t s, uint32_t n) {                              \
+    if (SMALL(FORCED, n)) return fallback[V].tmp_floats(L, s, n);                                          \
+    return amx_tmp_floats(V, L, s, n);                                                              \
+  }
+
+AMX_ENTRY(A_BF16, bf16, 0)
+AMX_ENTRY(A_I8, i8, 0)
+AMX_ENTRY(A_I4, i4, 0)
+AMX_ENTRY(A_BF16, bf16_all, 1)
+AMX_ENTRY(A_I8, i8_all, 1)
+AMX_ENTRY(A_I4, i4_all, 1)
+
+#define AMX_KERNEL(id, label)                                                                  \
+  (kn__kernel) {                                                                               \
+    .gate_up = gate_up_##id, .down = down_##id, .prep = prep_##id, .prep_bytes = prep_bytes_##id, \
+    .tmp_floats = tmp_##id, .name = label                                                      \
+  }
+
+static void kernels_of(av v, kn__kernel *dispatched, kn__kernel *forced) {
+  switch (v) {
+    case A_BF16:
+      *dispatched = AMX_KERNEL(bf16, av_name[v]);
+      *forced = AMX_KERNEL(bf16_all, av_name[v]);
+      break;
+    case A_I8:
+      *dispatched = AMX_KERNEL(i8, av_name[v]);
+      *forced = AMX_KERNEL(i8_all, av_name[v]);
+      break;
+    default:
+      *dispatched = AMX_KERNEL(i4, av_name[v]);
+      *forced = AMX_KERNEL(i4_all, av_name[v]);
+      break;
+  }
+}
+
+/* The CPU features the entries need besides the tiles (AVX-512 with BF16 for the
+ * activation packing and the epilogue, and the AVX-512 kernels of the fallback). */
+static bool cpu_can_run(const kn__cpu *c, bool need_amx) {
+  if (c->best < KN_ISA_AVX512 || !c->avx512_bf16 || !c->avx512_vnni) return false;
+  return !need_amx || c->best == KN_ISA_AMX;
+}
+
+static pthread_once_t fallback_once = PTHREAD_ONCE_INIT;
+static bool fallback_ok[A_COUNT];
+static void fallback_init(void) {
+  for (int v = 0; v < A_COUNT; v++) {
+    const kn__kernel *k = kn__avx512_kernel(av_format[v]);
+    fallback_ok[v] = k != NULL;
+    if (k) fallback[v] = *k;
+  }
+}
+
+/* ---- self-test ----------------------------------------------------------------------- */
+
+static float st_uniform(uint64_t *s) {
+  *s ^= *s << 13;
+  *s ^= *s >> 7;
+  *s ^= *s << 17;
+  return (float)(((*s >> 11) & 0xffffff) / 8388608.0 - 1.0);
+}
+
+/* One format through the tiles (every token count from min on: the forced entry) and
+ * the REF kernels on one random expert; *err_h / *err_y = rel L2 of h and of y (down from
+ * the reference h). 0: within tol and finite; 1: not; -1: out of memory. */
+static int selftest_one(av v, uint32_t G, double tol, double *err_h, double *err_y) {
+  const uint32_t H = 160, I = 56, n = KN_AMX_MIN_TOKENS + 5;
+  const kn_format f = av_format[v];
+  *err_h = *err_y = INFINITY;
+  kn_layer *L = mr_calloc(1, sizeof *L);
+  kn__kernel_table *tab = mr_calloc(1, sizeof *tab);
+  kn__slice_w *w = mr_calloc(1, sizeof *w);
+  if (!L || !tab || !w) {
+    mr_free(L);
+    mr_free(tab);
+    mr_free(w);
+    return -1;
+  }
+  L->d = (kn_layer_desc){.hidden = H, .inter = I, .num_experts = 1, .format = f, .group = v == A_I4 ? G : 0};
+  L->n_slices = 1;
+  L->slice_len[0] = I;
+  L->max_slice_len = I;
+  kn__ref_register(tab);
+  const kn__kernel *ref = &tab->k[f][KN_ISA_REF];
+  kn__kernel dk, fk;
+  kernels_of(v, &dk, &fk);
+  const size_t rbg = kn__row_bytes(f, H, L->d.group), rbd = kn__row_bytes(f, I, L->d.group);
+  const size_t nsg = kn__row_scales(f, H, L->d.group), nsd = kn__row_scales(f, I, L->d.group);
+  w->gate = mr_malloc_aligned(I * rbg, 64);
+  w->up = mr_malloc_aligned(I * rbg, 64);
+  w->down = mr_malloc_aligned(H * rbd, 64);
+  if (nsg) {
+    w->gate_scale = mr_malloc_aligned(I * nsg * 4 + 64, 64);
+    w->up_scale = mr_malloc_aligned(I * nsg * 4 + 64, 64);
+    w->down_scale = mr_malloc_aligned(H * nsd * 4 + 64, 64);
+  }
+  float *row = mr_malloc(((size_t)H + I) * sizeof(float));
+  float *x = mr_malloc((size_t)n * H * sizeof(float));
+  float *h_ref = mr_malloc((size_t)n * I * sizeof(float)), *h = mr_malloc((size_t)n * I * sizeof(float));
+  float *y_ref = mr_malloc((size_t)n * H * sizeof(float)), *y = mr_malloc((size_t)n * H * sizeof(float));
+  size_t tmp_n = fk.tmp_floats(L, 0, n), rtmp_n = ref->tmp_floats(L, 0, n);
+  float *tmp = mr_malloc_aligned((tmp_n > rtmp_n ? tmp_n : rtmp_n) * sizeof(float) + 64, 64);
+  void *xq = mr_malloc_aligned(fk.prep_bytes(L, n) + 64, 64);
+  int rc = -1;
+  if (!w->gate || !w->up || !w->down || (nsg && (!w->gate_scale || !w->up_scale || !w->down_scale)) ||
+      !row || !x || !h_ref || !h || !y_ref || !y || !tmp || !xq)
+    goto out;
+  uint64_t s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(v * 131 + G);
+  for (int p = 0; p < 3; p++) {
+    const uint32_t rows = p == 2 ? H : I, K = p == 2 ? I : H;
+    uint8_t *base = p == 0 ? w->gate : p == 1 ? w->up : w->down;
+    float *scb = p == 0 ? w->gate_scale : p == 1 ? w->up_scale : w->down_scale;
+    for (uint32_t r = 0; r < rows; r++) {
+      for (uint32_t k = 0; k < K; k++) row[k] = 0.05f * st_uniform(&s);
+      float sc = kn__amax(row, K) / 127.0f;
+      kn__pack_row(f, L->d.group, row, K, sc, base + r * kn__row_bytes(f, K, L->d.group),
+                   scb ? scb + r * kn__row_scales(f, K, L->d.group) : NULL);
+    }
+  }
+  for (size_t i = 0; i < (size_t)n * H; i++) x[i] = st_uniform(&s);
+  kn__task t = {.L = L, .slice = 0, .w = w, .n = n, .x = x, .xq = NULL, .h = h_ref, .y = y_ref, .tmp = tmp};
+  ref->gate_up(&t, 0, I);
+  ref->down(&t, 0, H);
+  fk.prep(L, n, x, xq);
+  t.xq = xq;
+  t.h = h;
+  fk.gate_up(&t, 0, I);
+  t.h = h_ref;
+  t.y = y;
+  fk.down(&t, 0, H);
+  bool finite = true;
+  for (size_t i = 0; i < (size_t)n * I; i++) finite = finite && isfinite(h[i]);
+  for (size_t i = 0; i < (size_t)n * H; i++) finite = finite && isfinite(y[i]);
+  *err_h = kn_rel_l2(h, h_ref, (size_t)n * I);
+  *err_y = kn_rel_l2(y, y_ref, (size_t)n * H);
+  rc = finite && *err_h <= tol && *err_y <= tol ? 0 : 1;
+out:
+  mr_free_aligned(w->gate);
+  mr_free_aligned(w->up);
+  mr_free_aligned(w->down);
+  mr_free_aligned(w->gate_scale);
+  mr_free_aligned(w->up_scale);
+  mr_free_aligned(w->down_scale);
+  mr_free(row);
+  mr_free(x);
+  mr_free(h_ref);
+  mr_free(h);
+  mr_free(y_ref);
+  mr_free(y);
+  mr_free_aligned(tmp);
+  mr_free_aligned(xq);
+  mr_free(w);
+  mr_free(tab);
+  mr_free(L);
+  return rc;
+}
+
+/* Self-tests format f (int4: groups 32, 64 and 128); tol <= 0: the format's tolerance.
+ * Logs one WARN on failure. 0 = passed. */
+int AMX_SYM(selftest)(kn_format f, double tol, double *worst) {
+  pthread_once(&fallback_once, fallback_init);
+  *worst = 0.0;
+  for (int v = 0; v < A_COUNT; v++) {
+    if (av_format[v] != f) continue;
+    if (tol <= 0.0) tol = v == A_BF16 ? KN_AMX_TOL_BF16 : KN_AMX_TOL_Q8;
+    const uint32_t groups[3] = {32, 64, 128};
+    for (int gi = 0; gi < (v == A_I4 ? 3 : 1); gi++) {
+      double eh, ey;
+      int rc = selftest_one((av)v, groups[gi], tol, &eh, &ey);
+      if (eh > *worst) *worst = eh;
+      if (ey > *worst) *worst = ey;
+      if (rc != 0) {
+        mr_log(MR_LOG_WARN, "kn amx: self-test of %s%s%.0u failed (%s): rel L2 gate_up %.3g, down %.3g "
+               "against the reference (tolerance %.0e); not registered, %s stays in use",
+               av_name[v], v == A_I4 ? " g" : "", v == A_I4 ? groups[gi] : 0u,
+               rc < 0 ? "out of memory" : "mismatch", eh, ey, tol, fallback[v].name ? fallback[v].name : "AVX-512");
+        return 1;
+      }
+    }
+    return 0;
+  }
+  return 1;
+}
+
+/* The entries of format f (gate_up NULL where there is none): `dispatched` switches to
+ * the AVX-512 kernel below KN_AMX_MIN_TOKENS, `forced` uses the tiles at every n. No
+ * self-test: for the unit test. */
+void AMX_SYM(kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced) {
+  pthread_once(&fallback_once, fallback_init);
+  memset(dispatched, 0, sizeof *dispatched);
+  memset(forced, 0, sizeof *forced);
+  for (int v = 0; v < A_COUNT; v++)
+    if (av_format[v] == f && fallback_ok[v]) kernels_of((av)v, dispatched, forced);
+}
+
+uint32_t AMX_SYM(min_tokens)(void) { return KN_AMX_MIN_TOKENS; }
+
+/* Fills the AMX column for the formats whose self-test passes (tol as AMX_SYM(selftest)),
+ * not cached: the test drives the gate with it. */
+void AMX_SYM(register_gated)(kn__kernel_table *t, double tol) {
+  pthread_once(&fallback_once, fallback_init);
+  for (int v = 0; v < A_COUNT; v++) {
+    double worst;
+    if (!fallback_ok[v]) continue;
+    if (AMX_SYM(selftest)(av_format[v], tol, &worst) != 0) continue;
+    kn__kernel dk, fk;
+    kernels_of((av)v, &dk, &fk);
+    t->k[av_format[v]][KN_ISA_AMX] = dk;
+    mr_log(MR_LOG_DEBUG, "kn amx: %s self-test passed (worst rel L2 %.3g)", av_name[v], worst);
+  }
+}
+
+#if !KN_AMX_EMULATE
+static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
+static kn__kernel_table *gate_tab; /* the entries that passed, once per process */
+static void gate_init(void) {
+  gate_tab = mr_calloc(1, sizeof *gate_tab);
+  if (gate_tab) kn__amx_register_gated(gate_tab, 0.0);
+}
+
+void kn__amx_register(kn__kernel_table *t) {
+  if (!cpu_can_run(kn__cpu_get(), true)) return;
+  pthread_once(&gate_once, gate_init);
+  if (!gate_tab) return;
+  for (int v = 0; v < A_COUNT; v++)
+    if (gate_tab->k[av_format[v]][KN_ISA_AMX].gate_up) t->k[av_format[v]][KN_ISA_AMX] = gate_tab->k[av_format[v]][KN_ISA_AMX];
+}
+#endif
+
+/* Whether this CPU can run this object's entries (the emulated ones need no AMX). */
+bool AMX_SYM(usable)(void) { return cpu_can_run(kn__cpu_get(), !KN_AMX_EMULATE); }

@@ -1,0 +1,543 @@
+/*
+ * test_kn_amx.c - the AMX kernels (kernels/x86/moe_amx.c) against the scalar reference.
+ *
+ * Two builds of the same kernel source are tested here:
+ *   - "emulated": moe_amx.c compiled with -DKN_AMX_EMULATE=1 (kn__amx_emu_*, the Makefile's
+ *     moe_amx_emu.o), whose tile macros run the scalar model of amx_tile.h. It runs on
+ *     any CPU with AVX-512 BF16/VNNI (the kernels' packing and epilogues are AVX-512), so
+ *     make test checks packing, tile indexing, edge tiles and dispatch on the Zen 4 VM;
+ *   - "real": the libkn object with the AMX instructions (kn__amx_*), only where
+ *     kn__cpu_get()->best == KN_ISA_AMX; elsewhere those cases end skipped, naming the
+ *     CPU (MT_SKIP("no AMX on this CPU: <model name>")), never passed.
+ *
+ * Per build: every format (bf16, int8, int4 g32/g64/g128) at the task level with the
+ * tiles forced at every token count (1..47: partial token blocks, one and two B tiles)
+ * on shapes with and without multiples of the K steps and of 16 rows (K % 32, K % 64,
+ * rows % 16, n % 16), h and y against the REF kernels; row ranges from two threads give
+ * the bits of one call and write nothing outside their rows (canaries); the dispatched
+ * entries give the AVX-512 kernel's bits below the crossover and the tiles' bits from it
+ * on; whole layers (kn_moe_forward with the AMX entry in the table, 1 and 2 slices,
+ * T = 1..300) against kn_ref_moe_forward; the self-test gate registers every format and
+ * refuses all of them at an impossible tolerance. The tile model itself is checked on
+ * hand-computed cases (shapes, zero fill, DAZ, int32 wrap-around).
+ *
+ * Tolerances (rel L2, kn_test.h, the AVX-512 kernels' own): TOL_BF16X = 1e-2 for bf16
+ * (x and h rounded to bf16; the tile sums' fp32 order differs from kn_ref's by ~1e-6),
+ * TOL_Q8X = 3e-2 for int8 / int4 (x and h quantized per token to int8, as AVX-512).
+ */
+#include "kernels/internal.h"
+#include "tests/unit/kn_test.h"
+#include "tests/unit/mt.h"
+
+#define KN_AMX_EMULATE 1
+#include "kernels/x86/amx_tile.h"
+
+#include <pthread.h>
+
+/* ---- the tile model on hand-computed cases --------------------------------------- */
+
+static uint16_t bf(float f) { return mr_f32_to_bf16(f); }
+
+MT_TEST(tile_model_semantics) {
+  _Alignas(64) kn__amx_cfg c;
+  kn__amx_cfg_init(&c);
+  kn__amx_cfg_tile(&c, 0, 3, 12); /* C: 3 x 3 fp32 */
+  kn__amx_cfg_tile(&c, 1, 3, 8);  /* A: 3 rows x 2 bf16 pairs (K = 2) */
+  kn__amx_cfg_tile(&c, 2, 2, 12); /* B: 2 pair-rows x 3 columns */
+  kn__amx_cfg_tile(&c, 3, 3, 12); /* int32 C */
+  kn__amx_cfg_tile(&c, 4, 3, 8);  /* A quads: 3 x 2 */
+  kn__amx_cfg_tile(&c, 5, 2, 12); /* B quads: 2 x 3 */
+  KN_AMX_LOADCFG(&c);
+  /* A[m][k] pairs, B[k][n] pairs of small integers: exact in bf16 and fp32 */
+  uint16_t a[3][4], b[2][6];
+  for (int m = 0; m < 3; m++)
+    for (int e = 0; e < 4; e++) a[m][e] = bf((float)(m + 1) * (float)(e - 1));
+  for (int k = 0; k < 2; k++)
+    for (int e = 0; e < 6; e++) b[k][e] = bf((float)(k * 6 + e) - 4.0f);
+  float cinit[3][3];
+  for (int m = 0; m < 3; m++)
+    for (int n = 0; n < 3; n++) cinit[m][n] = 0.5f * (float)(m - n);
+  KN_AMX_LOAD(0, cinit, 12);
+  KN_AMX_LOAD(1, a, 8);
+  KN_AMX_LOAD(2, b, 12);
+  KN_AMX_DPBF16PS(0, 1, 2);
+  float out[3][3];
+  KN_AMX_STORE(0, out, 12);
+  for (int m = 0; m < 3; m++)
+    for (int n = 0; n < 3; n++) {
+      float want = cinit[m][n];
+      for (int k = 0; k < 2; k++)
+        want += mr_bf16_to_f32(a[m][2 * k]) * mr_bf16_to_f32(b[k][2 * n]) +
+                mr_bf16_to_f32(a[m][2 * k + 1]) * mr_bf16_to_f32(b[k][2 * n + 1]);
+      MT_TRUE(out[m][n] == want);
+    }
+  /* load zero-fills beyond colsb and rows */
+  MT_TRUE(kn__amx_emu.t[1][0][8] == 0 && kn__amx_emu.t[1][3][0] == 0);
+  /* DAZ: a denormal bf16 input counts as zero */
+  uint16_t ad[3][4] = {{0x0001, 0, 0, 0}}, bd[2][6] = {{bf(0x1p100f), 0, 0, 0, 0, 0}};
+  KN_AMX_ZERO(0);
+  KN_AMX_LOAD(1, ad, 8);
+  KN_AMX_LOAD(2, bd, 12);
+  KN_AMX_DPBF16PS(0, 1, 2);
+  KN_AMX_STORE(0, out, 12);
+  MT_TRUE(out[0][0] == 0.0f);
+  /* s8 x s8 and u8 x s8 quads, int32 wrap-around */
+  int8_t qa[3][8], qb[2][12];
+  for (int m = 0; m < 3; m++)
+    for (int e = 0; e < 8; e++) qa[m][e] = (int8_t)(e * 37 - 128 + m * 11);
+  for (int k = 0; k < 2; k++)
+    for (int e = 0; e < 12; e++) qb[k][e] = (int8_t)(e * 23 - 100 + k * 50);
+  int32_t ci[3][3], co[3][3];
+  for (int m = 0; m < 3; m++)
+    for (int n = 0; n < 3; n++) ci[m][n] = m == 0 ? INT32_MAX : -m * 1000 + n;
+  for (int us = 0; us < 2; us++) {
+    KN_AMX_LOAD(3, ci, 12);
+    KN_AMX_LOAD(4, qa, 8);
+    KN_AMX_LOAD(5, qb, 12);
+    if (us)
+      KN_AMX_DPBUSD(3, 4, 5);
+    else
+      KN_AMX_DPBSSD(3, 4, 5);
+    KN_AMX_STORE(3, co, 12);
+    for (int m = 0; m < 3; m++)
+      for (int n = 0; n < 3; n++) {
+        int64_t s = ci[m][n];
+        for (int k = 0; k < 2; k++)
+          for (int i = 0; i < 4; i++)
+            s += (int64_t)(us ? (int)(uint8_t)qa[m][4 * k + i] : (int)qa[m][4 * k + i]) * qb[k][4 * n + i];
+        MT_EQ_INT(co[m][n], (int32_t)(uint32_t)(uint64_t)s); /* modulo 2^32 */
+      }
+  }
+  KN_AMX_RELEASE();
+  printf("  dpbf16ps exact on integers, DAZ, zero fill, dpbssd/dpbusd modulo 2^32: ok\n");
+}
+
+/* ---- the two builds -------------------------------------------------------------- */
+
+typedef struct impl {
+  const char *what;
+  void (*kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
+  int (*selftest)(kn_format f, double tol, double *worst);
+  void (*reg)(kn__kernel_table *t, double tol);
+  uint32_t (*min_tokens)(void);
+  bool (*usable)(void);
+} impl;
+
+#if MR_HAVE_AMX
+static const impl impls[2] = {
+    {"emulated", kn__amx_emu_kernels, kn__amx_emu_selftest, kn__amx_emu_register_gated, kn__amx_emu_min_tokens,
+     kn__amx_emu_usable},
+    {"real", kn__amx_kernels, kn__amx_selftest, kn__amx_register_gated, kn__amx_min_tokens, kn__amx_usable},
+};
+#endif
+
+static void cpu_model(char *buf, size_t len) {
+  snprintf(buf, len, "unknown CPU");
+  FILE *f = fopen("/proc/cpuinfo", "r");
+  if (!f) return;
+  char line[512];
+  while (fgets(line, sizeof line, f)) {
+    if (strncmp(line, "model name", 10) != 0) continue;
+    char *p = strchr(line, ':');
+    if (!p) break;
+    p++;
+    while (*p == ' ') p++;
+    p[strcspn(p, "\n")] = 0;
+    snprintf(buf, len, "%s", p);
+    break;
+  }
+  fclose(f);
+}
+
+/* The build `which` (0 emulated, 1 real), or a skip that says why it cannot run here. */
+static const impl *impl_or_skip(int which) {
+#if MR_HAVE_AMX
+  if (which == 1 && kn__cpu_get()->best != KN_ISA_AMX) {
+    char model[256];
+    cpu_model(model, sizeof model);
+    MT_SKIP("no AMX on this CPU: %s", model);
+  }
+  if (!impls[which].usable())
+    MT_SKIP("the %s AMX kernels need AVX-512 with BF16 and VNNI (CPU best ISA %s)", impls[which].what,
+            kn_isa_name(kn_isa_detect()));
+  return &impls[which];
+#else
+  (void)which;
+  (void)cpu_model;
+  MT_SKIP("built without AMX kernels (HAVE_AMX=0)");
+  return NULL;
+#endif
+}
+
+/* ---- helpers --------------------------------------------------------------------- */
+
+typedef struct fmt_case {
+  kn_format f;
+  uint32_t G;
+  double tol;
+} fmt_case;
+static const fmt_case fmts[5] = {{KN_FMT_BF16, 0, TOL_BF16X}, {KN_FMT_INT8, 0, TOL_Q8X}, {KN_FMT_INT4, 32, TOL_Q8X},
+                                 {KN_FMT_INT4, 64, TOL_Q8X},  {KN_FMT_INT4, 128, TOL_Q8X}};
+
+/* H x I shapes: aligned to every step; H % 64 = 8 and I % 16 = 8 (bf16 K tail, int8 K
+ * tail, partial row blocks); tiny (one partial K step, one partial row block); H % 64 = 32
+ * with I = 40 (down K % 32 = 8, two row blocks of which one partial). */
+static const uint32_t shapes[4][2] = {{256, 192}, {200, 72}, {40, 24}, {160, 40}};
+
+static kn_engine *engine_make(kn_isa isa, uint32_t split) {
+  kn_engine *eng = NULL;
+  mr_err e = {0};
+  unsetenv("MOERPC_ISA");
+  kn_engine_opts o = {.isa = isa, .threads = 0, .numa = NULL, .force_split = split};
+  MT_OK(kn_engine_new(&eng, &o, &e), ep(&e));
+  return eng;
+}
+
+/* A layer of E experts, weights ~ 0.05 N(0, 1) in bf16 (what checkpoints hold). */
+static kn_layer *layer_make(kn_engine *eng, uint32_t H, uint32_t I, uint32_t E, kn_format f, uint32_t G, uint64_t seed) {
+  kn_layer *L = NULL;
+  mr_err e = {0};
+  kn_layer_desc d = {.hidden = H, .inter = I, .num_experts = E, .format = f, .group = G};
+  MT_OK(kn_layer_new(&L, eng, &d, &e), ep(&e));
+  size_t n = (size_t)H * I;
+  float *w = malloc(n * 4);
+  uint16_t *g = malloc(n * 2), *u = malloc(n * 2), *dn = malloc(n * 2);
+  rng_seed(seed);
+  for (uint32_t x = 0; x < E; x++) {
+    uint16_t *arr[3] = {g, u, dn};
+    for (int a = 0; a < 3; a++) {
+      for (size_t i = 0; i < n; i++) w[i] = 0.05f * rng_normal();
+      mr_convert_from_f32(arr[a], MR_DTYPE_BF16, w, n);
+    }
+    MT_OK(kn_layer_load_expert(L, x, g, u, dn, MR_DTYPE_BF16, &e), ep(&e));
+  }
+  free(w);
+  free(g);
+  free(u);
+  free(dn);
+  return L;
+}
+
+static const kn__kernel *ref_kernel(kn_format f) {
+  static kn__kernel_table tab;
+  kn__ref_register(&tab);
+  return &tab.k[f][KN_ISA_REF];
+}
+
+/* Buffers of one task of n tokens on slice s of L for kernel k (and the REF one). */
+typedef struct tbuf {
+  float *x, *h, *y, *tmp;
+  void *xq;
+} tbuf;
+static tbuf tbuf_make(const kn_layer *L, const kn__kernel *k, uint32_t n) {
+  tbuf b;
+  const uint32_t H = L->d.hidden, Is = L->slice_len[0];
+  size_t tn = k->tmp_floats(L, 0, n), rn = ref_kernel(L->d.format)->tmp_floats(L, 0, n);
+  b.x = malloc((size_t)n * H * 4);
+  b.h = malloc((size_t)(n + 2) * Is * 4); /* + a canary row each side */
+  b.y = malloc((size_t)(n + 2) * H * 4);
+  b.tmp = mr_malloc_aligned((tn > rn ? tn : rn) * 4 + 64, 64);
+  b.xq = mr_malloc_aligned((k->prep ? k->prep_bytes(L, n) : 0) + 64, 64);
+  for (size_t i = 0; i < (size_t)n * H; i++) b.x[i] = rng_normal();
+  for (size_t i = 0; i < (size_t)(n + 2) * Is; i++) b.h[i] = -7.0f;
+  for (size_t i = 0; i < (size_t)(n + 2) * H; i++) b.y[i] = -7.0f;
+  return b;
+}
+static void tbuf_free(tbuf *b) {
+  free(b->x);
+  free(b->h);
+  free(b->y);
+  mr_free_aligned(b->tmp);
+  mr_free_aligned(b->xq);
+}
+static void canaries_intact(const tbuf *b, uint32_t n, uint32_t rowlen_h, uint32_t rowlen_y) {
+  for (uint32_t i = 0; i < rowlen_h; i++) {
+    MT_TRUE(b->h[i] == -7.0f);
+    MT_TRUE(b->h[(size_t)(n + 1) * rowlen_h + i] == -7.0f);
+  }
+  for (uint32_t i = 0; i < rowlen_y; i++) {
+    MT_TRUE(b->y[i] == -7.0f);
+    MT_TRUE(b->y[(size_t)(n + 1) * rowlen_y + i] == -7.0f);
+  }
+}
+
+/* gate_up then down (down from h_in when not NULL) of kernel k on b's x. */
+static void run_task(const kn_layer *L, const kn__kernel *k, uint32_t n, tbuf *b, const float *h_in) {
+  const uint32_t H = L->d.hidden, Is = L->slice_len[0];
+  if (k->prep) k->prep(L, n, b->x, b->xq);
+  kn__task t = {.L = L, .slice = 0, .w = &L->w[0][0], .n = n, .x = b->x, .xq = b->xq,
+                .h = b->h + Is, .y = b->y + H, .tmp = b->tmp};
+  k->gate_up(&t, 0, Is);
+  if (h_in) memcpy(b->h + Is, h_in, (size_t)n * Is * 4);
+  k->down(&t, 0, H);
+}
+
+/* ---- the tiles at every token count against the REF kernels ------------------------ */
+
+static void forced_matches_ref(int which) {
+  const impl *im = impl_or_skip(which);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  const uint32_t ns[8] = {1, 3, 15, 16, 17, 32, 33, 47};
+  for (int fi = 0; fi < 5; fi++) {
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    MT_TRUE(fk.gate_up != NULL);
+    double worst_h = 0.0, worst_y = 0.0;
+    for (int sh = 0; sh < 4; sh++) {
+      const uint32_t H = shapes[sh][0], I = shapes[sh][1];
+      kn_layer *L = layer_make(eng, H, I, 1, fmts[fi].f, fmts[fi].G, 100 + sh);
+      for (int ni = 0; ni < 8; ni++) {
+        const uint32_t n = ns[ni];
+        rng_seed(1000 + 7 * ni + sh);
+        tbuf r = tbuf_make(L, &fk, n), a = tbuf_make(L, &fk, n);
+        memcpy(a.x, r.x, (size_t)n * H * 4);
+        run_task(L, ref_kernel(fmts[fi].f), n, &r, NULL);
+        /* the tiles' gate_up against the reference h, then their down from the reference h */
+        fk.prep(L, n, a.x, a.xq);
+        kn__task t = {.L = L, .slice = 0, .w = &L->w[0][0], .n = n, .x = a.x, .xq = a.xq,
+                      .h = a.h + I, .y = a.y + H, .tmp = a.tmp};
+        fk.gate_up(&t, 0, I);
+        for (size_t i = 0; i < (size_t)n * I; i++) MT_TRUE(isfinite(a.h[I + i]));
+        double eh = kn_rel_l2(a.h + I, r.h + I, (size_t)n * I);
+        memcpy(a.h + I, r.h + I, (size_t)n * I * 4);
+        fk.down(&t, 0, H);
+        for (size_t i = 0; i < (size_t)n * H; i++) MT_TRUE(isfinite(a.y[H + i]));
+        double ey = kn_rel_l2(a.y + H, r.y + H, (size_t)n * H);
+        canaries_intact(&a, n, I, H);
+        if (eh > fmts[fi].tol || ey > fmts[fi].tol)
+          printf("  %s g%u H=%u I=%u n=%u: rel L2 h %.3g y %.3g > %.0e\n", fk.name, fmts[fi].G, H, I, n, eh, ey,
+                 fmts[fi].tol);
+        MT_LE(eh, fmts[fi].tol);
+        MT_LE(ey, fmts[fi].tol);
+        if (eh > worst_h) worst_h = eh;
+        if (ey > worst_y) worst_y = ey;
+        tbuf_free(&r);
+        tbuf_free(&a);
+      }
+      kn_layer_free(L);
+    }
+    printf("  %s %-17s g%-3u tiles at n=1..47: worst rel L2 gate_up %.3g, down %.3g (tol %.0e)\n", im->what,
+           fk.name, fmts[fi].G, worst_h, worst_y, fmts[fi].tol);
+  }
+  kn_engine_free(eng);
+}
+MT_TEST(emulated_tiles_match_ref_every_format_and_edge) { forced_matches_ref(0); }
+MT_TEST(real_tiles_match_ref_every_format_and_edge) { forced_matches_ref(1); }
+
+/* ---- row ranges from two threads: the bits of one call, only their own rows -------- */
+
+typedef struct range_job {
+  const kn__kernel *k;
+  kn__task task;
+  int step;
+  uint32_t n_ranges;
+  const uint32_t *cuts;
+  uint32_t first;
+} range_job;
+static void *range_worker(void *arg) {
+  range_job *j = arg;
+  for (uint32_t q = j->first; q < j->n_ranges; q += 2) {
+    if (j->step == 0)
+      j->k->gate_up(&j->task, j->cuts[q], j->cuts[q + 1]);
+    else
+      j->k->down(&j->task, j->cuts[q], j->cuts[q + 1]);
+  }
+  return NULL;
+}
+static uint32_t make_cuts(uint32_t total, uint32_t *cuts) {
+  uint32_t n = 0, at = 0;
+  cuts[0] = 0;
+  while (at < total) {
+    uint32_t len = rng_u32() % 38;
+    at = at + len > total ? total : at + len;
+    cuts[++n] = at;
+  }
+  return n;
+}
+
+static void ranges_compose(int which) {
+  const impl *im = impl_or_skip(which);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  for (int fi = 0; fi < 5; fi++) {
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    kn_layer *L = layer_make(eng, 200, 136, 1, fmts[fi].f, fmts[fi].G, 300 + fi);
+    const uint32_t H = 200, Is = L->slice_len[0];
+    const uint32_t ns[3] = {5, 17, 40};
+    for (int ni = 0; ni < 3; ni++) {
+      const uint32_t n = ns[ni];
+      rng_seed(400 + ni);
+      tbuf a = tbuf_make(L, &fk, n), b = tbuf_make(L, &fk, n);
+      memcpy(b.x, a.x, (size_t)n * H * 4);
+      run_task(L, &fk, n, &a, NULL);
+      fk.prep(L, n, b.x, b.xq);
+      float *tmp2 = mr_malloc_aligned(fk.tmp_floats(L, 0, n) * 4 + 64, 64);
+      uint32_t cuts[1024];
+      for (int step = 0; step < 2; step++) {
+        uint32_t nr = make_cuts(step == 0 ? Is : H, cuts);
+        range_job jobs[2];
+        pthread_t th[2];
+        for (int w = 0; w < 2; w++) {
+          jobs[w] = (range_job){.k = &fk, .step = step, .n_ranges = nr, .cuts = cuts, .first = (uint32_t)w};
+          jobs[w].task = (kn__task){.L = L, .slice = 0, .w = &L->w[0][0], .n = n, .x = b.x, .xq = b.xq,
+                                    .h = b.h + Is, .y = b.y + H, .tmp = w ? tmp2 : b.tmp};
+          MT_EQ_INT(pthread_create(&th[w], NULL, range_worker, &jobs[w]), 0);
+        }
+        for (int w = 0; w < 2; w++) pthread_join(th[w], NULL);
+      }
+      MT_EQ_INT(memcmp(a.h, b.h, (size_t)(n + 2) * Is * 4), 0);
+      MT_EQ_INT(memcmp(a.y, b.y, (size_t)(n + 2) * H * 4), 0);
+      canaries_intact(&b, n, Is, H);
+      mr_free_aligned(tmp2);
+      tbuf_free(&a);
+      tbuf_free(&b);
+    }
+    kn_layer_free(L);
+  }
+  printf("  %s: random row ranges on two threads = one call, bitwise, canaries intact\n", im->what);
+  kn_engine_free(eng);
+}
+MT_TEST(emulated_row_ranges_compose_across_threads) { ranges_compose(0); }
+MT_TEST(real_row_ranges_compose_across_threads) { ranges_compose(1); }
+
+/* ---- dispatch by tokens per expert -------------------------------------------------- */
+
+static void dispatch_by_tokens(int which) {
+  const impl *im = impl_or_skip(which);
+  const uint32_t min = im->min_tokens();
+  MT_TRUE(min >= 1 && min <= 256);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  for (int fi = 0; fi < 5; fi++) {
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    const kn__kernel *avx = kn__avx512_kernel(fmts[fi].f);
+    MT_TRUE(avx != NULL);
+    kn_layer *L = layer_make(eng, 200, 72, 1, fmts[fi].f, fmts[fi].G, 500 + fi);
+    const uint32_t H = 200, Is = L->slice_len[0];
+    const uint32_t ns[4] = {1, min - 1, min, min + 9};
+    for (int ni = 0; ni < 4; ni++) {
+      const uint32_t n = ns[ni] ? ns[ni] : 1;
+      const kn__kernel *want = n < min ? avx : &fk;
+      rng_seed(600 + ni);
+      tbuf a = tbuf_make(L, &dk, n), b = tbuf_make(L, want, n);
+      memcpy(b.x, a.x, (size_t)n * H * 4);
+      MT_EQ_INT(dk.tmp_floats(L, 0, n), want->tmp_floats(L, 0, n));
+      MT_EQ_INT(dk.prep_bytes(L, n), want->prep ? want->prep_bytes(L, n) : 0);
+      run_task(L, &dk, n, &a, NULL);
+      run_task(L, want, n, &b, NULL);
+      MT_EQ_INT(memcmp(a.h, b.h, (size_t)(n + 2) * Is * 4), 0);
+      MT_EQ_INT(memcmp(a.y, b.y, (size_t)(n + 2) * H * 4), 0);
+      tbuf_free(&a);
+      tbuf_free(&b);
+    }
+    kn_layer_free(L);
+  }
+  printf("  %s: below %u tokens the AVX-512 kernel's bits, from %u on the tiles' bits\n", im->what, min, min);
+  kn_engine_free(eng);
+}
+MT_TEST(emulated_dispatch_by_tokens_per_expert) { dispatch_by_tokens(0); }
+MT_TEST(real_dispatch_by_tokens_per_expert) { dispatch_by_tokens(1); }
+
+/* ---- whole layers: kn_moe_forward with the AMX entry against kn_ref_moe_forward ----- */
+
+static void layer_matches_ref(int which) {
+  const impl *im = impl_or_skip(which);
+  const uint32_t Ts[4] = {1, 7, 64, 300};
+  for (int fi = 0; fi < 5; fi++) {
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    double worst = 0.0;
+    for (uint32_t split = 1; split <= 2; split++) {
+      kn_engine *eng = engine_make(KN_ISA_AVX512, split);
+      /* the AMX entry where the engine looks for this format */
+      eng->table.k[fmts[fi].f][KN_ISA_AVX512] = dk;
+      MT_TRUE(eng->kern[fmts[fi].f] == &eng->table.k[fmts[fi].f][KN_ISA_AVX512]);
+      kn_layer *L = layer_make(eng, 256, 192, 4, fmts[fi].f, fmts[fi].G, 700 + split);
+      for (int ti = 0; ti < 4; ti++) {
+        const uint32_t T = Ts[ti], k = 2;
+        int32_t *ids = malloc((size_t)T * k * 4);
+        float *w = malloc((size_t)T * k * 4), *x = malloc((size_t)T * 256 * 4);
+        float *ref = malloc((size_t)T * 256 * 4), *out = malloc((size_t)T * 256 * 4);
+        rng_seed(800 + ti);
+        for (size_t p = 0; p < (size_t)T * k; p++) {
+          ids[p] = rng_u32() % 10 == 0 ? -1 : (int32_t)(p % k == 0 ? rng_u32() % 2 : 2 + rng_u32() % 2);
+          w[p] = 0.25f + 0.5f * (rng_uniform() + 1.0f) / 2.0f;
+        }
+        for (size_t i = 0; i < (size_t)T * 256; i++) x[i] = rng_normal();
+        mr_err e = {0};
+        kn_moe_args a = {.n_tokens = T, .top_k = k, .ids = ids, .weights = w, .x = x, .x_dtype = MR_DTYPE_F32,
+                         .out = ref};
+        MT_OK(kn_ref_moe_forward(L, &a, &e), ep(&e));
+        a.out = out;
+        MT_OK(kn_moe_forward(eng, L, &a, NULL, &e), ep(&e));
+        for (size_t i = 0; i < (size_t)T * 256; i++) MT_TRUE(isfinite(out[i]));
+        double err = kn_rel_l2(out, ref, (size_t)T * 256);
+        MT_LE(err, fmts[fi].tol);
+        if (err > worst) worst = err;
+        free(ids);
+        free(w);
+        free(x);
+        free(ref);
+        free(out);
+      }
+      kn_layer_free(L);
+      kn_engine_free(eng);
+    }
+    printf("  %s %-17s g%-3u layer (T=1..300, 1-2 slices): worst rel L2 %.3g (tol %.0e)\n", im->what, dk.name,
+           fmts[fi].G, worst, fmts[fi].tol);
+  }
+}
+MT_TEST(emulated_layer_matches_ref) { layer_matches_ref(0); }
+MT_TEST(real_layer_matches_ref) { layer_matches_ref(1); }
+
+/* ---- the start-up gate -------------------------------------------------------------- */
+
+static void selftest_gate(int which) {
+  const impl *im = impl_or_skip(which);
+  const kn_format fs[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  for (int i = 0; i < 3; i++) {
+    double worst = -1.0;
+    MT_EQ_INT(im->selftest(fs[i], 0.0, &worst), 0);
+    printf("  %s self-test %s: passed, worst rel L2 %.3g\n", im->what, kn_format_name(fs[i]), worst);
+    MT_TRUE(worst >= 0.0 && worst < (fs[i] == KN_FMT_BF16 ? TOL_BF16X : TOL_Q8X));
+    MT_TRUE(worst > 0.0); /* the tiles really ran: rounded activations never give 0 */
+  }
+  kn__kernel_table t;
+  memset(&t, 0, sizeof t);
+  im->reg(&t, 0.0);
+  for (int f = 0; f < KN_FMT_COUNT; f++) {
+    bool want = f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4;
+    MT_EQ_INT(t.k[f][KN_ISA_AMX].gate_up != NULL, want);
+    if (want) MT_TRUE(strstr(t.k[f][KN_ISA_AMX].name, "amx") == t.k[f][KN_ISA_AMX].name);
+  }
+  /* a failing self-test leaves the entry out (and WARNs; seen on stderr) */
+  memset(&t, 0, sizeof t);
+  im->reg(&t, 1e-12);
+  for (int f = 0; f < KN_FMT_COUNT; f++) MT_TRUE(t.k[f][KN_ISA_AMX].gate_up == NULL);
+}
+MT_TEST(emulated_selftest_gate) { selftest_gate(0); }
+MT_TEST(real_selftest_gate) { selftest_gate(1); }
+
+/* Where the CPU has AMX, an auto engine picks the AMX entries (their self-tests passed at
+ * registration); elsewhere the engine never registers them. */
+MT_TEST(engine_registers_amx_only_with_amx) {
+#if MR_HAVE_AMX
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 1);
+  bool amx = kn__cpu_get()->best == KN_ISA_AMX && kn__amx_usable();
+  for (int f = 0; f < KN_FMT_COUNT; f++) {
+    bool want = amx && (f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4);
+    MT_EQ_INT(kn_engine_isa(eng, (kn_format)f) == KN_ISA_AMX, want);
+    printf("  %-4s -> %s\n", kn_format_name((kn_format)f), eng->kern[f]->name);
+  }
+  kn_engine_free(eng);
+  if (!amx) {
+    char model[256];
+    cpu_model(model, sizeof model);
+    printf("  (no AMX on this CPU: %s; nothing registered, as it must be)\n", model);
+  }
+#else
+  MT_SKIP("built without AMX kernels (HAVE_AMX=0)");
+#endif
+}
+
+MT_MAIN()
