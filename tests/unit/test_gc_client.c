@@ -1138,12 +1138,20 @@ MT_TEST(no_replica_left_fails_naming_servers_and_experts) {
   MT_TRUE(ms < 2000); /* well inside the 3 s deadline */
   MT_CONTAINS(e->msg, "layer 0: expert");
   MT_CONTAINS(e->msg, "no live replica");
-  char want[600];
-  snprintf(want, sizeof want, "server f0 (%s): stream ended (UNAVAILABLE: fake server ends the "
-           "stream)", f0.address);
-  MT_CONTAINS(e->msg, want);
-  snprintf(want, sizeof want, "server f1 (%s): stream ended", f1.address);
-  MT_CONTAINS(e->msg, want);
+  /* Each server is named with its reason, or, when the error is built before its own
+   * stream's failure was marked (the two race; seen under ASan on a loaded host), as the
+   * one that just failed; at least one reason is there. */
+  const fake_server *fs[2] = {&f0, &f1};
+  int reasons = 0;
+  for (int i = 0; i < 2; i++) {
+    char why[600], just[600];
+    snprintf(why, sizeof why, "server f%d (%s): stream ended (UNAVAILABLE: fake server ends the "
+             "stream)", i, fs[i]->address);
+    snprintf(just, sizeof just, "server f%d (%s): (left out: it just failed)", i, fs[i]->address);
+    MT_TRUE(strstr(e->msg, why) || strstr(e->msg, just));
+    reasons += strstr(e->msg, why) != NULL;
+  }
+  MT_TRUE(reasons >= 1);
   gc_cluster_close(c);
   fs_stop(&f0);
   fs_stop(&f1);
