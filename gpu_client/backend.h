@@ -118,6 +118,25 @@ typedef struct gc_bk_route {
   float *weights;           /* [T, k] host out */
 } gc_bk_route;
 
+/* The checks every backend's route makes before computing (shared so that they refuse the
+ * same things): top_k 1..E and <= GC_ROUTE_MAX_TOP_K; NOAUX_TC groups that divide E and
+ * can hold top_k; a known method. 0, MR_ERANGE or MR_ENOTSUP naming the values. */
+static inline int gc_bk_route_check(const gc_bk_route *r, mr_err *e) {
+  const uint32_t E = r->num_experts, k = r->top_k;
+  if (k == 0 || k > E || k > GC_ROUTE_MAX_TOP_K)
+    return mr_err_set(e, MR_ERANGE, "route: top_k = %u, must be 1..%u and <= %u", k, E,
+                      GC_ROUTE_MAX_TOP_K);
+  if (r->method == MR_TOPK_NOAUX_TC &&
+      (r->n_group == 0 || r->n_group > GC_ROUTE_MAX_GROUPS || E % r->n_group ||
+       r->topk_group == 0 || r->topk_group > r->n_group ||
+       (uint64_t)r->topk_group * (E / r->n_group) < k))
+    return mr_err_set(e, MR_ERANGE, "route: %u experts in %u groups keeping %u, top_k %u", E,
+                      r->n_group, r->topk_group, k);
+  if (r->method != MR_TOPK_GREEDY && r->method != MR_TOPK_NOAUX_TC)
+    return mr_err_set(e, MR_ENOTSUP, "route: topk method %d", (int)r->method);
+  return 0;
+}
+
 typedef struct gc_bk_ops {
   const char *name; /* "cpu", "cuda" */
   void (*destroy)(gc_backend *b);

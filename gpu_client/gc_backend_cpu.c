@@ -547,16 +547,8 @@ static void route_noaux_tc(const gc_bk_route *r, const float *l, int32_t *ids, f
 static int cpu_route(gc_backend *b, const gc_bk_route *r, mr_err *e) {
   cpu_backend *cb = cpu(b);
   const uint32_t E = r->num_experts, k = r->top_k;
-  if (k == 0 || k > E || k > GC_ROUTE_MAX_TOP_K)
-    return mr_err_set(e, MR_ERANGE, "route: top_k = %u, must be 1..%u and <= %u", k, E,
-                      GC_ROUTE_MAX_TOP_K);
-  if (r->method == MR_TOPK_NOAUX_TC &&
-      (r->n_group == 0 || r->n_group > GC_ROUTE_MAX_GROUPS || E % r->n_group || r->topk_group == 0 ||
-       r->topk_group > r->n_group || (uint64_t)r->topk_group * (E / r->n_group) < k))
-    return mr_err_set(e, MR_ERANGE, "route: %u experts in %u groups keeping %u, top_k %u",
-                      E, r->n_group, r->topk_group, k);
-  if (r->method != MR_TOPK_GREEDY && r->method != MR_TOPK_NOAUX_TC)
-    return mr_err_set(e, MR_ENOTSUP, "route: topk method %d", (int)r->method);
+  int rc0 = gc_bk_route_check(r, e);
+  if (rc0) return rc0;
   if (r->method == MR_TOPK_NOAUX_TC && cb->route_cap < E) {
     float *p = mr_malloc(2 * (size_t)E * sizeof *p);
     if (!p) return mr_err_set(e, MR_ENOMEM, "route: scratch of %u: out of memory", 2 * E);

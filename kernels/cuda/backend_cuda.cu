@@ -876,16 +876,8 @@ static int cu_add(gc_backend *b, float *y, const float *x, size_t n, mr_err *e) 
 static int cu_route(gc_backend *b, const gc_bk_route *r, mr_err *e) {
   cu_backend *cb = cub(b);
   const uint32_t E = r->num_experts, k = r->top_k, T = r->n_tokens;
-  if (k == 0 || k > E || k > GC_ROUTE_MAX_TOP_K)
-    return mr_err_set(e, MR_ERANGE, "route: top_k = %u, must be 1..%u and <= %u", k, E,
-                      GC_ROUTE_MAX_TOP_K);
-  if (r->method == MR_TOPK_NOAUX_TC &&
-      (r->n_group == 0 || r->n_group > GC_ROUTE_MAX_GROUPS || E % r->n_group || r->topk_group == 0 ||
-       r->topk_group > r->n_group || (uint64_t)r->topk_group * (E / r->n_group) < k))
-    return mr_err_set(e, MR_ERANGE, "route: %u experts in %u groups keeping %u, top_k %u",
-                      E, r->n_group, r->topk_group, k);
-  if (r->method != MR_TOPK_GREEDY && r->method != MR_TOPK_NOAUX_TC)
-    return mr_err_set(e, MR_ENOTSUP, "route: topk method %d", (int)r->method);
+  int rc0 = gc_bk_route_check(r, e);
+  if (rc0) return rc0;
   int rc = enter(cb, e);
   if (rc || !T) return rc;
   void *work = NULL, *outb = NULL;
