@@ -10,6 +10,7 @@
 #include <grpc/support/time.h>
 #include <signal.h>
 #include <stdio.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -583,8 +584,43 @@ static int health_on(grpc_channel *ch) {
 
 #define NDRAIN 60
 
+/* The replies of the drain test's stream, counted by status. */
+typedef struct drain_reader {
+  itu_call *c;
+  int ok, unavailable, other, bad_reply;
+} drain_reader;
+
+static void *drain_read(void *arg) {
+  drain_reader *d = arg;
+  for (int i = 0; i < NDRAIN; i++) {
+    grpc_byte_buffer *rb = NULL;
+    if (itu_call_recv(d->c, &rb, 10000) != 0 || !rb) break;
+    Moerpc__V1__ForwardReply *r = NULL;
+    void *out = NULL;
+    size_t len = 0;
+    if (itu_forward_reply(rb, &r, &out, &len) != 0) {
+      d->bad_reply++;
+    } else {
+      if (r->status == 0) d->ok++;
+      else if (r->status == GRPC_STATUS_UNAVAILABLE) d->unavailable++;
+      else d->other++;
+      moerpc__v1__forward_reply__free_unpacked(r, NULL);
+    }
+    free(out);
+    grpc_byte_buffer_destroy(rb);
+  }
+  return NULL;
+}
+
 MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_serving) {
-  start(heavier_model, "--experts all --max-tokens 256 --threads 1 --drain-timeout-ms 400");
+  /* Under a sanitizer one merged batch of 256 tokens can take over a second to compute
+   * (TSan, 2 loaded cores): the drain would then cut the batch in flight (exit 3,
+   * "accepted unanswered"), which is the drain timeout working, not what this case checks.
+   * So there: batches of one 64-token request, and 3 s, which still leaves most of the
+   * queued work unanswered. */
+  const char *san = getenv("SANITIZER");
+  start(heavier_model, san && *san ? "--experts all --max-tokens 64 --threads 1 --drain-timeout-ms 3000"
+                                   : "--experts all --max-tokens 256 --threads 1 --drain-timeout-ms 400");
   grpc_arg args[PR_CHANNEL_ARGS];
   grpc_channel_args ca = {pr_channel_args(args, 64 << 20), args};
   char target[300];
@@ -594,12 +630,22 @@ MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_se
   grpc_channel_credentials_release(cr);
   MT_EQ_INT(health_on(ch), PR_HEALTH_SERVING);
 
-  /* 60 requests of ~15 ms each (here) queued: more than the 400 ms drain timeout allows. */
+  /* 60 requests of ~15 ms each (here) queued: more than the 400 ms drain timeout allows.
+   * Under a sanitizer one request of 256 tokens can take longer than the drain's last
+   * second for open calls (seen under TSan: the one being computed at the timeout was
+   * cut, exit 3); 64 tokens still queue far more than 400 ms of work. */
+  const uint32_t T_DRAIN = san && *san ? 64 : 256;
   itu_call c;
   MT_EQ_INT(itu_call_open(&c, srv.address, PR_METHOD_FORWARD, 60000), 0);
-  send_n(&c, NDRAIN, 256);
+  send_n(&c, NDRAIN, T_DRAIN);
   usleep(100 * 1000);
   MT_EQ_INT(kill(srv.pid, SIGTERM), 0);
+  /* The replies are read from now on, on a thread of their own: a client that stopped
+   * reading during the drain (this one, busy with the checks below, which are slow under
+   * a sanitizer) would have its unsent replies cut when the drain ends the calls. */
+  drain_reader rd = {.c = &c};
+  pthread_t rt;
+  MT_EQ_INT(pthread_create(&rt, NULL, drain_read, &rd), 0);
   usleep(100 * 1000);
   MT_EQ_INT(health_on(ch), PR_HEALTH_NOT_SERVING); /* the open channel still gets answers */
   /* A new stream during the drain is refused UNAVAILABLE at once. */
@@ -609,21 +655,9 @@ MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_se
   MT_EQ_INT(late.status, GRPC_STATUS_UNAVAILABLE);
   itu_call_close(&late);
 
-  int ok = 0, unavailable = 0, other = 0;
-  for (int i = 0; i < NDRAIN; i++) {
-    grpc_byte_buffer *rb = NULL;
-    if (itu_call_recv(&c, &rb, 10000) != 0 || !rb) break;
-    Moerpc__V1__ForwardReply *r = NULL;
-    void *out = NULL;
-    size_t len = 0;
-    MT_EQ_INT(itu_forward_reply(rb, &r, &out, &len), 0);
-    if (r->status == 0) ok++;
-    else if (r->status == GRPC_STATUS_UNAVAILABLE) unavailable++;
-    else other++;
-    moerpc__v1__forward_reply__free_unpacked(r, NULL);
-    free(out);
-    grpc_byte_buffer_destroy(rb);
-  }
+  pthread_join(rt, NULL);
+  const int ok = rd.ok, unavailable = rd.unavailable, other = rd.other;
+  MT_EQ_INT(rd.bad_reply, 0);
   itu_call_finish(&c, 10000);
   fprintf(stderr, "  %d accepted: %d OK, %d UNAVAILABLE, %d other; stream status %d\n", NDRAIN,
           ok, unavailable, other, c.status);
