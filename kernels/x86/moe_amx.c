@@ -208,18 +208,7 @@ static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *sr
 
 /* ---- vector helpers of the epilogue -------------------------------------------------- */
 
-KN__X86_EXP_POLY(exp_poly, __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
-                 _mm512_mul_ps, _mm512_add_ps)
-AI __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-  x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KN__EXP_LOG2E)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_scalef_ps(exp_poly(x, n), n);
-}
-AI __m512 silu_ps(__m512 g) {
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
+#include "kernels/x86/avx512_math.h" /* exp_ps, silu_ps: the AVX-512 kernels' own */
 
 /* In-place transpose of a 16x16 matrix of 32-bit lanes (r[i] lane j <-> r[j] lane i). */
 AI void transpose16(__m512 *r) {

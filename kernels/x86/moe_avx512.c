@@ -164,23 +164,9 @@ AI __m512i hsum16_epi32(const __m512i *v) {
                           _mm512_shuffle_i32x4(d0, d1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* exp(x) to ~1 ulp (the polynomial of common_x86.h), scaled by vscalefps, which gives inf
- * above ~88.7 and 0 below ~-104 like expf. The clamps keep NaN (vmaxps / vminps return
- * their second operand when either is NaN). */
-KN__X86_EXP_POLY(exp_poly, __m512, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_fnmadd_ps,
-                 _mm512_mul_ps, _mm512_add_ps)
-AI __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
-  x = _mm512_min_ps(_mm512_set1_ps(100.0f), x);
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KN__EXP_LOG2E)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  return _mm512_scalef_ps(exp_poly(x, n), n);
-}
-
-/* silu(g) = g / (1 + exp(-g)), like kn__silu (-0 for g < -88, g for large g). */
-AI __m512 silu_ps(__m512 g) {
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-}
+/* exp_ps (exp to ~1 ulp, inf above ~88.7 and 0 below ~-104 like expf, NaN kept) and
+ * silu_ps (like kn__silu): shared with the AMX kernels. */
+#include "kernels/x86/avx512_math.h"
 
 /* acc += sum over 4 bytes of a (u8) * b (s8), per int32 lane: vpdpbusd. Written as asm
  * because GCC 12 compiles _mm512_dpbusd_epi32 with a register copy of the accumulator per
