@@ -4,10 +4,11 @@
  * either as the real instructions or as a scalar C model of their documented semantics.
  *
  *   KN_AMX_EMULATE = 0 (the real build, moe_amx.c with -mamx-tile -mamx-bf16 -mamx-int8):
- *     each macro is one intrinsic of <immintrin.h> (_tile_loadconfig, _tile_loadd,
- *     _tile_stored, _tile_zero, _tile_dpbf16ps, _tile_dpbusd, _tile_dpbssd,
- *     _tile_release). Tile numbers must be compile-time constants (they are encoded in
- *     the instruction).
+ *     each macro is one instruction (LDTILECFG, STTILECFG, TILELOADD, TILESTORED,
+ *     TILEZERO, TDPBF16PS, TDPBUSD, TDPBSSD, TILERELEASE) in inline assembly whose
+ *     operands tell the compiler what memory it reads and writes (why not the
+ *     <immintrin.h> intrinsics: see the real half below). Tile numbers must be literal
+ *     constants (they are encoded in the instruction).
  *   KN_AMX_EMULATE = 1 (the test build, tests/unit/test_kn_amx.c and the emulated object
  *     of the Makefile): the same macros call the functions below, which keep eight
  *     1 KiB tiles and their shapes in thread-local memory (each thread has its own tile
@@ -111,6 +112,16 @@ static inline void kn__amx_emu_loadcfg(const kn__amx_cfg *c) {
   memset(kn__amx_emu.t, 0, sizeof kn__amx_emu.t); /* LDTILECFG zeroes the tile data */
   kn__amx_emu.configured = 1;
 }
+/* STTILECFG: the configuration in force (all zero when none is loaded). */
+static inline void kn__amx_emu_storecfg(kn__amx_cfg *c) {
+  memset(c, 0, sizeof *c);
+  if (!kn__amx_emu.configured) return;
+  c->palette = 1;
+  for (int i = 0; i < KN_AMX_TILES; i++) {
+    c->rows[i] = kn__amx_emu.rows[i];
+    c->colsb[i] = kn__amx_emu.colsb[i];
+  }
+}
 static inline void kn__amx_emu_release(void) {
   memset(&kn__amx_emu, 0, sizeof kn__amx_emu);
 }
@@ -192,6 +203,7 @@ static inline void kn__amx_emu_dp8(int c, int a, int b, int a_signed) {
 }
 
 #define KN_AMX_LOADCFG(cfg) kn__amx_emu_loadcfg(cfg)
+#define KN_AMX_STORECFG(cfg) kn__amx_emu_storecfg(cfg)
 #define KN_AMX_RELEASE() kn__amx_emu_release()
 #define KN_AMX_LOAD(t, base, stride) kn__amx_emu_load((t), (base), (size_t)(stride))
 #define KN_AMX_STORE(t, base, stride) kn__amx_emu_store((t), (base), (size_t)(stride))
@@ -202,16 +214,48 @@ static inline void kn__amx_emu_dp8(int c, int a, int b, int a_signed) {
 
 #else /* the real instructions */
 
-#include <immintrin.h>
+/* Our own inline assembly, not <immintrin.h>'s _tile_* intrinsics, for two reasons that
+ * each killed or could kill the process:
+ *   - GCC 12's _tile_loadconfig declares its memory operand as "m" (*(const void **)cfg),
+ *     i.e. as reading the first 8 bytes of the configuration only. GCC then treated the
+ *     stores of tiles 4-7's rows and colsb as dead and dropped them: LDTILECFG left those
+ *     tiles unconfigured and the first TILELOADD into tmm4 raised #UD, so every binary died
+ *     with SIGILL at the AMX self-test (Emerald Rapids, 2026-12-02). Here the operand is the
+ *     whole 64-byte struct, so every field is an input the compiler must store first.
+ *   - GCC 12's _tile_loadd declares no memory at all (only the base and stride registers),
+ *     so stores into a buffer that only a tile load reads (the zero-padded A blocks, the
+ *     packed activations) could be sunk past the load or dropped. Loads and stores here
+ *     clobber "memory": every earlier store is done before a tile load, and every later
+ *     read sees what a tile store wrote.
+ * Tile numbers are literals spliced into the mnemonic (they are encoded in the
+ * instruction); every statement is extended asm (": :" at least), so "%%" is one "%".
+ * AT&T operand order: the destination last. */
+#define KN__AMX_STR2(x) #x
+#define KN__AMX_STR(x) KN__AMX_STR2(x)
+#define KN__AMX_TMM(t) "%%tmm" KN__AMX_STR(t)
 
-#define KN_AMX_LOADCFG(cfg) _tile_loadconfig(cfg)
-#define KN_AMX_RELEASE() _tile_release()
-#define KN_AMX_LOAD(t, base, stride) _tile_loadd(t, base, (long)(stride))
-#define KN_AMX_STORE(t, base, stride) _tile_stored(t, base, (long)(stride))
-#define KN_AMX_ZERO(t) _tile_zero(t)
-#define KN_AMX_DPBF16PS(c, a, b) _tile_dpbf16ps(c, a, b)
-#define KN_AMX_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
-#define KN_AMX_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
+static inline void kn__amx_ldtilecfg(const kn__amx_cfg *cfg) {
+  __asm__ volatile("ldtilecfg %0" : : "m"(*cfg));
+}
+/* STTILECFG: the configuration the tiles really have (all zero when none is loaded). */
+static inline void kn__amx_sttilecfg(kn__amx_cfg *cfg) {
+  __asm__ volatile("sttilecfg %0" : "=m"(*cfg));
+}
+
+#define KN_AMX_LOADCFG(cfg) kn__amx_ldtilecfg(cfg)
+#define KN_AMX_STORECFG(cfg) kn__amx_sttilecfg(cfg)
+#define KN_AMX_RELEASE() __asm__ volatile("tilerelease" ::: "memory")
+#define KN_AMX_LOAD(t, base, stride)                                                      \
+  __asm__ volatile("tileloadd (%0,%1,1), " KN__AMX_TMM(t)                                 \
+                   : : "r"((const void *)(base)), "r"((long)(stride)) : "memory")
+#define KN_AMX_STORE(t, base, stride)                                                     \
+  __asm__ volatile("tilestored " KN__AMX_TMM(t) ", (%0,%1,1)"                             \
+                   : : "r"((void *)(base)), "r"((long)(stride)) : "memory")
+#define KN_AMX_ZERO(t) __asm__ volatile("tilezero " KN__AMX_TMM(t) : :)
+/* C += A . B: Intel order "tdpbf16ps C, A, B", so AT&T "B, A, C". */
+#define KN_AMX_DPBF16PS(c, a, b) __asm__ volatile("tdpbf16ps " KN__AMX_TMM(b) ", " KN__AMX_TMM(a) ", " KN__AMX_TMM(c) : :)
+#define KN_AMX_DPBSSD(c, a, b) __asm__ volatile("tdpbssd " KN__AMX_TMM(b) ", " KN__AMX_TMM(a) ", " KN__AMX_TMM(c) : :)
+#define KN_AMX_DPBUSD(c, a, b) __asm__ volatile("tdpbusd " KN__AMX_TMM(b) ", " KN__AMX_TMM(a) ", " KN__AMX_TMM(c) : :)
 
 #endif
 
