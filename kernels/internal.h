@@ -219,6 +219,30 @@ typedef struct kn__task {
   float *tmp;             /* kernel scratch: kn__kernel.tmp_floats(L, s, n) floats */
 } kn__task;
 
+/* What a kernel multiplies the weights with: its activation rounding. This, not the
+ * kernel's name, decides how far it may be from the REF kernels on the same stored
+ * weights (kn__rounding_tol): the self-test (section F) and the unit tests use it. */
+typedef enum kn__rounding {
+  KN__RND_F32 = 0, /* fp32 x and h: only the summation order differs */
+  KN__RND_BF16,    /* x and h rounded to bf16 (vdpbf16ps, AMX-BF16, fp8 via bf16) */
+  KN__RND_Q8,      /* x and h quantized per token to int8, amax / 127 (VNNI, AMX-INT8) */
+} kn__rounding;
+
+/* Rel L2 tolerance of a kernel against the REF kernels on the same stored weights, by
+ * its activation rounding:
+ *   F32  1e-5  fp32 math on fp32 activations (8/16 partial sums and a tree instead of
+ *              one running sum);
+ *   BF16 1e-2  x and h rounded to bf16: relative error <= 2^-9 per element, ~1.5e-3 per
+ *              matrix product, three products chained;
+ *   Q8   3e-2  x and h quantized per token to int8: ~1% of rms per product for Gaussian
+ *              activations. */
+#define KN__TOL_F32 1e-5
+#define KN__TOL_BF16 1e-2
+#define KN__TOL_Q8 3e-2
+static inline double kn__rounding_tol(kn__rounding r) {
+  return r == KN__RND_Q8 ? KN__TOL_Q8 : r == KN__RND_BF16 ? KN__TOL_BF16 : KN__TOL_F32;
+}
+
 typedef struct kn__kernel {
   /* Writes h[r, i] for i in [i0, i1), all r < t->n. */
   void (*gate_up)(const kn__task *t, uint32_t i0, uint32_t i1);
@@ -232,6 +256,12 @@ typedef struct kn__kernel {
   /* fp32 scratch floats one task needs in tmp (for decoded rows and the like). */
   size_t (*tmp_floats)(const kn_layer *L, uint32_t slice, uint32_t n);
   const char *name; /* e.g. "ref_bf16_f32": weight type then input type (STYLE.md 2) */
+  kn__rounding rounding; /* of the activations (the input type of the name) */
+  /* Optional (NULL: none), for the start-up self-test: a check the kernel's object can
+   * make of itself while on (the AMX tile configuration read back); audit_take returns
+   * the number of mismatches since the last take, describes the first in why. */
+  void (*audit_on)(bool on);
+  uint64_t (*audit_take)(char *why, size_t n);
 } kn__kernel;
 
 typedef struct kn__kernel_table {
@@ -249,6 +279,7 @@ typedef struct kn__cpu {
   bool os_avx, os_avx512, os_amx;       /* XCR0 enables the register state */
   bool amx_perm;                        /* arch_prctl(ARCH_REQ_XCOMP_PERM) succeeded */
   kn_isa best;
+  char model[49];                       /* cpuid brand string, trimmed ("unknown CPU") */
 } kn__cpu;
 /* Detects once (thread-safe) and returns the process-wide result. */
 const kn__cpu *kn__cpu_get(void);
@@ -477,9 +508,12 @@ static inline float kn__silu(float g) {
  * Their kernels follow the thread contract of section C and use tmp as scratch private
  * to the calling worker (down converts h into it); gate_up uses no tmp.
  * moe_amx.c: bf16, int8, int4 on AMX tiles from KN_AMX_MIN_TOKENS tokens per expert (the
- * AVX-512 kernels below), registered only on a CPU with AMX and only for the formats whose
- * start-up self-test against the REF kernels passes (never run on real AMX hardware yet;
- * kernels/README.md, "AMX").
+ * AVX-512 kernels below), registered only on a CPU with AMX.
+ *
+ * Every entry a registration fills is a candidate: before an engine uses it, the
+ * start-up self-test of section F runs it once in a child process against the REF
+ * kernels, so a kernel that faults, hangs or computes wrong numbers on this CPU is
+ * refused with one WARN and the next best entry serves.
  */
 void kn__avx2_register(kn__kernel_table *t);
 void kn__avx512_register(kn__kernel_table *t);
@@ -488,21 +522,28 @@ void kn__amx_register(kn__kernel_table *t);
 const kn__kernel *kn__avx512_kernel(kn_format f);
 /* moe_amx.c's other exports, also built as kn__amx_emu_* over the emulated tiles
  * (-DKN_AMX_EMULATE=1, linked by tests/unit/test_kn_amx.c only):
- *   _kernels(f, &dispatched, &forced): the entries of f without the self-test (gate_up
- *        NULL for formats without one): dispatched = AVX-512 below the crossover,
- *        forced = tiles at every token count;
- *   _selftest(f, tol, &worst): the start-up self-test of f (tol <= 0: the format's own),
- *        0 = passed, else one WARN logged;
- *   _register_gated(t, tol): fills t's AMX column with the formats that pass it;
+ *   _kernels(f, &dispatched, &forced): the entries of f (gate_up NULL for formats without
+ *        one): dispatched = AVX-512 below the crossover, forced = tiles at every n;
+ *   _entries(t): fills t's AMX column with the dispatched entries, unverified (whether
+ *        the CPU has AMX is the caller's business: the tests' gate);
+ *   _cfg_audit(on): while on, every tile configuration a kernel loads is read back
+ *        (STTILECFG) and compared with the one it asked for; _cfg_audit_take(why, n):
+ *        the number of loads that differed since the last take (the first one described
+ *        in why), and resets the count; _cfg_audit_loads(): loads audited so far. The
+ *        self-test runs with it on;
  *   _min_tokens(): the crossover; _usable(): this CPU can run the entries. */
 void kn__amx_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
-int kn__amx_selftest(kn_format f, double tol, double *worst);
-void kn__amx_register_gated(kn__kernel_table *t, double tol);
+void kn__amx_entries(kn__kernel_table *t);
+void kn__amx_cfg_audit(bool on);
+uint64_t kn__amx_cfg_audit_take(char *why, size_t n);
+uint64_t kn__amx_cfg_audit_loads(void);
 uint32_t kn__amx_min_tokens(void);
 bool kn__amx_usable(void);
 void kn__amx_emu_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
-int kn__amx_emu_selftest(kn_format f, double tol, double *worst);
-void kn__amx_emu_register_gated(kn__kernel_table *t, double tol);
+void kn__amx_emu_entries(kn__kernel_table *t);
+void kn__amx_emu_cfg_audit(bool on);
+uint64_t kn__amx_emu_cfg_audit_take(char *why, size_t n);
+uint64_t kn__amx_emu_cfg_audit_loads(void);
 uint32_t kn__amx_emu_min_tokens(void);
 bool kn__amx_emu_usable(void);
 /* kn__avx512_register for a given feature set (the bf16 variant and int8/int4 depend on
@@ -570,5 +611,83 @@ struct kn_linear {
  * the same messages. who: the function name for the messages. */
 int kn__linear_validate(const kn_linear *lin, uint32_t T, const float *x, const float *y,
                         const char *who, mr_err *e);
+
+/* ---------------------------------------------------------------------------------------
+ * F. Start-up self-tests of the fast kernels (selftest.c).
+ *
+ * A fast path that has not yet run on this CPU model is a hypothesis: the AMX kernels
+ * passed every emulated test and then died with SIGILL at their first real instruction.
+ * So no kernel of the table computes for an engine before it has run once, on this CPU,
+ * where a fault cannot reach the process:
+ *
+ *   parent (kn_engine_new, once per process)          child (fork, no locks, no malloc)
+ *   ----------------------------------------          ---------------------------------
+ *   registrations fill a candidate table
+ *   one small problem per format (and int4 group):
+ *     weights, x, and h / y of the REF kernels
+ *   results page (MAP_SHARED) ------ fork ------->   for each candidate case:
+ *                                                      cur = case; prep, gate_up, down;
+ *                                                      rel L2 vs REF, finite? -> results
+ *   waitpid with a deadline  <------ exit / signal / hang (SIGKILL at the deadline)
+ *   a case that killed the child: its entry refused, a new child from the next case
+ *   each refused entry: one WARN (kernel, ISA, signal or error, CPU model, who serves)
+ *
+ * The REF kernels are never tested (they are the oracle, plain C). The child resets the
+ * fault signals to their defaults (a host's SIGSEGV handler must not catch the child's
+ * fault), disables core dumps and dies with its parent. Set MOERPC_SELFTEST=off to trust
+ * the registrations without the child (one WARN says so): only for hosts that forbid
+ * fork; a faulting kernel then kills the process.
+ */
+
+/* How a guarded call ended. */
+typedef enum kn__guard_end {
+  KN__GUARD_OK = 0,     /* fn returned (the child exited 0) */
+  KN__GUARD_SIGNAL,     /* the child was killed by signal sig */
+  KN__GUARD_TIMEOUT,    /* no exit within the deadline; the child was killed */
+  KN__GUARD_EXIT,       /* the child exited with status code != 0 */
+  KN__GUARD_LOST,       /* the child is gone but its status is unknown (SIGCHLD ignored) */
+  KN__GUARD_NOCHILD,    /* no child could be started (fork failed: errno in code) */
+} kn__guard_end;
+typedef struct kn__guard_result {
+  kn__guard_end end;
+  int sig;    /* KN__GUARD_SIGNAL */
+  int code;   /* KN__GUARD_EXIT: exit status; KN__GUARD_NOCHILD: errno */
+  double ms;  /* wall time from fork to the end */
+} kn__guard_result;
+/* Runs fn(arg) in a child process and waits at most timeout_ms for it. fn runs in a
+ * fork of a possibly multi-threaded process: it must not take locks, allocate, log or
+ * touch stdio (write results into memory the caller mapped MAP_SHARED). The child
+ * returns exit status 0 when fn returns. Thread-safe; blocks the caller. */
+void kn__guard_run(void (*fn)(void *), void *arg, uint32_t timeout_ms, kn__guard_result *r);
+/* Tests only: the child keeps the parent's fault handlers (a test's SIGILL trap). */
+extern bool kn__guard_keep_handlers;
+
+/* Tolerance (rel L2) and outcome of the self-test of one table entry. */
+typedef struct kn__selftest_entry {
+  const char *name;    /* the kernel's name (static) */
+  bool tested;         /* a candidate was there and was run */
+  bool passed;
+  double worst;        /* the largest rel L2 of its cases (h and y) */
+  char why[192];       /* failed: what happened ("killed by SIGILL", "rel L2 ... > ...") */
+} kn__selftest_entry;
+typedef struct kn__selftest_report {
+  kn__selftest_entry e[KN_FMT_COUNT][KN_ISA_COUNT];
+  uint32_t tested, refused, children; /* entries tested and refused; child processes */
+  double ms;                          /* wall time of the whole self-test */
+} kn__selftest_report;
+/* Runs every entry of t above the REF column in (kn_isa)1 .. top against the REF kernels
+ * (section F), clears the entries that fail, logs one WARN each, and fills rep (NULL: not
+ * wanted). tol_scale multiplies every kernel's tolerance (tests: 0 refuses all). The REF
+ * column must be registered. Returns the number of entries refused; MR_ENOMEM as a
+ * negative code when the problems could not be allocated (then every candidate above REF
+ * is refused, with one WARN). */
+int kn__selftest_table(kn__kernel_table *t, kn_isa top, double tol_scale, kn__selftest_report *rep);
+/* The process-wide table of every kernel this build and CPU run, self-tested once (on
+ * the first call; thread-safe); kn_engine_new copies the columns up to its ISA. *rep,
+ * when rep is not NULL, points at the report of that self-test. */
+const kn__kernel_table *kn__verified_table(const kn__selftest_report **rep);
+/* Tests only: called on the candidate table before the process-wide self-test (to add a
+ * deliberately faulting kernel). Set it before the first engine of the process. */
+extern void (*kn__register_hook)(kn__kernel_table *t);
 
 #endif /* KN_INTERNAL_H */

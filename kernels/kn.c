@@ -97,10 +97,29 @@ static uint64_t xgetbv0(void) {
 #define KN__XFEATURE_XTILEDATA 18
 #endif
 
+/* The cpuid brand string (leaves 0x80000002..4), leading blanks trimmed: the name every
+ * self-test WARN and benchmark line carries. */
+static void cpu_model(kn__cpu *c) {
+  snprintf(c->model, sizeof c->model, "unknown CPU");
+#if KN__X86
+  if (__get_cpuid_max(0x80000000u, NULL) < 0x80000004u) return;
+  unsigned r[12];
+  for (unsigned i = 0; i < 3; i++) __get_cpuid(0x80000002u + i, &r[4 * i], &r[4 * i + 1], &r[4 * i + 2], &r[4 * i + 3]);
+  char brand[49];
+  memcpy(brand, r, 48);
+  brand[48] = '\0';
+  const char *p = brand;
+  while (*p == ' ') p++;
+  if (*p) snprintf(c->model, sizeof c->model, "%s", p);
+  for (size_t n = strlen(c->model); n > 0 && c->model[n - 1] == ' '; n--) c->model[n - 1] = '\0';
+#endif
+}
+
 static void cpu_detect(void) {
   kn__cpu *c = &cpu_info;
   memset(c, 0, sizeof *c);
   c->best = KN_ISA_REF;
+  cpu_model(c);
 #if KN__X86 && !defined(MR_FUZZ_NO_ISA)
   unsigned a, b, cx, d;
   if (!__get_cpuid(1, &a, &b, &cx, &d)) return;
@@ -192,6 +211,40 @@ static const struct {
 #endif
 };
 
+/* The process-wide kernel table (internal.h section F): every registration up to the CPU's
+ * best ISA, then the start-up self-test in a child process, once. */
+void (*kn__register_hook)(kn__kernel_table *t);
+static pthread_once_t verified_once = PTHREAD_ONCE_INIT;
+static kn__kernel_table verified_tab;
+static kn__selftest_report verified_rep;
+
+static void verified_build(void) {
+  const kn__cpu *cpu = kn__cpu_get();
+  for (size_t i = 0; i < sizeof registrations / sizeof registrations[0]; i++)
+    if (registrations[i].isa <= cpu->best) registrations[i].reg(&verified_tab);
+  if (kn__register_hook) kn__register_hook(&verified_tab);
+  const char *env = getenv("MOERPC_SELFTEST");
+  if (env && strcmp(env, "off") == 0) {
+    mr_log(MR_LOG_WARN, "kn: MOERPC_SELFTEST=off: the fast kernels are used without their start-up self-test on "
+           "\"%s\"; a kernel that faults on this CPU will kill the process", cpu->model);
+    return;
+  }
+  kn__selftest_table(&verified_tab, KN_ISA_COUNT - 1, 1.0, &verified_rep);
+}
+
+const kn__kernel_table *kn__verified_table(const kn__selftest_report **rep) {
+  pthread_once(&verified_once, verified_build);
+  if (rep) *rep = &verified_rep;
+  return &verified_tab;
+}
+
+/* MOERPC_SELFTEST: unset, "on" or "off" (kernels/README.md). */
+static int selftest_env_check(mr_err *e) {
+  const char *env = getenv("MOERPC_SELFTEST");
+  if (!env || !*env || strcmp(env, "on") == 0 || strcmp(env, "off") == 0) return 0;
+  return mr_err_set(e, MR_EINVAL, "MOERPC_SELFTEST = \"%s\": must be on (the default) or off", env);
+}
+
 /* The pool's spin before sleeping: KN_POOL_SPIN_US, or MOERPC_SPIN_US (microseconds). */
 static int engine_spin(uint32_t *spin_us, mr_err *e) {
   *spin_us = KN_POOL_SPIN_US;
@@ -240,6 +293,8 @@ int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e) {
 
   rc = engine_spin(&eng->spin_us, e);
   if (rc) goto out_free_eng;
+  rc = selftest_env_check(e);
+  if (rc) goto out_free_eng;
   /* Topology, then the plan (validates threads / numa / force_split), then the threads. */
   rc = kn__topo_host(&eng->topo, e);
   if (rc) goto out_free_eng;
@@ -260,8 +315,14 @@ int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e) {
   rc = kn__pool_new(&eng->pool, &eng->plan, &eng->topo, eng->spin_us, e);
   if (rc) goto out_free_eng;
 
-  for (size_t i = 0; i < sizeof registrations / sizeof registrations[0]; i++)
-    if (registrations[i].isa <= eng->isa) registrations[i].reg(&eng->table);
+  /* The REF column always; the fast columns up to the engine's ISA from the self-tested
+   * process table (a REF engine never starts the self-test). */
+  kn__ref_register(&eng->table);
+  if (eng->isa > KN_ISA_REF) {
+    const kn__kernel_table *v = kn__verified_table(NULL);
+    for (int f = 0; f < KN_FMT_COUNT; f++)
+      for (int i = KN_ISA_REF + 1; i <= (int)eng->isa; i++) eng->table.k[f][i] = v->k[f][i];
+  }
   for (int f = 0; f < KN_FMT_COUNT; f++) {
     int i = eng->isa;
     while (i > KN_ISA_REF && !eng->table.k[f][i].gate_up) i--;

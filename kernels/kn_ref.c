@@ -104,7 +104,8 @@ void kn__ref_register(kn__kernel_table *t) {
                                        .prep = NULL,
                                        .prep_bytes = NULL,
                                        .tmp_floats = ref_tmp_floats,
-                                       .name = names[f]};
+                                       .name = names[f],
+                                       .rounding = KN__RND_F32};
 }
 
 /* ---- kn_ref_moe_forward ------------------------------------------------------------ */

@@ -547,10 +547,15 @@ int kn__pool_new(kn__pool **out, const kn__plan *plan, const kn__topo *t, uint32
   }
   pthread_mutex_init(&p->run_lock, NULL);
 
-  /* Threads start with every signal blocked: signals belong to the server's own loop,
-   * and a worker interrupted in a kernel would only delay the request. */
+  /* Threads start with every asynchronous signal blocked: signals belong to the server's
+   * own loop, and a worker interrupted in a kernel would only delay the request. The
+   * synchronous fault signals stay open: the kernel delivers them to the faulting thread
+   * anyway, and a blocked one is delivered with its handler reset to the default, which
+   * would bypass a crash reporter, a sanitizer, or a test's SIGILL trap. */
   sigset_t all, old;
   sigfillset(&all);
+  static const int faults[] = {SIGILL, SIGSEGV, SIGBUS, SIGFPE, SIGTRAP, SIGSYS};
+  for (size_t i = 0; i < sizeof faults / sizeof faults[0]; i++) sigdelset(&all, faults[i]);
   pthread_sigmask(SIG_SETMASK, &all, &old);
   int rc = 0;
   p->remaining = p->n - 1;

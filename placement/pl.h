@@ -257,7 +257,7 @@ typedef struct pl_rates {
   pl_rate_point pt[PL_RATES_MAX];
 } pl_rates;
 /* Reads the JSON lines of `moerpc-bench-kernels --json` (text of len bytes; lines not
- * starting with '{' and "mode": "linear" lines are skipped) and keeps those of `format`
+ * starting with '{' and lines with a "mode" ("linear", "selftest") are skipped) and keeps those of `format`
  * ("bf16", "int8", "int4" (any group), "int4-g64", ...; NULL = every format). Required per
  * line: format, tokens (1..2^31), top_k (>= 1), experts_pool (>= 1), threads, weight_gbps
  * (> 0, finite); a missing or bad field is MR_EFORMAT / MR_ERANGE naming label, the line

@@ -119,7 +119,7 @@ static double expected_active(double T, double k, double E) {
 static int rates_line(void *ctx, const cJSON *o, unsigned line, const char *label, mr_err *e) {
   rates_ctx *c = ctx;
   const char *mode = str_field(o, "mode");
-  if (mode && strcmp(mode, "linear") == 0) return 0; /* dense layers: not expert rates */
+  if (mode) return 0; /* "linear" (dense layers), "selftest" (start-up cost): not expert rates */
   const char *fmt = str_field(o, "format");
   if (!fmt) {
     char desc[96];

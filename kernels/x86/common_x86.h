@@ -142,7 +142,7 @@ static inline void kn__x86_f32eo_convert(const kn__x86_acts *a, uint32_t n, cons
 /* Table entries. Each ISA file defines, for its variant enum V, the static functions
  * gate_up_run / down_run / tmp_floats_of / prep_bytes_of / prep_of; KN__X86_ENTRY(V, id)
  * wraps them into the kn__kernel signatures for one variant, and KN__X86_KERNEL(id, ...)
- * builds the table entry from those wrappers. */
+ * builds the table entry from those wrappers (rnd: its kn__rounding, the input type at the end of label). */
 #define KN__X86_ENTRY(V, id)                                                                     \
   static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) { gate_up_run(V, t, i0, i1); } \
   static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) { down_run(V, t, j0, j1); }       \
@@ -150,10 +150,11 @@ static inline void kn__x86_f32eo_convert(const kn__x86_acts *a, uint32_t n, cons
   static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) { return prep_bytes_of(V, L, n); }      \
   static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) { prep_of(V, L, n, x, xq); }
 
-#define KN__X86_KERNEL(id, with_prep, label)                                                \
+#define KN__X86_KERNEL(id, with_prep, label, rnd)                                           \
   (kn__kernel) {                                                                            \
     .gate_up = gate_up_##id, .down = down_##id, .prep = (with_prep) ? prep_##id : NULL,     \
-    .prep_bytes = (with_prep) ? prep_bytes_##id : NULL, .tmp_floats = tmp_##id, .name = label \
+    .prep_bytes = (with_prep) ? prep_bytes_##id : NULL, .tmp_floats = tmp_##id, .name = label, \
+    .rounding = rnd                                                                         \
   }
 
 #endif /* KN_X86_COMMON_H */

@@ -10,10 +10,13 @@
  *     dispatch are tested against kn_ref on CPUs without AMX (the Zen 4 this was written
  *     on). Everything but the eight tile macros is the same machine code path in both.
  *
- * UNVERIFIED ON HARDWARE. No AMX host was reachable when this was written: the real
- * instructions have never executed. Hence the gate below (self-test) and
- * tests/bench/amx_host.sh, the one script to run on a Sapphire/Emerald/Granite Rapids.
- *
+ * Verified on real tiles (Intel Xeon, Emerald Rapids, AMX-TILE/BF16/INT8, 2026-12-02,
+ * tests/unit/test_kn_amx.c) once the tile configuration was loaded through amx_tile.h's
+ * own LDTILECFG: GCC 12's _tile_loadconfig let the compiler drop the configuration of
+ * tiles 4-7, and the first TILELOADD killed every process with SIGILL. On CPUs without
+ * AMX the tests run this object's machine code under a SIGILL trap that emulates each
+ * tile instruction (tests/unit/amx_trap.h), which catches that class of bug too.
+
  * ---- operands: weights as A, activations as B ---------------------------------------
  *
  * The tile dot products compute C[M x N] += A[M x K] . B[K x N] where A's rows are K
@@ -66,16 +69,18 @@
  * ---- the start-up gate --------------------------------------------------------------
  *
  * kn__amx_register fills the AMX column only when the CPU has AMX (kn__cpu.best ==
- * KN_ISA_AMX: cpuid, XCR0, the arch_prctl permission of kn.c) and AVX512_BF16/VNNI, and
- * only for the formats whose self-test passes: once per process, each kernel runs a small
- * random problem (H = 160, I = 56, KN_AMX_MIN_TOKENS + 5 tokens: partial row blocks, a
- * K tail, a partial token block; int4 at every group size) through gate_up and down on
- * the tiles and through the REF kernels, and must agree to the format's tolerance
- * (rel L2 1e-2 bf16, 3e-2 int8 / int4, as tests/unit/test_kn_fast.c holds AVX-512) with
- * finite outputs. A mismatch logs one WARN naming the kernel and the errors and leaves
- * that format on AVX-512. A fault (SIGILL/SIGSEGV) cannot be caught this way: it would
- * kill the process at engine creation, before serving; MOERPC_ISA=avx512 avoids the AMX
- * path entirely.
+ * KN_ISA_AMX: cpuid, XCR0, the arch_prctl permission of kn.c) and AVX512_BF16/VNNI. Like
+ * every fast entry, they are then candidates: the start-up self-test (kernels/selftest.c,
+ * internal.h section F) runs each once in a child process against the REF kernels, with
+ * the configuration audit below on, and a kernel that faults, hangs, or computes wrong
+ * numbers is refused with one WARN while AVX-512 serves its format.
+ *
+ * Configuration audit: while kn__amx_cfg_audit(true), tiles_config reads the
+ * configuration back (STTILECFG) after every LDTILECFG and compares it with what the
+ * kernel asked for, built again from the K step alone: a compiler that drops a store of
+ * the configuration (the SIGILL above) or an LDTILECFG that does not take is caught even
+ * where it does not fault. The comparison never reads the struct that was loaded, so the
+ * audit cannot make dead stores live again and hide the bug it looks for.
  *
  * Threads: as moe_avx512.c. Each call loads the tile configuration (tile state is per
  * thread), works in its own tmp, writes only its rows of h / y, and releases the tiles.
@@ -86,6 +91,8 @@
 
 #include <immintrin.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <string.h>
 
 #if KN_AMX_EMULATE
@@ -100,14 +107,11 @@
 #define UNROLL _Pragma("GCC unroll 16")
 
 /* Tokens per expert from which the tiles are used (below: AVX-512). A guess, NOT a
- * measurement: no AMX host was available. Conservative: a 16-token block is one full
+ * measurement here (an Emerald Rapids run measured ~16 for bf16 and ~4 for int8; the
+ * per-format crossover is issue work for an AMX host). Conservative: a 16-token block is one full
  * B tile, below it the tiles multiply padding. Measure with tests/bench/amx_host.sh
  * (moerpc-bench-kernels --isa amx,avx512 over --tokens) and set it per format. */
 #define KN_AMX_MIN_TOKENS 16u
-
-/* Self-test tolerances (rel L2 against the REF kernels on the same stored weights). */
-#define KN_AMX_TOL_BF16 1e-2
-#define KN_AMX_TOL_Q8 3e-2
 
 typedef enum av { A_BF16, A_I8, A_I4, A_COUNT } av;
 static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
@@ -315,15 +319,58 @@ static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, u
   return scr;
 }
 
+/* The configuration every kernel loads for A rows of KSb bytes per K step. */
+static void cfg_make(kn__amx_cfg *c, uint32_t KSb) {
+  kn__amx_cfg_init(c);
+  for (int t = 0; t < 4; t++) kn__amx_cfg_tile(c, t, 16, 64); /* C */
+  kn__amx_cfg_tile(c, 4, 16, (int)KSb);                       /* A */
+  kn__amx_cfg_tile(c, 5, 16, (int)KSb);
+  kn__amx_cfg_tile(c, 6, (int)KSb / 4, 64);                   /* B */
+  kn__amx_cfg_tile(c, 7, (int)KSb / 4, 64);
+}
+
+/* ---- configuration audit (see the top of the file) ------------------------------------ */
+
+static atomic_bool audit_on;
+static atomic_uint_fast64_t audit_bad, audit_loads;
+static atomic_flag audit_first_taken = ATOMIC_FLAG_INIT;
+static char audit_first[160];
+
+static __attribute__((noinline)) void cfg_audit(uint32_t KSb) {
+  _Alignas(64) kn__amx_cfg got, want;
+  KN_AMX_STORECFG(&got);
+  cfg_make(&want, KSb);
+  atomic_fetch_add(&audit_loads, 1);
+  if (memcmp(&got, &want, sizeof want) == 0) return;
+  if (!atomic_flag_test_and_set(&audit_first_taken)) {
+    int t = 0;
+    while (t < 16 && got.rows[t] == want.rows[t] && got.colsb[t] == want.colsb[t]) t++;
+    if (t < 16)
+      snprintf(audit_first, sizeof audit_first, "tile %d read back as %u rows x %u bytes, loaded as %u x %u",
+               t, got.rows[t], got.colsb[t], want.rows[t], want.colsb[t]);
+    else
+      snprintf(audit_first, sizeof audit_first, "palette read back as %u, loaded as %u", got.palette,
+               want.palette);
+  }
+  atomic_fetch_add(&audit_bad, 1);
+}
+
+void AMX_SYM(cfg_audit)(bool on) { atomic_store(&audit_on, on); }
+
+uint64_t AMX_SYM(cfg_audit_loads)(void) { return atomic_load(&audit_loads); }
+
+uint64_t AMX_SYM(cfg_audit_take)(char *why, size_t n) {
+  uint64_t bad = atomic_exchange(&audit_bad, 0);
+  if (why && n) snprintf(why, n, "%s", bad ? audit_first : "");
+  atomic_flag_clear(&audit_first_taken);
+  return bad;
+}
+
 static void tiles_config(const kctx *cx) {
   _Alignas(64) kn__amx_cfg c;
-  kn__amx_cfg_init(&c);
-  for (int t = 0; t < 4; t++) kn__amx_cfg_tile(&c, t, 16, 64);          /* C */
-  kn__amx_cfg_tile(&c, 4, 16, (int)cx->KSb);                            /* A */
-  kn__amx_cfg_tile(&c, 5, 16, (int)cx->KSb);
-  kn__amx_cfg_tile(&c, 6, (int)cx->KSb / 4, 64);                        /* B */
-  kn__amx_cfg_tile(&c, 7, (int)cx->KSb / 4, 64);
+  cfg_make(&c, cx->KSb);
   KN_AMX_LOADCFG(&c);
+  if (atomic_load_explicit(&audit_on, memory_order_relaxed)) cfg_audit(cx->KSb);
 }
 
 #define DOT(v, c, a, b)                 \
@@ -529,25 +576,26 @@ AMX_ENTRY(A_BF16, bf16_all, 1)
 AMX_ENTRY(A_I8, i8_all, 1)
 AMX_ENTRY(A_I4, i4_all, 1)
 
-#define AMX_KERNEL(id, label)                                                                  \
+#define AMX_KERNEL(id, label, rnd)                                                             \
   (kn__kernel) {                                                                               \
     .gate_up = gate_up_##id, .down = down_##id, .prep = prep_##id, .prep_bytes = prep_bytes_##id, \
-    .tmp_floats = tmp_##id, .name = label                                                      \
+    .tmp_floats = tmp_##id, .name = label, .rounding = rnd, .audit_on = AMX_SYM(cfg_audit),   \
+    .audit_take = AMX_SYM(cfg_audit_take)                                                      \
   }
 
 static void kernels_of(av v, kn__kernel *dispatched, kn__kernel *forced) {
   switch (v) {
     case A_BF16:
-      *dispatched = AMX_KERNEL(bf16, av_name[v]);
-      *forced = AMX_KERNEL(bf16_all, av_name[v]);
+      *dispatched = AMX_KERNEL(bf16, av_name[v], KN__RND_BF16);
+      *forced = AMX_KERNEL(bf16_all, av_name[v], KN__RND_BF16);
       break;
     case A_I8:
-      *dispatched = AMX_KERNEL(i8, av_name[v]);
-      *forced = AMX_KERNEL(i8_all, av_name[v]);
+      *dispatched = AMX_KERNEL(i8, av_name[v], KN__RND_Q8);
+      *forced = AMX_KERNEL(i8_all, av_name[v], KN__RND_Q8);
       break;
     default:
-      *dispatched = AMX_KERNEL(i4, av_name[v]);
-      *forced = AMX_KERNEL(i4_all, av_name[v]);
+      *dispatched = AMX_KERNEL(i4, av_name[v], KN__RND_Q8);
+      *forced = AMX_KERNEL(i4_all, av_name[v], KN__RND_Q8);
       break;
   }
 }
@@ -569,140 +617,8 @@ static void fallback_init(void) {
   }
 }
 
-/* ---- self-test ----------------------------------------------------------------------- */
-
-static float st_uniform(uint64_t *s) {
-  *s ^= *s << 13;
-  *s ^= *s >> 7;
-  *s ^= *s << 17;
-  return (float)(((*s >> 11) & 0xffffff) / 8388608.0 - 1.0);
-}
-
-/* One format through the tiles (every token count from min on: the forced entry) and
- * the REF kernels on one random expert; *err_h / *err_y = rel L2 of h and of y (down from
- * the reference h). 0: within tol and finite; 1: not; -1: out of memory. */
-static int selftest_one(av v, uint32_t G, double tol, double *err_h, double *err_y) {
-  const uint32_t H = 160, I = 56, n = KN_AMX_MIN_TOKENS + 5;
-  const kn_format f = av_format[v];
-  *err_h = *err_y = INFINITY;
-  kn_layer *L = mr_calloc(1, sizeof *L);
-  kn__kernel_table *tab = mr_calloc(1, sizeof *tab);
-  kn__slice_w *w = mr_calloc(1, sizeof *w);
-  if (!L || !tab || !w) {
-    mr_free(L);
-    mr_free(tab);
-    mr_free(w);
-    return -1;
-  }
-  L->d = (kn_layer_desc){.hidden = H, .inter = I, .num_experts = 1, .format = f, .group = v == A_I4 ? G : 0};
-  L->n_slices = 1;
-  L->slice_len[0] = I;
-  L->max_slice_len = I;
-  kn__ref_register(tab);
-  const kn__kernel *ref = &tab->k[f][KN_ISA_REF];
-  kn__kernel dk, fk;
-  kernels_of(v, &dk, &fk);
-  const size_t rbg = kn__row_bytes(f, H, L->d.group), rbd = kn__row_bytes(f, I, L->d.group);
-  const size_t nsg = kn__row_scales(f, H, L->d.group), nsd = kn__row_scales(f, I, L->d.group);
-  w->gate = mr_malloc_aligned(I * rbg, 64);
-  w->up = mr_malloc_aligned(I * rbg, 64);
-  w->down = mr_malloc_aligned(H * rbd, 64);
-  if (nsg) {
-    w->gate_scale = mr_malloc_aligned(I * nsg * 4 + 64, 64);
-    w->up_scale = mr_malloc_aligned(I * nsg * 4 + 64, 64);
-    w->down_scale = mr_malloc_aligned(H * nsd * 4 + 64, 64);
-  }
-  float *row = mr_malloc(((size_t)H + I) * sizeof(float));
-  float *x = mr_malloc((size_t)n * H * sizeof(float));
-  float *h_ref = mr_malloc((size_t)n * I * sizeof(float)), *h = mr_malloc((size_t)n * I * sizeof(float));
-  float *y_ref = mr_malloc((size_t)n * H * sizeof(float)), *y = mr_malloc((size_t)n * H * sizeof(float));
-  size_t tmp_n = fk.tmp_floats(L, 0, n), rtmp_n = ref->tmp_floats(L, 0, n);
-  float *tmp = mr_malloc_aligned((tmp_n > rtmp_n ? tmp_n : rtmp_n) * sizeof(float) + 64, 64);
-  void *xq = mr_malloc_aligned(fk.prep_bytes(L, n) + 64, 64);
-  int rc = -1;
-  if (!w->gate || !w->up || !w->down || (nsg && (!w->gate_scale || !w->up_scale || !w->down_scale)) ||
-      !row || !x || !h_ref || !h || !y_ref || !y || !tmp || !xq)
-    goto out;
-  uint64_t s = 0x9E3779B97F4A7C15ull ^ (uint64_t)(v * 131 + G);
-  for (int p = 0; p < 3; p++) {
-    const uint32_t rows = p == 2 ? H : I, K = p == 2 ? I : H;
-    uint8_t *base = p == 0 ? w->gate : p == 1 ? w->up : w->down;
-    float *scb = p == 0 ? w->gate_scale : p == 1 ? w->up_scale : w->down_scale;
-    for (uint32_t r = 0; r < rows; r++) {
-      for (uint32_t k = 0; k < K; k++) row[k] = 0.05f * st_uniform(&s);
-      float sc = kn__amax(row, K) / 127.0f;
-      kn__pack_row(f, L->d.group, row, K, sc, base + r * kn__row_bytes(f, K, L->d.group),
-                   scb ? scb + r * kn__row_scales(f, K, L->d.group) : NULL);
-    }
-  }
-  for (size_t i = 0; i < (size_t)n * H; i++) x[i] = st_uniform(&s);
-  kn__task t = {.L = L, .slice = 0, .w = w, .n = n, .x = x, .xq = NULL, .h = h_ref, .y = y_ref, .tmp = tmp};
-  ref->gate_up(&t, 0, I);
-  ref->down(&t, 0, H);
-  fk.prep(L, n, x, xq);
-  t.xq = xq;
-  t.h = h;
-  fk.gate_up(&t, 0, I);
-  t.h = h_ref;
-  t.y = y;
-  fk.down(&t, 0, H);
-  bool finite = true;
-  for (size_t i = 0; i < (size_t)n * I; i++) finite = finite && isfinite(h[i]);
-  for (size_t i = 0; i < (size_t)n * H; i++) finite = finite && isfinite(y[i]);
-  *err_h = kn_rel_l2(h, h_ref, (size_t)n * I);
-  *err_y = kn_rel_l2(y, y_ref, (size_t)n * H);
-  rc = finite && *err_h <= tol && *err_y <= tol ? 0 : 1;
-out:
-  mr_free_aligned(w->gate);
-  mr_free_aligned(w->up);
-  mr_free_aligned(w->down);
-  mr_free_aligned(w->gate_scale);
-  mr_free_aligned(w->up_scale);
-  mr_free_aligned(w->down_scale);
-  mr_free(row);
-  mr_free(x);
-  mr_free(h_ref);
-  mr_free(h);
-  mr_free(y_ref);
-  mr_free(y);
-  mr_free_aligned(tmp);
-  mr_free_aligned(xq);
-  mr_free(w);
-  mr_free(tab);
-  mr_free(L);
-  return rc;
-}
-
-/* Self-tests format f (int4: groups 32, 64 and 128); tol <= 0: the format's tolerance.
- * Logs one WARN on failure. 0 = passed. */
-int AMX_SYM(selftest)(kn_format f, double tol, double *worst) {
-  pthread_once(&fallback_once, fallback_init);
-  *worst = 0.0;
-  for (int v = 0; v < A_COUNT; v++) {
-    if (av_format[v] != f) continue;
-    if (tol <= 0.0) tol = v == A_BF16 ? KN_AMX_TOL_BF16 : KN_AMX_TOL_Q8;
-    const uint32_t groups[3] = {32, 64, 128};
-    for (int gi = 0; gi < (v == A_I4 ? 3 : 1); gi++) {
-      double eh, ey;
-      int rc = selftest_one((av)v, groups[gi], tol, &eh, &ey);
-      if (eh > *worst) *worst = eh;
-      if (ey > *worst) *worst = ey;
-      if (rc != 0) {
-        mr_log(MR_LOG_WARN, "kn amx: self-test of %s%s%.0u failed (%s): rel L2 gate_up %.3g, down %.3g "
-               "against the reference (tolerance %.0e); not registered, %s stays in use",
-               av_name[v], v == A_I4 ? " g" : "", v == A_I4 ? groups[gi] : 0u,
-               rc < 0 ? "out of memory" : "mismatch", eh, ey, tol, fallback[v].name ? fallback[v].name : "AVX-512");
-        return 1;
-      }
-    }
-    return 0;
-  }
-  return 1;
-}
-
 /* The entries of format f (gate_up NULL where there is none): `dispatched` switches to
- * the AVX-512 kernel below KN_AMX_MIN_TOKENS, `forced` uses the tiles at every n. No
- * self-test: for the unit test. */
+ * the AVX-512 kernel below KN_AMX_MIN_TOKENS, `forced` uses the tiles at every n. */
 void AMX_SYM(kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced) {
   pthread_once(&fallback_once, fallback_init);
   memset(dispatched, 0, sizeof *dispatched);
@@ -713,35 +629,21 @@ void AMX_SYM(kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced) {
 
 uint32_t AMX_SYM(min_tokens)(void) { return KN_AMX_MIN_TOKENS; }
 
-/* Fills the AMX column for the formats whose self-test passes (tol as AMX_SYM(selftest)),
- * not cached: the test drives the gate with it. */
-void AMX_SYM(register_gated)(kn__kernel_table *t, double tol) {
-  pthread_once(&fallback_once, fallback_init);
+/* The AMX column of t: the dispatched entry of every format whose AVX-512 fallback exists.
+ * Candidates only: the self-test of kernels/selftest.c decides whether an engine uses them. */
+void AMX_SYM(entries)(kn__kernel_table *t) {
+  pthread_once(&fallback_once, fallback_init); /* here, never first in a self-test child */
   for (int v = 0; v < A_COUNT; v++) {
-    double worst;
     if (!fallback_ok[v]) continue;
-    if (AMX_SYM(selftest)(av_format[v], tol, &worst) != 0) continue;
     kn__kernel dk, fk;
     kernels_of((av)v, &dk, &fk);
     t->k[av_format[v]][KN_ISA_AMX] = dk;
-    mr_log(MR_LOG_DEBUG, "kn amx: %s self-test passed (worst rel L2 %.3g)", av_name[v], worst);
   }
 }
 
 #if !KN_AMX_EMULATE
-static pthread_once_t gate_once = PTHREAD_ONCE_INIT;
-static kn__kernel_table *gate_tab; /* the entries that passed, once per process */
-static void gate_init(void) {
-  gate_tab = mr_calloc(1, sizeof *gate_tab);
-  if (gate_tab) kn__amx_register_gated(gate_tab, 0.0);
-}
-
 void kn__amx_register(kn__kernel_table *t) {
-  if (!cpu_can_run(kn__cpu_get(), true)) return;
-  pthread_once(&gate_once, gate_init);
-  if (!gate_tab) return;
-  for (int v = 0; v < A_COUNT; v++)
-    if (gate_tab->k[av_format[v]][KN_ISA_AMX].gate_up) t->k[av_format[v]][KN_ISA_AMX] = gate_tab->k[av_format[v]][KN_ISA_AMX];
+  if (cpu_can_run(kn__cpu_get(), true)) kn__amx_entries(t);
 }
 #endif
 

@@ -401,9 +401,9 @@ KN__X86_ENTRY(V_I4, i4)
 
 
 void kn__avx2_register(kn__kernel_table *t) {
-  t->k[KN_FMT_F32][KN_ISA_AVX2] = KN__X86_KERNEL(f32, false, "avx2_f32_f32");
-  t->k[KN_FMT_F16][KN_ISA_AVX2] = KN__X86_KERNEL(f16, false, "avx2_f16_f32");
-  t->k[KN_FMT_BF16][KN_ISA_AVX2] = KN__X86_KERNEL(bf16, true, "avx2_bf16_f32");
-  t->k[KN_FMT_INT8][KN_ISA_AVX2] = KN__X86_KERNEL(i8, false, "avx2_int8_f32");
-  t->k[KN_FMT_INT4][KN_ISA_AVX2] = KN__X86_KERNEL(i4, true, "avx2_int4_f32");
+  t->k[KN_FMT_F32][KN_ISA_AVX2] = KN__X86_KERNEL(f32, false, "avx2_f32_f32", KN__RND_F32);
+  t->k[KN_FMT_F16][KN_ISA_AVX2] = KN__X86_KERNEL(f16, false, "avx2_f16_f32", KN__RND_F32);
+  t->k[KN_FMT_BF16][KN_ISA_AVX2] = KN__X86_KERNEL(bf16, true, "avx2_bf16_f32", KN__RND_F32);
+  t->k[KN_FMT_INT8][KN_ISA_AVX2] = KN__X86_KERNEL(i8, false, "avx2_int8_f32", KN__RND_F32);
+  t->k[KN_FMT_INT4][KN_ISA_AVX2] = KN__X86_KERNEL(i4, true, "avx2_int4_f32", KN__RND_F32);
 }

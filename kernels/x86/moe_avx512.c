@@ -886,24 +886,24 @@ KN__X86_ENTRY(V_FP8S, fp8s)
 
 
 void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
-  t->k[KN_FMT_F32][KN_ISA_AVX512] = KN__X86_KERNEL(f32, false, "avx512_f32_f32");
-  t->k[KN_FMT_F16][KN_ISA_AVX512] = KN__X86_KERNEL(f16, false, "avx512_f16_f32");
+  t->k[KN_FMT_F32][KN_ISA_AVX512] = KN__X86_KERNEL(f32, false, "avx512_f32_f32", KN__RND_F32);
+  t->k[KN_FMT_F16][KN_ISA_AVX512] = KN__X86_KERNEL(f16, false, "avx512_f16_f32", KN__RND_F32);
   if (cpu->avx512_bf16)
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16dp, true, "avx512_bf16_bf16");
+    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16dp, true, "avx512_bf16_bf16", KN__RND_BF16);
   else
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16f32, true, "avx512_bf16_f32");
+    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16f32, true, "avx512_bf16_f32", KN__RND_F32);
   /* Without VNNI the int8/int4 formats stay on the next ISA down (AVX2 fp32 FMA). */
   if (cpu->avx512_vnni) {
-    t->k[KN_FMT_INT8][KN_ISA_AVX512] = KN__X86_KERNEL(i8, true, "avx512_int8_int8");
-    t->k[KN_FMT_INT4][KN_ISA_AVX512] = KN__X86_KERNEL(i4, true, "avx512_int4_int8");
+    t->k[KN_FMT_INT8][KN_ISA_AVX512] = KN__X86_KERNEL(i8, true, "avx512_int8_int8", KN__RND_Q8);
+    t->k[KN_FMT_INT4][KN_ISA_AVX512] = KN__X86_KERNEL(i4, true, "avx512_int4_int8", KN__RND_Q8);
   }
   /* FP8 needs vdpbf16ps; the LUT conversion also VBMI (else the shift conversion). Without
    * BF16 it stays on the REF kernel. */
   pthread_once(&fp8_luts_once, fp8_luts_init);
   if (cpu->avx512_bf16 && cpu->avx512_vbmi)
-    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8l, true, "avx512_fp8lut_bf16");
+    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8l, true, "avx512_fp8lut_bf16", KN__RND_BF16);
   else if (cpu->avx512_bf16)
-    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8s, true, "avx512_fp8shift_bf16");
+    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8s, true, "avx512_fp8shift_bf16", KN__RND_BF16);
 }
 
 void kn__avx512_register(kn__kernel_table *t) { kn__avx512_register_cpu(t, kn__cpu_get()); }

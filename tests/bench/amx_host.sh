@@ -76,7 +76,7 @@ left=$(budget 60)
 step "ratios: avx512 us / amx us per (format, tokens) (> 1: AMX faster)"
 python3 - "$JSONL" <<'EOF' || true
 import json, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')]
+rows = [r for r in (json.loads(l) for l in open(sys.argv[1]) if l.startswith('{')) if 'mode' not in r]
 t = {}
 for r in rows:
     t.setdefault((r.get('shape', r.get('linear', '?')), r['format'], r['tokens']), {})[r['isa']] = r

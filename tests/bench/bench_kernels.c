@@ -1106,6 +1106,18 @@ int main(int argc, char **argv) {
   kn_engine *any = NULL;
   for (int i = 0; i < o.n_isa && !any; i++) any = eng[i];
   if (!any) return 1;
+  /* What the start-up self-test of the fast kernels cost this process (once per process,
+   * at the first engine; kernels/README.md "Start-up self-test"). */
+  {
+    const kn__selftest_report *rep = NULL;
+    (void)kn__verified_table(&rep);
+    if (o.json)
+      printf("{\"mode\":\"selftest\",\"cpu\":\"%s\",\"kernels\":%u,\"refused\":%u,\"children\":%u,\"ms\":%.2f}\n",
+             kn__cpu_get()->model, rep->tested, rep->refused, rep->children, rep->ms);
+    else
+      printf("start-up self-test: %u fast kernels, %u refused, %.2f ms (%u child process%s) on %s\n", rep->tested,
+             rep->refused, rep->ms, rep->children, rep->children == 1 ? "" : "es", kn__cpu_get()->model);
+  }
   const uint32_t threads = kn_engine_threads(any);
 
   team tm;

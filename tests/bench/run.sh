@@ -52,6 +52,9 @@ def rows(name):
 print("kernels (same-run ratios: bw_ratio = weight GB/s / plain read GB/s, peak_ratio = of the register-only peak)")
 for name in ("kernels.jsonl", "kernels-ref.jsonl"):
     for r in rows(name):
+        if r.get("mode") == "selftest":
+            print("  start-up self-test of %d fast kernels: %.2f ms on %s" % (r["kernels"], r["ms"], r["cpu"]))
+            continue
         print("  %-9s %-18s T=%-5d %10.1f us  bw_ratio %.2f  peak_ratio %5.1f%%" % (
             r["format"] + ("-g%d" % r["group"] if r["group"] else ""), r["kernel"], r["tokens"],
             r["us"], r["bw_ratio"], 100 * r["peak_ratio"]))

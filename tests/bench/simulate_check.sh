@@ -178,7 +178,7 @@ def model_line(f):
         r = json.loads(l)
         if r.get("bench") == "model": return r
 def kern(f):
-    return {r["tokens"]: r["weight_gbps"] for r in map(json.loads, open(f))}
+    return {r["tokens"]: r["weight_gbps"] for r in map(json.loads, open(f)) if "mode" not in r}
 med = statistics.median
 loads = [float(open("%s/load.%d" % (d, r)).read()) for r in range(1, R + 1)]
 local = [model_line("%s/local.%d.jsonl" % (d, r)) for r in range(1, R + 1)]

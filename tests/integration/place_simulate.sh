@@ -95,7 +95,7 @@ expect() { # name want-status want-text args...
   if [ $rc -eq "$st" ] && grep -qF -- "$want" "$tmp/e"; then ok "$name"
   else bad "$name" "exit $rc (want $st), stderr: $(head -c 300 "$tmp/e")"; fi
 }
-grep -v '"tokens":16' "$tmp/k.jsonl" | sed 's/"weight_gbps":[0-9.]*,//' >"$tmp/k_bad.jsonl"
+grep -v -e '"tokens":16' -e '"mode"' "$tmp/k.jsonl" | sed 's/"weight_gbps":[0-9.]*,//' >"$tmp/k_bad.jsonl"
 expect kernels_missing_field 1 'line 1: weight_gbps = (missing)' --model "$M" --hosts 2 \
     --kernels "$tmp/k_bad.jsonl" --client-step-us 100
 sed 's/"req_bytes":600/"req_bytes":-600/' "$tmp/rpc.jsonl" >"$tmp/rpc_bad.jsonl"

@@ -11,10 +11,12 @@
 
 #include "common/mr.h"
 
-/* Fast path vs kn_ref on the same stored weights, relative L2 (DESIGN.md section 5). */
+/* Fast path vs kn_ref on the same stored weights, relative L2 (DESIGN.md section 5): the
+ * tolerances of kernels/internal.h, which belong to a kernel's activation rounding
+ * (kn__kernel.rounding, kn__rounding_tol), never to its name. */
 #define TOL_FP32 1e-5  /* paths that compute in fp32 on fp32 activations */
-#define TOL_BF16X 1e-2 /* bf16 weights x bf16-rounded activations (vdpbf16ps) */
-#define TOL_Q8X 3e-2   /* int8 / int4 weights x per-token int8 activations (vpdpbusd) */
+#define TOL_BF16X 1e-2 /* bf16 weights x bf16-rounded activations (vdpbf16ps, AMX-BF16) */
+#define TOL_Q8X 3e-2   /* int8 / int4 weights x per-token int8 activations (vpdpbusd, AMX-INT8) */
 
 /* For MT_OK's error argument where a call takes a const mr_err *. */
 static inline const mr_err *ep(const mr_err *e) { return e; }

@@ -4,11 +4,14 @@
  * Two builds of the same kernel source are tested here:
  *   - "emulated": moe_amx.c compiled with -DKN_AMX_EMULATE=1 (kn__amx_emu_*, the Makefile's
  *     moe_amx_emu.o), whose tile macros run the scalar model of amx_tile.h. It runs on
- *     any CPU with AVX-512 BF16/VNNI (the kernels' packing and epilogues are AVX-512), so
- *     make test checks packing, tile indexing, edge tiles and dispatch on the Zen 4 VM;
- *   - "real": the libkn object with the AMX instructions (kn__amx_*), only where
- *     kn__cpu_get()->best == KN_ISA_AMX; elsewhere those cases end skipped, naming the
- *     CPU (MT_SKIP("no AMX on this CPU: <model name>")), never passed.
+ *     any CPU with AVX-512 BF16/VNNI (the kernels' packing and epilogues are AVX-512);
+ *   - "real": the libkn object with the AMX instructions (kn__amx_*), natively where the
+ *     CPU has AMX, else under the SIGILL trap of amx_trap.h, which emulates each tile
+ *     instruction of that machine code on the same model ("real-trapped"). The trap is
+ *     what sees the bytes a real LDTILECFG reads: the old tile layer, whose configuration
+ *     stores GCC dropped, dies here at the first load into tmm4, as on the hardware.
+ * Every case runs with the tile configuration audit on (STTILECFG after each LDTILECFG,
+ * compared with what the kernel meant) and ends by checking that nothing differed.
  *
  * Per build: every format (bf16, int8, int4 g32/g64/g128) at the task level with the
  * tiles forced at every token count (1..47: partial token blocks, one and two B tiles)
@@ -17,20 +20,23 @@
  * the bits of one call and write nothing outside their rows (canaries); the dispatched
  * entries give the AVX-512 kernel's bits below the crossover and the tiles' bits from it
  * on; whole layers (kn_moe_forward with the AMX entry in the table, 1 and 2 slices,
- * T = 1..300) against kn_ref_moe_forward; the self-test gate registers every format and
- * refuses all of them at an impossible tolerance. The tile model itself is checked on
- * hand-computed cases (shapes, zero fill, DAZ, int32 wrap-around).
+ * T = 1..300) against kn_ref_moe_forward; the start-up self-test (kernels/selftest.c, in
+ * its child) passes every format and refuses all of them at an impossible tolerance; a
+ * load into an unconfigured tile kills. The tile model itself is checked on hand-computed
+ * cases (shapes, zero fill, DAZ, int32 wrap-around).
  *
  * Tolerances (rel L2, kn_test.h, the AVX-512 kernels' own): TOL_BF16X = 1e-2 for bf16
  * (x and h rounded to bf16; the tile sums' fp32 order differs from kn_ref's by ~1e-6),
  * TOL_Q8X = 3e-2 for int8 / int4 (x and h quantized per token to int8, as AVX-512).
  */
+#define _GNU_SOURCE /* REG_RIP and the other ucontext register names (amx_trap.h) */
 #include "kernels/internal.h"
 #include "tests/unit/kn_test.h"
 #include "tests/unit/mt.h"
 
 #define KN_AMX_EMULATE 1
 #include "kernels/x86/amx_tile.h"
+#include "tests/unit/amx_trap.h"
 
 #include <pthread.h>
 
@@ -117,56 +123,64 @@ MT_TEST(tile_model_semantics) {
 typedef struct impl {
   const char *what;
   void (*kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
-  int (*selftest)(kn_format f, double tol, double *worst);
-  void (*reg)(kn__kernel_table *t, double tol);
+  void (*entries)(kn__kernel_table *t);
+  void (*audit_on)(bool on);
+  uint64_t (*audit_take)(char *why, size_t n);
+  uint64_t (*audit_loads)(void);
   uint32_t (*min_tokens)(void);
-  bool (*usable)(void);
 } impl;
 
 #if MR_HAVE_AMX
-static const impl impls[2] = {
-    {"emulated", kn__amx_emu_kernels, kn__amx_emu_selftest, kn__amx_emu_register_gated, kn__amx_emu_min_tokens,
-     kn__amx_emu_usable},
-    {"real", kn__amx_kernels, kn__amx_selftest, kn__amx_register_gated, kn__amx_min_tokens, kn__amx_usable},
+static impl impls[2] = {
+    {"emulated", kn__amx_emu_kernels, kn__amx_emu_entries, kn__amx_emu_cfg_audit, kn__amx_emu_cfg_audit_take,
+     kn__amx_emu_cfg_audit_loads, kn__amx_emu_min_tokens},
+    {"real", kn__amx_kernels, kn__amx_entries, kn__amx_cfg_audit, kn__amx_cfg_audit_take, kn__amx_cfg_audit_loads,
+     kn__amx_min_tokens},
 };
 #endif
 
-static void cpu_model(char *buf, size_t len) {
-  snprintf(buf, len, "unknown CPU");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) != 0) continue;
-    char *p = strchr(line, ':');
-    if (!p) break;
-    p++;
-    while (*p == ' ') p++;
-    p[strcspn(p, "\n")] = 0;
-    snprintf(buf, len, "%s", p);
-    break;
-  }
-  fclose(f);
-}
+static void cpu_model_print(void) { printf("  cpu: %s\n", kn__cpu_get()->model); }
 
-/* The build `which` (0 emulated, 1 real), or a skip that says why it cannot run here. */
+/* The build `which` (0 emulated, 1 real), with its configuration audit on, or a skip
+ * that says why it cannot run here. The real object runs natively where the CPU has AMX,
+ * else under the SIGILL trap of amx_trap.h (its own machine code, each tile instruction
+ * emulated): so its cases run on every x86 CPU with AVX-512 BF16/VNNI. */
 static const impl *impl_or_skip(int which) {
 #if MR_HAVE_AMX
-  if (which == 1 && kn__cpu_get()->best != KN_ISA_AMX) {
-    char model[256];
-    cpu_model(model, sizeof model);
-    MT_SKIP("no AMX on this CPU: %s", model);
+  cpu_model_print();
+  if (!kn__amx_emu_usable())
+    MT_SKIP("the AMX kernels need AVX-512 with BF16 and VNNI for their packing (CPU %s, best ISA %s)",
+            kn__cpu_get()->model, kn_isa_name(kn_isa_detect()));
+  if (which == 1) {
+    if (kn__cpu_get()->best == KN_ISA_AMX) {
+      impls[1].what = "real";
+      printf("  real AMX instructions on this CPU\n");
+    } else if (amx_trap_install()) {
+      impls[1].what = "real-trapped";
+      printf("  no AMX on this CPU: the real object's tile instructions run under the SIGILL trap\n");
+    } else {
+      MT_SKIP("no AMX on this CPU (%s) and no SIGILL trap on this platform", kn__cpu_get()->model);
+    }
   }
-  if (!impls[which].usable())
-    MT_SKIP("the %s AMX kernels need AVX-512 with BF16 and VNNI (CPU best ISA %s)", impls[which].what,
-            kn_isa_name(kn_isa_detect()));
+  impls[which].audit_on(true);
   return &impls[which];
 #else
   (void)which;
-  (void)cpu_model;
   MT_SKIP("built without AMX kernels (HAVE_AMX=0)");
   return NULL;
 #endif
+}
+
+/* Every tile configuration the kernels loaded read back as asked (STTILECFG), and there
+ * were loads to check. */
+static void audit_clean(const impl *im) {
+  char why[160];
+  uint64_t bad = im->audit_take(why, sizeof why);
+  if (bad) printf("  %s: %llu tile configuration(s) read back wrong: %s\n", im->what, (unsigned long long)bad, why);
+  MT_EQ_INT(bad, 0);
+  MT_TRUE(im->audit_loads() > 0);
+  printf("  %s: %llu tile configurations read back (STTILECFG) equal to what was loaded\n", im->what,
+         (unsigned long long)im->audit_loads());
 }
 
 /* ---- helpers --------------------------------------------------------------------- */
@@ -320,6 +334,7 @@ static void forced_matches_ref(int which) {
            fk.name, fmts[fi].G, worst_h, worst_y, fmts[fi].tol);
   }
   kn_engine_free(eng);
+  audit_clean(im);
 }
 MT_TEST(emulated_tiles_match_ref_every_format_and_edge) { forced_matches_ref(0); }
 MT_TEST(real_tiles_match_ref_every_format_and_edge) { forced_matches_ref(1); }
@@ -396,6 +411,7 @@ static void ranges_compose(int which) {
   }
   printf("  %s: random row ranges on two threads = one call, bitwise, canaries intact\n", im->what);
   kn_engine_free(eng);
+  audit_clean(im);
 }
 MT_TEST(emulated_row_ranges_compose_across_threads) { ranges_compose(0); }
 MT_TEST(real_row_ranges_compose_across_threads) { ranges_compose(1); }
@@ -434,6 +450,7 @@ static void dispatch_by_tokens(int which) {
   }
   printf("  %s: below %u tokens the AVX-512 kernel's bits, from %u on the tiles' bits\n", im->what, min, min);
   kn_engine_free(eng);
+  audit_clean(im);
 }
 MT_TEST(emulated_dispatch_by_tokens_per_expert) { dispatch_by_tokens(0); }
 MT_TEST(real_dispatch_by_tokens_per_expert) { dispatch_by_tokens(1); }
@@ -486,42 +503,57 @@ static void layer_matches_ref(int which) {
     printf("  %s %-17s g%-3u layer (T=1..300, 1-2 slices): worst rel L2 %.3g (tol %.0e)\n", im->what, dk.name,
            fmts[fi].G, worst, fmts[fi].tol);
   }
+  audit_clean(im);
 }
 MT_TEST(emulated_layer_matches_ref) { layer_matches_ref(0); }
 MT_TEST(real_layer_matches_ref) { layer_matches_ref(1); }
 
 /* ---- the start-up gate -------------------------------------------------------------- */
 
+/* The AMX column through the start-up self-test of kernels/selftest.c (in its child
+ * process: under the trap, the child keeps the trap): every format passes at its
+ * tolerance, with the tiles really run (an error above zero) and the configuration audit
+ * clean; at an impossible tolerance every one is refused and cleared. */
 static void selftest_gate(int which) {
   const impl *im = impl_or_skip(which);
-  const kn_format fs[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
-  for (int i = 0; i < 3; i++) {
-    double worst = -1.0;
-    MT_EQ_INT(im->selftest(fs[i], 0.0, &worst), 0);
-    printf("  %s self-test %s: passed, worst rel L2 %.3g\n", im->what, kn_format_name(fs[i]), worst);
-    MT_TRUE(worst >= 0.0 && worst < (fs[i] == KN_FMT_BF16 ? TOL_BF16X : TOL_Q8X));
-    MT_TRUE(worst > 0.0); /* the tiles really ran: rounded activations never give 0 */
+  kn__guard_keep_handlers = true;
+  for (int pass = 0; pass < 2; pass++) {
+    kn__kernel_table t;
+    memset(&t, 0, sizeof t);
+    kn__ref_register(&t);
+    im->entries(&t);
+    kn__selftest_report rep;
+    int refused = kn__selftest_table(&t, KN_ISA_AMX, pass == 0 ? 1.0 : 1e-12, &rep);
+    printf("  %s self-test, tolerance x%g: %u tested, %d refused, %.1f ms, %u child process(es)\n", im->what,
+           pass == 0 ? 1.0 : 1e-12, rep.tested, refused, rep.ms, rep.children);
+    MT_EQ_INT(rep.tested, 3);
+    for (int f = 0; f < KN_FMT_COUNT; f++) {
+      const kn__selftest_entry *en = &rep.e[f][KN_ISA_AMX];
+      bool amx = f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4;
+      MT_EQ_INT(en->tested, amx);
+      if (!amx) continue;
+      if (pass == 0) {
+        if (!en->passed) printf("  %s refused: %s\n", en->name, en->why);
+        MT_TRUE(en->passed);
+        MT_TRUE(en->worst > 0.0 && en->worst < (f == KN_FMT_BF16 ? TOL_BF16X : TOL_Q8X));
+        MT_TRUE(t.k[f][KN_ISA_AMX].gate_up != NULL);
+        printf("  %s %s: passed, worst rel L2 %.3g\n", im->what, en->name, en->worst);
+      } else {
+        MT_TRUE(!en->passed && strstr(en->why, "rel L2") != NULL);
+        MT_TRUE(t.k[f][KN_ISA_AMX].gate_up == NULL);
+      }
+    }
+    MT_EQ_INT(refused, pass == 0 ? 0 : 3);
   }
-  kn__kernel_table t;
-  memset(&t, 0, sizeof t);
-  im->reg(&t, 0.0);
-  for (int f = 0; f < KN_FMT_COUNT; f++) {
-    bool want = f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4;
-    MT_EQ_INT(t.k[f][KN_ISA_AMX].gate_up != NULL, want);
-    if (want) MT_TRUE(strstr(t.k[f][KN_ISA_AMX].name, "amx") == t.k[f][KN_ISA_AMX].name);
-  }
-  /* a failing self-test leaves the entry out (and WARNs; seen on stderr) */
-  memset(&t, 0, sizeof t);
-  im->reg(&t, 1e-12);
-  for (int f = 0; f < KN_FMT_COUNT; f++) MT_TRUE(t.k[f][KN_ISA_AMX].gate_up == NULL);
 }
 MT_TEST(emulated_selftest_gate) { selftest_gate(0); }
 MT_TEST(real_selftest_gate) { selftest_gate(1); }
 
 /* Where the CPU has AMX, an auto engine picks the AMX entries (their self-tests passed at
- * registration); elsewhere the engine never registers them. */
+ * start-up); elsewhere the engine never registers them. */
 MT_TEST(engine_registers_amx_only_with_amx) {
 #if MR_HAVE_AMX
+  cpu_model_print();
   kn_engine *eng = engine_make(KN_ISA_COUNT, 1);
   bool amx = kn__cpu_get()->best == KN_ISA_AMX && kn__amx_usable();
   for (int f = 0; f < KN_FMT_COUNT; f++) {
@@ -530,13 +562,39 @@ MT_TEST(engine_registers_amx_only_with_amx) {
     printf("  %-4s -> %s\n", kn_format_name((kn_format)f), eng->kern[f]->name);
   }
   kn_engine_free(eng);
-  if (!amx) {
-    char model[256];
-    cpu_model(model, sizeof model);
-    printf("  (no AMX on this CPU: %s; nothing registered, as it must be)\n", model);
-  }
+  if (!amx) printf("  (no AMX on this CPU: %s; nothing registered, as it must be)\n", kn__cpu_get()->model);
 #else
   MT_SKIP("built without AMX kernels (HAVE_AMX=0)");
+#endif
+}
+
+/* The trap is no softer than the hardware: a TILELOADD into a tile the loaded
+ * configuration leaves out (what the dropped stores of GCC 12 did to tmm4) kills the
+ * process, by #UD on an AMX CPU and by the trap's abort elsewhere. Run in a child. */
+MT_TEST(unconfigured_tile_load_kills) {
+#if MR_HAVE_AMX && defined(__x86_64__)
+  if (kn__cpu_get()->best != KN_ISA_AMX && !amx_trap_install())
+    MT_SKIP("no AMX and no SIGILL trap on this platform (%s)", kn__cpu_get()->model);
+  fflush(stdout);
+  pid_t pid = fork();
+  MT_TRUE(pid >= 0);
+  if (pid == 0) {
+    _Alignas(64) kn__amx_cfg c;
+    kn__amx_cfg_init(&c);
+    for (int t = 0; t < 4; t++) kn__amx_cfg_tile(&c, t, 16, 64); /* tiles 4-7 left out */
+    _Alignas(64) uint8_t buf[16 * 64] = {0};
+    __asm__ volatile("ldtilecfg %0" : : "m"(c));
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm0" : : "r"(buf), "r"(64L) : "memory"); /* configured: fine */
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm4" : : "r"(buf), "r"(64L) : "memory"); /* not: #UD */
+    _exit(0);
+  }
+  int st = 0;
+  MT_EQ_INT(waitpid(pid, &st, 0), pid);
+  MT_TRUE(WIFSIGNALED(st));
+  printf("  a load into unconfigured tmm4: the child died of signal %d (%s)\n", WIFSIGNALED(st) ? WTERMSIG(st) : 0,
+         kn__cpu_get()->best == KN_ISA_AMX ? "hardware #UD" : "trap");
+#else
+  MT_SKIP("built without AMX kernels (HAVE_AMX=0) or not x86-64");
 #endif
 }
 

@@ -205,15 +205,10 @@ static kn_isa expected_isa(kn_isa isa, kn_format f) {
   if (f == KN_FMT_FP8 && !(isa >= KN_ISA_AVX512 && c->avx512_bf16)) return KN_ISA_REF;
   return isa;
 }
-static double tolerance(const kn_engine *eng, kn_format f) {
-  const char *name = eng->kern[f]->name;
-  if (strcmp(name, "avx512_bf16_bf16") == 0) return TOL_BF16X;
-  /* fp8 x bf16 activations: the same bf16 rounding of x and h as bf16_bf16; the weights
-   * are the reference's own (exact conversion, the unit test below). */
-  if (strncmp(name, "avx512_fp8", 10) == 0) return TOL_BF16X;
-  if (strcmp(name, "avx512_int8_int8") == 0 || strcmp(name, "avx512_int4_int8") == 0) return TOL_Q8X;
-  return TOL_FP32;
-}
+/* The tolerance of the kernel the engine picked, from its activation rounding (fp8 x
+ * bf16 activations: the bf16 rounding of x and h; its weights are the reference's own,
+ * exact conversion), whatever its name: an AMX or a future kernel gets its format's. */
+static double tolerance(const kn_engine *eng, kn_format f) { return kn__rounding_tol(eng->kern[f]->rounding); }
 
 /* ---- kernel selection -------------------------------------------------------------- */
 
@@ -677,7 +672,8 @@ MT_TEST(nan_token_stays_in_its_row_and_zero_gives_zero) {
 /* The int8 kernel keeps (w + 128) * x sums in int32: at the largest K (65536) with every
  * weight and activation at full scale, the total is 255 * 127 * 65536 = 2.12e9 < 2^31.
  * All-equal weights (q = 127) and x (q = +-127) are exact in int8, so the VNNI kernel must
- * match the layer computed in double over the stored weights to fp32 rounding (1e-6);
+ * match the layer computed in double over the stored weights to fp32 rounding (1e-6; any
+ * kernel on int8 activations, kn__kernel.rounding, not only the one of this name);
  * an overflow would be off by 2^32 in some lane. The AVX2 kernel sums fp32 products, 8192
  * equal ones per lane here, whose rounding grows to ~8192 * 2^-24 = 5e-4: limit 1e-3. */
 MT_TEST(int8_accumulator_bound_at_largest_k) {
@@ -729,7 +725,8 @@ MT_TEST(int8_accumulator_bound_at_largest_k) {
     double err = kn_rel_l2(o, exact, (size_t)2 * H);
     const char *name = eng->kern[KN_FMT_INT8]->name;
     printf("  %s H=%u: rel L2 %.3g vs double\n", name, H, err);
-    MT_LE(err, strcmp(name, "avx512_int8_int8") == 0 ? 1e-6 : 1e-3);
+    /* int8 activations: exact int32 sums (VNNI, AMX-INT8); fp32 activations: fp32 sums */
+    MT_LE(err, eng->kern[KN_FMT_INT8]->rounding == KN__RND_Q8 ? 1e-6 : 1e-3);
     kn_layer_free(L);
     kn_engine_free(eng);
   }
