@@ -12,8 +12,12 @@
 #   make fuzz             libFuzzer targets (clang) in build/fuzz
 #   make fuzz-check       runs each of them FUZZ_SECONDS (20) on a copy of its corpus
 #
-# Layers (one way): common <- kernels <- expert_server, gpu_client <- placement; proto <- server,
-# client.
+#   make check-layers     fails when a file includes a header from a room above its own
+#                         (tests/check_layers.sh; part of make test)
+#
+# Rooms, one way (docs/DESIGN.md section 2; checked by make check-layers):
+#   common <- kernels <- proto <- {expert_server, gpu_client/rpc} <- gpu_client/runner
+#   <- gpu_client/cuda;  placement <- gpu_client/rpc (never proto).
 # Only proto and the code above it include the generated protobuf-c header, so only their
 # objects wait for protoc-c.
 
@@ -39,7 +43,7 @@ ifneq ($(HAVE_AVX512),1)
 override HAVE_AMX := 0
 endif
 
-# The CUDA backend (kernels/cuda/ -> $(BUILD)/lib/libmoerpc-cuda.so, dlopen'ed by the client
+# The CUDA backend (gpu_client/cuda/ -> $(BUILD)/lib/libmoerpc-cuda.so, dlopen'ed by the client
 # for --backend cuda): built when nvcc is found. Sanitizer builds skip it: nvcc's objects are
 # not instrumented and the CUDA runtime's own allocations trip ASan/TSan, so those builds
 # test the CPU backend only (the loader then reports "no CUDA backend").
@@ -119,14 +123,17 @@ ifeq ($(HAVE_AMX),1)
 KN_SRC += $(wildcard kernels/x86/*_amx.c)
 endif
 ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
-# moerpc-client is main.c (the command table) plus one cli_<group>.c per group of
-# subcommands; the rest of gpu_client/ is the library.
-CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
-GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
+# gpu_client/ is three rooms: rpc/ is libmoerpc-client (the C API the SGLang adapter and
+# placement use); runner/ is the whole-model runner (libmoerpc-runner.a) and moerpc-client,
+# which is runner/main.c (the command table) plus one cli_<group>.c per group of
+# subcommands; cuda/ is the runner's CUDA backend (libmoerpc-cuda.so, below).
+GC_SRC  = $(wildcard gpu_client/rpc/*.c)
+CLI_SRC = gpu_client/runner/main.c $(wildcard gpu_client/runner/cli_*.c)
+RUN_SRC = $(filter-out $(CLI_SRC),$(wildcard gpu_client/runner/*.c))
 # placement/: libpl from pl_*.c; main.c is the moerpc-place command table.
 PL_SRC  = $(wildcard placement/pl_*.c)
-# kernels/cuda/: the CUDA backend (.cu by nvcc, .c by $(CC) against the CUDA headers).
-CU_SRC  = $(wildcard kernels/cuda/*.cu) $(wildcard kernels/cuda/*.c)
+# gpu_client/cuda/: the CUDA backend (.cu by nvcc, .c by $(CC) against the CUDA headers).
+CU_SRC  = $(wildcard gpu_client/cuda/*.cu) $(wildcard gpu_client/cuda/*.c)
 
 obj = $(patsubst %.c,$(BUILD)/obj/%.o,$(1))
 
@@ -135,6 +142,7 @@ PR_OBJ  = $(call obj,$(PR_SRC)) $(BUILD)/obj/gen/moe.pb-c.o
 KN_OBJ  = $(call obj,$(KN_SRC))
 ES_OBJ  = $(call obj,$(ES_SRC))
 GC_OBJ  = $(call obj,$(GC_SRC))
+RUN_OBJ = $(call obj,$(RUN_SRC))
 CLI_OBJ = $(call obj,$(CLI_SRC))
 PL_OBJ  = $(call obj,$(PL_SRC))
 CU_OBJ  = $(patsubst %.cu,$(BUILD)/obj/%.o,$(patsubst %.c,$(BUILD)/obj/%.o,$(CU_SRC)))
@@ -145,9 +153,10 @@ LIB_KN = $(BUILD)/lib/libkn.a
 LIB_ES = $(BUILD)/lib/libes.a
 LIB_GC = $(BUILD)/lib/libmoerpc-client.a
 SO_GC  = $(BUILD)/lib/libmoerpc-client.so
+LIB_RUN = $(BUILD)/lib/libmoerpc-runner.a
 SO_CUDA = $(BUILD)/lib/libmoerpc-cuda.so
 LIB_PL = $(BUILD)/lib/libpl.a
-LIBS_ALL = $(LIB_PL) $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+LIBS_ALL = $(LIB_PL) $(LIB_ES) $(LIB_RUN) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
        $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay \
@@ -164,7 +173,7 @@ ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
 TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
 
 .SECONDARY:
-.PHONY: all test test-unit test-fuzz test-integration demo demo-multihost bench fuzz fuzz-check have-not clean help
+.PHONY: all test test-unit test-fuzz test-integration check-layers demo demo-multihost bench fuzz fuzz-check have-not clean help
 ifeq ($(HAVE_CUDA),1)
 CUDA_TARGETS = $(SO_CUDA)
 endif
@@ -213,11 +222,11 @@ $(BUILD)/obj/kernels/x86/%_amx_emu.o: kernels/x86/%_amx.c
 	$(call say,CC,$@)$(Q)$(CC) $(CFLAGS) $(ISA_AVX512) -DKN_AMX_EMULATE=1 -c $< -o $@
 
 # The CUDA backend's objects: nvcc for .cu, $(CC) with the CUDA headers for .c (these rules
-# are more specific than kernels/%.o's, so they win for kernels/cuda/).
-$(BUILD)/obj/kernels/cuda/%.o: kernels/cuda/%.cu
+# are more specific than the generic %.o one, so they win for gpu_client/cuda/).
+$(BUILD)/obj/gpu_client/cuda/%.o: gpu_client/cuda/%.cu
 	@mkdir -p $(dir $@)
 	$(call say,NVCC,$<)$(Q)$(NVCC) $(NVCCFLAGS) -MMD -MP -c $< -o $@
-$(BUILD)/obj/kernels/cuda/%.o: kernels/cuda/%.c
+$(BUILD)/obj/gpu_client/cuda/%.o: gpu_client/cuda/%.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -fvisibility=hidden -isystem $(CUDA_HOME)/include -c $< -o $@
 
@@ -232,6 +241,7 @@ $(LIB_PR): $(PR_OBJ) ; $(mklib)
 $(LIB_KN): $(KN_OBJ) ; $(mklib)
 $(LIB_ES): $(ES_OBJ) ; $(mklib)
 $(LIB_GC): $(GC_OBJ) ; $(mklib)
+$(LIB_RUN): $(RUN_OBJ) ; $(mklib)
 $(LIB_PL): $(PL_OBJ) ; $(mklib)
 
 $(SO_GC): $(GC_OBJ) $(LIB_KN) $(LIB_PR) $(LIB_MR)
@@ -255,7 +265,7 @@ $(SO_CUDA): $(CU_OBJ) $(LIB_KN) $(LIB_MR)
 $(BUILD)/bin/moerpc-server: $(BUILD)/obj/expert_server/main.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
-$(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+$(BUILD)/bin/moerpc-client: $(CLI_OBJ) $(LIB_RUN) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-place: $(BUILD)/obj/placement/main.o $(LIB_PL) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
@@ -314,7 +324,7 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
 FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
 FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c %_amx.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC) \
-               $(PL_SRC)
+               $(RUN_SRC) $(PL_SRC)
 FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o
 $(BUILD)/fuzz/obj/gen/moe.pb-c.o: $(GEN_PB_C)
 	@mkdir -p $(dir $@)
@@ -339,8 +349,13 @@ $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
 # MOERPC_SAN_FLAGS: what a test that compiles a helper against our libraries must add.
-test: all
+test: all check-layers
 	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh
+
+# The rooms' include order (docs/DESIGN.md section 2): a file that includes a header from a
+# room above its own, or another room's internal.h, fails it.
+check-layers:
+	@tests/check_layers.sh
 
 test-unit: all
 	@BUILD=$(BUILD) SANITIZER=$(SANITIZER) MOERPC_SAN_FLAGS="$(SAN)" tests/run.sh unit

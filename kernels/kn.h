@@ -39,7 +39,7 @@
 #ifndef KN_H
 #define KN_H
 
-#include "../common/mr.h"
+#include "common/mr.h"
 
 #ifdef __cplusplus
 extern "C" {

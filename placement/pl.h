@@ -21,7 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/mr.h"
+#include "common/mr.h"
 
 #ifdef __cplusplus
 extern "C" {

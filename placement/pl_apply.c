@@ -37,8 +37,7 @@
 
 #include <cjson/cJSON.h>
 
-#include "gpu_client/moerpc_client.h"
-#include "proto/pr.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 #define PROG "moerpc-place apply"
 #define PL_APPLY_MAX_CLIENTS 32
@@ -208,110 +207,6 @@ typedef struct apply_args {
   bool no_unload, unload_without_clients, dry_run;
 } apply_args;
 
-/* What one server said in its Hello. */
-typedef struct srv_state {
-  char fingerprint[64];
-  uint32_t L, E, minor;
-  uint64_t gen, weight_bytes, expert_bytes, free_bytes;
-} srv_state;
-
-static int hello(gc_cluster *c, const mr_cluster_file *cf, uint32_t s, uint8_t *owned,
-                 size_t LE_cap, srv_state *st, mr_err *e) {
-  Moerpc__V1__HelloRequest hq = MOERPC__V1__HELLO_REQUEST__INIT;
-  hq.protocol_major = PR_PROTOCOL_MAJOR;
-  hq.protocol_minor = PR_PROTOCOL_MINOR;
-  hq.client_name = (char *)"moerpc-place apply";
-  uint8_t req[128];
-  size_t n = moerpc__v1__hello_request__pack(&hq, req);
-  uint8_t *resp = NULL;
-  size_t rlen = 0;
-  int rc = gc_control_call(c, s, PR_METHOD_HELLO, req, n, 0, &resp, &rlen, e);
-  if (rc) return rc;
-  Moerpc__V1__HelloReply *h = moerpc__v1__hello_reply__unpack(NULL, rlen, resp);
-  mr_free(resp);
-  if (!h) return mr_err_set(e, MR_EPROTO, "server %s: HelloReply does not decode", cf->servers[s].name);
-  memset(st, 0, sizeof *st);
-  snprintf(st->fingerprint, sizeof st->fingerprint, "%s", h->model_fingerprint ? h->model_fingerprint : "");
-  st->L = h->num_layers;
-  st->E = h->num_experts;
-  st->minor = h->protocol_minor;
-  st->gen = h->owned_generation;
-  st->weight_bytes = h->weight_bytes;
-  st->expert_bytes = h->expert_bytes;
-  st->free_bytes = h->load_free_bytes;
-  if (h->protocol_major != PR_PROTOCOL_MAJOR || h->protocol_minor < 2) {
-    rc = mr_err_set(e, MR_ENOTSUP, "server %s speaks protocol %" PRIu32 ".%" PRIu32 ": live apply "
-                    "needs 1.2 or later (the control RPCs)", cf->servers[s].name,
-                    h->protocol_major, h->protocol_minor);
-  } else if ((size_t)st->L * st->E != LE_cap && LE_cap) {
-    rc = mr_err_set(e, MR_EMISMATCH, "server %s serves %" PRIu32 " layers x %" PRIu32 " experts, "
-                    "the plan is for %zu pairs", cf->servers[s].name, st->L, st->E, LE_cap);
-  } else if (owned) {
-    memset(owned, 0, LE_cap);
-    for (size_t i = 0; i < h->n_owned && !rc; i++) {
-      const Moerpc__V1__LayerExperts *it = h->owned[i];
-      for (size_t k = 0; k < it->n_experts && !rc; k++) {
-        if (it->layer >= st->L || it->experts[k] >= st->E)
-          rc = mr_err_set(e, MR_EPROTO, "server %s: Hello owned pair (%" PRIu32 ", %" PRIu32
-                          ") out of range", cf->servers[s].name, it->layer, it->experts[k]);
-        else
-          owned[(size_t)it->layer * st->E + it->experts[k]] = 1;
-      }
-    }
-  }
-  moerpc__v1__hello_reply__free_unpacked(h, NULL);
-  return rc;
-}
-
-/* Packs LayerExperts items of the pairs set in bits (L x E) into a Load/UnloadRequest. */
-static int pack_pairs(const uint8_t *bits, uint32_t L, uint32_t E, const char *fingerprint,
-                      bool load, uint8_t **out, size_t *len, mr_err *e) {
-  Moerpc__V1__LayerExperts *items = mr_calloc(L, sizeof *items);
-  Moerpc__V1__LayerExperts **ptrs = mr_calloc(L, sizeof *ptrs);
-  uint32_t *ids = mr_calloc((size_t)L * E, sizeof *ids);
-  int rc = 0;
-  if (!items || !ptrs || !ids) {
-    rc = mr_err_set(e, MR_ENOMEM, "apply: out of memory");
-    goto out;
-  }
-  size_t k = 0, off = 0;
-  for (uint32_t l = 0; l < L; l++) {
-    Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
-    items[k] = init;
-    items[k].layer = l;
-    items[k].experts = ids + off;
-    for (uint32_t x = 0; x < E; x++)
-      if (bits[(size_t)l * E + x]) ids[off + items[k].n_experts++] = x;
-    if (!items[k].n_experts) continue;
-    off += items[k].n_experts;
-    ptrs[k] = &items[k];
-    k++;
-  }
-  ProtobufCMessage *msg;
-  Moerpc__V1__LoadRequest lr = MOERPC__V1__LOAD_REQUEST__INIT;
-  Moerpc__V1__UnloadRequest ur = MOERPC__V1__UNLOAD_REQUEST__INIT;
-  if (load) {
-    lr.n_add = k;
-    lr.add = ptrs;
-    lr.model_fingerprint = (char *)fingerprint;
-    msg = &lr.base;
-  } else {
-    ur.n_drop = k;
-    ur.drop = ptrs;
-    ur.model_fingerprint = (char *)fingerprint;
-    msg = &ur.base;
-  }
-  *len = protobuf_c_message_get_packed_size(msg);
-  *out = mr_malloc(*len ? *len : 1);
-  if (!*out) rc = mr_err_set(e, MR_ENOMEM, "apply: out of memory");
-  else protobuf_c_message_pack(msg, *out);
-out:
-  mr_free(items);
-  mr_free(ptrs);
-  mr_free(ids);
-  return rc;
-}
-
 /* The string field key of the client's GET /placement object, or "" (cJSON; a body that is
  * not an object, or a field that is not a string, reads as ""). */
 static void placement_field(const char *body, size_t len, const char *key, char *out,
@@ -403,194 +298,209 @@ static int parse_args(int argc, char **argv, apply_args *a) {
   return 0;
 }
 
-int pl_cmd_apply(int argc, char **argv) {
+/* One run of the command: what every step reads and writes. */
+typedef struct apply_run {
   apply_args a;
-  int prc = parse_args(argc, argv, &a);
-  if (prc == 1) return 0;
-  if (prc) return prc;
-  mr_err e;
-  mr_err_clear(&e);
-  int rc = 0;
-  mr_cluster_file *cf = mr_calloc(1, sizeof *cf);
+  mr_cluster_file *cf;
   mr_placement plan;
-  memset(&plan, 0, sizeof plan);
-  char *plan_json = NULL;
-  size_t plan_len = 0;
-  gc_cluster *c = NULL;
-  uint8_t *owned = NULL;
-  srv_state *st = NULL;
-  uint64_t *free_b = NULL, *load_id = NULL;
-  pl_apply_plan ap;
-  memset(&ap, 0, sizeof ap);
-  const uint64_t t0 = mr_now_ns();
-  if (!cf) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out;
+  char *plan_json;
+  size_t plan_len;
+  gc_cluster *c;             /* the control handle */
+  uint32_t S, L, E;          /* servers, and the plan's layers x experts */
+  size_t LE;
+  gc_hello_info *hello;      /* [S] each server's Hello at the start */
+  uint8_t *owned;            /* [S * LE] what each server owns at the start */
+  uint64_t *free_b;          /* [S] bytes each may still load */
+  uint64_t *load_id;         /* [S] its load in flight, 0 = none (or done) */
+  pl_apply_plan ap;          /* pairs to add and drop per server */
+  uint64_t tot_add, tot_drop;
+  uint64_t t0;
+} apply_run;
+
+/* Hello of server s through the typed control call (the RPC library checks the reply as
+ * the cluster does), then what apply needs: the control RPCs (protocol 1.2), and, when
+ * LE is not 0, the plan's shape. */
+static int server_hello(apply_run *r, uint32_t s, size_t LE, gc_hello_info *h, mr_err *e) {
+  int rc = gc_control_hello(r->c, s, h, e);
+  if (rc) return rc;
+  if (h->protocol_minor < 2)
+    return mr_err_set(e, MR_ENOTSUP, "server %s speaks protocol %" PRIu32 ".%" PRIu32 ": live apply "
+                      "needs 1.2 or later (the control RPCs)", r->cf->servers[s].name,
+                      h->protocol_major, h->protocol_minor);
+  if (LE && (size_t)h->num_layers * h->num_experts != LE)
+    return mr_err_set(e, MR_EMISMATCH, "server %s serves %" PRIu32 " layers x %" PRIu32 " experts, "
+                      "the plan is for %zu pairs", r->cf->servers[s].name, h->num_layers,
+                      h->num_experts, LE);
+  return 0;
+}
+
+/* 1: the cluster file, the plan, and the arrays sized by them; the control handle. */
+static int step_read(apply_run *r, mr_err *e) {
+  int rc;
+  r->cf = mr_calloc(1, sizeof *r->cf);
+  if (!r->cf) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  if ((rc = mr_cluster_load(r->cf, r->a.cluster, e)) ||
+      (rc = mr_file_read(r->a.plan, PL_PLAN_MAX_BYTES, &r->plan_json, &r->plan_len, e)) ||
+      (rc = mr_placement_parse(&r->plan, r->plan_json, r->plan_len, r->a.plan, e)))
+    return rc;
+  r->S = r->cf->n_servers;
+  r->L = r->plan.num_layers;
+  r->E = r->plan.num_experts;
+  r->LE = (size_t)r->L * r->E;
+  if ((rc = gc_control_open(&r->c, r->cf, e))) return rc;
+  r->hello = mr_calloc(r->S, sizeof *r->hello);
+  r->owned = mr_calloc((size_t)r->S * r->LE, 1);
+  r->free_b = mr_calloc(r->S, sizeof *r->free_b);
+  r->load_id = mr_calloc(r->S, sizeof *r->load_id);
+  if (!r->hello || !r->owned || !r->free_b || !r->load_id) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  return 0;
+}
+
+/* 1-2: what every server owns now; every server serves the plan's model. */
+static int step_hello(apply_run *r, mr_err *e) {
+  for (uint32_t s = 0; s < r->S; s++) {
+    gc_hello_info *h = &r->hello[s];
+    int rc = server_hello(r, s, r->LE, h, e);
+    if (rc) return rc;
+    memcpy(r->owned + s * r->LE, h->owned, r->LE);
+    r->free_b[s] = h->load_free_bytes;
+    if (strcmp(h->model_fingerprint, r->hello[0].model_fingerprint) != 0)
+      return mr_err_set(e, MR_EMISMATCH, "servers %s and %s serve different models (fingerprints "
+                        "%s and %s)", r->cf->servers[0].name, r->cf->servers[s].name,
+                        r->hello[0].model_fingerprint, h->model_fingerprint);
   }
-  if ((rc = mr_cluster_load(cf, a.cluster, &e))) goto out;
-  if ((rc = mr_file_read(a.plan, PL_PLAN_MAX_BYTES, &plan_json, &plan_len, &e))) goto out;
-  if ((rc = mr_placement_parse(&plan, plan_json, plan_len, a.plan, &e))) goto out;
-  const uint32_t S = cf->n_servers, L = plan.num_layers, E = plan.num_experts;
-  const size_t LE = (size_t)L * E;
-  if ((rc = gc_control_open(&c, cf, &e))) goto out;
-  owned = mr_calloc((size_t)S * LE, 1);
-  st = mr_calloc(S, sizeof *st);
-  free_b = mr_calloc(S, sizeof *free_b);
-  load_id = mr_calloc(S, sizeof *load_id);
-  if (!owned || !st || !free_b || !load_id) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out;
-  }
-  /* 1-2: what every server owns now, and the refusals. */
-  for (uint32_t s = 0; s < S; s++) {
-    if ((rc = hello(c, cf, s, owned + s * LE, LE, &st[s], &e))) goto out;
-    free_b[s] = st[s].free_bytes;
-    if (strcmp(st[s].fingerprint, st[0].fingerprint) != 0) {
-      rc = mr_err_set(&e, MR_EMISMATCH, "servers %s and %s serve different models (fingerprints "
-                      "%s and %s)", cf->servers[0].name, cf->servers[s].name, st[0].fingerprint,
-                      st[s].fingerprint);
-      goto out;
-    }
-  }
-  if (plan.model_fingerprint[0] && strcmp(plan.model_fingerprint, st[0].fingerprint) != 0) {
-    rc = mr_err_set(&e, MR_EMISMATCH, "%s: model_fingerprint %s, but the servers serve model %s",
-                    a.plan, plan.model_fingerprint, st[0].fingerprint);
-    goto out;
-  }
-  for (uint32_t i = 0; i < a.n_files; i++) {
+  if (r->plan.model_fingerprint[0] && strcmp(r->plan.model_fingerprint, r->hello[0].model_fingerprint) != 0)
+    return mr_err_set(e, MR_EMISMATCH, "%s: model_fingerprint %s, but the servers serve model %s",
+                      r->a.plan, r->plan.model_fingerprint, r->hello[0].model_fingerprint);
+  return 0;
+}
+
+/* 2: each --client-placement file has the plan's shape, and the plan keeps its client's
+ * local (hot) experts: a running client cannot change them. */
+static int step_client_files(apply_run *r, mr_err *e) {
+  for (uint32_t i = 0; i < r->a.n_files; i++) {
     mr_placement cur;
-    rc = mr_placement_load(&cur, a.cl_files[i], &e);
-    if (!rc && (cur.num_layers != L || cur.num_experts != E))
-      rc = mr_err_set(&e, MR_EMISMATCH, "%s: %u x %u pairs, the plan has %u x %u", a.cl_files[i],
-                      cur.num_layers, cur.num_experts, L, E);
-    if (!rc && memcmp(cur.local, plan.local, LE) != 0) {
+    int rc = mr_placement_load(&cur, r->a.cl_files[i], e);
+    if (!rc && (cur.num_layers != r->L || cur.num_experts != r->E))
+      rc = mr_err_set(e, MR_EMISMATCH, "%s: %u x %u pairs, the plan has %u x %u", r->a.cl_files[i],
+                      cur.num_layers, cur.num_experts, r->L, r->E);
+    if (!rc && memcmp(cur.local, r->plan.local, r->LE) != 0) {
       size_t k = 0;
-      while (k < LE && cur.local[k] == plan.local[k]) k++;
-      rc = mr_err_set(&e, MR_ENOTSUP, "%s: the plan changes the client's local (hot) experts "
+      while (k < r->LE && cur.local[k] == r->plan.local[k]) k++;
+      rc = mr_err_set(e, MR_ENOTSUP, "%s: the plan changes the client's local (hot) experts "
                       "(first: layer %zu expert %zu is %s in %s): a running client cannot "
-                      "change them; restart it with the new file instead", a.plan, k / E, k % E,
-                      plan.local[k] ? "local" : "not local", a.plan);
+                      "change them; restart it with the new file instead", r->a.plan, k / r->E,
+                      k % r->E, r->plan.local[k] ? "local" : "not local", r->a.plan);
     }
     mr_placement_close(&cur);
-    if (rc) goto out;
+    if (rc) return rc;
   }
-  if ((rc = pl_apply_prepare(&ap, &plan, cf, owned, free_b, st[0].expert_bytes, a.plan, &e)))
-    goto out;
-  uint64_t tot_add = 0, tot_drop = 0;
-  for (uint32_t s = 0; s < S; s++) {
-    tot_add += ap.n_add[s];
-    tot_drop += ap.n_drop[s];
-    mr_log(MR_LOG_INFO, "apply: server %s: load %" PRIu64 " experts (%.3f GB), unload %" PRIu64
-           " (%.3f GB); owns %.3f GB now, %.3f GB free for experts", cf->servers[s].name,
-           ap.n_add[s], ap.n_add[s] * st[s].expert_bytes / 1e9, ap.n_drop[s],
-           ap.n_drop[s] * st[s].expert_bytes / 1e9, st[s].weight_bytes / 1e9, free_b[s] / 1e9);
-  }
-  if (a.dry_run) {
-    printf("dry run: %" PRIu64 " experts to load, %" PRIu64 " to unload; nothing changed\n",
-           tot_add, tot_drop);
-    goto out;
-  }
+  return 0;
+}
 
-  /* 4: load everywhere at once, then poll. */
-  for (uint32_t s = 0; s < S; s++) {
-    if (!ap.n_add[s]) continue;
-    uint8_t *req = NULL, *resp = NULL;
-    size_t len = 0, rlen = 0;
-    if ((rc = pack_pairs(ap.add + s * LE, L, E, st[0].fingerprint, true, &req, &len, &e))) goto out;
-    rc = gc_control_call(c, s, PR_METHOD_LOAD_EXPERTS, req, len, 0, &resp, &rlen, &e);
-    mr_free(req);
-    if (rc) goto out;
-    Moerpc__V1__LoadReply *lr = moerpc__v1__load_reply__unpack(NULL, rlen, resp);
-    mr_free(resp);
-    if (!lr) {
-      rc = mr_err_set(&e, MR_EPROTO, "server %s: LoadReply does not decode", cf->servers[s].name);
-      goto out;
-    }
-    load_id[s] = lr->load_id;
-    mr_log(MR_LOG_INFO, "apply: server %s: load %" PRIu64 " started: %" PRIu64 " experts, %" PRIu64
-           " tensors, %.3f GB to read", cf->servers[s].name, lr->load_id, lr->pairs,
-           lr->tensors_total, lr->bytes_total / 1e9);
-    moerpc__v1__load_reply__free_unpacked(lr, NULL);
+/* 3: the pairs to add and to drop per server, one log line each. */
+static int step_prepare(apply_run *r, mr_err *e) {
+  int rc = pl_apply_prepare(&r->ap, &r->plan, r->cf, r->owned, r->free_b, r->hello[0].expert_bytes,
+                            r->a.plan, e);
+  if (rc) return rc;
+  for (uint32_t s = 0; s < r->S; s++) {
+    const uint64_t xb = r->hello[s].expert_bytes;
+    r->tot_add += r->ap.n_add[s];
+    r->tot_drop += r->ap.n_drop[s];
+    mr_log(MR_LOG_INFO, "apply: server %s: load %" PRIu64 " experts (%.3f GB), unload %" PRIu64
+           " (%.3f GB); owns %.3f GB now, %.3f GB free for experts", r->cf->servers[s].name,
+           r->ap.n_add[s], r->ap.n_add[s] * xb / 1e9, r->ap.n_drop[s], r->ap.n_drop[s] * xb / 1e9,
+           r->hello[s].weight_bytes / 1e9, r->free_b[s] / 1e9);
   }
-  uint64_t deadline = mr_now_ns() + (uint64_t)a.load_timeout_s * 1000000000ull, last_print = 0;
+  return 0;
+}
+
+/* 4: LoadExperts on every server with something to add, at once. */
+static int step_load_start(apply_run *r, mr_err *e) {
+  for (uint32_t s = 0; s < r->S; s++) {
+    if (!r->ap.n_add[s]) continue;
+    gc_load_started ls;
+    int rc = gc_control_load(r->c, s, r->ap.add + s * r->LE, r->L, r->E, r->hello[0].model_fingerprint,
+                             &ls, e);
+    if (rc) return rc;
+    r->load_id[s] = ls.load_id;
+    mr_log(MR_LOG_INFO, "apply: server %s: load %" PRIu64 " started: %" PRIu64 " experts, %" PRIu64
+           " tensors, %.3f GB to read", r->cf->servers[s].name, ls.load_id, ls.pairs, ls.tensors_total,
+           ls.bytes_total / 1e9);
+  }
+  return 0;
+}
+
+/* 4: polls LoadStatus until every load is done, printing a progress line per server and
+ * second; a failed load or --load-timeout-s stops the command (nothing switched yet). */
+static int step_load_wait(apply_run *r, mr_err *e) {
+  uint64_t deadline = mr_now_ns() + (uint64_t)r->a.load_timeout_s * 1000000000ull, last_print = 0;
   for (;;) {
     bool all_done = true, print = mr_now_ns() - last_print >= 1000000000ull;
     if (print) last_print = mr_now_ns();
-    for (uint32_t s = 0; s < S; s++) {
-      if (!load_id[s]) continue;
-      Moerpc__V1__LoadStatusRequest q = MOERPC__V1__LOAD_STATUS_REQUEST__INIT;
-      q.load_id = load_id[s];
-      uint8_t req[32], *resp = NULL;
-      size_t len = moerpc__v1__load_status_request__pack(&q, req), rlen = 0;
-      if ((rc = gc_control_call(c, s, PR_METHOD_LOAD_STATUS, req, len, 0, &resp, &rlen, &e))) goto out;
-      Moerpc__V1__LoadProgress *p = moerpc__v1__load_progress__unpack(NULL, rlen, resp);
-      mr_free(resp);
-      if (!p) {
-        rc = mr_err_set(&e, MR_EPROTO, "server %s: LoadProgress does not decode", cf->servers[s].name);
-        goto out;
-      }
-      double gbs = p->seconds > 0 ? p->bytes_done / p->seconds / 1e9 : 0;
-      bool done = p->state == MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
-      if (p->state == MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED) {
-        rc = mr_err_set(&e, pr_mr_from_status((grpc_status_code)p->status),
-                        "server %s: load %" PRIu64 " failed: %s (nothing was switched or "
-                        "unloaded)", cf->servers[s].name, p->load_id, p->error ? p->error : "");
-        moerpc__v1__load_progress__free_unpacked(p, NULL);
-        goto out;
-      }
+    for (uint32_t s = 0; s < r->S; s++) {
+      if (!r->load_id[s]) continue;
+      gc_load_progress p;
+      int rc = gc_control_load_status(r->c, s, r->load_id[s], &p, e);
+      if (rc) return rc;
+      if (p.state == GC_LOAD_FAILED)
+        return mr_err_set(e, p.error_code, "server %s: load %" PRIu64 " failed: %s (nothing was "
+                          "switched or unloaded)", r->cf->servers[s].name, p.load_id, p.error);
+      const bool done = p.state == GC_LOAD_DONE;
+      const double gbs = p.seconds > 0 ? p.bytes_done / p.seconds / 1e9 : 0;
       if (print || done) {
-        double eta = gbs > 0 ? (p->bytes_total - p->bytes_done) / 1e9 / gbs : 0;
+        double eta = gbs > 0 ? (p.bytes_total - p.bytes_done) / 1e9 / gbs : 0;
         printf("load %-12s %6" PRIu64 "/%" PRIu64 " tensors, %.3f/%.3f GB, %.2f GB/s, %s%.0f s\n",
-               cf->servers[s].name, p->tensors_done, p->tensors_total, p->bytes_done / 1e9,
-               p->bytes_total / 1e9, gbs, done ? "done in " : "ETA ", done ? p->seconds : eta);
+               r->cf->servers[s].name, p.tensors_done, p.tensors_total, p.bytes_done / 1e9,
+               p.bytes_total / 1e9, gbs, done ? "done in " : "ETA ", done ? p.seconds : eta);
         fflush(stdout);
       }
-      if (done) load_id[s] = 0; /* printed once */
+      if (done) r->load_id[s] = 0; /* printed once */
       else all_done = false;
-      moerpc__v1__load_progress__free_unpacked(p, NULL);
     }
-    if (all_done) break;
-    if (mr_now_ns() > deadline) {
-      rc = mr_err_set(&e, MR_ETIMEDOUT, "loading did not finish within --load-timeout-s %u "
-                      "(nothing was switched or unloaded)", a.load_timeout_s);
-      goto out;
-    }
+    if (all_done) return 0;
+    if (mr_now_ns() > deadline)
+      return mr_err_set(e, MR_ETIMEDOUT, "loading did not finish within --load-timeout-s %u "
+                        "(nothing was switched or unloaded)", r->a.load_timeout_s);
     usleep(PL_POLL_MS * 1000);
   }
-  /* Every new copy must answer Hello before any client is switched. */
-  uint8_t *now = mr_calloc(LE, 1);
-  if (!now) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out;
-  }
-  for (uint32_t s = 0; s < S && !rc; s++) {
-    srv_state tmp;
-    if ((rc = hello(c, cf, s, now, LE, &tmp, &e))) break;
-    for (size_t i = 0; i < LE && !rc; i++)
-      if (ap.want[s * LE + i] && !now[i])
-        rc = mr_err_set(&e, MR_EPRECOND, "server %s does not announce layer %zu expert %zu after "
-                        "its load (nothing was switched)", cf->servers[s].name, i / E, i % E);
-  }
-  mr_free(now);
-  if (rc) goto out;
+}
 
-  /* 5: switch the clients. */
-  uint64_t hash = pl_placement_hash(plan_json, plan_len);
-  char want_hash[24];
-  snprintf(want_hash, sizeof want_hash, "%016" PRIx64, hash);
-  for (uint32_t i = 0; i < a.n_files; i++) {
-    if ((rc = mr_file_write_atomic(a.cl_files[i], plan_json, plan_len, &e))) goto out;
-    mr_log(MR_LOG_INFO, "apply: wrote %s (hash %s)", a.cl_files[i], want_hash);
+/* 4: every new copy must answer Hello before any client is switched. */
+static int step_confirm_loaded(apply_run *r, mr_err *e) {
+  int rc = 0;
+  for (uint32_t s = 0; s < r->S && !rc; s++) {
+    gc_hello_info h;
+    rc = server_hello(r, s, r->LE, &h, e);
+    for (size_t i = 0; !rc && i < r->LE; i++)
+      if (r->ap.want[s * r->LE + i] && !h.owned[i])
+        rc = mr_err_set(e, MR_EPRECOND, "server %s does not announce layer %zu expert %zu after "
+                        "its load (nothing was switched)", r->cf->servers[s].name, i / r->E, i % r->E);
+    gc_hello_info_close(&h);
   }
-  deadline = mr_now_ns() + (uint64_t)a.switch_timeout_s * 1000000000ull;
-  for (uint32_t i = 0; i < a.n_urls; i++) {
-    uint64_t t_sw = mr_now_ns();
+  return rc;
+}
+
+/* 5: the plan's bytes into each --client-placement file, then each --client must report
+ * the plan's hash on GET /placement within --switch-timeout-s. */
+static int step_switch_clients(apply_run *r, mr_err *e) {
+  char want_hash[24];
+  snprintf(want_hash, sizeof want_hash, "%016" PRIx64, pl_placement_hash(r->plan_json, r->plan_len));
+  for (uint32_t i = 0; i < r->a.n_files; i++) {
+    int rc = mr_file_write_atomic(r->a.cl_files[i], r->plan_json, r->plan_len, e);
+    if (rc) return rc;
+    mr_log(MR_LOG_INFO, "apply: wrote %s (hash %s)", r->a.cl_files[i], want_hash);
+  }
+  const uint64_t deadline = mr_now_ns() + (uint64_t)r->a.switch_timeout_s * 1000000000ull;
+  for (uint32_t i = 0; i < r->a.n_urls; i++) {
+    const char *url = r->a.cl_urls[i];
+    const uint64_t t_sw = mr_now_ns();
     for (;;) {
       int status = 0;
       char *body = NULL;
       size_t blen = 0;
       mr_err ge;
-      int grc = mr_http_get(a.cl_urls[i], "/placement", 1 << 16, 5000, &status, &body, &blen, &ge);
+      int grc = mr_http_get(url, "/placement", 1 << 16, 5000, &status, &body, &blen, &ge);
       char h[64] = "", err[600] = "";
       if (grc == 0 && status == 200) {
         placement_field(body, blen, "hash", h, sizeof h);
@@ -598,65 +508,88 @@ int pl_cmd_apply(int argc, char **argv) {
       }
       mr_free(body);
       if (strcmp(h, want_hash) == 0) {
-        mr_log(MR_LOG_INFO, "apply: client %s switched (hash %s) after %.2f s", a.cl_urls[i],
-               want_hash, (double)(mr_now_ns() - t_sw) / 1e9);
+        mr_log(MR_LOG_INFO, "apply: client %s switched (hash %s) after %.2f s", url, want_hash,
+               (double)(mr_now_ns() - t_sw) / 1e9);
         break;
       }
-      if (mr_now_ns() > deadline) {
-        rc = mr_err_set(&e, MR_ETIMEDOUT, "client %s did not report placement hash %s within "
-                        "--switch-timeout-s %u (it reports \"%s\"%s%s%s%s); nothing was "
-                        "unloaded: the cluster holds both copies", a.cl_urls[i], want_hash,
-                        a.switch_timeout_s, h, grc ? "; GET failed: " : "", grc ? ge.msg : "",
-                        err[0] ? "; its last refusal: " : "", err);
-        goto out;
-      }
+      if (mr_now_ns() > deadline)
+        return mr_err_set(e, MR_ETIMEDOUT, "client %s did not report placement hash %s within "
+                          "--switch-timeout-s %u (it reports \"%s\"%s%s%s%s); nothing was "
+                          "unloaded: the cluster holds both copies", url, want_hash,
+                          r->a.switch_timeout_s, h, grc ? "; GET failed: " : "", grc ? ge.msg : "",
+                          err[0] ? "; its last refusal: " : "", err);
       usleep(PL_POLL_MS * 1000);
     }
   }
+  return 0;
+}
 
-  /* 6: unload the old copies. */
-  bool may_unload = !a.no_unload && (a.n_urls > 0 || a.unload_without_clients);
-  if (!may_unload && tot_drop)
-    mr_log(MR_LOG_WARN, "apply: %" PRIu64 " old copies kept (%s)", tot_drop,
-           a.no_unload ? "--no-unload" : "no --client confirmed a switch; see --unload-without-clients");
-  uint64_t *freed = mr_calloc(S, sizeof *freed);
-  for (uint32_t s = 0; s < S && may_unload && freed; s++) {
-    if (!ap.n_drop[s]) continue;
-    uint8_t *req = NULL, *resp = NULL;
-    size_t len = 0, rlen = 0;
-    if ((rc = pack_pairs(ap.drop + s * LE, L, E, st[0].fingerprint, false, &req, &len, &e))) break;
-    rc = gc_control_call(c, s, PR_METHOD_UNLOAD_EXPERTS, req, len, 0, &resp, &rlen, &e);
-    mr_free(req);
-    if (rc) break;
-    Moerpc__V1__UnloadReply *ur = moerpc__v1__unload_reply__unpack(NULL, rlen, resp);
-    mr_free(resp);
-    if (!ur) {
-      rc = mr_err_set(&e, MR_EPROTO, "server %s: UnloadReply does not decode", cf->servers[s].name);
-      break;
-    }
-    freed[s] = ur->bytes_freed;
-    moerpc__v1__unload_reply__free_unpacked(ur, NULL);
+/* 6: UnloadExperts of the old copies (only once every client confirmed, or when told so),
+ * then a summary line per server. */
+static int step_unload(apply_run *r, mr_err *e) {
+  const apply_args *a = &r->a;
+  bool may_unload = !a->no_unload && (a->n_urls > 0 || a->unload_without_clients);
+  if (!may_unload && r->tot_drop)
+    mr_log(MR_LOG_WARN, "apply: %" PRIu64 " old copies kept (%s)", r->tot_drop,
+           a->no_unload ? "--no-unload" : "no --client confirmed a switch; see --unload-without-clients");
+  uint64_t *freed = mr_calloc(r->S, sizeof *freed);
+  if (!freed) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  int rc = 0;
+  for (uint32_t s = 0; s < r->S && may_unload && !rc; s++) {
+    if (!r->ap.n_drop[s]) continue;
+    gc_unload_result u;
+    rc = gc_control_unload(r->c, s, r->ap.drop + s * r->LE, r->L, r->E, r->hello[0].model_fingerprint, &u, e);
+    if (!rc) freed[s] = u.bytes_freed;
   }
-  double secs = (double)(mr_now_ns() - t0) / 1e9;
-  for (uint32_t s = 0; s < S && freed; s++)
+  for (uint32_t s = 0; s < r->S; s++)
     printf("applied %-12s loaded %" PRIu64 " experts (%.3f GB), unloaded %" PRIu64 " (%.3f GB)\n",
-           cf->servers[s].name, ap.n_add[s], ap.n_add[s] * st[s].expert_bytes / 1e9,
-           freed[s] ? ap.n_drop[s] : 0, freed[s] / 1e9);
+           r->cf->servers[s].name, r->ap.n_add[s], r->ap.n_add[s] * r->hello[s].expert_bytes / 1e9,
+           freed[s] ? r->ap.n_drop[s] : 0, freed[s] / 1e9);
   mr_free(freed);
-  if (!rc) printf("applied %s in %.2f s\n", a.plan, secs);
-out:
+  if (!rc) printf("applied %s in %.2f s\n", a->plan, (double)(mr_now_ns() - r->t0) / 1e9);
+  return rc;
+}
+
+static void apply_run_close(apply_run *r) {
+  pl_apply_plan_close(&r->ap);
+  gc_cluster_close(r->c);
+  mr_placement_close(&r->plan);
+  mr_free(r->plan_json);
+  for (uint32_t s = 0; r->hello && s < r->S; s++) gc_hello_info_close(&r->hello[s]);
+  mr_free(r->hello);
+  mr_free(r->owned);
+  mr_free(r->free_b);
+  mr_free(r->load_id);
+  mr_free(r->cf);
+}
+
+int pl_cmd_apply(int argc, char **argv) {
+  apply_run r;
+  memset(&r, 0, sizeof r);
+  int prc = parse_args(argc, argv, &r.a);
+  if (prc == 1) return 0;
+  if (prc) return prc;
+  mr_err e;
+  mr_err_clear(&e);
+  r.t0 = mr_now_ns();
+  int rc = step_read(&r, &e);
+  if (!rc) rc = step_hello(&r, &e);
+  if (!rc) rc = step_client_files(&r, &e);
+  if (!rc) rc = step_prepare(&r, &e);
+  if (!rc && r.a.dry_run) {
+    printf("dry run: %" PRIu64 " experts to load, %" PRIu64 " to unload; nothing changed\n", r.tot_add,
+           r.tot_drop);
+  } else if (!rc) {
+    if (!rc) rc = step_load_start(&r, &e);
+    if (!rc) rc = step_load_wait(&r, &e);
+    if (!rc) rc = step_confirm_loaded(&r, &e);
+    if (!rc) rc = step_switch_clients(&r, &e);
+    if (!rc) rc = step_unload(&r, &e);
+  }
   if (rc) {
     fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
     mr_log(MR_LOG_ERROR, "apply failed: %s", e.msg);
   }
-  pl_apply_plan_close(&ap);
-  gc_cluster_close(c);
-  mr_placement_close(&plan);
-  mr_free(plan_json);
-  mr_free(owned);
-  mr_free(st);
-  mr_free(free_b);
-  mr_free(load_id);
-  mr_free(cf);
+  apply_run_close(&r);
   return rc ? 1 : 0;
 }

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_client/moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 #define PROG "moerpc-place stats"
 #define MAX_CLIENTS 32

@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "gpu_client/internal.h"
+#include "gpu_client/rpc/internal.h"
 #include "tests/fuzz/fuzz.h"
 #include "tests/fuzz/fuzz_bb.h"
 

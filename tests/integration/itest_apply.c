@@ -1,6 +1,6 @@
 /*
  * itest_apply.c - the control RPCs against a real moerpc-server (docs/DESIGN.md section 15),
- * through the library (gc_control_call, gc_layer_forward):
+ * through the library's typed control calls (gc_control_*) and gc_layer_forward:
  *
  *   unloaded_expert_gets_a_per_request_error: a client opened before UnloadExperts still
  *     routes expert 5 to s0; the request gets FAILED_PRECONDITION naming the expert, the
@@ -17,7 +17,7 @@
 #include <signal.h>
 #include <sys/wait.h>
 
-#include "gpu_client/moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 #include "tests/integration/util.h"
 #include "tests/unit/mt.h"
 
@@ -59,28 +59,13 @@ static void teardown(void) {
   grpc_shutdown();
 }
 
-/* One control call with a packed message; returns rc, the reply in *out (mr_free). */
-static int call(gc_cluster *c, const char *method, const ProtobufCMessage *m, uint8_t **out,
-                size_t *len, mr_err *e) {
-  uint8_t buf[4096];
-  size_t n = m ? protobuf_c_message_pack(m, buf) : 0;
-  return gc_control_call(c, 0, method, buf, n, 5000, out, len, e);
-}
-
 static uint64_t owned_generation(gc_cluster *c) {
-  Moerpc__V1__HelloRequest hq = MOERPC__V1__HELLO_REQUEST__INIT;
-  hq.protocol_major = 1;
-  hq.protocol_minor = 2;
-  uint8_t *r = NULL;
-  size_t n = 0;
+  gc_hello_info h;
   mr_err e;
-  MT_OK(call(c, PR_METHOD_HELLO, &hq.base, &r, &n, &e), &e);
-  Moerpc__V1__HelloReply *h = moerpc__v1__hello_reply__unpack(NULL, n, r);
-  MT_TRUE(h != NULL);
-  uint64_t g = h->owned_generation;
-  MT_EQ_INT(h->protocol_minor, 2);
-  moerpc__v1__hello_reply__free_unpacked(h, NULL);
-  mr_free(r);
+  MT_OK(gc_control_hello(c, 0, &h, &e), &e);
+  MT_EQ_INT(h.protocol_minor, 2);
+  uint64_t g = h.owned_generation;
+  gc_hello_info_close(&h);
   return g;
 }
 
@@ -95,14 +80,13 @@ static int forward(gc_cluster *c, int32_t x, float *out, mr_err *e) {
   return gc_layer_forward(c, &q, out, e);
 }
 
-static void pairs_msg(Moerpc__V1__LayerExperts *it, Moerpc__V1__LayerExperts **ptr, uint32_t layer,
-                      uint32_t *ids, size_t n) {
-  Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
-  *it = init;
-  it->layer = layer;
-  it->experts = ids;
-  it->n_experts = n;
-  *ptr = it;
+/* A pairs mask of L layers x 8 experts with (layer, x) set for each x of xs. */
+static uint8_t *pairs_mask(uint32_t L, uint32_t layer, const uint32_t *xs, size_t n) {
+  static uint8_t m[4 * 8];
+  MT_TRUE(L <= 4);
+  memset(m, 0, sizeof m);
+  for (size_t i = 0; i < n; i++) m[layer * 8 + xs[i]] = 1;
+  return m;
 }
 
 MT_TEST(unloaded_expert_gets_a_per_request_error) {
@@ -119,20 +103,10 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   MT_OK(forward(cl, 5, ref5, &e), &e);
 
   uint32_t five[] = {5};
-  Moerpc__V1__LayerExperts it, *ptr;
-  pairs_msg(&it, &ptr, 1, five, 1);
-  Moerpc__V1__UnloadRequest uq = MOERPC__V1__UNLOAD_REQUEST__INIT;
-  uq.n_drop = 1;
-  uq.drop = &ptr;
-  uint8_t *r = NULL;
-  size_t n = 0;
-  MT_OK(call(ctl, PR_METHOD_UNLOAD_EXPERTS, &uq.base, &r, &n, &e), &e);
-  Moerpc__V1__UnloadReply *ur = moerpc__v1__unload_reply__unpack(NULL, n, r);
-  MT_TRUE(ur != NULL);
-  MT_EQ_U64(ur->pairs, 1);
-  MT_EQ_U64(ur->owned_generation, g0 + 1);
-  moerpc__v1__unload_reply__free_unpacked(ur, NULL);
-  mr_free(r);
+  gc_unload_result ur;
+  MT_OK(gc_control_unload(ctl, 0, pairs_mask(2, 1, five, 1), 2, 8, "", &ur, &e), &e);
+  MT_EQ_U64(ur.pairs, 1);
+  MT_EQ_U64(ur.owned_generation, g0 + 1);
 
   /* The old client still routes 5 to s0: a clear error for that request only. */
   MT_EQ_INT(forward(cl, 5, out, &e), MR_EPRECOND);
@@ -142,31 +116,19 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   MT_TRUE(memcmp(out, ref0, sizeof out) == 0);
 
   /* Load it again: served again, same numbers (same file, same packing). */
-  Moerpc__V1__LoadRequest lq = MOERPC__V1__LOAD_REQUEST__INIT;
-  lq.n_add = 1;
-  lq.add = &ptr;
-  MT_OK(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), &e);
-  Moerpc__V1__LoadReply *lr = moerpc__v1__load_reply__unpack(NULL, n, r);
-  MT_TRUE(lr != NULL);
-  MT_EQ_U64(lr->pairs, 1);
-  MT_EQ_U64(lr->tensors_total, 3);
-  uint64_t id = lr->load_id;
-  moerpc__v1__load_reply__free_unpacked(lr, NULL);
-  mr_free(r);
-  int state = 0;
-  for (int i = 0; i < 500 && state != MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE; i++) {
-    Moerpc__V1__LoadStatusRequest sq = MOERPC__V1__LOAD_STATUS_REQUEST__INIT;
-    sq.load_id = id;
-    MT_OK(call(ctl, PR_METHOD_LOAD_STATUS, &sq.base, &r, &n, &e), &e);
-    Moerpc__V1__LoadProgress *p = moerpc__v1__load_progress__unpack(NULL, n, r);
-    MT_TRUE(p != NULL);
-    state = p->state;
-    MT_TRUE(state != MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED);
-    moerpc__v1__load_progress__free_unpacked(p, NULL);
-    mr_free(r);
-    if (state != MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE) usleep(10000);
+  gc_load_started ls;
+  MT_OK(gc_control_load(ctl, 0, pairs_mask(2, 1, five, 1), 2, 8, "", &ls, &e), &e);
+  MT_EQ_U64(ls.pairs, 1);
+  MT_EQ_U64(ls.tensors_total, 3);
+  gc_load_state state = GC_LOAD_NONE;
+  for (int i = 0; i < 500 && state != GC_LOAD_DONE; i++) {
+    gc_load_progress p;
+    MT_OK(gc_control_load_status(ctl, 0, ls.load_id, &p, &e), &e);
+    state = p.state;
+    MT_TRUE(state != GC_LOAD_FAILED);
+    if (state != GC_LOAD_DONE) usleep(10000);
   }
-  MT_EQ_INT(state, MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE);
+  MT_EQ_INT(state, GC_LOAD_DONE);
   MT_EQ_U64(owned_generation(ctl), g0 + 2);
   MT_OK(forward(cl, 5, out, &e), &e);
   MT_TRUE(memcmp(out, ref5, sizeof out) == 0);
@@ -183,32 +145,21 @@ MT_TEST(load_refusals) {
   gc_cluster *ctl = NULL;
   MT_OK(gc_control_open(&ctl, &cf, &e), &e);
   uint64_t g0 = owned_generation(ctl);
-  uint8_t *r = NULL;
-  size_t n = 0;
-  Moerpc__V1__LoadStatusRequest sq = MOERPC__V1__LOAD_STATUS_REQUEST__INIT;
-  sq.load_id = 77;
-  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_STATUS, &sq.base, &r, &n, &e), MR_ENOTFOUND);
+  gc_load_progress p;
+  MT_EQ_INT(gc_control_load_status(ctl, 0, 77, &p, &e), MR_ENOTFOUND);
   MT_CONTAINS(e.msg, "load_id = 77: unknown");
   uint32_t ids[] = {1, 2};
-  Moerpc__V1__LayerExperts it, *ptr;
-  Moerpc__V1__LoadRequest lq = MOERPC__V1__LOAD_REQUEST__INIT;
-  lq.n_add = 1;
-  lq.add = &ptr;
-  pairs_msg(&it, &ptr, 2, ids, 2);
-  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EINVAL);
+  gc_load_started ls;
+  /* a layer the server does not have (it has 2): the mask is for 3 layers */
+  MT_EQ_INT(gc_control_load(ctl, 0, pairs_mask(3, 2, ids, 2), 3, 8, "", &ls, &e), MR_EINVAL);
   MT_CONTAINS(e.msg, "layers[0].layer = 2, must be < num_layers = 2");
   /* Unload both experts of layer 1, then loading them back is over 20 KB of weights. */
-  Moerpc__V1__UnloadRequest uq = MOERPC__V1__UNLOAD_REQUEST__INIT;
-  uq.n_drop = 1;
-  uq.drop = &ptr;
-  pairs_msg(&it, &ptr, 1, ids, 2);
-  MT_OK(call(ctl, PR_METHOD_UNLOAD_EXPERTS, &uq.base, &r, &n, &e), &e);
-  mr_free(r);
-  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EEXHAUSTED);
+  gc_unload_result ur;
+  MT_OK(gc_control_unload(ctl, 0, pairs_mask(2, 1, ids, 2), 2, 8, "", &ur, &e), &e);
+  MT_EQ_INT(gc_control_load(ctl, 0, pairs_mask(2, 1, ids, 2), 2, 8, "", &ls, &e), MR_EEXHAUSTED);
   MT_CONTAINS(e.msg, "RESOURCE_EXHAUSTED");
   MT_CONTAINS(e.msg, "loading needs 24576 bytes");
-  lq.model_fingerprint = "ffffffffffffffff";
-  MT_EQ_INT(call(ctl, PR_METHOD_LOAD_EXPERTS, &lq.base, &r, &n, &e), MR_EPRECOND);
+  MT_EQ_INT(gc_control_load(ctl, 0, pairs_mask(2, 1, ids, 2), 2, 8, "ffffffffffffffff", &ls, &e), MR_EPRECOND);
   MT_CONTAINS(e.msg, "model_fingerprint");
   MT_EQ_U64(owned_generation(ctl), g0 + 1); /* only the unload changed anything */
   gc_cluster_close(ctl);

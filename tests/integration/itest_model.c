@@ -17,7 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "gpu_client/model.h"
+#include "gpu_client/runner/model.h"
 #include "tests/integration/util.h"
 #include "tests/unit/mt.h"
 

@@ -16,8 +16,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "../unit/mt.h"
-#include "util.h"
+#include "tests/unit/mt.h"
+#include "tests/integration/util.h"
 
 static char *tmp;
 static char model[600];

@@ -13,7 +13,7 @@
 #include <grpc/grpc.h>
 #include <signal.h>
 
-#include "gpu_client/moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 #include "tests/integration/util.h"
 #include "tests/unit/mt.h"
 

@@ -21,7 +21,7 @@
 #include <sys/stat.h>
 
 #include "expert_server/es.h"
-#include "gpu_client/moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 #include "tests/integration/util.h"
 #include "tests/unit/mt.h"
 

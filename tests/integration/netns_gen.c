@@ -23,7 +23,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpu_client/model.h"
+#include "gpu_client/runner/model.h"
 
 #define NG_MAX_PROMPT 64
 #define NG_MAX_NEW 512

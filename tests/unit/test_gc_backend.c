@@ -11,7 +11,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "gpu_client/backend.h"
+#include "gpu_client/runner/backend.h"
 #include "tests/unit/mt.h"
 
 static kn_engine *eng;

@@ -22,7 +22,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpu_client/internal.h"
+#include "gpu_client/rpc/internal.h"
 #include "tests/unit/mt.h"
 
 /* ---- the fake server ----------------------------------------------------------------------- */

@@ -11,7 +11,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "gpu_client/comm.h"
+#include "gpu_client/runner/comm.h"
 #include "tests/unit/mt.h"
 
 #define MAX_N 1001u

@@ -21,8 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_client/backend.h"
-#include "gpu_client/comm.h"
+#include "gpu_client/runner/backend.h"
+#include "gpu_client/runner/comm.h"
 #include "tests/unit/mt.h"
 
 #define TOL_F32 1e-5

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu_client/internal.h"
+#include "gpu_client/rpc/internal.h"
 #include "tests/unit/mt.h"
 
 /* ---- the split ---------------------------------------------------------------------------- */

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "gpu_client/model.h"
+#include "gpu_client/runner/model.h"
 #include "tests/unit/mt.h"
 
 static char dir[256];

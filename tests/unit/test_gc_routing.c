@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gpu_client/moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 #include "placement/pl.h"
 #include "tests/unit/mt.h"
 

@@ -1,7 +1,6 @@
 /*
  * gc_layer.c - one MoE layer call: submit (split, gather, queue, local part), wait
- * (deadline, first error, sum), and the pool of pendings whose arenas hold each call's
- * buffers.
+ * (deadline, first error, sum). The pendings and their arenas come from gc_pending.c.
  *
  * Buffers of one call, all from its pending's arena (reset when the pending returns to
  * the pool, so a steady stream of calls allocates nothing):
@@ -31,136 +30,7 @@
 
 #include <grpc/byte_buffer.h>
 
-#include "internal.h"
-
-/* First block of a pending's arena; grows for large calls and keeps the largest block. */
-#define GC__ARENA_BLOCK (1u << 20)
-
-/* ---- the pool ---------------------------------------------------------------------------- */
-
-int gc__pool_new(gc_cluster *c, mr_err *e) {
-  c->pool = mr_calloc(1, sizeof *c->pool);
-  if (!c->pool) return mr_err_set(e, MR_ENOMEM, "pending pool: out of memory");
-  pthread_mutex_init(&c->pool->lock, NULL);
-  return 0;
-}
-
-static void pending_destroy(gc_pending *p) {
-  mr_arena_close(&p->arena);
-  pthread_mutex_destroy(&p->lock);
-  pthread_cond_destroy(&p->cond);
-  mr_free(p);
-}
-
-static void pool_destroy(gc__pool *pool) {
-  pthread_mutex_destroy(&pool->lock);
-  mr_free(pool);
-}
-
-static gc_pending *pending_get(gc_cluster *c, mr_err *e) {
-  gc__pool *pool = c->pool;
-  pthread_mutex_lock(&pool->lock);
-  gc_pending *p = pool->free_list;
-  if (p) pool->free_list = p->next_free;
-  pool->live++;
-  pthread_mutex_unlock(&pool->lock);
-  if (!p) {
-    p = mr_calloc(1, sizeof *p);
-    if (!p) {
-      pthread_mutex_lock(&pool->lock);
-      pool->live--;
-      pthread_mutex_unlock(&pool->lock);
-      mr_err_set(e, MR_ENOMEM, "layer call: out of memory");
-      return NULL;
-    }
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* deadlines are mr_now_ns based */
-    pthread_cond_init(&p->cond, &ca);
-    pthread_condattr_destroy(&ca);
-    pthread_mutex_init(&p->lock, NULL);
-    mr_arena_init(&p->arena, GC__ARENA_BLOCK);
-    p->c = c;
-    p->pool = pool;
-  }
-  p->next_free = NULL;
-  p->n_reqs = p->n_done = p->cap_reqs = 0;
-  p->failed = p->closed = false;
-  p->reqs = NULL;
-  p->part_out = NULL;
-  p->local_rc = 0;
-  p->t_last_reply_ns = p->local_ns = p->t_sent_ns = 0;
-  mr_err_clear(&p->local_err);
-  memset(&p->plan, 0, sizeof p->plan);
-  atomic_store(&p->refs, 1);
-  return p;
-}
-
-void gc__pending_unref(gc_pending *p) {
-  int before = atomic_fetch_sub(&p->refs, 1);
-  MR_ASSERT(before > 0);
-  if (before != 1) return;
-  gc__pool *pool = p->pool; /* never p->c: the cluster may be gone (internal.h) */
-  mr_arena_reset(&p->arena);
-  pthread_mutex_lock(&pool->lock);
-  MR_ASSERT(pool->live > 0);
-  pool->live--;
-  bool closed = pool->closed, last = pool->live == 0;
-  if (!closed) {
-    p->next_free = pool->free_list;
-    pool->free_list = p;
-  }
-  pthread_mutex_unlock(&pool->lock);
-  if (closed) {
-    pending_destroy(p);
-    if (last) pool_destroy(pool);
-  }
-}
-
-void gc__payload_release(void *pending) { gc__pending_unref(pending); }
-
-void gc__pool_close(gc_cluster *c) {
-  gc__pool *pool = c->pool;
-  if (!pool) return;
-  c->pool = NULL;
-  pthread_mutex_lock(&pool->lock);
-  gc_pending *p = pool->free_list;
-  pool->free_list = NULL;
-  pool->closed = true;
-  bool last = pool->live == 0;
-  pthread_mutex_unlock(&pool->lock);
-  while (p) {
-    gc_pending *next = p->next_free;
-    pending_destroy(p);
-    p = next;
-  }
-  if (last) pool_destroy(pool);
-  else mr_log(MR_LOG_DEBUG, "close: pendings still referenced by gRPC; the pool goes with "
-              "the last of them");
-}
-
-void gc__req_complete_ex(gc__req *r, int rc, const mr_err *err, bool retry) {
-  gc_pending *p = r->p;
-  pthread_mutex_lock(&p->lock);
-  if (!p->closed && !r->done) {
-    r->done = true;
-    r->rc = rc;
-    r->retry = rc != 0 && retry;
-    r->t_done_ns = mr_now_ns();
-    if (rc && err) r->err = *err;
-    else if (rc) mr_err_set(&r->err, rc, "layer %u request %llu: %s", p->layer,
-                            (unsigned long long)r->id, mr_strerror(rc));
-    p->n_done++;
-    if (rc) p->failed = true;
-    else p->t_last_reply_ns = r->t_done_ns;
-    if (rc || p->n_done == p->n_reqs) pthread_cond_broadcast(&p->cond);
-  }
-  pthread_mutex_unlock(&p->lock);
-}
-
-void gc__req_complete(gc__req *r, int rc, const mr_err *err) {
-  gc__req_complete_ex(r, rc, err, false);
-}
+#include "gpu_client/rpc/internal.h"
 
 /* ---- submit ------------------------------------------------------------------------------ */
 
@@ -285,7 +155,7 @@ static void reqs_send(gc_pending *p, uint32_t from, uint32_t to) {
     gc__req *r = p->reqs[i];
     mr_err err;
     int erc = req_encode(p, r, &err);
-    if (erc) gc__req_complete(r, erc, &err);
+    if (erc) gc__req_complete(r, erc, &err, false);
     else gc__stream_enqueue(r->s, r);
   }
 }
@@ -315,7 +185,7 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
   *pending = NULL;
   int rc = req_validate(c, q, e);
   if (rc) return rc;
-  gc_pending *p = pending_get(c, e);
+  gc_pending *p = gc__pending_get(c, e);
   if (!p) return MR_ENOMEM;
   p->layer = q->layer;
   p->H = c->H;

@@ -10,7 +10,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "backend.h"
+#include "gpu_client/runner/backend.h"
 
 #define CUDA_LIB_NAME "libmoerpc-cuda.so"
 

@@ -16,8 +16,8 @@
 #include <cuda_fp16.h>
 #include <math.h>
 
-#include "../../gpu_client/backend.h"
-#include "internal.h"
+#include "gpu_client/runner/backend.h"
+#include "gpu_client/cuda/internal.h"
 
 #define FULL_MASK 0xffffffffu
 

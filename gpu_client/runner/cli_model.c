@@ -14,9 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
-#include "comm.h"
-#include "model.h"
+#include "gpu_client/runner/cli.h"
+#include "gpu_client/runner/comm.h"
+#include "gpu_client/runner/model.h"
 
 #define PROG "moerpc-client"
 /* Most ids one flag may list (a prompt longer than --max-seq is refused after open). */

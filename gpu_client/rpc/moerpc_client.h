@@ -58,8 +58,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/mr.h"
-#include "../kernels/kn.h"
+#include "common/mr.h"
+#include "kernels/kn.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -360,18 +360,65 @@ void gc_stats_close(gc_stats *s);
  *
  * For moerpc-place apply: a cluster handle with the file's channels, TLS and token but no
  * Hello round, no coverage check and no streams (so it opens whatever the servers own),
- * and one raw unary call. The caller packs the request and unpacks the reply (proto/pr.h,
- * moe.pb-c.h): this header stays free of protobuf types. The handle answers
- * gc_cluster_find_server and gc_cluster_close only. */
+ * and typed calls on one server. The replies are checked as the cluster checks them
+ * (gc_control_hello runs the same HelloReply checks as gc_cluster_open); errors name the
+ * server and the RPC and carry the server's message: MR_ETIMEDOUT, or the status mapped to
+ * MR_E* (PERMISSION_DENIED and UNAUTHENTICATED -> MR_EAUTH, RESOURCE_EXHAUSTED ->
+ * MR_EEXHAUSTED), MR_EPROTO for a reply that does not decode or breaks a limit. The handle
+ * answers the gc_control_* calls, gc_cluster_find_server and gc_cluster_close only. Each
+ * call waits up to the cluster file's deadline_ms. One thread at a time per handle. */
 int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e);
-/* Calls method (a PR_METHOD_* path) on server idx with the packed request req[req_len],
- * waiting up to timeout_ms (0 = the cluster's deadline_ms) for a connection and the reply.
- * On success *resp (mr_free) holds the packed reply. Errors name the server and the RPC and
- * carry the server's message: MR_ETIMEDOUT, or the status mapped to MR_E* by pr_mr_from_status
- * (PERMISSION_DENIED and UNAUTHENTICATED -> MR_EAUTH, RESOURCE_EXHAUSTED -> MR_EEXHAUSTED). */
-int gc_control_call(gc_cluster *c, uint32_t idx, const char *method, const void *req,
-                    size_t req_len, uint32_t timeout_ms, uint8_t **resp, size_t *resp_len,
-                    mr_err *e);
+
+/* One server's Hello. owned is [num_layers * num_experts] bytes, 1 where the server owns
+ * (layer, expert), allocated by gc_control_hello; release with gc_hello_info_close. */
+typedef struct gc_hello_info {
+  uint32_t protocol_major, protocol_minor;
+  char model_fingerprint[64], weight_format[32];
+  uint32_t hidden_size, intermediate_size, num_layers, num_experts, max_tokens, max_top_k;
+  uint64_t owned_generation;   /* +1 each time the owned set changed (protocol 1.2; else 0) */
+  uint64_t weight_bytes;       /* packed expert bytes it holds */
+  uint64_t expert_bytes;       /* packed bytes of one expert */
+  uint64_t load_free_bytes;    /* bytes it may still load */
+  uint64_t n_owned;            /* pairs owned */
+  uint8_t *owned;
+} gc_hello_info;
+int gc_control_hello(gc_cluster *c, uint32_t server, gc_hello_info *out, mr_err *e);
+void gc_hello_info_close(gc_hello_info *h);
+
+/* LoadExperts: server loads the pairs marked in pairs[num_layers * num_experts] (pairs it
+ * owns already are skipped) from its model, checked against fingerprint ("" = not
+ * checked). Returns at once; the load runs on the server (gc_control_load_status). */
+typedef struct gc_load_started {
+  uint64_t load_id;            /* names the load in gc_control_load_status */
+  uint64_t pairs, tensors_total, bytes_total, packed_bytes, free_bytes;
+} gc_load_started;
+int gc_control_load(gc_cluster *c, uint32_t server, const uint8_t *pairs, uint32_t num_layers,
+                    uint32_t num_experts, const char *fingerprint, gc_load_started *out, mr_err *e);
+
+typedef enum gc_load_state {
+  GC_LOAD_NONE = 0, GC_LOAD_RUNNING = 1, GC_LOAD_DONE = 2, GC_LOAD_FAILED = 3
+} gc_load_state;
+typedef struct gc_load_progress {
+  uint64_t load_id;
+  gc_load_state state;
+  uint64_t tensors_done, tensors_total, bytes_done, bytes_total;
+  double seconds;              /* since the load started (to its end once finished) */
+  int error_code;              /* GC_LOAD_FAILED: the MR_E* code of the server's status */
+  char error[512];             /* GC_LOAD_FAILED: the server's words, escaped */
+  uint64_t owned_generation;
+} gc_load_progress;
+/* LoadStatus of load_id (0 = the latest) on server. */
+int gc_control_load_status(gc_cluster *c, uint32_t server, uint64_t load_id, gc_load_progress *out,
+                           mr_err *e);
+
+/* UnloadExperts: server drops the pairs marked in pairs (pairs it does not own are
+ * skipped). */
+typedef struct gc_unload_result {
+  uint64_t pairs, bytes_freed, owned_generation;
+} gc_unload_result;
+int gc_control_unload(gc_cluster *c, uint32_t server, const uint8_t *pairs, uint32_t num_layers,
+                      uint32_t num_experts, const char *fingerprint, gc_unload_result *out,
+                      mr_err *e);
 
 /* ---- routing statistics (for placement) -------------------------------------------------
  * The client counts every routing decision: one per token per selected expert (a "slot")

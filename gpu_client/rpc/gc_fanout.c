@@ -23,7 +23,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "gpu_client/rpc/internal.h"
 
 #define GC__LAST_NONE UINT32_MAX
 

@@ -17,7 +17,7 @@
  */
 #include <string.h>
 
-#include "internal.h"
+#include "gpu_client/rpc/internal.h"
 
 struct gc_moe {
   gc_cluster *c;

@@ -30,8 +30,8 @@
 #ifndef GC_MODEL_H
 #define GC_MODEL_H
 
-#include "backend.h"
-#include "moerpc_client.h"
+#include "gpu_client/runner/backend.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 #ifdef __cplusplus
 extern "C" {

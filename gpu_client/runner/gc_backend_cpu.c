@@ -15,7 +15,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "backend.h"
+#include "gpu_client/runner/backend.h"
 
 typedef struct cpu_backend {
   gc_backend base;

@@ -21,7 +21,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 #define NB (GC_ROUTING_BUCKETS + 1u)
 /* Experts up to which a call with many slots counts into a stack histogram first (16 KiB of

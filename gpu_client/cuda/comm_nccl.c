@@ -17,8 +17,8 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "../../gpu_client/comm.h"
-#include "internal.h"
+#include "gpu_client/runner/comm.h"
+#include "gpu_client/cuda/internal.h"
 
 typedef struct nccl_comm {
   gc_comm base;

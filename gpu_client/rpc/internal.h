@@ -5,13 +5,25 @@
  *   gc_fanout.c   pure functions: the owner map, the split of a layer call by owner, the
  *                 scatter-add of the parts, the coverage check, weight-format names.
  *                 No gRPC, no threads; unit-tested in tests/unit/test_gc_fanout.c.
- *   gc_cluster.c  open (cluster file, Hello round, checks, owner map), close, getters,
- *                 unary calls (Hello, Stats).
+ *   gc_channel.c  credentials, channels, rounds of unary calls, the Hello round and the
+ *                 checks of a HelloReply.
+ *   gc_pending.c  the pool of pendings (one per layer call) and the completion of a request.
+ *   gc_routing.c  routing statistics (pure counters).
  *   gc_local.c    local experts: loading from the model's safetensors, computing with kn.
  *   gc_stream.c   the per-server Forward stream and the I/O thread.
- *   gc_layer.c    submit / wait / forward, the pending pool, failover of a call's requests.
  *   gc_health.c   which servers are up: marking down, the prober thread (fresh Hello,
  *                 backoff), the health counters.
+ *   gc_layer.c    submit / wait / forward, failover of a call's requests.
+ *   gc_cluster.c  open (cluster file, Hello round, checks, owner map), close, getters.
+ *   gc_control.c  typed control calls (Hello, Stats, LoadExperts, LoadStatus, UnloadExperts).
+ *   gc_moe.c      overlap and deferral across the MoE layers of a forward pass.
+ *   gc_abi.c      struct layouts for foreign function interfaces.
+ *
+ * Floors (each file calls only files on its floor's left or below; no circle):
+ *
+ *   top      gc_moe -> gc_layer, gc_cluster, gc_control, gc_abi
+ *   middle   gc_stream -> gc_health;   gc_local
+ *   bottom   gc_channel, gc_pending, gc_fanout, gc_routing
  *
  * Threads and locks (STYLE.md 8):
  *
@@ -60,8 +72,8 @@
 
 #include <grpc/grpc.h>
 
-#include "../proto/pr.h"
-#include "moerpc_client.h"
+#include "proto/pr.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 /* ---- gc_fanout.c: pure parts ------------------------------------------------------------ */
 
@@ -231,6 +243,7 @@ typedef struct gc__server {
   uint32_t max_top_k;       /* HelloReply.max_top_k, num_experts for a 1.0 server */
   char fingerprint[64], weight_format[32];
   uint32_t hidden, inter, layers, experts;
+  uint64_t owned_generation, weight_bytes, expert_bytes, load_free_bytes; /* 1.2; else 0 */
   uint64_t *announce;       /* bitset over layer * E + expert */
   uint64_t announced, assigned;
 } gc__server;
@@ -406,37 +419,58 @@ void gc__down_explain(gc_cluster *c, uint32_t layer, const uint8_t *missing, cha
 /* Adds the health counters of server idx to out (under health_lock). */
 void gc__health_counters(gc_cluster *c, uint32_t idx, bool reset, gc_server_counters *out);
 
-/* gc_cluster.c: one Hello round for the prober: Hellos servers idx[0..n) concurrently
- * (deadline timeout_ms) and checks each reply into tmp[i] (gc__hello_check; tmp[i].cfg is
- * set here, tmp[i].announce is owned by the caller); rcs[i] / errs[i] get each result. */
-void gc__hello_probe(gc_cluster *c, const uint32_t *idx, uint32_t n, uint32_t timeout_ms,
-                     gc__server *tmp, int *rcs, mr_err *errs);
-
-/* gc_layer.c */
-void gc__pending_unref(gc_pending *p);
-/* Completes r with rc and err (copied; may be NULL when rc is 0): counts it in its pending
- * and wakes the waiter when all are done or rc != 0. Ignored once the waiter has given up
- * (the waiter then owns r's result fields). Any thread; takes r->p->lock. */
-void gc__req_complete(gc__req *r, int rc, const mr_err *err);
-/* The same; retry marks a failure the waiter may re-plan onto other replicas (the stream
- * broke, or the server is down). */
-void gc__req_complete_ex(gc__req *r, int rc, const mr_err *err, bool retry);
+/* gc_pending.c: the pool of pendings and the completion of a request. */
 /* Creates c->pool. */
 int gc__pool_new(gc_cluster *c, mr_err *e);
 /* Frees the idle pendings and hands the pool over to the pendings still out (if any). */
 void gc__pool_close(gc_cluster *c);
+/* A pending from c's pool with one reference (the caller's), its arena reset; NULL and
+ * MR_ENOMEM in e when none can be made. */
+gc_pending *gc__pending_get(gc_cluster *c, mr_err *e);
+void gc__pending_unref(gc_pending *p);
+/* Completes r with rc and err (copied; may be NULL when rc is 0): counts it in its pending
+ * and wakes the waiter when all are done or rc != 0. retry marks a failure the waiter may
+ * re-plan onto other replicas (the stream broke, or the server is down). Ignored once the
+ * waiter has given up (the waiter then owns r's result fields). Any thread; takes
+ * r->p->lock. */
+void gc__req_complete(gc__req *r, int rc, const mr_err *err, bool retry);
 /* Releases a payload slice's reference (gRPC threads). */
 void gc__payload_release(void *pending);
 
-/* gc_cluster.c */
+/* gc_channel.c: credentials, channels, unary rounds, the Hello round. */
 /* "server s0 (127.0.0.1:50051)" */
 #define GC__SRV_FMT "server %s (%s)"
 #define GC__SRV_ARGS(sv) (sv)->cfg.name, (sv)->cfg.address
-/* A channel to srv->target with message limits of max_bytes. */
-grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int max_bytes);
 /* Message limit of the control channels: a HelloReply of a large model lists every owned
  * expert (61 layers x 256 experts is ~40 KB), Stats counts up to L x E entries. */
 #define GC__CTL_MAX_BYTES (64 << 20)
+/* The credentials every channel of c uses and the token metadata every call sends, from
+ * the cluster file's "tls" and "token_file" (after grpc_init). Errors name the field. */
+int gc__security_init(gc_cluster *c, mr_err *e);
+/* grpc_init, the credentials, and one control channel per server (c->servers[i].ctl). */
+int gc__ctl_channels_open(gc_cluster *c, mr_err *e);
+/* A channel to srv->target with message limits of max_bytes. */
+grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int max_bytes);
+/* One unary call of a round. */
+typedef struct gc__unary {
+  grpc_call *call;
+  grpc_byte_buffer *req, *resp;
+  grpc_metadata_array md_initial, md_trailing;
+  grpc_status_code status;
+  grpc_slice details;
+  const char *error_string;
+  bool done;
+} gc__unary;
+/* Calls method on every channel chs[0..n) with request req (copied), all with one deadline
+ * of timeout_ms, on a completion queue of the calling thread; u[i] gets call i's outcome
+ * (release each with gc__unary_free). Blocks until every call has ended. */
+void gc__unary_round(const gc_cluster *c, grpc_channel *const *chs, size_t n, const char *method,
+                     const grpc_byte_buffer *req, uint32_t timeout_ms, gc__unary *u);
+void gc__unary_free(gc__unary *u);
+/* 0 for an OK call with a reply, else an error naming sv and rpc (MR_ETIMEDOUT with a hint
+ * from the channel's state, or the status mapped by pr_mr_from_status). */
+int gc__unary_result(const gc_cluster *c, const gc__unary *u, const gc__server *sv,
+                     const char *rpc, uint32_t timeout_ms, mr_err *e);
 /* The client's checks of one decoded HelloReply from sv (input from the network): protocol
  * major, fingerprint and weight_format lengths, every dimension in 1..its limit, at most
  * 2^22 (layer, expert) pairs, every owned pair inside the model. Fills sv's Hello fields and
@@ -444,6 +478,21 @@ grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int ma
  * which may leave it allocated). MR_EMISMATCH (protocol), MR_EPROTO naming the field and
  * the limit, MR_ENOMEM. Pure apart from that allocation; fuzzed (fuzz_hello_reply.c). */
 int gc__hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *e);
+/* One Hello round: Hellos servers idx[0..n) (idx NULL: servers 0..n-1) concurrently
+ * (deadline timeout_ms) and checks each reply into out[i] (gc__hello_check; out[i].cfg is
+ * set here, out[i].announce is owned by the caller); rcs[i] / errs[i] get each result. */
+void gc__hello_round(gc_cluster *c, const uint32_t *idx, uint32_t n, uint32_t timeout_ms,
+                     gc__server *out, int *rcs, mr_err *errs);
+/* Moves the Hello fields (and the announce bitset) of a round's result src into dst. */
+void gc__hello_take(gc__server *dst, gc__server *src);
+
+/* gc_cluster.c */
+/* The part of open that needs no server: the cluster file, the options, the servers'
+ * targets, the locks. */
+int gc__cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_options *opts,
+                     mr_err *e);
+
+/* gc_control.c */
 /* Copies a decoded StatsReply from sv into out after checking each count's (layer, expert)
  * against the model's L x E: MR_EPROTO naming the entry, MR_ENOMEM. out->counts is
  * allocated even on failure (the caller releases out with gc_stats_close). Fuzzed

@@ -32,8 +32,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/mr.h"
-#include "backend.h"
+#include "common/mr.h"
+#include "gpu_client/runner/backend.h"
 
 #ifdef __cplusplus
 extern "C" {

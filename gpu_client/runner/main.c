@@ -23,8 +23,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "cli.h"
-#include "moerpc_client.h"
+#include "gpu_client/runner/cli.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 #define PROG "moerpc-client"
 /* Most values of a --tokens list. */

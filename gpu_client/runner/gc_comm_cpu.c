@@ -16,7 +16,7 @@
 #include <pthread.h>
 #include <string.h>
 
-#include "comm.h"
+#include "gpu_client/runner/comm.h"
 
 typedef struct cpu_comm {
   gc_comm base;

@@ -35,8 +35,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../common/mr.h"
-#include "../kernels/kn.h"
+#include "common/mr.h"
+#include "kernels/kn.h"
 
 #ifdef __cplusplus
 extern "C" {

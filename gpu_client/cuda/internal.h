@@ -16,7 +16,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "../../common/mr.h"
+#include "common/mr.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -37,9 +37,9 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../../gpu_client/backend.h"
-#include "../../gpu_client/comm.h"
-#include "internal.h"
+#include "gpu_client/runner/backend.h"
+#include "gpu_client/runner/comm.h"
+#include "gpu_client/cuda/internal.h"
 
 /* ---- errors ---------------------------------------------------------------------------- */
 

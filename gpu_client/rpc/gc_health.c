@@ -27,7 +27,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "internal.h"
+#include "gpu_client/rpc/internal.h"
 
 #define GC__PROBE_TIMEOUT_MS 500u
 #define GC__BACKOFF_INITIAL_MS 200u
@@ -214,7 +214,7 @@ static void *health_main(void *arg) {
       continue;
     }
     pthread_mutex_unlock(&c->health_lock);
-    gc__hello_probe(c, due, nd, GC__PROBE_TIMEOUT_MS, tmp, rcs, errs);
+    gc__hello_round(c, due, nd, GC__PROBE_TIMEOUT_MS, tmp, rcs, errs);
     pthread_mutex_lock(&c->health_lock);
     now = mr_now_ns();
     for (uint32_t d = 0; d < nd; d++) {

@@ -14,7 +14,7 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "moerpc_client.h"
+#include "gpu_client/rpc/moerpc_client.h"
 
 typedef struct abi_entry {
   const char *name;

@@ -36,8 +36,8 @@
 #include <sys/time.h>
 #include <unistd.h>
 
-#include "comm.h"
-#include "model.h"
+#include "gpu_client/runner/comm.h"
+#include "gpu_client/runner/model.h"
 
 #define MODEL_DEFAULT_MAX_SEQ 4096u
 #define MODEL_MAX_SEQ (1u << 20)

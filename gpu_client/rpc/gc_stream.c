@@ -39,7 +39,7 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 
-#include "internal.h"
+#include "gpu_client/rpc/internal.h"
 
 #define GC__CLOSE_WAIT_MS 2000
 #define GC__CANCEL_WAIT_MS 5000
@@ -225,7 +225,7 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
     pthread_mutex_unlock(&s->lock);
     grpc_byte_buffer_destroy(r->bb); /* drops the payload's pending reference */
     r->bb = NULL;
-    gc__req_complete_ex(r, rc, &err, retry);
+    gc__req_complete(r, rc, &err, retry);
     return;
   }
   atomic_fetch_add(&r->p->refs, 1); /* the outstanding list's reference */
@@ -393,7 +393,7 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
    * outstanding list, which is ours now. */
   if (rc == 0) pr_payload_gather(&c->io_split.payload, r->out);
   else mr_log_ratelimited(MR_LOG_WARN, 10, "%s", err.msg);
-  gc__req_complete(r, rc, &err);
+  gc__req_complete(r, rc, &err, false);
   gc__pending_unref(p);
 out_free:
   if (h) moerpc__v1__forward_reply__free_unpacked(h, NULL);
@@ -503,7 +503,7 @@ static void on_status(gc__stream *s, gc__call *cl) {
     mr_err err;
     mr_err_set(&err, rc, "layer %u request %llu: " GC__SRV_FMT ": %s", p->layer,
                (unsigned long long)r->id, GC__SRV_ARGS(s->srv), why);
-    gc__req_complete_ex(r, rc, &err, down);
+    gc__req_complete(r, rc, &err, down);
     gc__pending_unref(p); /* last use of r */
   }
   call_batch_done(s, cl);

@@ -10,7 +10,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "gpu_client/rpc/internal.h"
 
 int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
   mr_model_config cfg;
