@@ -23,7 +23,7 @@ venv=$BUILD/venv-moerpc
 log=$(mktemp /tmp/moerpc-pyvenv.XXXXXX)
 trap 'rm -f "$log"' EXIT
 
-skip_all() { echo "skip python_wrapper.all: $1"; echo "0 passed, 0 failed, 1 skipped"; exit 0; }
+skip_all() { echo "skip python_wrapper.all: $1"; echo "python_wrapper: 0 passed, 0 failed, 1 skipped"; exit 0; }
 
 if [ -n "${SANITIZER:-}" ]; then
   skip_all "SANITIZER=$SANITIZER: an instrumented libmoerpc-client.so cannot be loaded by ctypes (the sanitizer runtime must come first)"

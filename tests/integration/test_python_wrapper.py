@@ -7,7 +7,7 @@ kt-kernel 0.7.2 --no-deps, the moerpc package installed with pip). One model mad
 moerpc-mkmodel (3 MoE layers, 8 experts, top-4, H 128, I 64, bf16), two servers (experts
 0-3, 4-7). The reference MoE is computed here in torch, fp32, from the same safetensors.
 
-Cases (each prints ok / FAIL / skip; the last line is "N passed, N failed, N skipped"):
+Cases (each prints ok / FAIL / skip; the last line is "python_wrapper: N passed, N failed, N skipped"):
   sglang_sequence      submit, other work, sync per layer; -1, out-of-range (E, E+5, 1000)
                        and GPU-masked ids; T = 1, 3, 5, 17 (1 and 3 captured)
   mask_live            the wrapper's mask changed in place between calls is honoured
@@ -550,7 +550,7 @@ def main():
         import moerpc
         moerpc.close_all()
         CL.stop()
-    print(f"{results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
+    print(f"python_wrapper: {results['passed']} passed, {results['failed']} failed, {results['skipped']} skipped")
     sys.exit(1 if results["failed"] else 0)
 
 

@@ -9,7 +9,9 @@
  * and file:line. A test that finds nothing to test here (no fast path on this CPU or in
  * this build) ends with MT_SKIP("why") and is counted as skipped, never as passed.
  * `./test_x name` runs one test in-process (for gdb). The last line is
- * "<binary>: N passed, N failed, N skipped" (tests/run.sh adds them up).
+ * "<binary>: N passed, N failed, N skipped" (a forked case ends in _exit and never prints
+ * one), and tests/run.sh counts that one line of that name. More cases than MT_MAX_CASES
+ * is an error of the binary, not a silent drop.
  */
 #ifndef MT_H
 #define MT_H
@@ -31,6 +33,7 @@ struct mt_case {
 #define MT_MAX_CASES 256
 static struct mt_case mt__cases[MT_MAX_CASES];
 static int mt__ncases;
+static int mt__overflow; /* cases past MT_MAX_CASES: the binary fails before running any */
 static int mt__failed_here;
 
 /* Cleanups of the running case (temp dirs): run when it ends, passed, failed or skipped.
@@ -49,6 +52,7 @@ static inline void mt__run_deferred(void) {
   static void mt_test_##name(void);                                                    \
   __attribute__((constructor)) static void mt_reg_##name(void) {                       \
     if (mt__ncases < MT_MAX_CASES) mt__cases[mt__ncases++] = (struct mt_case){#name, mt_test_##name}; \
+    else mt__overflow++;                                                               \
   }                                                                                    \
   static void mt_test_##name(void)
 
@@ -151,6 +155,12 @@ static int mt__run_one(const struct mt_case *c, int timeout_s) {
 static int mt__main(int argc, char **argv) {
   int timeout_s = getenv("MT_TIMEOUT") ? atoi(getenv("MT_TIMEOUT")) : 60;
   const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
+  if (mt__overflow) {
+    fprintf(stderr, "%s: %d cases more than MT_MAX_CASES = %d would not run: raise MT_MAX_CASES "
+            "in tests/unit/mt.h or split the file\n", prog, mt__overflow, MT_MAX_CASES);
+    printf("%s: 0 passed, %d failed, 0 skipped\n", prog, mt__ncases + mt__overflow);
+    return 1;
+  }
   if (argc > 1) { /* run the named tests in-process */
     for (int a = 1; a < argc; a++) {
       int found = 0;
