@@ -15,7 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mr.h"
+#include "common/mr.h"
 
 void mr_prom_init(mr_prom *p) { memset(p, 0, sizeof *p); }
 

@@ -13,7 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "mr.h"
+#include "common/mr.h"
 
 /* ---- errors ------------------------------------------------------------------------- */
 

@@ -39,8 +39,8 @@
 #ifndef ES_H
 #define ES_H
 
-#include "../common/mr.h"
-#include "../kernels/kn.h"
+#include "common/mr.h"
+#include "kernels/kn.h"
 
 #ifdef __cplusplus
 extern "C" {

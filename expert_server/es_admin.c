@@ -49,7 +49,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 #define ES_DRAIN_TICK_MS 20
 #define ES_DRAIN_CALLS_MIN_MS 1000

@@ -15,7 +15,7 @@
 #include <string.h>
 #include <strings.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 #define ES_AUTH_KEY "authorization"
 #define ES_AUTH_SCHEME "Bearer "

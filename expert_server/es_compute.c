@@ -43,7 +43,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 #define ES_MERGE_MAX 64
 #define ES_MERGE_SCAN 256

@@ -39,7 +39,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* Most (layer, expert) pairs one control request may name (bounded by the message size
  * anyway; this bounds the work of validating it). */

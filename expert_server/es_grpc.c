@@ -17,7 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* request_call contexts kept posted per method and per completion queue, so that a burst of
  * new calls does not wait for the CQ thread to re-post one. */

@@ -25,7 +25,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* Prefixes e->msg with "where: " and recodes a file error: it is the model's fault, not a
  * flag's, so MR_EINVAL (kept for flags only, see es.h) becomes MR_EFORMAT. Returns the code. */

@@ -13,7 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 #define ES_VERSION "0.1.0"
 

@@ -11,7 +11,7 @@
  */
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* The header sits in the first cache line; data starts on the next one. */
 #define ES_BUF_HDR 64u

@@ -14,7 +14,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* First block of the compute arena (merged inputs, fp32 output, kernel scratch): about 32
  * tokens x 8 slots of a qwen3-30b-a3b layer (kernels/README.md); a larger batch grows it,

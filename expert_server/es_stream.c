@@ -40,7 +40,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* Backpressure: a stream with this many requests (or bytes) taken and not yet answered and
  * sent stops being read until it is below half of both again. HTTP/2 flow control then holds

@@ -12,8 +12,8 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../proto/pr.h"
-#include "es.h"
+#include "proto/pr.h"
+#include "expert_server/es.h"
 
 /* Formats an id set for an error message into buf, cut with "..." if it does not fit, so
  * that a message never overflows mr_err.msg however sparse the set is. */

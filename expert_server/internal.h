@@ -76,8 +76,8 @@
 #include <stdatomic.h>
 #include <uv.h>
 
-#include "../proto/pr.h"
-#include "es.h"
+#include "proto/pr.h"
+#include "expert_server/es.h"
 
 /* ---- buffer and job pool (es_pool.c) --------------------------------------------------- */
 

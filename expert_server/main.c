@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "es.h"
+#include "expert_server/es.h"
 
 #define PROG "moerpc-server"
 

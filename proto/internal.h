@@ -10,7 +10,7 @@
 #ifndef PR_INTERNAL_H
 #define PR_INTERNAL_H
 
-#include "pr.h"
+#include "proto/pr.h"
 
 /* Longest varint (64-bit value, 7 bits per byte). */
 #define PR__VARINT_MAX 10

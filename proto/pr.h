@@ -27,7 +27,7 @@
 
 #include <grpc/grpc.h>
 
-#include "../common/mr.h"
+#include "common/mr.h"
 #include "moe.pb-c.h" /* generated from moe.proto at build time (build/gen/) */
 
 #ifdef __cplusplus

@@ -16,7 +16,7 @@
 #include <grpc/byte_buffer_reader.h>
 #include <grpc/slice.h>
 
-#include "internal.h"
+#include "proto/internal.h"
 
 /* ---- framing --------------------------------------------------------------------------- */
 

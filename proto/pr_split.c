@@ -8,7 +8,7 @@
 #include <inttypes.h>
 #include <string.h>
 
-#include "internal.h"
+#include "proto/internal.h"
 
 /* ---- cursor over segments ------------------------------------------------------------ */
 

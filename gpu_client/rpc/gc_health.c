@@ -44,17 +44,17 @@ void gc__server_down(gc_cluster *c, uint32_t idx, bool probe_now, const char *wh
   }
   atomic_store(&s->up, false);
   /* Flapping (down again soon after a return) backs off further than a first outage. */
-  bool flap = s->hl.returns && now - s->hl.t_up_ns < (uint64_t)GC__FLAP_MS * 1000000u;
-  uint32_t b = flap ? 2 * s->hl.backoff_ms : GC__BACKOFF_INITIAL_MS;
-  s->hl.backoff_ms = b > GC__BACKOFF_MAX_MS ? GC__BACKOFF_MAX_MS : b;
-  s->hl.t_down_ns = now;
-  s->hl.next_probe_ns = now + (probe_now && !flap ? 0 : (uint64_t)s->hl.backoff_ms * 1000000u);
-  s->hl.refusal_logged = false;
-  s->hl.fo_measured = false;
-  s->hl.t_last_ok_ns = atomic_load(&s->t_last_ok_ns);
-  s->hl.failovers++;
-  snprintf(s->hl.why, sizeof s->hl.why, "%s", why);
-  uint64_t n = s->hl.failovers;
+  bool flap = s->health.returns && now - s->health.t_up_ns < (uint64_t)GC__FLAP_MS * 1000000u;
+  uint32_t b = flap ? 2 * s->health.backoff_ms : GC__BACKOFF_INITIAL_MS;
+  s->health.backoff_ms = b > GC__BACKOFF_MAX_MS ? GC__BACKOFF_MAX_MS : b;
+  s->health.t_down_ns = now;
+  s->health.next_probe_ns = now + (probe_now && !flap ? 0 : (uint64_t)s->health.backoff_ms * 1000000u);
+  s->health.refusal_logged = false;
+  s->health.fo_measured = false;
+  s->health.t_last_ok_ns = atomic_load(&s->t_last_ok_ns);
+  s->health.failovers++;
+  snprintf(s->health.why, sizeof s->health.why, "%s", why);
+  uint64_t n = s->health.failovers;
   pthread_cond_signal(&c->health_cond);
   pthread_mutex_unlock(&c->health_lock);
   mr_log(MR_LOG_WARN, GC__SRV_FMT ": down: %s; its work goes to the other replicas until a "
@@ -63,16 +63,16 @@ void gc__server_down(gc_cluster *c, uint32_t idx, bool probe_now, const char *wh
 
 void gc__server_resent(gc_cluster *c, uint32_t idx, uint32_t n) {
   pthread_mutex_lock(&c->health_lock);
-  c->streams[idx].hl.resent += n;
+  c->streams[idx].health.resent += n;
   pthread_mutex_unlock(&c->health_lock);
 }
 
 void gc__server_failover_time(gc_cluster *c, uint32_t idx, uint64_t t_first_ns) {
   gc__stream *s = &c->streams[idx];
   pthread_mutex_lock(&c->health_lock);
-  if (!s->hl.fo_measured && s->hl.t_last_ok_ns && t_first_ns > s->hl.t_last_ok_ns) {
-    s->hl.last_failover_us = (t_first_ns - s->hl.t_last_ok_ns) / 1000u;
-    s->hl.fo_measured = true;
+  if (!s->health.fo_measured && s->health.t_last_ok_ns && t_first_ns > s->health.t_last_ok_ns) {
+    s->health.last_failover_us = (t_first_ns - s->health.t_last_ok_ns) / 1000u;
+    s->health.fo_measured = true;
   }
   pthread_mutex_unlock(&c->health_lock);
 }
@@ -95,12 +95,12 @@ void gc__down_explain(gc_cluster *c, uint32_t layer, const uint8_t *missing, cha
       const gc__stream *st = &c->streams[s];
       bool down = !atomic_load(&st->up);
       int w = snprintf(msg + pos, len - pos, "%s" GC__SRV_FMT ": %s", first ? "; down: " : ", ",
-                       GC__SRV_ARGS(st->srv), down ? st->hl.why : "(left out: it just failed)");
+                       GC__SRV_ARGS(st->srv), down ? st->health.why : "(left out: it just failed)");
       if (w > 0 && down)
         w += snprintf(msg + pos + ((size_t)w < len - pos ? (size_t)w : len - pos - 1),
                       len - pos - ((size_t)w < len - pos ? (size_t)w : len - pos - 1),
                       " (down %llu ms)",
-                      (unsigned long long)((now - st->hl.t_down_ns) / 1000000u));
+                      (unsigned long long)((now - st->health.t_down_ns) / 1000000u));
       if (w > 0) pos += (size_t)w < len - pos ? (size_t)w : len - pos - 1;
       first = false;
     }
@@ -113,17 +113,17 @@ void gc__health_counters(gc_cluster *c, uint32_t idx, bool reset, gc_server_coun
   const uint64_t now = mr_now_ns();
   pthread_mutex_lock(&c->health_lock);
   bool down = !atomic_load(&s->up);
-  out->failovers = s->hl.failovers;
-  out->resent = s->hl.resent;
-  out->returns = s->hl.returns;
-  out->refusals = s->hl.refusals;
-  out->last_failover_us = s->hl.last_failover_us;
-  out->down_us = (s->hl.down_ns + (down ? now - s->hl.t_down_ns : 0)) / 1000u;
+  out->failovers = s->health.failovers;
+  out->resent = s->health.resent;
+  out->returns = s->health.returns;
+  out->refusals = s->health.refusals;
+  out->last_failover_us = s->health.last_failover_us;
+  out->down_us = (s->health.down_ns + (down ? now - s->health.t_down_ns : 0)) / 1000u;
   out->down = down;
   if (reset) {
-    s->hl.failovers = s->hl.resent = s->hl.returns = s->hl.refusals = 0;
-    s->hl.last_failover_us = s->hl.down_ns = 0;
-    if (down) s->hl.t_down_ns = now; /* the spell in progress counts from the reset */
+    s->health.failovers = s->health.resent = s->health.returns = s->health.refusals = 0;
+    s->health.last_failover_us = s->health.down_ns = 0;
+    if (down) s->health.t_down_ns = now; /* the spell in progress counts from the reset */
   }
   pthread_mutex_unlock(&c->health_lock);
 }
@@ -201,8 +201,8 @@ static void *health_main(void *arg) {
     for (uint32_t i = 0; i < n; i++) {
       gc__stream *s = &c->streams[i];
       if (atomic_load(&s->up)) continue;
-      if (s->hl.next_probe_ns <= now) due[nd++] = i;
-      else if (s->hl.next_probe_ns < next) next = s->hl.next_probe_ns;
+      if (s->health.next_probe_ns <= now) due[nd++] = i;
+      else if (s->health.next_probe_ns < next) next = s->health.next_probe_ns;
     }
     if (nd == 0) {
       /* Nothing due: sleep until the next probe, or until a server goes down (signal). */
@@ -224,13 +224,13 @@ static void *health_main(void *arg) {
       char why[400];
       bool refused = false;
       if (rcs[d] == 0 && hello_matches(c, old, &tmp[d], why, sizeof why)) {
-        s->hl.returns++;
-        s->hl.down_ns += now - s->hl.t_down_ns;
-        s->hl.t_up_ns = now;
+        s->health.returns++;
+        s->health.down_ns += now - s->health.t_down_ns;
+        s->health.t_up_ns = now;
         atomic_store(&s->up, true);
         mr_log(MR_LOG_INFO, GC__SRV_FMT ": back after %llu ms: Hello matches (model %s, %s); "
                "it gets traffic again", GC__SRV_ARGS(old),
-               (unsigned long long)((now - s->hl.t_down_ns) / 1000000u), tmp[d].fingerprint,
+               (unsigned long long)((now - s->health.t_down_ns) / 1000000u), tmp[d].fingerprint,
                tmp[d].weight_format);
       } else {
         if (rcs[d] == 0 || rcs[d] == MR_EMISMATCH || rcs[d] == MR_EPROTO) {
@@ -238,20 +238,20 @@ static void *health_main(void *arg) {
           if (rcs[d]) snprintf(why, sizeof why, "%s", errs[d].msg);
         }
         if (refused) {
-          s->hl.refusals++;
-          if (!s->hl.refusal_logged)
+          s->health.refusals++;
+          if (!s->health.refusal_logged)
             mr_log(MR_LOG_WARN, GC__SRV_FMT ": answers again but is refused: %s; it stays "
                    "down", GC__SRV_ARGS(old), why);
-          s->hl.refusal_logged = true;
-          snprintf(s->hl.why, sizeof s->hl.why, "refused on return: %.280s", why);
+          s->health.refusal_logged = true;
+          snprintf(s->health.why, sizeof s->health.why, "refused on return: %.280s", why);
         } else {
           mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": probe: %s", GC__SRV_ARGS(old), errs[d].msg);
         }
         /* A refused server is asked again at the longest backoff (it may be fixed). */
-        uint32_t b = refused ? GC__BACKOFF_MAX_MS : s->hl.backoff_ms;
-        s->hl.next_probe_ns = now + (uint64_t)b * 1000000u;
+        uint32_t b = refused ? GC__BACKOFF_MAX_MS : s->health.backoff_ms;
+        s->health.next_probe_ns = now + (uint64_t)b * 1000000u;
         if (!refused)
-          s->hl.backoff_ms = 2 * b > GC__BACKOFF_MAX_MS ? GC__BACKOFF_MAX_MS : 2 * b;
+          s->health.backoff_ms = 2 * b > GC__BACKOFF_MAX_MS ? GC__BACKOFF_MAX_MS : 2 * b;
       }
       mr_free(tmp[d].announce);
       tmp[d].announce = NULL;
@@ -264,7 +264,7 @@ static void *health_main(void *arg) {
 
 int gc__health_start(gc_cluster *c, mr_err *e) {
   for (uint32_t i = 0; i < c->n_servers; i++) {
-    c->streams[i].hl.backoff_ms = GC__BACKOFF_INITIAL_MS;
+    c->streams[i].health.backoff_ms = GC__BACKOFF_INITIAL_MS;
     atomic_store(&c->streams[i].up, true);
   }
   const uint32_t n = c->n_servers;

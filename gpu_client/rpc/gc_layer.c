@@ -373,7 +373,7 @@ static void abs_from_ns(struct timespec *ts, uint64_t ns) {
 bool gc_pending_empty(const gc_pending *p) { return p->plan.n_parts == 0; }
 
 int gc_layer_wait(gc_cluster *c, gc_pending *p, float *out, mr_err *e) {
-  return gc_layer_wait_ex(c, p, out, 0, NULL, e);
+  return gc_layer_wait_timed(c, p, out, 0, NULL, e);
 }
 
 /* Under p->lock: whether a failover round has work (a broken request to re-plan, or an
@@ -397,7 +397,7 @@ static bool failover_due(const gc_cluster *c, const gc_pending *p, uint64_t now,
   return due;
 }
 
-int gc_layer_wait_ex(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
+int gc_layer_wait_timed(gc_cluster *c, gc_pending *p, float *out, uint32_t flags,
                      gc_call_timing *t, mr_err *e) {
   MR_ASSERT(c && p && p->c == c && (out || p->plan.n_parts == 0));
   const uint64_t t_wait0 = mr_now_ns();

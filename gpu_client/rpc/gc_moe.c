@@ -1,6 +1,6 @@
 /*
  * gc_moe.c - overlap and deferral across the MoE layers of one forward pass
- * (moerpc_client.h, "overlap and deferral"), on top of gc_layer_submit / gc_layer_wait_ex.
+ * (moerpc_client.h, "overlap and deferral"), on top of gc_layer_submit / gc_layer_wait_timed.
  *
  * The calls in flight while layer l runs, with max_deferred = K > 0:
  *
@@ -147,14 +147,14 @@ int gc_moe_wait(gc_moe *m, float *out, gc_moe_timing *t, mr_err *e) {
   tm.deferred_slots = m->cur_deferred;
   gc_pending *now = m->now, *prev = m->deferred_prev;
   m->now = m->deferred_prev = NULL;
-  int rc = gc_layer_wait_ex(m->c, now, out, GC_WAIT_ACCUMULATE, &tm.now, e);
+  int rc = gc_layer_wait_timed(m->c, now, out, GC_WAIT_ACCUMULATE, &tm.now, e);
   if (rc) {
     gc_layer_cancel(m->c, prev);
     gc_moe_abort(m);
     return rc;
   }
   if (prev) {
-    rc = gc_layer_wait_ex(m->c, prev, out, GC_WAIT_ACCUMULATE, &tm.deferred, e);
+    rc = gc_layer_wait_timed(m->c, prev, out, GC_WAIT_ACCUMULATE, &tm.deferred, e);
     if (rc) {
       gc_moe_abort(m);
       return mr_err_prefix(e, rc, "deferred experts of the previous MoE layer");

@@ -27,6 +27,27 @@
  *
  * A request is "outstanding" from enqueue until its reply, its failure, or the waiter
  * giving up; while outstanding it holds one reference of its pending (internal.h).
+ *
+ * The state machines, all under s->lock (the I/O thread and the callers meet there):
+ *
+ *   stream:   no call --enqueue--> open (s->cur; START, STATUS and later RECV armed)
+ *                ^                   |  one SEND in flight, the rest on the send queue
+ *                |                   | STATUS (server gone, reset, our cancel after a bad
+ *                |                   v  reply): every outstanding request fails with retry
+ *                +---- enqueue ---- broken (s->cur = NULL; failfast: the next open does
+ *                                  not WAIT_FOR_READY, so a dead server fails fast)
+ *             close: closing (SEND_CLOSE_FROM_CLIENT after the last SEND) -> STATUS ->
+ *                    ended; calls still open after GC__CLOSE_WAIT_MS are cancelled
+ *
+ *   request:  QUEUED (on the send queue, bb encoded) --its SEND completes--> SENT
+ *             --a reply with its id--> DONE (completed OK, or with the reply's error)
+ *             QUEUED / SENT --STATUS--> DONE (failed, retry: the waiter may re-plan it)
+ *             QUEUED / SENT --the waiter gives up (gc__stream_forget)--> unlinked; a
+ *             late reply then finds no outstanding request with its id and is dropped
+ *
+ *   gc__call: a call's batches end in any order; the call is freed when its last batch
+ *             has completed (ops_pending 0) and it is no longer s->cur, which may happen
+ *             long after the stream moved on to a new call.
  */
 #include <errno.h>
 #include <limits.h>

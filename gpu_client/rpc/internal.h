@@ -48,7 +48,7 @@
  *   pool->lock       the free list of pendings (c->pool, see below).
  *   c->local_lock    the local kernel engine (one forward at a time).
  *   c->calls_lock    the count of live gc__call objects (close waits on it).
- *   c->health_lock   every stream's hl fields and up flag; a leaf: never held while taking
+ *   c->health_lock   every stream's health fields and up flag; a leaf: never held while taking
  *                    another lock, never taken under a stream or pending lock.
  *   Order: stream->lock before pool->lock (destroying a byte buffer under the stream lock
  *   may drop the last pending reference) and before calls_lock (a stream opens a call under
@@ -265,7 +265,7 @@ struct gc__stream {
   char break_msg[256];
   gc__req *q_head, *q_tail; /* send queue */
   gc__req *o_head;          /* outstanding: queued or sent, not answered */
-  gc_server_counters ctr;    /* the health fields (failovers ... down) live in hl below */
+  gc_server_counters ctr;    /* the health fields (failovers ... down) live in health below */
   double sum_rtt_us, sum_queue_us, sum_compute_us;
   atomic_uint_fast64_t t_last_ok_ns; /* latest OK reply, 0 = none */
   /* Read without a lock by the plan (gc_layer.c): */
@@ -283,7 +283,7 @@ struct gc__stream {
     uint64_t t_last_ok_ns;  /* its last OK reply before it went down */
     char why[320];          /* why it is down */
     uint64_t failovers, resent, returns, refusals, down_ns, last_failover_us;
-  } hl;
+  } health;
 };
 
 /* The pool of pendings (gc_layer.c). */
@@ -343,7 +343,7 @@ struct gc_cluster {
   atomic_uint rot;          /* replica tie-break rotation, one step per plan */
   uint32_t failover_ms;     /* a request unanswered this long moves to another replica */
   /* health (gc_health.c) */
-  pthread_mutex_t health_lock; /* the hl fields of every stream and its up flag */
+  pthread_mutex_t health_lock; /* the health fields of every stream and its up flag */
   pthread_cond_t health_cond;
   pthread_t health_thread;
   bool health_started, health_stop;

@@ -220,7 +220,7 @@ typedef struct gc_call_timing {
 #define GC_WAIT_ACCUMULATE 1u /* add the sum into out instead of overwriting it */
 /* gc_layer_wait with options: flags GC_WAIT_ACCUMULATE; t (may be NULL) gets the timing.
  * out may be NULL when the call has no part at all (gc_pending_empty). */
-int gc_layer_wait_ex(gc_cluster *c, gc_pending *pending, float *out, uint32_t flags,
+int gc_layer_wait_timed(gc_cluster *c, gc_pending *pending, float *out, uint32_t flags,
                      gc_call_timing *t, mr_err *e);
 /* Gives up a submitted call without waiting for it: requests still queued or in flight are
  * forgotten (their late replies are dropped) and pending is freed. NULL is a no-op. */

@@ -773,6 +773,171 @@ typedef struct bench_run {
   uint64_t rpc_us, wait_us;
 } bench_run;
 
+/* What `bench` measures and reports: the buffers of one batch, each run's figures and the
+ * per-layer sums over all runs. */
+typedef struct bench_state {
+  gc_model *m;
+  uint32_t B, P, N, V, L, repeats;
+  int32_t *ids;
+  uint32_t *seq, *pos;
+  uint8_t *want;          /* [B * P] logits wanted (each prompt's last token) */
+  float *logits;          /* [B, V] */
+  bench_run *runs;        /* [repeats] */
+  gc_layer_stats *lsum;   /* [L] sums over every decode step of every run */
+  uint64_t rng;
+  /* medians of the runs, and the plain read of the same bytes */
+  double ptok, dtok, over, bytes, weight_gbs, read_gbs, ratio;
+} bench_state;
+
+static int bench_alloc(bench_state *b) {
+  const size_t BP = (size_t)b->B * b->P;
+  b->ids = malloc(BP * sizeof *b->ids);
+  b->seq = malloc(BP * sizeof *b->seq);
+  b->pos = malloc(BP * sizeof *b->pos);
+  b->want = calloc(BP, 1);
+  b->logits = malloc((size_t)b->B * b->V * sizeof *b->logits);
+  b->runs = calloc(b->repeats, sizeof *b->runs);
+  b->lsum = calloc(b->L, sizeof *b->lsum);
+  return b->ids && b->seq && b->pos && b->want && b->logits && b->runs && b->lsum ? 0 : MR_ENOMEM;
+}
+
+static void bench_free(bench_state *b) {
+  free(b->ids);
+  free(b->seq);
+  free(b->pos);
+  free(b->want);
+  free(b->logits);
+  free(b->runs);
+  free(b->lsum);
+}
+
+/* B fresh sequences of P random tokens (a fixed LCG from --seed: every run and every
+ * configuration sees the same prompts), logits wanted at each prompt's end. */
+static void bench_prompts(bench_state *b) {
+  for (uint32_t s = 0; s < b->B; s++) {
+    gc_model_seq_reset(b->m, s);
+    for (uint32_t p = 0; p < b->P; p++) {
+      size_t i = (size_t)s * b->P + p;
+      b->rng = b->rng * 6364136223846793005ull + 1442695040888963407ull;
+      b->ids[i] = (int32_t)((b->rng >> 33) % b->V);
+      b->seq[i] = s;
+      b->pos[i] = p;
+      b->want[i] = p + 1 == b->P;
+    }
+  }
+}
+
+/* One run: the prefill of the batch, then N greedy decode steps; its figures into r and
+ * the per-layer times of its decode steps added to b->lsum. */
+static int bench_one(bench_state *b, bench_run *r, mr_err *e) {
+  const size_t BP = (size_t)b->B * b->P;
+  bench_prompts(b);
+  gc_model_stats ms;
+  gc_model_stats_get(b->m, &ms, true);
+  gc_step s = {.n_tokens = (uint32_t)BP, .ids = b->ids, .seq = b->seq, .pos = b->pos,
+               .want_logits = b->want, .logits = b->logits};
+  uint64_t t0 = mr_now_ns();
+  int rc = gc_model_step(b->m, &s, e);
+  if (rc) return rc;
+  const double pf_s = (double)(mr_now_ns() - t0) / 1e9;
+  gc_model_stats_get(b->m, &ms, true); /* the decode's statistics alone from here */
+  t0 = mr_now_ns();
+  for (uint32_t step = 0; step < b->N; step++) {
+    for (uint32_t q = 0; q < b->B; q++) {
+      b->ids[q] = gc_sample(b->logits + (size_t)q * b->V, b->V, NULL, NULL);
+      b->seq[q] = q;
+      b->pos[q] = b->P + step;
+    }
+    s = (gc_step){.n_tokens = b->B, .ids = b->ids, .seq = b->seq, .pos = b->pos, .logits = b->logits};
+    if ((rc = gc_model_step(b->m, &s, e))) return rc;
+  }
+  const double dc_s = (double)(mr_now_ns() - t0) / 1e9;
+  gc_model_stats_get(b->m, &ms, false);
+  r->prefill_tok_s = BP / pf_s;
+  r->decode_tok_s = (double)b->B * b->N / dc_s;
+  r->step_ms = dc_s * 1e3 / b->N;
+  for (uint32_t l = 0; l < b->L; l++) {
+    const gc_layer_stats *x = &ms.layer[l];
+    gc_layer_stats *sum = &b->lsum[l];
+    r->rpc_us += x->rpc_us + x->deferred_rpc_us;
+    r->wait_us += x->wait_us;
+    sum->attn_us += x->attn_us;
+    sum->local_us += x->local_us;
+    sum->wait_us += x->wait_us;
+    sum->rpc_us += x->rpc_us + x->deferred_rpc_us;
+    sum->submit_us += x->submit_us;
+    sum->deferred_slots += x->deferred_slots;
+  }
+  /* overlap: the share of the RPC time the client did not wait for (DESIGN section 6) */
+  r->overlap = r->rpc_us ? 1.0 - (double)(r->wait_us < r->rpc_us ? r->wait_us : r->rpc_us) / (double)r->rpc_us : 0;
+  r->bytes_per_step = (double)(ms.dense_bytes_read + ms.expert_bytes_read) / (double)b->N;
+  r->weight_gbs = r->bytes_per_step / (dc_s / b->N) / 1e9;
+  return 0;
+}
+
+/* Medians over the runs, and a plain read of the same bytes per step on the same threads
+ * right after them (the decode's bandwidth ratio is against that, same run). */
+static void bench_summarize(bench_state *b) {
+  double bps[64], pf[64], dc[64], ov[64], wg[64];
+  const uint32_t R = b->repeats < 64 ? b->repeats : 64;
+  for (uint32_t i = 0; i < R; i++) {
+    bps[i] = b->runs[i].bytes_per_step;
+    pf[i] = b->runs[i].prefill_tok_s;
+    dc[i] = b->runs[i].decode_tok_s;
+    ov[i] = b->runs[i].overlap;
+    wg[i] = b->runs[i].weight_gbs;
+  }
+  b->bytes = median(bps, R);
+  b->read_gbs = plain_read_gbs(gc_model_engine(b->m), (uint64_t)b->bytes);
+  b->weight_gbs = median(wg, R);
+  b->ratio = b->read_gbs > 0 ? b->weight_gbs / b->read_gbs : 0;
+  b->dtok = median(dc, R);
+  b->ptok = median(pf, R);
+  b->over = median(ov, R);
+}
+
+static void bench_print(const bench_state *b, const mcli *c) {
+  const mr_model_config *cfg = gc_model_config(b->m);
+  gc_cluster *cl = gc_model_cluster(b->m);
+  uint32_t n_servers = 0;
+  if (cl) {
+    gc_cluster_info ci;
+    gc_cluster_info_get(cl, &ci);
+    n_servers = ci.n_servers;
+  }
+  char cpu[128];
+  gc__cpu_model(cpu, sizeof cpu);
+  const double d = (double)b->repeats * b->N; /* decode steps the layer sums cover */
+  if (c->json) {
+    printf("{\"bench\": \"model\", \"model\": \"%s\", \"arch\": \"%s\", \"cpu\": \"%s\", "
+           "\"threads\": %u, \"servers\": %u, \"local_experts\": %d, \"max_deferred\": %u, "
+           "\"batch\": %u, \"prompt_len\": %u, \"decode\": %u, \"repeats\": %u, "
+           "\"prefill_tok_s\": %.2f, \"decode_tok_s\": %.3f, \"step_ms\": %.3f, "
+           "\"overlap\": %.3f, \"bytes_per_step\": %.0f, \"weight_gbs\": %.2f, "
+           "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f}\n",
+           c->mo.model_dir, cfg->arch_name, cpu, c->mo.engine.threads, n_servers, c->mo.local_experts,
+           c->mo.max_deferred, b->B, b->P, b->N, b->repeats, b->ptok, b->dtok, 1e3 * b->B / b->dtok, b->over,
+           b->bytes, b->weight_gbs, b->read_gbs, b->ratio);
+    for (uint32_t l = 0; l < b->L; l++)
+      printf("{\"bench\": \"model-layer\", \"layer\": %u, \"moe\": %s, \"attn_us\": %.1f, "
+             "\"local_us\": %.1f, \"rpc_submit_us\": %.1f, \"rpc_wait_us\": %.1f, "
+             "\"rpc_us\": %.1f, \"deferred_slots\": %.2f}\n", l, cfg->is_moe[l] ? "true" : "false",
+             b->lsum[l].attn_us / d, b->lsum[l].local_us / d, b->lsum[l].submit_us / d, b->lsum[l].wait_us / d,
+             b->lsum[l].rpc_us / d, b->lsum[l].deferred_slots / d);
+    return;
+  }
+  printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c->mo.model_dir, n_servers, cpu);
+  printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step), "
+         "overlap %.2f, decode_bw_ratio %.2f (%.2f GB/s of weights vs %.2f GB/s plain read, "
+         "%.1f MB/step); medians of %u\n", b->ptok, b->B, b->P, b->dtok, b->B, 1e3 * b->B / b->dtok,
+         b->over, b->ratio, b->weight_gbs, b->read_gbs, b->bytes / 1e6, b->repeats);
+  printf("layer   attn_us  local_us  submit_us  rpc_wait_us  rpc_us  (per decode step)\n");
+  for (uint32_t l = 0; l < b->L; l++)
+    printf("%5u %9.1f %9.1f %10.1f %12.1f %7.1f%s\n", l, b->lsum[l].attn_us / d, b->lsum[l].local_us / d,
+           b->lsum[l].submit_us / d, b->lsum[l].wait_us / d, b->lsum[l].rpc_us / d,
+           cfg->is_moe[l] ? "" : "  (dense)");
+}
+
 int gc__cli_bench(int argc, char **argv) {
   static const struct option lo[] = {
       MODEL_OPTIONS, {"batch", required_argument, NULL, MO_BATCH},
@@ -788,163 +953,43 @@ int gc__cli_bench(int argc, char **argv) {
   c.repeats = 3;
   int r = parse(argc, argv, lo, BENCH_USAGE, BENCH_HELP, &c);
   if (r) return r == 1 ? 0 : 2;
-  const uint32_t B = c.batch, P = c.prompt_len, N = c.decode;
-  c.mo.max_batch = B;
-  if (!c.mo.max_seq) c.mo.max_seq = P + N;
-  gc_model *m = NULL;
+  bench_state b;
+  memset(&b, 0, sizeof b);
+  b.B = c.batch;
+  b.P = c.prompt_len;
+  b.N = c.decode;
+  b.repeats = c.repeats;
+  b.rng = c.smp.seed ^ 0x9e3779b97f4a7c15ull;
+  c.mo.max_batch = b.B;
+  if (!c.mo.max_seq) c.mo.max_seq = b.P + b.N;
   int rc = 1;
-  int32_t *ids = NULL;
-  uint32_t *seq = NULL, *pos = NULL;
-  float *logits = NULL;
-  bench_run *runs = NULL;
-  gc_layer_stats *lsum = NULL;
-  if (open_model(&c, &m)) goto out;
-  const mr_model_config *cfg = gc_model_config(m);
-  const uint32_t V = cfg->vocab_size, L = cfg->num_layers;
-  const size_t BP = (size_t)B * P;
-  if ((uint64_t)P + N > gc_model_max_seq(m)) {
-    fprintf(stderr, PROG " bench: --prompt-len + --decode = %u, more than --max-seq %u\n", P + N,
-            gc_model_max_seq(m));
-    goto out;
-  }
-  ids = malloc(BP * sizeof *ids);
-  seq = malloc(BP * sizeof *seq);
-  pos = malloc(BP * sizeof *pos);
-  logits = malloc((size_t)B * V * sizeof *logits);
-  runs = calloc(c.repeats, sizeof *runs);
-  lsum = calloc(L, sizeof *lsum);
-  uint8_t *want = calloc(BP, 1);
-  if (!ids || !seq || !pos || !logits || !runs || !lsum || !want) {
-    free(want);
-    goto out;
-  }
-  uint64_t st = c.smp.seed ^ 0x9e3779b97f4a7c15ull;
   mr_err e;
   mr_err_clear(&e);
-  for (uint32_t rep = 0; rep < c.repeats; rep++) {
-    for (uint32_t b = 0; b < B; b++) {
-      gc_model_seq_reset(m, b);
-      for (uint32_t p = 0; p < P; p++) {
-        size_t i = (size_t)b * P + p;
-        st = st * 6364136223846793005ull + 1442695040888963407ull;
-        ids[i] = (int32_t)((st >> 33) % V);
-        seq[i] = b;
-        pos[i] = p;
-        want[i] = p + 1 == P;
-      }
-    }
-    gc_model_stats ms;
-    gc_model_stats_get(m, &ms, true);
-    gc_step s = {.n_tokens = (uint32_t)BP, .ids = ids, .seq = seq, .pos = pos,
-                 .want_logits = want, .logits = logits};
-    uint64_t t0 = mr_now_ns();
-    if ((rc = gc_model_step(m, &s, &e))) goto fail;
-    double pf_s = (double)(mr_now_ns() - t0) / 1e9;
-    gc_model_stats_get(m, &ms, true);
-    t0 = mr_now_ns();
-    for (uint32_t step = 0; step < N; step++) {
-      for (uint32_t b = 0; b < B; b++) {
-        ids[b] = gc_sample(logits + (size_t)b * V, V, NULL, NULL);
-        seq[b] = b;
-        pos[b] = P + step;
-      }
-      s = (gc_step){.n_tokens = B, .ids = ids, .seq = seq, .pos = pos, .logits = logits};
-      if ((rc = gc_model_step(m, &s, &e))) goto fail;
-    }
-    double dc_s = (double)(mr_now_ns() - t0) / 1e9;
-    gc_model_stats_get(m, &ms, false);
-    bench_run *br = &runs[rep];
-    br->prefill_tok_s = BP / pf_s;
-    br->decode_tok_s = (double)B * N / dc_s;
-    br->step_ms = dc_s * 1e3 / N;
-    for (uint32_t l = 0; l < L; l++) {
-      br->rpc_us += ms.layer[l].rpc_us + ms.layer[l].deferred_rpc_us;
-      br->wait_us += ms.layer[l].wait_us;
-      lsum[l].attn_us += ms.layer[l].attn_us;
-      lsum[l].local_us += ms.layer[l].local_us;
-      lsum[l].wait_us += ms.layer[l].wait_us;
-      lsum[l].rpc_us += ms.layer[l].rpc_us + ms.layer[l].deferred_rpc_us;
-      lsum[l].submit_us += ms.layer[l].submit_us;
-      lsum[l].deferred_slots += ms.layer[l].deferred_slots;
-    }
-    br->overlap = br->rpc_us ? 1.0 - (double)(br->wait_us < br->rpc_us ? br->wait_us : br->rpc_us) /
-                                         (double)br->rpc_us : 0;
-    br->bytes_per_step = (double)(ms.dense_bytes_read + ms.expert_bytes_read) / (double)N;
-    br->weight_gbs = br->bytes_per_step / (dc_s / N) / 1e9;
+  if (open_model(&c, &b.m)) goto out;
+  b.V = gc_model_config(b.m)->vocab_size;
+  b.L = gc_model_config(b.m)->num_layers;
+  if ((uint64_t)b.P + b.N > gc_model_max_seq(b.m)) {
+    fprintf(stderr, PROG " bench: --prompt-len + --decode = %u, more than --max-seq %u\n", b.P + b.N,
+            gc_model_max_seq(b.m));
+    goto out;
   }
-  /* the plain read of the same bytes, after the runs, on the same threads */
-  double bps[64], pf[64], dc[64], ov[64];
-  uint32_t R = c.repeats < 64 ? c.repeats : 64;
-  for (uint32_t i = 0; i < R; i++) {
-    bps[i] = runs[i].bytes_per_step;
-    pf[i] = runs[i].prefill_tok_s;
-    dc[i] = runs[i].decode_tok_s;
-    ov[i] = runs[i].overlap;
+  if (bench_alloc(&b)) {
+    fprintf(stderr, PROG " bench: out of memory\n");
+    goto out;
   }
-  double bytes = median(bps, R);
-  double read_gbs = plain_read_gbs(gc_model_engine(m), (uint64_t)bytes);
-  double wg[64];
-  for (uint32_t i = 0; i < R; i++) wg[i] = runs[i].weight_gbs;
-  double weight_gbs = median(wg, R);
-  double ratio = read_gbs > 0 ? weight_gbs / read_gbs : 0;
-  double dtok = median(dc, R), ptok = median(pf, R), over = median(ov, R);
-  gc_cluster *cl = gc_model_cluster(m);
-  uint32_t n_servers = 0;
-  if (cl) {
-    gc_cluster_info ci;
-    gc_cluster_info_get(cl, &ci);
-    n_servers = ci.n_servers;
-  }
-  char cpu[128];
-  gc__cpu_model(cpu, sizeof cpu);
-  if (c.json) {
-    printf("{\"bench\": \"model\", \"model\": \"%s\", \"arch\": \"%s\", \"cpu\": \"%s\", "
-           "\"threads\": %u, \"servers\": %u, \"local_experts\": %d, \"max_deferred\": %u, "
-           "\"batch\": %u, \"prompt_len\": %u, \"decode\": %u, \"repeats\": %u, "
-           "\"prefill_tok_s\": %.2f, \"decode_tok_s\": %.3f, \"step_ms\": %.3f, "
-           "\"overlap\": %.3f, \"bytes_per_step\": %.0f, \"weight_gbs\": %.2f, "
-           "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f}\n",
-           c.mo.model_dir, cfg->arch_name, cpu, c.mo.engine.threads, n_servers,
-           c.mo.local_experts, c.mo.max_deferred, B, P, N, c.repeats, ptok, dtok,
-           1e3 * B / dtok, over, bytes, weight_gbs, read_gbs, ratio);
-    for (uint32_t l = 0; l < L; l++) {
-      double d = (double)c.repeats * N;
-      printf("{\"bench\": \"model-layer\", \"layer\": %u, \"moe\": %s, \"attn_us\": %.1f, "
-             "\"local_us\": %.1f, \"rpc_submit_us\": %.1f, \"rpc_wait_us\": %.1f, "
-             "\"rpc_us\": %.1f, \"deferred_slots\": %.2f}\n", l,
-             cfg->is_moe[l] ? "true" : "false", lsum[l].attn_us / d, lsum[l].local_us / d,
-             lsum[l].submit_us / d, lsum[l].wait_us / d, lsum[l].rpc_us / d,
-             lsum[l].deferred_slots / d);
-    }
-  } else {
-    printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c.mo.model_dir, n_servers, cpu);
-    printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step), "
-           "overlap %.2f, decode_bw_ratio %.2f (%.2f GB/s of weights vs %.2f GB/s plain read, "
-           "%.1f MB/step); medians of %u\n", ptok, B, P, dtok, B, 1e3 * B / dtok, over, ratio,
-           weight_gbs, read_gbs, bytes / 1e6, c.repeats);
-    printf("layer   attn_us  local_us  submit_us  rpc_wait_us  rpc_us  (per decode step)\n");
-    for (uint32_t l = 0; l < L; l++) {
-      double d = (double)c.repeats * N;
-      printf("%5u %9.1f %9.1f %10.1f %12.1f %7.1f%s\n", l, lsum[l].attn_us / d,
-             lsum[l].local_us / d, lsum[l].submit_us / d, lsum[l].wait_us / d,
-             lsum[l].rpc_us / d, cfg->is_moe[l] ? "" : "  (dense)");
+  for (uint32_t rep = 0; rep < b.repeats; rep++) {
+    int src = bench_one(&b, &b.runs[rep], &e);
+    if (src) {
+      fprintf(stderr, PROG ": %s: %s\n", mr_err_name(src), e.msg);
+      goto out;
     }
   }
-  free(want);
+  bench_summarize(&b);
+  bench_print(&b, &c);
   rc = 0;
-  goto out;
-fail:
-  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
-  free(want);
-  rc = 1;
 out:
-  failover_summary(m, c.json);
-  if (close_model(&c, m) && rc == 0) rc = 1;
-  free(ids);
-  free(seq);
-  free(pos);
-  free(logits);
-  free(runs);
-  free(lsum);
+  failover_summary(b.m, c.json);
+  if (close_model(&c, b.m) && rc == 0) rc = 1;
+  bench_free(&b);
   return rc;
 }

@@ -143,7 +143,7 @@ static grpc_byte_buffer *request(uint64_t id, uint32_t T, uint32_t budget_us) {
     }
     init = true;
   }
-  return itu_forward_request_ex(id, 0, T, 1, ids, T, w, T, 1, x, (size_t)T * H * sizeof(float),
+  return itu_forward_request_budget(id, 0, T, 1, ids, T, w, T, 1, x, (size_t)T * H * sizeof(float),
                                 budget_us);
 }
 
@@ -516,7 +516,7 @@ MT_TEST(top_k_is_capped_at_a_factor_of_the_models_and_announced) {
   float x[64] = {0};
   int32_t ids[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8};
   float w[9] = {0};
-  MT_EQ_INT(itu_call_send(&c, itu_forward_request_ex(7, 0, 1, 9, ids, 9, w, 9, 1, x, sizeof x, 0), 5000), 0);
+  MT_EQ_INT(itu_call_send(&c, itu_forward_request_budget(7, 0, 1, 9, ids, 9, w, 9, 1, x, sizeof x, 0), 5000), 0);
   MT_EQ_INT(itu_call_recv(&c, &rb, 5000), 0);
   Moerpc__V1__ForwardReply *r = NULL;
   void *out = NULL;

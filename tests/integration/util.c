@@ -342,11 +342,11 @@ grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_to
                                       uint32_t top_k, const int32_t *ids, size_t n_ids,
                                       const float *w, size_t n_w, int dtype, const void *hidden,
                                       size_t hidden_len) {
-  return itu_forward_request_ex(id, layer, n_tokens, top_k, ids, n_ids, w, n_w, dtype, hidden,
+  return itu_forward_request_budget(id, layer, n_tokens, top_k, ids, n_ids, w, n_w, dtype, hidden,
                                 hidden_len, 0);
 }
 
-grpc_byte_buffer *itu_forward_request_ex(uint64_t id, uint32_t layer, uint32_t n_tokens,
+grpc_byte_buffer *itu_forward_request_budget(uint64_t id, uint32_t layer, uint32_t n_tokens,
                                          uint32_t top_k, const int32_t *ids, size_t n_ids,
                                          const float *w, size_t n_w, int dtype,
                                          const void *hidden, size_t hidden_len,

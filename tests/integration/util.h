@@ -100,7 +100,7 @@ grpc_byte_buffer *itu_forward_request(uint64_t id, uint32_t layer, uint32_t n_to
                                       const float *w, size_t n_w, int dtype, const void *hidden,
                                       size_t hidden_len);
 /* The same with ForwardRequest.budget_us (0 = no deadline). */
-grpc_byte_buffer *itu_forward_request_ex(uint64_t id, uint32_t layer, uint32_t n_tokens,
+grpc_byte_buffer *itu_forward_request_budget(uint64_t id, uint32_t layer, uint32_t n_tokens,
                                          uint32_t top_k, const int32_t *ids, size_t n_ids,
                                          const float *w, size_t n_w, int dtype,
                                          const void *hidden, size_t hidden_len,

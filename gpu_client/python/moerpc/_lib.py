@@ -126,7 +126,7 @@ class Lib:
             ("gc_cluster_info_get", [vp, vp], None),
             ("gc_cluster_owner", [vp, u32, u32], i32),
             ("gc_layer_submit", [vp, vp, ctypes.POINTER(vp), vp], i32),
-            ("gc_layer_wait_ex", [vp, vp, vp, u32, vp, vp], i32),
+            ("gc_layer_wait_timed", [vp, vp, vp, u32, vp, vp], i32),
             ("gc_layer_cancel", [vp, vp], None),
             ("gc_pending_empty", [vp], ctypes.c_bool),
             ("mr_err_name", [i32], ctypes.c_char_p),

@@ -259,7 +259,7 @@ class _Cluster:
 
     def wait_into(self, pending, out: torch.Tensor) -> None:
         """out += the call's sum (fp32); frees pending in every case."""
-        rc = self.lib.so.gc_layer_wait_ex(self.handle, pending, ctypes.c_void_p(out.data_ptr()),
+        rc = self.lib.so.gc_layer_wait_timed(self.handle, pending, ctypes.c_void_p(out.data_ptr()),
                                           self.lib.wait_accumulate, None, self.err.ptr)
         if rc:
             raise self.lib.error(rc, self.err)
