@@ -425,7 +425,7 @@ def main():
                   f"{' '.join(f'{rel_l2(got[t], ref[t]):.2g}' for t in range(T))}")
 
         # 3. ours with tensor parallelism (--tp 2: heads and dense MLP columns split over two
-        # ranks, gpu_client/comm.h): the same limit against transformers, and within 1e-5 of
+        # ranks, gpu_client/runner/comm.h): the same limit against transformers, and within 1e-5 of
         # one rank (the partial sums are added in another order)
         out2 = os.path.join(cdir, "ours_tp2_logits.f32")
         cmd2, r2 = run_client(args.client, ckpt, ids, out2, args.threads,

@@ -20,7 +20,7 @@
 # be far past 60 MiB. The GPU machine's CUDA 13 libraries are used (its image must carry
 # libcublas.so.13, libcublasLt.so.13 and libnccl.so.2, and a driver for CUDA 13).
 #
-# The model commands use `moerpc-client ... --backend cpu|cuda` (gpu_client/main.c).
+# The model commands use `moerpc-client ... --backend cpu|cuda` (gpu_client/runner/main.c).
 set -u
 MODE=${1:-}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
