@@ -366,12 +366,6 @@ out_free_root:
 }
 
 int mr_cluster_load(mr_cluster_file *c, const char *path, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(c, 0, sizeof *c);
-  int rc = mr_file_read(path, MR__JSON_MAX_BYTES, &text, &len, e);
-  if (rc) return rc;
-  rc = mr_cluster_parse(c, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return MR__PARSE_FILE(path, mr_cluster_parse, c, e);
 }

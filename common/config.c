@@ -560,8 +560,6 @@ out_free_root:
 
 int mr_config_load(mr_model_config *cfg, const char *path, mr_err *e) {
   char p[4096];
-  char *text = NULL;
-  size_t len = 0;
   memset(cfg, 0, sizeof *cfg);
   /* A directory means its config.json, as HF's from_pretrained does. */
   struct stat sb;
@@ -570,11 +568,7 @@ int mr_config_load(mr_model_config *cfg, const char *path, mr_err *e) {
       return mr_err_set(e, MR_ERANGE, "%s: path too long", path);
     path = p;
   }
-  int rc = mr_file_read(path, MR__JSON_MAX_BYTES, &text, &len, e);
-  if (rc) return rc;
-  rc = mr_config_parse(cfg, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return MR__PARSE_FILE(path, mr_config_parse, cfg, e);
 }
 
 uint32_t mr_config_num_moe_layers(const mr_model_config *c) {

@@ -81,7 +81,7 @@ int mr_model_fingerprint(const char *model_dir, const mr_st *st, char out[17], m
     goto out_close;
   }
   if (stat(path, &sb) == 0) {
-    rc = mr_file_read(path, MR__JSON_MAX_BYTES, &cfg, &cfg_len, e);
+    rc = mr_file_read(path, MR_JSON_MAX_BYTES, &cfg, &cfg_len, e);
     if (rc) goto out_close;
   }
 

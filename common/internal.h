@@ -15,10 +15,19 @@
  * is about 300 KiB; the HF reference implementation refuses headers over 100 MB. */
 #define MR__ST_MAX_HEADER ((uint64_t)100 << 20)
 
-/* Largest config.json, index.json or cluster file we read (bytes). A DeepSeek-V3
- * model.safetensors.index.json is ~9 MiB; 256 MiB is far above any real file and still
- * bounds what a hostile path can make us allocate. */
-#define MR__JSON_MAX_BYTES ((size_t)256 << 20)
+/* Reads the JSON file at path (at most MR_JSON_MAX_BYTES, mr.h) and parses it with
+ * parse(obj, text, len, path, e), the mr_*_parse signature every file reader here shares
+ * (mr_config_load, mr_cluster_load, mr_placement_load). Evaluates to parse's result, or
+ * the read's error (naming the path). A statement expression: parse keeps its own type. */
+#define MR__PARSE_FILE(path, parse, obj, e)                                         \
+  ({                                                                                \
+    char *mr_t_ = NULL;                                                             \
+    size_t mr_n_ = 0;                                                               \
+    int mr_rc_ = mr_file_read((path), MR_JSON_MAX_BYTES, &mr_t_, &mr_n_, (e));      \
+    if (mr_rc_ == 0) mr_rc_ = parse((obj), mr_t_, mr_n_, (path), (e));              \
+    mr_free(mr_t_);                                                                 \
+    mr_rc_;                                                                         \
+  })
 
 /* One shard of an mr_st as the fingerprint needs it: the header bytes and the data region. */
 typedef struct mr__st_shard_view {

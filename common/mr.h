@@ -608,9 +608,12 @@ int mr_json_u64(const struct cJSON *item, const char *label, const char *field, 
  * the object ("top level", "window"). */
 int mr_json_check_keys(const struct cJSON *obj, const char *const *allowed, const char *label,
                        const char *where, mr_err *e);
+/* Largest JSON document read or parsed (config.json, index.json, cluster and placement
+ * files, stats): a DeepSeek-V3 model.safetensors.index.json is ~9 MiB; 256 MiB is far
+ * above any real file and still bounds what a hostile path can make us allocate. */
+#define MR_JSON_MAX_BYTES ((size_t)256 << 20)
 /* Parses len bytes (at most MR_JSON_MAX_BYTES; only whitespace may follow) into an object;
  * the caller deletes *out with cJSON_Delete. Thread-safe. */
-#define MR_JSON_MAX_BYTES ((size_t)256 << 20)
 int mr_json_parse_object(const char *text, size_t len, const char *label, struct cJSON **out,
                          mr_err *e);
 /* Short text of a value for messages ("\"abc\"", "12.5", "an object"). */

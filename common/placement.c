@@ -284,12 +284,6 @@ out:
 }
 
 int mr_placement_load(mr_placement *p, const char *path, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(p, 0, sizeof *p);
-  int rc = mr_file_read(path, MR__JSON_MAX_BYTES, &text, &len, e);
-  if (rc) return rc;
-  rc = mr_placement_parse(p, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return MR__PARSE_FILE(path, mr_placement_parse, p, e);
 }

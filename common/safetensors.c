@@ -478,7 +478,7 @@ static int st_open_index(mr_st *st, const char *dir, const char *index_path, mr_
   const char **names = NULL;
   char path[4096];
 
-  rc = mr_file_read(index_path, MR__JSON_MAX_BYTES, &text, &len, e);
+  rc = mr_file_read(index_path, MR_JSON_MAX_BYTES, &text, &len, e);
   if (rc) return rc;
   rc = mr__json_parse_object(text, len, index_path, &root, e);
   if (rc) goto out_free_text;
