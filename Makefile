@@ -86,7 +86,7 @@ ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnn
 ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-bf16 -mamx-int8
 
 GRPC_LIBS = -lgrpc -lgpr
-EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm
+EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lonig -lutf8proc -lm
 ifeq ($(HAVE_HWLOC),1)
 EXT_LIBS += -lhwloc
 endif
@@ -122,7 +122,7 @@ ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
 # moerpc-client is main.c (the command table) plus one cli_<group>.c per group of
 # subcommands; the rest of gpu_client/ is the library.
 CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
-GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
+GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c)) $(wildcard gpu_client/runner/*.c)
 # placement/: libpl from pl_*.c; main.c is the moerpc-place command table.
 PL_SRC  = $(wildcard placement/pl_*.c)
 # kernels/cuda/: the CUDA backend (.cu by nvcc, .c by $(CC) against the CUDA headers).
