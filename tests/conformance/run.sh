@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
 # kn_moe_forward and the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
-# DeepSeek-V3 checkpoints) against PyTorch + transformers (tests/conformance/README.md).
+# DeepSeek-V3 checkpoints) against PyTorch + transformers, and the runner's tokenizer
+# against the `tokenizers` package (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -23,7 +24,7 @@ elif [ $rc -ne 0 ]; then
 fi
 
 make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" \
-  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client"
+  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client" "$BUILD/tests/tok_cli"
 rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1
@@ -31,4 +32,5 @@ rc=0
 "$VENV/bin/python" tests/conformance/test_mkmodel_deepseek.py --build "$BUILD" || rc=1
 "$VENV/bin/python" tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
 "$VENV/bin/python" tests/conformance/test_deepseek_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
+"$VENV/bin/python" tests/conformance/test_tokenizer_hf.py --cli "$BUILD/tests/tok_cli" || rc=1
 exit $rc
