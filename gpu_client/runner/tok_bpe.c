@@ -115,7 +115,9 @@ static bool cache_get(gc__tok_cache_shard *s, uint32_t h, const char *key, size_
       if (!k) break;
       const struct gc__tok_cache_ent *x = &s->ent[k - 1];
       if (x->hash == h && x->key_len == n && memcmp(s->keys.p + x->key_off, key, n) == 0) {
-        *rc = gc__tok_ids_put(out, s->ids + x->ids_off, x->n_ids);
+        /* A word may have no ids (chars the vocabulary lacks, no unk): then s->ids may be
+         * NULL. */
+        *rc = x->n_ids ? gc__tok_ids_put(out, s->ids + x->ids_off, x->n_ids) : 0;
         hit = true;
         break;
       }
@@ -168,7 +170,7 @@ static void cache_put(gc__tok_cache_shard *s, uint32_t h, const char *key, size_
   }
   uint32_t key_off = (uint32_t)s->keys.n;
   if (gc__tok_buf_put(&s->keys, key, n)) goto out_unlock;
-  memcpy(s->ids + s->n_ids, ids, n_ids * sizeof *ids);
+  if (n_ids) memcpy(s->ids + s->n_ids, ids, n_ids * sizeof *ids);
   s->ent[s->n] = (struct gc__tok_cache_ent){.hash = h, .key_off = key_off,
                                             .key_len = (uint32_t)n,
                                             .ids_off = (uint32_t)s->n_ids,
@@ -356,6 +358,7 @@ int gc__tok_bpe_tokenize(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_
   size_t first = out->n;
   for (size_t i = 0; i < n_sym; i++)
     if (w->sym[i].len && gc__tok_ids_put(out, &w->sym[i].c, 1)) return MR_ENOMEM;
-  if (shard) cache_put(shard, (uint32_t)h64, s, n, out->v + first, out->n - first);
+  if (shard) cache_put(shard, (uint32_t)h64, s, n, out->n > first ? out->v + first : NULL,
+                       out->n - first);
   return 0;
 }

@@ -750,9 +750,19 @@ static int parse_added(ld *L, const cJSON *a) {
  * tokenizer.json
  */
 
-/* cJSON keeps strings NUL-terminated, so a "\u0000" escape would silently cut one: refuse
- * files that have one (an escape is a backslash preceded by an even number of them). */
-static int check_nul_escape(ld *L, const char *s, size_t n) {
+/* The bytes of a JSON text: valid UTF-8 (serde_json, reading a &str, refuses anything else;
+ * cJSON would pass invalid bytes into the vocabulary), no NUL byte, and no "\u0000" escape
+ * (cJSON keeps strings NUL-terminated, so either would silently cut a string; an escape is
+ * a backslash preceded by an even number of them). */
+static int check_text(ld *L, const char *s, size_t n) {
+  size_t ok = gc__tok_utf8_valid_prefix(s, n);
+  const char *nul = memchr(s, '\0', n);
+  if (ok < n || nul) {
+    size_t at = nul && (size_t)(nul - s) < ok ? (size_t)(nul - s) : ok, line = 1;
+    for (size_t j = 0; j < at; j++) line += s[j] == '\n';
+    return mr_err_set(L->e, MR_EFORMAT, "%s: byte %zu (line %zu): %s", L->label, at, line,
+                      nul && (size_t)(nul - s) < ok ? "a NUL byte" : "not valid UTF-8");
+  }
   for (size_t i = 0; i + 6 <= n; i++) {
     if (s[i] != '\\') continue;
     size_t k = i, bs = 0;
@@ -774,7 +784,7 @@ static int check_nul_escape(ld *L, const char *s, size_t n) {
 int gc__tok_parse_json(gc_tok *tok, const char *json, size_t len, const char *label, mr_err *e) {
   ld L = {.tok = tok, .label = label, .e = e};
   int rc;
-  if ((rc = check_nul_escape(&L, json, len))) return rc;
+  if ((rc = check_text(&L, json, len))) return rc;
   cJSON *root = NULL;
   if ((rc = mr_json_parse_object(json, len, label, &root, e))) return rc;
   const cJSON *v = get(root, "version");
@@ -856,7 +866,8 @@ int gc__tok_parse_config(gc_tok *tok, const char *json, size_t len, const char *
                          mr_err *e) {
   ld L = {.tok = tok, .label = label, .e = e};
   cJSON *root = NULL;
-  int rc = mr_json_parse_object(json, len, label, &root, e);
+  int rc = check_text(&L, json, len);
+  if (!rc) rc = mr_json_parse_object(json, len, label, &root, e);
   if (!rc) rc = config_read(&L, root);
   cJSON_Delete(root);
   return rc;
@@ -1043,7 +1054,11 @@ int gc__tok_parse_tiktoken(gc_tok *tok, const char *model, size_t len, const cha
   /* The special tokens: names from added_tokens_decoder, else reserved ones. */
   const cJSON *atd = NULL;
   if (config) {
-    if ((rc = mr_json_parse_object(config, config_len, "tokenizer_config.json", &cfg, e))) goto out;
+    L.label = "tokenizer_config.json";
+    if ((rc = check_text(&L, config, config_len)) ||
+        (rc = mr_json_parse_object(config, config_len, "tokenizer_config.json", &cfg, e)))
+      goto out;
+    L.label = label;
     atd = get(cfg, "added_tokens_decoder");
     if (atd && !cJSON_IsObject(atd) && !cJSON_IsNull(atd)) {
       L.label = "tokenizer_config.json";

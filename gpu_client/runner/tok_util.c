@@ -43,6 +43,7 @@ void gc__tok_buf_close(gc__tok_buf *b) {
 }
 
 int gc__tok_ids_put(gc_tok_ids *v, const int32_t *ids, size_t n) {
+  if (n == 0) return 0;
   if (v->cap - v->n < n) {
     size_t cap = v->cap ? v->cap : 64;
     while (cap - v->n < n) {
@@ -496,7 +497,9 @@ void gc__tok_trie_close(gc__tok_trie *t) {
  */
 static pthread_once_t onig_once = PTHREAD_ONCE_INIT;
 static int onig_init_rc;
-/* onig_new is not safe to call from two threads at once (the crate takes a lock too). */
+/* Making and freeing regex objects is not safe from two threads at once, even for different
+ * objects (Oniguruma's FAQ, "Thread safe" (B); the onig crate locks onig_new the same way).
+ * Searching a compiled regex from many threads is: the object is read-only then. */
 static pthread_mutex_t onig_new_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static void tok_onig_init(void) {
@@ -549,7 +552,10 @@ out_nomem:
 }
 
 void gc__tok_re_free(regex_t *re) {
-  if (re) onig_free(re);
+  if (!re) return;
+  pthread_mutex_lock(&onig_new_lock);
+  onig_free(re);
+  pthread_mutex_unlock(&onig_new_lock);
 }
 
 static int matches_put(gc__tok_matches *m, uint32_t s, uint32_t e, bool hit) {

@@ -50,8 +50,8 @@ extern "C" {
 typedef struct gc_tok gc_tok;
 typedef struct gc_tok_stream gc_tok_stream;
 
-/* Largest id a file may give a token (ids are < 2^24; real vocabularies are < 2^18). */
-#define GC_TOK_MAX_ID ((1u << 24) - 1u)
+/* Largest id a file may give a token (real vocabularies stay under 2^18). */
+#define GC_TOK_MAX_ID ((1u << 22) - 1u)
 /* Largest tokenizer.json / tiktoken.model read (bytes). */
 #define GC_TOK_MAX_FILE_BYTES ((size_t)512 << 20)
 
