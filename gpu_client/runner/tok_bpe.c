@@ -102,7 +102,10 @@ void gc__tok_bpe_work_close(gc__tok_bpe_work *w) {
 }
 
 /* ---------------------------------------------------------------------------------------
- * Cache. Lookups and inserts of one shard hold its mutex; the ids are copied out.
+ * Cache. Lookups and inserts of one shard hold its mutex; the ids are copied out, so no
+ * pointer into a shard outlives the lock. A shard is an open-addressing table of entries
+ * whose keys and ids live in two growing arrays of the shard; it is emptied when full
+ * rather than evicting one entry (a cache of pre-tokens: the hot ones come back at once).
  */
 static bool cache_get(gc__tok_cache_shard *s, uint32_t h, const char *key, size_t n,
                       gc_tok_ids *out, int *rc) {
@@ -234,28 +237,40 @@ static struct gc__tok_heap_ent heap_pop(gc__tok_bpe_work *w, size_t *n) {
   return top;
 }
 
+/*
+ * HF word.rs merge_all. Symbols stay where they were pushed: a merge grows the left symbol
+ * over the right one, marks the right one dead (len 0) and relinks prev/next around it, so
+ * that a heap entry's position keeps naming the same left symbol, and the live symbols are
+ * still in text order when read left to right at the end.
+ */
 static int merge_all(const gc__tok_bpe *b, gc__tok_bpe_work *w, size_t n_sym) {
   struct gc__tok_sym *sym = w->sym;
   size_t nh = 0;
   uint32_t rank;
   int32_t val;
+  /* Every adjacent pair that has a merge is a candidate. */
   for (size_t i = 0; i + 1 < n_sym; i++)
     if (gc__tok_pairmap_get(&b->merges, sym[i].c, sym[i + 1].c, &rank, &val))
       if (heap_push(w, &nh, (uint64_t)rank << 32 | i, val)) return MR_ENOMEM;
   while (nh) {
     struct gc__tok_heap_ent top = heap_pop(w, &nh);
     size_t pos = (size_t)(uint32_t)top.key;
-    sym = w->sym;
+    /* Entries are never removed from the heap; one whose left symbol died, or that now
+     * has no right neighbour, or whose pair no longer makes the same token, is skipped
+     * here (the pair it stood for was pushed again when it changed). */
     if (sym[pos].len == 0 || sym[pos].next < 0) continue;
     size_t nx = (size_t)sym[pos].next;
     struct gc__tok_sym right = sym[nx];
     if (!gc__tok_pairmap_get(&b->merges, sym[pos].c, right.c, &rank, &val) || val != top.new_id)
       continue; /* stale */
+    /* Merge: the left symbol becomes the new token and swallows the right one. */
     sym[pos].c = top.new_id;
     sym[pos].len += right.len;
     sym[pos].next = right.next;
     sym[nx].len = 0;
     if (right.next >= 0) sym[right.next].prev = (int32_t)pos;
+    /* The two pairs the new symbol forms with its neighbours are new candidates; the old
+     * ones with the same positions went stale. */
     if (sym[pos].prev >= 0) {
       size_t pv = (size_t)sym[pos].prev;
       if (gc__tok_pairmap_get(&b->merges, sym[pv].c, sym[pos].c, &rank, &val))
@@ -270,7 +285,14 @@ static int merge_all(const gc__tok_bpe *b, gc__tok_bpe_work *w, size_t n_sym) {
   return 0;
 }
 
-/* HF merge_word's loop over the characters of a pre-token (char mode). */
+/*
+ * HF merge_word's loop over the characters of a pre-token (char mode): each char looked up
+ * (with the continuing-subword prefix unless it is the first, the end-of-word suffix if it
+ * is the last); a miss becomes byte tokens, or an unk, or nothing. Unks are held as
+ * "pending" so that fuse_unk can grow one over a run of unknown chars; a pending unk goes
+ * out before the next known char, but stays pending across byte-fallback tokens, so it
+ * lands after them: HF's order, kept.
+ */
 static int word_symbols(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_bpe_work *w,
                         size_t *n_sym) {
   int32_t unk = -1;     /* pending unk token and its byte length */
@@ -283,6 +305,7 @@ static int word_symbols(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_b
     size_t klen = cl;
     int32_t id;
     if ((first || !b->cont_prefix) && (!last || !b->eow_suffix)) {
+      /* The char alone: ASCII from a table, the rest through the hash map. */
       id = cl == 1 ? b->ascii_id[(unsigned char)s[i] & 0x7F] : gc__tok_strmap_get(&b->vocab, key, klen);
     } else {
       w->tmp.n = 0;
@@ -331,6 +354,8 @@ static int word_symbols(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_b
   return 0;
 }
 
+/* HF BPE::tokenize_with_cache: the whole-piece lookup (ignore_merges), the cache, then the
+ * merge. Words of 256 bytes and more are not cached (HF's MAX_LENGTH). */
 int gc__tok_bpe_tokenize(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_bpe_work *w,
                          gc_tok_ids *out) {
   if (b->ignore_merges) {
@@ -348,6 +373,7 @@ int gc__tok_bpe_tokenize(const gc__tok_bpe *b, const char *s, size_t n, gc__tok_
   }
   size_t n_sym = 0;
   if (b->raw_mode) {
+    /* One symbol per byte: every byte has its token (checked at load). */
     for (size_t i = 0; i < n; i++)
       if (sym_push(w, &n_sym, b->byte_id[(unsigned char)s[i]], 1)) return MR_ENOMEM;
   } else {

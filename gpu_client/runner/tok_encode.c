@@ -185,6 +185,9 @@ static int added_split(enc_ctx *c, const gc__tok_trie *t, const char *s, size_t 
                        segs *out) {
   const gc_tok *tok = c->tok;
   if (!t->any) return segs_put(out, s, n, -1, origin) ? nomem(c) : 0;
+  /* start_offset: the end of the last accepted token (with its stripped spaces); pos:
+   * where the matcher resumes, the end of the last match found, accepted or not. They
+   * differ after rstrip, and after a refused single_word match. */
   size_t start_offset = 0, pos = 0, ms, me;
   int32_t term;
   while (pos < n && trie_find(t, (const unsigned char *)s, pos, n, &ms, &me, &term)) {
@@ -198,6 +201,7 @@ static int added_split(enc_ctx *c, const gc__tok_trie *t, const char *s, size_t 
       if (!start_space || !stop_space) continue;
     }
     if (a->lstrip) {
+      /* Back over the spaces before, but not into the previous token. */
       size_t ns = ws_run_start(s, start);
       start = ns > start_offset ? ns : start_offset;
     }
@@ -304,6 +308,8 @@ int gc__tok_normalize(const gc_tok *tok, const char *s, size_t n, const char **r
     gc__tok_buf *dst = tmp;
     int rc = 0;
     dst->n = 0;
+    /* A step that changes nothing `continue`s: cur stays, no copy is made (the common
+     * case for NFC on text that is already NFC, the one normalizer Qwen has). */
     switch (st->kind) {
     case GC__N_NFC: case GC__N_NFD: case GC__N_NFKC: case GC__N_NFKD:
       if (norm_quick_yes(st->kind, cur, cn)) continue;
@@ -326,6 +332,8 @@ int gc__tok_normalize(const gc_tok *tok, const char *s, size_t n, const char **r
       if (!rc) rc = gc__tok_buf_put(dst, cur, cn);
       break;
     case GC__N_REPLACE: {
+      /* HF NormalizedString::replace: every match becomes the content, the text between
+       * matches is copied. */
       if ((rc = gc__tok_re_find(st->re, region, cur, cn, m, e))) return rc;
       bool any = false;
       for (size_t i = 0; i < m->n && !rc; i++) {
@@ -523,6 +531,8 @@ static int pre_step(enc_ctx *c, const gc__tok_pre *st, const pieces *src, pieces
         return rc;
       break;
     case GC__P_BYTELEVEL: {
+      /* HF's order: the prefix space, the GPT-2 split (use_regex), then every piece
+       * spelled in the byte chars; raw mode skips the spelling (the model reads bytes). */
       if (st->add_prefix_space && pc.p[0] != ' ') {
         char *p = arena_copy(c, (size_t)pc.n + 1);
         if (!p) return nomem(c);
@@ -595,7 +605,9 @@ static int pre_step(enc_ctx *c, const gc__tok_pre *st, const pieces *src, pieces
   return 0;
 }
 
-/* Pre-tokenizes one text segment and runs the model on each pre-token. */
+/* Pre-tokenizes one text segment and runs the model on each pre-token. The pre-tokenizer
+ * steps map the piece list a to b and swap; pieces point into the input, the normalizer's
+ * buffer or the arena, which lives until this segment's ids are out. */
 static int encode_text(enc_ctx *c, const char *s, size_t n, bool origin) {
   const gc_tok *tok = c->tok;
   c->a.n = 0;
@@ -618,7 +630,9 @@ static int encode_text(enc_ctx *c, const char *s, size_t n, bool origin) {
   return 0;
 }
 
-/* Everything after the input has been made valid UTF-8 (and, for Kimi, cut). */
+/* Everything after the input has been made valid UTF-8 (and, for Kimi, cut): HF's
+ * AddedVocabulary::extract_and_normalize, then pre-tokenization and the model, segment by
+ * segment so that the ids come out in text order. */
 static int encode_core(enc_ctx *c, const char *s, size_t n, bool origin) {
   const gc_tok *tok = c->tok;
   int rc;
@@ -630,6 +644,8 @@ static int encode_core(enc_ctx *c, const char *s, size_t n, bool origin) {
       if (gc__tok_ids_put(c->out, &g.id, 1)) return nomem(c);
       continue;
     }
+    /* Each segment between raw added tokens is normalized alone (so a Prepend normalizer
+     * also applies after "<s>"), then searched for the normalized added tokens. */
     const char *ns = g.p;
     size_t nn = g.n;
     if (tok->n_norm &&
@@ -662,6 +678,9 @@ static int encode_core(enc_ctx *c, const char *s, size_t n, bool origin) {
 #define KIMI_MAX_RUN 25000
 static int encode_kimi(enc_ctx *c, const char *s, size_t n) {
   size_t i = 0;
+  /* Python's loop, in bytes: the chunk's code points counted, then a run counter that
+   * restarts at every change between whitespace and not; when a run passes the limit the
+   * slice so far is encoded and the next slice starts at that char. */
   while (i < n) {
     /* One chunk: up to KIMI_CHUNK_CHARS code points. */
     size_t chunk_end = i, chars = 0;

@@ -641,7 +641,11 @@ static int parse_model(ld *L, const cJSON *o) {
   }
 
   /* Merges: all "a b" strings (the older layout; "#version" lines skipped, each split on
-   * ' ' into exactly two parts) or all ["a", "b"] pairs. Rank = position. */
+   * ' ' into exactly two parts) or all ["a", "b"] pairs (the layout is the first entry's;
+   * HF's untagged enum takes one or the other, never a mix). Rank = position among the
+   * merges kept; a pair listed twice keeps its last rank (HF builds a map). Each merge
+   * is stored by ids: (id a, id b) -> (rank, id of the merged token), the token a + b
+   * less the continuing-subword prefix's length of bytes at the start of b. */
   int n = cJSON_GetArraySize(merges);
   if ((unsigned)n > MAX_MERGES) return bad(L, MR_ERANGE, "model.merges", merges, "too many merges");
   if (gc__tok_pairmap_init(&b->merges, (size_t)n)) return nomem(L);
@@ -886,9 +890,12 @@ int gc__tok_parse_config(gc_tok *tok, const char *json, size_t len, const char *
  * tokens, ranked by a+b's rank, and ignore_merges (the whole-piece lookup).
  */
 
-/* Kimi-K2's pat_str, from tokenization_kimi.py (TikTokenTokenizer.pat_str) in the
- * moonshotai/Kimi-K2-Instruct repository on the Hugging Face Hub: the eight alternatives
- * joined with "|", unchanged. It needs Oniguruma's `&&` class intersection. */
+/* Kimi-K2's pat_str: TikTokenTokenizer.pat_str of tokenization_kimi.py in the moonshotai
+ * Kimi-K2 repositories on the Hugging Face Hub, the eight alternatives joined with "|",
+ * unchanged. The Hub is not reachable from here; it was taken from published copies of
+ * that file and ports that quote it verbatim (a vendored tokenization_kimi.py, two Rust
+ * ports, a GGUF reference script), which all agree. It needs Oniguruma's `&&` class
+ * intersection. */
 static const char KIMI_PATTERN[] =
     "[\\p{Han}]+"
     "|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}&&[^\\p{Han}]]*"
@@ -945,7 +952,9 @@ int gc__tok_parse_tiktoken(gc_tok *tok, const char *model, size_t len, const cha
   tok->tiktoken = true;
   b->unk_id = -1;
   b->ignore_merges = true;
-  /* Pass 1: the vocabulary, token bytes -> rank, keyed by the byte-level string. */
+  /* Pass 1: the vocabulary, token bytes -> rank, keyed by the byte-level string (so that the
+   * rest of the tokenizer, the decoder included, is the byte-level BPE's). Blank lines are
+   * skipped, as tiktoken's loader skips them; a '\r' before '\n' is tolerated. */
   size_t line = 0, max_rank = 0;
   for (size_t i = 0; i < len;) {
     size_t j = i;
@@ -1018,7 +1027,10 @@ int gc__tok_parse_tiktoken(gc_tok *tok, const char *model, size_t len, const cha
     mr_free(seen);
     if (rc) goto out;
   }
-  /* Pass 2: a merge for every split of every token into two tokens. */
+  /* Pass 2: a merge for every split of every token into two tokens. tiktoken merges any
+   * two adjacent parts whose bytes are a token, at that token's rank; listing every such
+   * pair once (a pair determines its concatenation) lets the BPE loop of tok_bpe.c do
+   * exactly that. About len - 1 lookups per token: ~1M for Kimi's 163,840. */
   if (gc__tok_pairmap_init(&b->merges, (size_t)b->vocab.n * 2)) {
     rc = nomem(&L);
     goto out;

@@ -111,6 +111,9 @@ static int normalize_content(const gc_tok *t, const char *s, size_t n, char **ou
  */
 static int assign_added(gc_tok *t, const char *label, gc__tok_pairmap *live,
                         gc__tok_pairmap *normed, gc__tok_strmap *special, mr_err *e) {
+  /* live: id -> the index of the token that holds it now; normed: id -> the index of the
+   * token whose normalized form the id last got (HF's normalized_cache, kept even when a
+   * later token takes the id). */
   uint32_t next_id = t->bpe.model_size;
   for (uint32_t k = 0; k < t->n_added; k++) {
     gc__tok_added *a = &t->added[k];
@@ -167,8 +170,10 @@ int gc__tok_finish(gc_tok *t, const char *label, mr_err *e) {
   if ((rc = assign_added(t, label, &live, &normed, &special, e))) goto out;
 
   /* The live added tokens (the last one given each id): the tries and the decode text. A
-   * normalized token is matched by its normalized form; each trie must not hold the same
-   * text twice nor an empty one (HF: daachorse refuses to build). */
+   * normalized token is matched by its normalized form; two tokens matched by the same text
+   * are refused (HF would pick one by hash order), one whose normalized form is "" is never
+   * matched (as in HF). vocab_size covers the model's ids, the added ones and the
+   * template's. */
   uint32_t max_id = 0;
   for (uint32_t i = 0; i < t->bpe.vocab.n; i++)
     if ((uint32_t)t->bpe.vocab.ent[i].val > max_id) max_id = (uint32_t)t->bpe.vocab.ent[i].val;
