@@ -26,6 +26,9 @@ tests/conformance/tok_cli) against the `tokenizers` package on a generated corpu
    without skip_special_tokens equal; the streaming decoder's concatenation == decode.
    Round trips (decode(encode(x)) == x) are counted where HF round-trips.
 4. Last line: "test_tokenizer_hf: N passed, N failed" (one check = one family x record).
+
+The corpus is the same in every run; the trained tokenizers may differ slightly between
+runs (the BPE trainer breaks ties in hash order). --keep DIR keeps what a run used.
 """
 import argparse
 import base64
