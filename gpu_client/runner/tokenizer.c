@@ -110,7 +110,8 @@ static int normalize_content(const gc_tok *t, const char *s, size_t n, char **ou
  * skipped; with other properties it replaces the earlier one at that id.
  */
 static int assign_added(gc_tok *t, const char *label, gc__tok_pairmap *live,
-                        gc__tok_pairmap *normed, gc__tok_strmap *special, mr_err *e) {
+                        gc__tok_pairmap *normed, gc__tok_strmap *special, uint32_t *moved,
+                        mr_err *e) {
   /* live: id -> the index of the token that holds it now; normed: id -> the index of the
    * token whose normalized form the id last got (HF's normalized_cache, kept even when a
    * later token takes the id). */
@@ -132,7 +133,7 @@ static int assign_added(gc_tok *t, const char *label, gc__tok_pairmap *live,
                           next_id, GC_TOK_MAX_ID);
       id = (int32_t)next_id++;
     }
-    if (id != file_id && !t->tiktoken)
+    if (id != file_id && !t->tiktoken && ++*moved <= 3)
       mr_log(MR_LOG_WARN, "%s: added_tokens[%u] \"%.60s\" has id %d in the file but gets %d "
              "(as in HF tokenizers)", label, k, a->content, file_id, id);
     a->id = id;
@@ -167,7 +168,10 @@ int gc__tok_finish(gc_tok *t, const char *label, mr_err *e) {
   gc__tok_trie_init(&t->trie_norm);
   if (gc__tok_pairmap_init(&live, t->n_added) || gc__tok_pairmap_init(&normed, t->n_added))
     goto out_nomem;
-  if ((rc = assign_added(t, label, &live, &normed, &special, e))) goto out;
+  uint32_t moved = 0; /* tokens whose id differs from the file's: 3 warnings, then a count */
+  if ((rc = assign_added(t, label, &live, &normed, &special, &moved, e))) goto out;
+  if (moved > 3)
+    mr_log(MR_LOG_WARN, "%s: %u added tokens in all get another id than the file's", label, moved);
 
   /* The live added tokens (the last one given each id): the tries and the decode text. A
    * normalized token is matched by its normalized form; two tokens matched by the same text
