@@ -90,7 +90,7 @@ ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnn
 ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-bf16 -mamx-int8
 
 GRPC_LIBS = -lgrpc -lgpr
-EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lm
+EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lonig -lutf8proc -lm
 ifeq ($(HAVE_HWLOC),1)
 EXT_LIBS += -lhwloc
 endif
@@ -170,7 +170,7 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tok_cli
 
 .SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration check-layers demo demo-multihost bench fuzz fuzz-check have-not clean help
@@ -345,6 +345,11 @@ fuzz-check: fuzz
 
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
 $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+# The tokenizer on lines of text, driven by tests/conformance/test_tokenizer_hf.py.
+$(BUILD)/tests/tok_cli: $(BUILD)/obj/tests/conformance/tok_cli.o $(LIB_RUN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
 # kn_moe_forward and the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
-# DeepSeek-V3 checkpoints) against PyTorch + transformers (tests/conformance/README.md).
+# DeepSeek-V3 checkpoints) against PyTorch + transformers, and the runner's tokenizer
+# against the `tokenizers` package (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -23,7 +24,7 @@ elif [ $rc -ne 0 ]; then
 fi
 
 make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" \
-  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client"
+  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client" "$BUILD/tests/tok_cli"
 # Each check prints its own cases and ends with "<check>: N passed, N failed[, N skipped]";
 # the last line here is their sum, "conformance: ...", the one tests/run.sh counts. A check
 # that ends without its line counts as one failure.
@@ -50,5 +51,6 @@ check tests/conformance/test_fp8_loading.py --build "$BUILD"
 check tests/conformance/test_mkmodel_deepseek.py --build "$BUILD"
 check tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client"
 check tests/conformance/test_deepseek_logits.py --client "$BUILD/bin/moerpc-client"
+check tests/conformance/test_tokenizer_hf.py --cli "$BUILD/tests/tok_cli"
 echo "conformance: $P passed, $F failed, $S skipped"
 exit $rc
