@@ -1897,56 +1897,6 @@ fail:
 
 /* ---- generation -------------------------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-typedef struct cand {
-  float p;
-  int32_t id;
-} cand;
-static int cand_cmp(const void *a, const void *b) {
-  const cand *x = a, *y = b;
-  if (x->p != y->p) return x->p > y->p ? -1 : 1;
-  return x->id - y->id;
-}
-
-int32_t gc_sample(const float *logits, uint32_t V, const gc_sampling *smp, uint64_t *state) {
-  int32_t best = 0;
-  for (uint32_t i = 1; i < V; i++)
-    if (logits[i] > logits[best]) best = (int32_t)i;
-  if (!smp || smp->temperature <= 0) return best;
-  cand *c = mr_malloc((size_t)V * sizeof *c);
-  if (!c) return best; /* out of memory: degrade to greedy rather than fail the request */
-  const float inv_t = 1.0f / smp->temperature, mx = logits[best];
-  double sum = 0;
-  for (uint32_t i = 0; i < V; i++) {
-    c[i].id = (int32_t)i;
-    c[i].p = expf((logits[i] - mx) * inv_t);
-    sum += c[i].p;
-  }
-  qsort(c, V, sizeof *c, cand_cmp);
-  float top_p = smp->top_p > 0 && smp->top_p < 1 ? smp->top_p : 1.0f;
-  uint32_t n = 0;
-  double mass = 0;
-  while (n < V && (n == 0 || mass < top_p * sum)) mass += c[n++].p;
-  double u = (double)(splitmix64(state) >> 11) / 9007199254740992.0 * mass;
-  int32_t id = c[n - 1].id;
-  double acc = 0;
-  for (uint32_t i = 0; i < n; i++) {
-    acc += c[i].p;
-    if (u < acc) {
-      id = c[i].id;
-      break;
-    }
-  }
-  mr_free(c);
-  return id;
-}
-
 int gc_model_generate(gc_model *m, uint32_t n, const int32_t *const *prompts,
                       const uint32_t *lens, uint32_t max_new, const gc_sampling *smp,
                       int32_t *out, gc_gen_timing *t, mr_err *e) {

@@ -173,6 +173,7 @@ void gc_model_placement_render(gc_model *m, mr_prom *p);
 typedef struct gc_sampling {
   float temperature; /* 0 = greedy (argmax, ties to the lower id) */
   float top_p;       /* nucleus mass in (0, 1]; 1 = off */
+  uint32_t top_k;    /* keep the k most likely before top_p; 0 = off */
   uint64_t seed;     /* PRNG seed; sequence b uses a stream derived from (seed, b) */
 } gc_sampling;
 typedef struct gc_gen_timing {
@@ -186,8 +187,17 @@ typedef struct gc_gen_timing {
 int gc_model_generate(gc_model *m, uint32_t n, const int32_t *const *prompts,
                       const uint32_t *lens, uint32_t max_new, const gc_sampling *smp,
                       int32_t *out, gc_gen_timing *t, mr_err *e);
-/* Picks the next id from logits[vocab] (temperature / top-p as above; state: the PRNG). */
+/* Picks the next id from logits[vocab] (temperature, top_k, top_p as above; state: the
+ * caller's PRNG, advanced by one draw when sampling; gc_sample.c). smp NULL = greedy. */
 int32_t gc_sample(const float *logits, uint32_t vocab, const gc_sampling *smp, uint64_t *state);
+typedef struct gc_logprob {
+  int32_t id;
+  float logprob;
+} gc_logprob;
+/* Log-softmax of logits[vocab] at temperature 1: *chosen_lp (may be NULL) gets chosen's, and
+ * top[0..n_top) the n_top most likely ids, best first (ties to the lower id). MR_ENOMEM. */
+int gc_logprobs(const float *logits, uint32_t vocab, int32_t chosen, uint32_t n_top, gc_logprob *top,
+                float *chosen_lp);
 
 #ifdef __cplusplus
 }
