@@ -766,6 +766,192 @@ static int mk_write_config(const mk_args *a, mr_err *e) {
   return rc;
 }
 
+/* ---- a tokenizer for the random model ------------------------------------------------------
+ *
+ * So that text goes end to end (`generate --chat`, `serve`), a model gets a small byte-level
+ * BPE tokenizer in the layout of Qwen2/Qwen3's (NFC, the Split regex + ByteLevel
+ * pre-tokenizer, ByteLevel decoder; tokenizer.json version 1.0), a tokenizer_config.json
+ * with ChatML special tokens and a chat template, and a generation_config.json naming the
+ * stop ids. Ids: 0..255 the 256 byte symbols, then one token per merge, three special
+ * tokens last (<|endoftext|>, <|im_start|>, <|im_end|>). The merges spell common English
+ * words with their leading space (the ByteLevel "G-dot" symbol), left to right, until the
+ * vocabulary is full: real tokenizers merge by corpus frequency, this one only has to be
+ * valid, deterministic, and read the same by the tokenizers package and by moerpc. The
+ * weights are random, so the model's text is nonsense whatever the tokenizer. */
+
+static const char *const mk_words[] = {
+    "the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be", "by",
+    "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have", "an",
+    "had", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+    "been", "if", "more", "when", "will", "would", "who", "so", "no", "what", "up", "out",
+    "about", "into", "than", "them", "time", "only", "could", "new", "some", "other", "these",
+    "may", "like", "then", "first", "any", "now", "such", "over", "model", "expert", "server",
+    "token", "layer", "hello", "world", "question", "answer", "because", "where", "how", "why",
+    "people", "water", "number", "system", "between", "under", "never", "after", "before",
+    "while", "through", "work", "make", "good", "well", "very", "also", "just", "know", "see"};
+
+/* GPT-2's bytes_to_unicode: printable bytes stand for themselves, the others for 256 + n. */
+static uint32_t mk_byte_char(uint8_t b) {
+  if ((b >= 0x21 && b <= 0x7e) || (b >= 0xa1 && b <= 0xac) || b >= 0xae) return b;
+  uint32_t n = 0;
+  for (uint32_t c = 0; c < b; c++)
+    if (!((c >= 0x21 && c <= 0x7e) || (c >= 0xa1 && c <= 0xac) || c >= 0xae)) n++;
+  return 256 + n;
+}
+
+/* Appends code point cp as UTF-8, JSON-escaped where it must be. */
+static int mk_put_cp(mk_buf *b, uint32_t cp) {
+  if (cp == '"' || cp == '\\') return mk_printf(b, "\\%c", (char)cp);
+  if (cp < 0x80) return mk_printf(b, "%c", (char)cp);
+  if (cp < 0x800) return mk_printf(b, "%c%c", (char)(0xc0 | cp >> 6), (char)(0x80 | (cp & 0x3f)));
+  return mk_printf(b, "%c%c%c", (char)(0xe0 | cp >> 12), (char)(0x80 | (cp >> 6 & 0x3f)), (char)(0x80 | (cp & 0x3f)));
+}
+
+/* A token: up to 32 bytes (before the byte-to-symbol mapping). */
+typedef struct mk_tok {
+  uint8_t b[32];
+  uint8_t n;
+} mk_tok;
+
+static int mk_put_tok(mk_buf *b, const mk_tok *t) {
+  for (uint32_t i = 0; i < t->n; i++) {
+    int rc = mk_put_cp(b, mk_byte_char(t->b[i]));
+    if (rc) return rc;
+  }
+  return 0;
+}
+
+static int32_t mk_tok_find(const mk_tok *v, uint32_t n, const uint8_t *bytes, uint32_t len) {
+  for (uint32_t i = 0; i < n; i++)
+    if (v[i].n == len && memcmp(v[i].b, bytes, len) == 0) return (int32_t)i;
+  return -1;
+}
+
+/* The ChatML template of the random model (a Qwen-style subset: roles, system, the
+ * assistant's turn on add_generation_prompt). */
+static const char mk_chat_template[] =
+    "{%- for message in messages %}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "{{- '<|im_start|>assistant\\n' }}\n"
+    "{%- endif %}\n";
+
+/* The Qwen2 pre-tokenizer pattern, as tokenizer.json writes it (JSON-escaped). */
+static const char mk_qwen_regex[] =
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}| ?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|"
+    "\\\\s*[\\\\r\\\\n]+|\\\\s+(?!\\\\S)|\\\\s+";
+
+static int mk_write_tokenizer(const mk_args *a, mr_err *e) {
+  static const char *const special[3] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+  if (a->vocab < 256 + 3) {
+    mr_log(MR_LOG_INFO, "no tokenizer: --vocab %u leaves no room for 256 byte tokens and 3 special ones",
+           a->vocab);
+    return 0;
+  }
+  const uint32_t n_merge_max = a->vocab - 256 - 3 < 4096 ? a->vocab - 256 - 3 : 4096;
+  mk_tok *v = mr_calloc(256 + n_merge_max, sizeof *v);
+  int32_t (*merges)[2] = mr_calloc(n_merge_max ? n_merge_max : 1, sizeof *merges);
+  mk_buf b = {0};
+  char path[4096];
+  int rc = 0;
+  if (!v || !merges) {
+    rc = mr_err_set(e, MR_ENOMEM, "tokenizer: out of memory");
+    goto out;
+  }
+  for (uint32_t i = 0; i < 256; i++) v[i] = (mk_tok){{(uint8_t)i}, 1};
+  uint32_t n = 256, n_merges = 0;
+  for (size_t w = 0; w < sizeof mk_words / sizeof mk_words[0] && n_merges < n_merge_max; w++) {
+    uint8_t word[32];
+    uint32_t len = 0;
+    word[len++] = ' ';
+    for (const char *c = mk_words[w]; *c && len < sizeof word; c++) word[len++] = (uint8_t)*c;
+    int32_t left = word[0];
+    for (uint32_t k = 2; k <= len && n_merges < n_merge_max; k++) {
+      int32_t have = mk_tok_find(v, n, word, k);
+      if (have < 0) {
+        v[n].n = (uint8_t)k;
+        memcpy(v[n].b, word, k);
+        merges[n_merges][0] = left;
+        merges[n_merges][1] = word[k - 1];
+        n_merges++;
+        have = (int32_t)n++;
+      }
+      left = have;
+    }
+  }
+  const uint32_t sp0 = a->vocab - 3; /* the special tokens take the last ids */
+  /* tokenizer.json */
+  rc = mk_printf(&b, "{\n  \"version\": \"1.0\",\n  \"truncation\": null,\n  \"padding\": null,\n  \"added_tokens\": [");
+  for (int i = 0; !rc && i < 3; i++)
+    rc = mk_printf(&b, "%s\n    {\"id\": %u, \"content\": \"%s\", \"single_word\": false, \"lstrip\": false, "
+                   "\"rstrip\": false, \"normalized\": false, \"special\": true}", i ? "," : "", sp0 + i, special[i]);
+  if (!rc)
+    rc = mk_printf(&b, "\n  ],\n  \"normalizer\": {\"type\": \"NFC\"},\n"
+                   "  \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [\n"
+                   "    {\"type\": \"Split\", \"pattern\": {\"Regex\": \"%s\"}, \"behavior\": \"Isolated\", \"invert\": false},\n"
+                   "    {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": false, \"use_regex\": false}]},\n"
+                   "  \"post_processor\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": false, \"use_regex\": false},\n"
+                   "  \"decoder\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": false, \"use_regex\": false},\n"
+                   "  \"model\": {\"type\": \"BPE\", \"dropout\": null, \"unk_token\": null, \"continuing_subword_prefix\": \"\", "
+                   "\"end_of_word_suffix\": \"\", \"fuse_unk\": false, \"byte_fallback\": false, \"ignore_merges\": false,\n"
+                   "    \"vocab\": {", mk_qwen_regex);
+  for (uint32_t i = 0; !rc && i < n; i++) {
+    rc = mk_printf(&b, "%s\"", i ? ", " : "");
+    if (!rc) rc = mk_put_tok(&b, &v[i]);
+    if (!rc) rc = mk_printf(&b, "\": %u", i);
+  }
+  /* ids between the merges and the special tokens: unreachable placeholders, so that the
+   * vocabulary covers every id of the model's embedding */
+  for (uint32_t i = n; !rc && i < sp0; i++) rc = mk_printf(&b, ", \"<|reserved_%u|>\": %u", i, i);
+  if (!rc) rc = mk_printf(&b, "},\n    \"merges\": [");
+  for (uint32_t i = 0; !rc && i < n_merges; i++) {
+    rc = mk_printf(&b, "%s\"", i ? ", " : "");
+    if (!rc) rc = mk_put_tok(&b, &v[merges[i][0]]);
+    if (!rc) rc = mk_printf(&b, " ");
+    if (!rc) rc = mk_put_tok(&b, &v[merges[i][1]]);
+    if (!rc) rc = mk_printf(&b, "\"");
+  }
+  if (!rc) rc = mk_printf(&b, "]\n  }\n}\n");
+  if (rc) {
+    rc = mr_err_set(e, rc, "tokenizer.json: out of memory");
+    goto out;
+  }
+  if (mr__path_join(path, sizeof path, a->out, "tokenizer.json") != 0) {
+    rc = mr_err_set(e, MR_ERANGE, "%s: path too long", a->out);
+    goto out;
+  }
+  if ((rc = mk_write_text(path, b.s, b.len, e))) goto out;
+  /* tokenizer_config.json: the special tokens and the chat template */
+  b.len = 0;
+  rc = mk_printf(&b, "{\n  \"tokenizer_class\": \"Qwen2Tokenizer\",\n  \"bos_token\": null,\n"
+                 "  \"eos_token\": \"<|im_end|>\",\n  \"pad_token\": \"<|endoftext|>\",\n"
+                 "  \"model_max_length\": 4096,\n  \"added_tokens_decoder\": {");
+  for (int i = 0; !rc && i < 3; i++)
+    rc = mk_printf(&b, "%s\n    \"%u\": {\"content\": \"%s\", \"lstrip\": false, \"normalized\": false, "
+                   "\"rstrip\": false, \"single_word\": false, \"special\": true}", i ? "," : "", sp0 + i, special[i]);
+  if (!rc) rc = mk_printf(&b, "\n  },\n  \"chat_template\": \"");
+  for (const char *c = mk_chat_template; !rc && *c; c++)
+    rc = *c == '\n' ? mk_printf(&b, "\\n") : mk_put_cp(&b, (uint8_t)*c);
+  if (!rc) rc = mk_printf(&b, "\"\n}\n");
+  if (!rc && mr__path_join(path, sizeof path, a->out, "tokenizer_config.json") != 0)
+    rc = mr_err_set(e, MR_ERANGE, "%s: path too long", a->out);
+  if (!rc) rc = mk_write_text(path, b.s, b.len, e);
+  if (rc) goto out;
+  /* generation_config.json: the stop ids */
+  b.len = 0;
+  rc = mk_printf(&b, "{\n  \"eos_token_id\": [%u, %u],\n  \"pad_token_id\": %u,\n  \"do_sample\": false\n}\n",
+                 sp0 + 2, sp0, sp0);
+  if (!rc && mr__path_join(path, sizeof path, a->out, "generation_config.json") != 0)
+    rc = mr_err_set(e, MR_ERANGE, "%s: path too long", a->out);
+  if (!rc) rc = mk_write_text(path, b.s, b.len, e);
+out:
+  mr_free(v);
+  mr_free(merges);
+  mr_free(b.s);
+  return rc;
+}
+
 /* Removes the model files in dir that a run writing n_shards files does not write. */
 static void mk_remove_stale(const char *dir, uint32_t n_shards) {
   DIR *d = opendir(dir);
@@ -935,6 +1121,7 @@ static int mk_run(const mk_args *a, mr_err *e) {
   }
   if (n_shards > 1) mk_remove_stale(a->out, n_shards);
   if ((rc = mk_write_config(a, e))) goto out;
+  if ((rc = mk_write_tokenizer(a, e))) goto out;
   if (total > (256u << 20)) mk_progress(&fc, true);
   mr_log(MR_LOG_INFO, "done: %s in %.1f s", a->out, (double)(mr_now_ns() - fc.t0_ns) / 1e9);
 out:

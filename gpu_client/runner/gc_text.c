@@ -1,0 +1,196 @@
+/*
+ * gc_text.c - text out of produced ids: streaming decode plus stop strings (text.h), and
+ * the model's stop ids from generation_config.json.
+ */
+#include "gpu_client/runner/text.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include <cjson/cJSON.h>
+
+struct gc_text_out {
+  gc_tok_stream *st;
+  char *stops[GC_TEXT_MAX_STOPS];
+  size_t stop_len[GC_TEXT_MAX_STOPS];
+  size_t n_stops;
+  char *pend;            /* text decoded and not emitted yet */
+  size_t pend_len, pend_cap;
+  char *emit;            /* the last emitted piece */
+  size_t emit_cap;
+  bool stopped;
+};
+
+int gc_text_out_new(gc_text_out **out, const gc_tok *tok, const char *const *stops, size_t n_stops,
+                    bool skip_special, mr_err *e) {
+  *out = NULL;
+  if (n_stops > GC_TEXT_MAX_STOPS)
+    return mr_err_set(e, MR_ERANGE, "stop: %zu strings, at most %u", n_stops, GC_TEXT_MAX_STOPS);
+  for (size_t i = 0; i < n_stops; i++) {
+    size_t n = stops[i] ? strlen(stops[i]) : 0;
+    if (n < 1 || n > GC_TEXT_MAX_STOP_BYTES)
+      return mr_err_set(e, MR_ERANGE, "stop[%zu]: %zu bytes, must be 1..%u", i, n, GC_TEXT_MAX_STOP_BYTES);
+  }
+  gc_text_out *t = mr_calloc(1, sizeof *t);
+  if (!t) return mr_err_set(e, MR_ENOMEM, "text output: out of memory");
+  int rc = gc_tok_stream_new(tok, skip_special, &t->st, e);
+  for (size_t i = 0; !rc && i < n_stops; i++) {
+    t->stop_len[i] = strlen(stops[i]);
+    if (!(t->stops[i] = mr_malloc(t->stop_len[i] + 1))) rc = mr_err_set(e, MR_ENOMEM, "stop: out of memory");
+    else memcpy(t->stops[i], stops[i], t->stop_len[i] + 1);
+    t->n_stops = i + 1;
+  }
+  if (rc) {
+    gc_text_out_free(t);
+    return rc;
+  }
+  *out = t;
+  return 0;
+}
+
+void gc_text_out_free(gc_text_out *t) {
+  if (!t) return;
+  gc_tok_stream_free(t->st);
+  for (size_t i = 0; i < t->n_stops; i++) mr_free(t->stops[i]);
+  mr_free(t->pend);
+  mr_free(t->emit);
+  mr_free(t);
+}
+
+static int grow(char **buf, size_t *cap, size_t need, mr_err *e) {
+  if (need <= *cap) return 0;
+  size_t c = *cap ? *cap : 256;
+  while (c < need) c *= 2;
+  char *p = mr_realloc(*buf, c);
+  if (!p) return mr_err_set(e, MR_ENOMEM, "text output: out of memory");
+  *buf = p;
+  *cap = c;
+  return 0;
+}
+
+/* Emits pend[0..n) and keeps the rest pending. */
+static int emit_prefix(gc_text_out *t, size_t n, const char **emit, size_t *len, mr_err *e) {
+  int rc = grow(&t->emit, &t->emit_cap, n + 1, e);
+  if (rc) return rc;
+  memcpy(t->emit, t->pend, n);
+  t->emit[n] = '\0';
+  memmove(t->pend, t->pend + n, t->pend_len - n);
+  t->pend_len -= n;
+  *emit = t->emit;
+  *len = n;
+  return 0;
+}
+
+/* How much of pend may go out now: everything before the first complete stop (*stop set),
+ * else everything but the longest suffix that is a proper prefix of some stop string. */
+static size_t safe_len(const gc_text_out *t, bool *stop) {
+  *stop = false;
+  size_t first = t->pend_len;
+  for (size_t i = 0; i < t->n_stops; i++) {
+    const size_t L = t->stop_len[i];
+    for (size_t p = 0; p + L <= t->pend_len && p < first; p++)
+      if (memcmp(t->pend + p, t->stops[i], L) == 0) {
+        first = p;
+        *stop = true;
+        break;
+      }
+  }
+  if (*stop) return first;
+  size_t keep = 0;
+  for (size_t i = 0; i < t->n_stops; i++) {
+    const size_t L = t->stop_len[i];
+    for (size_t k = L - 1 < t->pend_len ? L - 1 : t->pend_len; k > keep; k--)
+      if (memcmp(t->pend + t->pend_len - k, t->stops[i], k) == 0) {
+        keep = k;
+        break;
+      }
+  }
+  return t->pend_len - keep;
+}
+
+int gc_text_out_feed(gc_text_out *t, int32_t id, const char **emit, size_t *len, bool *stopped, mr_err *e) {
+  *emit = "";
+  *len = 0;
+  *stopped = t->stopped;
+  if (t->stopped) return 0;
+  const char *piece;
+  size_t n;
+  int rc = gc_tok_stream_step(t->st, id, &piece, &n, e);
+  if (rc) return rc;
+  if ((rc = grow(&t->pend, &t->pend_cap, t->pend_len + n + 1, e))) return rc;
+  memcpy(t->pend + t->pend_len, piece, n);
+  t->pend_len += n;
+  bool stop;
+  size_t ok = safe_len(t, &stop);
+  if ((rc = emit_prefix(t, ok, emit, len, e))) return rc;
+  if (stop) {
+    t->stopped = true;
+    t->pend_len = 0; /* the stop string and anything after it are dropped */
+    *stopped = true;
+  }
+  return 0;
+}
+
+int gc_text_out_finish(gc_text_out *t, const char **emit, size_t *len, mr_err *e) {
+  *emit = "";
+  *len = 0;
+  if (t->stopped) return 0;
+  const char *piece;
+  size_t n;
+  int rc = gc_tok_stream_flush(t->st, &piece, &n, e); /* an unfinished UTF-8 tail, as U+FFFD */
+  if (rc) return rc;
+  if ((rc = grow(&t->pend, &t->pend_cap, t->pend_len + n + 1, e))) return rc;
+  memcpy(t->pend + t->pend_len, piece, n);
+  t->pend_len += n;
+  return emit_prefix(t, t->pend_len, emit, len, e);
+}
+
+/* ---- stop ids ------------------------------------------------------------------------------- */
+
+static void add_id(int32_t *ids, size_t cap, size_t *n, int32_t id) {
+  for (size_t i = 0; i < *n; i++)
+    if (ids[i] == id) return;
+  if (*n < cap) ids[(*n)++] = id;
+}
+
+int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, size_t cap, size_t *n, mr_err *e) {
+  *n = 0;
+  const uint32_t V = tok ? gc_tok_vocab_size(tok) : 0;
+  char path[4096];
+  struct stat sb;
+  if (model_dir && snprintf(path, sizeof path, "%s/generation_config.json", model_dir) < (int)sizeof path &&
+      stat(path, &sb) == 0) {
+    char *text = NULL;
+    size_t len = 0;
+    cJSON *root = NULL;
+    int rc = mr_file_read(path, MR_JSON_MAX_BYTES, &text, &len, e);
+    if (!rc) rc = mr_json_parse_object(text, len, path, &root, e);
+    mr_free(text);
+    if (rc) return rc;
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
+    const cJSON *it;
+    if (cJSON_IsNumber(v)) {
+      if (v->valuedouble < 0 || (V && v->valuedouble >= V) || v->valuedouble != (double)(int32_t)v->valuedouble)
+        rc = mr_err_set(e, MR_EFORMAT, "%s: eos_token_id = %g, must be an id in 0..%u", path, v->valuedouble, V - 1);
+      else add_id(ids, cap, n, (int32_t)v->valuedouble);
+    } else if (cJSON_IsArray(v)) {
+      size_t k = 0;
+      cJSON_ArrayForEach(it, v) {
+        if (!cJSON_IsNumber(it) || it->valuedouble < 0 || (V && it->valuedouble >= V) ||
+            it->valuedouble != (double)(int32_t)it->valuedouble) {
+          rc = mr_err_set(e, MR_EFORMAT, "%s: eos_token_id[%zu] is not an id in 0..%u", path, k, V - 1);
+          break;
+        }
+        add_id(ids, cap, n, (int32_t)it->valuedouble);
+        k++;
+      }
+    } else if (v && !cJSON_IsNull(v)) {
+      rc = mr_err_set(e, MR_EFORMAT, "%s: eos_token_id must be a number or a list of numbers", path);
+    }
+    cJSON_Delete(root);
+    if (rc) return rc;
+  }
+  if (tok && gc_tok_eos_id(tok) >= 0) add_id(ids, cap, n, gc_tok_eos_id(tok));
+  return 0;
+}

@@ -1,0 +1,54 @@
+/*
+ * text.h - text out of produced token ids (prefix gc_text_): streaming detokenization with
+ * stop strings, and the model's stop ids. Shared by `moerpc-client generate` and `serve`.
+ *
+ * A gc_text_out follows one generated sequence. Each produced id goes through the
+ * tokenizer's streaming decoder (bytes of an unfinished UTF-8 character wait for the rest),
+ * then through the stop strings: text that could still be the start of a stop string is
+ * held back until it is not (or until it is one), so what was emitted never has to be taken
+ * back, and a stop string never reaches the client:
+ *
+ *     ids -> gc_tok_stream -> pending text -> [longest suffix that prefixes a stop] held
+ *                                          -> the rest emitted; a complete stop: emit what
+ *                                             precedes it, drop it and everything after
+ *
+ * Threads: a gc_text_out belongs to one thread at a time (the scheduler's, in serve).
+ */
+#ifndef GC_TEXT_H
+#define GC_TEXT_H
+
+#include "gpu_client/runner/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GC_TEXT_MAX_STOPS 16u
+#define GC_TEXT_MAX_STOP_BYTES 1024u
+
+typedef struct gc_text_out gc_text_out;
+
+/* stops: n_stops strings (each 1..GC_TEXT_MAX_STOP_BYTES bytes; copied), n_stops <=
+ * GC_TEXT_MAX_STOPS. skip_special: special tokens produce no text. MR_EINVAL / MR_ERANGE
+ * naming the stop and the limit. */
+int gc_text_out_new(gc_text_out **out, const gc_tok *tok, const char *const *stops, size_t n_stops,
+                    bool skip_special, mr_err *e);
+void gc_text_out_free(gc_text_out *t); /* NULL is a no-op */
+/* Feeds one produced id. *emit / *len (valid until the next call on t) get the text to show
+ * now, possibly empty; *stopped is set when a stop string completed: the text before it
+ * was emitted and the sequence should end (feed nothing more). */
+int gc_text_out_feed(gc_text_out *t, int32_t id, const char **emit, size_t *len, bool *stopped, mr_err *e);
+/* The sequence ended otherwise (length, a stop id): the text still held back. */
+int gc_text_out_finish(gc_text_out *t, const char **emit, size_t *len, mr_err *e);
+
+/* The model's stop ids: generation_config.json's eos_token_id (a number or a list) in
+ * model_dir when there is one, then the tokenizer's eos id, without repeats; at most cap.
+ * A generation_config.json that does not parse, or an id outside the vocabulary, is
+ * MR_EFORMAT naming the file and the field. */
+int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, size_t cap, size_t *n,
+                     mr_err *e);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GC_TEXT_H */
