@@ -25,7 +25,7 @@
  * Replicas: a pair listed under several servers (mr_placement's rep lists) is loaded on
  * each of them; a pair on no server in a served layer is refused.
  */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -242,7 +242,6 @@ static int parse_args(int argc, char **argv, apply_args *a) {
     if (opt == -1) break;
     char *end = NULL;
     unsigned long v = 0;
-    int lvl;
     switch (opt) {
     case O_CLUSTER: a->cluster = optarg; break;
     case O_FILE:
@@ -271,11 +270,7 @@ static int parse_args(int argc, char **argv, apply_args *a) {
     case O_UWC: a->unload_without_clients = true; break;
     case O_DRY: a->dry_run = true; break;
     case O_LOG:
-      if (mr_log_parse_level(optarg, &lvl) != 0) {
-        fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", optarg);
-        return 2;
-      }
-      mr_log_set_level(lvl);
+      if (pl__log_level_set(PROG, optarg)) return 2;
       break;
     case O_HELP: fputs(APPLY_HELP, stdout); return 1;
     default: fprintf(stderr, PROG ": unexpected option (see --help)\n"); return 2;

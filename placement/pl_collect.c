@@ -13,7 +13,7 @@
  * Every source must serve one model: the servers' fingerprints are checked at open
  * (gc_cluster_open names both servers), a client's fingerprint and shape against theirs.
  */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <getopt.h>
 #include <stdio.h>
@@ -89,26 +89,22 @@ static int parse(int argc, char **argv, stats_args *a) {
     if (opt == -1) break;
     char *end = NULL;
     unsigned long v;
-    int lvl;
     switch (opt) {
     case OPT_HELP: fputs(STATS_HELP, stdout); return 1;
     case OPT_CLUSTER: a->cluster = optarg; break;
     case 'o': a->output = optarg; break;
     case OPT_RESET: a->reset = true; break;
     case OPT_CLIENT:
-      if (a->n_clients >= MAX_CLIENTS) {
-        fprintf(stderr, PROG ": more than %d --client URLs\n", MAX_CLIENTS);
+    case OPT_FROM: { /* two bounded lists of sources, filled alike */
+      const bool cl = opt == OPT_CLIENT;
+      uint32_t *n = cl ? &a->n_clients : &a->n_files;
+      if (*n >= MAX_CLIENTS) {
+        fprintf(stderr, PROG ": more than %d %s\n", MAX_CLIENTS, cl ? "--client URLs" : "--from files");
         return 2;
       }
-      a->clients[a->n_clients++] = optarg;
+      (cl ? a->clients : a->files)[(*n)++] = optarg;
       break;
-    case OPT_FROM:
-      if (a->n_files >= MAX_CLIENTS) {
-        fprintf(stderr, PROG ": more than %d --from files\n", MAX_CLIENTS);
-        return 2;
-      }
-      a->files[a->n_files++] = optarg;
-      break;
+    }
     case OPT_TIMEOUT:
       v = strtoul(optarg, &end, 10);
       if (!*optarg || *end || optarg[0] == '-' || v < 1 || v > 600000) {
@@ -118,11 +114,7 @@ static int parse(int argc, char **argv, stats_args *a) {
       a->timeout_ms = (uint32_t)v;
       break;
     case OPT_LOG:
-      if (mr_log_parse_level(optarg, &lvl) != 0) {
-        fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", optarg);
-        return 2;
-      }
-      mr_log_set_level(lvl);
+      if (pl__log_level_set(PROG, optarg)) return 2;
       break;
     default:
       fprintf(stderr, PROG ": bad or incomplete option \"%s\" (see --help)\n", argv[optind - 1]);

@@ -19,7 +19,7 @@
  * order, and "random" draws from splitmix64(seed).
  */
 #define _GNU_SOURCE /* qsort_r */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <cjson/cJSON.h>
 
@@ -33,16 +33,21 @@
 
 /* ---- names --------------------------------------------------------------------------- */
 
+/* Index of s in names[0 .. n), or -1. */
+static int name_index(const char *const *names, int n, const char *s) {
+  for (int i = 0; i < n; i++)
+    if (strcmp(s, names[i]) == 0) return i;
+  return -1;
+}
+
 static const char *const strategy_names[PL_STRATEGY_COUNT] = {
     "balanced", "uniform", "frequency", "front-loading", "random"};
 
 int pl_strategy_parse(const char *s, pl_strategy *out) {
-  for (int i = 0; i < PL_STRATEGY_COUNT; i++)
-    if (strcmp(s, strategy_names[i]) == 0) {
-      *out = (pl_strategy)i;
-      return 0;
-    }
-  return MR_EINVAL;
+  int i = name_index(strategy_names, PL_STRATEGY_COUNT, s);
+  if (i < 0) return MR_EINVAL;
+  *out = (pl_strategy)i;
+  return 0;
 }
 
 const char *pl_strategy_name(pl_strategy s) {
@@ -53,12 +58,10 @@ static const char *const wformat_names[PL_WF_COUNT] = {
     "bf16", "f16", "f32", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8-b128"};
 
 int pl_wformat_parse(const char *s, pl_wformat *out) {
-  for (int i = 0; i < PL_WF_COUNT; i++)
-    if (strcmp(s, wformat_names[i]) == 0) {
-      *out = (pl_wformat)i;
-      return 0;
-    }
-  return MR_EINVAL;
+  int i = name_index(wformat_names, PL_WF_COUNT, s);
+  if (i < 0) return MR_EINVAL;
+  *out = (pl_wformat)i;
+  return 0;
 }
 
 const char *pl_wformat_name(pl_wformat f) {
@@ -211,6 +214,28 @@ static void work_clear(work *w) {
 
 static bool is_moe(const work *w, uint32_t l) { return w->pb->is_moe[l] != 0; }
 
+/* Moves single-copy pair p from host a to host b, or, when q is not SIZE_MAX, swaps it with
+ * single-copy pair q of host b (the host byte counts then stay as they were). */
+static void move_or_swap(work *w, size_t p, uint32_t a, size_t q, uint32_t b) {
+  if (q != SIZE_MAX) {
+    copy_del(w, q, b);
+    copy_del(w, p, a);
+    copy_add(w, p, b);
+    copy_add(w, q, a);
+  } else {
+    copy_del(w, p, a);
+    copy_add(w, p, b);
+  }
+}
+
+/* Index of the largest of v[0 .. n) (the first on ties), n >= 1: the busiest host. */
+static uint32_t argmax(const double *v, uint32_t n) {
+  uint32_t a = 0;
+  for (uint32_t h = 1; h < n; h++)
+    if (v[h] > v[a]) a = h;
+  return a;
+}
+
 /* sum_l max_h load(l, h) and the max / mean imbalance of the host totals. */
 static void work_eval(const double *lload, uint32_t L, uint32_t S, double *step, double *imb,
                       double *tot) {
@@ -235,13 +260,6 @@ static void work_eval(const double *lload, uint32_t L, uint32_t S, double *step,
 }
 
 /* ---- hot set ------------------------------------------------------------------------- */
-
-static uint64_t splitmix64(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
 
 /* Hotter first; ties: lower expert id, then lower layer (so that equal counts, e.g. no
  * statistics, spread the hot set over the layers as kt-kernel's uniform does). */
@@ -299,7 +317,7 @@ static int hot_set(work *w, mr_err *e) {
      * (same rule; splitmix64 Fisher-Yates, not torch's generator). */
     uint64_t s = w->pb->seed;
     for (size_t i = m; i > 1; i--) {
-      size_t j = (size_t)(splitmix64(&s) % i);
+      size_t j = (size_t)(pl__splitmix64(&s) % i);
       uint32_t t = ord[i - 1];
       ord[i - 1] = ord[j];
       ord[j] = t;
@@ -318,18 +336,6 @@ static int hot_set(work *w, mr_err *e) {
 static uint64_t free_slots(const work *w, uint32_t h) {
   if (w->cap[h] == UINT64_MAX) return UINT64_MAX;
   return w->used[h] >= w->cap[h] ? 0 : (w->cap[h] - w->used[h]) / w->B[h];
-}
-
-static void fmt_bytes(uint64_t b, char *buf, size_t n) {
-  static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)b;
-  int i = 0;
-  while (v >= 1024 && i < 5) {
-    v /= 1024;
-    i++;
-  }
-  if (i == 0) snprintf(buf, n, "%llu B", (unsigned long long)b);
-  else snprintf(buf, n, "%.2f %s", v, u[i]);
 }
 
 /* Every cold pair must fit once; the hosts' slots are counted in whole experts. */
@@ -351,9 +357,9 @@ static int check_fit(const work *w, mr_err *e) {
   if (unbounded || cold <= slots) return 0;
   need_min = cold * bmin;
   char nb[32], ab[32], eb[32];
-  fmt_bytes(need_min, nb, sizeof nb);
-  fmt_bytes(bytes_avail, ab, sizeof ab);
-  fmt_bytes(bmin, eb, sizeof eb);
+  pl__bytes_human(need_min, nb, sizeof nb);
+  pl__bytes_human(bytes_avail, ab, sizeof ab);
+  pl__bytes_human(bmin, eb, sizeof eb);
   return mr_err_set(e, MR_EEXHAUSTED,
                     "plan does not fit: %llu cold experts of %s each (%s) need %llu bytes "
                     "(%s), the hosts' expert_memory is %llu bytes (%s, room for %llu experts); "
@@ -511,9 +517,7 @@ static void local_search(work *w, uint32_t l, double good) {
   const uint32_t S = w->S, E = w->E;
   double *ll = w->lload + (size_t)l * S;
   for (uint32_t iter = 0; iter < 8 * E; iter++) {
-    uint32_t a = 0;
-    for (uint32_t h = 1; h < S; h++)
-      if (ll[h] > ll[a]) a = h;
+    const uint32_t a = argmax(ll, S);
     double amax = ll[a];
     if (amax <= good || amax <= 0) return;
     bucket_layer(w, l);
@@ -551,16 +555,7 @@ static void local_search(work *w, uint32_t l, double good) {
       }
     }
     if (bp == SIZE_MAX) return;
-    if (bq != SIZE_MAX) {
-      /* Swap: bytes per host unchanged. */
-      copy_del(w, bq, bb);
-      copy_del(w, bp, a);
-      copy_add(w, bp, bb);
-      copy_add(w, bq, a);
-    } else {
-      copy_del(w, bp, a);
-      copy_add(w, bp, bb);
-    }
+    move_or_swap(w, bp, a, bq, bb);
   }
 }
 
@@ -614,9 +609,7 @@ static double layer_max(const work *w, uint32_t l) {
 static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
   const uint32_t S = w->S, E = w->E;
   double *ll = w->lload + (size_t)l * S;
-  uint32_t a = 0;
-  for (uint32_t h = 1; h < S; h++)
-    if (ll[h] > ll[a]) a = h;
+  const uint32_t a = argmax(ll, S);
   double amax = ll[a];
   if (amax <= good || amax <= 0) return false;
   /* No placement of the layer's tokens beats sum(tokens) / sum(1 / k): at that bound,
@@ -726,9 +719,7 @@ static void total_balance(work *w, double target) {
   for (uint32_t h = 0; h < S; h++) sum += T[h];
   uint32_t start = 0;
   for (uint32_t iter = 0; iter < 4 * w->L * S; iter++) {
-    uint32_t a = 0;
-    for (uint32_t h = 1; h < S; h++)
-      if (T[h] > T[a]) a = h;
+    const uint32_t a = argmax(T, S);
     if (sum <= 0 || T[a] / (sum / S) <= target) return; /* moves keep the sum */
     bool done = false;
     for (uint32_t k = 0; k < w->L && !done; k++) {
@@ -773,15 +764,7 @@ static void total_balance(work *w, double target) {
       }
       if (bp == SIZE_MAX) continue;
       for (uint32_t h = 0; h < S; h++) T[h] -= ll[h];
-      if (bq != SIZE_MAX) {
-        copy_del(w, bq, bb);
-        copy_del(w, bp, a);
-        copy_add(w, bp, bb);
-        copy_add(w, bq, a);
-      } else {
-        copy_del(w, bp, a);
-        copy_add(w, bp, bb);
-      }
+      move_or_swap(w, bp, a, bq, bb);
       for (uint32_t h = 0; h < S; h++) T[h] += ll[h];
       done = true;
       start = l;
@@ -986,9 +969,7 @@ static int run_strategy(work *w, const mr_placement *cur, const int32_t *map,
 static double step_of(const work *w, double *lmax) {
   double s = 0;
   for (uint32_t l = 0; l < w->L; l++) {
-    double m = 0;
-    for (uint32_t h = 0; h < w->S; h++)
-      if (w->lload[(size_t)l * w->S + h] > m) m = w->lload[(size_t)l * w->S + h];
+    double m = layer_max(w, l);
     if (lmax) lmax[l] = m;
     s += m;
   }

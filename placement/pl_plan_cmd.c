@@ -2,7 +2,7 @@
  * placement/pl_plan_cmd.c - `moerpc-place plan` and `moerpc-place diff` (the planner itself
  * is pl_plan.c). Results go to stdout or -o FILE; the figures to stderr, one line each.
  */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <getopt.h>
 #include <math.h>
@@ -100,12 +100,11 @@ static bool parse_u64(const char *s, uint64_t lo, uint64_t hi, uint64_t *out) {
   return true;
 }
 
+/* --log LEVEL; a bad level is a usage error, with the "(see --help)" line of usage_err. */
 static int set_log(const char *prog, const char *s) {
-  int lvl;
-  if (mr_log_parse_level(s, &lvl) != 0)
-    return usage_err(prog, "--log = \"%s\", must be error, warn, info or debug", s);
-  mr_log_set_level(lvl);
-  return 0;
+  if (!pl__log_level_set(prog, s)) return 0;
+  fprintf(stderr, "(see %s --help)\n", prog);
+  return 2;
 }
 
 /* 0 to run, 1 after --help, 2 on a usage error. */
@@ -197,18 +196,6 @@ static int plan_parse(int argc, char **argv, plan_args *a) {
   if (!a->model) return usage_err(prog, "%s", "--model DIR is required (the shapes)");
   if (!a->cluster) return usage_err(prog, "%s", "--cluster FILE is required (the hosts)");
   return 0;
-}
-
-static void human(uint64_t b, char *buf, size_t n) {
-  static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)b;
-  int i = 0;
-  while (v >= 1024 && i < 5) {
-    v /= 1024;
-    i++;
-  }
-  if (i == 0) snprintf(buf, n, "%llu B", (unsigned long long)b);
-  else snprintf(buf, n, "%.2f %s", v, u[i]);
 }
 
 /* The model's fingerprint, or "" when it cannot be computed (a config-only directory). */
@@ -354,9 +341,9 @@ int pl_cmd_plan(int argc, char **argv) {
 
   char b1[32], b2[32], b3[32], b4[32];
   uint64_t eb = pl_expert_bytes(a.format, cfg.hidden_size, cfg.moe_intermediate, 1);
-  human(eb, b1, sizeof b1);
-  human(p->gpu_bytes_used, b2, sizeof b2);
-  human(a.gpu_bytes, b3, sizeof b3);
+  pl__bytes_human(eb, b1, sizeof b1);
+  pl__bytes_human(p->gpu_bytes_used, b2, sizeof b2);
+  pl__bytes_human(a.gpu_bytes, b3, sizeof b3);
   fprintf(stderr, "plan: %s: %llu local experts (%s of --gpu-bytes %s, %s each), %llu extra "
           "copies (--replicas %u), planned in %.1f ms\n", pl_strategy_name(a.strategy),
           (unsigned long long)p->n_local, b2, b3, b1, (unsigned long long)p->n_extra_copies,
@@ -370,10 +357,10 @@ int pl_cmd_plan(int argc, char **argv) {
   double mean = 0;
   for (uint32_t h = 0; h < p->n_hosts; h++) mean += p->host_load[h] / p->n_hosts;
   for (uint32_t h = 0; h < p->n_hosts; h++) {
-    human(p->host_bytes[h], b1, sizeof b1);
-    human(hosts[h].capacity, b2, sizeof b2);
-    human(p->bytes_in[h], b3, sizeof b3);
-    human(p->bytes_out[h], b4, sizeof b4);
+    pl__bytes_human(p->host_bytes[h], b1, sizeof b1);
+    pl__bytes_human(hosts[h].capacity, b2, sizeof b2);
+    pl__bytes_human(p->bytes_in[h], b3, sizeof b3);
+    pl__bytes_human(p->bytes_out[h], b4, sizeof b4);
     fprintf(stderr, "plan: host %s: %s of %s, load %.3f of the mean, to load %llu bytes (%s), "
             "to drop %llu bytes (%s)\n", p->host_name[h], b1,
             hosts[h].capacity ? b2 : "unbounded", mean > 0 ? p->host_load[h] / mean : 1.0,
@@ -381,8 +368,8 @@ int pl_cmd_plan(int argc, char **argv) {
     tin += p->bytes_in[h];
     tout += p->bytes_out[h];
   }
-  human(tin, b1, sizeof b1);
-  human(tout, b2, sizeof b2);
+  pl__bytes_human(tin, b1, sizeof b1);
+  pl__bytes_human(tout, b2, sizeof b2);
   fprintf(stderr, "plan: bytes to move: %llu to load (%s), %llu to drop (%s); client +%llu "
           "-%llu bytes of local experts%s\n", (unsigned long long)tin, b1,
           (unsigned long long)tout, b2, (unsigned long long)p->gpu_in,
@@ -554,8 +541,8 @@ int pl_cmd_diff(int argc, char **argv) {
     if (add || del) changed_servers++;
     moved += add;
     if (model) {
-      human(add * eb, h1, sizeof h1);
-      human(del * eb, h2, sizeof h2);
+      pl__bytes_human(add * eb, h1, sizeof h1);
+      pl__bytes_human(del * eb, h2, sizeof h2);
       printf("server %s: +%llu pairs, -%llu pairs, to load %llu bytes (%s), to drop %llu bytes "
              "(%s)\n", names[s], (unsigned long long)add, (unsigned long long)del,
              (unsigned long long)(add * eb), h1, (unsigned long long)(del * eb), h2);
@@ -575,8 +562,8 @@ int pl_cmd_diff(int argc, char **argv) {
   if (!moved && !la && !ld && changed_servers == 0) {
     printf("diff: identical placements\n");
   } else if (model) {
-    human(bin, h1, sizeof h1);
-    human(bout, h2, sizeof h2);
+    pl__bytes_human(bin, h1, sizeof h1);
+    pl__bytes_human(bout, h2, sizeof h2);
     printf("diff: %llu server copies added on %u servers, %llu bytes to load (%s), %llu bytes "
            "to drop (%s); local +%llu -%llu\n", (unsigned long long)moved, changed_servers,
            (unsigned long long)bin, h1, (unsigned long long)bout, h2, (unsigned long long)la,

@@ -15,7 +15,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/mr.h"
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #define PROG "moerpc-place simulate"
 /* The JSON-lines inputs are a few KB; this is only a bound against a wrong file. */
@@ -360,14 +360,8 @@ double pl_sim_expert_bytes(const char *format, uint32_t H, uint32_t I) {
 
 /* ---- the model ------------------------------------------------------------------------ */
 
-/* splitmix64: small, deterministic, good enough for routing draws */
-static uint64_t rng_next(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
+/* A uniform double in [0, 1): the top 53 bits over 2^53. */
+static double rng_unit(uint64_t *s) { return (double)(pl__splitmix64(s) >> 11) / 9007199254740992.0; }
 
 /* Per-call accumulators of one sampled step: index 0..n_hosts-1 hosts, n_hosts the client. */
 typedef struct call_acc {
@@ -438,7 +432,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
      * drawn uniformly (reservoir sampling), not always to the first */
     double w = comp + link;
     bool tie = t->crit >= 0 && fabs(w - t->wall) <= 1e-9 * w;
-    if (tie ? rng_next(rng) % ++ties == 0 : w > t->wall) {
+    if (tie ? pl__splitmix64(rng) % ++ties == 0 : w > t->wall) {
       if (!tie) ties = 1;
       t->wall = w > t->wall ? w : t->wall;
       t->crit = (int)h;
@@ -495,7 +489,7 @@ static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf
         }
         c = lo;
       } else {
-        c = (uint32_t)(rng_next(rng) % E);
+        c = (uint32_t)(pl__splitmix64(rng) % E);
       }
       if (s->chosen[c] != stamp) x = (int32_t)c;
     }
