@@ -984,131 +984,167 @@ void pl_plan_free(pl_plan *p) {
   mr_free(p);
 }
 
-int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
-  *out = NULL;
-  int rc = check_problem(pb, e);
-  if (rc) return rc;
-  work w;
-  if ((rc = work_init(&w, pb, e))) return rc;
-  int32_t map[MR_PLACEMENT_MAX_SERVERS];
-  double *lmax = mr_malloc(w.L * sizeof *lmax);
-  double *before = mr_malloc((size_t)w.L * w.S * sizeof *before);
-  pl_plan *p = mr_calloc(1, sizeof *p);
-  if (!lmax || !before || !p) {
-    rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
-    goto out;
-  }
-  if (pb->current && (rc = map_current(&w, pb->current, map, e))) goto out;
+/* A whole assignment put aside: the fresh plan, while the fewest-moves one is tried. */
+typedef struct assign_snap {
+  uint8_t *local, *nc;  /* [P] */
+  uint16_t *hs;         /* [P * R] */
+  double *lload;        /* [L * S] */
+  uint64_t used[MR_PLACEMENT_MAX_SERVERS];
+} assign_snap;
 
-  /* "Before": the current placement, or the uniform plan. */
+static void assign_free(assign_snap *a) {
+  mr_free(a->local);
+  mr_free(a->nc);
+  mr_free(a->hs);
+  mr_free(a->lload);
+}
+
+/* Copies w's assignment into a (allocated here; assign_free releases it, also on error). */
+static int assign_save(const work *w, assign_snap *a, mr_err *e) {
+  a->local = mr_malloc(w->P);
+  a->nc = mr_malloc(w->P);
+  a->hs = mr_malloc(w->P * w->R * sizeof *a->hs);
+  a->lload = mr_malloc((size_t)w->L * w->S * sizeof *a->lload);
+  if (!a->local || !a->nc || !a->hs || !a->lload)
+    return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  memcpy(a->local, w->local, w->P);
+  memcpy(a->nc, w->nc, w->P);
+  memcpy(a->hs, w->hs, w->P * w->R * sizeof *a->hs);
+  memcpy(a->lload, w->lload, (size_t)w->L * w->S * sizeof *a->lload);
+  memcpy(a->used, w->used, sizeof a->used);
+  return 0;
+}
+
+static void assign_restore(work *w, const assign_snap *a) {
+  memcpy(w->local, a->local, w->P);
+  memcpy(w->nc, a->nc, w->P);
+  memcpy(w->hs, a->hs, w->P * w->R * sizeof *a->hs);
+  memcpy(w->lload, a->lload, (size_t)w->L * w->S * sizeof *a->lload);
+  memcpy(w->used, a->used, sizeof w->used);
+}
+
+/* The "before" figures of p: the loads of the current placement (map: its servers' host
+ * indices), or without one those of the uniform plan, which w holds afterwards. before[]
+ * is the caller's [L * S] scratch. */
+static int plan_before(work *w, const int32_t *map, double *before, pl_plan *p, mr_err *e) {
+  const pl_problem *pb = w->pb;
   double tot[MR_PLACEMENT_MAX_SERVERS];
   if (pb->current) {
-    current_loads(&w, pb->current, map, before);
+    current_loads(w, pb->current, map, before);
     p->before_is_current = true;
   } else {
-    if ((rc = run_strategy(&w, NULL, map, NULL, PL_STRATEGY_UNIFORM, e))) goto out;
-    memcpy(before, w.lload, (size_t)w.L * w.S * sizeof *before);
+    int rc = run_strategy(w, NULL, map, NULL, PL_STRATEGY_UNIFORM, e);
+    if (rc) return rc;
+    memcpy(before, w->lload, (size_t)w->L * w->S * sizeof *before);
   }
-  work_eval(before, w.L, w.S, &p->step_before, &p->imbalance_before, tot);
-  for (uint32_t h = 0; h < w.S; h++) p->host_load_before[h] = tot[h];
+  work_eval(before, w->L, w->S, &p->step_before, &p->imbalance_before, tot);
+  for (uint32_t h = 0; h < w->S; h++) p->host_load_before[h] = tot[h];
+  return 0;
+}
 
-  /* The plan from scratch. */
-  if ((rc = run_strategy(&w, NULL, map, NULL, pb->strategy, e))) goto out;
-  if (pb->strategy == PL_STRATEGY_BALANCED && pb->current) {
-    /* Fewest moves: start from the current copies and improve each layer only until it is
-     * within the tolerance of the fresh plan's; keep that if its step load is too. */
-    double fresh = step_of(&w, lmax), fresh_imb, tot2[MR_PLACEMENT_MAX_SERVERS], st2;
-    work_eval(w.lload, w.L, w.S, &st2, &fresh_imb, tot2);
-    for (uint32_t l = 0; l < w.L; l++) lmax[l] *= 1 + pb->tolerance;
-    work fw = w; /* keep the fresh assignment aside */
-    uint8_t *fl = mr_malloc(w.P), *fn = mr_malloc(w.P);
-    uint16_t *fh = mr_malloc(w.P * w.R * sizeof *fh);
-    double *fll = mr_malloc((size_t)w.L * w.S * sizeof *fll);
-    if (!fl || !fn || !fh || !fll) {
-      mr_free(fl);
-      mr_free(fn);
-      mr_free(fh);
-      mr_free(fll);
-      rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
-      goto out;
-    }
-    memcpy(fl, w.local, w.P);
-    memcpy(fn, w.nc, w.P);
-    memcpy(fh, w.hs, w.P * w.R * sizeof *fh);
-    memcpy(fll, w.lload, (size_t)w.L * w.S * sizeof *fll);
-    if ((rc = run_strategy(&w, pb->current, map, lmax, pb->strategy, e))) {
-      mr_free(fl);
-      mr_free(fn);
-      mr_free(fh);
-      mr_free(fll);
-      goto out;
-    }
-    /* The totals too, but only as far as the tolerance asks (each move costs bytes). */
-    total_balance(&w, fresh_imb * (1 + pb->tolerance));
-    double sticky = step_of(&w, NULL);
-    if (sticky <= fresh * (1 + pb->tolerance)) {
-      p->kept_current = true;
-    } else {
-      memcpy(w.local, fl, w.P);
-      memcpy(w.nc, fn, w.P);
-      memcpy(w.hs, fh, w.P * w.R * sizeof *fh);
-      memcpy(w.lload, fll, (size_t)w.L * w.S * sizeof *fll);
-      memcpy(w.used, fw.used, sizeof w.used);
-    }
-    mr_free(fl);
-    mr_free(fn);
-    mr_free(fh);
-    mr_free(fll);
+/* Fewest moves (balanced with --current), w holding the fresh plan: a second plan starts
+ * from the current copies and improves each layer only until its max is within the
+ * tolerance of the fresh plan's (lmax: the caller's [L] scratch), then the hosts' totals
+ * only until within the tolerance of the fresh imbalance (each move costs bytes). It is
+ * kept (p->kept_current) when its step load is within the tolerance of the fresh one's,
+ * else w gets the fresh plan back. */
+static int plan_sticky(work *w, const int32_t *map, double *lmax, pl_plan *p, mr_err *e) {
+  const pl_problem *pb = w->pb;
+  double fresh = step_of(w, lmax), fresh_imb, tot2[MR_PLACEMENT_MAX_SERVERS], st2;
+  work_eval(w->lload, w->L, w->S, &st2, &fresh_imb, tot2);
+  for (uint32_t l = 0; l < w->L; l++) lmax[l] *= 1 + pb->tolerance;
+  assign_snap fresh_plan = {0};
+  int rc = assign_save(w, &fresh_plan, e);
+  if (!rc) rc = run_strategy(w, pb->current, map, lmax, pb->strategy, e);
+  if (!rc) {
+    total_balance(w, fresh_imb * (1 + pb->tolerance));
+    double sticky = step_of(w, NULL);
+    if (sticky <= fresh * (1 + pb->tolerance)) p->kept_current = true;
+    else assign_restore(w, &fresh_plan);
   }
+  assign_free(&fresh_plan);
+  return rc;
+}
 
-  /* The plan's figures. */
-  p->num_layers = w.L;
-  p->num_experts = w.E;
-  p->n_hosts = w.S;
-  p->max_copies = w.R;
+/* Moves w's assignment into p (w keeps its loads and byte counts) with the "after"
+ * figures. */
+static void plan_take(work *w, pl_plan *p) {
+  const pl_problem *pb = w->pb;
+  double tot[MR_PLACEMENT_MAX_SERVERS];
+  p->num_layers = w->L;
+  p->num_experts = w->E;
+  p->n_hosts = w->S;
+  p->max_copies = w->R;
   snprintf(p->model_fingerprint, sizeof p->model_fingerprint, "%s", pb->model_fingerprint);
-  for (uint32_t h = 0; h < w.S; h++) snprintf(p->host_name[h], 64, "%s", pb->hosts[h].name);
-  p->local = w.local;
-  p->ncopy = w.nc;
-  p->host = w.hs;
-  w.local = NULL;
-  w.nc = NULL;
-  w.hs = NULL;
-  work_eval(w.lload, w.L, w.S, &p->step_after, &p->imbalance_after, tot);
-  for (uint32_t h = 0; h < w.S; h++) {
+  for (uint32_t h = 0; h < w->S; h++) snprintf(p->host_name[h], 64, "%s", pb->hosts[h].name);
+  p->local = w->local;
+  p->ncopy = w->nc;
+  p->host = w->hs;
+  w->local = NULL;
+  w->nc = NULL;
+  w->hs = NULL;
+  work_eval(w->lload, w->L, w->S, &p->step_after, &p->imbalance_after, tot);
+  for (uint32_t h = 0; h < w->S; h++) {
     p->host_load[h] = tot[h];
-    p->host_bytes[h] = w.used[h];
+    p->host_bytes[h] = w->used[h];
   }
-  const mr_placement *cur = pb->current;
-  for (size_t i = 0; i < w.P; i++) {
+}
+
+/* What applying p costs against --current (without one every copy is new): per host the
+ * bytes of copies to load and to drop, the client's local bytes gained and lost, and the
+ * counts of local pairs and extra copies. O(P x R x copies). */
+static void plan_moves(const work *w, const int32_t *map, pl_plan *p) {
+  const mr_placement *cur = w->pb->current;
+  for (size_t i = 0; i < w->P; i++) {
     if (p->local[i]) {
       p->n_local++;
-      if (!cur || !cur->local[i]) p->gpu_in += w.gpuB;
+      if (!cur || !cur->local[i]) p->gpu_in += w->gpuB;
     } else if (cur && cur->local[i]) {
-      p->gpu_out += w.gpuB;
+      p->gpu_out += w->gpuB;
     }
     if (p->ncopy[i] > 1) p->n_extra_copies += p->ncopy[i] - 1u;
     for (uint32_t c = 0; c < p->ncopy[i]; c++) {
-      uint32_t h = p->host[i * w.R + c];
+      uint32_t h = p->host[i * w->R + c];
       bool had = false;
       if (cur)
         for (uint32_t k = cur->rep_off[i]; k < cur->rep_off[i + 1]; k++)
           if ((uint32_t)map[cur->rep[k]] == h) had = true;
-      if (!had) p->bytes_in[h] += w.B[h];
+      if (!had) p->bytes_in[h] += w->B[h];
     }
     if (cur)
       for (uint32_t k = cur->rep_off[i]; k < cur->rep_off[i + 1]; k++) {
         uint32_t h = (uint32_t)map[cur->rep[k]];
         bool keep = false;
         for (uint32_t c = 0; c < p->ncopy[i]; c++)
-          if (p->host[i * w.R + c] == h) keep = true;
-        if (!keep) p->bytes_out[h] += w.B[h];
+          if (p->host[i * w->R + c] == h) keep = true;
+        if (!keep) p->bytes_out[h] += w->B[h];
       }
   }
-  p->gpu_bytes_used = p->n_local * w.gpuB;
-  *out = p;
-  p = NULL;
-out:
+  p->gpu_bytes_used = p->n_local * w->gpuB;
+}
+
+int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
+  *out = NULL;
+  int rc = check_problem(pb, e);
+  if (rc) return rc;
+  work w;
+  if ((rc = work_init(&w, pb, e))) return rc;
+  int32_t map[MR_PLACEMENT_MAX_SERVERS]; /* --current's server i is host map[i] */
+  double *lmax = mr_malloc(w.L * sizeof *lmax);
+  double *before = mr_malloc((size_t)w.L * w.S * sizeof *before);
+  pl_plan *p = mr_calloc(1, sizeof *p);
+  if (!lmax || !before || !p) rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  if (!rc && pb->current) rc = map_current(&w, pb->current, map, e);
+  if (!rc) rc = plan_before(&w, map, before, p, e);
+  if (!rc) rc = run_strategy(&w, NULL, map, NULL, pb->strategy, e); /* from scratch */
+  if (!rc && pb->strategy == PL_STRATEGY_BALANCED && pb->current)
+    rc = plan_sticky(&w, map, lmax, p, e);
+  if (!rc) {
+    plan_take(&w, p);
+    plan_moves(&w, map, p);
+    *out = p;
+    p = NULL;
+  }
   pl_plan_free(p);
   mr_free(lmax);
   mr_free(before);
