@@ -20,7 +20,11 @@
  *   6. UnloadExperts of the pairs to drop; a summary line per server.
  * Any failure stops there with exit status 1: before 5 nothing is routed differently (extra
  * copies may stay loaded, which is harmless), after 5 nothing is unloaded unless every
- * client confirmed the switch.
+ * client confirmed the switch (or, with no --client at all, --unload-without-clients says
+ * that no client needs asking; without it the old copies are kept).
+ *
+ * The steps are the step_* functions below, in this order, over one apply_run; pl_cmd_apply
+ * runs them and has the one exit path.
  *
  * Replicas: a pair listed under several servers (mr_placement's rep lists) is loaded on
  * each of them; a pair on no server in a served layer is refused.

@@ -5,6 +5,7 @@
  * Three parts: the readers of the measured inputs (JSON lines of moerpc-bench-kernels,
  * moerpc-client bench-rpc and moerpc-client bench), the model (pl_sim_run: routing sampled
  * per MoE layer, each host's time, the runner's overlap and deferral) and the command.
+ * The model's formulas, with their units and what they leave out, head its section below.
  */
 #include <getopt.h>
 #include <math.h>
@@ -110,7 +111,10 @@ static bool format_matches(const char *want, const char *fmt, uint64_t group) {
   return sscanf(dash, "-g%u", &g) == 1 && g == group;
 }
 
-/* Expected distinct experts of a call of T tokens drawing k of E uniformly each. */
+/* Expected distinct experts of a call of T tokens drawing k of E uniformly each: an expert
+ * is missed by one token with probability 1 - k/E, by all T with (1 - k/E)^T. A bench line
+ * measures a call of T tokens over a pool of E experts, so its u (tokens of work per expert
+ * read) is T k / expected_active(T, k, E). */
 static double expected_active(double T, double k, double E) {
   if (k >= E) return E;
   return E * (1.0 - pow(1.0 - k / E, T));
@@ -192,6 +196,10 @@ int pl_rates_load(pl_rates *r, const char *path, const char *format, mr_err *e) 
   return rc;
 }
 
+/* Log-linear (log GB/s against log u) between the two points around u: throughput grows
+ * roughly as a power of u between the memory-bound end (u ~ 1: each weight byte read serves
+ * one token) and the compute-bound end (large u), and a power law is a straight line in
+ * log-log. Outside the measured range the nearest point: no extrapolation. */
 double pl_rates_gbps(const pl_rates *r, double u) {
   MR_ASSERT(r && r->n > 0);
   if (u <= r->pt[0].u || r->n == 1) return r->pt[0].gbps;
@@ -233,6 +241,11 @@ static int rpc_line(void *ctx, const cJSON *o, unsigned line, const char *label,
   return 0;
 }
 
+/* Ordinary least squares of y = round trip - server compute (us: what the RPC itself costs,
+ * client and server gRPC, serialisation, loopback or wire) over x = request + reply bytes:
+ * slope = cov(x, y) / var(x), fixed = mean(y) - slope x mean(x). One line (or lines of one
+ * size: var(x) ~ 0) and a negative slope (noise) give slope 0 and the mean as the fixed
+ * cost; a negative fixed cost puts it all in the per-byte part. */
 int pl_rpc_parse(pl_rpc_cost *cost, const char *text, size_t len, const char *label, mr_err *e) {
   memset(cost, 0, sizeof *cost);
   rpc_ctx c = {0};
@@ -358,16 +371,80 @@ double pl_sim_expert_bytes(const char *format, uint32_t H, uint32_t I) {
   return (double)pl_expert_bytes(f, H, I, 1);
 }
 
-/* ---- the model ------------------------------------------------------------------------ */
+/* ---- the model ------------------------------------------------------------------------
+ *
+ * One decode step of the client (prefill: the same with T = batch x prompt_len tokens),
+ * layer after layer; the client's own work between two MoE layers is `gap`:
+ *
+ *   client  |gap| hot experts |..wait..|gap| hot |..wait..|gap| ...
+ *   host 0      |rpc+wire|compute  |rpc|            the slowest call of the layer sets
+ *   host 1      |rpc+wire|compute.......|rpc|       the wait (fan-out in parallel)
+ *               '----------- layer l -------'
+ *
+ * Units: times in microseconds, sizes in bytes, kernel rates in GB/s (1e9 bytes/s, so
+ * bytes / (GB/s x 1e3) is us), links in Gbit/s (bits / (Gbit/s x 1e3) is us).
+ *
+ * Per MoE layer l, `samples` sampled steps (prefill: samples / 8, at least 1): each of T
+ * tokens draws top-k distinct experts from the layer's counts (draw_token), each slot goes to
+ * the client (a local pair), its host, the least-loaded of its replicas, or with no route the
+ * least-loaded host (sample_layer). The call to host h then has s slots on a distinct
+ * experts from t distinct tokens, and
+ *
+ *   compute_h = a x expert_bytes / (rate_h(s / a) x speed_h x 1e3)       each expert read once
+ *   wire_h    = t x H x wire_bytes x 2 + 8 s + 96     hidden states there and back, an
+ *                                                     (id, weight) per slot, framing
+ *   link_h    = rpc_fixed + rpc_per_byte x wire_h + 8 wire_h / (gbps_h x 1e3) + 2 latency_h
+ *   remote    = max over h of (compute_h + link_h),
+ *               at least 8 x sum_h wire_h / (client_gbps x 1e3) + rpc_fixed   (one NIC)
+ *   hot       = the client's local experts, the compute formula on the client's rates
+ *
+ * and the layer, as the runner does it (gpu_client's gc_moe: cold slots sent first, the hot
+ * experts computed meanwhile, with --max-deferred K each token's slots of rank >= k - K in a
+ * second call whose answer is awaited only in the next MoE layer):
+ *
+ *   layer_l = max(hot_l, remote_now_l, remote_def_(l-1) - (layer_(l-1) + gap))
+ *   layer_l = hot_l + remote_now_l + remote_def_l           with --shared-cores
+ *
+ *   step  = other_us + sum over MoE layers of the mean of layer_l over the samples
+ *   tok/s = tokens per step x 1e6 / step;  gap = other_us / num_layers
+ *
+ * Why sampled steps and not expected counts: the max over hosts of a random load is more
+ * than the max of the expected loads (at batch 1, two hosts share 8 slots binomially and
+ * the busier reads 5.1 experts on average, not 4), and a host's distinct experts a (what it
+ * reads) fall below its slots s as soon as tokens share experts. Why rates by u = s / a: the
+ * same bench table then serves decode (u ~ 1: bandwidth-bound) and prefill (u of tens:
+ * compute-bound) for any shape of the same format. Why --shared-cores adds instead of
+ * overlapping: servers on the client's own cores (loopback on one machine) take those cores
+ * while they compute; and then the hosts together read no faster than the client alone
+ * (remote_calls raises the critical host's compute to that floor).
+ *
+ * Where the time goes (pl_sim_phase.share): the client gets its own time and the layers
+ * where the hot experts are the longest term; a remote term is split between its critical
+ * host (the compute part) and "link" (RPC, transfer and latency; all of it when the client's
+ * NIC is the limit); equal hosts share the blame by a drawn tie-break.
+ *
+ * Not modelled, and why: the queueing of a layer's deferred call and the next layer's call
+ * on one host (timed as if apart, which is optimistic when that host is the bottleneck);
+ * NUMA inside a host and a host's rate depending on the other hosts' load (the bench lines
+ * measure one host alone; only the --shared-cores floor says anything about sharing); the
+ * client's submit cost (it is inside the fixed RPC cost that bench-rpc measures); dense
+ * layers other than as client time; the client's time between layers is spread evenly
+ * (other_us / num_layers), not measured per layer; a replicated expert that alternates
+ * between its hosts within one step is counted as a new read at each change (a slight
+ * overcount).
+ */
 
 /* A uniform double in [0, 1): the top 53 bits over 2^53. */
 static double rng_unit(uint64_t *s) { return (double)(pl__splitmix64(s) >> 11) / 9007199254740992.0; }
 
 /* Per-call accumulators of one sampled step: index 0..n_hosts-1 hosts, n_hosts the client. */
 typedef struct call_acc {
-  uint32_t slots, active, tokens;
+  uint32_t slots;  /* (token, expert) pairs sent: s */
+  uint32_t active; /* distinct experts among them: a, what the host reads */
+  uint32_t tokens; /* distinct tokens among them: t, whose hidden states cross the wire */
 } call_acc;
 
+/* The time of one set of calls (this layer's, or its deferred ones) and who it is due to. */
 typedef struct remote_time {
   double wall;         /* the call set's time as the client sees it */
   double *comp;        /* [n_hosts] compute per host of this call set (caller's buffer) */
@@ -376,9 +453,11 @@ typedef struct remote_time {
   double crit_link;    /* link + RPC part */
 } remote_time;
 
-/* Scratch of one run. */
+/* Scratch of one run. The distinct-expert and distinct-token counts use stamps instead of
+ * clearing sets: every step and every token takes the next value of one counter, and "seen
+ * in this step" is "stamped with this step's value", so a step costs O(slots) however large
+ * E is. */
 typedef struct sim_scratch {
-  double *cdf;         /* [E] */
   uint32_t *chosen;    /* [E] stamp of the token that chose it */
   uint32_t *act_now;   /* [E] stamp of the step that activated it (now calls) */
   uint32_t *act_def;   /* [E] (deferred calls) */
@@ -392,7 +471,8 @@ typedef struct sim_scratch {
   uint64_t tie_rng;    /* tie-breaks apart from the routing draws: same draws for any hosts */
 } sim_scratch;
 
-
+/* compute = a x expert_bytes / (rate(s / a) x speed), us: a call reads each of its a
+ * distinct experts once, at the rate the kernels reach with s / a tokens per expert. */
 static double host_compute_us(const pl_sim_input *in, const pl_rates *r, double speed,
                               const call_acc *a) {
   if (!a->active) return 0;
@@ -401,12 +481,17 @@ static double host_compute_us(const pl_sim_input *in, const pl_rates *r, double 
   return (double)a->active * in->expert_bytes / (gbps * 1e3); /* bytes / (GB/s) -> us */
 }
 
+/* Bytes of one call, request and reply: a call's 96 bytes of framing and headers are an
+ * estimate (gRPC and protobuf overhead of a small message); the rest is exact. */
 static double call_wire_bytes(const pl_sim_input *in, const call_acc *a) {
   /* request: hidden states + (id, weight) per slot; reply: one output row per token */
   return (double)a->tokens * in->hidden * in->wire_bytes * 2 + (double)a->slots * 8 + 96;
 }
 
-/* The time of one set of calls (one per host with work), fanned out in parallel. */
+/* The time of one set of calls (one per host with work), fanned out in parallel: the
+ * slowest host's compute + link, then two floors that can only raise it, the client's own
+ * link carrying every host's bytes and, with --shared-cores, the client's rate for all the
+ * hosts' bytes together. t->comp[] gets each host's compute (its busy time). */
 static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_time *t,
                          uint64_t *rng) {
   uint32_t ties = 0;
@@ -421,6 +506,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
     const pl_sim_host *ho = &in->hosts[h];
     double comp = host_compute_us(in, ho->rates, ho->speed, a);
     double wire = call_wire_bytes(in, a);
+    /* link_h: the RPC's own cost, latency both ways, transfer (bits / (Gbit/s x 1e3) = us) */
     double link = in->rpc.fixed_us + in->rpc.per_byte_us * wire + 2 * ho->link_latency_us;
     if (ho->link_gbps > 0) link += wire * 8 / (ho->link_gbps * 1e3);
     t->comp[h] = comp;
@@ -461,7 +547,8 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
   }
 }
 
-/* Adds a term's time to the shares: compute to the critical host, the rest to the link. */
+/* Adds a term's time to the shares: compute to the critical host, the rest to the link, in
+ * the proportions of the critical call (a term the client's NIC set goes to the link). */
 static void attribute(double *share, const remote_time *t, double amount) {
   if (amount <= 0 || t->crit == -2) return;
   double tot = t->crit_comp + t->crit_link;
@@ -471,7 +558,11 @@ static void attribute(double *share, const remote_time *t, double amount) {
 }
 
 /* Draws one token's top-k in rank order (the first drawn ranks highest, as the router's
- * largest weights come from its most popular experts). */
+ * largest weights come from its most popular experts). Without replacement, by rejection:
+ * an expert drawn already for this token (stamped) is drawn again, up to 64 times, then the
+ * first unchosen expert is taken (only when the counts put nearly all the mass on fewer than
+ * k experts). A draw from counts is a binary search of the layer's cumulative counts,
+ * O(log E); with no counts, uniform. */
 static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf, uint32_t stamp,
                        uint64_t *rng) {
   const uint32_t E = in->num_experts, k = in->top_k;
@@ -501,12 +592,18 @@ static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf
   }
 }
 
+/* One sampled step of one MoE layer: the client's hot time, and this layer's calls now and
+ * deferred (their wall time as the client sees it, and who each is due to). */
 typedef struct layer_sample {
   double hot_us, now_wall, def_wall;
   remote_time now, def;
 } layer_sample;
 
-/* One sampled step of MoE layer l with T tokens: fills acc_now / acc_def and the times. */
+/* One sampled step of MoE layer l with T tokens: fills s->now / s->def (the calls, per
+ * host, the client at index N) and the times. With defer, each token's slots of rank
+ * >= keep = k - max_deferred go to a host's deferred call (all of them when max_deferred
+ * >= k); the client's own slots are never deferred. O(T x k) plus, for unrouted and
+ * replicated pairs, a scan of the candidate hosts. */
 static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uint32_t T,
                          bool defer, const double *cdf, uint32_t *stamp, uint64_t *rng,
                          layer_sample *ls) {
@@ -540,12 +637,13 @@ static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uin
         for (uint32_t i = 1; i < N; i++)
           if (s->now[i].slots + s->def[i].slots < s->now[h].slots + s->def[h].slots) h = i;
       }
-      bool d = h < N && j >= keep;
+      bool d = h < N && j >= keep; /* a remote slot ranked past keep: deferred */
       call_acc *a = d ? &s->def[h] : &s->now[h];
       uint32_t *act = d ? s->act_def : s->act_now;
       uint32_t *tok = d ? s->tok_def : s->tok_now;
       a->slots++;
-      /* experts of the client and of each host are disjoint, so one stamp per expert */
+      /* experts of the client and of each host are disjoint, so one stamp per expert (with
+       * the host that set it: a replicated or unrouted expert may go to several) */
       if (act[x] != step || s->act_host[x] != h) {
         act[x] = step;
         s->act_host[x] = h;
@@ -647,7 +745,12 @@ static void phase_finish(pl_sim_phase *p, double step, uint32_t tokens_out, uint
 }
 
 /* One phase: T tokens per step, `samples` sampled steps per MoE layer, other_us of client
- * time per step besides the experts. */
+ * time per step besides the experts. Sample i of layer l follows sample i of the previous
+ * MoE layer (its deferred calls overlap this layer), so the samples are `samples` whole
+ * steps, and the step's time is other_us + the sum of the layers' means. The routing draws
+ * and the tie-breaks have separate generators seeded from (seed, T), so that the same
+ * routing is drawn whatever the hosts are: comparing two placements compares placements,
+ * not draws. */
 static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uint32_t T,
                       uint32_t samples, double other_us, uint32_t tokens_out, pl_sim_phase *p,
                       double *comp_buf) {
@@ -655,7 +758,8 @@ static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uin
   uint32_t last_moe = 0, n_moe = 0;
   for (uint32_t l = 0; l < L; l++)
     if (!in->is_moe || in->is_moe[l]) last_moe = l, n_moe++;
-  const double gap = n_moe ? other_us / L : 0; /* the client's own time between two MoE layers */
+  const double gap = n_moe ? other_us / L : 0; /* the client's own time between two MoE layers
+                                                  (spread evenly: not measured per layer) */
   uint64_t rng = in->seed ^ ((uint64_t)T << 32) ^ 0x5bd1e995u;
   s->tie_rng = rng ^ 0x2545f4914f6cdd1dull;
   uint32_t stamp = 0;
@@ -690,6 +794,8 @@ static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uin
   phase_finish(p, step, tokens_out, N);
 }
 
+/* Every field of the input in range, naming the field (the command's flags are checked
+ * before; this guards the library's other callers, such as the unit tests). */
 static int check_input(const pl_sim_input *in, mr_err *e) {
   if (in->hidden < 1 || in->hidden > 65536 || in->inter < 1 || in->inter > 65536)
     return mr_err_set(e, MR_EINVAL, "simulate: hidden = %u, inter = %u, must be in 1..65536",
@@ -758,6 +864,10 @@ static int check_input(const pl_sim_input *in, mr_err *e) {
   return 0;
 }
 
+/* Checks the input, builds each layer's cumulative counts (a layer of zeros, or no counts:
+ * uniform draws) and runs decode, then prefill when its client time is known. Memory
+ * O(L x E + samples + N); time O((samples x batch + samples / 8 x batch x prompt) x k) per
+ * MoE layer. */
 int pl_sim_run(const pl_sim_input *in, pl_sim_result *r, mr_err *e) {
   memset(r, 0, sizeof *r);
   int rc = check_input(in, e);
