@@ -113,7 +113,8 @@ static int parse(int argc, char **argv, stats_args *a) {
       const bool cl = opt == OPT_CLIENT;
       uint32_t *n = cl ? &a->n_clients : &a->n_files;
       if (*n >= MAX_CLIENTS) {
-        fprintf(stderr, PROG ": more than %d %s\n", MAX_CLIENTS, cl ? "--client URLs" : "--from files");
+        fprintf(stderr, PROG ": more than %d %s\n", MAX_CLIENTS,
+                cl ? "--client URLs" : "--from files");
         return 2;
       }
       (cl ? a->clients : a->files)[(*n)++] = optarg;

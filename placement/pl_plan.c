@@ -44,7 +44,9 @@
  * The problem is NP-hard (it contains multiprocessor scheduling, P||Cmax, per layer), so
  * the planner is a heuristic with a known start: LPT is within 4/3 of the optimum on one
  * layer of equal hosts without capacities (Graham 1969), and the local search only ever
- * lowers a layer's max. Cost, with P = L x E pairs and S hosts: the hot set O(P log P) (a sort); LPT
+ * lowers a layer's max.
+ *
+ * Cost, with P = L x E pairs and S hosts: the hot set O(P log P) (a sort); LPT
  * O(E log E + E x S) per layer; one local-search iteration O(E + E^2 / S) per layer (the
  * busiest host's pairs times every other host's, buckets built in O(E)), at most 8E
  * iterations but in practice a handful; replicas try at most 3 candidates x 2 hosts per
