@@ -286,6 +286,20 @@ static void move_or_swap(work *w, size_t p, uint32_t a, size_t q, uint32_t b) {
   }
 }
 
+/* The best move a search (local_search, total_balance) has found so far: single-copy pair p
+ * of the busiest host to host b, swapped with b's single-copy pair q unless q is SIZE_MAX;
+ * m is the larger of the two hosts' loads it leaves, which a later candidate must beat. m
+ * starts just below the busiest load, so that only a move that lowers it is ever taken. */
+typedef struct best_move {
+  double m;
+  size_t p, q;
+  uint32_t b;
+} best_move;
+
+static void best_offer(best_move *bm, double m, size_t p, size_t q, uint32_t b) {
+  if (m < bm->m) *bm = (best_move){.m = m, .p = p, .q = q, .b = b};
+}
+
 /* Index of the largest of v[0 .. n) (the first on ties), n >= 1: the busiest host. */
 static uint32_t argmax(const double *v, uint32_t n) {
   uint32_t a = 0;
@@ -620,42 +634,26 @@ static void local_search(work *w, uint32_t l, double good) {
     if (amax <= good || amax <= 0) return;
     bucket_layer(w, l);
     const uint32_t *st = w->start, *bk = w->bucket;
-    /* The best move so far: pair bp of host a to host bb, swapped with bb's pair bq unless
-     * bq is SIZE_MAX; best is the max of the two hosts after it, which must beat amax. */
-    double best = amax * (1 - 1e-9);
-    size_t bp = SIZE_MAX, bq = SIZE_MAX;
-    uint32_t bb = 0;
+    best_move bm = {.m = amax * (1 - 1e-9), .p = SIZE_MAX, .q = SIZE_MAX, .b = 0};
     for (uint32_t pa = st[a]; pa < st[a + 1]; pa++) {
       size_t p = bk[pa];
       double wp = w->w[p];
       if (wp <= 0) continue; /* moving a pair without tokens changes no load */
       for (uint32_t b = 0; b < S; b++) {
-        if (b == a || ll[b] >= best) continue; /* b at the max: no move onto it helps */
-        if (has_room(w, b)) { /* move: a sheds p, b takes it at b's cost per token */
-          double m = dmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]);
-          if (m < best) {
-            best = m;
-            bp = p;
-            bq = SIZE_MAX;
-            bb = b;
-          }
-        }
+        if (b == a || ll[b] >= bm.m) continue; /* b at the max: no move onto it helps */
+        if (has_room(w, b)) /* move: a sheds p, b takes it at b's cost per token */
+          best_offer(&bm, dmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]), p, SIZE_MAX, b);
         for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) { /* swap: a trades p for b's q */
           size_t q = bk[qb];
           double wq = w->w[q];
           if (wq >= wp) continue;
           double m = dmax(amax - wp * w->k[a] + wq * w->k[a], ll[b] - wq * w->k[b] + wp * w->k[b]);
-          if (m < best) {
-            best = m;
-            bp = p;
-            bq = q;
-            bb = b;
-          }
+          best_offer(&bm, m, p, q, b);
         }
       }
     }
-    if (bp == SIZE_MAX) return;
-    move_or_swap(w, bp, a, bq, bb);
+    if (bm.p == SIZE_MAX) return;
+    move_or_swap(w, bm.p, a, bm.q, bm.b);
   }
 }
 
@@ -851,9 +849,8 @@ static void total_balance(work *w, double target) {
       if (!is_moe(w, l)) continue;
       /* lm: the layer's max, which no host may exceed after the move (1e-12: rounding) */
       double *ll = w->lload + (size_t)l * S, lm = layer_max(w, l) * (1 + 1e-12);
-      double best = T[a] * (1 - 1e-9); /* the totals' max must fall, as in local_search */
-      size_t bp = SIZE_MAX, bq = SIZE_MAX;
-      uint32_t bb = 0;
+      /* the totals' max must fall, as in local_search */
+      best_move bm = {.m = T[a] * (1 - 1e-9), .p = SIZE_MAX, .q = SIZE_MAX, .b = 0};
       bucket_layer(w, l);
       const uint32_t *st = w->start, *bk = w->bucket;
       for (uint32_t pa = st[a]; pa < st[a + 1]; pa++) {
@@ -861,36 +858,23 @@ static void total_balance(work *w, double target) {
         if (w->w[p] <= 0) continue;
         double ca = w->w[p] * w->k[a];
         for (uint32_t b = 0; b < S; b++) {
-          if (b == a || T[b] >= best) continue;
+          if (b == a || T[b] >= bm.m) continue;
           double cb = w->w[p] * w->k[b];
-          if (has_room(w, b) && ll[b] + cb <= lm) {
-            double m = dmax(T[a] - ca, T[b] + cb);
-            if (m < best) {
-              best = m;
-              bp = p;
-              bq = SIZE_MAX;
-              bb = b;
-            }
-          }
-          for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) {
+          if (has_room(w, b) && ll[b] + cb <= lm) /* move, if b stays within the layer's max */
+            best_offer(&bm, dmax(T[a] - ca, T[b] + cb), p, SIZE_MAX, b);
+          for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) { /* swap, if both stay within it */
             size_t q = bk[qb];
             if (w->w[q] >= w->w[p]) continue;
             double qa = w->w[q] * w->k[a], qc = w->w[q] * w->k[b];
             if (ll[a] - ca + qa > lm || ll[b] - qc + cb > lm) continue;
-            double m = dmax(T[a] - ca + qa, T[b] - qc + cb);
-            if (m < best) {
-              best = m;
-              bp = p;
-              bq = q;
-              bb = b;
-            }
+            best_offer(&bm, dmax(T[a] - ca + qa, T[b] - qc + cb), p, q, b);
           }
         }
       }
-      if (bp == SIZE_MAX) continue;
+      if (bm.p == SIZE_MAX) continue;
       /* T follows the move: this layer's loads out, the move, its new loads in. */
       for (uint32_t h = 0; h < S; h++) T[h] -= ll[h];
-      move_or_swap(w, bp, a, bq, bb);
+      move_or_swap(w, bm.p, a, bm.q, bm.b);
       for (uint32_t h = 0; h < S; h++) T[h] += ll[h];
       done = true;
       start = l;
