@@ -286,7 +286,7 @@ int pl_rpc_load(pl_rpc_cost *c, const char *path, mr_err *e);
 /* The client's own time, from an all-local `moerpc-client bench --json` ("bench": "model"
  * line: step_ms, prefill_tok_s, batch, prompt_len, threads, servers = 0; "model-layer"
  * lines: layer, moe, local_us, summed into expert_us for information: the command takes
- * the experts out of step_us with the model itself, see pl_cmd_simulate). */
+ * the experts out of step_us with the model itself, see step_client_other in pl_sim.c). */
 typedef struct pl_client_bench {
   double step_us;          /* decode step, all-local */
   double expert_us;        /* of which the experts (sum of local_us over MoE layers) */

@@ -20,12 +20,16 @@
  *   6. UnloadExperts of the pairs to drop; a summary line per server.
  * Any failure stops there with exit status 1: before 5 nothing is routed differently (extra
  * copies may stay loaded, which is harmless), after 5 nothing is unloaded unless every
- * client confirmed the switch.
+ * client confirmed the switch (or, with no --client at all, --unload-without-clients says
+ * that no client needs asking; without it the old copies are kept).
+ *
+ * The steps are the step_* functions below, in this order, over one apply_run; pl_cmd_apply
+ * runs them and has the one exit path.
  *
  * Replicas: a pair listed under several servers (mr_placement's rep lists) is loaded on
  * each of them; a pair on no server in a served layer is refused.
  */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <errno.h>
 #include <getopt.h>
@@ -242,7 +246,6 @@ static int parse_args(int argc, char **argv, apply_args *a) {
     if (opt == -1) break;
     char *end = NULL;
     unsigned long v = 0;
-    int lvl;
     switch (opt) {
     case O_CLUSTER: a->cluster = optarg; break;
     case O_FILE:
@@ -271,11 +274,7 @@ static int parse_args(int argc, char **argv, apply_args *a) {
     case O_UWC: a->unload_without_clients = true; break;
     case O_DRY: a->dry_run = true; break;
     case O_LOG:
-      if (mr_log_parse_level(optarg, &lvl) != 0) {
-        fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", optarg);
-        return 2;
-      }
-      mr_log_set_level(lvl);
+      if (pl__log_level_set(PROG, optarg)) return 2;
       break;
     case O_HELP: fputs(APPLY_HELP, stdout); return 1;
     default: fprintf(stderr, PROG ": unexpected option (see --help)\n"); return 2;

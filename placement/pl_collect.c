@@ -12,8 +12,22 @@
  *     never seen by a server), and "sources" and a log line say so.
  * Every source must serve one model: the servers' fingerprints are checked at open
  * (gc_cluster_open names both servers), a client's fingerprint and shape against theirs.
+ *
+ * Why two rules and never a sum of both: a slot computed remotely is counted once by the
+ * client that routed it and once more by the server that computed it, so adding the two
+ * would count every remote slot twice and every local one once. The clients see every slot;
+ * the servers only theirs. Two accumulators are kept, and one of them becomes the output:
+ *
+ *   servers --Stats RPC-->  srv  (remote slots, since each server's last reset)
+ *   --client URL ---GET /routing-->  cli  (every slot, the client's window)
+ *   --from FILE  ---pl_stats_load-->  cli
+ *   output = cli (+ srv's source names) when any client or file was given, else srv
+ *
+ * Without --cluster the --from files are merged alone (the first sets the shape). Counts of
+ * a peer are input, not our bug: a Stats count outside the model's shape is refused as a
+ * protocol error naming the server, never an assertion.
  */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <getopt.h>
 #include <stdio.h>
@@ -89,26 +103,23 @@ static int parse(int argc, char **argv, stats_args *a) {
     if (opt == -1) break;
     char *end = NULL;
     unsigned long v;
-    int lvl;
     switch (opt) {
     case OPT_HELP: fputs(STATS_HELP, stdout); return 1;
     case OPT_CLUSTER: a->cluster = optarg; break;
     case 'o': a->output = optarg; break;
     case OPT_RESET: a->reset = true; break;
     case OPT_CLIENT:
-      if (a->n_clients >= MAX_CLIENTS) {
-        fprintf(stderr, PROG ": more than %d --client URLs\n", MAX_CLIENTS);
+    case OPT_FROM: { /* two bounded lists of sources, filled alike */
+      const bool cl = opt == OPT_CLIENT;
+      uint32_t *n = cl ? &a->n_clients : &a->n_files;
+      if (*n >= MAX_CLIENTS) {
+        fprintf(stderr, PROG ": more than %d %s\n", MAX_CLIENTS,
+                cl ? "--client URLs" : "--from files");
         return 2;
       }
-      a->clients[a->n_clients++] = optarg;
+      (cl ? a->clients : a->files)[(*n)++] = optarg;
       break;
-    case OPT_FROM:
-      if (a->n_files >= MAX_CLIENTS) {
-        fprintf(stderr, PROG ": more than %d --from files\n", MAX_CLIENTS);
-        return 2;
-      }
-      a->files[a->n_files++] = optarg;
-      break;
+    }
     case OPT_TIMEOUT:
       v = strtoul(optarg, &end, 10);
       if (!*optarg || *end || optarg[0] == '-' || v < 1 || v > 600000) {
@@ -118,11 +129,7 @@ static int parse(int argc, char **argv, stats_args *a) {
       a->timeout_ms = (uint32_t)v;
       break;
     case OPT_LOG:
-      if (mr_log_parse_level(optarg, &lvl) != 0) {
-        fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", optarg);
-        return 2;
-      }
-      mr_log_set_level(lvl);
+      if (pl__log_level_set(PROG, optarg)) return 2;
       break;
     default:
       fprintf(stderr, PROG ": bad or incomplete option \"%s\" (see --help)\n", argv[optind - 1]);
@@ -161,7 +168,10 @@ static int open_cluster(const stats_args *a, gc_cluster **c, mr_err *e) {
   return rc;
 }
 
-/* The servers' counts summed into srv (already L x E). */
+/* The servers' counts summed into srv (already L x E): each server reports only the pairs it
+ * computed since its last reset (sparse, as (layer, expert, tokens) triples), and a
+ * replicated pair's slots are split among its servers, so the sum is the cluster's remote
+ * traffic. With reset, each server zeroes its counters after answering. */
 static int collect_servers(gc_cluster *c, const gc_cluster_info *ci, bool reset, pl_stats *srv,
                            mr_err *e) {
   for (uint32_t i = 0; i < ci->n_servers; i++) {
@@ -199,7 +209,9 @@ static int collect_servers(gc_cluster *c, const gc_cluster_info *ci, bool reset,
 
 /* Adds one parsed source to acc, which takes its window kind (several differing kinds give
  * "since_reset"), after checking its shape and fingerprint against the servers' (ci) or,
- * without a cluster, acc's. name: the source to list, NULL = the file's own sources. */
+ * without a cluster, acc's. name: the source to list, NULL = the file's own sources.
+ * A source whose fingerprint is "" (an import) matches any model; when the reference is ""
+ * (files only, the first one unknown) the first known fingerprint becomes acc's. */
 static int add_source(pl_stats *acc, pl_stats *one, const char *label, const char *name,
                       const gc_cluster_info *ci, mr_err *e) {
   const uint32_t L = ci ? ci->num_layers : acc->num_layers, E = ci ? ci->num_experts : acc->num_experts;
@@ -288,7 +300,9 @@ static int write_out(const pl_stats *out, const char *path, mr_err *e) {
   return ok ? 0 : mr_err_set(e, MR_EIO, "stdout: write failed");
 }
 
-/* The cluster's sources merged into *out (srv or cli, per the merge rule). */
+/* The cluster's sources merged into *out (srv or cli, per the merge rule above). The servers
+ * are asked even when clients give the counts: their Stats are the cross-check in the log
+ * line, and --reset must reach them. */
 static int collect_cluster(const stats_args *a, pl_stats *srv, pl_stats *cli, pl_stats **out,
                            mr_err *e) {
   gc_cluster *c = NULL;

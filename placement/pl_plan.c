@@ -15,11 +15,48 @@
  * objective is the "step load", sum over l of max over h of load(l, h)) and reports the
  * imbalance of the totals, max / mean over hosts of sum over l of load(l, h).
  *
+ * Why per layer and not per host total: the client sends a layer's calls to every host at
+ * once and cannot start the next layer before the slowest answers, so a host idle in layer
+ * 3 cannot make up for one overloaded in layer 4. Balancing the totals alone would let every
+ * layer keep its hot pairs on one host; the totals are evened only afterwards, and only by
+ * moves that raise no layer's max (total_balance).
+ *
+ * What is decided, in order (pl_plan_make; each arrow is one function below):
+ *
+ *   counts w[l][x] --hot_set--> local[] (the GPU's pairs)   --check_fit--> every cold pair
+ *                                                                         has a slot
+ *   kt strategies:  cold_blocks   equal contiguous blocks of each layer per host
+ *   balanced:       cold_lpt      greedy, heaviest pair first, per layer, within quotas
+ *                   local_search  moves / swaps off the layer's busiest host until none helps
+ *                   replicas      extra copies of the heaviest shares while they lower a max
+ *                   total_balance evens the hosts' totals without raising any layer's max
+ *   --current:      the same seeded with the current copies (seed_current), stopped at
+ *                   "good enough" (the fresh plan's layer max x (1 + tolerance)); kept only
+ *                   if its step load is within the tolerance (pl_plan_make, plan_sticky)
+ *
+ * Constraints, and why each: a host holds at most floor(expert_memory / bytes(h)) experts
+ * (it has to fit them in RAM; whole experts, since a server loads an expert or not); every
+ * cold pair of a MoE layer has at least one copy (the client refuses a placement that leaves
+ * a routed expert without a server); at most R copies of a pair and never two on one host
+ * (a second copy on the same host adds memory and no throughput); the GPU set is at most
+ * floor(gpu_bytes / bytes of one unsplit expert) pairs (the client's budget).
+ *
+ * The problem is NP-hard (it contains multiprocessor scheduling, P||Cmax, per layer), so
+ * the planner is a heuristic with a known start: LPT is within 4/3 of the optimum on one
+ * layer of equal hosts without capacities (Graham 1969), and the local search only ever
+ * lowers a layer's max.
+ *
+ * Cost, with P = L x E pairs and S hosts: the hot set O(P log P) (a sort); LPT
+ * O(E log E + E x S) per layer; one local-search iteration O(E + E^2 / S) per layer (the
+ * busiest host's pairs times every other host's, buckets built in O(E)), at most 8E
+ * iterations but in practice a handful; replicas try at most 3 candidates x 2 hosts per
+ * layer and round, each followed by a local search. 61 x 256 x 16 plans in 30-60 ms.
+ *
  * Everything is single-threaded and deterministic: ties break on (layer, expert, host)
  * order, and "random" draws from splitmix64(seed).
  */
 #define _GNU_SOURCE /* qsort_r */
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #include <cjson/cJSON.h>
 
@@ -33,16 +70,21 @@
 
 /* ---- names --------------------------------------------------------------------------- */
 
+/* Index of s in names[0 .. n), or -1. */
+static int name_index(const char *const *names, int n, const char *s) {
+  for (int i = 0; i < n; i++)
+    if (strcmp(s, names[i]) == 0) return i;
+  return -1;
+}
+
 static const char *const strategy_names[PL_STRATEGY_COUNT] = {
     "balanced", "uniform", "frequency", "front-loading", "random"};
 
 int pl_strategy_parse(const char *s, pl_strategy *out) {
-  for (int i = 0; i < PL_STRATEGY_COUNT; i++)
-    if (strcmp(s, strategy_names[i]) == 0) {
-      *out = (pl_strategy)i;
-      return 0;
-    }
-  return MR_EINVAL;
+  int i = name_index(strategy_names, PL_STRATEGY_COUNT, s);
+  if (i < 0) return MR_EINVAL;
+  *out = (pl_strategy)i;
+  return 0;
 }
 
 const char *pl_strategy_name(pl_strategy s) {
@@ -53,12 +95,10 @@ static const char *const wformat_names[PL_WF_COUNT] = {
     "bf16", "f16", "f32", "int8", "int4-g32", "int4-g64", "int4-g128", "fp8-b128"};
 
 int pl_wformat_parse(const char *s, pl_wformat *out) {
-  for (int i = 0; i < PL_WF_COUNT; i++)
-    if (strcmp(s, wformat_names[i]) == 0) {
-      *out = (pl_wformat)i;
-      return 0;
-    }
-  return MR_EINVAL;
+  int i = name_index(wformat_names, PL_WF_COUNT, s);
+  if (i < 0) return MR_EINVAL;
+  *out = (pl_wformat)i;
+  return 0;
 }
 
 const char *pl_wformat_name(pl_wformat f) {
@@ -87,7 +127,7 @@ static bool wf_is_int4(pl_wformat f) {
   return f == PL_WF_INT4_G32 || f == PL_WF_INT4_G64 || f == PL_WF_INT4_G128;
 }
 
-/* Bytes of a row of K weights, and its number of f32 scales. */
+/* Bytes of a row of K weights: int4 packs two weights a byte and pads K to its group. */
 static uint64_t row_bytes(pl_wformat f, uint32_t K) {
   switch (f) {
     case PL_WF_F32: return (uint64_t)K * 4;
@@ -111,6 +151,17 @@ static uint64_t mat_scales(pl_wformat f, uint32_t rows, uint32_t K) {
   return 0;
 }
 
+/* One slice of an expert, Is intermediate rows of the model's H, as the kernels pack it: six
+ * arrays back to back, each starting on a 64-byte boundary (so a slice's size is not the
+ * sum of its arrays):
+ *
+ *   0      gate  [Is][H]    Is x row_bytes(H)
+ *   up     up    [Is][H]    Is x row_bytes(H)
+ *   down   down  [H][Is]    H x row_bytes(Is)
+ *   gs     gate scales      f32, mat_scales(Is rows of H)   (none for f32 / f16 / bf16)
+ *   us     up scales        f32, the same count
+ *   ds     down scales      f32, mat_scales(H rows of Is)
+ *   end    (aligned up to 64)                                                              */
 static uint64_t slice_bytes(pl_wformat f, uint32_t H, uint32_t Is) {
   uint64_t gu = (uint64_t)Is * row_bytes(f, H), dn = (uint64_t)H * row_bytes(f, Is);
   uint64_t gus = mat_scales(f, Is, H) * 4, dns = mat_scales(f, H, Is) * 4;
@@ -119,6 +170,9 @@ static uint64_t slice_bytes(pl_wformat f, uint32_t H, uint32_t Is) {
   return align64(ds + dns);
 }
 
+/* The intermediate rows are cut in units of 32 (or of the group, when larger: a group never
+ * straddles two NUMA nodes) and the units dealt out evenly, the first units % n slices one
+ * more; a slice past the end of I (more nodes than units) is empty and costs nothing. */
 uint64_t pl_expert_bytes(pl_wformat f, uint32_t H, uint32_t I, uint32_t n) {
   if (n == 0) n = 1;
   uint32_t unit = 32;
@@ -140,23 +194,25 @@ uint64_t pl_expert_bytes(pl_wformat f, uint32_t H, uint32_t I, uint32_t n) {
 
 static inline double dmax(double a, double b) { return a > b ? a : b; } /* no libm call */
 
-#define NONE16 0xffffu
-
+/* The planner's state: the problem in the units the search uses, and one assignment with
+ * its loads kept up to date incrementally (copy_add / copy_del), so that trying a move costs
+ * O(1) and not a recount. Pair i is (layer i / E, expert i % E). */
 typedef struct work {
   const pl_problem *pb;
-  uint32_t L, E, S, R;
-  size_t P;
+  uint32_t L, E, S, R;  /* layers, experts, hosts, most copies of a pair */
+  size_t P;             /* L x E */
   double *w;            /* [P] tokens per pair (1 for every MoE pair without counts) */
   uint64_t B[MR_PLACEMENT_MAX_SERVERS];   /* bytes of one expert on host h */
-  double k[MR_PLACEMENT_MAX_SERVERS];     /* B / speed: load per token */
-  uint64_t cap[MR_PLACEMENT_MAX_SERVERS]; /* UINT64_MAX = unbounded */
+  double k[MR_PLACEMENT_MAX_SERVERS];     /* B / speed: load per token (byte-tokens per unit
+                                             of speed; only ratios matter) */
+  uint64_t cap[MR_PLACEMENT_MAX_SERVERS]; /* bytes for experts; UINT64_MAX = unbounded */
   uint64_t gpuB;        /* bytes of one expert on the GPU (1 slice) */
   /* An assignment: */
-  uint8_t *local;       /* [P] */
-  uint8_t *nc;          /* [P] copies */
-  uint16_t *hs;         /* [P * R] */
-  double *lload;        /* [L * S] */
-  uint64_t used[MR_PLACEMENT_MAX_SERVERS];
+  uint8_t *local;       /* [P] 1 = the client computes it (hot) */
+  uint8_t *nc;          /* [P] copies on hosts (0 for local pairs and dense layers) */
+  uint16_t *hs;         /* [P * R] pair i's hosts are hs[i * R .. i * R + nc[i]) */
+  double *lload;        /* [L * S] load(l, h), as in the header */
+  uint64_t used[MR_PLACEMENT_MAX_SERVERS]; /* bytes held per host */
   /* Scratch of local_search: the single-copy pairs of one layer bucketed by host. */
   uint32_t *bucket; /* [E] */
   uint32_t *start;  /* [S + 1] */
@@ -168,7 +224,9 @@ static bool pair_on(const work *w, size_t i, uint32_t h) {
   return false;
 }
 
-/* Removes (sign -1) or adds (+1) pair i's share to the layer loads of its holders. */
+/* Removes (sign -1) or adds (+1) pair i's share to the layer loads of its holders. A
+ * change of copies changes every holder's share (tokens / copies), so copy_add and
+ * copy_del remove the old shares, change the copies, and add the new ones. */
 static void pair_contrib(work *w, size_t i, double sign) {
   if (!w->nc[i]) return;
   double t = w->w[i] / w->nc[i];
@@ -179,10 +237,12 @@ static void pair_contrib(work *w, size_t i, double sign) {
   }
 }
 
+/* Can host h hold one more expert? */
 static bool has_room(const work *w, uint32_t h) {
   return w->cap[h] == UINT64_MAX || w->used[h] + w->B[h] <= w->cap[h];
 }
 
+/* One more copy of pair i, on host h (which must not hold it); loads and bytes follow. */
 static void copy_add(work *w, size_t i, uint32_t h) {
   MR_ASSERT(w->nc[i] < w->R && !pair_on(w, i, h));
   pair_contrib(w, i, -1);
@@ -191,6 +251,7 @@ static void copy_add(work *w, size_t i, uint32_t h) {
   pair_contrib(w, i, +1);
 }
 
+/* Host h's copy of pair i removed (the others keep their order); loads and bytes follow. */
 static void copy_del(work *w, size_t i, uint32_t h) {
   pair_contrib(w, i, -1);
   uint32_t c = 0;
@@ -211,7 +272,45 @@ static void work_clear(work *w) {
 
 static bool is_moe(const work *w, uint32_t l) { return w->pb->is_moe[l] != 0; }
 
-/* sum_l max_h load(l, h) and the max / mean imbalance of the host totals. */
+/* Moves single-copy pair p from host a to host b, or, when q is not SIZE_MAX, swaps it with
+ * single-copy pair q of host b (the host byte counts then stay as they were). */
+static void move_or_swap(work *w, size_t p, uint32_t a, size_t q, uint32_t b) {
+  if (q != SIZE_MAX) {
+    copy_del(w, q, b);
+    copy_del(w, p, a);
+    copy_add(w, p, b);
+    copy_add(w, q, a);
+  } else {
+    copy_del(w, p, a);
+    copy_add(w, p, b);
+  }
+}
+
+/* The best move a search (local_search, total_balance) has found so far: single-copy pair p
+ * of the busiest host to host b, swapped with b's single-copy pair q unless q is SIZE_MAX;
+ * m is the larger of the two hosts' loads it leaves, which a later candidate must beat. m
+ * starts just below the busiest load, so that only a move that lowers it is ever taken. */
+typedef struct best_move {
+  double m;
+  size_t p, q;
+  uint32_t b;
+} best_move;
+
+static void best_offer(best_move *bm, double m, size_t p, size_t q, uint32_t b) {
+  if (m < bm->m) *bm = (best_move){.m = m, .p = p, .q = q, .b = b};
+}
+
+/* Index of the largest of v[0 .. n) (the first on ties), n >= 1: the busiest host. */
+static uint32_t argmax(const double *v, uint32_t n) {
+  uint32_t a = 0;
+  for (uint32_t h = 1; h < n; h++)
+    if (v[h] > v[a]) a = h;
+  return a;
+}
+
+/* The two figures of an assignment's loads lload[L * S]: *step = sum over l of max over h
+ * (the objective), *imb = max / mean of the host totals tot[h] = sum over l (1 with no
+ * load); tot[] is filled for the caller. */
 static void work_eval(const double *lload, uint32_t L, uint32_t S, double *step, double *imb,
                       double *tot) {
   double st = 0;
@@ -236,13 +335,6 @@ static void work_eval(const double *lload, uint32_t L, uint32_t S, double *step,
 
 /* ---- hot set ------------------------------------------------------------------------- */
 
-static uint64_t splitmix64(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
 /* Hotter first; ties: lower expert id, then lower layer (so that equal counts, e.g. no
  * statistics, spread the hot set over the layers as kt-kernel's uniform does). */
 static int cmp_hot(const void *a, const void *b, void *ctx) {
@@ -255,6 +347,11 @@ static int cmp_hot(const void *a, const void *b, void *ctx) {
   return i < j ? -1 : i > j;
 }
 
+/* The GPU set, local[]: N = floor(gpu_bytes / one unsplit expert) pairs of the MoE layers,
+ * chosen by the strategy with kt-kernel's semantics (docs/DESIGN.md section 14), so that a
+ * plan here and a kt-kernel mask agree for the same N. balanced takes frequency's set: a
+ * token served on the GPU costs no host anything, so the hottest pairs are worth the most
+ * there, whatever their layer. */
 static int hot_set(work *w, mr_err *e) {
   uint32_t n_moe = 0;
   for (uint32_t l = 0; l < w->L; l++) n_moe += is_moe(w, l);
@@ -299,7 +396,7 @@ static int hot_set(work *w, mr_err *e) {
      * (same rule; splitmix64 Fisher-Yates, not torch's generator). */
     uint64_t s = w->pb->seed;
     for (size_t i = m; i > 1; i--) {
-      size_t j = (size_t)(splitmix64(&s) % i);
+      size_t j = (size_t)(pl__splitmix64(&s) % i);
       uint32_t t = ord[i - 1];
       ord[i - 1] = ord[j];
       ord[j] = t;
@@ -315,24 +412,16 @@ static int hot_set(work *w, mr_err *e) {
 
 /* ---- capacity ------------------------------------------------------------------------ */
 
+/* Experts host h can still take (UINT64_MAX: unbounded). */
 static uint64_t free_slots(const work *w, uint32_t h) {
   if (w->cap[h] == UINT64_MAX) return UINT64_MAX;
   return w->used[h] >= w->cap[h] ? 0 : (w->cap[h] - w->used[h]) / w->B[h];
 }
 
-static void fmt_bytes(uint64_t b, char *buf, size_t n) {
-  static const char *u[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = (double)b;
-  int i = 0;
-  while (v >= 1024 && i < 5) {
-    v /= 1024;
-    i++;
-  }
-  if (i == 0) snprintf(buf, n, "%llu B", (unsigned long long)b);
-  else snprintf(buf, n, "%.2f %s", v, u[i]);
-}
-
-/* Every cold pair must fit once; the hosts' slots are counted in whole experts. */
+/* Every cold pair must fit once; the hosts' slots are counted in whole experts, since a
+ * host's remainder below one expert holds nothing. Checked before any placement so that
+ * the failure names the bytes instead of an assertion deep in the search; the message
+ * counts the need at the smallest expert size (the best case over the hosts). */
 static int check_fit(const work *w, mr_err *e) {
   uint64_t cold = 0, slots = 0, bytes_avail = 0, need_min = 0;
   bool unbounded = false;
@@ -351,9 +440,9 @@ static int check_fit(const work *w, mr_err *e) {
   if (unbounded || cold <= slots) return 0;
   need_min = cold * bmin;
   char nb[32], ab[32], eb[32];
-  fmt_bytes(need_min, nb, sizeof nb);
-  fmt_bytes(bytes_avail, ab, sizeof ab);
-  fmt_bytes(bmin, eb, sizeof eb);
+  pl__bytes_human(need_min, nb, sizeof nb);
+  pl__bytes_human(bytes_avail, ab, sizeof ab);
+  pl__bytes_human(bmin, eb, sizeof eb);
   return mr_err_set(e, MR_EEXHAUSTED,
                     "plan does not fit: %llu cold experts of %s each (%s) need %llu bytes "
                     "(%s), the hosts' expert_memory is %llu bytes (%s, room for %llu experts); "
@@ -365,6 +454,10 @@ static int check_fit(const work *w, mr_err *e) {
 
 /* ---- cold placement: contiguous blocks (the kt-parity strategies, and "uniform") ------ */
 
+/* The kt-parity placement of the cold pairs: in each MoE layer, the pairs in expert order
+ * cut into S blocks of equal size (the first n % S one larger), block h to host h, each cut
+ * to the host's free slots with the rest going to the first hosts with room. It ignores the
+ * counts on purpose: it is what "no planner" looks like, the "before" of a plan. */
 static int cold_blocks(work *w, mr_err *e) {
   uint32_t *q = mr_malloc(w->S * sizeof *q);
   if (!q) return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
@@ -414,7 +507,15 @@ static int cmp_heavy(const void *a, const void *b, void *ctx) {
 /* LPT greedy, layer by layer, for the pairs of the layer without a copy: heaviest first,
  * each onto the host whose layer load grows least; a layer may use at most its
  * proportional share of each host's free slots, so that early layers do not take the
- * room later layers need. */
+ * room later layers need.
+ *
+ * "Grows least" is min over h of ll[h] + w x k[h]: with equal speeds, the least-loaded
+ * host; with unequal ones a fast host takes more. The quota of host h in a layer of n
+ * unplaced pairs, out of `remaining` over all layers, is ceil(free(h) x n / remaining):
+ * without it a roomy early layer could fill a host and leave a later layer only the slow
+ * or full ones. Ties (within a relative 1e-12) go to the host with fewer pairs in this
+ * layer, then to the lighter total, so that pairs of equal weight (no counts) spread by
+ * number. Per layer O(n log n + n x S). */
 static int cold_lpt(work *w, mr_err *e) {
   uint32_t *ord = mr_malloc(w->E * sizeof *ord);
   uint64_t *quota = mr_malloc(w->S * sizeof *quota);
@@ -425,10 +526,11 @@ static int cold_lpt(work *w, mr_err *e) {
     mr_free(inl);
     return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
   }
-  uint64_t remaining = 0;
+  uint64_t remaining = 0; /* cold pairs without a copy, over the layers not yet done */
   double tot[MR_PLACEMENT_MAX_SERVERS] = {0}; /* hosts' totals so far: ties go to the lighter */
   for (size_t i = 0; i < w->P; i++)
     if (is_moe(w, (uint32_t)(i / w->E)) && !w->local[i] && !w->nc[i]) remaining++;
+  /* Copies already placed (seed_current's) count in the totals from the start. */
   for (size_t i = 0; i < w->P; i++) {
     if (!w->nc[i]) continue;
     for (uint32_t c = 0; c < w->nc[i]; c++) {
@@ -444,7 +546,8 @@ static int cold_lpt(work *w, mr_err *e) {
       if (!w->local[i] && !w->nc[i]) ord[n++] = (uint32_t)i;
     }
     if (!n) continue;
-    qsort_r(ord, n, sizeof *ord, cmp_heavy, w);
+    qsort_r(ord, n, sizeof *ord, cmp_heavy, w); /* heaviest first, ties by index */
+    /* quota[h]: the most pairs of this layer host h may take, its share of its free slots */
     for (uint32_t h = 0; h < w->S; h++) {
       uint64_t fs = free_slots(w, h);
       if (fs == UINT64_MAX) quota[h] = UINT64_MAX;
@@ -468,7 +571,9 @@ static int cold_lpt(work *w, mr_err *e) {
           bv = v;
         }
       }
-      if (best == UINT32_MAX) /* quotas are ceilings of shares: only rounding can get here */
+      /* Quotas are ceilings of shares, so they add up to at least n unless a host with room
+       * was cut to its free slots by rounding: then any host with room will do. */
+      if (best == UINT32_MAX)
         for (uint32_t h = 0; h < w->S && best == UINT32_MAX; h++)
           if (has_room(w, h)) best = h;
       MR_ASSERT(best != UINT32_MAX); /* check_fit */
@@ -484,12 +589,9 @@ static int cold_lpt(work *w, mr_err *e) {
   return 0;
 }
 
-/* Local search in one layer over single-copy pairs: move a pair off the busiest host, or
- * swap it with a lighter one of another host, whenever that lowers the busiest host's load
- * without raising the other above it. Stops when no move helps, or once the layer's max
- * is at most `good` (with --current: close enough to the fresh plan, fewer moves). */
 /* Buckets the single-copy pairs of layer l by host: w->bucket[w->start[h] ..
- * w->start[h + 1]) are host h's. */
+ * w->start[h + 1]) are host h's. A counting sort, O(E + S), so that the searches below
+ * visit only the busiest host's pairs against each other host's instead of all E^2. */
 static void bucket_layer(work *w, uint32_t l) {
   const uint32_t S = w->S, E = w->E;
   uint32_t *st = w->start, *bk = w->bucket;
@@ -507,64 +609,56 @@ static void bucket_layer(work *w, uint32_t l) {
   st[0] = 0;
 }
 
+/* Local search in one layer over single-copy pairs: move a pair off the busiest host, or
+ * swap it with a lighter one of another host, whenever that lowers the busiest host's load
+ * without raising the other above it. Stops when no move helps, or once the layer's max
+ * is at most `good` (with --current: close enough to the fresh plan, fewer moves).
+ *
+ * Each iteration takes the best move of the neighbourhood (best improvement, not first):
+ *
+ *   move p: a -> b        new max of the two = max(ll[a] - w_p k_a, ll[b] + w_p k_b)
+ *   swap p <-> q (w_q < w_p)   max(ll[a] - w_p k_a + w_q k_a, ll[b] - w_q k_b + w_p k_b)
+ *
+ * and applies it only if that max is below ll[a] by a relative 1e-9, so the busiest load
+ * strictly falls and the search ends; 8E iterations bound it anyway. Only single-copy
+ * pairs move (a replicated pair's copies stay where replicas put them), only swaps with a
+ * lighter pair are tried (a heavier one onto a could not lower a's load), and a move needs
+ * room on b while a swap keeps both hosts' bytes (equal expert sizes per host). Hosts at or
+ * above the best max found are skipped: nothing moved onto them can help. */
 static void local_search(work *w, uint32_t l, double good) {
   const uint32_t S = w->S, E = w->E;
   double *ll = w->lload + (size_t)l * S;
   for (uint32_t iter = 0; iter < 8 * E; iter++) {
-    uint32_t a = 0;
-    for (uint32_t h = 1; h < S; h++)
-      if (ll[h] > ll[a]) a = h;
+    const uint32_t a = argmax(ll, S);
     double amax = ll[a];
     if (amax <= good || amax <= 0) return;
     bucket_layer(w, l);
     const uint32_t *st = w->start, *bk = w->bucket;
-    double best = amax * (1 - 1e-9);
-    size_t bp = SIZE_MAX, bq = SIZE_MAX;
-    uint32_t bb = 0;
+    best_move bm = {.m = amax * (1 - 1e-9), .p = SIZE_MAX, .q = SIZE_MAX, .b = 0};
     for (uint32_t pa = st[a]; pa < st[a + 1]; pa++) {
       size_t p = bk[pa];
       double wp = w->w[p];
-      if (wp <= 0) continue;
+      if (wp <= 0) continue; /* moving a pair without tokens changes no load */
       for (uint32_t b = 0; b < S; b++) {
-        if (b == a || ll[b] >= best) continue; /* b at the max: no move onto it helps */
-        if (has_room(w, b)) {
-          double m = dmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]);
-          if (m < best) {
-            best = m;
-            bp = p;
-            bq = SIZE_MAX;
-            bb = b;
-          }
-        }
-        for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) {
+        if (b == a || ll[b] >= bm.m) continue; /* b at the max: no move onto it helps */
+        if (has_room(w, b)) /* move: a sheds p, b takes it at b's cost per token */
+          best_offer(&bm, dmax(amax - wp * w->k[a], ll[b] + wp * w->k[b]), p, SIZE_MAX, b);
+        for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) { /* swap: a trades p for b's q */
           size_t q = bk[qb];
           double wq = w->w[q];
           if (wq >= wp) continue;
           double m = dmax(amax - wp * w->k[a] + wq * w->k[a], ll[b] - wq * w->k[b] + wp * w->k[b]);
-          if (m < best) {
-            best = m;
-            bp = p;
-            bq = q;
-            bb = b;
-          }
+          best_offer(&bm, m, p, q, b);
         }
       }
     }
-    if (bp == SIZE_MAX) return;
-    if (bq != SIZE_MAX) {
-      /* Swap: bytes per host unchanged. */
-      copy_del(w, bq, bb);
-      copy_del(w, bp, a);
-      copy_add(w, bp, bb);
-      copy_add(w, bq, a);
-    } else {
-      copy_del(w, bp, a);
-      copy_add(w, bp, bb);
-    }
+    if (bm.p == SIZE_MAX) return;
+    move_or_swap(w, bm.p, a, bm.q, bm.b);
   }
 }
 
-/* Layer max after giving pair i one more copy on host b (nothing changed). */
+/* Layer max after giving pair i one more copy on host b (nothing changed): b gains a share
+ * t1 = tokens / (copies + 1), every present holder's share drops from t0 to t1. O(S x R). */
 static double max_with_copy(const work *w, size_t i, uint32_t b) {
   const uint32_t S = w->S;
   const double *ll = w->lload + (i / w->E) * S;
@@ -579,7 +673,8 @@ static double max_with_copy(const work *w, size_t i, uint32_t b) {
   return m;
 }
 
-/* A layer's assignment, to try a change and undo it. */
+/* A layer's assignment, to try a change and undo it (a replica and the local search after
+ * it touch one layer's pairs and loads and the hosts' byte counts, nothing else). */
 typedef struct layer_snap {
   uint8_t *nc;   /* [E] */
   uint16_t *hs;  /* [E * R] */
@@ -610,22 +705,28 @@ static double layer_max(const work *w, uint32_t l) {
 
 /* One replica in layer l if it lowers the layer's max once the single-copy pairs are
  * rebalanced around it (local_search): the heaviest shares of the busiest host, each on
- * the two hosts where the copy alone gives the lowest max. Returns true if one was kept. */
+ * the two hosts where the copy alone gives the lowest max. Returns true if one was kept.
+ *
+ * Why replicas at all: one pair hotter than a host's fair share sets the layer's max however
+ * the others are placed; only splitting its tokens (EPLB's idea) lowers it. Why try only
+ * 3 x 2 placements: each try runs a local search, and the heaviest shares of the busiest
+ * host are where a copy can matter; a copy that does not lower the max by a relative 1e-6
+ * after the search is undone (snapshot), since it would only cost memory and a load. */
 static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
   const uint32_t S = w->S, E = w->E;
   double *ll = w->lload + (size_t)l * S;
-  uint32_t a = 0;
-  for (uint32_t h = 1; h < S; h++)
-    if (ll[h] > ll[a]) a = h;
+  const uint32_t a = argmax(ll, S);
   double amax = ll[a];
   if (amax <= good || amax <= 0) return false;
-  /* No placement of the layer's tokens beats sum(tokens) / sum(1 / k): at that bound,
-   * copies cannot help. */
+  /* No placement of the layer's tokens beats sum(tokens) / sum(1 / k): with every host at
+   * the same load m, host h carries m / k_h tokens, and these add up to the layer's tokens.
+   * At that bound, copies cannot help. */
   double tokens = 0, inv = 0;
   for (uint32_t x = 0; x < E; x++) tokens += w->nc[(size_t)l * E + x] ? w->w[(size_t)l * E + x] : 0;
   for (uint32_t h = 0; h < S; h++) inv += 1.0 / w->k[h];
   if (amax <= tokens / inv * (1 + 1e-6)) return false;
-  /* The few heaviest shares on a (that may get another copy). */
+  /* The few heaviest shares on a (that may get another copy): selection by repeated scans,
+   * O(CAND x E), cheaper than a sort for three. */
   enum { CAND = 3, TRY_HOSTS = 2 };
   size_t cand[CAND];
   int nc = 0;
@@ -634,6 +735,7 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
     double bs = 0;
     for (uint32_t x = 0; x < E; x++) {
       size_t i = (size_t)l * E + x;
+      /* a cold pair of a, with tokens to split and fewer than R copies */
       if (!w->nc[i] || w->nc[i] >= w->R || w->w[i] <= 0 || !pair_on(w, i, a)) continue;
       bool taken = false;
       for (int c = 0; c < nc; c++) taken |= cand[c] == i;
@@ -646,6 +748,8 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
     if (bi == SIZE_MAX) break;
     cand[nc] = bi;
   }
+  /* Per candidate, the TRY_HOSTS hosts where the copy alone gives the lowest max (an
+   * insertion into a sorted array of TRY_HOSTS), each tried with the search after it. */
   for (int c = 0; c < nc; c++) {
     uint32_t hb[TRY_HOSTS];
     double hm[TRY_HOSTS];
@@ -653,6 +757,7 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
     for (uint32_t b = 0; b < S; b++) {
       if (pair_on(w, cand[c], b) || !has_room(w, b)) continue;
       double m = max_with_copy(w, cand[c], b);
+      /* insert (m, b) into hm / hb, kept sorted by m and cut at TRY_HOSTS entries */
       int pos = nh < TRY_HOSTS ? nh++ : TRY_HOSTS;
       while (pos > 0 && hm[pos - 1] > m) {
         if (pos < TRY_HOSTS) {
@@ -666,7 +771,7 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
         hb[pos] = b;
       }
     }
-    for (int t = 0; t < nh; t++) {
+    for (int t = 0; t < nh; t++) { /* try: copy, rebalance, keep if the max fell, else undo */
       snap_save(w, l, snap);
       copy_add(w, cand[c], hb[t]);
       local_search(w, l, good);
@@ -678,7 +783,9 @@ static bool replica_step(work *w, uint32_t l, double good, layer_snap *snap) {
 }
 
 /* Replicas in rounds over the layers, one per layer per round, while there is room and
- * they help; `good` per layer (NULL: none). */
+ * they help; `good` per layer (NULL: none). Round-robin rather than layer after layer, so
+ * that when memory runs short every layer got its most useful copies before any layer got
+ * its fifth. Copies use free slots only: the pairs' first copies were placed first. */
 static int replicas(work *w, const double *good, mr_err *e) {
   if (w->R <= 1) return 0;
   layer_snap snap;
@@ -690,7 +797,8 @@ static int replicas(work *w, const double *good, mr_err *e) {
     return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
   }
   /* A layer whose step failed is not tried again: it has not changed since, and the room
-   * of the others only shrinks. */
+   * of the others only shrinks. The rounds end when no layer took a copy (E x R rounds
+   * bound them: no layer can take more copies than that). */
   uint8_t *done = mr_calloc(w->L, 1);
   if (!done) {
     mr_free(snap.nc);
@@ -716,7 +824,14 @@ static int replicas(work *w, const double *good, mr_err *e) {
  * pairs off the host with the largest total, in any layer where the receiving host stays
  * at or under that layer's max. (Per-layer balance leaves the totals free: in a skewed
  * layer the host holding its heaviest pair carries the max while the others may take any
- * of the rest.) */
+ * of the rest.)
+ *
+ * Target: stop once max / mean of the totals is at most target (0: as far as it goes).
+ * The same move / swap neighbourhood as local_search, scored on the totals T[] instead of a
+ * layer's loads, with the constraint ll[b] + share <= the layer's max (and for a swap the
+ * same on a) checked per layer. Layers are visited from the one of the last move on, so a
+ * layer with room is used until it has none. O(L x (E + E^2 / S)) per move, at most 4 L S
+ * moves. */
 static void total_balance(work *w, double target) {
   const uint32_t S = w->S;
   double T[MR_PLACEMENT_MAX_SERVERS], sum = 0;
@@ -724,20 +839,18 @@ static void total_balance(work *w, double target) {
   for (uint32_t l = 0; l < w->L; l++)
     for (uint32_t h = 0; h < S; h++) T[h] += w->lload[(size_t)l * S + h];
   for (uint32_t h = 0; h < S; h++) sum += T[h];
-  uint32_t start = 0;
+  uint32_t start = 0; /* the layer of the last move: searched first next time */
   for (uint32_t iter = 0; iter < 4 * w->L * S; iter++) {
-    uint32_t a = 0;
-    for (uint32_t h = 1; h < S; h++)
-      if (T[h] > T[a]) a = h;
+    const uint32_t a = argmax(T, S);
     if (sum <= 0 || T[a] / (sum / S) <= target) return; /* moves keep the sum */
     bool done = false;
     for (uint32_t k = 0; k < w->L && !done; k++) {
       uint32_t l = (start + k) % w->L; /* from the layer of the last move on */
       if (!is_moe(w, l)) continue;
+      /* lm: the layer's max, which no host may exceed after the move (1e-12: rounding) */
       double *ll = w->lload + (size_t)l * S, lm = layer_max(w, l) * (1 + 1e-12);
-      double best = T[a] * (1 - 1e-9);
-      size_t bp = SIZE_MAX, bq = SIZE_MAX;
-      uint32_t bb = 0;
+      /* the totals' max must fall, as in local_search */
+      best_move bm = {.m = T[a] * (1 - 1e-9), .p = SIZE_MAX, .q = SIZE_MAX, .b = 0};
       bucket_layer(w, l);
       const uint32_t *st = w->start, *bk = w->bucket;
       for (uint32_t pa = st[a]; pa < st[a + 1]; pa++) {
@@ -745,43 +858,23 @@ static void total_balance(work *w, double target) {
         if (w->w[p] <= 0) continue;
         double ca = w->w[p] * w->k[a];
         for (uint32_t b = 0; b < S; b++) {
-          if (b == a || T[b] >= best) continue;
+          if (b == a || T[b] >= bm.m) continue;
           double cb = w->w[p] * w->k[b];
-          if (has_room(w, b) && ll[b] + cb <= lm) {
-            double m = dmax(T[a] - ca, T[b] + cb);
-            if (m < best) {
-              best = m;
-              bp = p;
-              bq = SIZE_MAX;
-              bb = b;
-            }
-          }
-          for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) {
+          if (has_room(w, b) && ll[b] + cb <= lm) /* move, if b stays within the layer's max */
+            best_offer(&bm, dmax(T[a] - ca, T[b] + cb), p, SIZE_MAX, b);
+          for (uint32_t qb = st[b]; qb < st[b + 1]; qb++) { /* swap, if both stay within it */
             size_t q = bk[qb];
             if (w->w[q] >= w->w[p]) continue;
             double qa = w->w[q] * w->k[a], qc = w->w[q] * w->k[b];
             if (ll[a] - ca + qa > lm || ll[b] - qc + cb > lm) continue;
-            double m = dmax(T[a] - ca + qa, T[b] - qc + cb);
-            if (m < best) {
-              best = m;
-              bp = p;
-              bq = q;
-              bb = b;
-            }
+            best_offer(&bm, dmax(T[a] - ca + qa, T[b] - qc + cb), p, q, b);
           }
         }
       }
-      if (bp == SIZE_MAX) continue;
+      if (bm.p == SIZE_MAX) continue;
+      /* T follows the move: this layer's loads out, the move, its new loads in. */
       for (uint32_t h = 0; h < S; h++) T[h] -= ll[h];
-      if (bq != SIZE_MAX) {
-        copy_del(w, bq, bb);
-        copy_del(w, bp, a);
-        copy_add(w, bp, bb);
-        copy_add(w, bq, a);
-      } else {
-        copy_del(w, bp, a);
-        copy_add(w, bp, bb);
-      }
+      move_or_swap(w, bm.p, a, bm.q, bm.b);
       for (uint32_t h = 0; h < S; h++) T[h] += ll[h];
       done = true;
       start = l;
@@ -790,6 +883,9 @@ static void total_balance(work *w, double target) {
   }
 }
 
+/* The balanced strategy's cold placement, the passes in order (header). With good[] (the
+ * --current run) every pass stops at good enough, and pl_plan_make evens the totals only
+ * as far as the tolerance asks. */
 static int balanced_cold(work *w, const double *good, mr_err *e) {
   int rc = cold_lpt(w, e);
   if (rc) return rc;
@@ -802,6 +898,8 @@ static int balanced_cold(work *w, const double *good, mr_err *e) {
 
 /* ---- the current placement ----------------------------------------------------------- */
 
+/* Checks --current against the problem (shape, servers, dense layers) and maps its servers
+ * to host indices: map[i] is the host of cur->server[i]. */
 static int map_current(const work *w, const mr_placement *cur, int32_t *map, mr_err *e) {
   if (cur->num_layers != w->L || cur->num_experts != w->E)
     return mr_err_set(e, MR_EMISMATCH, "--current: num_layers = %u, num_experts = %u, the "
@@ -823,7 +921,8 @@ static int map_current(const work *w, const mr_placement *cur, int32_t *map, mr_
 
 /* Loads of the current placement (its own local set): a cold pair it does not list counts
  * as split evenly over every host (the client then picks among the servers announcing
- * it). */
+ * it). This is the "before" of a plan with --current, measured with this plan's counts, so
+ * before and after compare the same traffic on two placements. */
 static void current_loads(const work *w, const mr_placement *cur, const int32_t *map,
                           double *lload) {
   memset(lload, 0, (size_t)w->L * w->S * sizeof *lload);
@@ -846,7 +945,9 @@ static void current_loads(const work *w, const mr_placement *cur, const int32_t 
 
 /* Seeds the assignment with the current copies of every pair that stays cold: first
  * copies within each host's room, then further ones (at most R) only while the free
- * slots left exceed the pairs still without a copy, so that every pair keeps a place. */
+ * slots left exceed the pairs still without a copy, so that every pair keeps a place.
+ * Pass c takes every pair's c-th current copy, so that first copies are kept over second
+ * ones when room is short. What is not seeded is placed by cold_lpt as for a fresh plan. */
 static void seed_current(work *w, const mr_placement *cur, const int32_t *map) {
   for (uint32_t pass = 0; pass < w->R; pass++) {
     uint64_t unplaced = 0, freeall = 0;
@@ -860,6 +961,8 @@ static void seed_current(work *w, const mr_placement *cur, const int32_t *map) {
         else freeall += f;
       }
     }
+    /* Pass 0 seeds first copies wherever their host has room; a later pass spends a free
+     * slot on a further copy only while more slots are left than unplaced pairs. */
     for (size_t i = 0; i < w->P; i++) {
       if (!is_moe(w, (uint32_t)(i / w->E)) || w->local[i] || cur->copies[i] <= pass) continue;
       uint32_t h = (uint32_t)map[cur->rep[cur->rep_off[i] + pass]];
@@ -885,6 +988,9 @@ static void work_free(work *w) {
   mr_free(w->start);
 }
 
+/* Sizes w for pb and computes the per-pair weights and per-host constants. Counts (< 2^53)
+ * convert to doubles exactly; the loads are sums of doubles whose rounding (relative 2^-53
+ * an addition) stays far below the relative 1e-9 and 1e-12 margins of the comparisons. */
 static int work_init(work *w, const pl_problem *pb, mr_err *e) {
   memset(w, 0, sizeof *w);
   w->pb = pb;
@@ -918,6 +1024,8 @@ static int work_init(work *w, const pl_problem *pb, mr_err *e) {
   return 0;
 }
 
+/* Every field of pb in range (the library may be called with anything; the command's own
+ * checks give the friendlier messages first). */
 static int check_problem(const pl_problem *pb, mr_err *e) {
   if (pb->num_layers < 1 || pb->num_layers > MR_MAX_LAYERS || pb->num_experts < 1 ||
       pb->num_experts > 65536)
@@ -965,6 +1073,8 @@ static int check_problem(const pl_problem *pb, mr_err *e) {
 static int run_strategy(work *w, const mr_placement *cur, const int32_t *map,
                         const double *good, pl_strategy st, mr_err *e) {
   work_clear(w);
+  /* The passes read the strategy from w->pb; a copy of the problem with st in it stands in
+   * for the caller's (const) one while they run. */
   const pl_problem *pb = w->pb;
   pl_problem tmp = *pb;
   tmp.strategy = st;
@@ -983,12 +1093,12 @@ static int run_strategy(work *w, const mr_placement *cur, const int32_t *map,
   return rc;
 }
 
+/* The step load of w (sum over layers of the layer max), each layer's max in lmax[] when
+ * not NULL. */
 static double step_of(const work *w, double *lmax) {
   double s = 0;
   for (uint32_t l = 0; l < w->L; l++) {
-    double m = 0;
-    for (uint32_t h = 0; h < w->S; h++)
-      if (w->lload[(size_t)l * w->S + h] > m) m = w->lload[(size_t)l * w->S + h];
+    double m = layer_max(w, l);
     if (lmax) lmax[l] = m;
     s += m;
   }
@@ -1003,131 +1113,167 @@ void pl_plan_free(pl_plan *p) {
   mr_free(p);
 }
 
-int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
-  *out = NULL;
-  int rc = check_problem(pb, e);
-  if (rc) return rc;
-  work w;
-  if ((rc = work_init(&w, pb, e))) return rc;
-  int32_t map[MR_PLACEMENT_MAX_SERVERS];
-  double *lmax = mr_malloc(w.L * sizeof *lmax);
-  double *before = mr_malloc((size_t)w.L * w.S * sizeof *before);
-  pl_plan *p = mr_calloc(1, sizeof *p);
-  if (!lmax || !before || !p) {
-    rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
-    goto out;
-  }
-  if (pb->current && (rc = map_current(&w, pb->current, map, e))) goto out;
+/* A whole assignment put aside: the fresh plan, while the fewest-moves one is tried. */
+typedef struct assign_snap {
+  uint8_t *local, *nc;  /* [P] */
+  uint16_t *hs;         /* [P * R] */
+  double *lload;        /* [L * S] */
+  uint64_t used[MR_PLACEMENT_MAX_SERVERS];
+} assign_snap;
 
-  /* "Before": the current placement, or the uniform plan. */
+static void assign_free(assign_snap *a) {
+  mr_free(a->local);
+  mr_free(a->nc);
+  mr_free(a->hs);
+  mr_free(a->lload);
+}
+
+/* Copies w's assignment into a (allocated here; assign_free releases it, also on error). */
+static int assign_save(const work *w, assign_snap *a, mr_err *e) {
+  a->local = mr_malloc(w->P);
+  a->nc = mr_malloc(w->P);
+  a->hs = mr_malloc(w->P * w->R * sizeof *a->hs);
+  a->lload = mr_malloc((size_t)w->L * w->S * sizeof *a->lload);
+  if (!a->local || !a->nc || !a->hs || !a->lload)
+    return mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  memcpy(a->local, w->local, w->P);
+  memcpy(a->nc, w->nc, w->P);
+  memcpy(a->hs, w->hs, w->P * w->R * sizeof *a->hs);
+  memcpy(a->lload, w->lload, (size_t)w->L * w->S * sizeof *a->lload);
+  memcpy(a->used, w->used, sizeof a->used);
+  return 0;
+}
+
+static void assign_restore(work *w, const assign_snap *a) {
+  memcpy(w->local, a->local, w->P);
+  memcpy(w->nc, a->nc, w->P);
+  memcpy(w->hs, a->hs, w->P * w->R * sizeof *a->hs);
+  memcpy(w->lload, a->lload, (size_t)w->L * w->S * sizeof *a->lload);
+  memcpy(w->used, a->used, sizeof w->used);
+}
+
+/* The "before" figures of p: the loads of the current placement (map: its servers' host
+ * indices), or without one those of the uniform plan, which w holds afterwards. before[]
+ * is the caller's [L * S] scratch. */
+static int plan_before(work *w, const int32_t *map, double *before, pl_plan *p, mr_err *e) {
+  const pl_problem *pb = w->pb;
   double tot[MR_PLACEMENT_MAX_SERVERS];
   if (pb->current) {
-    current_loads(&w, pb->current, map, before);
+    current_loads(w, pb->current, map, before);
     p->before_is_current = true;
   } else {
-    if ((rc = run_strategy(&w, NULL, map, NULL, PL_STRATEGY_UNIFORM, e))) goto out;
-    memcpy(before, w.lload, (size_t)w.L * w.S * sizeof *before);
+    int rc = run_strategy(w, NULL, map, NULL, PL_STRATEGY_UNIFORM, e);
+    if (rc) return rc;
+    memcpy(before, w->lload, (size_t)w->L * w->S * sizeof *before);
   }
-  work_eval(before, w.L, w.S, &p->step_before, &p->imbalance_before, tot);
-  for (uint32_t h = 0; h < w.S; h++) p->host_load_before[h] = tot[h];
+  work_eval(before, w->L, w->S, &p->step_before, &p->imbalance_before, tot);
+  for (uint32_t h = 0; h < w->S; h++) p->host_load_before[h] = tot[h];
+  return 0;
+}
 
-  /* The plan from scratch. */
-  if ((rc = run_strategy(&w, NULL, map, NULL, pb->strategy, e))) goto out;
-  if (pb->strategy == PL_STRATEGY_BALANCED && pb->current) {
-    /* Fewest moves: start from the current copies and improve each layer only until it is
-     * within the tolerance of the fresh plan's; keep that if its step load is too. */
-    double fresh = step_of(&w, lmax), fresh_imb, tot2[MR_PLACEMENT_MAX_SERVERS], st2;
-    work_eval(w.lload, w.L, w.S, &st2, &fresh_imb, tot2);
-    for (uint32_t l = 0; l < w.L; l++) lmax[l] *= 1 + pb->tolerance;
-    work fw = w; /* keep the fresh assignment aside */
-    uint8_t *fl = mr_malloc(w.P), *fn = mr_malloc(w.P);
-    uint16_t *fh = mr_malloc(w.P * w.R * sizeof *fh);
-    double *fll = mr_malloc((size_t)w.L * w.S * sizeof *fll);
-    if (!fl || !fn || !fh || !fll) {
-      mr_free(fl);
-      mr_free(fn);
-      mr_free(fh);
-      mr_free(fll);
-      rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
-      goto out;
-    }
-    memcpy(fl, w.local, w.P);
-    memcpy(fn, w.nc, w.P);
-    memcpy(fh, w.hs, w.P * w.R * sizeof *fh);
-    memcpy(fll, w.lload, (size_t)w.L * w.S * sizeof *fll);
-    if ((rc = run_strategy(&w, pb->current, map, lmax, pb->strategy, e))) {
-      mr_free(fl);
-      mr_free(fn);
-      mr_free(fh);
-      mr_free(fll);
-      goto out;
-    }
-    /* The totals too, but only as far as the tolerance asks (each move costs bytes). */
-    total_balance(&w, fresh_imb * (1 + pb->tolerance));
-    double sticky = step_of(&w, NULL);
-    if (sticky <= fresh * (1 + pb->tolerance)) {
-      p->kept_current = true;
-    } else {
-      memcpy(w.local, fl, w.P);
-      memcpy(w.nc, fn, w.P);
-      memcpy(w.hs, fh, w.P * w.R * sizeof *fh);
-      memcpy(w.lload, fll, (size_t)w.L * w.S * sizeof *fll);
-      memcpy(w.used, fw.used, sizeof w.used);
-    }
-    mr_free(fl);
-    mr_free(fn);
-    mr_free(fh);
-    mr_free(fll);
+/* Fewest moves (balanced with --current), w holding the fresh plan: a second plan starts
+ * from the current copies and improves each layer only until its max is within the
+ * tolerance of the fresh plan's (lmax: the caller's [L] scratch), then the hosts' totals
+ * only until within the tolerance of the fresh imbalance (each move costs bytes). It is
+ * kept (p->kept_current) when its step load is within the tolerance of the fresh one's,
+ * else w gets the fresh plan back. */
+static int plan_sticky(work *w, const int32_t *map, double *lmax, pl_plan *p, mr_err *e) {
+  const pl_problem *pb = w->pb;
+  double fresh = step_of(w, lmax), fresh_imb, tot2[MR_PLACEMENT_MAX_SERVERS], st2;
+  work_eval(w->lload, w->L, w->S, &st2, &fresh_imb, tot2);
+  for (uint32_t l = 0; l < w->L; l++) lmax[l] *= 1 + pb->tolerance;
+  assign_snap fresh_plan = {0};
+  int rc = assign_save(w, &fresh_plan, e);
+  if (!rc) rc = run_strategy(w, pb->current, map, lmax, pb->strategy, e);
+  if (!rc) {
+    total_balance(w, fresh_imb * (1 + pb->tolerance));
+    double sticky = step_of(w, NULL);
+    if (sticky <= fresh * (1 + pb->tolerance)) p->kept_current = true;
+    else assign_restore(w, &fresh_plan);
   }
+  assign_free(&fresh_plan);
+  return rc;
+}
 
-  /* The plan's figures. */
-  p->num_layers = w.L;
-  p->num_experts = w.E;
-  p->n_hosts = w.S;
-  p->max_copies = w.R;
+/* Moves w's assignment into p (w keeps its loads and byte counts) with the "after"
+ * figures. */
+static void plan_take(work *w, pl_plan *p) {
+  const pl_problem *pb = w->pb;
+  double tot[MR_PLACEMENT_MAX_SERVERS];
+  p->num_layers = w->L;
+  p->num_experts = w->E;
+  p->n_hosts = w->S;
+  p->max_copies = w->R;
   snprintf(p->model_fingerprint, sizeof p->model_fingerprint, "%s", pb->model_fingerprint);
-  for (uint32_t h = 0; h < w.S; h++) snprintf(p->host_name[h], 64, "%s", pb->hosts[h].name);
-  p->local = w.local;
-  p->ncopy = w.nc;
-  p->host = w.hs;
-  w.local = NULL;
-  w.nc = NULL;
-  w.hs = NULL;
-  work_eval(w.lload, w.L, w.S, &p->step_after, &p->imbalance_after, tot);
-  for (uint32_t h = 0; h < w.S; h++) {
+  for (uint32_t h = 0; h < w->S; h++) snprintf(p->host_name[h], 64, "%s", pb->hosts[h].name);
+  p->local = w->local;
+  p->ncopy = w->nc;
+  p->host = w->hs;
+  w->local = NULL;
+  w->nc = NULL;
+  w->hs = NULL;
+  work_eval(w->lload, w->L, w->S, &p->step_after, &p->imbalance_after, tot);
+  for (uint32_t h = 0; h < w->S; h++) {
     p->host_load[h] = tot[h];
-    p->host_bytes[h] = w.used[h];
+    p->host_bytes[h] = w->used[h];
   }
-  const mr_placement *cur = pb->current;
-  for (size_t i = 0; i < w.P; i++) {
+}
+
+/* What applying p costs against --current (without one every copy is new): per host the
+ * bytes of copies to load and to drop, the client's local bytes gained and lost, and the
+ * counts of local pairs and extra copies. O(P x R x copies). */
+static void plan_moves(const work *w, const int32_t *map, pl_plan *p) {
+  const mr_placement *cur = w->pb->current;
+  for (size_t i = 0; i < w->P; i++) {
     if (p->local[i]) {
       p->n_local++;
-      if (!cur || !cur->local[i]) p->gpu_in += w.gpuB;
+      if (!cur || !cur->local[i]) p->gpu_in += w->gpuB;
     } else if (cur && cur->local[i]) {
-      p->gpu_out += w.gpuB;
+      p->gpu_out += w->gpuB;
     }
     if (p->ncopy[i] > 1) p->n_extra_copies += p->ncopy[i] - 1u;
     for (uint32_t c = 0; c < p->ncopy[i]; c++) {
-      uint32_t h = p->host[i * w.R + c];
+      uint32_t h = p->host[i * w->R + c];
       bool had = false;
       if (cur)
         for (uint32_t k = cur->rep_off[i]; k < cur->rep_off[i + 1]; k++)
           if ((uint32_t)map[cur->rep[k]] == h) had = true;
-      if (!had) p->bytes_in[h] += w.B[h];
+      if (!had) p->bytes_in[h] += w->B[h];
     }
     if (cur)
       for (uint32_t k = cur->rep_off[i]; k < cur->rep_off[i + 1]; k++) {
         uint32_t h = (uint32_t)map[cur->rep[k]];
         bool keep = false;
         for (uint32_t c = 0; c < p->ncopy[i]; c++)
-          if (p->host[i * w.R + c] == h) keep = true;
-        if (!keep) p->bytes_out[h] += w.B[h];
+          if (p->host[i * w->R + c] == h) keep = true;
+        if (!keep) p->bytes_out[h] += w->B[h];
       }
   }
-  p->gpu_bytes_used = p->n_local * w.gpuB;
-  *out = p;
-  p = NULL;
-out:
+  p->gpu_bytes_used = p->n_local * w->gpuB;
+}
+
+int pl_plan_make(const pl_problem *pb, pl_plan **out, mr_err *e) {
+  *out = NULL;
+  int rc = check_problem(pb, e);
+  if (rc) return rc;
+  work w;
+  if ((rc = work_init(&w, pb, e))) return rc;
+  int32_t map[MR_PLACEMENT_MAX_SERVERS]; /* --current's server i is host map[i] */
+  double *lmax = mr_malloc(w.L * sizeof *lmax);
+  double *before = mr_malloc((size_t)w.L * w.S * sizeof *before);
+  pl_plan *p = mr_calloc(1, sizeof *p);
+  if (!lmax || !before || !p) rc = mr_err_set(e, MR_ENOMEM, "plan: out of memory");
+  if (!rc && pb->current) rc = map_current(&w, pb->current, map, e);
+  if (!rc) rc = plan_before(&w, map, before, p, e);
+  if (!rc) rc = run_strategy(&w, NULL, map, NULL, pb->strategy, e); /* from scratch */
+  if (!rc && pb->strategy == PL_STRATEGY_BALANCED && pb->current)
+    rc = plan_sticky(&w, map, lmax, p, e);
+  if (!rc) {
+    plan_take(&w, p);
+    plan_moves(&w, map, p);
+    *out = p;
+    p = NULL;
+  }
   pl_plan_free(p);
   mr_free(lmax);
   mr_free(before);
@@ -1137,6 +1283,9 @@ out:
 
 /* ---- output -------------------------------------------------------------------------- */
 
+/* One object per layer with any pair placed: "local" (an id-range set, e.g. "0-3,7") and
+ * "remote" {host: set}; a pair with copies appears in several hosts' sets. cJSON builds it
+ * (tab-indented, as cJSON_Print writes), with a final newline. */
 int pl_plan_json(const pl_plan *p, char **out, mr_err *e) {
   *out = NULL;
   const uint32_t L = p->num_layers, E = p->num_experts, S = p->n_hosts, R = p->max_copies;

@@ -5,6 +5,7 @@
  * Three parts: the readers of the measured inputs (JSON lines of moerpc-bench-kernels,
  * moerpc-client bench-rpc and moerpc-client bench), the model (pl_sim_run: routing sampled
  * per MoE layer, each host's time, the runner's overlap and deferral) and the command.
+ * The model's formulas, with their units and what they leave out, head its section below.
  */
 #include <getopt.h>
 #include <math.h>
@@ -15,7 +16,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/mr.h"
-#include "placement/pl.h"
+#include "placement/internal.h"
 
 #define PROG "moerpc-place simulate"
 /* The JSON-lines inputs are a few KB; this is only a bound against a wrong file. */
@@ -110,7 +111,10 @@ static bool format_matches(const char *want, const char *fmt, uint64_t group) {
   return sscanf(dash, "-g%u", &g) == 1 && g == group;
 }
 
-/* Expected distinct experts of a call of T tokens drawing k of E uniformly each. */
+/* Expected distinct experts of a call of T tokens drawing k of E uniformly each: an expert
+ * is missed by one token with probability 1 - k/E, by all T with (1 - k/E)^T. A bench line
+ * measures a call of T tokens over a pool of E experts, so its u (tokens of work per expert
+ * read) is T k / expected_active(T, k, E). */
 static double expected_active(double T, double k, double E) {
   if (k >= E) return E;
   return E * (1.0 - pow(1.0 - k / E, T));
@@ -192,6 +196,10 @@ int pl_rates_load(pl_rates *r, const char *path, const char *format, mr_err *e) 
   return rc;
 }
 
+/* Log-linear (log GB/s against log u) between the two points around u: throughput grows
+ * roughly as a power of u between the memory-bound end (u ~ 1: each weight byte read serves
+ * one token) and the compute-bound end (large u), and a power law is a straight line in
+ * log-log. Outside the measured range the nearest point: no extrapolation. */
 double pl_rates_gbps(const pl_rates *r, double u) {
   MR_ASSERT(r && r->n > 0);
   if (u <= r->pt[0].u || r->n == 1) return r->pt[0].gbps;
@@ -233,6 +241,11 @@ static int rpc_line(void *ctx, const cJSON *o, unsigned line, const char *label,
   return 0;
 }
 
+/* Ordinary least squares of y = round trip - server compute (us: what the RPC itself costs,
+ * client and server gRPC, serialisation, loopback or wire) over x = request + reply bytes:
+ * slope = cov(x, y) / var(x), fixed = mean(y) - slope x mean(x). One line (or lines of one
+ * size: var(x) ~ 0) and a negative slope (noise) give slope 0 and the mean as the fixed
+ * cost; a negative fixed cost puts it all in the per-byte part. */
 int pl_rpc_parse(pl_rpc_cost *cost, const char *text, size_t len, const char *label, mr_err *e) {
   memset(cost, 0, sizeof *cost);
   rpc_ctx c = {0};
@@ -358,22 +371,80 @@ double pl_sim_expert_bytes(const char *format, uint32_t H, uint32_t I) {
   return (double)pl_expert_bytes(f, H, I, 1);
 }
 
-/* ---- the model ------------------------------------------------------------------------ */
+/* ---- the model ------------------------------------------------------------------------
+ *
+ * One decode step of the client (prefill: the same with T = batch x prompt_len tokens),
+ * layer after layer; the client's own work between two MoE layers is `gap`:
+ *
+ *   client  |gap| hot experts |..wait..|gap| hot |..wait..|gap| ...
+ *   host 0      |rpc+wire|compute  |rpc|            the slowest call of the layer sets
+ *   host 1      |rpc+wire|compute.......|rpc|       the wait (fan-out in parallel)
+ *               '----------- layer l -------'
+ *
+ * Units: times in microseconds, sizes in bytes, kernel rates in GB/s (1e9 bytes/s, so
+ * bytes / (GB/s x 1e3) is us), links in Gbit/s (bits / (Gbit/s x 1e3) is us).
+ *
+ * Per MoE layer l, `samples` sampled steps (prefill: samples / 8, at least 1): each of T
+ * tokens draws top-k distinct experts from the layer's counts (draw_token), each slot goes to
+ * the client (a local pair), its host, the least-loaded of its replicas, or with no route the
+ * least-loaded host (sample_layer). The call to host h then has s slots on a distinct
+ * experts from t distinct tokens, and
+ *
+ *   compute_h = a x expert_bytes / (rate_h(s / a) x speed_h x 1e3)       each expert read once
+ *   wire_h    = t x H x wire_bytes x 2 + 8 s + 96     hidden states there and back, an
+ *                                                     (id, weight) per slot, framing
+ *   link_h    = rpc_fixed + rpc_per_byte x wire_h + 8 wire_h / (gbps_h x 1e3) + 2 latency_h
+ *   remote    = max over h of (compute_h + link_h),
+ *               at least 8 x sum_h wire_h / (client_gbps x 1e3) + rpc_fixed   (one NIC)
+ *   hot       = the client's local experts, the compute formula on the client's rates
+ *
+ * and the layer, as the runner does it (gpu_client's gc_moe: cold slots sent first, the hot
+ * experts computed meanwhile, with --max-deferred K each token's slots of rank >= k - K in a
+ * second call whose answer is awaited only in the next MoE layer):
+ *
+ *   layer_l = max(hot_l, remote_now_l, remote_def_(l-1) - (layer_(l-1) + gap))
+ *   layer_l = hot_l + remote_now_l + remote_def_l           with --shared-cores
+ *
+ *   step  = other_us + sum over MoE layers of the mean of layer_l over the samples
+ *   tok/s = tokens per step x 1e6 / step;  gap = other_us / num_layers
+ *
+ * Why sampled steps and not expected counts: the max over hosts of a random load is more
+ * than the max of the expected loads (at batch 1, two hosts share 8 slots binomially and
+ * the busier reads 5.1 experts on average, not 4), and a host's distinct experts a (what it
+ * reads) fall below its slots s as soon as tokens share experts. Why rates by u = s / a: the
+ * same bench table then serves decode (u ~ 1: bandwidth-bound) and prefill (u of tens:
+ * compute-bound) for any shape of the same format. Why --shared-cores adds instead of
+ * overlapping: servers on the client's own cores (loopback on one machine) take those cores
+ * while they compute; and then the hosts together read no faster than the client alone
+ * (remote_calls raises the critical host's compute to that floor).
+ *
+ * Where the time goes (pl_sim_phase.share): the client gets its own time and the layers
+ * where the hot experts are the longest term; a remote term is split between its critical
+ * host (the compute part) and "link" (RPC, transfer and latency; all of it when the client's
+ * NIC is the limit); equal hosts share the blame by a drawn tie-break.
+ *
+ * Not modelled, and why: the queueing of a layer's deferred call and the next layer's call
+ * on one host (timed as if apart, which is optimistic when that host is the bottleneck);
+ * NUMA inside a host and a host's rate depending on the other hosts' load (the bench lines
+ * measure one host alone; only the --shared-cores floor says anything about sharing); the
+ * client's submit cost (it is inside the fixed RPC cost that bench-rpc measures); dense
+ * layers other than as client time; the client's time between layers is spread evenly
+ * (other_us / num_layers), not measured per layer; a replicated expert that alternates
+ * between its hosts within one step is counted as a new read at each change (a slight
+ * overcount).
+ */
 
-/* splitmix64: small, deterministic, good enough for routing draws */
-static uint64_t rng_next(uint64_t *s) {
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static double rng_unit(uint64_t *s) { return (double)(rng_next(s) >> 11) / 9007199254740992.0; }
+/* A uniform double in [0, 1): the top 53 bits over 2^53. */
+static double rng_unit(uint64_t *s) { return (double)(pl__splitmix64(s) >> 11) / 9007199254740992.0; }
 
 /* Per-call accumulators of one sampled step: index 0..n_hosts-1 hosts, n_hosts the client. */
 typedef struct call_acc {
-  uint32_t slots, active, tokens;
+  uint32_t slots;  /* (token, expert) pairs sent: s */
+  uint32_t active; /* distinct experts among them: a, what the host reads */
+  uint32_t tokens; /* distinct tokens among them: t, whose hidden states cross the wire */
 } call_acc;
 
+/* The time of one set of calls (this layer's, or its deferred ones) and who it is due to. */
 typedef struct remote_time {
   double wall;         /* the call set's time as the client sees it */
   double *comp;        /* [n_hosts] compute per host of this call set (caller's buffer) */
@@ -382,9 +453,11 @@ typedef struct remote_time {
   double crit_link;    /* link + RPC part */
 } remote_time;
 
-/* Scratch of one run. */
+/* Scratch of one run. The distinct-expert and distinct-token counts use stamps instead of
+ * clearing sets: every step and every token takes the next value of one counter, and "seen
+ * in this step" is "stamped with this step's value", so a step costs O(slots) however large
+ * E is. */
 typedef struct sim_scratch {
-  double *cdf;         /* [E] */
   uint32_t *chosen;    /* [E] stamp of the token that chose it */
   uint32_t *act_now;   /* [E] stamp of the step that activated it (now calls) */
   uint32_t *act_def;   /* [E] (deferred calls) */
@@ -398,7 +471,8 @@ typedef struct sim_scratch {
   uint64_t tie_rng;    /* tie-breaks apart from the routing draws: same draws for any hosts */
 } sim_scratch;
 
-
+/* compute = a x expert_bytes / (rate(s / a) x speed), us: a call reads each of its a
+ * distinct experts once, at the rate the kernels reach with s / a tokens per expert. */
 static double host_compute_us(const pl_sim_input *in, const pl_rates *r, double speed,
                               const call_acc *a) {
   if (!a->active) return 0;
@@ -407,12 +481,17 @@ static double host_compute_us(const pl_sim_input *in, const pl_rates *r, double 
   return (double)a->active * in->expert_bytes / (gbps * 1e3); /* bytes / (GB/s) -> us */
 }
 
+/* Bytes of one call, request and reply: a call's 96 bytes of framing and headers are an
+ * estimate (gRPC and protobuf overhead of a small message); the rest is exact. */
 static double call_wire_bytes(const pl_sim_input *in, const call_acc *a) {
   /* request: hidden states + (id, weight) per slot; reply: one output row per token */
   return (double)a->tokens * in->hidden * in->wire_bytes * 2 + (double)a->slots * 8 + 96;
 }
 
-/* The time of one set of calls (one per host with work), fanned out in parallel. */
+/* The time of one set of calls (one per host with work), fanned out in parallel: the
+ * slowest host's compute + link, then two floors that can only raise it, the client's own
+ * link carrying every host's bytes and, with --shared-cores, the client's rate for all the
+ * hosts' bytes together. t->comp[] gets each host's compute (its busy time). */
 static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_time *t,
                          uint64_t *rng) {
   uint32_t ties = 0;
@@ -427,6 +506,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
     const pl_sim_host *ho = &in->hosts[h];
     double comp = host_compute_us(in, ho->rates, ho->speed, a);
     double wire = call_wire_bytes(in, a);
+    /* link_h: the RPC's own cost, latency both ways, transfer (bits / (Gbit/s x 1e3) = us) */
     double link = in->rpc.fixed_us + in->rpc.per_byte_us * wire + 2 * ho->link_latency_us;
     if (ho->link_gbps > 0) link += wire * 8 / (ho->link_gbps * 1e3);
     t->comp[h] = comp;
@@ -438,7 +518,7 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
      * drawn uniformly (reservoir sampling), not always to the first */
     double w = comp + link;
     bool tie = t->crit >= 0 && fabs(w - t->wall) <= 1e-9 * w;
-    if (tie ? rng_next(rng) % ++ties == 0 : w > t->wall) {
+    if (tie ? pl__splitmix64(rng) % ++ties == 0 : w > t->wall) {
       if (!tie) ties = 1;
       t->wall = w > t->wall ? w : t->wall;
       t->crit = (int)h;
@@ -467,7 +547,8 @@ static void remote_calls(const pl_sim_input *in, const call_acc *acc, remote_tim
   }
 }
 
-/* Adds a term's time to the shares: compute to the critical host, the rest to the link. */
+/* Adds a term's time to the shares: compute to the critical host, the rest to the link, in
+ * the proportions of the critical call (a term the client's NIC set goes to the link). */
 static void attribute(double *share, const remote_time *t, double amount) {
   if (amount <= 0 || t->crit == -2) return;
   double tot = t->crit_comp + t->crit_link;
@@ -477,7 +558,11 @@ static void attribute(double *share, const remote_time *t, double amount) {
 }
 
 /* Draws one token's top-k in rank order (the first drawn ranks highest, as the router's
- * largest weights come from its most popular experts). */
+ * largest weights come from its most popular experts). Without replacement, by rejection:
+ * an expert drawn already for this token (stamped) is drawn again, up to 64 times, then the
+ * first unchosen expert is taken (only when the counts put nearly all the mass on fewer than
+ * k experts). A draw from counts is a binary search of the layer's cumulative counts,
+ * O(log E); with no counts, uniform. */
 static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf, uint32_t stamp,
                        uint64_t *rng) {
   const uint32_t E = in->num_experts, k = in->top_k;
@@ -495,7 +580,7 @@ static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf
         }
         c = lo;
       } else {
-        c = (uint32_t)(rng_next(rng) % E);
+        c = (uint32_t)(pl__splitmix64(rng) % E);
       }
       if (s->chosen[c] != stamp) x = (int32_t)c;
     }
@@ -507,12 +592,18 @@ static void draw_token(const pl_sim_input *in, sim_scratch *s, const double *cdf
   }
 }
 
+/* One sampled step of one MoE layer: the client's hot time, and this layer's calls now and
+ * deferred (their wall time as the client sees it, and who each is due to). */
 typedef struct layer_sample {
   double hot_us, now_wall, def_wall;
   remote_time now, def;
 } layer_sample;
 
-/* One sampled step of MoE layer l with T tokens: fills acc_now / acc_def and the times. */
+/* One sampled step of MoE layer l with T tokens: fills s->now / s->def (the calls, per
+ * host, the client at index N) and the times. With defer, each token's slots of rank
+ * >= keep = k - max_deferred go to a host's deferred call (all of them when max_deferred
+ * >= k); the client's own slots are never deferred. O(T x k) plus, for unrouted and
+ * replicated pairs, a scan of the candidate hosts. */
 static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uint32_t T,
                          bool defer, const double *cdf, uint32_t *stamp, uint64_t *rng,
                          layer_sample *ls) {
@@ -546,12 +637,13 @@ static void sample_layer(const pl_sim_input *in, sim_scratch *s, uint32_t l, uin
         for (uint32_t i = 1; i < N; i++)
           if (s->now[i].slots + s->def[i].slots < s->now[h].slots + s->def[h].slots) h = i;
       }
-      bool d = h < N && j >= keep;
+      bool d = h < N && j >= keep; /* a remote slot ranked past keep: deferred */
       call_acc *a = d ? &s->def[h] : &s->now[h];
       uint32_t *act = d ? s->act_def : s->act_now;
       uint32_t *tok = d ? s->tok_def : s->tok_now;
       a->slots++;
-      /* experts of the client and of each host are disjoint, so one stamp per expert */
+      /* experts of the client and of each host are disjoint, so one stamp per expert (with
+       * the host that set it: a replicated or unrouted expert may go to several) */
       if (act[x] != step || s->act_host[x] != h) {
         act[x] = step;
         s->act_host[x] = h;
@@ -598,77 +690,45 @@ const char *pl_sim_component_name(const pl_sim_input *in, int c) {
   return "?";
 }
 
-/* One phase: T tokens per step, `samples` sampled steps per MoE layer, other_us of client
- * time per step besides the experts. */
-static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uint32_t T,
-                      uint32_t samples, double other_us, uint32_t tokens_out, pl_sim_phase *p,
-                      double *comp_buf) {
-  const uint32_t L = in->num_layers, N = in->n_hosts;
-  uint32_t last_moe = 0, n_moe = 0;
-  for (uint32_t l = 0; l < L; l++)
-    if (!in->is_moe || in->is_moe[l]) last_moe = l, n_moe++;
-  const double gap = n_moe ? other_us / L : 0; /* the client's own time between two MoE layers */
-  uint64_t rng = in->seed ^ ((uint64_t)T << 32) ^ 0x5bd1e995u;
-  s->tie_rng = rng ^ 0x2545f4914f6cdd1dull;
-  uint32_t stamp = 0;
-  memset(s->chosen, 0, in->num_experts * sizeof *s->chosen);
-  memset(s->act_now, 0, in->num_experts * sizeof *s->act_now);
-  memset(s->act_def, 0, in->num_experts * sizeof *s->act_def);
-  memset(s->act_host, 0, in->num_experts * sizeof *s->act_host);
-  memset(s->tok_now, 0, (N + 1) * sizeof *s->tok_now);
-  memset(s->tok_def, 0, (N + 1) * sizeof *s->tok_def);
-  double step = other_us;
-  p->share[0] += other_us;
-  /* the previous MoE layer's deferred calls, per sample */
-  double *prev_def = s->prev_def, *prev_wall = s->prev_wall;
-  remote_time *prev_rt = s->prev_rt;
-  memset(prev_def, 0, samples * sizeof *prev_def);
-  memset(prev_wall, 0, samples * sizeof *prev_wall);
-  memset(prev_rt, 0, samples * sizeof *prev_rt);
-  for (uint32_t l = 0; l < L; l++) {
-    if (in->is_moe && !in->is_moe[l]) continue;
-    const bool defer = in->max_deferred > 0 && l != last_moe && N > 0;
-    double sum = 0;
-    for (uint32_t i = 0; i < samples; i++) {
-      layer_sample ls;
-      ls.now.comp = comp_buf;
-      ls.def.comp = comp_buf + N;
-      sample_layer(in, s, l, T, defer, cdfs[l], &stamp, &rng, &ls);
-      for (uint32_t h = 0; h < N; h++)
-        p->host_busy_us[h] += (ls.now.comp[h] + ls.def.comp[h]) / samples;
-      double wall;
-      if (in->shared_cores) {
-        /* one set of cores: the hot experts, this layer's calls and its deferred calls run
-         * one after the other (the deferral hides nothing) */
-        wall = ls.hot_us + ls.now_wall + ls.def_wall;
-        p->share[0] += ls.hot_us / samples;
-        attribute(p->share, &ls.now, ls.now_wall / samples);
-        attribute(p->share, &ls.def, ls.def_wall / samples);
-      } else {
-        /* the runner: cold slots sent first, hot experts computed meanwhile, then the wait
-         * for this layer's calls and the previous layer's deferred ones, which ran during
-         * that layer's wait and this layer's attention */
-        double def_left = prev_def[i] - (prev_wall[i] + gap);
-        wall = ls.hot_us;
-        int who = 0;
-        if (ls.now_wall > wall) wall = ls.now_wall, who = 1;
-        if (def_left > wall) wall = def_left, who = 2;
-        if (who == 0) p->share[0] += wall / samples;
-        else if (who == 1) attribute(p->share, &ls.now, wall / samples);
-        else {
-          remote_time rt = prev_rt[i];
-          attribute(p->share, &rt, wall / samples);
-        }
-        prev_def[i] = ls.def_wall;
-        prev_wall[i] = wall;
-        prev_rt[i] = ls.def;
-        prev_rt[i].comp = NULL;
-      }
-      sum += wall;
-    }
-    p->layer_us[l] = sum / samples;
-    step += p->layer_us[l];
+/* The wall time of sampled step i of one MoE layer as the client sees it, with its
+ * attribution added to share[] (weighted 1 / samples). Updates the scratch's record of this
+ * layer's deferred calls, which the next MoE layer's step i overlaps. */
+static double layer_wall(const pl_sim_input *in, sim_scratch *s, uint32_t i, double gap,
+                         const layer_sample *ls, uint32_t samples, double *share) {
+  double wall;
+  if (in->shared_cores) {
+    /* one set of cores: the hot experts, this layer's calls and its deferred calls run
+     * one after the other (the deferral hides nothing) */
+    wall = ls->hot_us + ls->now_wall + ls->def_wall;
+    share[0] += ls->hot_us / samples;
+    attribute(share, &ls->now, ls->now_wall / samples);
+    attribute(share, &ls->def, ls->def_wall / samples);
+    return wall;
   }
+  /* the runner: cold slots sent first, hot experts computed meanwhile, then the wait
+   * for this layer's calls and the previous layer's deferred ones, which ran during
+   * that layer's wait and this layer's attention */
+  double def_left = s->prev_def[i] - (s->prev_wall[i] + gap);
+  wall = ls->hot_us;
+  int who = 0;
+  if (ls->now_wall > wall) wall = ls->now_wall, who = 1;
+  if (def_left > wall) wall = def_left, who = 2;
+  if (who == 0) share[0] += wall / samples;
+  else if (who == 1) attribute(share, &ls->now, wall / samples);
+  else {
+    remote_time rt = s->prev_rt[i];
+    attribute(share, &rt, wall / samples);
+  }
+  s->prev_def[i] = ls->def_wall;
+  s->prev_wall[i] = wall;
+  s->prev_rt[i] = ls->def;
+  s->prev_rt[i].comp = NULL;
+  return wall;
+}
+
+/* A phase's figures from its summed times: tokens/s, the shares as fractions of the step,
+ * the bottleneck (the largest share; the first on ties) and the hosts' imbalance. */
+static void phase_finish(pl_sim_phase *p, double step, uint32_t tokens_out, uint32_t N) {
   p->step_us = step;
   p->tok_s = step > 0 ? tokens_out * 1e6 / step : 0;
   double best = -1;
@@ -684,6 +744,58 @@ static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uin
   p->imbalance = mean > 0 ? mx / mean : 0;
 }
 
+/* One phase: T tokens per step, `samples` sampled steps per MoE layer, other_us of client
+ * time per step besides the experts. Sample i of layer l follows sample i of the previous
+ * MoE layer (its deferred calls overlap this layer), so the samples are `samples` whole
+ * steps, and the step's time is other_us + the sum of the layers' means. The routing draws
+ * and the tie-breaks have separate generators seeded from (seed, T), so that the same
+ * routing is drawn whatever the hosts are: comparing two placements compares placements,
+ * not draws. */
+static void run_phase(const pl_sim_input *in, sim_scratch *s, double **cdfs, uint32_t T,
+                      uint32_t samples, double other_us, uint32_t tokens_out, pl_sim_phase *p,
+                      double *comp_buf) {
+  const uint32_t L = in->num_layers, N = in->n_hosts;
+  uint32_t last_moe = 0, n_moe = 0;
+  for (uint32_t l = 0; l < L; l++)
+    if (!in->is_moe || in->is_moe[l]) last_moe = l, n_moe++;
+  const double gap = n_moe ? other_us / L : 0; /* the client's own time between two MoE layers
+                                                  (spread evenly: not measured per layer) */
+  uint64_t rng = in->seed ^ ((uint64_t)T << 32) ^ 0x5bd1e995u;
+  s->tie_rng = rng ^ 0x2545f4914f6cdd1dull;
+  uint32_t stamp = 0;
+  memset(s->chosen, 0, in->num_experts * sizeof *s->chosen);
+  memset(s->act_now, 0, in->num_experts * sizeof *s->act_now);
+  memset(s->act_def, 0, in->num_experts * sizeof *s->act_def);
+  memset(s->act_host, 0, in->num_experts * sizeof *s->act_host);
+  memset(s->tok_now, 0, (N + 1) * sizeof *s->tok_now);
+  memset(s->tok_def, 0, (N + 1) * sizeof *s->tok_def);
+  double step = other_us;
+  p->share[0] += other_us;
+  /* the previous MoE layer's deferred calls, per sample: none before the first */
+  memset(s->prev_def, 0, samples * sizeof *s->prev_def);
+  memset(s->prev_wall, 0, samples * sizeof *s->prev_wall);
+  memset(s->prev_rt, 0, samples * sizeof *s->prev_rt);
+  for (uint32_t l = 0; l < L; l++) {
+    if (in->is_moe && !in->is_moe[l]) continue;
+    const bool defer = in->max_deferred > 0 && l != last_moe && N > 0;
+    double sum = 0;
+    for (uint32_t i = 0; i < samples; i++) {
+      layer_sample ls;
+      ls.now.comp = comp_buf;
+      ls.def.comp = comp_buf + N;
+      sample_layer(in, s, l, T, defer, cdfs[l], &stamp, &rng, &ls);
+      for (uint32_t h = 0; h < N; h++)
+        p->host_busy_us[h] += (ls.now.comp[h] + ls.def.comp[h]) / samples;
+      sum += layer_wall(in, s, i, gap, &ls, samples, p->share);
+    }
+    p->layer_us[l] = sum / samples;
+    step += p->layer_us[l];
+  }
+  phase_finish(p, step, tokens_out, N);
+}
+
+/* Every field of the input in range, naming the field (the command's flags are checked
+ * before; this guards the library's other callers, such as the unit tests). */
 static int check_input(const pl_sim_input *in, mr_err *e) {
   if (in->hidden < 1 || in->hidden > 65536 || in->inter < 1 || in->inter > 65536)
     return mr_err_set(e, MR_EINVAL, "simulate: hidden = %u, inter = %u, must be in 1..65536",
@@ -752,6 +864,10 @@ static int check_input(const pl_sim_input *in, mr_err *e) {
   return 0;
 }
 
+/* Checks the input, builds each layer's cumulative counts (a layer of zeros, or no counts:
+ * uniform draws) and runs decode, then prefill when its client time is known. Memory
+ * O(L x E + samples + N); time O((samples x batch + samples / 8 x batch x prompt) x k) per
+ * MoE layer. */
 int pl_sim_run(const pl_sim_input *in, pl_sim_result *r, mr_err *e) {
   memset(r, 0, sizeof *r);
   int rc = check_input(in, e);
@@ -953,43 +1069,82 @@ static int parse_kv(const char *flag, const char *s, kv *list, uint32_t *n) {
   return 0;
 }
 
+static const struct option sim_longopts[] = {
+    {"help", no_argument, NULL, SO_HELP},
+    {"placement", required_argument, NULL, SO_PLACEMENT},
+    {"cluster", required_argument, NULL, SO_CLUSTER},
+    {"hosts", required_argument, NULL, SO_HOSTS},
+    {"stats", required_argument, NULL, SO_STATS},
+    {"model", required_argument, NULL, SO_MODEL},
+    {"shape", required_argument, NULL, SO_SHAPE},
+    {"moe-layers", required_argument, NULL, SO_MOE_LAYERS},
+    {"format", required_argument, NULL, SO_FORMAT},
+    {"rates-format", required_argument, NULL, SO_RATES_FORMAT},
+    {"expert-bytes", required_argument, NULL, SO_EXPERT_BYTES},
+    {"wire", required_argument, NULL, SO_WIRE},
+    {"kernels", required_argument, NULL, SO_KERNELS},
+    {"host-kernels", required_argument, NULL, SO_HOST_KERNELS},
+    {"client-kernels", required_argument, NULL, SO_CLIENT_KERNELS},
+    {"speed", required_argument, NULL, SO_SPEED},
+    {"rpc", required_argument, NULL, SO_RPC},
+    {"rpc-fixed-us", required_argument, NULL, SO_RPC_FIXED},
+    {"rpc-per-kb-us", required_argument, NULL, SO_RPC_KB},
+    {"link-gbps", required_argument, NULL, SO_LINK},
+    {"link-latency-us", required_argument, NULL, SO_LATENCY},
+    {"host-link", required_argument, NULL, SO_HOST_LINK},
+    {"client-link-gbps", required_argument, NULL, SO_CLIENT_LINK},
+    {"client-bench", required_argument, NULL, SO_CLIENT_BENCH},
+    {"client-step-us", required_argument, NULL, SO_CLIENT_STEP},
+    {"client-prefill-us", required_argument, NULL, SO_CLIENT_PREFILL},
+    {"batch", required_argument, NULL, SO_BATCH},
+    {"prompt-len", required_argument, NULL, SO_PLEN},
+    {"max-deferred", required_argument, NULL, SO_DEFER},
+    {"shared-cores", no_argument, NULL, SO_SHARED},
+    {"samples", required_argument, NULL, SO_SAMPLES},
+    {"seed", required_argument, NULL, SO_SEED},
+    {"json", no_argument, NULL, SO_JSON},
+    {"layers-detail", no_argument, NULL, SO_LAYERS},
+    {NULL, 0, NULL, 0}};
+
+/* The checks between flags, once all are read: 0, or 2 after printing the usage error. */
+static int sim_check_opts(const sim_opts *o) {
+  if (!o->model == !o->shape) {
+    fprintf(stderr, PROG ": give exactly one of --model DIR and --shape NAME (see --help)\n");
+    return 2;
+  }
+  if (o->moe_layers && !o->shape) {
+    fprintf(stderr, PROG ": --moe-layers goes with --shape\n");
+    return 2;
+  }
+  if (o->rpc && (o->rpc_fixed >= 0 || o->rpc_kb >= 0)) {
+    fprintf(stderr, PROG ": --rpc FILE or --rpc-fixed-us / --rpc-per-kb-us, not both\n");
+    return 2;
+  }
+  if (o->client_bench && (o->client_step >= 0 || o->client_prefill >= 0)) {
+    fprintf(stderr, PROG ": --client-bench FILE or --client-step-us / --client-prefill-us, "
+            "not both\n");
+    return 2;
+  }
+  if (!o->client_bench && o->client_step < 0) {
+    fprintf(stderr, PROG ": the client's own step time is needed: --client-bench FILE or "
+            "--client-step-us X\n");
+    return 2;
+  }
+  if (!pl_sim_expert_bytes(o->format, 64, 64)) {
+    fprintf(stderr, PROG ": --format = \"%s\", must be f32, f16, bf16, int8, int4[-gG] or fp8\n",
+            o->format);
+    return 2;
+  }
+  if (strcmp(o->wire, "bf16") && strcmp(o->wire, "f16") && strcmp(o->wire, "f32")) {
+    fprintf(stderr, PROG ": --wire = \"%s\", must be bf16, f16 or f32\n", o->wire);
+    return 2;
+  }
+  return 0;
+}
+
+/* 0 to run, 1 after --help, 2 on a usage error (printed). Defaults: bf16 on the wire and on
+ * the servers, batch 1, prompt 128, 256 samples, seed 1; -1 marks a number not given. */
 static int sim_parse(int argc, char **argv, sim_opts *o) {
-  static const struct option lo[] = {
-      {"help", no_argument, NULL, SO_HELP},
-      {"placement", required_argument, NULL, SO_PLACEMENT},
-      {"cluster", required_argument, NULL, SO_CLUSTER},
-      {"hosts", required_argument, NULL, SO_HOSTS},
-      {"stats", required_argument, NULL, SO_STATS},
-      {"model", required_argument, NULL, SO_MODEL},
-      {"shape", required_argument, NULL, SO_SHAPE},
-      {"moe-layers", required_argument, NULL, SO_MOE_LAYERS},
-      {"format", required_argument, NULL, SO_FORMAT},
-      {"rates-format", required_argument, NULL, SO_RATES_FORMAT},
-      {"expert-bytes", required_argument, NULL, SO_EXPERT_BYTES},
-      {"wire", required_argument, NULL, SO_WIRE},
-      {"kernels", required_argument, NULL, SO_KERNELS},
-      {"host-kernels", required_argument, NULL, SO_HOST_KERNELS},
-      {"client-kernels", required_argument, NULL, SO_CLIENT_KERNELS},
-      {"speed", required_argument, NULL, SO_SPEED},
-      {"rpc", required_argument, NULL, SO_RPC},
-      {"rpc-fixed-us", required_argument, NULL, SO_RPC_FIXED},
-      {"rpc-per-kb-us", required_argument, NULL, SO_RPC_KB},
-      {"link-gbps", required_argument, NULL, SO_LINK},
-      {"link-latency-us", required_argument, NULL, SO_LATENCY},
-      {"host-link", required_argument, NULL, SO_HOST_LINK},
-      {"client-link-gbps", required_argument, NULL, SO_CLIENT_LINK},
-      {"client-bench", required_argument, NULL, SO_CLIENT_BENCH},
-      {"client-step-us", required_argument, NULL, SO_CLIENT_STEP},
-      {"client-prefill-us", required_argument, NULL, SO_CLIENT_PREFILL},
-      {"batch", required_argument, NULL, SO_BATCH},
-      {"prompt-len", required_argument, NULL, SO_PLEN},
-      {"max-deferred", required_argument, NULL, SO_DEFER},
-      {"shared-cores", no_argument, NULL, SO_SHARED},
-      {"samples", required_argument, NULL, SO_SAMPLES},
-      {"seed", required_argument, NULL, SO_SEED},
-      {"json", no_argument, NULL, SO_JSON},
-      {"layers-detail", no_argument, NULL, SO_LAYERS},
-      {NULL, 0, NULL, 0}};
   memset(o, 0, sizeof *o);
   o->format = "bf16";
   o->wire = "bf16";
@@ -1001,7 +1156,7 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
   optind = 1;
   opterr = 0;
   for (;;) {
-    int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi), r = 0;
+    int oi = 0, opt = getopt_long(argc, argv, "", sim_longopts, &oi), r = 0;
     if (opt == -1) break;
     double d;
     switch (opt) {
@@ -1049,38 +1204,7 @@ static int sim_parse(int argc, char **argv, sim_opts *o) {
     fprintf(stderr, PROG ": unexpected argument \"%s\" (see --help)\n", argv[optind]);
     return 2;
   }
-  if (!o->model == !o->shape) {
-    fprintf(stderr, PROG ": give exactly one of --model DIR and --shape NAME (see --help)\n");
-    return 2;
-  }
-  if (o->moe_layers && !o->shape) {
-    fprintf(stderr, PROG ": --moe-layers goes with --shape\n");
-    return 2;
-  }
-  if (o->rpc && (o->rpc_fixed >= 0 || o->rpc_kb >= 0)) {
-    fprintf(stderr, PROG ": --rpc FILE or --rpc-fixed-us / --rpc-per-kb-us, not both\n");
-    return 2;
-  }
-  if (o->client_bench && (o->client_step >= 0 || o->client_prefill >= 0)) {
-    fprintf(stderr, PROG ": --client-bench FILE or --client-step-us / --client-prefill-us, "
-            "not both\n");
-    return 2;
-  }
-  if (!o->client_bench && o->client_step < 0) {
-    fprintf(stderr, PROG ": the client's own step time is needed: --client-bench FILE or "
-            "--client-step-us X\n");
-    return 2;
-  }
-  if (!pl_sim_expert_bytes(o->format, 64, 64)) {
-    fprintf(stderr, PROG ": --format = \"%s\", must be f32, f16, bf16, int8, int4[-gG] or fp8\n",
-            o->format);
-    return 2;
-  }
-  if (strcmp(o->wire, "bf16") && strcmp(o->wire, "f16") && strcmp(o->wire, "f32")) {
-    fprintf(stderr, PROG ": --wire = \"%s\", must be bf16, f16 or f32\n", o->wire);
-    return 2;
-  }
-  return 0;
+  return sim_check_opts(o);
 }
 
 /* The shapes of --shape; is_moe from first_dense. */
@@ -1130,49 +1254,58 @@ static int kv_check(const char *flag, const kv *list, uint32_t n, const pl_sim_h
   return 0;
 }
 
-static void print_result(const sim_opts *o, const pl_sim_input *in, const pl_sim_result *r,
-                         const mr_model_config *cfg) {
+static const char *const phase_names[2] = {"decode", "prefill"};
+
+/* --json: one "simulate" line with both phases (a phase not simulated is null), then with
+ * --layers-detail one "simulate-layer" line per phase and MoE layer. */
+static void print_result_json(const sim_opts *o, const pl_sim_input *in, const pl_sim_result *r) {
   const uint32_t N = in->n_hosts;
   const pl_sim_phase *ph[2] = {&r->decode, &r->prefill};
-  const char *pn[2] = {"decode", "prefill"};
-  if (o->json) {
-    printf("{\"bench\": \"simulate\", \"model\": \"%s\", \"hosts\": %u, \"format\": \"%s\", "
-           "\"expert_bytes\": %.0f, \"batch\": %u, \"prompt_len\": %u, \"max_deferred\": %u, "
-           "\"shared_cores\": %s, \"rpc_fixed_us\": %.2f, \"rpc_per_kb_us\": %.4f, "
-           "\"decode_other_us\": %.1f, \"prefill_other_us\": %.1f",
-           o->model ? o->model : o->shape, N, o->format, in->expert_bytes, in->batch,
-           in->prompt_len, in->max_deferred, in->shared_cores ? "true" : "false",
-           in->rpc.fixed_us, in->rpc.per_byte_us * 1024, in->decode_other_us,
-           in->prefill_other_us);
-    for (int i = 0; i < 2; i++) {
-      const pl_sim_phase *p = ph[i];
-      if (p->step_us < 0) {
-        printf(", \"%s_tok_s\": null", pn[i]);
-        continue;
-      }
-      printf(", \"%s_tok_s\": %.3f, \"%s_step_us\": %.1f, \"%s_bottleneck\": \"%s\", "
-             "\"%s_bottleneck_share\": %.3f, \"%s_imbalance\": %.3f, \"%s_shares\": {",
-             pn[i], p->tok_s, pn[i], p->step_us, pn[i],
-             pl_sim_component_name(in, p->bottleneck), pn[i], p->share[p->bottleneck], pn[i],
-             p->imbalance, pn[i]);
-      for (uint32_t c = 0; c < 2 + N; c++)
-        printf("%s\"%s\": %.4f", c ? ", " : "", pl_sim_component_name(in, (int)c), p->share[c]);
-      printf("}, \"%s_host_busy_us\": {", pn[i]);
-      for (uint32_t h = 0; h < N; h++)
-        printf("%s\"%s\": %.1f", h ? ", " : "", in->hosts[h].name, p->host_busy_us[h]);
-      printf("}");
+  const char *const *pn = phase_names;
+  printf("{\"bench\": \"simulate\", \"model\": \"%s\", \"hosts\": %u, \"format\": \"%s\", "
+         "\"expert_bytes\": %.0f, \"batch\": %u, \"prompt_len\": %u, \"max_deferred\": %u, "
+         "\"shared_cores\": %s, \"rpc_fixed_us\": %.2f, \"rpc_per_kb_us\": %.4f, "
+         "\"decode_other_us\": %.1f, \"prefill_other_us\": %.1f",
+         o->model ? o->model : o->shape, N, o->format, in->expert_bytes, in->batch,
+         in->prompt_len, in->max_deferred, in->shared_cores ? "true" : "false",
+         in->rpc.fixed_us, in->rpc.per_byte_us * 1024, in->decode_other_us,
+         in->prefill_other_us);
+  for (int i = 0; i < 2; i++) {
+    const pl_sim_phase *p = ph[i];
+    if (p->step_us < 0) {
+      printf(", \"%s_tok_s\": null", pn[i]);
+      continue;
     }
-    printf("}\n");
-    if (o->layers_detail)
-      for (int i = 0; i < 2; i++) {
-        if (ph[i]->step_us < 0) continue;
-        for (uint32_t l = 0; l < in->num_layers; l++)
-          if (!in->is_moe || in->is_moe[l])
-            printf("{\"bench\": \"simulate-layer\", \"phase\": \"%s\", \"layer\": %u, "
-                   "\"moe_us\": %.2f}\n", pn[i], l, ph[i]->layer_us[l]);
-      }
-    return;
+    printf(", \"%s_tok_s\": %.3f, \"%s_step_us\": %.1f, \"%s_bottleneck\": \"%s\", "
+           "\"%s_bottleneck_share\": %.3f, \"%s_imbalance\": %.3f, \"%s_shares\": {",
+           pn[i], p->tok_s, pn[i], p->step_us, pn[i],
+           pl_sim_component_name(in, p->bottleneck), pn[i], p->share[p->bottleneck], pn[i],
+           p->imbalance, pn[i]);
+    for (uint32_t c = 0; c < 2 + N; c++)
+      printf("%s\"%s\": %.4f", c ? ", " : "", pl_sim_component_name(in, (int)c), p->share[c]);
+    printf("}, \"%s_host_busy_us\": {", pn[i]);
+    for (uint32_t h = 0; h < N; h++)
+      printf("%s\"%s\": %.1f", h ? ", " : "", in->hosts[h].name, p->host_busy_us[h]);
+    printf("}");
   }
+  printf("}\n");
+  if (o->layers_detail)
+    for (int i = 0; i < 2; i++) {
+      if (ph[i]->step_us < 0) continue;
+      for (uint32_t l = 0; l < in->num_layers; l++)
+        if (!in->is_moe || in->is_moe[l])
+          printf("{\"bench\": \"simulate-layer\", \"phase\": \"%s\", \"layer\": %u, "
+                 "\"moe_us\": %.2f}\n", pn[i], l, ph[i]->layer_us[l]);
+    }
+}
+
+/* The text report: the model and inputs, then per phase tokens/s, the bottleneck and the
+ * shares (and with --layers-detail each MoE layer's time). */
+static void print_result_text(const sim_opts *o, const pl_sim_input *in, const pl_sim_result *r,
+                              const mr_model_config *cfg) {
+  const uint32_t N = in->n_hosts;
+  const pl_sim_phase *ph[2] = {&r->decode, &r->prefill};
+  const char *const *pn = phase_names;
   printf("%s: H %u, I %u, %u experts top-%u, %u MoE layers; %s, %.2f MB per expert; %u host%s%s\n",
          o->model ? o->model : o->shape, cfg->hidden_size, cfg->moe_intermediate,
          cfg->num_experts, cfg->top_k, mr_config_num_moe_layers(cfg), o->format,
@@ -1201,244 +1334,349 @@ static void print_result(const sim_opts *o, const pl_sim_input *in, const pl_sim
   }
 }
 
-int pl_cmd_simulate(int argc, char **argv) {
+static void print_result(const sim_opts *o, const pl_sim_input *in, const pl_sim_result *r,
+                         const mr_model_config *cfg) {
+  if (o->json) print_result_json(o, in, r);
+  else print_result_text(o, in, r, cfg);
+}
+
+/* ---- the command, step by step ------------------------------------------------------------
+ *
+ * pl_cmd_simulate has pl_cmd_apply's shape: a sim_run holds what every step reads and writes,
+ * each step fills its part or fails, and one exit path releases it. In order:
+ *
+ *   step_shape         --model DIR or --shape NAME        -> cfg, the shapes in in
+ *   step_stats         --stats FILE                       -> in.counts
+ *   step_placement     --placement FILE, --hosts N        -> pl, N, named
+ *   step_routes        who computes each pair             -> local[], route[]
+ *   step_rates         --kernels, --client-kernels, --host-kernels, --cluster -> rates[], cf
+ *   step_hosts         per host: name, rates, speed, link -> hosts[], in's placement
+ *   step_rpc           --rpc or --rpc-fixed-us / --rpc-per-kb-us, the client's link
+ *   step_client_time   --client-bench or --client-step-us -> what the client measured
+ *   step_client_other  measured step less the modelled experts -> in.*_other_us
+ *   step_run           pl_sim_run, then the result on stdout
+ *
+ * A step returns 0, a negative MR_E* code with e filled (exit 1), or SIM_USAGE after printing
+ * a usage error itself (exit 2), as the flags' own checks in sim_parse do. */
+#define SIM_USAGE 2
+
+typedef struct sim_run {
   sim_opts o;
-  int r = sim_parse(argc, argv, &o);
-  if (r) return r == 1 ? 0 : 2;
+  mr_model_config cfg;
+  pl_stats st;                /* --stats (have_st) */
+  mr_placement pl;            /* --placement (have_pl) */
+  bool have_st, have_pl;
+  bool named;                 /* the hosts are the placement's servers, else h0..h{N-1} */
+  uint32_t N;                 /* hosts */
+  pl_rates *rates;            /* [0] --kernels, [1] --client-kernels, [2 + i] --host-kernels i */
+  pl_sim_host *hosts;         /* [N], at least one entry */
+  int32_t *route;             /* [L * E] host index, -1 = several copies or none */
+  uint8_t *local;             /* [L * E] 1 = the client computes the pair */
+  mr_cluster_file *cf;        /* --cluster: the hosts' speed keys (large: on the heap) */
+  double decode_measured_us;  /* the all-local run's decode step (us), -1 = not measured */
+  double prefill_measured_us; /* its prefill of batch x prompt_len tokens (us), -1 = none */
+  pl_sim_input in;
+  pl_sim_result res;
+} sim_run;
+
+/* --model DIR (config.json) or --shape NAME: the model's shapes into cfg, and the options
+ * that need nothing else into in. */
+static int step_shape(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  if (o->model) {
+    int rc = mr_config_load(&r->cfg, o->model, e);
+    if (rc) return rc;
+  } else if (builtin_shape(o->shape, o->moe_layers, &r->cfg)) {
+    return SIM_USAGE;
+  }
+  pl_sim_input *in = &r->in;
+  in->hidden = r->cfg.hidden_size;
+  in->inter = r->cfg.moe_intermediate;
+  in->num_experts = r->cfg.num_experts;
+  in->top_k = r->cfg.top_k;
+  in->num_layers = r->cfg.num_layers;
+  in->is_moe = r->cfg.is_moe;
+  in->expert_bytes = o->expert_bytes > 0 ? o->expert_bytes
+                                         : pl_sim_expert_bytes(o->format, in->hidden, in->inter);
+  in->wire_bytes = strcmp(o->wire, "f32") == 0 ? 4 : 2;
+  in->max_deferred = o->max_deferred;
+  in->shared_cores = o->shared;
+  in->samples = o->samples;
+  in->seed = o->seed;
+  return 0;
+}
+
+/* --stats FILE: routing frequencies of the model's shape (none: uniform routing). */
+static int step_stats(sim_run *r, mr_err *e) {
+  if (!r->o.stats) return 0;
+  int rc = pl_stats_load(&r->st, r->o.stats, e);
+  if (rc) return rc;
+  r->have_st = true;
+  if (r->st.num_layers != r->cfg.num_layers || r->st.num_experts != r->cfg.num_experts)
+    return mr_err_set(e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
+                      r->o.stats, r->st.num_layers, r->st.num_experts, r->cfg.num_layers,
+                      r->cfg.num_experts);
+  r->in.counts = r->st.counts;
+  return 0;
+}
+
+/* --placement FILE and --hosts N: the host count. A placement that names servers makes them
+ * the hosts (--hosts, if given, must agree); one that names none (all local) or no placement
+ * leaves --hosts N anonymous hosts. */
+static int step_placement(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  uint32_t N = 0;
+  if (o->placement) {
+    int rc = mr_placement_load(&r->pl, o->placement, e);
+    if (rc) return rc;
+    r->have_pl = true;
+    if (r->pl.num_layers != r->cfg.num_layers || r->pl.num_experts != r->cfg.num_experts)
+      return mr_err_set(e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
+                        o->placement, r->pl.num_layers, r->pl.num_experts, r->cfg.num_layers,
+                        r->cfg.num_experts);
+    N = r->pl.n_servers;
+    if (o->hosts && N && o->hosts != N) {
+      fprintf(stderr, PROG ": --hosts %u, but %s names %u servers\n", o->hosts, o->placement, N);
+      return SIM_USAGE;
+    }
+  }
+  r->named = N > 0;
+  r->N = N ? N : o->hosts;
+  return 0;
+}
+
+/* Who computes each pair: the placement's local set and single-copy routes; with anonymous
+ * hosts, expert x of every layer goes to host x * N / E (N contiguous ranges). Allocates the
+ * per-host and per-pair arrays. */
+static int step_routes(sim_run *r, mr_err *e) {
+  const uint32_t N = r->N, E = r->cfg.num_experts;
+  const size_t LE = (size_t)r->cfg.num_layers * E;
+  r->hosts = mr_calloc(N ? N : 1, sizeof *r->hosts);
+  r->rates = mr_calloc(2 + r->o.n_hk, sizeof *r->rates);
+  r->route = mr_malloc(LE * sizeof *r->route);
+  r->local = mr_calloc(LE, 1);
+  if (!r->hosts || !r->rates || !r->route || !r->local)
+    return mr_err_set(e, MR_ENOMEM, "out of memory");
+  for (size_t p = 0; p < LE; p++) {
+    if (r->have_pl) {
+      r->local[p] = r->pl.local[p];
+      r->route[p] = r->named ? r->pl.route[p] : -1;
+    } else {
+      r->route[p] = -1;
+    }
+    if (!r->named && N && !r->local[p]) r->route[p] = (int32_t)((p % E) * N / E);
+  }
+  return 0;
+}
+
+/* The kernel rates files (of --rates-format, default --format) and the cluster file. The
+ * client's own rates are --client-kernels, else --kernels (none: no local expert allowed). */
+static int step_rates(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  const char *rfmt = o->rates_format ? o->rates_format : o->format;
+  int rc;
+  if (o->kernels && (rc = pl_rates_load(&r->rates[0], o->kernels, rfmt, e))) return rc;
+  if (o->client_kernels && (rc = pl_rates_load(&r->rates[1], o->client_kernels, rfmt, e)))
+    return rc;
+  for (uint32_t i = 0; i < o->n_hk; i++)
+    if ((rc = pl_rates_load(&r->rates[2 + i], o->host_kernels[i].val, rfmt, e))) return rc;
+  r->in.client_rates = o->client_kernels ? &r->rates[1] : o->kernels ? &r->rates[0] : NULL;
+  if (!o->cluster) return 0;
+  if (!(r->cf = mr_malloc(sizeof *r->cf))) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  return mr_cluster_load(r->cf, o->cluster, e);
+}
+
+/* Host h: its name, its rates (--host-kernels NAME=FILE, else --kernels), its speed (the
+ * cluster file's "speed", then --speed NAME=X) and its link (--link-gbps and
+ * --link-latency-us, then --host-link NAME=G[,U]). */
+static int host_setup(sim_run *r, uint32_t h) {
+  const sim_opts *o = &r->o;
+  pl_sim_host *ho = &r->hosts[h];
+  if (r->named) snprintf(ho->name, sizeof ho->name, "%s", r->pl.server[h]);
+  else snprintf(ho->name, sizeof ho->name, "h%u", h);
+  const kv *k = kv_find(o->host_kernels, o->n_hk, ho->name);
+  ho->rates = k ? &r->rates[2 + (k - o->host_kernels)] : o->kernels ? &r->rates[0] : NULL;
+  ho->speed = 1.0;
+  for (uint32_t c = 0; r->cf && c < r->cf->n_servers; c++)
+    if (strcmp(r->cf->servers[c].name, ho->name) == 0) ho->speed = r->cf->servers[c].speed;
+  if ((k = kv_find(o->speed, o->n_speed, ho->name)) &&
+      parse_num("--speed", k->val, 1e-6, 1e6, &ho->speed))
+    return SIM_USAGE;
+  ho->link_gbps = o->link_gbps;
+  ho->link_latency_us = o->latency;
+  if ((k = kv_find(o->host_link, o->n_hl, ho->name))) {
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", k->val);
+    char *comma = strchr(buf, ',');
+    if (comma) *comma = '\0';
+    if (parse_num("--host-link (Gbit/s)", buf, 0, 1e6, &ho->link_gbps) ||
+        (comma && parse_num("--host-link (latency us)", comma + 1, 0, 1e9, &ho->link_latency_us)))
+      return SIM_USAGE;
+  }
+  return 0;
+}
+
+/* Every host set up; every NAME of a per-host flag names one; the placement into in. */
+static int step_hosts(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  for (uint32_t h = 0; h < r->N; h++)
+    if (host_setup(r, h)) return SIM_USAGE;
+  if (kv_check("--host-kernels", o->host_kernels, o->n_hk, r->hosts, r->N) ||
+      kv_check("--speed", o->speed, o->n_speed, r->hosts, r->N) ||
+      kv_check("--host-link", o->host_link, o->n_hl, r->hosts, r->N))
+    return SIM_USAGE;
+  r->in.n_hosts = r->N;
+  r->in.hosts = r->hosts;
+  r->in.local = r->local;
+  r->in.route = r->route;
+  if (r->have_pl && r->named) { /* replicated pairs: route -1, their hosts in the rep lists */
+    r->in.rep_off = r->pl.rep_off;
+    r->in.rep = r->pl.rep;
+  }
+  return 0;
+}
+
+/* The cost of a request: fitted to --rpc FILE, or the two flags (default 0); and the
+ * client's own link (--client-link-gbps, default --link-gbps). */
+static int step_rpc(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  if (o->rpc) {
+    int rc = pl_rpc_load(&r->in.rpc, o->rpc, e);
+    if (rc) return rc;
+  } else {
+    r->in.rpc.fixed_us = o->rpc_fixed > 0 ? o->rpc_fixed : 0;
+    r->in.rpc.per_byte_us = o->rpc_kb > 0 ? o->rpc_kb / 1024 : 0; /* us per KiB -> per byte */
+  }
+  r->in.client_link_gbps = o->client_link >= 0 ? o->client_link : o->link_gbps;
+  return 0;
+}
+
+/* Batch, prompt length and the client's own time: --client-step-us / --client-prefill-us
+ * as given (already without the experts), or an all-local --client-bench run, whose batch
+ * and prompt length are the defaults and whose whole step step_client_other splits. Its
+ * prefill is used only at the batch and prompt length it was measured at. */
+static int step_client_time(sim_run *r, mr_err *e) {
+  const sim_opts *o = &r->o;
+  pl_sim_input *in = &r->in;
+  in->batch = o->batch;
+  in->prompt_len = o->prompt_len;
+  in->prefill_other_us = -1;
+  r->prefill_measured_us = r->decode_measured_us = -1;
+  if (!o->client_bench) {
+    in->decode_other_us = o->client_step;
+    in->prefill_other_us = o->client_prefill;
+    return 0;
+  }
+  pl_client_bench cb;
+  int rc = pl_client_bench_load(&cb, o->client_bench, e);
+  if (rc) return rc;
+  if (!o->batch_set) in->batch = cb.batch;
+  if (!o->plen_set) in->prompt_len = cb.prompt_len;
+  if (in->batch != cb.batch)
+    mr_log(MR_LOG_WARN, "%s was measured at batch %u, simulating batch %u: the client's "
+           "time is taken as it is", o->client_bench, cb.batch, in->batch);
+  r->decode_measured_us = cb.step_us;
+  if (in->batch == cb.batch && in->prompt_len == cb.prompt_len)
+    r->prefill_measured_us = (double)cb.batch * cb.prompt_len / cb.prefill_tok_s * 1e6;
+  else
+    mr_log(MR_LOG_WARN, "%s: prefill measured at batch %u x %u tokens, not simulated at %u x "
+           "%u", o->client_bench, cb.batch, cb.prompt_len, in->batch, in->prompt_len);
+  return 0;
+}
+
+/* The model run all-local: every pair on the client at its rates, no host, nothing
+ * deferred, no time besides the experts; prefill only when it was measured. ar is the
+ * caller's (pl_sim_result_close). */
+static int model_all_local(const sim_run *r, pl_sim_result *ar, mr_err *e) {
+  const size_t LE = (size_t)r->cfg.num_layers * r->cfg.num_experts;
+  uint8_t *ones = mr_malloc(LE);
+  if (!ones) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  memset(ones, 1, LE);
+  pl_sim_input all = r->in;
+  all.local = ones;
+  all.route = NULL;
+  all.n_hosts = 0;
+  all.shared_cores = false;
+  all.max_deferred = 0;
+  all.decode_other_us = 0;
+  all.prefill_other_us = r->prefill_measured_us > 0 ? 0 : -1;
+  int rc = pl_sim_run(&all, ar, e);
+  mr_free(ones);
+  return rc;
+}
+
+/* The client's time besides the experts: the measured all-local step less the experts' time
+ * by the same model on the client's rates, so that an error in the rates cancels between the
+ * all-local run and the simulated one. (The run's per-layer local_us are not used:
+ * moerpc-client bench's layer lines include its prefill.) A negative difference (rates
+ * faster than the client ran) is taken as 0, with a warning. */
+static int step_client_other(sim_run *r, mr_err *e) {
+  pl_sim_input *in = &r->in;
+  const double dm = r->decode_measured_us, pm = r->prefill_measured_us;
+  if (!(dm > 0)) return 0;
+  if (!in->client_rates)
+    return mr_err_set(e, MR_EINVAL, "the client's own time needs its kernel rates "
+                      "(--kernels or --client-kernels) to take the experts out of it");
+  pl_sim_result ar;
+  int rc = model_all_local(r, &ar, e);
+  if (rc) return rc;
+  in->decode_other_us = dm - ar.decode.step_us;
+  mr_log(MR_LOG_INFO, "client decode step %.0f us measured, experts %.0f us modelled: %.0f us "
+         "besides the experts", dm, ar.decode.step_us, in->decode_other_us);
+  if (pm > 0) {
+    in->prefill_other_us = pm - ar.prefill.step_us;
+    mr_log(MR_LOG_INFO, "client prefill %.0f us measured, experts %.0f us modelled: %.0f us "
+           "besides the experts", pm, ar.prefill.step_us, in->prefill_other_us);
+  }
+  pl_sim_result_close(&ar);
+  if (in->decode_other_us < 0 || (pm > 0 && in->prefill_other_us < 0)) {
+    mr_log(MR_LOG_WARN, "the modelled experts take longer than the measured all-local run "
+           "(the kernel rates are faster than the client ran): its time besides the "
+           "experts is taken as 0");
+    if (in->decode_other_us < 0) in->decode_other_us = 0;
+    if (in->prefill_other_us < 0 && pm > 0) in->prefill_other_us = 0;
+  }
+  return 0;
+}
+
+/* The model itself, and its result on stdout. */
+static int step_run(sim_run *r, mr_err *e) {
+  mr_log(MR_LOG_INFO, "simulating %u hosts, %u MoE layers, batch %u, prompt %u, %u samples",
+         r->N, mr_config_num_moe_layers(&r->cfg), r->in.batch, r->in.prompt_len, r->in.samples);
+  int rc = pl_sim_run(&r->in, &r->res, e);
+  if (!rc) print_result(&r->o, &r->in, &r->res, &r->cfg);
+  return rc;
+}
+
+static void sim_run_close(sim_run *r) {
+  pl_sim_result_close(&r->res);
+  if (r->have_pl) mr_placement_close(&r->pl);
+  if (r->have_st) pl_stats_close(&r->st);
+  mr_free(r->hosts);
+  mr_free(r->rates);
+  mr_free(r->route);
+  mr_free(r->cf);
+  mr_free(r->local);
+}
+
+int pl_cmd_simulate(int argc, char **argv) {
+  sim_run r;
+  memset(&r, 0, sizeof r);
+  int pr = sim_parse(argc, argv, &r.o);
+  if (pr) return pr == 1 ? 0 : 2;
   mr_err e;
   mr_err_clear(&e);
-  int rc = 0, status = 1;
-  mr_model_config cfg;
-  mr_placement pl;
-  pl_stats st;
-  memset(&pl, 0, sizeof pl);
-  memset(&st, 0, sizeof st);
-  bool have_pl = false, have_st = false;
-  pl_rates *rates = NULL; /* [0] --kernels, [1] --client-kernels, [2 + i] --host-kernels i */
-  pl_sim_host *hosts = NULL;
-  int32_t *route = NULL;
-  uint8_t *local = NULL;
-  mr_cluster_file *cf = NULL; /* --cluster: the hosts' speed keys (large: on the heap) */
-  pl_sim_result res;
-  memset(&res, 0, sizeof res);
-
-  if (o.model) {
-    if ((rc = mr_config_load(&cfg, o.model, &e))) goto fail;
-  } else if ((r = builtin_shape(o.shape, o.moe_layers, &cfg))) {
-    return r;
-  }
-  const uint32_t L = cfg.num_layers, E = cfg.num_experts;
-  pl_sim_input in;
-  memset(&in, 0, sizeof in);
-  in.hidden = cfg.hidden_size;
-  in.inter = cfg.moe_intermediate;
-  in.num_experts = E;
-  in.top_k = cfg.top_k;
-  in.num_layers = L;
-  in.is_moe = cfg.is_moe;
-  in.expert_bytes = o.expert_bytes > 0 ? o.expert_bytes
-                                       : pl_sim_expert_bytes(o.format, in.hidden, in.inter);
-  in.wire_bytes = strcmp(o.wire, "f32") == 0 ? 4 : 2;
-  in.max_deferred = o.max_deferred;
-  in.shared_cores = o.shared;
-  in.samples = o.samples;
-  in.seed = o.seed;
-
-  if (o.stats) {
-    if ((rc = pl_stats_load(&st, o.stats, &e))) goto fail;
-    have_st = true;
-    if (st.num_layers != L || st.num_experts != E) {
-      rc = mr_err_set(&e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
-                      o.stats, st.num_layers, st.num_experts, L, E);
-      goto fail;
-    }
-    in.counts = st.counts;
-  }
-  uint32_t N = 0;
-  if (o.placement) {
-    if ((rc = mr_placement_load(&pl, o.placement, &e))) goto fail;
-    have_pl = true;
-    if (pl.num_layers != L || pl.num_experts != E) {
-      rc = mr_err_set(&e, MR_EMISMATCH, "%s: %u layers x %u experts, the model has %u x %u",
-                      o.placement, pl.num_layers, pl.num_experts, L, E);
-      goto fail;
-    }
-    N = pl.n_servers;
-    if (o.hosts && N && o.hosts != N) {
-      fprintf(stderr, PROG ": --hosts %u, but %s names %u servers\n", o.hosts, o.placement, N);
-      status = 2;
-      goto out;
-    }
-  }
-  const bool named = N > 0;
-  if (!N) N = o.hosts;
-  hosts = mr_calloc(N ? N : 1, sizeof *hosts);
-  rates = mr_calloc(2 + o.n_hk, sizeof *rates);
-  route = mr_malloc((size_t)L * E * sizeof *route);
-  local = mr_calloc((size_t)L * E, 1);
-  if (!hosts || !rates || !route || !local) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto fail;
-  }
-  for (size_t p = 0; p < (size_t)L * E; p++) {
-    if (have_pl) {
-      local[p] = pl.local[p];
-      route[p] = named ? pl.route[p] : -1;
-    } else {
-      route[p] = -1;
-    }
-    /* --hosts: contiguous ranges of experts per layer */
-    if (!named && N && !local[p]) route[p] = (int32_t)((p % E) * N / E);
-  }
-  const char *rfmt = o.rates_format ? o.rates_format : o.format;
-  if (o.kernels && (rc = pl_rates_load(&rates[0], o.kernels, rfmt, &e))) goto fail;
-  if (o.client_kernels && (rc = pl_rates_load(&rates[1], o.client_kernels, rfmt, &e))) goto fail;
-  for (uint32_t i = 0; i < o.n_hk; i++)
-    if ((rc = pl_rates_load(&rates[2 + i], o.host_kernels[i].val, rfmt, &e))) goto fail;
-  in.client_rates = o.client_kernels ? &rates[1] : o.kernels ? &rates[0] : NULL;
-  if (o.cluster) {
-    if (!(cf = mr_malloc(sizeof *cf))) {
-      rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-      goto fail;
-    }
-    if ((rc = mr_cluster_load(cf, o.cluster, &e))) goto fail;
-  }
-  for (uint32_t h = 0; h < N; h++) {
-    pl_sim_host *ho = &hosts[h];
-    if (named) snprintf(ho->name, sizeof ho->name, "%s", pl.server[h]);
-    else snprintf(ho->name, sizeof ho->name, "h%u", h);
-    const kv *k = kv_find(o.host_kernels, o.n_hk, ho->name);
-    ho->rates = k ? &rates[2 + (k - o.host_kernels)] : o.kernels ? &rates[0] : NULL;
-    ho->speed = 1.0;
-    for (uint32_t c = 0; cf && c < cf->n_servers; c++)
-      if (strcmp(cf->servers[c].name, ho->name) == 0) ho->speed = cf->servers[c].speed;
-    if ((k = kv_find(o.speed, o.n_speed, ho->name)) &&
-        parse_num("--speed", k->val, 1e-6, 1e6, &ho->speed)) {
-      status = 2;
-      goto out;
-    }
-    ho->link_gbps = o.link_gbps;
-    ho->link_latency_us = o.latency;
-    if ((k = kv_find(o.host_link, o.n_hl, ho->name))) {
-      char buf[128];
-      snprintf(buf, sizeof buf, "%s", k->val);
-      char *comma = strchr(buf, ',');
-      if (comma) *comma = '\0';
-      if (parse_num("--host-link (Gbit/s)", buf, 0, 1e6, &ho->link_gbps) ||
-          (comma && parse_num("--host-link (latency us)", comma + 1, 0, 1e9,
-                              &ho->link_latency_us))) {
-        status = 2;
-        goto out;
-      }
-    }
-  }
-  if (kv_check("--host-kernels", o.host_kernels, o.n_hk, hosts, N) ||
-      kv_check("--speed", o.speed, o.n_speed, hosts, N) ||
-      kv_check("--host-link", o.host_link, o.n_hl, hosts, N)) {
-    status = 2;
-    goto out;
-  }
-  in.n_hosts = N;
-  in.hosts = hosts;
-  in.local = local;
-  in.route = route;
-  if (have_pl && named) {
-    in.rep_off = pl.rep_off;
-    in.rep = pl.rep;
-  }
-  if (o.rpc) {
-    if ((rc = pl_rpc_load(&in.rpc, o.rpc, &e))) goto fail;
-  } else {
-    in.rpc.fixed_us = o.rpc_fixed > 0 ? o.rpc_fixed : 0;
-    in.rpc.per_byte_us = o.rpc_kb > 0 ? o.rpc_kb / 1024 : 0;
-  }
-  in.client_link_gbps = o.client_link >= 0 ? o.client_link : o.link_gbps;
-  in.batch = o.batch;
-  in.prompt_len = o.prompt_len;
-  in.prefill_other_us = -1;
-  double prefill_measured_us = -1, decode_measured_us = -1;
-  if (o.client_bench) {
-    pl_client_bench cb;
-    if ((rc = pl_client_bench_load(&cb, o.client_bench, &e))) goto fail;
-    if (!o.batch_set) in.batch = cb.batch;
-    if (!o.plen_set) in.prompt_len = cb.prompt_len;
-    if (in.batch != cb.batch)
-      mr_log(MR_LOG_WARN, "%s was measured at batch %u, simulating batch %u: the client's "
-             "time is taken as it is", o.client_bench, cb.batch, in.batch);
-    decode_measured_us = cb.step_us;
-    if (in.batch == cb.batch && in.prompt_len == cb.prompt_len)
-      prefill_measured_us = (double)cb.batch * cb.prompt_len / cb.prefill_tok_s * 1e6;
-    else
-      mr_log(MR_LOG_WARN, "%s: prefill measured at batch %u x %u tokens, not simulated at %u x "
-             "%u", o.client_bench, cb.batch, cb.prompt_len, in.batch, in.prompt_len);
-  } else {
-    in.decode_other_us = o.client_step;
-    in.prefill_other_us = o.client_prefill;
-  }
-  if (decode_measured_us > 0) {
-    /* the client's time besides the experts: the measured all-local step less the experts'
-     * time by the same model on the client's rates, so that an error in the rates cancels
-     * between the all-local run and the simulated one (the runs' per-layer local_us are not
-     * used: moerpc-client bench's layer lines include its prefill) */
-    if (!in.client_rates) {
-      rc = mr_err_set(&e, MR_EINVAL, "the client's own time needs its kernel rates "
-                      "(--kernels or --client-kernels) to take the experts out of it");
-      goto fail;
-    }
-    pl_sim_input all = in;
-    uint8_t *ones = mr_malloc((size_t)L * E);
-    if (!ones) {
-      rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-      goto fail;
-    }
-    memset(ones, 1, (size_t)L * E);
-    all.local = ones;
-    all.route = NULL;
-    all.n_hosts = 0;
-    all.shared_cores = false;
-    all.max_deferred = 0;
-    all.decode_other_us = 0;
-    all.prefill_other_us = 0;
-    all.prefill_other_us = prefill_measured_us > 0 ? 0 : -1;
-    pl_sim_result ar;
-    rc = pl_sim_run(&all, &ar, &e);
-    mr_free(ones);
-    if (rc) goto fail;
-    in.decode_other_us = decode_measured_us - ar.decode.step_us;
-    mr_log(MR_LOG_INFO, "client decode step %.0f us measured, experts %.0f us modelled: %.0f us "
-           "besides the experts", decode_measured_us, ar.decode.step_us, in.decode_other_us);
-    if (prefill_measured_us > 0) {
-      in.prefill_other_us = prefill_measured_us - ar.prefill.step_us;
-      mr_log(MR_LOG_INFO, "client prefill %.0f us measured, experts %.0f us modelled: %.0f us "
-             "besides the experts", prefill_measured_us, ar.prefill.step_us,
-             in.prefill_other_us);
-    }
-    pl_sim_result_close(&ar);
-    if (in.decode_other_us < 0 || (prefill_measured_us > 0 && in.prefill_other_us < 0)) {
-      mr_log(MR_LOG_WARN, "the modelled experts take longer than the measured all-local run "
-             "(the kernel rates are faster than the client ran): its time besides the "
-             "experts is taken as 0");
-      if (in.decode_other_us < 0) in.decode_other_us = 0;
-      if (in.prefill_other_us < 0 && prefill_measured_us > 0) in.prefill_other_us = 0;
-    }
-  }
-  mr_log(MR_LOG_INFO, "simulating %u hosts, %u MoE layers, batch %u, prompt %u, %u samples",
-         N, mr_config_num_moe_layers(&cfg), in.batch, in.prompt_len, in.samples);
-  if ((rc = pl_sim_run(&in, &res, &e))) goto fail;
-  print_result(&o, &in, &res, &cfg);
-  status = 0;
-  goto out;
-fail:
-  fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
-  status = 1;
-out:
-  pl_sim_result_close(&res);
-  if (have_pl) mr_placement_close(&pl);
-  if (have_st) pl_stats_close(&st);
-  mr_free(hosts);
-  mr_free(rates);
-  mr_free(route);
-  mr_free(cf);
-  mr_free(local);
-  return status;
+  int rc = step_shape(&r, &e);
+  if (!rc) rc = step_stats(&r, &e);
+  if (!rc) rc = step_placement(&r, &e);
+  if (!rc) rc = step_routes(&r, &e);
+  if (!rc) rc = step_rates(&r, &e);
+  if (!rc) rc = step_hosts(&r, &e);
+  if (!rc) rc = step_rpc(&r, &e);
+  if (!rc) rc = step_client_time(&r, &e);
+  if (!rc) rc = step_client_other(&r, &e);
+  if (!rc) rc = step_run(&r, &e);
+  if (rc < 0) fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  sim_run_close(&r);
+  return rc == 0 ? 0 : rc == SIM_USAGE ? 2 : 1;
 }

@@ -1,10 +1,18 @@
 /*
- * placement/pl_stats.c - routing statistics: the moerpc-stats file (format in pl.h) and
- * `moerpc-place stats`, which collects them from a running cluster.
+ * placement/pl_stats.c - routing statistics in memory (pl_stats) and the moerpc-stats file
+ * (format in pl.h): init, add, reader, writer. `moerpc-place stats`, which collects them from
+ * a running cluster, is pl_collect.c.
  *
  * The reader is strict like common's readers: unknown or duplicate keys, a value of the wrong
  * type, a counts matrix of another shape than num_layers x num_experts, and counts that are
  * negative, fractional or beyond 2^53 are refused with the file, the field and the limit.
+ * Strict because the files come from other programs (a client's --routing-stats, SGLang
+ * imports, hand edits) and feed a planner whose output moves gigabytes: a file misread in
+ * silence would plan for the wrong model. The reader is fuzzed (tests/fuzz/fuzz_pl_stats.c,
+ * with a round trip through the writer).
+ *
+ * The writer puts one layer's row per line, so that two files compare with diff and a
+ * 61 x 256 file stays readable; what it writes reads back to the same stats.
  */
 #include "placement/pl.h"
 
@@ -25,6 +33,9 @@ void pl_stats_close(pl_stats *s) {
   memset(s, 0, sizeof *s);
 }
 
+/* The shape limits of pl.h: layers 1..MR_MAX_LAYERS, experts 1..PL_STATS_MAX_EXPERTS and at
+ * most PL_STATS_MAX_PAIRS pairs (32 MiB of counts), checked before the counts are allocated
+ * so that a hostile header cannot make the reader allocate more. */
 static int stats_shape(uint64_t L, uint64_t E, const char *label, mr_err *e) {
   if (L < 1 || L > MR_MAX_LAYERS)
     return mr_err_set(e, MR_ERANGE, "%s: num_layers = %llu, must be 1..%u", label,
@@ -71,6 +82,9 @@ uint64_t pl_stats_total(const pl_stats *s) {
   return t;
 }
 
+/* Counts, steps and tokens add (several clients' windows are different traffic); seconds
+ * take the larger, since the windows were observed over the same wall-clock time, not one
+ * after another. */
 int pl_stats_add(pl_stats *dst, const pl_stats *src, mr_err *e) {
   if (dst->num_layers != src->num_layers || dst->num_experts != src->num_experts)
     return mr_err_set(e, MR_EINVAL, "stats: cannot add %u x %u counts to %u x %u (num_layers x "
@@ -90,6 +104,7 @@ int pl_stats_add(pl_stats *dst, const pl_stats *src, mr_err *e) {
 
 /* ---- reader ------------------------------------------------------------------------------ */
 
+/* A string field into out[cap]: MR_EFORMAT for another type, MR_ERANGE past cap - 1 bytes. */
 static int get_string(const cJSON *v, const char *label, const char *field, char *out,
                       size_t cap, mr_err *e) {
   char desc[96];
@@ -105,6 +120,8 @@ static int get_string(const cJSON *v, const char *label, const char *field, char
   return 0;
 }
 
+/* "window": {"kind" (required, one of three), "steps", "tokens" (integers 0..2^53),
+ * "seconds" (finite, >= 0)}; the rest of its keys are refused. */
 static int parse_window(pl_stats *s, const cJSON *w, const char *label, mr_err *e) {
   static const char *const keys[] = {"kind", "steps", "tokens", "seconds", NULL};
   char desc[96];
@@ -140,6 +157,8 @@ static int parse_window(pl_stats *s, const cJSON *w, const char *label, mr_err *
   return 0;
 }
 
+/* "sources": up to PL_STATS_MAX_SOURCES non-empty strings of at most 63 bytes. Only
+ * informative (where the counts came from), but bounded like everything else. */
 static int parse_sources(pl_stats *s, const cJSON *a, const char *label, mr_err *e) {
   char desc[96], field[48];
   if (!cJSON_IsArray(a)) {
@@ -163,6 +182,8 @@ static int parse_sources(pl_stats *s, const cJSON *a, const char *label, mr_err 
   return 0;
 }
 
+/* "counts": exactly num_layers rows of exactly num_experts integers, into s->counts (already
+ * allocated from the header's shape). Each error names the cell ("counts[3][17]"). */
 static int parse_counts(pl_stats *s, const cJSON *a, const char *label, mr_err *e) {
   char desc[96], field[64];
   if (!cJSON_IsArray(a)) {
@@ -200,6 +221,9 @@ static int parse_counts(pl_stats *s, const cJSON *a, const char *label, mr_err *
   return 0;
 }
 
+/* Order of the checks: the keys, the format tag, the required keys, then the header
+ * (version, shape) before anything is allocated, then the optional fields, then the counts.
+ * The first error wins, and *s is left empty. */
 int pl_stats_parse(pl_stats *s, const char *json, size_t len, const char *label, mr_err *e) {
   static const char *const keys[] = {"format", "version", "model_fingerprint", "num_layers",
                                      "num_experts", "window", "sources", "counts", NULL};
@@ -282,6 +306,9 @@ static void put_str(mr_prom *p, const char *s) {
   mr_prom_append(p, "\"", 1);
 }
 
+/* The text is built in an mr_prom (common's growable text buffer, the one /metrics uses),
+ * whose out-of-memory is sticky in p.oom instead of failing each append: checked once at
+ * the end. */
 int pl_stats_format(const pl_stats *s, char **out, size_t *len, mr_err *e) {
   *out = NULL;
   *len = 0;
