@@ -123,6 +123,7 @@ ES_SRC  = $(filter-out expert_server/main.c,$(wildcard expert_server/*.c))
 # subcommands; the rest of gpu_client/ is the library.
 CLI_SRC = gpu_client/main.c $(wildcard gpu_client/cli_*.c)
 GC_SRC  = $(filter-out $(CLI_SRC),$(wildcard gpu_client/*.c))
+GC_SRC += $(wildcard gpu_client/runner/*.c)
 # placement/: libpl from pl_*.c; main.c is the moerpc-place command table.
 PL_SRC  = $(wildcard placement/pl_*.c)
 # kernels/cuda/: the CUDA backend (.cu by nvcc, .c by $(CC) against the CUDA headers).

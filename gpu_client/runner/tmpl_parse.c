@@ -1,0 +1,1237 @@
+/*
+ * tmpl_parse.c - the template parser: jinja2's Parser (parser.py) over our tokens, the
+ * same grammar and precedence, producing the tree of tmpl_internal.h. Lowest to highest:
+ *
+ *   x if c else y  <  or  <  and  <  not  <  comparisons, in, not in (chained)
+ *   <  + -  <  ~  <  * / // %  <  **  <  unary - +  <  primary with .attr [key] (args)
+ *   and, after the unary, filters |f(args), tests `is [not] t arg` and calls
+ *
+ * so `-x|abs` is abs(-x) and `'a' + b|trim + 'c'` trims b alone, as in jinja2.
+ *
+ * What is refused here, each naming the construct and its line:col:
+ *   tags: block, extends, include, import, from, with, autoescape, call, filter, do,
+ *         trans, recursive loops; unknown tags
+ *   names: filters, tests, functions and methods outside the subset (a constant test or
+ *          filter name given to select / reject / selectattr / rejectattr / map too);
+ *          *args / **kwargs in calls; a filter on {% set %} blocks; nested tuple targets;
+ *          macros inside a for loop or another macro (their closures); caller, varargs
+ *          and kwargs inside macros
+ *   break / continue outside a for loop (a syntax error in jinja2 too)
+ * and nesting deeper than GC__TMPL_MAX_NEST.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tmpl_internal.h"
+
+typedef struct parser {
+  gc_tmpl *t;
+  const gc__tmpl_tok *tk;
+  size_t n, i;
+  mr_err *e;
+  int depth;    /* recursion, bounded by GC__TMPL_MAX_NEST */
+  int loops;    /* for bodies around the current statement (break / continue) */
+  int closures; /* for bodies and macros around it (a macro may not be defined there) */
+  int macros;   /* macro bodies around it */
+  /* Interned names: an open-addressing table of ids into names. */
+  gc__tmpl_str *names;
+  uint32_t nnames, names_cap;
+  uint32_t *slots; /* id + 1, 0 = empty */
+  uint32_t nslots;
+  uint8_t *is_macro; /* per name id: some {% macro %} defines it */
+} parser;
+
+static int pfail(parser *P, size_t pos, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int pfail(parser *P, size_t pos, int code, const char *fmt, ...) {
+  char where[128], msg[384];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  gc__tmpl_where(P->t->origin, P->t->src, P->t->len, (uint32_t)pos, where, sizeof where);
+  return mr_err_set(P->e, code, "%s: %s", where, msg);
+}
+
+/* ---- names ------------------------------------------------------------------------- */
+
+static uint32_t hash_name(const char *p, size_t n) {
+  uint32_t h = 2166136261u; /* FNV-1a */
+  for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 16777619u;
+  return h;
+}
+
+static int intern(parser *P, const char *p, size_t n, uint32_t *id) {
+  if (2 * (P->nnames + 1) > P->nslots) {
+    uint32_t ns = P->nslots ? P->nslots * 2 : 256;
+    uint32_t *slots = mr_calloc(ns, sizeof *slots);
+    if (!slots) return mr_err_set(P->e, MR_ENOMEM, "out of memory (names)");
+    for (uint32_t i = 0; i < P->nnames; i++) {
+      uint32_t h = hash_name(P->names[i].p, P->names[i].n) & (ns - 1);
+      while (slots[h]) h = (h + 1) & (ns - 1);
+      slots[h] = i + 1;
+    }
+    mr_free(P->slots);
+    P->slots = slots, P->nslots = ns;
+  }
+  uint32_t h = hash_name(p, n) & (P->nslots - 1);
+  for (; P->slots[h]; h = (h + 1) & (P->nslots - 1)) {
+    const gc__tmpl_str *s = &P->names[P->slots[h] - 1];
+    if (s->n == n && memcmp(s->p, p, n) == 0) {
+      *id = P->slots[h] - 1;
+      return 0;
+    }
+  }
+  if (P->nnames == P->names_cap) {
+    uint32_t cap = P->names_cap ? P->names_cap * 2 : 64;
+    gc__tmpl_str *g = mr_realloc(P->names, cap * sizeof *g);
+    uint8_t *m = mr_realloc(P->is_macro, cap);
+    if (m) P->is_macro = m;
+    if (!g || !m) {
+      if (g) P->names = g;
+      return mr_err_set(P->e, MR_ENOMEM, "out of memory (names)");
+    }
+    P->names = g, P->names_cap = cap;
+  }
+  P->names[P->nnames] = (gc__tmpl_str){p, n};
+  P->is_macro[P->nnames] = 0;
+  P->slots[h] = P->nnames + 1;
+  *id = P->nnames++;
+  return 0;
+}
+
+/* ---- tokens ------------------------------------------------------------------------ */
+
+static const gc__tmpl_tok *cur(const parser *P) { return &P->tk[P->i]; }
+static const gc__tmpl_tok *peek(const parser *P) {
+  return P->i + 1 < P->n ? &P->tk[P->i + 1] : &P->tk[P->n - 1];
+}
+static const gc__tmpl_tok *advance(parser *P) {
+  const gc__tmpl_tok *t = &P->tk[P->i];
+  if (P->i + 1 < P->n) P->i++;
+  return t;
+}
+static bool is_op(const gc__tmpl_tok *t, uint8_t op) { return t->kind == GC__TK_OP && t->op == op; }
+static bool is_name(const gc__tmpl_tok *t, const char *name) {
+  size_t n = strlen(name);
+  return t->kind == GC__TK_NAME && t->s.n == n && memcmp(t->s.p, name, n) == 0;
+}
+
+static const char *describe(const gc__tmpl_tok *t, char *buf, size_t len) {
+  static const char *const opnames[] = {
+      "", "+", "-", "/", "//", "*", "%", "**", "~", "[", "]", "(", ")", "{", "}",
+      "==", "!=", ">", ">=", "<", "<=", "=", ".", ":", "|", ",", ";"};
+  switch (t->kind) {
+  case GC__TK_EOF: return "end of template";
+  case GC__TK_DATA: return "template data";
+  case GC__TK_VAR_BEGIN: return "begin of print statement";
+  case GC__TK_VAR_END: return "end of print statement";
+  case GC__TK_BLOCK_BEGIN: return "begin of statement block";
+  case GC__TK_BLOCK_END: return "end of statement block";
+  case GC__TK_NAME: snprintf(buf, len, "%.*s", (int)(t->s.n > 60 ? 60 : t->s.n), t->s.p); return buf;
+  case GC__TK_STRING: return "string";
+  case GC__TK_INT: return "integer";
+  case GC__TK_FLOAT: return "float";
+  default: return t->op < sizeof opnames / sizeof opnames[0] ? opnames[t->op] : "operator";
+  }
+}
+
+static int expect_op(parser *P, uint8_t op, const char *what) {
+  if (is_op(cur(P), op)) {
+    advance(P);
+    return 0;
+  }
+  char buf[80];
+  return pfail(P, cur(P)->pos, MR_EFORMAT, "expected '%s', got '%s'", what,
+               describe(cur(P), buf, sizeof buf));
+}
+
+static int expect_kind(parser *P, uint8_t kind, const char *what) {
+  if (cur(P)->kind == kind) {
+    advance(P);
+    return 0;
+  }
+  char buf[80];
+  return pfail(P, cur(P)->pos, MR_EFORMAT, "expected %s, got '%s'", what,
+               describe(cur(P), buf, sizeof buf));
+}
+
+/* ---- nodes ------------------------------------------------------------------------- */
+
+static gc__tmpl_node *node(parser *P, uint8_t kind, size_t pos) {
+  gc__tmpl_node *n = gc__tmpl_alloc(&P->t->heap, sizeof *n);
+  if (!n) return NULL;
+  memset(n, 0, sizeof *n);
+  n->kind = kind;
+  n->pos = (uint32_t)pos;
+  return n;
+}
+
+/* A growable list of child nodes on mr_malloc, frozen into the heap by freeze(). */
+typedef struct nodelist {
+  gc__tmpl_node **v;
+  uint32_t n, cap;
+} nodelist;
+
+static int nl_push(parser *P, nodelist *l, gc__tmpl_node *x) {
+  if (l->n == l->cap) {
+    uint32_t cap = l->cap ? l->cap * 2 : 8;
+    gc__tmpl_node **g = mr_realloc(l->v, cap * sizeof *g);
+    if (!g) return mr_err_set(P->e, MR_ENOMEM, "out of memory (tree)");
+    l->v = g, l->cap = cap;
+  }
+  l->v[l->n++] = x;
+  return 0;
+}
+
+static gc__tmpl_node **freeze(parser *P, nodelist *l) {
+  gc__tmpl_node **v = NULL;
+  if (l->n) {
+    v = gc__tmpl_alloc(&P->t->heap, l->n * sizeof *v);
+    if (v) memcpy(v, l->v, l->n * sizeof *v);
+  } else {
+    v = gc__tmpl_alloc(&P->t->heap, sizeof *v);
+  }
+  mr_free(l->v);
+  l->v = NULL;
+  return v;
+}
+
+#define ENTER(P, pos)                                                                  \
+  do {                                                                                 \
+    if (++(P)->depth > GC__TMPL_MAX_NEST)                                              \
+      return pfail((P), (pos), MR_ENOTSUP, "nesting deeper than %d levels",            \
+                   GC__TMPL_MAX_NEST);                                                 \
+  } while (0)
+#define LEAVE(P) ((P)->depth--)
+
+static int parse_expression(parser *P, bool condexpr, gc__tmpl_node **out);
+static int parse_tuple(parser *P, bool simplified, bool condexpr, const char *end_name,
+                       bool explicit_parens, bool with_ns, gc__tmpl_node **out);
+static int parse_unary(parser *P, bool with_filter, gc__tmpl_node **out);
+static int parse_primary(parser *P, bool with_ns, gc__tmpl_node **out);
+static int parse_postfix(parser *P, gc__tmpl_node **node);
+static int parse_filter_expr(parser *P, gc__tmpl_node **node);
+static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out);
+
+/* ---- expressions ----------------------------------------------------------------- */
+
+/* One left-associative binary level: operands from `sub`, operators recognized by
+ * `op_at` (it returns the node kind and sets *op, or returns 0). */
+typedef int (*level_fn)(parser *P, gc__tmpl_node **out);
+typedef uint8_t (*op_fn)(const gc__tmpl_tok *t, uint8_t *op);
+
+static int parse_level(parser *P, level_fn sub, op_fn op_at, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  int rc = sub(P, out);
+  while (!rc) {
+    uint8_t op = 0, kind = op_at(cur(P), &op);
+    if (!kind) break;
+    advance(P);
+    gc__tmpl_node *b = node(P, kind, pos);
+    if (!b) return P->e->code;
+    b->op = op;
+    b->a = *out;
+    rc = sub(P, &b->b);
+    *out = b;
+    pos = cur(P)->pos;
+  }
+  return rc;
+}
+
+static uint8_t op_or(const gc__tmpl_tok *t, uint8_t *op) { return is_name(t, "or") ? GC__TN_OR : 0; }
+static uint8_t op_and(const gc__tmpl_tok *t, uint8_t *op) { return is_name(t, "and") ? GC__TN_AND : 0; }
+static uint8_t op_math1(const gc__tmpl_tok *t, uint8_t *op) {
+  if (is_op(t, GC__TOP_ADD)) return *op = GC__TO_ADD, GC__TN_BIN;
+  if (is_op(t, GC__TOP_SUB)) return *op = GC__TO_SUB, GC__TN_BIN;
+  return 0;
+}
+static uint8_t op_math2(const gc__tmpl_tok *t, uint8_t *op) {
+  if (is_op(t, GC__TOP_MUL)) return *op = GC__TO_MUL, GC__TN_BIN;
+  if (is_op(t, GC__TOP_DIV)) return *op = GC__TO_DIV, GC__TN_BIN;
+  if (is_op(t, GC__TOP_FLOORDIV)) return *op = GC__TO_FLOORDIV, GC__TN_BIN;
+  if (is_op(t, GC__TOP_MOD)) return *op = GC__TO_MOD, GC__TN_BIN;
+  return 0;
+}
+static uint8_t op_pow(const gc__tmpl_tok *t, uint8_t *op) {
+  return is_op(t, GC__TOP_POW) ? (*op = GC__TO_POW, GC__TN_BIN) : 0;
+}
+
+static int parse_not(parser *P, gc__tmpl_node **out);
+static int parse_compare(parser *P, gc__tmpl_node **out);
+static int parse_concat(parser *P, gc__tmpl_node **out);
+static int unary_filtered(parser *P, gc__tmpl_node **out) { return parse_unary(P, true, out); }
+static int parse_pow(parser *P, gc__tmpl_node **out) { return parse_level(P, unary_filtered, op_pow, out); }
+static int parse_math2(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_pow, op_math2, out); }
+static int parse_math1(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_concat, op_math1, out); }
+static int parse_and(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_not, op_and, out); }
+static int parse_or(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_and, op_or, out); }
+
+static int parse_condexpr(parser *P, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  int rc = parse_or(P, out);
+  while (!rc && is_name(cur(P), "if")) {
+    advance(P);
+    gc__tmpl_node *c = node(P, GC__TN_COND, pos), *test = NULL, *other = NULL;
+    if (!c) return P->e->code;
+    if ((rc = parse_or(P, &test))) return rc;
+    if (is_name(cur(P), "else")) {
+      advance(P);
+      ENTER(P, cur(P)->pos);
+      rc = parse_condexpr(P, &other);
+      LEAVE(P);
+      if (rc) return rc;
+    }
+    c->a = test, c->b = *out, c->c = other;
+    *out = c;
+    pos = cur(P)->pos;
+  }
+  return rc;
+}
+
+static int parse_expression(parser *P, bool condexpr, gc__tmpl_node **out) {
+  ENTER(P, cur(P)->pos);
+  int rc = condexpr ? parse_condexpr(P, out) : parse_or(P, out);
+  LEAVE(P);
+  return rc;
+}
+
+static int parse_not(parser *P, gc__tmpl_node **out) {
+  if (is_name(cur(P), "not")) {
+    size_t pos = advance(P)->pos;
+    gc__tmpl_node *n = node(P, GC__TN_NOT, pos);
+    if (!n) return P->e->code;
+    ENTER(P, pos);
+    int rc = parse_not(P, &n->a);
+    LEAVE(P);
+    *out = n;
+    return rc;
+  }
+  return parse_compare(P, out);
+}
+
+static int parse_compare(parser *P, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  int rc = parse_math1(P, out);
+  if (rc) return rc;
+  nodelist kids = {0};
+  uint8_t ops[64];
+  for (;;) {
+    const gc__tmpl_tok *t = cur(P);
+    uint8_t op = 0;
+    if (t->kind == GC__TK_OP) {
+      switch (t->op) {
+      case GC__TOP_EQ: op = GC__TO_EQ; break;
+      case GC__TOP_NE: op = GC__TO_NE; break;
+      case GC__TOP_LT: op = GC__TO_LT; break;
+      case GC__TOP_LTEQ: op = GC__TO_LE; break;
+      case GC__TOP_GT: op = GC__TO_GT; break;
+      case GC__TOP_GTEQ: op = GC__TO_GE; break;
+      }
+      if (op) advance(P);
+    } else if (is_name(t, "in")) {
+      op = GC__TO_IN;
+      advance(P);
+    } else if (is_name(t, "not") && is_name(peek(P), "in")) {
+      op = GC__TO_NOTIN;
+      advance(P), advance(P);
+    }
+    if (!op) break;
+    if (kids.n == sizeof ops) {
+      mr_free(kids.v);
+      return pfail(P, t->pos, MR_ENOTSUP, "more than %zu chained comparisons", sizeof ops);
+    }
+    gc__tmpl_node *x = NULL;
+    if ((rc = parse_math1(P, &x)) || (rc = nl_push(P, &kids, x))) {
+      mr_free(kids.v);
+      return rc;
+    }
+    ops[kids.n - 1] = op;
+  }
+  if (kids.n == 0) return 0;
+  gc__tmpl_node *c = node(P, GC__TN_COMPARE, pos);
+  if (!c) {
+    mr_free(kids.v);
+    return P->e->code;
+  }
+  c->a = *out;
+  c->n = kids.n;
+  c->kids = freeze(P, &kids);
+  c->ops = gc__tmpl_alloc(&P->t->heap, c->n);
+  if (!c->kids || !c->ops) return P->e->code;
+  memcpy(c->ops, ops, c->n);
+  *out = c;
+  return 0;
+}
+
+static int parse_concat(parser *P, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  int rc = parse_math2(P, out);
+  if (rc || !is_op(cur(P), GC__TOP_TILDE)) return rc;
+  nodelist kids = {0};
+  if ((rc = nl_push(P, &kids, *out))) return rc;
+  while (is_op(cur(P), GC__TOP_TILDE)) {
+    advance(P);
+    gc__tmpl_node *x = NULL;
+    if ((rc = parse_math2(P, &x)) || (rc = nl_push(P, &kids, x))) {
+      mr_free(kids.v);
+      return rc;
+    }
+  }
+  gc__tmpl_node *c = node(P, GC__TN_CONCAT, pos);
+  if (!c) {
+    mr_free(kids.v);
+    return P->e->code;
+  }
+  c->n = kids.n;
+  c->kids = freeze(P, &kids);
+  *out = c;
+  return c->kids ? 0 : P->e->code;
+}
+
+static int parse_unary(parser *P, bool with_filter, gc__tmpl_node **out) {
+  const gc__tmpl_tok *t = cur(P);
+  int rc;
+  ENTER(P, t->pos);
+  if (is_op(t, GC__TOP_SUB) || is_op(t, GC__TOP_ADD)) {
+    advance(P);
+    gc__tmpl_node *n = node(P, t->op == GC__TOP_SUB ? GC__TN_NEG : GC__TN_POS, t->pos);
+    if (!n) return P->e->code;
+    if ((rc = parse_unary(P, false, &n->a))) return rc;
+    *out = n;
+  } else if ((rc = parse_primary(P, false, out))) {
+    return rc;
+  }
+  if ((rc = parse_postfix(P, out))) return rc;
+  if (with_filter) rc = parse_filter_expr(P, out);
+  LEAVE(P);
+  return rc;
+}
+
+static int parse_list_like(parser *P, uint8_t kind, uint8_t close, const char *what,
+                           gc__tmpl_node **out) {
+  size_t pos = advance(P)->pos;
+  nodelist kids = {0};
+  int rc = 0;
+  while (!is_op(cur(P), close)) {
+    if (kids.n && (rc = expect_op(P, GC__TOP_COMMA, ","))) break;
+    if (is_op(cur(P), close)) break;
+    gc__tmpl_node *k = NULL, *v = NULL;
+    if ((rc = parse_expression(P, true, &k))) break;
+    if ((rc = nl_push(P, &kids, k))) break;
+    if (kind == GC__TN_DICT) {
+      if ((rc = expect_op(P, GC__TOP_COLON, ":"))) break;
+      if ((rc = parse_expression(P, true, &v)) || (rc = nl_push(P, &kids, v))) break;
+    }
+  }
+  if (!rc) rc = expect_op(P, close, what);
+  if (rc) {
+    mr_free(kids.v);
+    return rc;
+  }
+  gc__tmpl_node *n = node(P, kind, pos);
+  if (!n) {
+    mr_free(kids.v);
+    return P->e->code;
+  }
+  n->n = kids.n;
+  n->kids = freeze(P, &kids);
+  *out = n;
+  return n->kids ? 0 : P->e->code;
+}
+
+static int parse_primary(parser *P, bool with_ns, gc__tmpl_node **out) {
+  const gc__tmpl_tok *t = cur(P);
+  gc__tmpl_node *n;
+  int rc;
+  switch (t->kind) {
+  case GC__TK_NAME:
+    advance(P);
+    if (is_name(t, "true") || is_name(t, "True") || is_name(t, "false") || is_name(t, "False")) {
+      if (!(n = node(P, GC__TN_CONST, t->pos))) return P->e->code;
+      n->val = gc__tmpl_bool(t->s.p[0] == 't' || t->s.p[0] == 'T');
+    } else if (is_name(t, "none") || is_name(t, "None")) {
+      if (!(n = node(P, GC__TN_CONST, t->pos))) return P->e->code;
+      n->val = gc__tmpl_none();
+    } else if (with_ns && is_op(cur(P), GC__TOP_DOT)) {
+      advance(P);
+      const gc__tmpl_tok *attr = cur(P);
+      if ((rc = expect_kind(P, GC__TK_NAME, "an attribute name"))) return rc;
+      gc__tmpl_node *nm = node(P, GC__TN_NAME, t->pos);
+      if (!(n = node(P, GC__TN_NSREF, t->pos)) || !nm) return P->e->code;
+      if ((rc = intern(P, t->s.p, t->s.n, &nm->id))) return rc;
+      n->a = nm;
+      n->val = gc__tmpl_strv(attr->s.p, attr->s.n);
+    } else {
+      if (!(n = node(P, GC__TN_NAME, t->pos))) return P->e->code;
+      if ((rc = intern(P, t->s.p, t->s.n, &n->id))) return rc;
+      if (P->macros && (is_name(t, "caller") || is_name(t, "varargs") || is_name(t, "kwargs")))
+        return pfail(P, t->pos, MR_ENOTSUP, "\"%.*s\" in a macro is not supported", (int)t->s.n,
+                     t->s.p);
+    }
+    *out = n;
+    return 0;
+  case GC__TK_STRING: {
+    /* Adjacent string literals are one string, as in Python. */
+    size_t total = 0, j = P->i;
+    while (P->tk[j].kind == GC__TK_STRING) total += P->tk[j++].val.u.s.n;
+    if (!(n = node(P, GC__TN_CONST, t->pos))) return P->e->code;
+    if (j == P->i + 1) {
+      n->val = t->val;
+      advance(P);
+    } else {
+      char *buf = gc__tmpl_alloc(&P->t->heap, total + 1);
+      if (!buf) return P->e->code;
+      size_t o = 0;
+      while (cur(P)->kind == GC__TK_STRING) {
+        const gc__tmpl_tok *s = advance(P);
+        memcpy(buf + o, s->val.u.s.p, s->val.u.s.n);
+        o += s->val.u.s.n;
+      }
+      n->val = gc__tmpl_strv(buf, o);
+    }
+    *out = n;
+    return 0;
+  }
+  case GC__TK_INT:
+  case GC__TK_FLOAT:
+    advance(P);
+    if (!(n = node(P, GC__TN_CONST, t->pos))) return P->e->code;
+    n->val = t->val;
+    *out = n;
+    return 0;
+  case GC__TK_OP:
+    if (t->op == GC__TOP_LPAREN) {
+      advance(P);
+      if ((rc = parse_tuple(P, false, true, NULL, true, false, out))) return rc;
+      return expect_op(P, GC__TOP_RPAREN, ")");
+    }
+    if (t->op == GC__TOP_LBRACKET) return parse_list_like(P, GC__TN_LIST, GC__TOP_RBRACKET, "]", out);
+    if (t->op == GC__TOP_LBRACE) return parse_list_like(P, GC__TN_DICT, GC__TOP_RBRACE, "}", out);
+    /* fall through */
+  default: {
+    char buf[80];
+    return pfail(P, t->pos, MR_EFORMAT, "unexpected '%s'", describe(t, buf, sizeof buf));
+  }
+  }
+}
+
+static bool tuple_end(const parser *P, const char *end_name) {
+  const gc__tmpl_tok *t = cur(P);
+  if (t->kind == GC__TK_VAR_END || t->kind == GC__TK_BLOCK_END || is_op(t, GC__TOP_RPAREN))
+    return true;
+  return end_name && is_name(t, end_name);
+}
+
+/* jinja2's parse_tuple: one expression, or a tuple when commas separate several. */
+static int parse_tuple(parser *P, bool simplified, bool condexpr, const char *end_name,
+                       bool explicit_parens, bool with_ns, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  nodelist items = {0};
+  bool is_tuple = false;
+  int rc = 0;
+  for (;;) {
+    if (items.n && (rc = expect_op(P, GC__TOP_COMMA, ","))) break;
+    if (tuple_end(P, end_name)) break;
+    gc__tmpl_node *x = NULL;
+    if (simplified) {
+      rc = parse_primary(P, with_ns, &x);
+    } else {
+      rc = parse_expression(P, condexpr, &x);
+    }
+    if (rc || (rc = nl_push(P, &items, x))) break;
+    if (is_op(cur(P), GC__TOP_COMMA))
+      is_tuple = true;
+    else
+      break;
+  }
+  if (rc) {
+    mr_free(items.v);
+    return rc;
+  }
+  if (!is_tuple) {
+    if (items.n) {
+      *out = items.v[0];
+      mr_free(items.v);
+      return 0;
+    }
+    if (!explicit_parens) {
+      char buf[80];
+      return pfail(P, cur(P)->pos, MR_EFORMAT, "expected an expression, got '%s'",
+                   describe(cur(P), buf, sizeof buf));
+    }
+  }
+  gc__tmpl_node *n = node(P, GC__TN_TUPLE, pos);
+  if (!n) {
+    mr_free(items.v);
+    return P->e->code;
+  }
+  n->n = items.n;
+  n->kids = freeze(P, &items);
+  *out = n;
+  return n->kids ? 0 : P->e->code;
+}
+
+/* ( args ) into n->kids / kw / kwv. */
+static int parse_call_args(parser *P, gc__tmpl_node *n) {
+  size_t pos = cur(P)->pos;
+  int rc = expect_op(P, GC__TOP_LPAREN, "(");
+  if (rc) return rc;
+  nodelist args = {0}, kwv = {0};
+  gc__tmpl_str kw[32];
+  bool need_comma = false;
+  while (!is_op(cur(P), GC__TOP_RPAREN)) {
+    if (need_comma) {
+      if ((rc = expect_op(P, GC__TOP_COMMA, ","))) goto out;
+      if (is_op(cur(P), GC__TOP_RPAREN)) break;
+    }
+    const gc__tmpl_tok *t = cur(P);
+    if (is_op(t, GC__TOP_MUL) || is_op(t, GC__TOP_POW)) {
+      rc = pfail(P, t->pos, MR_ENOTSUP, "\"%s\" arguments are not supported",
+                 t->op == GC__TOP_MUL ? "*args" : "**kwargs");
+      goto out;
+    }
+    gc__tmpl_node *x = NULL;
+    if (t->kind == GC__TK_NAME && is_op(peek(P), GC__TOP_ASSIGN)) {
+      if (kwv.n == sizeof kw / sizeof kw[0]) {
+        rc = pfail(P, t->pos, MR_ENOTSUP, "more than %zu keyword arguments",
+                   sizeof kw / sizeof kw[0]);
+        goto out;
+      }
+      for (uint32_t k = 0; k < kwv.n; k++)
+        if (kw[k].n == t->s.n && memcmp(kw[k].p, t->s.p, t->s.n) == 0) {
+          rc = pfail(P, t->pos, MR_EFORMAT, "keyword argument repeated: %.*s", (int)t->s.n, t->s.p);
+          goto out;
+        }
+      kw[kwv.n] = t->s;
+      advance(P), advance(P);
+      if ((rc = parse_expression(P, true, &x)) || (rc = nl_push(P, &kwv, x))) goto out;
+    } else {
+      if (kwv.n) {
+        rc = pfail(P, t->pos, MR_EFORMAT, "invalid syntax for function call expression "
+                   "(a positional argument after a keyword argument)");
+        goto out;
+      }
+      if ((rc = parse_expression(P, true, &x)) || (rc = nl_push(P, &args, x))) goto out;
+    }
+    need_comma = true;
+  }
+  if ((rc = expect_op(P, GC__TOP_RPAREN, ")"))) goto out;
+  (void)pos;
+  n->n = args.n;
+  n->kids = freeze(P, &args);
+  n->nkw = kwv.n;
+  n->kwv = freeze(P, &kwv);
+  n->kw = gc__tmpl_alloc(&P->t->heap, (n->nkw ? n->nkw : 1) * sizeof *n->kw);
+  if (!n->kids || !n->kwv || !n->kw) return P->e->code;
+  memcpy(n->kw, kw, n->nkw * sizeof *kw);
+  return 0;
+out:
+  mr_free(args.v);
+  mr_free(kwv.v);
+  return rc;
+}
+
+static bool str_is(const gc__tmpl_str *s, const char *lit) {
+  size_t n = strlen(lit);
+  return s->n == n && memcmp(s->p, lit, n) == 0;
+}
+
+static int parse_call(parser *P, gc__tmpl_node **node_) {
+  gc__tmpl_node *callee = *node_;
+  gc__tmpl_node *n = node(P, GC__TN_CALL, cur(P)->pos);
+  if (!n) return P->e->code;
+  n->a = callee;
+  /* What may be called: a global function, a macro of this template, a method of the
+   * subset. Anything else would be an expression's result or a context value, which
+   * cannot be callable here. */
+  if (callee->kind == GC__TN_NAME) {
+    const gc__tmpl_str *nm = &P->names[callee->id];
+    if (!P->is_macro[callee->id] && !gc__tmpl_func_id(nm->p, nm->n)) {
+      if (str_is(nm, "caller") || str_is(nm, "super") || str_is(nm, "self") ||
+          str_is(nm, "lipsum") || str_is(nm, "cycler") || str_is(nm, "joiner"))
+        return pfail(P, callee->pos, MR_ENOTSUP, "\"%.*s()\" is not supported", (int)nm->n, nm->p);
+      return pfail(P, callee->pos, MR_ENOTSUP,
+                   "function \"%.*s\" is not supported (not a macro of this template)",
+                   (int)(nm->n > 60 ? 60 : nm->n), nm->p);
+    }
+  } else if (callee->kind == GC__TN_GETATTR) {
+    const gc__tmpl_str *nm = &callee->val.u.s;
+    if (!gc__tmpl_method_known(nm->p, nm->n))
+      return pfail(P, callee->pos, MR_ENOTSUP, "method \"%.*s\" is not supported",
+                   (int)(nm->n > 60 ? 60 : nm->n), nm->p);
+  } else {
+    return pfail(P, n->pos, MR_ENOTSUP,
+                 "calling the result of an expression is not supported");
+  }
+  int rc = parse_call_args(P, n);
+  if (rc) return rc;
+  *node_ = n;
+  return 0;
+}
+
+static int parse_subscribed(parser *P, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  gc__tmpl_node *parts[3] = {NULL, NULL, NULL};
+  int rc;
+  if (is_op(cur(P), GC__TOP_COLON)) {
+    advance(P);
+  } else {
+    if ((rc = parse_expression(P, true, &parts[0]))) return rc;
+    if (!is_op(cur(P), GC__TOP_COLON)) {
+      *out = parts[0];
+      return 0;
+    }
+    advance(P);
+  }
+  if (!is_op(cur(P), GC__TOP_COLON) && !is_op(cur(P), GC__TOP_RBRACKET) &&
+      !is_op(cur(P), GC__TOP_COMMA)) {
+    if ((rc = parse_expression(P, true, &parts[1]))) return rc;
+  }
+  if (is_op(cur(P), GC__TOP_COLON)) {
+    advance(P);
+    if (!is_op(cur(P), GC__TOP_RBRACKET) && !is_op(cur(P), GC__TOP_COMMA))
+      if ((rc = parse_expression(P, true, &parts[2]))) return rc;
+  }
+  gc__tmpl_node *s = node(P, GC__TN_SLICE, pos);
+  if (!s) return P->e->code;
+  s->a = parts[0], s->b = parts[1], s->c = parts[2];
+  *out = s;
+  return 0;
+}
+
+static int parse_subscript(parser *P, gc__tmpl_node **node_) {
+  const gc__tmpl_tok *t = advance(P);
+  int rc;
+  if (t->kind == GC__TK_OP && t->op == GC__TOP_DOT) {
+    const gc__tmpl_tok *a = advance(P);
+    if (a->kind == GC__TK_NAME) {
+      gc__tmpl_node *n = node(P, GC__TN_GETATTR, t->pos);
+      if (!n) return P->e->code;
+      n->a = *node_;
+      n->val = gc__tmpl_strv(a->s.p, a->s.n);
+      *node_ = n;
+      return 0;
+    }
+    if (a->kind != GC__TK_INT) return pfail(P, a->pos, MR_EFORMAT, "expected name or number");
+    gc__tmpl_node *n = node(P, GC__TN_GETITEM, t->pos), *k = node(P, GC__TN_CONST, a->pos);
+    if (!n || !k) return P->e->code;
+    k->val = a->val;
+    n->a = *node_, n->b = k;
+    *node_ = n;
+    return 0;
+  }
+  /* [ key ] or [ a, b ] (a tuple key) or slices */
+  nodelist args = {0};
+  rc = 0;
+  while (!is_op(cur(P), GC__TOP_RBRACKET)) {
+    if (args.n && (rc = expect_op(P, GC__TOP_COMMA, ","))) break;
+    gc__tmpl_node *x = NULL;
+    if ((rc = parse_subscribed(P, &x)) || (rc = nl_push(P, &args, x))) break;
+  }
+  if (!rc) rc = expect_op(P, GC__TOP_RBRACKET, "]");
+  if (!rc && args.n == 0) rc = pfail(P, t->pos, MR_EFORMAT, "expected subscript expression");
+  if (rc) {
+    mr_free(args.v);
+    return rc;
+  }
+  gc__tmpl_node *n = node(P, GC__TN_GETITEM, t->pos);
+  if (!n) {
+    mr_free(args.v);
+    return P->e->code;
+  }
+  n->a = *node_;
+  if (args.n == 1) {
+    n->b = args.v[0];
+    mr_free(args.v);
+  } else {
+    gc__tmpl_node *tup = node(P, GC__TN_TUPLE, t->pos);
+    if (!tup) {
+      mr_free(args.v);
+      return P->e->code;
+    }
+    tup->n = args.n;
+    tup->kids = freeze(P, &args);
+    if (!tup->kids) return P->e->code;
+    for (uint32_t k = 0; k < tup->n; k++)
+      if (tup->kids[k]->kind == GC__TN_SLICE)
+        return pfail(P, tup->kids[k]->pos, MR_ENOTSUP, "multi-dimensional slices are not supported");
+    n->b = tup;
+  }
+  *node_ = n;
+  return 0;
+}
+
+static int parse_postfix(parser *P, gc__tmpl_node **node_) {
+  for (;;) {
+    const gc__tmpl_tok *t = cur(P);
+    int rc;
+    if (is_op(t, GC__TOP_DOT) || is_op(t, GC__TOP_LBRACKET))
+      rc = parse_subscript(P, node_);
+    else if (is_op(t, GC__TOP_LPAREN))
+      rc = parse_call(P, node_);
+    else
+      return 0;
+    if (rc) return rc;
+  }
+}
+
+/* A constant test or filter name given to select / reject / selectattr / rejectattr / map
+ * is checked now; a computed one is checked when called. */
+static int check_name_arg(parser *P, gc__tmpl_node *f) {
+  uint32_t k;
+  bool test;
+  switch (f->fn) {
+  case GC__TFL_SELECT:
+  case GC__TFL_REJECT: k = 0, test = true; break;
+  case GC__TFL_SELECTATTR:
+  case GC__TFL_REJECTATTR: k = 1, test = true; break;
+  case GC__TFL_MAP: k = 0, test = false; break;
+  default: return 0;
+  }
+  if (f->fn == GC__TFL_MAP)
+    for (uint32_t j = 0; j < f->nkw; j++)
+      if (str_is(&f->kw[j], "attribute")) return 0;
+  if (k >= f->n || f->kids[k]->kind != GC__TN_CONST || f->kids[k]->val.kind != GC__TV_STR) return 0;
+  const gc__tmpl_str *s = &f->kids[k]->val.u.s;
+  bool ok = test ? gc__tmpl_test_id(s->p, s->n) != 0 : gc__tmpl_filter_id(s->p, s->n) != 0;
+  if (ok) return 0;
+  return pfail(P, f->kids[k]->pos, MR_ENOTSUP, "%s \"%.*s\" is not supported",
+               test ? "test" : "filter", (int)(s->n > 60 ? 60 : s->n), s->p);
+}
+
+static int parse_filter(parser *P, gc__tmpl_node **node_) {
+  while (is_op(cur(P), GC__TOP_PIPE)) {
+    advance(P);
+    const gc__tmpl_tok *t = cur(P);
+    int rc = expect_kind(P, GC__TK_NAME, "a filter name");
+    if (rc) return rc;
+    if (is_op(cur(P), GC__TOP_DOT))
+      return pfail(P, t->pos, MR_ENOTSUP, "dotted filter names are not supported");
+    uint16_t id = gc__tmpl_filter_id(t->s.p, t->s.n);
+    if (!id)
+      return pfail(P, t->pos, MR_ENOTSUP, "filter \"%.*s\" is not supported",
+                   (int)(t->s.n > 60 ? 60 : t->s.n), t->s.p);
+    gc__tmpl_node *f = node(P, GC__TN_FILTER, t->pos);
+    if (!f) return P->e->code;
+    f->fn = id;
+    f->a = *node_;
+    if (is_op(cur(P), GC__TOP_LPAREN)) {
+      if ((rc = parse_call_args(P, f))) return rc;
+    } else {
+      f->kids = NULL, f->n = 0;
+    }
+    if ((rc = check_name_arg(P, f))) return rc;
+    *node_ = f;
+  }
+  return 0;
+}
+
+static int parse_test(parser *P, gc__tmpl_node **node_) {
+  size_t pos = advance(P)->pos; /* "is" */
+  bool negated = false;
+  int rc;
+  if (is_name(cur(P), "not")) {
+    advance(P);
+    negated = true;
+  }
+  const gc__tmpl_tok *t = cur(P);
+  if ((rc = expect_kind(P, GC__TK_NAME, "a test name"))) return rc;
+  if (is_op(cur(P), GC__TOP_DOT))
+    return pfail(P, t->pos, MR_ENOTSUP, "dotted test names are not supported");
+  uint16_t id = gc__tmpl_test_id(t->s.p, t->s.n);
+  if (!id)
+    return pfail(P, t->pos, MR_ENOTSUP, "test \"%.*s\" is not supported",
+                 (int)(t->s.n > 60 ? 60 : t->s.n), t->s.p);
+  gc__tmpl_node *n = node(P, GC__TN_TEST, pos);
+  if (!n) return P->e->code;
+  n->fn = id;
+  n->a = *node_;
+  const gc__tmpl_tok *c = cur(P);
+  if (is_op(c, GC__TOP_LPAREN)) {
+    if ((rc = parse_call_args(P, n))) return rc;
+  } else if ((c->kind == GC__TK_NAME || c->kind == GC__TK_STRING || c->kind == GC__TK_INT ||
+              c->kind == GC__TK_FLOAT || is_op(c, GC__TOP_LBRACKET) ||
+              is_op(c, GC__TOP_LBRACE)) &&
+             !is_name(c, "else") && !is_name(c, "or") && !is_name(c, "and")) {
+    if (is_name(c, "is")) return pfail(P, c->pos, MR_EFORMAT, "you cannot chain multiple tests with is");
+    gc__tmpl_node *arg = NULL;
+    if ((rc = parse_primary(P, false, &arg)) || (rc = parse_postfix(P, &arg))) return rc;
+    n->kids = gc__tmpl_alloc(&P->t->heap, sizeof *n->kids);
+    if (!n->kids) return P->e->code;
+    n->kids[0] = arg;
+    n->n = 1;
+  }
+  if (negated) {
+    gc__tmpl_node *x = node(P, GC__TN_NOT, pos);
+    if (!x) return P->e->code;
+    x->a = n;
+    n = x;
+  }
+  *node_ = n;
+  return 0;
+}
+
+static int parse_filter_expr(parser *P, gc__tmpl_node **node_) {
+  for (;;) {
+    const gc__tmpl_tok *t = cur(P);
+    int rc;
+    if (is_op(t, GC__TOP_PIPE))
+      rc = parse_filter(P, node_);
+    else if (is_name(t, "is"))
+      rc = parse_test(P, node_);
+    else if (is_op(t, GC__TOP_LPAREN))
+      rc = parse_call(P, node_);
+    else
+      return 0;
+    if (rc) return rc;
+  }
+}
+
+/* ---- statements ------------------------------------------------------------------ */
+
+/* Skips an optional colon, expects the tag's end and parses the body up to one of ends
+ * (left as the current token). */
+static int parse_statements(parser *P, const char *const *ends, gc__tmpl_node **out) {
+  if (is_op(cur(P), GC__TOP_COLON)) advance(P);
+  int rc = expect_kind(P, GC__TK_BLOCK_END, "end of statement block");
+  if (rc) return rc;
+  return subparse(P, ends, out);
+}
+
+static int drop_end(parser *P) {
+  advance(P); /* the end name; the caller's subparse expects the block end */
+  return 0;
+}
+
+/* for / set targets: a name, or a flat tuple of names (NSREF too where with_ns). */
+static int check_target(parser *P, gc__tmpl_node *t, bool with_ns) {
+  if (t->kind == GC__TN_NAME) return 0;
+  if (t->kind == GC__TN_NSREF && with_ns) return 0;
+  if (t->kind == GC__TN_TUPLE) {
+    for (uint32_t k = 0; k < t->n; k++) {
+      if (t->kids[k]->kind == GC__TN_TUPLE)
+        return pfail(P, t->kids[k]->pos, MR_ENOTSUP, "nested tuple targets are not supported");
+      if (t->kids[k]->kind != GC__TN_NAME)
+        return pfail(P, t->kids[k]->pos, MR_EFORMAT, "can't assign to this expression");
+    }
+    return 0;
+  }
+  return pfail(P, t->pos, MR_EFORMAT, "can't assign to this expression");
+}
+
+static int parse_for(parser *P, size_t pos, gc__tmpl_node **out) {
+  static const char *const ends_body[] = {"endfor", "else", NULL};
+  static const char *const ends_else[] = {"endfor", NULL};
+  gc__tmpl_node *n = node(P, GC__TN_FOR, pos);
+  if (!n) return P->e->code;
+  int rc;
+  if ((rc = parse_tuple(P, true, true, "in", false, false, &n->a))) return rc;
+  if ((rc = check_target(P, n->a, false))) return rc;
+  if (!is_name(cur(P), "in")) return pfail(P, cur(P)->pos, MR_EFORMAT, "expected 'in'");
+  advance(P);
+  if ((rc = parse_tuple(P, false, false, "recursive", false, false, &n->b))) return rc;
+  if (is_name(cur(P), "if")) {
+    advance(P);
+    if ((rc = parse_expression(P, true, &n->c))) return rc;
+  }
+  if (is_name(cur(P), "recursive"))
+    return pfail(P, cur(P)->pos, MR_ENOTSUP, "\"recursive\" loops are not supported");
+  P->loops++, P->closures++;
+  rc = parse_statements(P, ends_body, &n->d);
+  P->loops--, P->closures--;
+  if (rc) return rc;
+  if (is_name(advance(P), "else")) {
+    if ((rc = parse_statements(P, ends_else, &n->e))) return rc;
+    drop_end(P);
+  }
+  *out = n;
+  return 0;
+}
+
+static int parse_if(parser *P, size_t pos, gc__tmpl_node **out) {
+  static const char *const ends[] = {"elif", "else", "endif", NULL};
+  static const char *const ends_else[] = {"endif", NULL};
+  gc__tmpl_node *first = NULL, *n = NULL;
+  int rc;
+  for (;;) {
+    gc__tmpl_node *x = node(P, GC__TN_IF, pos);
+    if (!x) return P->e->code;
+    if (n)
+      n->c = x;
+    else
+      first = x;
+    n = x;
+    if ((rc = parse_tuple(P, false, false, NULL, false, false, &n->a))) return rc;
+    if ((rc = parse_statements(P, ends, &n->b))) return rc;
+    const gc__tmpl_tok *t = advance(P);
+    if (is_name(t, "elif")) {
+      pos = cur(P)->pos;
+      continue;
+    }
+    if (is_name(t, "else")) {
+      if ((rc = parse_statements(P, ends_else, &n->c))) return rc;
+      drop_end(P);
+    }
+    break;
+  }
+  *out = first;
+  return 0;
+}
+
+static int parse_set(parser *P, size_t pos, gc__tmpl_node **out) {
+  static const char *const ends[] = {"endset", NULL};
+  gc__tmpl_node *target = NULL;
+  int rc;
+  if ((rc = parse_tuple(P, true, true, NULL, false, true, &target))) return rc;
+  if ((rc = check_target(P, target, true))) return rc;
+  if (is_op(cur(P), GC__TOP_ASSIGN)) {
+    advance(P);
+    gc__tmpl_node *n = node(P, GC__TN_SET, pos);
+    if (!n) return P->e->code;
+    n->a = target;
+    if ((rc = parse_tuple(P, false, true, NULL, false, false, &n->b))) return rc;
+    *out = n;
+    return 0;
+  }
+  if (is_op(cur(P), GC__TOP_PIPE))
+    return pfail(P, cur(P)->pos, MR_ENOTSUP, "a filter on a {%% set %%} block is not supported");
+  if (target->kind == GC__TN_TUPLE)
+    return pfail(P, target->pos, MR_EFORMAT, "a {%% set %%} block assigns one name");
+  gc__tmpl_node *n = node(P, GC__TN_SETBLOCK, pos);
+  if (!n) return P->e->code;
+  n->a = target;
+  if ((rc = parse_statements(P, ends, &n->d))) return rc;
+  drop_end(P);
+  *out = n;
+  return 0;
+}
+
+static int parse_macro(parser *P, size_t pos, gc__tmpl_node **out) {
+  static const char *const ends[] = {"endmacro", NULL};
+  if (P->closures)
+    return pfail(P, pos, MR_ENOTSUP,
+                 "\"macro\" inside a for loop or another macro is not supported");
+  const gc__tmpl_tok *t = cur(P);
+  int rc;
+  if ((rc = expect_kind(P, GC__TK_NAME, "a macro name"))) return rc;
+  gc__tmpl_node *n = node(P, GC__TN_MACRO, pos);
+  if (!n) return P->e->code;
+  if ((rc = intern(P, t->s.p, t->s.n, &n->id))) return rc;
+  n->val = gc__tmpl_strv(t->s.p, t->s.n);
+  if ((rc = expect_op(P, GC__TOP_LPAREN, "("))) return rc;
+  nodelist params = {0}, defs = {0};
+  bool any_default = false;
+  while (!is_op(cur(P), GC__TOP_RPAREN)) {
+    if (params.n && (rc = expect_op(P, GC__TOP_COMMA, ","))) goto fail;
+    const gc__tmpl_tok *p = cur(P);
+    if ((rc = expect_kind(P, GC__TK_NAME, "a parameter name"))) goto fail;
+    gc__tmpl_node *pn = node(P, GC__TN_NAME, p->pos), *def = NULL;
+    if (!pn) {
+      rc = P->e->code;
+      goto fail;
+    }
+    if ((rc = intern(P, p->s.p, p->s.n, &pn->id))) goto fail;
+    if (is_op(cur(P), GC__TOP_ASSIGN)) {
+      advance(P);
+      if ((rc = parse_expression(P, true, &def))) goto fail;
+      any_default = true;
+    } else if (any_default) {
+      rc = pfail(P, p->pos, MR_EFORMAT, "non-default argument follows default argument");
+      goto fail;
+    }
+    if ((rc = nl_push(P, &params, pn)) || (rc = nl_push(P, &defs, def))) goto fail;
+  }
+  advance(P);
+  n->n = params.n;
+  n->kids = freeze(P, &params);
+  n->defs = freeze(P, &defs);
+  if (!n->kids || !n->defs) return P->e->code;
+  {
+    int loops = P->loops;
+    P->loops = 0, P->closures++, P->macros++;
+    rc = parse_statements(P, ends, &n->d);
+    P->loops = loops, P->closures--, P->macros--;
+  }
+  if (rc) return rc;
+  drop_end(P);
+  *out = n;
+  return 0;
+fail:
+  mr_free(params.v);
+  mr_free(defs.v);
+  return rc;
+}
+
+static int parse_statement(parser *P, gc__tmpl_node **out) {
+  static const char *const refused[] = {
+      "block", "extends", "include", "import", "from",  "with", "autoescape",
+      "call",  "filter",  "do",      "trans",  "debug", "pluralize"};
+  static const char *const ends_gen[] = {"endgeneration", NULL};
+  const gc__tmpl_tok *t = cur(P);
+  if (t->kind != GC__TK_NAME) return pfail(P, t->pos, MR_EFORMAT, "tag name expected");
+  size_t pos = t->pos;
+  int rc;
+  ENTER(P, pos);
+  if (is_name(t, "for")) {
+    advance(P);
+    rc = parse_for(P, pos, out);
+  } else if (is_name(t, "if")) {
+    advance(P);
+    rc = parse_if(P, pos, out);
+  } else if (is_name(t, "set")) {
+    advance(P);
+    rc = parse_set(P, pos, out);
+  } else if (is_name(t, "macro")) {
+    advance(P);
+    rc = parse_macro(P, pos, out);
+  } else if (is_name(t, "break") || is_name(t, "continue")) {
+    bool brk = is_name(t, "break");
+    advance(P);
+    if (!P->loops)
+      return pfail(P, pos, MR_EFORMAT, "'%s' outside loop", brk ? "break" : "continue");
+    rc = (*out = node(P, brk ? GC__TN_BREAK : GC__TN_CONTINUE, pos)) ? 0 : P->e->code;
+  } else if (is_name(t, "print")) {
+    advance(P);
+    nodelist items = {0};
+    rc = 0;
+    while (!rc && cur(P)->kind != GC__TK_BLOCK_END) {
+      gc__tmpl_node *x = NULL, *pr;
+      if (items.n && (rc = expect_op(P, GC__TOP_COMMA, ","))) break;
+      if ((rc = parse_expression(P, true, &x))) break;
+      if (!(pr = node(P, GC__TN_PRINT, x->pos))) {
+        rc = P->e->code;
+        break;
+      }
+      pr->a = x;
+      rc = nl_push(P, &items, pr);
+    }
+    gc__tmpl_node *body = rc ? NULL : node(P, GC__TN_BODY, pos);
+    if (body) {
+      body->n = items.n;
+      body->kids = freeze(P, &items);
+      *out = body;
+      if (!body->kids) rc = P->e->code;
+    } else {
+      mr_free(items.v);
+      if (!rc) rc = P->e->code;
+    }
+  } else if (is_name(t, "generation")) {
+    /* transformers' AssistantTracker: the body renders as it is. */
+    advance(P);
+    rc = parse_statements(P, ends_gen, out);
+    if (!rc) drop_end(P);
+  } else {
+    for (size_t k = 0; k < sizeof refused / sizeof refused[0]; k++)
+      if (is_name(t, refused[k]))
+        return pfail(P, pos, MR_ENOTSUP, "\"%s\" is not supported", refused[k]);
+    return pfail(P, pos, MR_EFORMAT, "unknown tag \"%.*s\"", (int)(t->s.n > 60 ? 60 : t->s.n),
+                 t->s.p);
+  }
+  LEAVE(P);
+  return rc;
+}
+
+static bool is_end(const gc__tmpl_tok *t, const char *const *ends) {
+  for (; ends && *ends; ends++)
+    if (is_name(t, *ends)) return true;
+  return false;
+}
+
+static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out) {
+  size_t pos = cur(P)->pos;
+  nodelist body = {0};
+  int rc = 0;
+  ENTER(P, pos);
+  for (;;) {
+    const gc__tmpl_tok *t = cur(P);
+    gc__tmpl_node *x = NULL;
+    if (t->kind == GC__TK_EOF) {
+      if (ends) {
+        rc = pfail(P, t->pos, MR_EFORMAT, "unexpected end of template, expected '%s'", ends[0]);
+      }
+      break;
+    }
+    if (t->kind == GC__TK_DATA) {
+      advance(P);
+      if (!(x = node(P, GC__TN_DATA, t->pos))) {
+        rc = P->e->code;
+        break;
+      }
+      x->val = gc__tmpl_strv(t->s.p, t->s.n);
+    } else if (t->kind == GC__TK_VAR_BEGIN) {
+      advance(P);
+      if (!(x = node(P, GC__TN_PRINT, t->pos))) {
+        rc = P->e->code;
+        break;
+      }
+      if ((rc = parse_tuple(P, false, true, NULL, false, false, &x->a))) break;
+      if ((rc = expect_kind(P, GC__TK_VAR_END, "end of print statement"))) break;
+    } else if (t->kind == GC__TK_BLOCK_BEGIN) {
+      advance(P);
+      if (is_end(cur(P), ends)) break;
+      const gc__tmpl_tok *name = cur(P);
+      if (name->kind == GC__TK_NAME && name->s.n > 3 && memcmp(name->s.p, "end", 3) == 0) {
+        rc = pfail(P, name->pos, MR_EFORMAT, "unexpected \"%.*s\"%s%s%s",
+                   (int)(name->s.n > 60 ? 60 : name->s.n), name->s.p,
+                   ends ? ", expected '" : "", ends ? ends[0] : "", ends ? "'" : "");
+        break;
+      }
+      if ((rc = parse_statement(P, &x))) break;
+      if ((rc = expect_kind(P, GC__TK_BLOCK_END, "end of statement block"))) break;
+    } else {
+      rc = pfail(P, t->pos, MR_EINTERNAL, "internal parsing error");
+      break;
+    }
+    if ((rc = nl_push(P, &body, x))) break;
+  }
+  LEAVE(P);
+  if (rc) {
+    mr_free(body.v);
+    return rc;
+  }
+  gc__tmpl_node *b = node(P, GC__TN_BODY, pos);
+  if (!b) {
+    mr_free(body.v);
+    return P->e->code;
+  }
+  b->n = body.n;
+  b->kids = freeze(P, &body);
+  *out = b;
+  return b->kids ? 0 : P->e->code;
+}
+
+int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e) {
+  parser P = {.t = t, .tk = toks, .n = n, .e = e};
+  int rc = 0;
+  /* The names every {% macro %} defines, so that calls of macros defined further down
+   * (from other macros) are known. */
+  for (size_t i = 0; i + 2 < n && !rc; i++)
+    if (toks[i].kind == GC__TK_BLOCK_BEGIN && is_name(&toks[i + 1], "macro") &&
+        toks[i + 2].kind == GC__TK_NAME) {
+      uint32_t id;
+      if (!(rc = intern(&P, toks[i + 2].s.p, toks[i + 2].s.n, &id))) P.is_macro[id] = 1;
+    }
+  if (!rc) rc = subparse(&P, NULL, &t->root);
+  if (!rc) {
+    t->nnames = P.nnames;
+    t->names = gc__tmpl_alloc(&t->heap, (P.nnames ? P.nnames : 1) * sizeof *t->names);
+    t->name_fn = gc__tmpl_alloc(&t->heap, (P.nnames ? P.nnames : 1) * sizeof *t->name_fn);
+    if (!t->names || !t->name_fn) {
+      rc = e->code;
+    } else {
+      t->loop_id = UINT32_MAX;
+      for (uint32_t i = 0; i < P.nnames; i++) {
+        t->names[i] = P.names[i];
+        t->name_fn[i] = gc__tmpl_func_id(P.names[i].p, P.names[i].n);
+        if (str_is(&P.names[i], "loop")) t->loop_id = i;
+      }
+    }
+  }
+  mr_free(P.names);
+  mr_free(P.slots);
+  mr_free(P.is_macro);
+  return rc;
+}
