@@ -162,7 +162,7 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tmpl_cli
 
 .SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration demo demo-multihost bench fuzz fuzz-check have-not clean help
@@ -336,6 +336,12 @@ fuzz-check: fuzz
 
 # The reference kernel on safetensors inputs, driven by tests/conformance/run.sh (PyTorch).
 $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+# The chat-template interpreter on a template file and a JSON context, driven by
+# tests/conformance/test_chat_template_jinja.py (transformers' jinja2 as the oracle).
+$(BUILD)/tests/tmpl_cli: $(BUILD)/obj/tests/conformance/tmpl_cli.o $(LIB_GC) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 

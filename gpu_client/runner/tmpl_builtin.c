@@ -77,6 +77,7 @@ static const named str_methods[] = {
     {"count", GC__TM_COUNT},           {"join", GC__TM_JOIN},
     {"splitlines", GC__TM_SPLITLINES}, {"isspace", GC__TM_ISSPACE},
     {"removeprefix", GC__TM_REMOVEPREFIX}, {"removesuffix", GC__TM_REMOVESUFFIX},
+    {"index", GC__TM_INDEX},
 };
 
 static const named dict_methods[] = {
@@ -86,16 +87,14 @@ static const named dict_methods[] = {
 /* Python's other attributes of these types: they exist (so `x.pop` is not undefined),
  * but calling them is outside the subset (jinja2's sandbox refuses those that mutate). */
 static const char *const str_others[] = {
-    "casefold", "center", "encode", "expandtabs", "format", "format_map", "index",
+    "casefold", "center", "encode", "expandtabs", "format", "format_map",
     "isalnum", "isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower",
     "isnumeric", "isprintable", "istitle", "isupper", "ljust", "maketrans", "partition",
     "rindex", "rjust", "rpartition", "swapcase", "translate", "zfill", NULL};
 static const char *const dict_others[] = {"clear", "copy", "fromkeys", "pop", "popitem",
                                           "setdefault", "update", NULL};
-static const char *const list_others[] = {"append", "clear", "copy", "count", "extend",
-                                          "index", "insert", "pop", "remove", "reverse",
-                                          "sort", NULL};
-static const char *const tuple_others[] = {"count", "index", NULL};
+static const char *const list_others[] = {"append", "clear", "copy", "extend", "insert",
+                                          "pop", "remove", "reverse", "sort", NULL};
 
 static bool eqn(const char *p, size_t n, const char *lit) {
   size_t k = strlen(lit);
@@ -134,11 +133,13 @@ uint16_t gc__tmpl_method_of(const gc__tmpl_val *self, const char *p, size_t n) {
   case GC__TV_DICT:
     if ((id = find_named(dict_methods, COUNT(dict_methods), p, n))) return id;
     return in_list(dict_others, p, n) ? GC__TM_OTHER : 0;
-  case GC__TV_LIST:
-    if (self->u.l->flavour == GC__TL_LIST) return in_list(list_others, p, n) ? GC__TM_OTHER : 0;
-    if (self->u.l->flavour == GC__TL_TUPLE || self->u.l->flavour == GC__TL_RANGE)
-      return in_list(tuple_others, p, n) ? GC__TM_OTHER : 0;
-    return 0;
+  case GC__TV_LIST: {
+    uint8_t fl = self->u.l->flavour;
+    if (fl != GC__TL_LIST && fl != GC__TL_TUPLE && fl != GC__TL_RANGE) return 0;
+    if (eqn(p, n, "count")) return GC__TM_COUNT;
+    if (eqn(p, n, "index")) return GC__TM_INDEX;
+    return fl == GC__TL_LIST && in_list(list_others, p, n) ? GC__TM_OTHER : 0;
+  }
   default:
     return 0;
   }
@@ -158,109 +159,82 @@ const char *gc__tmpl_test_name(uint16_t id) {
 
 /* ---- case mapping ---------------------------------------------------------------------- */
 
-/* Simple upper / lower case of a code point in the scripts handled (ASCII, Latin-1,
- * Latin Extended-A, Greek, Cyrillic, fullwidth Latin); others map to themselves. */
-static uint32_t to_lower1(uint32_t c) {
-  if (c < 0x80) return c >= 'A' && c <= 'Z' ? c + 32 : c;
-  if ((c >= 0xc0 && c <= 0xde && c != 0xd7)) return c + 32;
-  if (c >= 0x100 && c <= 0x17f) {
-    if (c == 0x130) return 'i';
-    if (c == 0x178) return 0xff;
-    if ((c >= 0x100 && c <= 0x137) || (c >= 0x14a && c <= 0x177)) return c | 1;
-    if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e)) return (c & 1) ? c + 1 : c;
-    return c;
-  }
-  if (c >= 0x391 && c <= 0x3a9 && c != 0x3a2) return c + 32;
-  if (c == 0x386) return 0x3ac;
-  if (c >= 0x388 && c <= 0x38a) return c + 37;
-  if (c == 0x38c) return 0x3cc;
-  if (c == 0x38e || c == 0x38f) return c + 63;
-  if (c >= 0x410 && c <= 0x42f) return c + 32;
-  if (c >= 0x400 && c <= 0x40f) return c + 80;
-  if ((c >= 0x460 && c <= 0x481) || (c >= 0x48a && c <= 0x4bf) || (c >= 0x4d0 && c <= 0x52f))
-    return c | 1;
-  if (c >= 0x4c1 && c <= 0x4ce) return (c & 1) ? c + 1 : c;
-  if (c == 0x4c0) return 0x4cf;
-  if (c >= 0xff21 && c <= 0xff3a) return c + 32;
-  return c;
+/* Python's lower_ucs4 for a capital sigma at cps[i]: final (ς) when a cased letter comes
+ * before it and none after it, case-ignorable characters skipped both ways. */
+static uint32_t sigma(const uint32_t *cps, size_t n, size_t i) {
+  size_t j = i;
+  while (j > 0 && gc__tmpl_uc_ignorable(cps[j - 1])) j--;
+  if (j == 0 || !gc__tmpl_uc_cased(cps[j - 1])) return 0x3c3;
+  j = i + 1;
+  while (j < n && gc__tmpl_uc_ignorable(cps[j])) j++;
+  return j == n || !gc__tmpl_uc_cased(cps[j]) ? 0x3c2 : 0x3c3;
 }
 
-static uint32_t to_upper1(uint32_t c) {
-  if (c < 0x80) return c >= 'a' && c <= 'z' ? c - 32 : c;
-  if (c >= 0xe0 && c <= 0xfe && c != 0xf7) return c - 32;
-  if (c == 0xff) return 0x178;
-  if (c == 0xb5) return 0x39c;
-  if (c >= 0x100 && c <= 0x17f) {
-    if (c == 0x131) return 'I';
-    if (c == 0x17f) return 'S';
-    if ((c >= 0x100 && c <= 0x137) || (c >= 0x14a && c <= 0x177)) return c & ~1u;
-    if ((c >= 0x139 && c <= 0x148) || (c >= 0x179 && c <= 0x17e)) return (c & 1) ? c : c - 1;
-    return c;
+/* Appends the mapping of cps[i] ('u', 'l' with the sigma rule, 't') to b at *o. */
+static void put_mapped(const uint32_t *cps, size_t n, size_t i, char how, char *b, size_t *o) {
+  uint32_t m[3];
+  size_t k;
+  if (how == 'l' && cps[i] == 0x3a3) {
+    m[0] = sigma(cps, n, i);
+    k = 1;
+  } else {
+    k = gc__tmpl_uc_map(cps[i], how, m);
   }
-  if (c >= 0x3b1 && c <= 0x3c9 && c != 0x3c2) return c - 32;
-  if (c == 0x3c2) return 0x3a3;
-  if (c == 0x3ac) return 0x386;
-  if (c >= 0x3ad && c <= 0x3af) return c - 37;
-  if (c == 0x3cc) return 0x38c;
-  if (c == 0x3cd || c == 0x3ce) return c - 63;
-  if (c >= 0x430 && c <= 0x44f) return c - 32;
-  if (c >= 0x450 && c <= 0x45f) return c - 80;
-  if ((c >= 0x460 && c <= 0x481) || (c >= 0x48a && c <= 0x4bf) || (c >= 0x4d0 && c <= 0x52f))
-    return c & ~1u;
-  if (c >= 0x4c1 && c <= 0x4ce) return (c & 1) ? c : c - 1;
-  if (c == 0x4cf) return 0x4c0;
-  if (c >= 0xff41 && c <= 0xff5a) return c - 32;
-  return c;
+  for (size_t j = 0; j < k; j++) *o += gc__tmpl_u8_put(m[j], b + *o);
 }
 
-static bool is_cased(uint32_t c) { return to_lower1(c) != c || to_upper1(c) != c || c == 0xdf; }
-
-/* Appends the mapping of c ('u' upper, 'l' lower) to out: Python's full mappings where
- * they differ from the simple ones (ß -> SS, İ -> i̇). */
-static size_t map_case(uint32_t c, char how, char *out) {
-  if (how == 'u' && c == 0xdf) return memcpy(out, "SS", 2), (size_t)2;
-  if (how == 'l' && c == 0x130) return memcpy(out, "i\xcc\x87", 3), (size_t)3;
-  return gc__tmpl_u8_put(how == 'u' ? to_upper1(c) : to_lower1(c), out);
+static bool title_sep(uint32_t c) {
+  return c == '-' || gc__tmpl_is_space(c) || c == '(' || c == '{' || c == '[' || c == '<';
 }
 
 int gc__tmpl_case(gc__tmpl_heap *h, gc__tmpl_str s, char how, gc__tmpl_val *out) {
-  /* A mapping grows a code point by at most 3 bytes (ß: 2 -> 2, İ: 2 -> 3). */
-  if (s.n > (SIZE_MAX - 1) / 3) return mr_err_set(h->e, MR_EEXHAUSTED, "string too long");
-  char *b = gc__tmpl_alloc(h, s.n * 3 / 2 + 8);
-  if (!b) return h->e->code;
-  size_t o = 0, idx = 0;
-  bool prev_cased = false, word_start = true;
-  for (size_t i = 0; i < s.n; idx++) {
-    uint32_t c;
-    size_t k = gc__tmpl_u8_next(s.p + i, s.n - i, &c);
-    char m;
+  /* Code points first: the sigma rule looks both ways. A mapping makes at most 3 code
+   * points of 4 bytes each out of one code point of at least 1 byte. */
+  size_t n = gc__tmpl_u8_count(s.p, s.n);
+  if (n > SIZE_MAX / 12 - 1) return mr_err_set(h->e, MR_EEXHAUSTED, "string too long");
+  uint32_t *cps = gc__tmpl_alloc(h, (n ? n : 1) * sizeof *cps);
+  uint8_t *raw = gc__tmpl_alloc(h, n ? n : 1); /* undecodable bytes stay as they are */
+  char *b = gc__tmpl_alloc(h, n * 12 + 1);
+  if (!cps || !raw || !b) return h->e->code;
+  for (size_t i = 0, k = 0; i < s.n; k++) {
+    size_t len = gc__tmpl_u8_next(s.p + i, s.n - i, &cps[k]);
+    raw[k] = len == 1 && cps[k] >= 0xdc80 && cps[k] <= 0xdcff;
+    i += len;
+  }
+  size_t o = 0;
+  bool prev_cased = false;
+  size_t word = 0, end = 0; /* 'T': the current item [word, end) of jinja2's split */
+  for (size_t i = 0; i < n; i++) {
+    if (raw[i]) {
+      b[o++] = (char)(cps[i] - 0xdc00);
+      continue;
+    }
     switch (how) {
     case 'u':
     case 'l':
-      m = how;
+      put_mapped(cps, n, i, how, b, &o);
       break;
-    case 'c': /* str.capitalize: the first character upper (title), the rest lower */
-      m = idx == 0 ? 'u' : 'l';
+    case 'c': /* str.capitalize: the first in title case, the rest lower */
+      put_mapped(cps, n, i, i == 0 ? 't' : 'l', b, &o);
       break;
-    case 't': /* str.title: upper after an uncased character, lower after a cased one */
-      m = prev_cased ? 'l' : 'u';
-      prev_cased = is_cased(c);
+    case 't': /* str.title: title case after an uncased character, lower after a cased */
+      put_mapped(cps, n, i, prev_cased ? 'l' : 't', b, &o);
+      prev_cased = gc__tmpl_uc_cased(cps[i]);
       break;
-    default: { /* jinja2's title filter: words split at [-\s({\[<]+ */
-      bool sep = c == '-' || gc__tmpl_is_space(c) || c == '(' || c == '{' || c == '[' || c == '<';
-      m = word_start && !sep ? 'u' : 'l';
-      word_start = sep;
+    default: {
+      /* jinja2's title filter: re.split(r"([-\s({\[<]+)") into words and separators,
+       * each item[0].upper() + item[1:].lower() (the sigma rule within item[1:]). */
+      if (i == 0 || title_sep(cps[i]) != title_sep(cps[i - 1])) {
+        word = end = i;
+        while (end < n && title_sep(cps[end]) == title_sep(cps[word])) end++;
+      }
+      if (i == word)
+        put_mapped(cps, n, i, 'u', b, &o);
+      else
+        put_mapped(cps + word + 1, end - word - 1, i - word - 1, 'l', b, &o);
       break;
     }
     }
-    if (c >= 0xdc80 && c <= 0xdcff && k == 1) { /* an undecodable byte stays as it is */
-      b[o++] = s.p[i];
-    } else if (s.n * 3 / 2 + 8 - o < 4) {
-      return mr_err_set(h->e, MR_EINTERNAL, "case mapping overflow");
-    } else {
-      o += map_case(c, m, b + o);
-    }
-    i += k;
   }
   b[o] = '\0';
   *out = gc__tmpl_strv(b, o);
@@ -597,14 +571,15 @@ static int attr_get(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
 /* ---- tests --------------------------------------------------------------------------- */
 
 static bool str_is_case(gc__tmpl_str s, bool upper) {
-  /* str.islower / isupper: some cased character, and none of the other case. */
+  /* str.islower / isupper: some cased character, and none of the other case (a character
+   * of the other case is one whose mapping to this case changes it). */
   bool cased = false;
   for (size_t i = 0; i < s.n;) {
-    uint32_t c;
+    uint32_t c, m[3];
     i += gc__tmpl_u8_next(s.p + i, s.n - i, &c);
-    if (!is_cased(c)) continue;
+    if (!gc__tmpl_uc_cased(c)) continue;
+    if (gc__tmpl_uc_map(c, upper ? 'u' : 'l', m) != 1 || m[0] != c) return false;
     cased = true;
-    if (upper ? to_upper1(c) != c : to_lower1(c) != c) return false;
   }
   return cased;
 }
@@ -643,8 +618,9 @@ int gc__tmpl_call_test(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, con
            (k == GC__TV_LIST && (v->u.l->flavour == GC__TL_LIST || v->u.l->flavour == GC__TL_TUPLE ||
                                  v->u.l->flavour == GC__TL_RANGE));
     return 0;
-  case GC__TT_CALLABLE:
-    *out = k == GC__TV_MACRO || k == GC__TV_FUNC || k == GC__TV_METHOD || k == GC__TV_LOOP;
+  case GC__TT_CALLABLE: /* Undefined has __call__ (it fails, but callable() is true) */
+    *out = k == GC__TV_MACRO || k == GC__TV_FUNC || k == GC__TV_METHOD || k == GC__TV_LOOP ||
+           k == GC__TV_UNDEF;
     return 0;
   case GC__TT_ESCAPED: *out = k == GC__TV_STR && (v->flags & GC__TVF_SAFE); return 0;
   case GC__TT_SAMEAS:
@@ -1078,6 +1054,8 @@ static int f_int(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
   int64_t i;
   double f;
   switch (v->kind) {
+  case GC__TV_UNDEF: /* Undefined.__int__ fails (not a TypeError the filter catches) */
+    return gc__tmpl_rt_undef(rt, n, v);
   case GC__TV_INT:
   case GC__TV_BOOL:
     *out = gc__tmpl_int(intval(v));
@@ -1115,6 +1093,7 @@ static int f_float(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *
   if ((rc = check_args(rt, n, args, "float", 1, names)) || (rc = arg(rt, n, args, 0, "default", &def)))
     return rc;
   double f;
+  if (v->kind == GC__TV_UNDEF) return gc__tmpl_rt_undef(rt, n, v); /* Undefined.__float__ */
   if (v->kind == GC__TV_FLOAT || v->kind == GC__TV_INT || v->kind == GC__TV_BOOL) {
     *out = gc__tmpl_float(v->kind == GC__TV_FLOAT ? v->u.f : (double)intval(v));
   } else if (v->kind == GC__TV_STR && parse_float_str(v->u.s, &f)) {
@@ -1146,8 +1125,13 @@ static int f_indent(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
     memset(sp, ' ', (size_t)w);
     ind = (gc__tmpl_str){sp, (size_t)w};
   }
-  if ((rc = str_of(rt, n, v, &s))) return rc;
-  /* s += "\n", then splitlines: the quirk jinja2 relies on. */
+  /* s += "\n" needs a str (an undefined or a number fails), then splitlines: the quirk
+   * jinja2 relies on. */
+  if (v->kind == GC__TV_UNDEF) return gc__tmpl_rt_undef(rt, n, v);
+  if (v->kind != GC__TV_STR)
+    return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "unsupported operand type(s) for +=: '%s' and 'str'",
+                            gc__tmpl_type_name(v));
+  s = v->u.s;
   gc__tmpl_val lines;
   char *sn = gc__tmpl_alloc(h, s.n + 2);
   if (!sn) return gc__tmpl_rt_locate(rt, n, h->e->code);
@@ -1268,8 +1252,8 @@ static int f_reverse(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
   return 0;
 }
 
-int gc__tmpl_call_filter(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
-                         const gc__tmpl_val *v, gc__tmpl_args *args, gc__tmpl_val *out) {
+static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
+                        const gc__tmpl_val *v, gc__tmpl_args *args, gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
   const gc__tmpl_val *a0 = NULL, *a1 = NULL, *a2 = NULL, *items;
   gc__tmpl_str s = {"", 0};
@@ -1316,6 +1300,7 @@ int gc__tmpl_call_filter(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
     if ((rc = check_args(rt, n, args, "first", 0, NULL))) return rc;
     if (v->kind == GC__TV_LIST && v->u.l->flavour == GC__TL_GEN) {
       gc__tmpl_list *l = v->u.l; /* next(): one item of the generator */
+      if (l->err && l->pos >= l->err_at) return gc__tmpl_rt_raise(rt, l->err_code, l->err);
       *out = l->pos < l->n ? l->v[l->pos++] : gc__tmpl_undef_hint("No first item, sequence was empty.");
       return 0;
     }
@@ -1460,6 +1445,24 @@ int gc__tmpl_call_filter(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   }
 }
 
+/* The generator filters of jinja2 (items, map, select, reject, selectattr, rejectattr,
+ * unique) run nothing until iterated: a failure here is kept in the generator and raised
+ * by whoever iterates it (an `if` over it, which only asks its truth, never fails).
+ * Limits and internal errors stay immediate. */
+int gc__tmpl_call_filter(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
+                         const gc__tmpl_val *v, gc__tmpl_args *args, gc__tmpl_val *out) {
+  bool lazy = fn == GC__TFL_ITEMS || fn == GC__TFL_MAP || fn == GC__TFL_SELECT ||
+              fn == GC__TFL_REJECT || fn == GC__TFL_SELECTATTR || fn == GC__TFL_REJECTATTR ||
+              fn == GC__TFL_UNIQUE;
+  int rc = filter_eager(rt, n, fn, v, args, out);
+  if (!lazy || rc >= 0 || rc == MR_EEXHAUSTED || rc == MR_ENOMEM || rc == MR_EINTERNAL) return rc;
+  int code;
+  const char *msg = gc__tmpl_rt_take_error(rt, &code);
+  if (!msg || make_gen(rt, NULL, 0, out)) return rc;
+  out->u.l->err = msg, out->u.l->err_code = code, out->u.l->err_at = 0;
+  return 0;
+}
+
 /* ---- methods -------------------------------------------------------------------------- */
 
 /* str.find / rfind / count need code point positions. */
@@ -1544,6 +1547,26 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
       break;
     }
   }
+  if (self->kind == GC__TV_LIST && (m->aux == GC__TM_COUNT || m->aux == GC__TM_INDEX)) {
+    /* list / tuple / range .count(x) and .index(x) */
+    const gc__tmpl_list *l = self->u.l;
+    if ((rc = check_args(rt, n, args, m->aux == GC__TM_COUNT ? "count" : "index", 1, NULL))) return rc;
+    if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "count / index need an argument");
+    int64_t c = 0;
+    for (size_t i = 0; i < l->n; i++)
+      if (gc__tmpl_eq(&l->v[i], &args->pos[0])) {
+        if (m->aux == GC__TM_INDEX) {
+          *out = gc__tmpl_int((int64_t)i);
+          return 0;
+        }
+        c++;
+      }
+    if (m->aux == GC__TM_INDEX)
+      return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "%s.index(x): x not in %s", gc__tmpl_type_name(self),
+                              gc__tmpl_type_name(self));
+    *out = gc__tmpl_int(c);
+    return 0;
+  }
   if (self->kind != GC__TV_STR) return gc__tmpl_rt_fail(rt, n, MR_EINTERNAL, "method of a '%s'", gc__tmpl_type_name(self));
   gc__tmpl_str s = self->u.s;
   switch (m->aux) {
@@ -1593,6 +1616,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
   case GC__TM_FIND:
   case GC__TM_RFIND:
+  case GC__TM_INDEX:
   case GC__TM_COUNT: {
     if ((rc = check_args(rt, n, args, "find / rfind / count", 1, NULL))) return rc;
     if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "find / count need an argument");
@@ -1613,7 +1637,8 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
       *out = gc__tmpl_int(c);
       return 0;
     }
-    const char *p = m->aux == GC__TM_FIND ? memfind(s.p, s.n, sub.p, sub.n) : memrfind(s.p, s.n, sub.p, sub.n);
+    const char *p = m->aux == GC__TM_RFIND ? memrfind(s.p, s.n, sub.p, sub.n) : memfind(s.p, s.n, sub.p, sub.n);
+    if (!p && m->aux == GC__TM_INDEX) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "substring not found");
     *out = gc__tmpl_int(p ? cp_index(s, p) : -1);
     return 0;
   }

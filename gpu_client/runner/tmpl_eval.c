@@ -83,6 +83,21 @@ int gc__tmpl_rt_undef(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_va
   return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "%s", msg);
 }
 
+const char *gc__tmpl_rt_take_error(gc__tmpl_rt *rt, int *code) {
+  char *msg = gc__tmpl_memdup(rt->h, rt->e->msg, strlen(rt->e->msg));
+  if (!msg) return NULL;
+  *code = rt->e->code;
+  mr_err_clear(rt->e);
+  rt->located = false;
+  return msg;
+}
+
+int gc__tmpl_rt_raise(gc__tmpl_rt *rt, int code, const char *msg) {
+  mr_err_set(rt->e, code, "%s", msg);
+  rt->located = true;
+  return code;
+}
+
 int gc__tmpl_rt_step(gc__tmpl_rt *rt, const gc__tmpl_node *n) {
   if (++rt->steps > rt->max_steps)
     return gc__tmpl_rt_fail(rt, n, MR_EEXHAUSTED,
@@ -219,8 +234,8 @@ int gc__tmpl_getattr(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
 
 /* Python's slice.indices(len) and the items it selects: start, step and count. */
 static int slice_indices(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val sl[3],
-                         int64_t len, int64_t *start, int64_t *step, int64_t *count,
-                         bool *bad_type) {
+                         int64_t len, int64_t *start, int64_t *stop, int64_t *step,
+                         int64_t *count, bool *bad_type) {
   int64_t v[3];
   bool given[3];
   *bad_type = false;
@@ -266,7 +281,7 @@ static int slice_indices(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
   int64_t c = 0;
   if (st > 0 && a < b) c = (b - a - 1) / st + 1;
   if (st < 0 && a > b) c = (a - b - 1) / (-st) + 1;
-  *start = a, *step = st, *count = c;
+  *start = a, *stop = b, *step = st, *count = c;
   return 0;
 }
 
@@ -293,11 +308,19 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
       (obj->kind == GC__TV_LIST && (obj->u.l->flavour == GC__TL_LIST ||
                                     obj->u.l->flavour == GC__TL_TUPLE ||
                                     obj->u.l->flavour == GC__TL_RANGE));
+  /* jinja2 compiles x[a:b] to Python's own subscription (not environment.getitem), so
+   * what cannot be sliced fails, it does not become undefined. */
   if (!subscriptable) {
-    *out = gc__tmpl_undef_hint("this object cannot be sliced");
-    return 0;
+    if (n->op) {
+      *out = gc__tmpl_undef_hint("this object cannot be sliced");
+      return 0;
+    }
+    if (obj->kind == GC__TV_DICT)
+      return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "unhashable type: 'slice'");
+    return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "'%s' object is not subscriptable",
+                            gc__tmpl_type_name(obj));
   }
-  int64_t len, start = 0, step = 1, count = 0;
+  int64_t len, start = 0, stop = 0, step = 1, count = 0;
   size_t *offs = NULL, nchars = 0;
   int rc;
   if (obj->kind == GC__TV_STR) {
@@ -307,11 +330,14 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
     len = (int64_t)obj->u.l->n;
   }
   bool bad;
-  if ((rc = slice_indices(rt, n, sl, len, &start, &step, &count, &bad))) return rc;
-  if (bad) {
+  if ((rc = slice_indices(rt, n, sl, len, &start, &stop, &step, &count, &bad))) return rc;
+  if (bad && n->op) {
     *out = gc__tmpl_undef_hint("slice indices must be integers or None");
     return 0;
   }
+  if (bad)
+    return gc__tmpl_rt_fail(rt, n, MR_EINVAL,
+                            "slice indices must be integers or None or have an __index__ method");
   if (obj->kind == GC__TV_STR) {
     if (step == 1) {
       size_t a = offs[start], b = offs[start + count];
@@ -342,8 +368,7 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
     gc__tmpl_list *r = out->u.l;
     r->step = l->step * step;
     r->start = l->start + start * l->step;
-    r->stop = r->start + count * r->step;
-    if (count == 0) r->stop = r->start;
+    r->stop = l->start + stop * l->step;
   }
   return 0;
 }
@@ -425,6 +450,7 @@ int gc__tmpl_iter(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v
   case GC__TV_LIST: {
     gc__tmpl_list *l = v->u.l;
     if (l->flavour == GC__TL_GEN) {
+      if (l->err) return gc__tmpl_rt_raise(rt, l->err_code, l->err);
       *items = l->v + l->pos, *count = l->n - l->pos;
       l->pos = l->n; /* used up */
       return 0;
@@ -474,13 +500,17 @@ int gc__tmpl_contains(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_va
   case GC__TV_LIST: {
     gc__tmpl_list *l = b->u.l;
     size_t from = l->flavour == GC__TL_GEN ? l->pos : 0;
-    for (size_t i = from; i < l->n; i++)
+    size_t to = l->flavour == GC__TL_GEN && l->err && l->err_at < l->n ? l->err_at : l->n;
+    for (size_t i = from; i < to; i++)
       if (gc__tmpl_eq(&l->v[i], a)) {
         *in = true;
         if (l->flavour == GC__TL_GEN) l->pos = i + 1; /* a generator is used up to it */
         return 0;
       }
-    if (l->flavour == GC__TL_GEN) l->pos = l->n;
+    if (l->flavour == GC__TL_GEN) {
+      l->pos = l->n;
+      if (l->err) return gc__tmpl_rt_raise(rt, l->err_code, l->err);
+    }
     return 0;
   }
   default:
@@ -1053,7 +1083,18 @@ static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   size_t count;
   int rc;
   if ((rc = eval(rt, n->b, f, &seq))) return rc;
-  if ((rc = gc__tmpl_iter(rt, n->b, &seq, &items, &count))) return rc;
+  /* A generator that fails at item k runs the body k times first (a break before it
+   * means no failure), as jinja2's lazy iteration does. */
+  const gc__tmpl_list *pending = NULL;
+  if (seq.kind == GC__TV_LIST && seq.u.l->flavour == GC__TL_GEN && seq.u.l->err) {
+    gc__tmpl_list *g = seq.u.l;
+    size_t to = g->err_at > g->pos ? g->err_at : g->pos;
+    items = g->v + g->pos, count = to - g->pos;
+    g->pos = g->n;
+    pending = g;
+  } else if ((rc = gc__tmpl_iter(rt, n->b, &seq, &items, &count))) {
+    return rc;
+  }
   frame *lf = frame_new(rt, f);
   if (!lf) return rt->e->code;
   if (n->c) {
@@ -1084,10 +1125,11 @@ static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
         (rc = frame_set(rt, lf, rt->t->loop_id, (gc__tmpl_val){.kind = GC__TV_LOOP, .u.loop = L})))
       return rc;
     rc = exec_node(rt, n->d, lf);
-    if (rc == CTL_BREAK) break;
+    if (rc == CTL_BREAK) return 0;
     if (rc == CTL_CONTINUE) continue;
     if (rc) return rc;
   }
+  if (pending) return gc__tmpl_rt_raise(rt, pending->err_code, pending->err);
   if (count == 0 && n->e) {
     frame *ef = frame_new(rt, f);
     if (!ef) return rt->e->code;

@@ -144,6 +144,12 @@ struct gc__tmpl_list {
   uint8_t flavour;           /* enum gc__tmpl_flavour */
   size_t pos;                /* GEN: items used up */
   int64_t start, stop, step; /* RANGE */
+  /* GEN: jinja2's generator filters fail lazily, when iterated: a failure met by the
+   * filter is kept here (message and code) and raised when a consumer reaches item
+   * err_at; err NULL = none. */
+  const char *err;
+  int err_code;
+  size_t err_at;
 };
 
 /* Insertion-ordered; keys compare with Python's equality (1 == 1.0 == True). */
@@ -239,6 +245,13 @@ size_t gc__tmpl_u8_count(const char *p, size_t n);
 size_t gc__tmpl_u8_put(uint32_t cp, char *out);
 /* Python's str.isspace() for one code point. */
 bool gc__tmpl_is_space(uint32_t cp);
+/* Python's Unicode database (tmpl_unicode.c, generated): the case mapping of c ('u'
+ * upper, 'l' lower, 't' title; 1 to 3 code points into out, their count returned), the
+ * Cased and Case_Ignorable properties, and str.isprintable(). */
+size_t gc__tmpl_uc_map(uint32_t c, char how, uint32_t out[3]);
+bool gc__tmpl_uc_cased(uint32_t c);
+bool gc__tmpl_uc_ignorable(uint32_t c);
+bool gc__tmpl_uc_printable(uint32_t c);
 /* True if the n bytes are valid UTF-8 (no surrogates), like Python's decoder. */
 bool gc__tmpl_u8_valid(const char *p, size_t n, size_t *bad_at);
 
@@ -263,7 +276,8 @@ enum gc__tmpl_node_kind {
   GC__TN_NAME,    /* id */
   GC__TN_NSREF,   /* a: NAME, val: attribute (only as a set target) */
   GC__TN_GETATTR, /* a: object, val: attribute name */
-  GC__TN_GETITEM, /* a: object, b: key or SLICE */
+  GC__TN_GETITEM, /* a: object, b: key or SLICE; op: 1 = a slice jinja2 folds at compile
+                    * time (its failures give undefined, not an error: tmpl_parse.c) */
   GC__TN_SLICE,   /* a, b, c: start, stop, step, each may be NULL */
   GC__TN_CALL,    /* a: callee; kids: positional; kw / kwv: keywords */
   GC__TN_FILTER,  /* fn: GC__TF_*; a: input; kids, kw / kwv */
@@ -290,7 +304,7 @@ enum gc__tmpl_op {
 
 struct gc__tmpl_node {
   uint8_t kind;  /* enum gc__tmpl_node_kind */
-  uint8_t op;    /* BIN: enum gc__tmpl_op; FOR: 1 if the body has break/continue */
+  uint8_t op;    /* BIN: enum gc__tmpl_op; GETITEM of a SLICE: 1 if jinja2 folds it */
   uint16_t fn;   /* FILTER: GC__TF_*, TEST: GC__TT_* */
   uint32_t pos;  /* byte offset of the construct in the normalized source */
   uint32_t id;   /* NAME, MACRO: the interned name (gc_tmpl.names) */
@@ -400,7 +414,7 @@ enum gc__tmpl_method {
   GC__TM_STARTSWITH, GC__TM_ENDSWITH, GC__TM_SPLIT, GC__TM_RSPLIT, GC__TM_STRIP,
   GC__TM_LSTRIP, GC__TM_RSTRIP, GC__TM_REPLACE, GC__TM_UPPER, GC__TM_LOWER, GC__TM_TITLE,
   GC__TM_CAPITALIZE, GC__TM_FIND, GC__TM_RFIND, GC__TM_COUNT, GC__TM_JOIN,
-  GC__TM_SPLITLINES, GC__TM_ISSPACE, GC__TM_REMOVEPREFIX, GC__TM_REMOVESUFFIX,
+  GC__TM_SPLITLINES, GC__TM_ISSPACE, GC__TM_REMOVEPREFIX, GC__TM_REMOVESUFFIX, GC__TM_INDEX,
   /* dict */
   GC__TM_GET, GC__TM_ITEMS, GC__TM_KEYS, GC__TM_VALUES,
   /* loop */
@@ -452,9 +466,15 @@ int gc__tmpl_getitem(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
                      const gc__tmpl_val *key, gc__tmpl_val *out);
 int gc__tmpl_getattr(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
                      const char *p, size_t len, gc__tmpl_val *out);
-/* The items of an iterable (a generator is used up), as Python's iter() sees them. */
+/* The items of an iterable (a generator is used up), as Python's iter() sees them; a
+ * generator with a kept failure raises it. */
 int gc__tmpl_iter(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                   const gc__tmpl_val **items, size_t *count);
+/* The failure just reported, taken out of the error record (copied to the heap) so that
+ * evaluation goes on; NULL if out of memory (the error then stays). And the raise of a
+ * kept failure, as it was. */
+const char *gc__tmpl_rt_take_error(gc__tmpl_rt *rt, int *code);
+int gc__tmpl_rt_raise(gc__tmpl_rt *rt, int code, const char *msg);
 /* `a in b`. */
 int gc__tmpl_contains(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *b,
                       const gc__tmpl_val *a, bool *in);
@@ -474,8 +494,7 @@ int gc__tmpl_strip(gc__tmpl_heap *h, gc__tmpl_str s, const gc__tmpl_str *chars, 
 int gc__tmpl_replace(gc__tmpl_heap *h, gc__tmpl_str s, gc__tmpl_str old, gc__tmpl_str new_,
                      int64_t count, gc__tmpl_val *out);
 /* upper / lower / capitalize / str.title() (how: 'u', 'l', 'c', 't') / jinja2's title
- * filter ('T'), with Python's case mapping for Latin, Greek and Cyrillic letters (others
- * are left as they are: a known difference, README). */
+ * filter ('T'), with Python's full case mappings and its final-sigma rule. */
 int gc__tmpl_case(gc__tmpl_heap *h, gc__tmpl_str s, char how, gc__tmpl_val *out);
 
 #endif /* GC_TMPL_INTERNAL_H */

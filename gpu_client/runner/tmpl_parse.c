@@ -207,6 +207,17 @@ static gc__tmpl_node **freeze(parser *P, nodelist *l) {
   } while (0)
 #define LEAVE(P) ((P)->depth--)
 
+/* A chain (a + b + c, x.y.z, x|f|g, elif ...) builds a tree as deep as it is long: each
+ * link counts as a level of nesting, so that every tree stays within GC__TMPL_MAX_NEST
+ * and the recursive walks over it (evaluation, folding) within the C stack. */
+static int chain_link(parser *P, size_t pos, int *links) {
+  (*links)++;
+  if (++P->depth > GC__TMPL_MAX_NEST)
+    return pfail(P, pos, MR_ENOTSUP, "nesting deeper than %d levels (a chain of operators, "
+                 "attributes, filters or elifs counts as nesting)", GC__TMPL_MAX_NEST);
+  return 0;
+}
+
 static int parse_expression(parser *P, bool condexpr, gc__tmpl_node **out);
 static int parse_tuple(parser *P, bool simplified, bool condexpr, const char *end_name,
                        bool explicit_parens, bool with_ns, gc__tmpl_node **out);
@@ -215,6 +226,8 @@ static int parse_primary(parser *P, bool with_ns, gc__tmpl_node **out);
 static int parse_postfix(parser *P, gc__tmpl_node **node);
 static int parse_filter_expr(parser *P, gc__tmpl_node **node);
 static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out);
+static bool is_const(const gc__tmpl_node *n);
+static int parse_filter1(parser *P, gc__tmpl_node **node_);
 
 /* ---- expressions ----------------------------------------------------------------- */
 
@@ -225,10 +238,12 @@ typedef uint8_t (*op_fn)(const gc__tmpl_tok *t, uint8_t *op);
 
 static int parse_level(parser *P, level_fn sub, op_fn op_at, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
+  int links = 0;
   int rc = sub(P, out);
   while (!rc) {
     uint8_t op = 0, kind = op_at(cur(P), &op);
     if (!kind) break;
+    if ((rc = chain_link(P, cur(P)->pos, &links))) break;
     advance(P);
     gc__tmpl_node *b = node(P, kind, pos);
     if (!b) return P->e->code;
@@ -238,6 +253,7 @@ static int parse_level(parser *P, level_fn sub, op_fn op_at, gc__tmpl_node **out
     *out = b;
     pos = cur(P)->pos;
   }
+  P->depth -= links;
   return rc;
 }
 
@@ -764,18 +780,68 @@ static int parse_subscript(parser *P, gc__tmpl_node **node_) {
   return 0;
 }
 
+/* True if jinja2 can fold n at compile time (nodes.as_const): literals and what is built
+ * from them by operators, tests and the filters that need no context. See mark_slices. */
+static bool is_const(const gc__tmpl_node *n) {
+  if (!n) return true;
+  switch (n->kind) {
+  case GC__TN_CONST:
+    return true;
+  case GC__TN_LIST:
+  case GC__TN_TUPLE:
+  case GC__TN_DICT:
+  case GC__TN_CONCAT:
+    for (uint32_t k = 0; k < n->n; k++)
+      if (!is_const(n->kids[k])) return false;
+    return true;
+  case GC__TN_COMPARE:
+    for (uint32_t k = 0; k < n->n; k++)
+      if (!is_const(n->kids[k])) return false;
+    return is_const(n->a);
+  case GC__TN_FILTER:
+  case GC__TN_TEST:
+    if (n->kind == GC__TN_FILTER &&
+        (n->fn == GC__TFL_MAP || n->fn == GC__TFL_SELECT || n->fn == GC__TFL_REJECT ||
+         n->fn == GC__TFL_SELECTATTR || n->fn == GC__TFL_REJECTATTR))
+      return false; /* pass_context filters are never folded */
+    for (uint32_t k = 0; k < n->n; k++)
+      if (!is_const(n->kids[k])) return false;
+    for (uint32_t k = 0; k < n->nkw; k++)
+      if (!is_const(n->kwv[k])) return false;
+    return is_const(n->a);
+  case GC__TN_NOT:
+  case GC__TN_NEG:
+  case GC__TN_POS:
+  case GC__TN_GETATTR:
+    return is_const(n->a);
+  case GC__TN_BIN:
+  case GC__TN_AND:
+  case GC__TN_OR:
+  case GC__TN_GETITEM:
+    return is_const(n->a) && is_const(n->b);
+  case GC__TN_SLICE:
+  case GC__TN_COND:
+    return is_const(n->a) && is_const(n->b) && is_const(n->c);
+  default:
+    return false;
+  }
+}
+
 static int parse_postfix(parser *P, gc__tmpl_node **node_) {
+  int links = 0, rc = 0;
   for (;;) {
     const gc__tmpl_tok *t = cur(P);
-    int rc;
-    if (is_op(t, GC__TOP_DOT) || is_op(t, GC__TOP_LBRACKET))
-      rc = parse_subscript(P, node_);
-    else if (is_op(t, GC__TOP_LPAREN))
-      rc = parse_call(P, node_);
-    else
-      return 0;
-    if (rc) return rc;
+    if (is_op(t, GC__TOP_DOT) || is_op(t, GC__TOP_LBRACKET)) {
+      if (!(rc = chain_link(P, t->pos, &links))) rc = parse_subscript(P, node_);
+    } else if (is_op(t, GC__TOP_LPAREN)) {
+      if (!(rc = chain_link(P, t->pos, &links))) rc = parse_call(P, node_);
+    } else {
+      break;
+    }
+    if (rc) break;
   }
+  P->depth -= links;
+  return rc;
 }
 
 /* A constant test or filter name given to select / reject / selectattr / rejectattr / map
@@ -803,7 +869,18 @@ static int check_name_arg(parser *P, gc__tmpl_node *f) {
 }
 
 static int parse_filter(parser *P, gc__tmpl_node **node_) {
+  int links = 0, rc = 0;
   while (is_op(cur(P), GC__TOP_PIPE)) {
+    if ((rc = chain_link(P, cur(P)->pos, &links))) break;
+    rc = parse_filter1(P, node_);
+    if (rc) break;
+  }
+  P->depth -= links;
+  return rc;
+}
+
+static int parse_filter1(parser *P, gc__tmpl_node **node_) {
+  {
     advance(P);
     const gc__tmpl_tok *t = cur(P);
     int rc = expect_kind(P, GC__TK_NAME, "a filter name");
@@ -875,19 +952,21 @@ static int parse_test(parser *P, gc__tmpl_node **node_) {
 }
 
 static int parse_filter_expr(parser *P, gc__tmpl_node **node_) {
+  int links = 0, rc = 0;
   for (;;) {
     const gc__tmpl_tok *t = cur(P);
-    int rc;
+    if (!is_op(t, GC__TOP_PIPE) && !is_name(t, "is") && !is_op(t, GC__TOP_LPAREN)) break;
+    if ((rc = chain_link(P, t->pos, &links))) break;
     if (is_op(t, GC__TOP_PIPE))
       rc = parse_filter(P, node_);
     else if (is_name(t, "is"))
       rc = parse_test(P, node_);
-    else if (is_op(t, GC__TOP_LPAREN))
-      rc = parse_call(P, node_);
     else
-      return 0;
-    if (rc) return rc;
+      rc = parse_call(P, node_);
+    if (rc) break;
   }
+  P->depth -= links;
+  return rc;
 }
 
 /* ---- statements ------------------------------------------------------------------ */
@@ -955,8 +1034,9 @@ static int parse_if(parser *P, size_t pos, gc__tmpl_node **out) {
   static const char *const ends[] = {"elif", "else", "endif", NULL};
   static const char *const ends_else[] = {"endif", NULL};
   gc__tmpl_node *first = NULL, *n = NULL;
-  int rc;
+  int rc, links = 0;
   for (;;) {
+    if (n && (rc = chain_link(P, pos, &links))) return rc;
     gc__tmpl_node *x = node(P, GC__TN_IF, pos);
     if (!x) return P->e->code;
     if (n)
@@ -977,6 +1057,7 @@ static int parse_if(parser *P, size_t pos, gc__tmpl_node **out) {
     }
     break;
   }
+  P->depth -= links;
   *out = first;
   return 0;
 }
@@ -1203,6 +1284,28 @@ static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out) {
   return b->kids ? 0 : P->e->code;
 }
 
+/* jinja2 compiles x[a:b] to Python's own subscription, where a failure (slicing None,
+ * a dict, an int) is an error, except where its compile-time folding evaluates it
+ * through environment.getitem, where the failure is an undefined value: when the whole
+ * {{ }} expression is constant, or when a constant parent turns the result into a value
+ * it can fold (a test, `not`, a comparison, a filter, `~`). Marks those slices (op = 1). */
+static void mark_slices(gc__tmpl_node *n, const gc__tmpl_node *parent, bool print_const, int depth) {
+  if (!n || depth > 4 * GC__TMPL_MAX_NEST) return;
+  if (n->kind == GC__TN_GETITEM && n->b && n->b->kind == GC__TN_SLICE && is_const(n)) {
+    bool folding_parent = parent && is_const(parent) &&
+                          (parent->kind == GC__TN_TEST || parent->kind == GC__TN_NOT ||
+                           parent->kind == GC__TN_COMPARE || parent->kind == GC__TN_FILTER ||
+                           parent->kind == GC__TN_CONCAT);
+    n->op = print_const || folding_parent;
+  }
+  bool pc = n->kind == GC__TN_PRINT ? is_const(n->a) : print_const;
+  gc__tmpl_node *kids[5] = {n->a, n->b, n->c, n->d, n->e};
+  for (int k = 0; k < 5; k++) mark_slices(kids[k], n, pc, depth + 1);
+  for (uint32_t k = 0; n->kids && k < n->n; k++) mark_slices(n->kids[k], n, pc, depth + 1);
+  for (uint32_t k = 0; n->kwv && k < n->nkw; k++) mark_slices(n->kwv[k], n, pc, depth + 1);
+  for (uint32_t k = 0; n->defs && k < n->n; k++) mark_slices(n->defs[k], n, pc, depth + 1);
+}
+
 int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e) {
   parser P = {.t = t, .tk = toks, .n = n, .e = e};
   int rc = 0;
@@ -1215,6 +1318,7 @@ int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e) {
       if (!(rc = intern(&P, toks[i + 2].s.p, toks[i + 2].s.n, &id))) P.is_macro[id] = 1;
     }
   if (!rc) rc = subparse(&P, NULL, &t->root);
+  if (!rc) mark_slices(t->root, NULL, false, 0);
   if (!rc) {
     t->nnames = P.nnames;
     t->names = gc__tmpl_alloc(&t->heap, (P.nnames ? P.nnames : 1) * sizeof *t->names);

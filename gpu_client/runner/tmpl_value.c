@@ -550,24 +550,6 @@ size_t gc__tmpl_fmt_float(double f, char *buf) {
   return (size_t)(o - buf);
 }
 
-/* Python's str.isprintable() for a code point above 0x7e. Python's table covers every
- * unassigned code point too; this one knows the control, format, separator, surrogate
- * and private-use ranges, which is what text holds in practice. */
-static bool printable(uint32_t c) {
-  static const uint32_t ranges[][2] = {
-      {0x7f, 0xa0},       {0xad, 0xad},       {0x378, 0x379},     {0x600, 0x605},
-      {0x61c, 0x61c},     {0x6dd, 0x6dd},     {0x70f, 0x70f},     {0x890, 0x891},
-      {0x8e2, 0x8e2},     {0x1680, 0x1680},   {0x180e, 0x180e},   {0x2000, 0x200f},
-      {0x2028, 0x202f},   {0x205f, 0x206f},   {0x3000, 0x3000},   {0xd800, 0xf8ff},
-      {0xfeff, 0xfeff},   {0xfff0, 0xfffb},   {0xfffe, 0xffff},   {0x110bd, 0x110bd},
-      {0x110cd, 0x110cd}, {0x13430, 0x1343f}, {0x1bca0, 0x1bca3}, {0x1d173, 0x1d17a},
-      {0xe0000, 0xe0fff}, {0xf0000, 0x10ffff},
-  };
-  for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++)
-    if (c >= ranges[i][0] && c <= ranges[i][1]) return false;
-  return true;
-}
-
 static int repr_str(gc__tmpl_sb *b, const char *p, size_t n) {
   bool sq = memchr(p, '\'', n) != NULL, dq = memchr(p, '"', n) != NULL;
   char quote = sq && !dq ? '"' : '\'';
@@ -586,7 +568,7 @@ static int repr_str(gc__tmpl_sb *b, const char *p, size_t n) {
       el = sprintf(esc, "\\n");
     } else if (c == '\r') {
       el = sprintf(esc, "\\r");
-    } else if (c < 0x20 || (c >= 0x7f && !printable(c))) {
+    } else if (!gc__tmpl_uc_printable(c) || (c >= 0xd800 && c <= 0xdfff)) {
       if (c <= 0xff)
         el = sprintf(esc, "\\x%02x", (unsigned)c);
       else if (c <= 0xffff)
@@ -763,7 +745,7 @@ static int json_str(gc__tmpl_sb *b, const char *p, size_t n, bool ascii) {
     unsigned char c = (unsigned char)p[i];
     char esc[16];
     int el = -1;
-    if (ascii && c >= 0x80) {
+    if (ascii && c >= 0x7f) {
       /* ensure_ascii: \uXXXX, a surrogate pair above U+FFFF. */
       uint32_t cp;
       size_t k = gc__tmpl_u8_next(p + i, n - i, &cp);
