@@ -54,15 +54,15 @@ int gc_tmpl_compile(gc_tmpl **out, const char *src, size_t len, const char *orig
   }
   gc_tmpl *t = mr_calloc(1, sizeof *t);
   if (!t) return mr_err_set(e, MR_ENOMEM, "%s: out of memory", origin);
-  snprintf(t->origin, sizeof t->origin, "%s", origin);
   mr_arena_init(&t->heap.arena, ARENA_BLOCK);
   t->heap.limit = COMPILE_MEMORY;
   t->heap.e = e;
   gc__tmpl_tok *toks = NULL;
   size_t ntoks = 0;
   int rc;
+  t->origin = mr_strdup(origin);
   t->src = normalize(src ? src : "", len, &t->len);
-  if (!t->src) {
+  if (!t->src || !t->origin) {
     rc = mr_err_set(e, MR_ENOMEM, "%s: out of memory", origin);
     goto out_free;
   }
@@ -82,6 +82,7 @@ void gc_tmpl_free(gc_tmpl *t) {
   if (!t) return;
   mr_arena_close(&t->heap.arena);
   mr_free(t->src);
+  mr_free(t->origin);
   mr_free(t);
 }
 

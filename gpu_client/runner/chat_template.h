@@ -72,7 +72,7 @@ typedef struct gc_tmpl_limits {
 
 /*
  * Compiles len bytes of template text src (UTF-8; need not be NUL-terminated). origin
- * names the template in messages ("chat_template" if NULL; cut to 63 bytes). On success
+ * names the template in messages ("chat_template" if NULL). On success
  * *out is a new template that the caller frees with gc_tmpl_free; on failure *out is NULL
  * and e says why (MR_ENOTSUP, MR_EFORMAT, MR_ERANGE for a source over GC_TMPL_MAX_SOURCE,
  * MR_ENOMEM).

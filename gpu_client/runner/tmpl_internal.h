@@ -321,7 +321,7 @@ struct gc__tmpl_node {
 
 /* The compiled template (chat_template.h). */
 struct gc_tmpl {
-  char origin[64];
+  char *origin;        /* the template's name in messages, owned */
   char *src;           /* normalized source (newlines as jinja2 makes them), owned */
   size_t len;
   gc__tmpl_heap heap;  /* the tree and its constants */

@@ -1231,7 +1231,9 @@ static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out) {
     gc__tmpl_node *x = NULL;
     if (t->kind == GC__TK_EOF) {
       if (ends) {
-        rc = pfail(P, t->pos, MR_EFORMAT, "unexpected end of template, expected '%s'", ends[0]);
+        const char *const *want = ends; /* name the closing tag: endif, not elif */
+        while (want[1] && strncmp(*want, "end", 3) != 0) want++;
+        rc = pfail(P, t->pos, MR_EFORMAT, "unexpected end of template, expected '%s'", *want);
       }
       break;
     }

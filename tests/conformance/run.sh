@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
-# kn_moe_forward and the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
-# DeepSeek-V3 checkpoints) against PyTorch + transformers (tests/conformance/README.md).
+# kn_moe_forward, the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
+# DeepSeek-V3 checkpoints) and the chat-template interpreter against PyTorch +
+# transformers (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -23,7 +24,7 @@ elif [ $rc -ne 0 ]; then
 fi
 
 make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" \
-  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client"
+  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client" "$BUILD/tests/tmpl_cli"
 rc=0
 "$VENV/bin/python" tests/conformance/test_kn_ref_torch.py --cli "$BUILD/tests/kn_ref_cli" || rc=1
 "$VENV/bin/python" tests/conformance/test_safetensors_python.py --build "$BUILD" || rc=1
@@ -31,4 +32,5 @@ rc=0
 "$VENV/bin/python" tests/conformance/test_mkmodel_deepseek.py --build "$BUILD" || rc=1
 "$VENV/bin/python" tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
 "$VENV/bin/python" tests/conformance/test_deepseek_logits.py --client "$BUILD/bin/moerpc-client" || rc=1
+"$VENV/bin/python" tests/conformance/test_chat_template_jinja.py --cli "$BUILD/tests/tmpl_cli" || rc=1
 exit $rc
