@@ -97,6 +97,9 @@ static int load_text(gc__tmpl_heap *h, const void *src, size_t len, gc__tmpl_val
   return gc__tmpl_json_parse(h, src, len, out);
 }
 
+/* One render: limits with their defaults, a fresh heap with the memory budget, the
+ * variables read into it, the tree walked into an output buffer that becomes the
+ * caller's string; the heap goes whatever happened. */
 static int render(const gc_tmpl *t, load_fn load, const void *src, size_t len,
                   const gc_tmpl_limits *limits, char **out, size_t *out_len, mr_err *e) {
   mr_err scratch;

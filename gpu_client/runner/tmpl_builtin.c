@@ -20,6 +20,12 @@
 
 /* ---- names ------------------------------------------------------------------------------ */
 
+/* The subset's names. Filters and tests are found by name at compile time (and at run
+ * time for the names given to select / map); methods are found by the type of the value
+ * at run time, since the parser cannot know it. Python's other attribute names are
+ * listed so that `x.pop` is a method that fails when called (as the sandbox makes it)
+ * rather than an undefined value. */
+
 typedef struct named {
   const char *name;
   uint16_t id;
@@ -187,6 +193,10 @@ static bool title_sep(uint32_t c) {
   return c == '-' || gc__tmpl_is_space(c) || c == '(' || c == '{' || c == '[' || c == '<';
 }
 
+/* The str methods upper / lower / capitalize / title and jinja2's title filter, each as
+ * CPython implements it over Python's Unicode database: full mappings (ß -> SS,
+ * ﬁ -> FI, İ -> i̇), title case where Python uses it (capitalize's first character,
+ * title's word starts: ǆ -> ǅ), and the final sigma in every lowering. */
 int gc__tmpl_case(gc__tmpl_heap *h, gc__tmpl_str s, char how, gc__tmpl_val *out) {
   /* Code points first: the sigma rule looks both ways. A mapping makes at most 3 code
    * points of 4 bytes each out of one code point of at least 1 byte. */
@@ -210,7 +220,7 @@ int gc__tmpl_case(gc__tmpl_heap *h, gc__tmpl_str s, char how, gc__tmpl_val *out)
       continue;
     }
     switch (how) {
-    case 'u':
+    case 'u': /* str.upper / str.lower: each code point mapped (lower with the sigma rule) */
     case 'l':
       put_mapped(cps, n, i, how, b, &o);
       break;
@@ -253,6 +263,8 @@ static bool in_chars(uint32_t c, const gc__tmpl_str *chars) {
   return false;
 }
 
+/* str.strip / lstrip / rstrip: chars is a set of code points (NULL: str.isspace). The
+ * result is a slice of s, no copy. */
 int gc__tmpl_strip(gc__tmpl_heap *h, gc__tmpl_str s, const gc__tmpl_str *chars, bool left,
                    bool right, gc__tmpl_val *out) {
   (void)h;
@@ -298,6 +310,8 @@ static const char *memrfind(const char *h, size_t hn, const char *nd, size_t nn)
   return NULL;
 }
 
+/* str.replace(old, new, count): count < 0 replaces all; non-overlapping, left to right;
+ * an empty old inserts new before every character and at the end. */
 int gc__tmpl_replace(gc__tmpl_heap *h, gc__tmpl_str s, gc__tmpl_str old, gc__tmpl_str nw,
                      int64_t count, gc__tmpl_val *out) {
   gc__tmpl_sb b;
@@ -384,7 +398,11 @@ static int splitlines(gc__tmpl_heap *h, gc__tmpl_str s, bool keepends, gc__tmpl_
   return 0;
 }
 
-/* str.split / str.rsplit. sep NULL = runs of whitespace. */
+/* str.split / str.rsplit. With sep: exact splits, empty pieces kept, at most maxsplit
+ * of them (from the right for rsplit). Without: runs of whitespace separate, leading and
+ * trailing whitespace makes no empty pieces, and once maxsplit pieces are cut the rest
+ * is one piece with its leading (rsplit: trailing) whitespace removed. Pieces are
+ * slices of s. */
 static int split(gc__tmpl_heap *h, gc__tmpl_str s, const gc__tmpl_str *sep, int64_t maxsplit,
                  bool from_right, gc__tmpl_val *out) {
   gc__tmpl_str parts_local[16];
@@ -489,6 +507,10 @@ static int split(gc__tmpl_heap *h, gc__tmpl_str s, const gc__tmpl_str *sep, int6
 
 /* ---- arguments ---------------------------------------------------------------------- */
 
+/* Filters and methods take Python's arguments: positional ones in order, keywords by the
+ * parameter names of jinja2's functions. These helpers give the two ways one lookup and
+ * reject what Python would reject (too many, unknown keyword, a value given twice). */
+
 /* The argument at position pos or named name (NULL if neither was given). Fails on an
  * argument given both ways. */
 static int arg(gc__tmpl_rt *rt, const gc__tmpl_node *n, gc__tmpl_args *a, size_t pos,
@@ -543,7 +565,9 @@ static int make_gen(gc__tmpl_rt *rt, const gc__tmpl_val *items, size_t count, gc
   return rc;
 }
 
-/* jinja2's make_attrgetter: "a.b.0" looks up a, then b, then item 0. */
+/* jinja2's make_attrgetter: "a.b.0" looks up a, then b, then item 0, each step with
+ * environment.getitem (so a missing step is undefined, not an error); an int attribute
+ * is one item lookup; none means the item itself. */
 static int attr_get(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *attr,
                     const gc__tmpl_val *item, gc__tmpl_val *out) {
   *out = *item;
@@ -584,6 +608,9 @@ static bool str_is_case(gc__tmpl_str s, bool upper) {
   return cased;
 }
 
+/* jinja2's tests (tests.py). The type tests follow Python's isinstance: a bool is a
+ * number but not an integer; a dict is a sequence (it has len and __getitem__) and so
+ * is an undefined value; a namespace is not a mapping. */
 int gc__tmpl_call_test(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, const gc__tmpl_val *v,
                        gc__tmpl_args *args, bool *out) {
   const gc__tmpl_val *x = NULL;
@@ -623,7 +650,7 @@ int gc__tmpl_call_test(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, con
            k == GC__TV_UNDEF;
     return 0;
   case GC__TT_ESCAPED: *out = k == GC__TV_STR && (v->flags & GC__TVF_SAFE); return 0;
-  case GC__TT_SAMEAS:
+  case GC__TT_SAMEAS: /* `is`: identity, which only singletons and containers have here */
     /* Identity: singletons and CPython's cached small ints; containers by address. */
     if (k != x->kind) *out = false;
     else if (k == GC__TV_NONE || k == GC__TV_UNDEF) *out = k == GC__TV_NONE;
@@ -651,7 +678,7 @@ int gc__tmpl_call_test(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, con
            : fn == GC__TT_LT ? c == -1 : (c == -1 || c == 0);
     return 0;
   }
-  case GC__TT_ODD:
+  case GC__TT_ODD: /* value % 2 == 1 with Python's %, so 3.0 is odd and -3 too */
   case GC__TT_EVEN:
   case GC__TT_DIVISIBLEBY: {
     /* value % 2 == 1 (or 0, or value % num == 0), with Python's % on ints and floats. */
@@ -692,6 +719,9 @@ int gc__tmpl_call_test(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, con
 
 /* ---- filters ------------------------------------------------------------------------ */
 
+/* len(): code points of a str, items of a list flavour or dict, 0 for undefined
+ * (Undefined.__len__); a generator has no len() (TypeError), which templates hit with
+ * x|selectattr(...)|length. */
 static int f_len(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v, int64_t *len) {
   switch (v->kind) {
   case GC__TV_UNDEF: *len = 0; return 0;
@@ -767,6 +797,8 @@ static int merge_sort(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_va
   return 0;
 }
 
+/* sort(reverse=false, case_sensitive=false, attribute=none): sorted() with a key of the
+ * attribute(s), strings lowered unless case_sensitive; a list. */
 static int f_sort(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                   gc__tmpl_args *args, gc__tmpl_val *out) {
   static const char *const names[] = {"reverse", "case_sensitive", "attribute", NULL};
@@ -793,6 +825,8 @@ static int f_sort(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v
   return 0;
 }
 
+/* min / max(case_sensitive=false, attribute=none): the first item with the smallest /
+ * largest key (Python keeps the first of equals); undefined for an empty sequence. */
 static int f_minmax(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                     gc__tmpl_args *args, bool max, gc__tmpl_val *out) {
   static const char *const names[] = {"case_sensitive", "attribute", NULL};
@@ -824,7 +858,9 @@ static int f_minmax(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
 }
 
 /* select / reject / selectattr / rejectattr: keep the items whose test (or truth) is
- * `keep`. */
+ * `keep`, as a generator. The test name and its arguments follow the attribute
+ * (selectattr("role", "equalto", "user")); a falsy input yields nothing without looking
+ * at the arguments, as jinja2's `if value:` does. */
 static int f_select(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                     gc__tmpl_args *args, bool by_attr, bool keep, gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -864,6 +900,8 @@ static int f_select(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   return make_gen(rt, kept, nk, out);
 }
 
+/* map(attribute=..., default=...) or map("filter", args...): a generator of each item's
+ * attribute (the default where it is undefined) or of a filter applied to each item. */
 static int f_map(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                  gc__tmpl_args *args, gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -907,6 +945,10 @@ static int f_map(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
   return 0;
 }
 
+/* transformers' tojson(x, ensure_ascii=False, indent=None, separators=None,
+ * sort_keys=False): json.dumps with those arguments (positional ones in that order). An
+ * int indent is that many spaces, a str indent is used as it is; with an indent the
+ * default item separator loses its space (",") as json.dumps does. */
 static int f_tojson(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                     gc__tmpl_args *args, gc__tmpl_val *out) {
   static const char *const names[] = {"ensure_ascii", "indent", "separators", "sort_keys", NULL};
@@ -1043,6 +1085,9 @@ static bool parse_float_str(gc__tmpl_str s, double *out) {
   return true;
 }
 
+/* int(default=0, base=10): int(value) for numbers, int(value, base) for a str, then
+ * int(float(value)) ("2.75"|int is 2), then the default; an undefined value fails
+ * (Undefined.__int__ raises, which the filter does not catch). */
 static int f_int(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v, gc__tmpl_args *args,
                  gc__tmpl_val *out) {
   static const char *const names[] = {"default", "base", NULL};
@@ -1085,6 +1130,7 @@ from_float:
   return 0;
 }
 
+/* float(default=0.0): float(value), else the default; undefined fails as for int. */
 static int f_float(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v, gc__tmpl_args *args,
                    gc__tmpl_val *out) {
   static const char *const names[] = {"default", NULL};
@@ -1104,6 +1150,8 @@ static int f_float(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *
   return 0;
 }
 
+/* indent(width=4, first=false, blank=false): every line but the first (unless first)
+ * gets the indent, blank lines only with blank; lines split as str.splitlines. */
 static int f_indent(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                     gc__tmpl_args *args, gc__tmpl_val *out) {
   static const char *const names[] = {"width", "first", "blank", NULL};
@@ -1159,6 +1207,7 @@ static int f_indent(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
 }
 
+/* join(d='', attribute=none): str(d).join(map(str, items)) (items' attribute first). */
 static int f_join(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                   gc__tmpl_args *args, gc__tmpl_val *out) {
   static const char *const names[] = {"d", "attribute", NULL};
@@ -1190,6 +1239,8 @@ static int f_join(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v
   return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
 }
 
+/* unique(case_sensitive=false, attribute=none): the first item of each key, in order,
+ * as a generator; keys must be hashable. */
 static int f_unique(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                     gc__tmpl_args *args, gc__tmpl_val *out) {
   static const char *const names[] = {"case_sensitive", "attribute", NULL};
@@ -1218,6 +1269,9 @@ static int f_unique(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   return make_gen(rt, kept, nk, out);
 }
 
+/* reverse: a str reversed (by code points); a sequence as reversed() gives it (an
+ * iterator, here a generator); a generator, which reversed() refuses, as a reversed
+ * list. */
 static int f_reverse(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                      gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -1252,6 +1306,10 @@ static int f_reverse(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
   return 0;
 }
 
+/* The filters (jinja2's filters.py, transformers' tojson). Each checks its arguments
+ * (too many, or an unknown keyword, fails as Python's call would). Filters written with
+ * soft_str (trim, upper, lower, capitalize, title, replace, join, safe, string) accept
+ * any value and use its str(); the others follow their Python code. */
 static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
                         const gc__tmpl_val *v, gc__tmpl_args *args, gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -1261,7 +1319,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   int64_t len = 0;
   int rc = 0;
   switch (fn) {
-  case GC__TFL_ABS:
+  case GC__TFL_ABS: /* abs(): numbers only */
     if ((rc = check_args(rt, n, args, "abs", 0, NULL))) return rc;
     if (v->kind == GC__TV_FLOAT) *out = gc__tmpl_float(fabs(v->u.f));
     else if (v->kind == GC__TV_INT || v->kind == GC__TV_BOOL) {
@@ -1273,19 +1331,19 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
       return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "bad operand type for abs(): '%s'", gc__tmpl_type_name(v));
     }
     return 0;
-  case GC__TFL_CAPITALIZE:
+  case GC__TFL_CAPITALIZE: /* soft_str(x).capitalize() / .lower() / .upper(), do_title */
   case GC__TFL_LOWER:
   case GC__TFL_UPPER:
   case GC__TFL_TITLE:
     if ((rc = check_args(rt, n, args, gc__tmpl_filter_name(fn), 0, NULL)) || (rc = str_of(rt, n, v, &s))) return rc;
     rc = gc__tmpl_case(h, s, fn == GC__TFL_CAPITALIZE ? 'c' : fn == GC__TFL_LOWER ? 'l' : fn == GC__TFL_UPPER ? 'u' : 'T', out);
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
-  case GC__TFL_COUNT:
+  case GC__TFL_COUNT: /* len() */
   case GC__TFL_LENGTH:
     if ((rc = check_args(rt, n, args, gc__tmpl_filter_name(fn), 0, NULL)) || (rc = f_len(rt, n, v, &len))) return rc;
     *out = gc__tmpl_int(len);
     return 0;
-  case GC__TFL_DEFAULT: {
+  case GC__TFL_DEFAULT: { /* undefined (or, with boolean, falsy) -> the default */
     static const char *const names[] = {"default_value", "boolean", NULL};
     if ((rc = check_args(rt, n, args, "default", 2, names)) || (rc = arg(rt, n, args, 0, "default_value", &a0)) ||
         (rc = arg(rt, n, args, 1, "boolean", &a1)))
@@ -1296,7 +1354,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
       *out = *v;
     return 0;
   }
-  case GC__TFL_FIRST: {
+  case GC__TFL_FIRST: { /* next(iter(x)): a generator gives up one item only */
     if ((rc = check_args(rt, n, args, "first", 0, NULL))) return rc;
     if (v->kind == GC__TV_LIST && v->u.l->flavour == GC__TL_GEN) {
       gc__tmpl_list *l = v->u.l; /* next(): one item of the generator */
@@ -1309,7 +1367,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
     *out = cnt ? items[0] : gc__tmpl_undef_hint("No first item, sequence was empty.");
     return 0;
   }
-  case GC__TFL_LAST: {
+  case GC__TFL_LAST: { /* next(reversed(x)): a generator is not reversible */
     if ((rc = check_args(rt, n, args, "last", 0, NULL))) return rc;
     if (v->kind == GC__TV_LIST && v->u.l->flavour == GC__TL_GEN)
       return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "'generator' object is not reversible");
@@ -1326,7 +1384,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
     return f_indent(rt, n, v, args, out);
   case GC__TFL_INT:
     return f_int(rt, n, v, args, out);
-  case GC__TFL_ITEMS: {
+  case GC__TFL_ITEMS: { /* a generator of (key, value); nothing for undefined */
     if ((rc = check_args(rt, n, args, "items", 0, NULL))) return rc;
     if (v->kind == GC__TV_UNDEF) return make_gen(rt, NULL, 0, out);
     if (v->kind != GC__TV_DICT)
@@ -1342,7 +1400,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   }
   case GC__TFL_JOIN:
     return f_join(rt, n, v, args, out);
-  case GC__TFL_LIST: {
+  case GC__TFL_LIST: { /* list(x): the items as iter() gives them (a str's characters) */
     if ((rc = check_args(rt, n, args, "list", 0, NULL))) return rc;
     gc__tmpl_val copy = *v;
     if ((rc = gc__tmpl_iter(rt, n, &copy, &items, &cnt))) return rc;
@@ -1361,7 +1419,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   case GC__TFL_REJECTATTR:
   case GC__TFL_SELECTATTR:
     return f_select(rt, n, v, args, true, fn == GC__TFL_SELECTATTR, out);
-  case GC__TFL_REPLACE: {
+  case GC__TFL_REPLACE: { /* str(s).replace(str(old), str(new), count) */
     static const char *const names[] = {"old", "new", "count", NULL};
     gc__tmpl_str olds, news;
     if ((rc = check_args(rt, n, args, "replace", 3, names)) || (rc = arg(rt, n, args, 0, "old", &a0)) ||
@@ -1378,14 +1436,14 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   case GC__TFL_REVERSE:
     if ((rc = check_args(rt, n, args, "reverse", 0, NULL))) return rc;
     return f_reverse(rt, n, v, out);
-  case GC__TFL_SAFE:
+  case GC__TFL_SAFE: /* Markup(str(x)): printing is unchanged, `+` escapes the other side */
     if ((rc = check_args(rt, n, args, "safe", 0, NULL)) || (rc = str_of(rt, n, v, &s))) return rc;
     *out = gc__tmpl_strv(s.p, s.n);
     out->flags |= GC__TVF_SAFE;
     return 0;
   case GC__TFL_SORT:
     return f_sort(rt, n, v, args, out);
-  case GC__TFL_STRING:
+  case GC__TFL_STRING: /* soft_str: str(x), a str unchanged */
     if ((rc = check_args(rt, n, args, "string", 0, NULL))) return rc;
     if (v->kind == GC__TV_STR) {
       *out = *v; /* soft_str keeps a |safe string as it is */
@@ -1394,7 +1452,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
     if ((rc = str_of(rt, n, v, &s))) return rc;
     *out = gc__tmpl_strv(s.p, s.n);
     return 0;
-  case GC__TFL_SUM: {
+  case GC__TFL_SUM: { /* start + items (their attribute), numbers only as Python's sum */
     static const char *const names[] = {"attribute", "start", NULL};
     if ((rc = check_args(rt, n, args, "sum", 2, names)) || (rc = arg(rt, n, args, 0, "attribute", &a0)) ||
         (rc = arg(rt, n, args, 1, "start", &a1)))
@@ -1426,7 +1484,7 @@ static int filter_eager(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
   }
   case GC__TFL_TOJSON:
     return f_tojson(rt, n, v, args, out);
-  case GC__TFL_TRIM: {
+  case GC__TFL_TRIM: { /* soft_str(x).strip(chars) */
     static const char *const names[] = {"chars", NULL};
     gc__tmpl_str chars;
     if ((rc = check_args(rt, n, args, "trim", 1, names)) || (rc = arg(rt, n, args, 0, "chars", &a0)) ||
@@ -1493,6 +1551,9 @@ static int m_prefix(gc__tmpl_rt *rt, const gc__tmpl_node *n, gc__tmpl_str s, con
                           ends ? "endswith" : "startswith", gc__tmpl_type_name(x));
 }
 
+/* A call of a bound method: loop.cycle, dict get / items / keys / values (views that
+ * print as dict_items([...])), list / tuple count / index, and the str methods with
+ * Python's argument rules (positional ones, keywords where Python takes them). */
 int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *m,
                          gc__tmpl_args *args, gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -1570,14 +1631,14 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
   if (self->kind != GC__TV_STR) return gc__tmpl_rt_fail(rt, n, MR_EINTERNAL, "method of a '%s'", gc__tmpl_type_name(self));
   gc__tmpl_str s = self->u.s;
   switch (m->aux) {
-  case GC__TM_STARTSWITH:
+  case GC__TM_STARTSWITH: /* a str or a tuple of str (any of them) */
   case GC__TM_ENDSWITH:
     if ((rc = check_args(rt, n, args, m->aux == GC__TM_STARTSWITH ? "startswith" : "endswith", 1, NULL))) return rc;
     if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "startswith / endswith need an argument");
     if ((rc = m_prefix(rt, n, s, &args->pos[0], m->aux == GC__TM_ENDSWITH, &b))) return rc;
     *out = gc__tmpl_bool(b);
     return 0;
-  case GC__TM_SPLIT:
+  case GC__TM_SPLIT: /* (sep=None, maxsplit=-1), positional or by name; sep "" fails */
   case GC__TM_RSPLIT: {
     static const char *const names[] = {"sep", "maxsplit", NULL};
     if ((rc = check_args(rt, n, args, "split", 2, names)) || (rc = arg(rt, n, args, 0, "sep", &a0)) ||
@@ -1591,7 +1652,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
                m->aux == GC__TM_RSPLIT, out);
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
   }
-  case GC__TM_STRIP:
+  case GC__TM_STRIP: /* (chars=None): a set of characters, or whitespace */
   case GC__TM_LSTRIP:
   case GC__TM_RSTRIP:
     if ((rc = check_args(rt, n, args, "strip", 1, NULL))) return rc;
@@ -1599,7 +1660,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     if (a0 && a0->kind != GC__TV_NONE && (rc = need_str(rt, n, a0, "strip arg"))) return rc;
     return gc__tmpl_strip(h, s, a0 && a0->kind == GC__TV_STR ? &a0->u.s : NULL,
                           m->aux != GC__TM_RSTRIP, m->aux != GC__TM_LSTRIP, out);
-  case GC__TM_REPLACE:
+  case GC__TM_REPLACE: /* (old, new, count=-1), str arguments only (no str() here) */
     if ((rc = check_args(rt, n, args, "replace", 3, NULL))) return rc;
     if (args->npos < 2) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "replace expected at least 2 arguments");
     a0 = &args->pos[0], a1 = &args->pos[1], a2 = args->npos > 2 ? &args->pos[2] : NULL;
@@ -1614,10 +1675,10 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     if ((rc = check_args(rt, n, args, "upper / lower / title / capitalize", 0, NULL))) return rc;
     rc = gc__tmpl_case(h, s, m->aux == GC__TM_UPPER ? 'u' : m->aux == GC__TM_LOWER ? 'l' : m->aux == GC__TM_TITLE ? 't' : 'c', out);
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
-  case GC__TM_FIND:
+  case GC__TM_FIND: /* positions in code points; -1 (index: ValueError) when absent */
   case GC__TM_RFIND:
   case GC__TM_INDEX:
-  case GC__TM_COUNT: {
+  case GC__TM_COUNT: { /* non-overlapping; "" is found len + 1 times */
     if ((rc = check_args(rt, n, args, "find / rfind / count", 1, NULL))) return rc;
     if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "find / count need an argument");
     if ((rc = need_str(rt, n, &args->pos[0], "find / count arg"))) return rc;
@@ -1642,7 +1703,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     *out = gc__tmpl_int(p ? cp_index(s, p) : -1);
     return 0;
   }
-  case GC__TM_JOIN: {
+  case GC__TM_JOIN: { /* sep.join(iterable): every item must be a str (no str() here) */
     if ((rc = check_args(rt, n, args, "join", 1, NULL))) return rc;
     if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "join() takes exactly one argument");
     const gc__tmpl_val *items;
@@ -1668,7 +1729,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     gc__tmpl_sb_free(&sb);
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
   }
-  case GC__TM_SPLITLINES: {
+  case GC__TM_SPLITLINES: { /* at \n, \r\n, \r, \v, \f, \x1c-\x1e, \x85, U+2028/9 */
     static const char *const names[] = {"keepends", NULL};
     if ((rc = check_args(rt, n, args, "splitlines", 1, names)) || (rc = arg(rt, n, args, 0, "keepends", &a0))) return rc;
     rc = splitlines(h, s, a0 && gc__tmpl_truthy(a0), out);
@@ -1685,7 +1746,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
     *out = gc__tmpl_bool(all);
     return 0;
   }
-  case GC__TM_REMOVEPREFIX:
+  case GC__TM_REMOVEPREFIX: /* the str without that prefix / suffix if it has it */
   case GC__TM_REMOVESUFFIX: {
     if ((rc = check_args(rt, n, args, "removeprefix / removesuffix", 1, NULL))) return rc;
     if (args->npos < 1) return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "removeprefix / removesuffix need an argument");
@@ -1705,6 +1766,9 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
 }
 
 /* ---- global functions ----------------------------------------------------------------- */
+
+/* dict() and namespace() take a mapping or an iterable of pairs, then keywords; the
+ * later wins, keeping the first place, as a Python dict update does. */
 
 /* dict(*args, **kwargs) as Python builds it: an optional mapping (or iterable of pairs),
  * then the keywords. */
@@ -1752,6 +1816,10 @@ static int build_dict(gc__tmpl_rt *rt, const gc__tmpl_node *n, gc__tmpl_args *ar
   return 0;
 }
 
+/* The globals of transformers' environment: range (bounded as jinja2's sandbox bounds
+ * it), namespace (transformers' TemplateNamespace: no "_" attributes), dict,
+ * raise_exception (the template's own error) and strftime_now (local time, as
+ * datetime.now().strftime). */
 int gc__tmpl_call_func(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, gc__tmpl_args *args,
                        gc__tmpl_val *out) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);

@@ -33,13 +33,16 @@
 
 enum { CTL_BREAK = 1, CTL_CONTINUE = 2 };
 
+/* A scope: the names set in it (by id) and their values. Few names live in one scope,
+ * so a linear search beats any table; the arrays grow in the render's heap. */
 typedef struct frame {
-  struct frame *parent;
+  struct frame *parent; /* the enclosing scope, NULL for the root */
   uint32_t n, cap;
   uint32_t *ids;
   gc__tmpl_val *vals;
 } frame;
 
+/* One render: its heap, output, error record, limits and scopes. Single-threaded. */
 struct gc__tmpl_rt {
   const gc_tmpl *t;
   gc__tmpl_heap *h;
@@ -66,6 +69,8 @@ int gc__tmpl_rt_locate(gc__tmpl_rt *rt, const gc__tmpl_node *n, int code) {
   return mr_err_prefix(rt->e, code, "%s", where);
 }
 
+/* A failure found here (not below): the message replaces whatever was in the record and
+ * is located at n at once. */
 int gc__tmpl_rt_fail(gc__tmpl_rt *rt, const gc__tmpl_node *n, int code, const char *fmt, ...) {
   char msg[448];
   va_list ap;
@@ -77,12 +82,16 @@ int gc__tmpl_rt_fail(gc__tmpl_rt *rt, const gc__tmpl_node *n, int code, const ch
   return gc__tmpl_rt_locate(rt, n, code);
 }
 
+/* Using an undefined value where jinja2's Undefined raises (its attributes, items,
+ * arithmetic, calls): its UndefinedError message, which says how it came to be. */
 int gc__tmpl_rt_undef(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *u) {
   char msg[320];
   gc__tmpl_undef_message(u, msg, sizeof msg);
   return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "%s", msg);
 }
 
+/* A failure kept for later (a lazy generator's): the message moves to the heap, the
+ * record and the "located" flag are cleared so that evaluation goes on. */
 const char *gc__tmpl_rt_take_error(gc__tmpl_rt *rt, int *code) {
   char *msg = gc__tmpl_memdup(rt->h, rt->e->msg, strlen(rt->e->msg));
   if (!msg) return NULL;
@@ -98,6 +107,9 @@ int gc__tmpl_rt_raise(gc__tmpl_rt *rt, int code, const char *msg) {
   return code;
 }
 
+/* One unit of the step budget: every loop iteration (filtering ones too) and every macro
+ * call. With loops bounded by their iterables, which are bounded by memory, this bounds
+ * the time of a render whatever the template does. */
 int gc__tmpl_rt_step(gc__tmpl_rt *rt, const gc__tmpl_node *n) {
   if (++rt->steps > rt->max_steps)
     return gc__tmpl_rt_fail(rt, n, MR_EEXHAUSTED,
@@ -114,6 +126,7 @@ static frame *frame_new(gc__tmpl_rt *rt, frame *parent) {
   return f;
 }
 
+/* Sets name id in f (never in a parent: jinja2's assignments are local to the scope). */
 static int frame_set(gc__tmpl_rt *rt, frame *f, uint32_t id, gc__tmpl_val v) {
   for (uint32_t i = 0; i < f->n; i++)
     if (f->ids[i] == id) {
@@ -137,6 +150,9 @@ static int frame_set(gc__tmpl_rt *rt, frame *f, uint32_t id, gc__tmpl_val v) {
   return 0;
 }
 
+/* A name's value: the scopes from f outwards, then the render's variables, then the
+ * global functions (so a variable or a {% set %} named "range" hides the function, as
+ * jinja2's context hides its globals), else undefined with the name for the message. */
 static gc__tmpl_val lookup(gc__tmpl_rt *rt, const frame *f, uint32_t id) {
   for (; f; f = f->parent)
     for (uint32_t i = f->n; i-- > 0;)
@@ -149,6 +165,15 @@ static gc__tmpl_val lookup(gc__tmpl_rt *rt, const frame *f, uint32_t id) {
 
 /* ---- lookups: jinja2's environment.getattr / getitem ------------------------------------ */
 
+/* Templates read the conversation through .attr and [key], and jinja2's rules for them
+ * decide what a template sees when a key is missing (undefined, printed as nothing),
+ * when a dict key is also a method name (the method), or when an index is out of range
+ * (undefined). Most template logic ("message.tool_calls is defined", "messages[0].role")
+ * rests on these rules. */
+
+/* Undefined values that remember where they came from, for jinja2's messages ("'dict
+ * object' has no attribute 'x'", "list object has no element 5"). The container's kind
+ * (and list flavour) is kept, not the container. */
 static gc__tmpl_val undef_attr(const gc__tmpl_val *obj, const char *p, size_t n) {
   uint32_t kind = obj->kind;
   if (obj->kind == GC__TV_LIST) kind |= (uint32_t)obj->u.l->flavour << 8;
@@ -166,6 +191,8 @@ static bool str_eq(const char *p, size_t n, const char *lit) {
   return n == k && memcmp(p, lit, k) == 0;
 }
 
+/* A bound method value (obj.method without the call): Python's attribute lookup finds
+ * the method first, so `d.items` is the method even when d has a key "items". */
 static int method_value(gc__tmpl_rt *rt, const gc__tmpl_val *obj, uint16_t id,
                         gc__tmpl_val *out) {
   gc__tmpl_val *self = gc__tmpl_alloc(rt->h, sizeof *self);
@@ -175,6 +202,9 @@ static int method_value(gc__tmpl_rt *rt, const gc__tmpl_val *obj, uint16_t id,
   return 0;
 }
 
+/* jinja2's LoopContext attributes. previtem / nextitem are undefined at the ends; an
+ * unknown attribute is undefined (LoopContext has neither it nor items). changed() is a
+ * method outside the subset. */
 static int loop_attr(gc__tmpl_rt *rt, const gc__tmpl_val *obj, const char *p, size_t n,
                      gc__tmpl_val *out) {
   const gc__tmpl_loop *L = obj->u.loop;
@@ -198,6 +228,9 @@ static int loop_attr(gc__tmpl_rt *rt, const gc__tmpl_val *obj, const char *p, si
   return 0;
 }
 
+/* obj.name as the sandboxed environment does it: Python's attribute first (a method of
+ * str, dict, list), then the item obj["name"]; neither is undefined, not an error. Only
+ * an undefined obj fails here, as Undefined.__getattr__ raises. */
 int gc__tmpl_getattr(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
                      const char *p, size_t len, gc__tmpl_val *out) {
   switch (obj->kind) {
@@ -232,7 +265,11 @@ int gc__tmpl_getattr(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
   }
 }
 
-/* Python's slice.indices(len) and the items it selects: start, step and count. */
+/* Python's slice.indices(len) and the items it selects: start, stop (normalized), step
+ * and count. Missing parts default by the step's sign; negative ones count from the end;
+ * out-of-range ones clamp to [lower, upper] (which for a negative step are [-1, len-1]).
+ * A part that is not an int, bool or None is a TypeError, reported through *bad_type
+ * because what it becomes depends on the caller (mark_slices in tmpl_parse.c). */
 static int slice_indices(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val sl[3],
                          int64_t len, int64_t *start, int64_t *stop, int64_t *step,
                          int64_t *count, bool *bad_type) {
@@ -285,7 +322,20 @@ static int slice_indices(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
   return 0;
 }
 
-/* Byte offsets of the code points of s (n + 1 entries, the last = s.n). */
+/* Byte offset of code point k of s (k up to its count), walking from byte `from` which
+ * is the offset of code point k0. Text whose count equals its bytes is its own index. */
+static size_t cp_offset(gc__tmpl_str s, size_t nch, size_t from, size_t k0, size_t k) {
+  if (nch == s.n) return k;
+  size_t i = from;
+  for (size_t c = k0; c < k && i < s.n; c++) {
+    uint32_t cp;
+    i += gc__tmpl_u8_next(s.p + i, s.n - i, &cp);
+  }
+  return i;
+}
+
+/* Byte offsets of the code points of s (n + 1 entries, the last = s.n): for slices with a
+ * step, which are rare; indexing and plain slices walk (cp_offset) without memory. */
 static int char_offsets(gc__tmpl_rt *rt, gc__tmpl_str s, size_t **offs, size_t *count) {
   size_t n = gc__tmpl_u8_count(s.p, s.n);
   size_t *o = gc__tmpl_alloc(rt->h, (n + 1) * sizeof *o);
@@ -301,6 +351,8 @@ static int char_offsets(gc__tmpl_rt *rt, gc__tmpl_str s, size_t **offs, size_t *
   return 0;
 }
 
+/* obj[a:b:c] for a str (by code points), a list, a tuple or a range (a range's slice is
+ * a range, as its repr shows). */
 static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
                     const gc__tmpl_val sl[3], gc__tmpl_val *out) {
   bool subscriptable =
@@ -324,7 +376,7 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   size_t *offs = NULL, nchars = 0;
   int rc;
   if (obj->kind == GC__TV_STR) {
-    if ((rc = char_offsets(rt, obj->u.s, &offs, &nchars))) return rc;
+    nchars = gc__tmpl_u8_count(obj->u.s.p, obj->u.s.n);
     len = (int64_t)nchars;
   } else {
     len = (int64_t)obj->u.l->n;
@@ -340,10 +392,12 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
                             "slice indices must be integers or None or have an __index__ method");
   if (obj->kind == GC__TV_STR) {
     if (step == 1) {
-      size_t a = offs[start], b = offs[start + count];
+      size_t a = cp_offset(obj->u.s, nchars, 0, 0, (size_t)start);
+      size_t b = cp_offset(obj->u.s, nchars, a, (size_t)start, (size_t)(start + count));
       *out = gc__tmpl_strv(obj->u.s.p + a, b - a);
       return 0;
     }
+    if ((rc = char_offsets(rt, obj->u.s, &offs, &nchars))) return rc;
     size_t bytes = 0;
     for (int64_t k = 0; k < count; k++) {
       int64_t i = start + k * step;
@@ -373,6 +427,11 @@ static int do_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   return 0;
 }
 
+/* obj[key] as the sandboxed environment's getitem does it: Python's obj[key] first; if
+ * that raises TypeError or LookupError (a missing key, an index out of range, a type
+ * that is not subscriptable), a str key is tried as an attribute; what is left is
+ * undefined. So messages[10] is undefined, d["items"] is the method, none["x"] is
+ * undefined: none of these fail until used. */
 int gc__tmpl_getitem(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
                      const gc__tmpl_val *key, gc__tmpl_val *out) {
   if (obj->kind == GC__TV_UNDEF) return gc__tmpl_rt_undef(rt, n, obj);
@@ -390,15 +449,15 @@ int gc__tmpl_getitem(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
   case GC__TV_STR:
     if (int_key) {
       /* One code point, by index from either end. */
-      size_t *offs, nch;
-      int rc = char_offsets(rt, obj->u.s, &offs, &nch);
-      if (rc) return rc;
+      size_t nch = gc__tmpl_u8_count(obj->u.s.p, obj->u.s.n);
       int64_t i = idx < 0 ? idx + (int64_t)nch : idx;
       if (i < 0 || i >= (int64_t)nch) {
         *out = undef_elem(obj, idx);
         return 0;
       }
-      *out = gc__tmpl_strv(obj->u.s.p + offs[i], offs[i + 1] - offs[i]);
+      size_t a = cp_offset(obj->u.s, nch, 0, 0, (size_t)i);
+      uint32_t cp;
+      *out = gc__tmpl_strv(obj->u.s.p + a, gc__tmpl_u8_next(obj->u.s.p + a, obj->u.s.n - a, &cp));
       return 0;
     }
     break;
@@ -427,6 +486,9 @@ int gc__tmpl_getitem(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
 
 /* ---- iteration ----------------------------------------------------------------------- */
 
+/* What Python's iter() yields: an undefined value nothing (Undefined.__iter__), a str its
+ * characters, a dict its keys, a list flavour its items. None, numbers, namespaces and
+ * functions are not iterable (TypeError). */
 int gc__tmpl_iter(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
                   const gc__tmpl_val **items, size_t *count) {
   switch (v->kind) {
@@ -479,6 +541,9 @@ static bool memfind(const char *h, size_t hn, const char *nd, size_t nn) {
   return false;
 }
 
+/* Python's `a in b`: a substring test for str (a must be a str), a key lookup for dict
+ * (a must be hashable), an equality scan for the list flavours (a generator is used up
+ * to the match), False for undefined (which iterates empty), TypeError otherwise. */
 int gc__tmpl_contains(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *b,
                       const gc__tmpl_val *a, bool *in) {
   *in = false;
@@ -521,6 +586,12 @@ int gc__tmpl_contains(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_va
 
 /* ---- operators ------------------------------------------------------------------------ */
 
+/* Python's operators on our values. Values carry Python's types (bool < int < float in
+ * the numeric tower, str, list, tuple, dict, ...) and every operator checks the pair of
+ * types first, so that what would be a TypeError in Python is an error here with the
+ * same wording, and never a crash or a silent coercion. Integers are 64-bit; overflow is
+ * an error rather than a wrong number. */
+
 static bool is_num(const gc__tmpl_val *v) {
   return v->kind == GC__TV_BOOL || v->kind == GC__TV_INT || v->kind == GC__TV_FLOAT;
 }
@@ -535,7 +606,9 @@ static const char *op_text(uint8_t op) {
   return op < sizeof t / sizeof t[0] ? t[op] : "?";
 }
 
-/* markupsafe.escape of a str (for `+` with a |safe string). */
+/* markupsafe.escape of a str (for `+` with a |safe string): |safe makes a Markup, and
+ * Markup.__add__ / __radd__ escape the other operand. Only `+` does this; `~` joins
+ * str() of both and escapes nothing. */
 static int html_escape(gc__tmpl_rt *rt, gc__tmpl_str s, gc__tmpl_str *out) {
   size_t extra = 0;
   for (size_t i = 0; i < s.n; i++) {
@@ -580,6 +653,8 @@ static int concat2(gc__tmpl_rt *rt, gc__tmpl_str a, gc__tmpl_str b, gc__tmpl_val
   return 0;
 }
 
+/* str * int and list * int (times <= 0 gives an empty one), checked against the memory
+ * budget before anything is allocated, so that 'x' * 10**15 fails at once. */
 static int repeat(gc__tmpl_rt *rt, const gc__tmpl_val *seq, int64_t times, gc__tmpl_val *out) {
   if (times < 0) times = 0;
   if (seq->kind == GC__TV_STR) {
@@ -613,7 +688,9 @@ static int type_error2(gc__tmpl_rt *rt, uint8_t op, const gc__tmpl_val *a, const
                     op_text(op), gc__tmpl_type_name(a), gc__tmpl_type_name(b));
 }
 
-/* CPython's float floor division and modulo (float_divmod). */
+/* CPython's float floor division and modulo (float_divmod): the remainder takes the
+ * divisor's sign, and the quotient is corrected so that q * y + r == x as closely as
+ * doubles allow (floor() alone is off by one for some inputs). */
 static void float_divmod(double vx, double wx, double *floordiv, double *mod) {
   double m = fmod(vx, wx);
   double div = (vx - m) / wx;
@@ -635,6 +712,8 @@ static void float_divmod(double vx, double wx, double *floordiv, double *mod) {
   *floordiv = fd, *mod = m;
 }
 
+/* int ** non-negative int by squaring, failing on overflow (Python would go on with a
+ * big int: a known difference). */
 static int int_pow(gc__tmpl_rt *rt, int64_t base, int64_t ex, gc__tmpl_val *out) {
   int64_t r = 1, b = base;
   while (ex > 0) {
@@ -650,6 +729,13 @@ overflow:
   return mr_err_set(rt->e, MR_ERANGE, "integer overflow (integers here are 64-bit)");
 }
 
+/* A binary operator with Python's rules. Numbers first: bool counts as int, an int and a
+ * float make a float, / is always true division, // and % floor (the remainder has the
+ * divisor's sign), ** of ints stays an int unless the exponent is negative. Then the
+ * sequences: str + str, list + list, tuple + tuple, sequence * int. Anything else is
+ * Python's TypeError with Python's wording; an undefined operand is jinja2's
+ * UndefinedError (Undefined's operators all raise). Errors here are not located: the
+ * caller (eval) locates them at the operator. */
 static int binop(gc__tmpl_rt *rt, uint8_t op, const gc__tmpl_val *a, const gc__tmpl_val *b,
                  gc__tmpl_val *out) {
   if (a->kind == GC__TV_UNDEF || b->kind == GC__TV_UNDEF) {
@@ -763,7 +849,9 @@ overflow:
   return mr_err_set(rt->e, MR_ERANGE, "integer overflow (integers here are 64-bit)");
 }
 
-/* One comparison of a chain. */
+/* One comparison of a chain. == and != never fail (different kinds are unequal, two
+ * undefined values are equal); ordering fails for kinds Python cannot order, and for an
+ * undefined operand (Undefined.__lt__ raises). NaN makes every ordering false. */
 static int compare(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint8_t op, const gc__tmpl_val *a,
                    const gc__tmpl_val *b, bool *res) {
   int rc;
@@ -796,6 +884,8 @@ static int compare(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint8_t op, const gc
 static int eval(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_val *out);
 static int exec_node(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f);
 
+/* The arguments of a call, filter or test, positional then keyword, left to right as
+ * Python evaluates them. */
 static int eval_args(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_args *a) {
   memset(a, 0, sizeof *a);
   size_t total = (size_t)n->n + n->nkw;
@@ -814,6 +904,11 @@ static int eval_args(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl
   return 0;
 }
 
+/* A macro call: a new scope under the root (macros see the template's variables as they
+ * are now, never the caller's loop), the parameters bound from positional then keyword
+ * arguments, defaults evaluated in that scope (so a default may use the parameters
+ * before it), missing ones undefined. The body renders into the output buffer; what it
+ * wrote is cut off again and becomes the call's value, a str. */
 static int call_macro(gc__tmpl_rt *rt, const gc__tmpl_node *call, const gc__tmpl_node *m,
                       gc__tmpl_args *args, gc__tmpl_val *out) {
   const char *name = m->val.u.s.p;
@@ -873,6 +968,9 @@ static int call_macro(gc__tmpl_rt *rt, const gc__tmpl_node *call, const gc__tmpl
   return 0;
 }
 
+/* callee(args): a method (x.name(...), the attribute looked up as for x.name), a macro,
+ * or a global function. The parser allowed only names and attributes as callees; what
+ * they hold at run time decides. */
 static int eval_call(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_val *out) {
   gc__tmpl_val callee;
   int rc;
@@ -906,6 +1004,7 @@ static int eval_list(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, uint8_t 
   return rc;
 }
 
+/* One expression node (eval wraps it with the nesting bound and the error's place). */
 static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_val *out) {
   gc__tmpl_val a, b;
   int rc;
@@ -971,6 +1070,7 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
     if ((rc = eval(rt, n->a, f, &a)) || (rc = eval(rt, n->b, f, &b))) return rc;
     return binop(rt, n->op, &a, &b, out);
   case GC__TN_CONCAT: {
+    /* jinja2's str_join: str() of every operand (undefined is ""), no escaping. */
     gc__tmpl_sb sb;
     gc__tmpl_sb_init(&sb, rt->h->limit, "memory", rt->e);
     for (uint32_t k = 0; k < n->n; k++) {
@@ -1003,6 +1103,8 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
   }
   case GC__TN_AND:
   case GC__TN_OR:
+    /* Python's and / or: the deciding operand itself, not a bool; the right one is only
+     * evaluated when needed. */
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     if (gc__tmpl_truthy(&a) == (n->kind == GC__TN_OR)) {
       *out = a;
@@ -1032,6 +1134,9 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
   }
 }
 
+/* Evaluates expression n in scope f. Recursion is bounded (GC__TMPL_MAX_EVAL_NEST) so
+ * that no template reaches the end of the C stack; a failure gets n's place unless a
+ * node below already gave it one. */
 static int eval(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_val *out) {
   if (++rt->nest > GC__TMPL_MAX_EVAL_NEST) {
     rt->nest--;
@@ -1045,7 +1150,16 @@ static int eval(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmpl_val 
 
 /* ---- statements ------------------------------------------------------------------------- */
 
-/* Binds a for / set target (a name or a tuple of names) to v in frame f. */
+/* Statements write to the render's output buffer. Control flow is the return code:
+ * 0, CTL_BREAK or CTL_CONTINUE (the parser allows these only inside a for body, so they
+ * never escape one), or a negative error that unwinds everything. Captures ({% set %}
+ * blocks, macro calls) render into the same buffer and cut their text back off, so no
+ * second buffer exists and the output limit covers them too. */
+
+/* Binds a for / set target to v in frame f: a name; a tuple of names, unpacking v as
+ * Python does (exactly as many items, or ValueError); or ns.attr, which writes into the
+ * namespace wherever it lives (its attribute names may not start with "_": transformers'
+ * TemplateNamespace). */
 static int assign(gc__tmpl_rt *rt, const gc__tmpl_node *target, frame *f, const gc__tmpl_val *v) {
   if (target->kind == GC__TN_NAME) return frame_set(rt, f, target->id, *v);
   if (target->kind == GC__TN_NSREF) {
@@ -1077,6 +1191,10 @@ static int assign(gc__tmpl_rt *rt, const gc__tmpl_node *target, frame *f, const 
   return 0;
 }
 
+/* {% for %}: the iterable evaluated once in the enclosing scope; one frame reused for
+ * every iteration (emptied each time, which is what jinja2's per-iteration scope
+ * amounts to); `loop` bound when the template names it anywhere; else only when no
+ * item was iterated (after the filter); break / continue end here. */
 static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   gc__tmpl_val seq;
   const gc__tmpl_val *items;
@@ -1138,6 +1256,8 @@ static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   return 0;
 }
 
+/* One statement node. Returns 0, CTL_BREAK / CTL_CONTINUE (passed up to the nearest
+ * for), or a negative error. */
 static int exec_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   gc__tmpl_val v;
   int rc;
@@ -1161,6 +1281,7 @@ static int exec_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
     if ((rc = eval(rt, n->b, f, &v))) return rc;
     return assign(rt, n->a, f, &v);
   case GC__TN_SETBLOCK: {
+    /* The body renders into the output, then its text moves into the value. */
     size_t mark = rt->out->n;
     rc = exec_node(rt, n->d, f);
     if (rc) {
@@ -1175,6 +1296,8 @@ static int exec_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
     return assign(rt, n->a, f, &v);
   }
   case GC__TN_MACRO:
+    /* A definition is an assignment where it stands: calling a macro above its
+     * definition at the top level finds an undefined name, as in jinja2. */
     return frame_set(rt, f, n->id, (gc__tmpl_val){.kind = GC__TV_MACRO, .u.macro = n});
   case GC__TN_BREAK:
     return CTL_BREAK;
@@ -1196,6 +1319,7 @@ static int exec_node(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   return rc < 0 ? gc__tmpl_rt_locate(rt, n, rc) : rc;
 }
 
+/* Renders t with the variables vars (a dict, or undefined for none) into out. */
 int gc__tmpl_run(const gc_tmpl *t, gc__tmpl_val vars, const gc_tmpl_limits *lim,
                  gc__tmpl_heap *h, gc__tmpl_sb *out, mr_err *e) {
   gc__tmpl_rt rt = {.t = t, .h = h, .out = out, .e = e};

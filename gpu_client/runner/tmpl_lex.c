@@ -32,17 +32,23 @@
 
 #include "tmpl_internal.h"
 
+/* One tokenization. Tokens point into the source (names, text) or into the template's
+ * heap (decoded strings); the array itself grows on mr_realloc and goes to the parser. */
 typedef struct lexer {
   gc_tmpl *t;
-  const char *s;
+  const char *s;      /* the normalized source */
   size_t n;
-  gc__tmpl_tok *toks;
+  gc__tmpl_tok *toks; /* the tokens so far */
   size_t ntoks, cap;
   mr_err *e;
-  char stack[64]; /* closers of the open brackets */
+  /* jinja2's balancing_stack: the closer each open ( [ { expects. While it is not empty
+   * "}}" and "%}" are operators, not the tag's end. 64 deep is far beyond any template
+   * and keeps the parser's recursion over brackets bounded too. */
+  char stack[64];
   int depth;
 } lexer;
 
+/* Fails with "origin:line:col: message" for the byte at pos. */
 static int lfail(lexer *L, size_t pos, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static int lfail(lexer *L, size_t pos, int code, const char *fmt, ...) {
@@ -55,6 +61,7 @@ static int lfail(lexer *L, size_t pos, int code, const char *fmt, ...) {
   return mr_err_set(L->e, code, "%s: %s", where, msg);
 }
 
+/* Appends a zeroed token of kind at pos; NULL (with the error set) when out of memory. */
 static gc__tmpl_tok *push(lexer *L, uint8_t kind, size_t pos) {
   if (L->ntoks == L->cap) {
     size_t cap = L->cap ? L->cap * 2 : 256;
@@ -72,7 +79,9 @@ static gc__tmpl_tok *push(lexer *L, uint8_t kind, size_t pos) {
   return k;
 }
 
-/* Python's \s at s[i] (a whole code point): its length, or 0 if not whitespace. */
+/* Python's \s at s[i] (a whole code point): its length, or 0 if not whitespace. jinja2's
+ * regexes run on str, where \s is every character str.isspace() accepts: NBSP, U+3000
+ * and the other Unicode spaces strip like tabs. */
 static size_t space_at(const lexer *L, size_t i) {
   if (i >= L->n) return 0;
   unsigned char c = (unsigned char)L->s[i];
@@ -88,7 +97,9 @@ static size_t skip_space(const lexer *L, size_t i) {
   return i;
 }
 
-/* End of text [a, b) after Python's rstrip(). */
+/* End of text [a, b) after Python's rstrip() (what "{%-" / "{{-" do to the text before
+ * them). Forward, since UTF-8 cannot be walked backwards code point by code point
+ * without care; the text is short. */
 static size_t rstrip_end(const lexer *L, size_t a, size_t b) {
   size_t end = a;
   for (size_t i = a; i < b;) {
@@ -104,8 +115,15 @@ static size_t rstrip_end(const lexer *L, size_t a, size_t b) {
   return end;
 }
 
-/* Emits the text [a, b) before a tag whose sign is `sign`, with jinja2's stripping.
- * lstrip: the tag is {% or {# (lstrip_blocks applies), not {{. */
+/* Emits the text [a, b) before a tag whose sign is `sign`, with jinja2's stripping
+ * (Lexer.tokeniter, the OptionalLStrip branch):
+ *   '-'  text.rstrip(): every trailing whitespace, newlines included;
+ *   '+'  nothing (the tag opts out of lstrip_blocks);
+ *   none with lstrip_blocks, for {% and {# only: if the text after its last newline (or
+ *        the whole text when the previous match ended a line) is only whitespace, that
+ *        whitespace goes. "line_starting" is jinja2's flag for the second case: a tag
+ *        end that consumed a newline (trim_blocks, "-%}") leaves us at a line start.
+ * Empty text makes no token (jinja2 drops empty data). */
 static int text_before_tag(lexer *L, size_t a, size_t b, char sign, bool lstrip,
                            bool line_starting) {
   if (sign == '-') {
@@ -140,7 +158,11 @@ static bool is_hex(char c) {
 static bool name_start(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 static bool name_char(char c) { return name_start(c) || is_digit(c); }
 
-/* (\d+_)*\d+ at i: its end, or 0 if no digit there. */
+/* Numbers follow jinja2's regexes, ASCII digits only (Python's \d also takes other
+ * scripts' digits; a template with those is refused as an unexpected character). */
+
+/* (\d+_)*\d+ at i: its end, or 0 if no digit there. A single '_' may separate digit
+ * runs; a trailing or doubled one ends the number. */
 static size_t digits_end(const lexer *L, size_t i) {
   if (i >= L->n || !is_digit(L->s[i])) return 0;
   for (;;) {
@@ -153,7 +175,10 @@ static size_t digits_end(const lexer *L, size_t i) {
   }
 }
 
-/* jinja2's float_re at i: its end, or 0. */
+/* jinja2's float_re at i: its end, or 0. Digits, then either an optional fraction and an
+ * exponent, or a fraction alone: "1e5", "1.5", "1.5e-3" are floats, "1." and "1e" are
+ * not (the int rule takes "1", the rest is another token). The regex's (?<!\.) keeps
+ * "x.1.2" from reading "1.2" after a dot. */
 static size_t float_end(const lexer *L, size_t i) {
   if (i > 0 && L->s[i - 1] == '.') return 0; /* (?<!\.) */
   size_t a = digits_end(L, i);
@@ -170,7 +195,10 @@ static size_t float_end(const lexer *L, size_t i) {
   return f; /* a fraction without exponent, or no float */
 }
 
-/* jinja2's integer_re at i: its end, or 0; *base gets 2, 8, 16 or 10. */
+/* jinja2's integer_re at i: its end, or 0; *base gets 2, 8, 16 or 10. The alternatives
+ * in the regex's order: 0b / 0o / 0x with at least one digit of that base, a decimal
+ * that does not start with 0, or zeros ("007" lexes as "00" then "7", a parse error as
+ * in jinja2). */
 static size_t int_end(const lexer *L, size_t i, int *base) {
   const char *s = L->s;
   if (i >= L->n || !is_digit(s[i])) return 0;
@@ -215,6 +243,8 @@ static size_t int_end(const lexer *L, size_t i, int *base) {
   }
 }
 
+/* A number token at i: the float rule first, as jinja2 orders them. Values beyond 64
+ * bits are refused (Python would have a big int). */
 static int lex_number(lexer *L, size_t i, size_t *next) {
   char buf[80];
   size_t fe = float_end(L, i);
@@ -257,7 +287,12 @@ static int hexval(char c) {
 }
 
 /* Decodes a string literal's body [a, b) the way jinja2 does:
- * body.encode("ascii", "backslashreplace").decode("unicode-escape"). */
+ * body.encode("ascii", "backslashreplace").decode("unicode-escape"). That is Python's
+ * escapes (\n \t \\ \' \" \a \b \f \v \r, octal up to 3 digits, \xHH, \uHHHH,
+ * \UHHHHHHHH, backslash-newline as nothing), an unknown escape kept as written, and one
+ * quirk of the round trip: a backslash before a non-ASCII character escapes the
+ * backslash that backslashreplace put in, so "\é" becomes the four characters \xe9.
+ * \N{name} needs Python's name table: refused. The output is at most twice the input. */
 static int lex_string(lexer *L, size_t q, size_t a, size_t b) {
   char *out = gc__tmpl_alloc(&L->t->heap, (b - a) * 2 + 1);
   if (!out) return L->e->code;
@@ -335,6 +370,8 @@ static int lex_string(lexer *L, size_t q, size_t a, size_t b) {
   return 0;
 }
 
+/* jinja2's operators, two-character ones first so that the longest match wins ("//"
+ * before "/", "**" before "*", "==" before "="). "!" alone is not one. */
 static const struct {
   const char *text;
   uint8_t op;
@@ -351,7 +388,12 @@ static const struct {
 };
 
 /* One tag's tokens, from i (after the opening delimiter) through its end. var: {{ }}.
- * *next: the position after the end; *line_start: the end consumed a newline last. */
+ * *next: the position after the end; *line_start: the end consumed a newline last.
+ * jinja2 tries the end rule before the token rules at every position, so "-%}" ends a
+ * tag even right after an operand ("x-%}" is x, then the end with whitespace control),
+ * but only while no bracket is open. The end rules: "+%}" (no trim), "-%}" and the
+ * whitespace after it, "%}" and one newline (trim_blocks); "-}}" and the whitespace
+ * after it, "}}" (variables have no trim_blocks). */
 static int lex_tag(lexer *L, size_t i, bool var, size_t *next, bool *line_start) {
   L->depth = 0;
   for (;;) {
@@ -404,6 +446,7 @@ static int lex_tag(lexer *L, size_t i, bool var, size_t *next, bool *line_start)
       continue;
     }
     if (c == '\'' || c == '"') {
+      /* A backslash escapes anything, the quote and a newline included (re.S). */
       size_t j = i + 1;
       while (j < L->n && L->s[j] != c) j += L->s[j] == '\\' && j + 1 < L->n ? 2 : 1;
       if (j >= L->n) return lfail(L, i, MR_EFORMAT, "unterminated string");
@@ -439,7 +482,9 @@ static int lex_tag(lexer *L, size_t i, bool var, size_t *next, bool *line_start)
   }
 }
 
-/* {% raw %} at i: its length, or 0. Matches {%(-|+|)\s*raw\s*(-%}\s*|%}); *sign_out. */
+/* {% raw %} at i: true (1) and *body = where its content starts, or 0. Matches
+ * jinja2's {%(-|+|)\s*raw\s*(?:-%}\s*|%}): note that "%}" here applies no trim_blocks,
+ * so a newline right after {% raw %} stays in the content. */
 static size_t raw_begin(const lexer *L, size_t i, size_t *body) {
   size_t j = i + 2;
   if (j < L->n && (L->s[j] == '-' || L->s[j] == '+')) j++;
@@ -457,7 +502,9 @@ static size_t raw_begin(const lexer *L, size_t i, size_t *body) {
   return 0;
 }
 
-/* {% endraw %} searched from i: the text end, the sign and the position after it. */
+/* {% endraw %} searched from i: the text end, the sign and the position after it. The
+ * first "{%" that reads as endraw closes the block; the content before it gets the
+ * same stripping as text before a tag (the sign, lstrip_blocks). */
 static bool raw_end(const lexer *L, size_t i, size_t *text_end, char *sign, size_t *next) {
   for (size_t a = i; a + 1 < L->n; a++) {
     if (L->s[a] != '{' || L->s[a + 1] != '%') continue;
@@ -483,13 +530,15 @@ static bool raw_end(const lexer *L, size_t i, size_t *text_end, char *sign, size
   return false;
 }
 
+/* The root state: text up to the earliest "{{", "{%" or "{#" (jinja2's root regex is
+ * (.*?)(?:raw|{#|{%|{{) with the sign after the delimiter), then the tag. */
 int gc__tmpl_lex(gc_tmpl *t, gc__tmpl_tok **toks, size_t *ntoks, mr_err *e) {
   lexer L = {.t = t, .s = t->src, .n = t->len, .e = e};
   size_t pos = 0;
-  bool line_starting = true;
+  bool line_starting = true; /* the start of the template counts as a line start */
   int rc = 0;
   while (pos < L.n) {
-    /* The earliest tag start. */
+    /* The earliest tag start: a '{' followed by one of "{%#". */
     size_t i = pos;
     const char *hit = NULL;
     while (i + 1 < L.n) {
@@ -528,6 +577,9 @@ int gc__tmpl_lex(gc_tmpl *t, gc__tmpl_tok **toks, size_t *ntoks, mr_err *e) {
     }
     size_t after = i + 2 + (sign ? 1 : 0);
     if (kind == '#') {
+      /* jinja2's comment end: the first of "+#}", "-#}" (and the whitespace after it)
+       * or "#}" (and one newline: trim_blocks applies to comments too). The comment's
+       * text is dropped; a comment never makes a token. */
       size_t j, end = 0;
       for (j = after; j + 1 < L.n; j++) {
         if ((L.s[j] == '+' || L.s[j] == '-') && j + 2 < L.n && L.s[j + 1] == '#' &&

@@ -43,6 +43,8 @@ typedef struct parser {
   uint8_t *is_macro; /* per name id: some {% macro %} defines it */
 } parser;
 
+/* Fails with "origin:line:col: message" for the byte at pos: MR_ENOTSUP for a construct
+ * outside the subset, MR_EFORMAT for what jinja2 itself would reject. */
 static int pfail(parser *P, size_t pos, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 static int pfail(parser *P, size_t pos, int code, const char *fmt, ...) {
@@ -57,12 +59,21 @@ static int pfail(parser *P, size_t pos, int code, const char *fmt, ...) {
 
 /* ---- names ------------------------------------------------------------------------- */
 
+/* Names are resolved at compile time as far as they can be: a filter, test, method or
+ * function that the subset lacks is a refusal here; a name that may hold a value is
+ * interned and looked up at render time. Macro names are collected in a first pass over
+ * the tokens, so that a macro may call one defined further down. */
+
+/* Every identifier gets a small id, so that scopes and the render's variables are
+ * arrays indexed by id instead of string lookups, and a template with many names (a
+ * fuzzer's) does not make interning quadratic. */
 static uint32_t hash_name(const char *p, size_t n) {
   uint32_t h = 2166136261u; /* FNV-1a */
   for (size_t i = 0; i < n; i++) h = (h ^ (unsigned char)p[i]) * 16777619u;
   return h;
 }
 
+/* The id of name p[0..n), a new one the first time; the table doubles at half full. */
 static int intern(parser *P, const char *p, size_t n, uint32_t *id) {
   if (2 * (P->nnames + 1) > P->nslots) {
     uint32_t ns = P->nslots ? P->nslots * 2 : 256;
@@ -104,6 +115,8 @@ static int intern(parser *P, const char *p, size_t n, uint32_t *id) {
 
 /* ---- tokens ------------------------------------------------------------------------ */
 
+/* The token stream ends in EOF; advance() never moves past it, so every lookahead is
+ * safe without bounds checks at the call sites. */
 static const gc__tmpl_tok *cur(const parser *P) { return &P->tk[P->i]; }
 static const gc__tmpl_tok *peek(const parser *P) {
   return P->i + 1 < P->n ? &P->tk[P->i + 1] : &P->tk[P->n - 1];
@@ -119,6 +132,7 @@ static bool is_name(const gc__tmpl_tok *t, const char *name) {
   return t->kind == GC__TK_NAME && t->s.n == n && memcmp(t->s.p, name, n) == 0;
 }
 
+/* A token as messages name it (jinja2's describe_token). */
 static const char *describe(const gc__tmpl_tok *t, char *buf, size_t len) {
   static const char *const opnames[] = {
       "", "+", "-", "/", "//", "*", "%", "**", "~", "[", "]", "(", ")", "{", "}",
@@ -160,6 +174,8 @@ static int expect_kind(parser *P, uint8_t kind, const char *what) {
 
 /* ---- nodes ------------------------------------------------------------------------- */
 
+/* A zeroed node in the template's heap; NULL with the error set when the compile budget
+ * is spent. */
 static gc__tmpl_node *node(parser *P, uint8_t kind, size_t pos) {
   gc__tmpl_node *n = gc__tmpl_alloc(&P->t->heap, sizeof *n);
   if (!n) return NULL;
@@ -186,6 +202,8 @@ static int nl_push(parser *P, nodelist *l, gc__tmpl_node *x) {
   return 0;
 }
 
+/* The list's nodes as an array in the heap (never NULL on success, even when empty),
+ * and the scratch list freed. */
 static gc__tmpl_node **freeze(parser *P, nodelist *l) {
   gc__tmpl_node **v = NULL;
   if (l->n) {
@@ -230,6 +248,21 @@ static bool is_const(const gc__tmpl_node *n);
 static int parse_filter1(parser *P, gc__tmpl_node **node_);
 
 /* ---- expressions ----------------------------------------------------------------- */
+
+/* One function per precedence level, named as in jinja2's parser.py so that the two can
+ * be read side by side:
+ *
+ *   parse_expression -> parse_condexpr   x if c else y
+ *   parse_or, parse_and                  left-associative chains (parse_level)
+ *   parse_not                            prefix, right-recursive
+ *   parse_compare                        one node for a whole chain of comparisons
+ *   parse_math1 (+ -), parse_concat (~), parse_math2 (* / // %), parse_pow (**)
+ *   parse_unary                          - + prefix, then postfixes, filters, tests
+ *   parse_primary                        names, literals, ( ), [ ], { }
+ *
+ * Note that ** is left-associative in jinja2 (2 ** 3 ** 2 is 64, Python says 512) and
+ * binds tighter than unary minus only on its right: -2 ** 2 is (-2) ** 2 = 4. Both are
+ * jinja2's, and followed. */
 
 /* One left-associative binary level: operands from `sub`, operators recognized by
  * `op_at` (it returns the node kind and sets *op, or returns 0). */
@@ -285,6 +318,8 @@ static int parse_math1(parser *P, gc__tmpl_node **out) { return parse_level(P, p
 static int parse_and(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_not, op_and, out); }
 static int parse_or(parser *P, gc__tmpl_node **out) { return parse_level(P, parse_and, op_or, out); }
 
+/* x if c else y, the loosest form; "else" is optional (jinja2 then gives undefined), and
+ * it chains to the right: a if b else c if d else e. */
 static int parse_condexpr(parser *P, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
   int rc = parse_or(P, out);
@@ -307,6 +342,8 @@ static int parse_condexpr(parser *P, gc__tmpl_node **out) {
   return rc;
 }
 
+/* A whole expression. condexpr false where jinja2 does not allow an inline if: the
+ * iterable of a for (whose "if" is the loop filter) and the test of an if. */
 static int parse_expression(parser *P, bool condexpr, gc__tmpl_node **out) {
   ENTER(P, cur(P)->pos);
   int rc = condexpr ? parse_condexpr(P, out) : parse_or(P, out);
@@ -314,6 +351,7 @@ static int parse_expression(parser *P, bool condexpr, gc__tmpl_node **out) {
   return rc;
 }
 
+/* not binds looser than comparisons: not a == b is not (a == b). */
 static int parse_not(parser *P, gc__tmpl_node **out) {
   if (is_name(cur(P), "not")) {
     size_t pos = advance(P)->pos;
@@ -328,6 +366,8 @@ static int parse_not(parser *P, gc__tmpl_node **out) {
   return parse_compare(P, out);
 }
 
+/* Comparisons chain as in Python: a < b <= c is (a < b) and (b <= c), b evaluated once.
+ * "not in" is two tokens; a lone "not" here ends the comparison. */
 static int parse_compare(parser *P, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
   int rc = parse_math1(P, out);
@@ -382,6 +422,8 @@ static int parse_compare(parser *P, gc__tmpl_node **out) {
   return 0;
 }
 
+/* a ~ b ~ c is one node over all operands (each turned to str, then joined): tighter
+ * than + and -, looser than * and /, as jinja2 has it. */
 static int parse_concat(parser *P, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
   int rc = parse_math2(P, out);
@@ -407,6 +449,9 @@ static int parse_concat(parser *P, gc__tmpl_node **out) {
   return c->kids ? 0 : P->e->code;
 }
 
+/* Unary minus / plus, the primary with its postfixes, then (with_filter) filters and
+ * tests. The operand of - takes no filters itself, so -x|abs is abs(-x) (jinja2's
+ * parse_unary(with_filter=False) for the operand). */
 static int parse_unary(parser *P, bool with_filter, gc__tmpl_node **out) {
   const gc__tmpl_tok *t = cur(P);
   int rc;
@@ -426,6 +471,7 @@ static int parse_unary(parser *P, bool with_filter, gc__tmpl_node **out) {
   return rc;
 }
 
+/* [a, b, ...] or {k: v, ...}, a trailing comma allowed. */
 static int parse_list_like(parser *P, uint8_t kind, uint8_t close, const char *what,
                            gc__tmpl_node **out) {
   size_t pos = advance(P)->pos;
@@ -458,6 +504,10 @@ static int parse_list_like(parser *P, uint8_t kind, uint8_t close, const char *w
   return n->kids ? 0 : P->e->code;
 }
 
+/* A name or a literal. true / True / false / False / none / None are constants whatever
+ * the scope holds (jinja2 decides this at parse time). with_ns: "ns.attr" is a namespace
+ * reference (set targets only). Inside a macro, caller / varargs / kwargs would need
+ * jinja2's implicit arguments: refused. */
 static int parse_primary(parser *P, bool with_ns, gc__tmpl_node **out) {
   const gc__tmpl_tok *t = cur(P);
   gc__tmpl_node *n;
@@ -541,7 +591,10 @@ static bool tuple_end(const parser *P, const char *end_name) {
   return end_name && is_name(t, end_name);
 }
 
-/* jinja2's parse_tuple: one expression, or a tuple when commas separate several. */
+/* jinja2's parse_tuple: one expression, or a tuple when commas separate several (a
+ * trailing comma makes a one-item tuple). It ends at "}}", "%}", ")" or end_name ("in"
+ * after a for target, "recursive" after its iterable). simplified: names and literals
+ * only (targets). Empty "()" is a tuple only inside explicit parentheses. */
 static int parse_tuple(parser *P, bool simplified, bool condexpr, const char *end_name,
                        bool explicit_parens, bool with_ns, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
@@ -590,7 +643,9 @@ static int parse_tuple(parser *P, bool simplified, bool condexpr, const char *en
   return n->kids ? 0 : P->e->code;
 }
 
-/* ( args ) into n->kids / kw / kwv. */
+/* ( args ) into n->kids / kw / kwv: positional arguments first, then keywords (a
+ * positional one after a keyword is a syntax error, as in Python); a trailing comma is
+ * fine; *args and **kwargs are refused. */
 static int parse_call_args(parser *P, gc__tmpl_node *n) {
   size_t pos = cur(P)->pos;
   int rc = expect_op(P, GC__TOP_LPAREN, "(");
@@ -688,6 +743,8 @@ static int parse_call(parser *P, gc__tmpl_node **node_) {
   return 0;
 }
 
+/* One subscript: an expression, or a slice [start]:[stop][:[step]] with any part left
+ * out (jinja2's parse_subscribed). */
 static int parse_subscribed(parser *P, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
   gc__tmpl_node *parts[3] = {NULL, NULL, NULL};
@@ -718,6 +775,8 @@ static int parse_subscribed(parser *P, gc__tmpl_node **out) {
   return 0;
 }
 
+/* .name, .0 (an integer after the dot is an item, not an attribute), or [subscripts]
+ * (several make a tuple key). */
 static int parse_subscript(parser *P, gc__tmpl_node **node_) {
   const gc__tmpl_tok *t = advance(P);
   int rc;
@@ -827,6 +886,7 @@ static bool is_const(const gc__tmpl_node *n) {
   }
 }
 
+/* Postfixes in any order and number: x.a[0](1).b ... */
 static int parse_postfix(parser *P, gc__tmpl_node **node_) {
   int links = 0, rc = 0;
   for (;;) {
@@ -868,6 +928,8 @@ static int check_name_arg(parser *P, gc__tmpl_node *f) {
                test ? "test" : "filter", (int)(s->n > 60 ? 60 : s->n), s->p);
 }
 
+/* |name or |name(args), repeated. The name must be a filter of the subset; jinja2's
+ * dotted filter names (from extensions) are refused. */
 static int parse_filter(parser *P, gc__tmpl_node **node_) {
   int links = 0, rc = 0;
   while (is_op(cur(P), GC__TOP_PIPE)) {
@@ -906,6 +968,9 @@ static int parse_filter1(parser *P, gc__tmpl_node **node_) {
   return 0;
 }
 
+/* is [not] name, with arguments in parentheses or one argument without them (jinja2:
+ * "x is divisibleby 3", "x is sameas none"), unless the next word ends the expression
+ * (else, or, and). "is not t" is not (x is t). */
 static int parse_test(parser *P, gc__tmpl_node **node_) {
   size_t pos = advance(P)->pos; /* "is" */
   bool negated = false;
@@ -951,6 +1016,7 @@ static int parse_test(parser *P, gc__tmpl_node **node_) {
   return 0;
 }
 
+/* Filters, tests and calls after a unary, in any order: x|f is t, x|f(1)(2) ... */
 static int parse_filter_expr(parser *P, gc__tmpl_node **node_) {
   int links = 0, rc = 0;
   for (;;) {
@@ -971,6 +1037,12 @@ static int parse_filter_expr(parser *P, gc__tmpl_node **node_) {
 
 /* ---- statements ------------------------------------------------------------------ */
 
+/* Each {% tag %} becomes a node (tmpl_internal.h) whose bodies are BODY nodes. The tags
+ * of the subset are those the published templates use; the others are refused by name
+ * (a template that uses them would render differently or not at all), so that the
+ * caller learns at load time, not at the first request, that a model's template is out
+ * of reach. */
+
 /* Skips an optional colon, expects the tag's end and parses the body up to one of ends
  * (left as the current token). */
 static int parse_statements(parser *P, const char *const *ends, gc__tmpl_node **out) {
@@ -980,6 +1052,8 @@ static int parse_statements(parser *P, const char *const *ends, gc__tmpl_node **
   return subparse(P, ends, out);
 }
 
+/* Consumes the end name of a block (endfor, endif, ...); the block end after it is
+ * expected by the caller's subparse, as in jinja2's drop_needle. */
 static int drop_end(parser *P) {
   advance(P); /* the end name; the caller's subparse expects the block end */
   return 0;
@@ -1001,6 +1075,9 @@ static int check_target(parser *P, gc__tmpl_node *t, bool with_ns) {
   return pfail(P, t->pos, MR_EFORMAT, "can't assign to this expression");
 }
 
+/* {% for target in iterable [if filter] [recursive] %} body [{% else %} body] {% endfor %}.
+ * break / continue are allowed in the body (loopcontrols); a macro is not (it would close
+ * over the loop's scope, which the walker does not model). */
 static int parse_for(parser *P, size_t pos, gc__tmpl_node **out) {
   static const char *const ends_body[] = {"endfor", "else", NULL};
   static const char *const ends_else[] = {"endfor", NULL};
@@ -1030,6 +1107,8 @@ static int parse_for(parser *P, size_t pos, gc__tmpl_node **out) {
   return 0;
 }
 
+/* {% if %} ... {% elif %} ... {% else %} ... {% endif %}: each elif an IF in the else
+ * slot of the previous one, counted as nesting (chain_link). */
 static int parse_if(parser *P, size_t pos, gc__tmpl_node **out) {
   static const char *const ends[] = {"elif", "else", "endif", NULL};
   static const char *const ends_else[] = {"endif", NULL};
@@ -1062,6 +1141,8 @@ static int parse_if(parser *P, size_t pos, gc__tmpl_node **out) {
   return 0;
 }
 
+/* {% set target = value %} (a value list makes a tuple) or {% set target %} body
+ * {% endset %} (the body's text is the value). */
 static int parse_set(parser *P, size_t pos, gc__tmpl_node **out) {
   static const char *const ends[] = {"endset", NULL};
   gc__tmpl_node *target = NULL;
@@ -1090,6 +1171,9 @@ static int parse_set(parser *P, size_t pos, gc__tmpl_node **out) {
   return 0;
 }
 
+/* {% macro name(a, b=default, ...) %} body {% endmacro %}. Defaults are expressions,
+ * evaluated at each call in the macro's scope; a parameter without default after one
+ * with is a syntax error as in Python. */
 static int parse_macro(parser *P, size_t pos, gc__tmpl_node **out) {
   static const char *const ends[] = {"endmacro", NULL};
   if (P->closures)
@@ -1146,6 +1230,8 @@ fail:
   return rc;
 }
 
+/* One {% tag %}: the statements of the subset, the refused ones by name, unknown tags as
+ * jinja2's syntax error. */
 static int parse_statement(parser *P, gc__tmpl_node **out) {
   static const char *const refused[] = {
       "block", "extends", "include", "import", "from",  "with", "autoescape",
@@ -1221,6 +1307,9 @@ static bool is_end(const gc__tmpl_tok *t, const char *const *ends) {
   return false;
 }
 
+/* A body: text, {{ }} and statements, up to a {% tag %} named in ends (left current)
+ * or the end of the template (only without ends). A stray end tag ("endif" where none
+ * is open) is jinja2's "unexpected" error. */
 static int subparse(parser *P, const char *const *ends, gc__tmpl_node **out) {
   size_t pos = cur(P)->pos;
   nodelist body = {0};

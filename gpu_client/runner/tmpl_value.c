@@ -21,6 +21,8 @@
 
 /* ---- memory ----------------------------------------------------------------------- */
 
+/* The budget counts every byte handed out, so a render that builds too much stops with
+ * a message naming the limit instead of taking the host's memory. */
 void *gc__tmpl_alloc(gc__tmpl_heap *h, size_t n) {
   if (n > h->limit || h->arena.used > h->limit - n) {
     mr_err_set(h->e, MR_EEXHAUSTED, "memory limit of %zu bytes reached", h->limit);
@@ -51,6 +53,7 @@ void gc__tmpl_sb_init(gc__tmpl_sb *b, size_t limit, const char *what, mr_err *e)
   b->e = e;
 }
 
+/* Appends n bytes, keeping a NUL after them; doubles the buffer as it grows. */
 int gc__tmpl_sb_put(gc__tmpl_sb *b, const char *p, size_t n) {
   if (n == 0) return 0;
   if (n > b->limit || b->n > b->limit - n)
@@ -89,6 +92,8 @@ void gc__tmpl_sb_free(gc__tmpl_sb *b) {
 
 /* ---- UTF-8 -------------------------------------------------------------------------- */
 
+/* Shortest forms only (no overlong encodings), up to U+10FFFF; a truncated or invalid
+ * sequence decodes its first byte alone. */
 size_t gc__tmpl_u8_next(const char *s, size_t n, uint32_t *cp) {
   const unsigned char *p = (const unsigned char *)s;
   unsigned c = p[0];
@@ -185,13 +190,12 @@ int gc__tmpl_list_new(gc__tmpl_heap *h, size_t n, uint8_t flavour, gc__tmpl_val 
   gc__tmpl_list *l = gc__tmpl_alloc(h, sizeof *l);
   if (!l) return h->e->code;
   memset(l, 0, sizeof *l);
-  if (n) {
-    if (n > SIZE_MAX / sizeof(gc__tmpl_val))
-      return mr_err_set(h->e, MR_EEXHAUSTED, "list of %zu items too long", n);
-    l->v = gc__tmpl_alloc(h, n * sizeof(gc__tmpl_val));
-    if (!l->v) return h->e->code;
-    memset(l->v, 0, n * sizeof(gc__tmpl_val));
-  }
+  /* Never a NULL array, even when empty: l->v + l->pos is then always defined. */
+  if (n > SIZE_MAX / sizeof(gc__tmpl_val) - 1)
+    return mr_err_set(h->e, MR_EEXHAUSTED, "list of %zu items too long", n);
+  l->v = gc__tmpl_alloc(h, (n ? n : 1) * sizeof(gc__tmpl_val));
+  if (!l->v) return h->e->code;
+  memset(l->v, 0, (n ? n : 1) * sizeof(gc__tmpl_val));
   l->n = n;
   l->flavour = flavour;
   l->step = 1;
@@ -216,7 +220,8 @@ int gc__tmpl_dict_new(gc__tmpl_heap *h, size_t cap, bool ns, gc__tmpl_val *out) 
 }
 
 /* Hashable in Python: scalars and tuples of hashables (namespaces and functions are,
- * by identity, but never appear as keys in practice). */
+ * by identity, but never appear as keys in practice). Lists and dicts are not: a dict
+ * literal with such a key, or one used with `in` / get(), is Python's TypeError. */
 static bool hashable(const gc__tmpl_val *v, int depth) {
   if (depth > GC__TMPL_MAX_NEST) return false;
   if (v->kind == GC__TV_DICT) return false;
@@ -228,6 +233,8 @@ static bool hashable(const gc__tmpl_val *v, int depth) {
   return true;
 }
 
+/* Linear: the dicts of a conversation have a handful of keys; a str key compares bytes,
+ * any other Python's == (so d[1] finds the key 1.0 or True). */
 gc__tmpl_val *gc__tmpl_dict_get(const gc__tmpl_dict *d, const gc__tmpl_val *key) {
   if (key->kind == GC__TV_STR) return gc__tmpl_dict_get_str(d, key->u.s.p, key->u.s.n);
   for (size_t i = 0; i < d->n; i++)
@@ -273,6 +280,11 @@ int gc__tmpl_dict_set(gc__tmpl_heap *h, gc__tmpl_dict *d, gc__tmpl_val key, gc__
 
 /* ---- truth, equality, order --------------------------------------------------------- */
 
+/* Templates branch on truth ("if message.content", "if tools") and compare roles and
+ * indices all the time; each follows Python exactly, including the corners templates
+ * do hit: an empty generator is true, "0.0" is a true str, 1 == True, a dict equals a
+ * dict of the same items in another order. */
+
 bool gc__tmpl_truthy(const gc__tmpl_val *v) {
   switch (v->kind) {
   case GC__TV_UNDEF:
@@ -304,7 +316,10 @@ static int64_t num_int(const gc__tmpl_val *v) {
   return v->kind == GC__TV_BOOL ? (int64_t)v->u.b : v->u.i;
 }
 
-/* Exact three-way comparison of two Python numbers; 2 = unordered (NaN). */
+/* Exact three-way comparison of two Python numbers; 2 = unordered (NaN). Python compares
+ * an int with a float exactly, not by converting the int to a double (2**53 + 1 > 2.0**53
+ * is True): the int is compared with the float's integer part, then the fraction
+ * decides. */
 static int num_cmp(const gc__tmpl_val *a, const gc__tmpl_val *b) {
   if (a->kind != GC__TV_FLOAT && b->kind != GC__TV_FLOAT) {
     int64_t x = num_int(a), y = num_int(b);
@@ -355,6 +370,9 @@ static bool dict_eq(const gc__tmpl_dict *x, const gc__tmpl_dict *y, int depth) {
   return true;
 }
 
+/* Python's ==. Numbers across kinds by value; a list never equals a tuple; dicts by
+ * their items whatever the order; namespaces, macros and generators by identity;
+ * jinja2's Undefined equals any undefined. */
 static bool eq_depth(const gc__tmpl_val *a, const gc__tmpl_val *b, int depth) {
   if (depth > GC__TMPL_MAX_NEST) return false;
   if (is_num(a) && is_num(b)) return num_cmp(a, b) == 0;
@@ -406,6 +424,9 @@ static bool eq_depth(const gc__tmpl_val *a, const gc__tmpl_val *b, int depth) {
 
 bool gc__tmpl_eq(const gc__tmpl_val *a, const gc__tmpl_val *b) { return eq_depth(a, b, 0); }
 
+/* Python's ordering: numbers, str (code point order, which is UTF-8 byte order), and
+ * lists with lists / tuples with tuples lexicographically (the first unequal items
+ * decide, then the length). Everything else is a TypeError naming both types. */
 static int cmp_depth(mr_err *e, const gc__tmpl_val *a, const gc__tmpl_val *b, const char *op,
                      int *res, int depth) {
   if (depth > GC__TMPL_MAX_NEST)
@@ -499,6 +520,15 @@ void gc__tmpl_undef_message(const gc__tmpl_val *u, char *buf, size_t len) {
 
 /* ---- str() and repr() ----------------------------------------------------------------- */
 
+/* What {{ x }} prints is Python's str(x): templates print numbers ("loop.index"), None
+ * ("{{ message.name }}" when it is null), booleans and, now and then, whole lists or
+ * dicts (a tool's arguments without tojson), which appear in the prompt as Python's
+ * repr. Every byte of that is the model's input, so each rule of repr is followed. */
+
+/* Python's float repr: the fewest significant digits that read back as the same double
+ * (found by trying precisions 1..17, which is what repr's shortest mode produces), then
+ * positional notation when the exponent is in [-4, 16), else scientific with at least
+ * two exponent digits; a float always shows a point or an exponent ("1.0", "1e+16"). */
 size_t gc__tmpl_fmt_float(double f, char *buf) {
   if (isnan(f)) return (size_t)sprintf(buf, "nan");
   if (isinf(f)) return (size_t)sprintf(buf, f < 0 ? "-inf" : "inf");
@@ -550,6 +580,10 @@ size_t gc__tmpl_fmt_float(double f, char *buf) {
   return (size_t)(o - buf);
 }
 
+/* Python's repr of a str: single quotes unless the text has a single quote and no double
+ * one; backslash, the quote, \t \n \r escaped; other non-printable characters as \xHH,
+ * \uHHHH or \UHHHHHHHH; printable ones (str.isprintable, tmpl_unicode.c) as they are.
+ * Runs of plain bytes are copied in one go. */
 static int repr_str(gc__tmpl_sb *b, const char *p, size_t n) {
   bool sq = memchr(p, '\'', n) != NULL, dq = memchr(p, '"', n) != NULL;
   char quote = sq && !dq ? '"' : '\'';
@@ -619,6 +653,10 @@ static int repr_dict(gc__tmpl_sb *b, const gc__tmpl_dict *d, int depth, const ns
   return rc ? rc : gc__tmpl_sb_putc(b, '}');
 }
 
+/* repr(v), as str() of a container prints its items: lists [..], tuples (..) with the
+ * one-item comma, range(a, b[, s]), dict views dict_keys([..]), dicts {k: v}, jinja2's
+ * <Namespace {..}>, <Macro 'name'>, <LoopContext i/n>, and Undefined. Values Python
+ * shows by address (generators, functions) fail: no stable text exists. */
 static int repr_depth(gc__tmpl_sb *b, const gc__tmpl_val *v, int depth, const ns_stack *st) {
   if (depth > GC__TMPL_MAX_NEST)
     return mr_err_set(b->e, MR_EEXHAUSTED, "values nested deeper than %d levels",
@@ -691,6 +729,8 @@ static int repr_depth(gc__tmpl_sb *b, const gc__tmpl_val *v, int depth, const ns
 
 int gc__tmpl_repr_put(gc__tmpl_sb *b, const gc__tmpl_val *v) { return repr_depth(b, v, 0, NULL); }
 
+/* Python's str(): scalars in their own text, a str as it is, undefined as nothing (the
+ * default Undefined's __str__), containers as repr. */
 int gc__tmpl_str_put(gc__tmpl_sb *b, const gc__tmpl_val *v) {
   char num[40];
   switch (v->kind) {
@@ -738,6 +778,14 @@ int gc__tmpl_to_str(gc__tmpl_heap *h, const gc__tmpl_val *v, gc__tmpl_val *out) 
 
 /* ---- tojson --------------------------------------------------------------------------- */
 
+/* Tools and tool-call arguments reach the model as tojson text: the same key order as
+ * the input (no sorting unless asked), ", " and ": " separators, non-ASCII kept, floats
+ * as Python prints them (1.0 stays 1.0). */
+
+/* A JSON string as Python's json module writes it: " \\ \n \r \t \b \f escaped by
+ * name, other bytes below 0x20 as \u00XX (lower-case hex); with ensure_ascii also DEL
+ * and everything above it as \uXXXX (surrogate pairs above U+FFFF); UTF-8 otherwise
+ * copied as it is (transformers' tojson has ensure_ascii=False). */
 static int json_str(gc__tmpl_sb *b, const char *p, size_t n, bool ascii) {
   int rc = gc__tmpl_sb_putc(b, '"');
   size_t run = 0;
@@ -783,6 +831,7 @@ static int json_str(gc__tmpl_sb *b, const char *p, size_t n, bool ascii) {
   return rc ? rc : gc__tmpl_sb_putc(b, '"');
 }
 
+/* float.__repr__, and json's NaN / Infinity / -Infinity for the values JSON lacks. */
 static int json_float(gc__tmpl_sb *b, double f) {
   if (isnan(f)) return gc__tmpl_sb_put(b, "NaN", 3);
   if (isinf(f)) return f < 0 ? gc__tmpl_sb_put(b, "-Infinity", 9) : gc__tmpl_sb_put(b, "Infinity", 8);
@@ -791,6 +840,7 @@ static int json_float(gc__tmpl_sb *b, double f) {
   return gc__tmpl_sb_put(b, num, k);
 }
 
+/* With an indent, json puts each item on a line of its own, indented by level. */
 static int json_newline(gc__tmpl_sb *b, const gc__tmpl_json_opts *o, int level) {
   int rc = gc__tmpl_sb_putc(b, '\n');
   for (int i = 0; i < level && !rc; i++) rc = gc__tmpl_sb_put(b, o->indent->p, o->indent->n);
@@ -823,6 +873,8 @@ static int json_key(gc__tmpl_sb *b, const gc__tmpl_val *k, bool a) {
 static int json_val(gc__tmpl_sb *b, gc__tmpl_heap *h, const gc__tmpl_val *v,
                     const gc__tmpl_json_opts *o, int level);
 
+/* {} stays "{}" even with an indent; otherwise "{", the items separated by item_sep
+ * (each on its own line with an indent), key_sep between key and value, "}". */
 static int json_dict(gc__tmpl_sb *b, gc__tmpl_heap *h, const gc__tmpl_dict *d,
                      const gc__tmpl_json_opts *o, int level) {
   if (d->n == 0) return gc__tmpl_sb_put(b, "{}", 2);
@@ -862,6 +914,8 @@ static int json_dict(gc__tmpl_sb *b, gc__tmpl_heap *h, const gc__tmpl_dict *d,
   return rc;
 }
 
+/* json.dumps of one value: JSON's types and tuples (as arrays); what json cannot encode
+ * (undefined, generators, ranges, views, namespaces, macros) is its TypeError. */
 static int json_val(gc__tmpl_sb *b, gc__tmpl_heap *h, const gc__tmpl_val *v,
                     const gc__tmpl_json_opts *o, int level) {
   if (level > GC__TMPL_MAX_NEST)
@@ -901,6 +955,9 @@ int gc__tmpl_tojson_put(gc__tmpl_sb *b, gc__tmpl_heap *h, const gc__tmpl_val *v,
 
 /* ---- JSON text -> values (Python's json.loads) ------------------------------------------ */
 
+/* A recursive-descent reader with json.loads' grammar: RFC 8259 plus NaN, Infinity and
+ * -Infinity; control characters inside strings are errors (strict mode); numbers with a
+ * fraction or an exponent are floats, the others ints. */
 typedef struct jreader {
   const char *p;
   size_t n, i;
@@ -940,6 +997,8 @@ static int jhex4(jreader *r, uint32_t *out) {
   return 0;
 }
 
+/* A string: the text itself when it has no escapes (no copy), else decoded into the
+ * heap. The opening quote is at r->i. */
 static int jstring(jreader *r, gc__tmpl_val *out) {
   r->i++; /* the opening quote */
   size_t start = r->i;
@@ -1013,6 +1072,8 @@ static int jstring(jreader *r, gc__tmpl_val *out) {
   return 0;
 }
 
+/* A number: -?(0|[1-9]\d*)(\.\d+)?([eE][-+]?\d+)?, or -Infinity. A "." or "e" not
+ * followed by digits is not part of it (and then fails as extra data). */
 static int jnumber(jreader *r, gc__tmpl_val *out) {
   size_t s = r->i;
   if (r->p[r->i] == '-') r->i++;
@@ -1177,6 +1238,9 @@ int gc__tmpl_json_parse(gc__tmpl_heap *h, const char *p, size_t n, gc__tmpl_val 
 
 /* ---- cJSON -> values ------------------------------------------------------------------- */
 
+/* A cJSON item as a value. cJSON keeps numbers as doubles only, so an integral number
+ * within 2^53 becomes an int (what JSON text usually meant), others a float; a Raw item
+ * is read as JSON text, which is how a caller keeps "1.0" a float. */
 static int cj_value(gc__tmpl_heap *h, const cJSON *j, gc__tmpl_val *out, int depth) {
   if (depth > GC__TMPL_MAX_NEST)
     return mr_err_set(h->e, MR_ERANGE, "variables: nested deeper than %d levels",
@@ -1233,6 +1297,9 @@ int gc__tmpl_from_cjson(gc__tmpl_heap *h, const cJSON *j, gc__tmpl_val *out) {
 
 /* ---- places ------------------------------------------------------------------------------ */
 
+/* Lines and columns count from 1, columns in code points, as an editor shows them. The
+ * place is computed only when a message needs it, so tokens and nodes keep a byte
+ * offset alone. */
 void gc__tmpl_where(const char *origin, const char *src, size_t len, uint32_t pos, char *buf,
                     size_t buflen) {
   unsigned line = 1, col = 1;
