@@ -1193,8 +1193,8 @@ static int assign(gc__tmpl_rt *rt, const gc__tmpl_node *target, frame *f, const 
 
 /* {% for %}: the iterable evaluated once in the enclosing scope; one frame reused for
  * every iteration (emptied each time, which is what jinja2's per-iteration scope
- * amounts to); `loop` bound when the template names it anywhere; else only when no
- * item was iterated (after the filter); break / continue end here. */
+ * amounts to); `loop` bound when the template names it anywhere; the else when no
+ * iteration ran to its end; break / continue end here. */
 static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   gc__tmpl_val seq;
   const gc__tmpl_val *items;
@@ -1234,6 +1234,9 @@ static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   gc__tmpl_loop *L = gc__tmpl_alloc(rt->h, sizeof *L);
   if (!L) return rt->e->code;
   *L = (gc__tmpl_loop){.items = items, .n = count};
+  /* jinja2 clears its "no iteration" flag at the end of the body, which continue and
+   * break skip: the else runs when no iteration ran to its end. */
+  bool completed = false;
   for (size_t i = 0; i < count; i++) {
     lf->n = 0; /* a fresh scope for every iteration */
     L->i = i;
@@ -1243,12 +1246,13 @@ static int exec_for(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
         (rc = frame_set(rt, lf, rt->t->loop_id, (gc__tmpl_val){.kind = GC__TV_LOOP, .u.loop = L})))
       return rc;
     rc = exec_node(rt, n->d, lf);
-    if (rc == CTL_BREAK) return 0;
+    if (rc == CTL_BREAK) break;
     if (rc == CTL_CONTINUE) continue;
     if (rc) return rc;
+    completed = true;
   }
-  if (pending) return gc__tmpl_rt_raise(rt, pending->err_code, pending->err);
-  if (count == 0 && n->e) {
+  if (rc != CTL_BREAK && pending) return gc__tmpl_rt_raise(rt, pending->err_code, pending->err);
+  if (!completed && n->e) {
     frame *ef = frame_new(rt, f);
     if (!ef) return rt->e->code;
     return exec_node(rt, n->e, ef);
@@ -1281,9 +1285,12 @@ static int exec_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
     if ((rc = eval(rt, n->b, f, &v))) return rc;
     return assign(rt, n->a, f, &v);
   case GC__TN_SETBLOCK: {
-    /* The body renders into the output, then its text moves into the value. */
+    /* The body renders into the output, then its text moves into the value. It is a
+     * scope of its own (what it sets stays inside), as jinja2's block frame is. */
     size_t mark = rt->out->n;
-    rc = exec_node(rt, n->d, f);
+    frame *bf = frame_new(rt, f);
+    if (!bf) return rt->e->code;
+    rc = exec_node(rt, n->d, bf);
     if (rc) {
       rt->out->n = mark;
       return rc;
@@ -1336,6 +1343,12 @@ int gc__tmpl_run(const gc_tmpl *t, gc__tmpl_val vars, const gc_tmpl_limits *lim,
   }
   rt.root = frame_new(&rt, NULL);
   if (!rt.root) return e->code;
+  /* The top-level names jinja2 starts as undefined (tmpl_parse.c, root_hidden). */
+  for (uint32_t i = 0; i < t->nnames; i++)
+    if (t->root_hidden[i] &&
+        frame_set(&rt, rt.root, i,
+                  (gc__tmpl_val){.kind = GC__TV_UNDEF, .aux = GC__TU_NAME, .u.s = t->names[i]}))
+      return e->code;
   int rc = exec_node(&rt, t->root, rt.root);
   return rc < 0 ? rc : 0;
 }

@@ -331,6 +331,11 @@ struct gc_tmpl {
   uint32_t nnames;
   uint16_t *name_fn;   /* per name: the global function of that name (GC__TF_*) or 0 */
   uint32_t loop_id;    /* the id of the name "loop", UINT32_MAX if the template has none */
+  /* Per name: 1 if jinja2 gives the name a variable of the template's top level that
+   * starts undefined (its first top-level reference is an unconditional {% set %} or
+   * macro), hiding the render's variable of that name until the set runs: see
+   * root_hidden() in tmpl_parse.c. */
+  uint8_t *root_hidden;
 };
 
 /* "origin:line:col" of byte offset pos of t's source, into buf. */

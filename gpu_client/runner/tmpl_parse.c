@@ -1397,6 +1397,96 @@ static void mark_slices(gc__tmpl_node *n, const gc__tmpl_node *parent, bool prin
   for (uint32_t k = 0; n->defs && k < n->n; k++) mark_slices(n->defs[k], n, pc, depth + 1);
 }
 
+/* jinja2's symbol tracking (idtracking.py) for the top-level frame, as far as it changes
+ * what a template sees. jinja2 gives each name referenced at the top level a variable
+ * of the render function, initialized once at the start: from the render's variables if
+ * the first reference (in source order) is a read, or to undefined if it is a store.
+ * So `{% set v = 1 %}` as the first mention of v hides a variable v passed to the render,
+ * everywhere (loop bodies and macros read the top-level variable), until the set runs:
+ * `{% for i in xs %}{{ v }}{% endfor %}{% set v = 1 %}` prints nothing for v. Inside
+ * {% if %} a name stored in only some branches is read from the render's variables
+ * (jinja2's branch_update); loop bodies, macro bodies and set blocks are frames of
+ * their own and add nothing to the top level (a for contributes its iterable only).
+ * state[id]: 0 not seen, 1 first read, 2 first stored. */
+enum { REF_NONE = 0, REF_LOAD = 1, REF_STORE = 2 };
+
+static void ref_loads(const gc__tmpl_node *n, uint8_t *state, int depth) {
+  if (!n || depth > 4 * GC__TMPL_MAX_NEST) return;
+  if (n->kind == GC__TN_NAME && !state[n->id]) state[n->id] = REF_LOAD;
+  const gc__tmpl_node *kids[5] = {n->a, n->b, n->c, n->d, n->e};
+  for (int k = 0; k < 5; k++) ref_loads(kids[k], state, depth + 1);
+  for (uint32_t k = 0; n->kids && k < n->n; k++) ref_loads(n->kids[k], state, depth + 1);
+  for (uint32_t k = 0; n->kwv && k < n->nkw; k++) ref_loads(n->kwv[k], state, depth + 1);
+}
+
+static void ref_store(const gc__tmpl_node *target, uint8_t *state) {
+  if (target->kind == GC__TN_NAME) {
+    if (!state[target->id]) state[target->id] = REF_STORE;
+  } else if (target->kind == GC__TN_NSREF) {
+    if (!state[target->a->id]) state[target->a->id] = REF_LOAD; /* ns.x = ... reads ns */
+  } else if (target->kind == GC__TN_TUPLE) {
+    for (uint32_t k = 0; k < target->n; k++) ref_store(target->kids[k], state);
+  }
+}
+
+static int ref_stmts(const gc__tmpl_node *n, uint8_t *state, uint32_t nnames, int depth);
+
+/* An {% if %}: the test, then each branch from a copy of the state; a name first seen
+ * in the branches is a store only if every branch (an else included) stores it first. */
+static int ref_if(const gc__tmpl_node *n, uint8_t *state, uint32_t nnames, int depth) {
+  ref_loads(n->a, state, depth + 1);
+  uint8_t *b1 = mr_malloc(nnames ? nnames : 1), *b2 = mr_malloc(nnames ? nnames : 1);
+  int rc = b1 && b2 ? 0 : MR_ENOMEM;
+  if (!rc) {
+    memcpy(b1, state, nnames);
+    memcpy(b2, state, nnames);
+    rc = ref_stmts(n->b, b1, nnames, depth + 1);
+    if (!rc && n->c) rc = ref_stmts(n->c, b2, nnames, depth + 1);
+  }
+  for (uint32_t i = 0; !rc && i < nnames; i++) {
+    if (state[i]) continue;
+    if (b1[i] == REF_STORE && b2[i] == REF_STORE)
+      state[i] = REF_STORE;
+    else if (b1[i] || b2[i])
+      state[i] = REF_LOAD;
+  }
+  mr_free(b1);
+  mr_free(b2);
+  return rc;
+}
+
+static int ref_stmts(const gc__tmpl_node *n, uint8_t *state, uint32_t nnames, int depth) {
+  if (!n || depth > 4 * GC__TMPL_MAX_NEST) return 0;
+  switch (n->kind) {
+  case GC__TN_BODY:
+    for (uint32_t k = 0; k < n->n; k++) {
+      int rc = ref_stmts(n->kids[k], state, nnames, depth + 1);
+      if (rc) return rc;
+    }
+    return 0;
+  case GC__TN_PRINT:
+    ref_loads(n->a, state, depth + 1);
+    return 0;
+  case GC__TN_SET:
+    ref_loads(n->b, state, depth + 1); /* the value is read before the target is set */
+    ref_store(n->a, state);
+    return 0;
+  case GC__TN_SETBLOCK:
+    ref_store(n->a, state);
+    return 0;
+  case GC__TN_MACRO:
+    if (!state[n->id]) state[n->id] = REF_STORE;
+    return 0;
+  case GC__TN_FOR:
+    ref_loads(n->b, state, depth + 1);
+    return 0;
+  case GC__TN_IF:
+    return ref_if(n, state, nnames, depth);
+  default:
+    return 0;
+  }
+}
+
 int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e) {
   parser P = {.t = t, .tk = toks, .n = n, .e = e};
   int rc = 0;
@@ -1422,6 +1512,15 @@ int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e) {
         t->names[i] = P.names[i];
         t->name_fn[i] = gc__tmpl_func_id(P.names[i].p, P.names[i].n);
         if (str_is(&P.names[i], "loop")) t->loop_id = i;
+      }
+      t->root_hidden = gc__tmpl_alloc(&t->heap, P.nnames ? P.nnames : 1);
+      if (!t->root_hidden) {
+        rc = e->code;
+      } else {
+        memset(t->root_hidden, 0, P.nnames ? P.nnames : 1);
+        if (ref_stmts(t->root, t->root_hidden, P.nnames, 0))
+          rc = mr_err_set(e, MR_ENOMEM, "out of memory (names)");
+        for (uint32_t i = 0; i < P.nnames; i++) t->root_hidden[i] = t->root_hidden[i] == REF_STORE;
       }
     }
   }

@@ -23,6 +23,13 @@ conversation of conversations() with add_generation_prompt both ways (and
 enable_thinking true / false / absent where the family reads it); half the runs go
 through the cJSON entry point (contexts without floats, where cJSON is exact).
 
+Then 1100 random templates from fixed seeds, each rendered once against jinja2 in
+transformers' environment: expressions (operators, filters, tests, methods, slices over
+the conversation), statements (scoping of set in loops / set blocks / macros, for-else
+with break and continue, namespaces, macro defaults) and whitespace control (every sign,
+trim_blocks, lstrip_blocks, raw, comments, odd whitespace). The documented differences
+(what Python prints as a memory address, integers beyond 64 bits) are counted apart.
+
 Also checks: templates with constructs outside the subset are refused naming the
 construct and its line; raise_exception's message comes back bare as MR_EPRECOND.
 Last line: "test_chat_template_jinja: N passed, N failed".
@@ -35,6 +42,10 @@ import random
 import subprocess
 import sys
 import tempfile
+import warnings
+
+# jinja2 compiles a random `1[0]` to Python source that Python warns about.
+warnings.filterwarnings("ignore", category=SyntaxWarning)
 
 try:
     from transformers.utils import chat_template_utils as ctu
@@ -724,6 +735,161 @@ def conversations():
 
 
 # ---------------------------------------------------------------------------------------
+# Random templates: expressions, statements (scoping, loops, macros, namespaces) and
+# whitespace control, from fixed seeds, each rendered once with RANDOM_CTX.
+
+RANDOM_CTX = {"messages": [{"role": "system", "content": "Sys ΣΑΣ"}, {"role": "user", "content": "Hi there, Ωmega! 1.5"},
+                           {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": [1.5, None]}}}]},
+                           {"role": "tool", "content": [{"type": "text", "text": "part"}]}],
+              "tools": [{"type": "function", "function": {"name": "f", "parameters": {"x": 1.0}}}],
+              "xs": [1, 2, 3], "v": "ctx", "n": 7, "f": 2.5, "s": "Hello World", "e": "", "z": 0, "b": True,
+              "nn": None, "l": [3, 1, 2], "d": {"k": "v", "n": 2}}
+
+
+def random_expressions(rng, count):
+    strs = ["'a'", "'Hello'", "''", "' x y '", "'a,b,,c'", "'é'", "'ΣΑΣ'", "'\\n'", "'it\\'s'", "'\"q\"'", "'ß'", "'3'",
+            "'2.5'", "' 7 '", "'0x1f'", "'-3'", "'abcabc'", "'<b>&'"]
+    nums = ["0", "1", "-1", "2", "3", "7", "2.5", "-0.5", "1e3", "0.1", "10", "1e20", "True", "False"]
+    names = ["n", "f", "s", "e", "z", "b", "nn", "l", "d", "messages", "messages[1]", "messages[1].content",
+             "messages[2].tool_calls", "messages[2].tool_calls[0].function.arguments", "tools", "undefined_x",
+             "messages[3].content", "d.k"]
+    filters = [("length", []), ("string", []), ("trim", []), ("upper", []), ("lower", []), ("capitalize", []),
+               ("title", []), ("first", []), ("last", []), ("list", []), ("sort", []), ("unique", []),
+               ("join", ["', '"]), ("tojson", []), ("tojson", ["indent=2"]), ("tojson", ["sort_keys=true"]), ("int", []),
+               ("float", []), ("abs", []), ("default", ["'D'"]), ("default", ["'D'", "true"]), ("replace", ["'a'", "'b'"]),
+               ("items", []), ("safe", []), ("max", []), ("min", []), ("sum", []), ("map", ["'string'"]),
+               ("map", ["attribute='role'"]), ("select", []), ("reject", ["'odd'"]), ("selectattr", ["'role'"]),
+               ("rejectattr", ["'role'", "'eq'", "'user'"])]
+    tests = ["defined", "undefined", "none", "string", "number", "integer", "float", "mapping", "iterable",
+             "sequence", "boolean", "true", "false", "odd", "even", "divisibleby 3", "in l", "eq 3", "lower"]
+    methods = [("startswith", ["'H'"]), ("endswith", ["'d'"]), ("split", []), ("split", ["','"]),
+               ("rsplit", ["' '", "1"]), ("strip", []), ("lstrip", ["'H'"]), ("replace", ["'l'", "'L'"]),
+               ("upper", []), ("title", []), ("find", ["'o'"]), ("count", ["'l'"]), ("splitlines", []),
+               ("get", ["'k'"]), ("get", ["'zz'", "5"]), ("items", []), ("keys", [])]
+    ops = ["+", "-", "*", "/", "//", "%", "~", "==", "!=", "<", "<=", ">", ">=", "in", "not in", "and", "or", "**"]
+
+    def atom(d):
+        r = rng.random()
+        if r < 0.25: return rng.choice(strs)
+        if r < 0.45: return rng.choice(nums)
+        if r < 0.75: return rng.choice(names)
+        if r < 0.82: return "[" + ", ".join(expr(d + 1) for _ in range(rng.randint(0, 3))) + "]"
+        if r < 0.87: return "(" + ", ".join(expr(d + 1) for _ in range(rng.randint(1, 2))) + ",)"
+        if r < 0.92: return "{" + ", ".join(rng.choice(strs) + ": " + expr(d + 1) for _ in range(rng.randint(0, 2))) + "}"
+        return rng.choice(["none", "true", "range(4)", "range(1, 7, 2)", "dict(x=1)"])
+
+    def expr(d=0):
+        if d > 3: return atom(d)
+        r = rng.random()
+        if r < 0.3: return atom(d)
+        if r < 0.5: return "(" + expr(d + 1) + " " + rng.choice(ops) + " " + expr(d + 1) + ")"
+        if r < 0.62:
+            f, a = rng.choice(filters)
+            return "(" + expr(d + 1) + ")|" + f + ("(" + ", ".join(a) + ")" if a else "")
+        if r < 0.7: return "(" + expr(d + 1) + " is " + rng.choice(["", "not "]) + rng.choice(tests) + ")"
+        if r < 0.78:
+            m, a = rng.choice(methods)
+            return "(" + expr(d + 1) + ")." + m + "(" + ", ".join(a) + ")"
+        if r < 0.84: return "(" + expr(d + 1) + ")[" + rng.choice(["0", "1", "-1", "'k'", "'role'", "1:", ":-1", "::-1", "::2", "5"]) + "]"
+        if r < 0.88: return "(" + expr(d + 1) + " if " + expr(d + 1) + " else " + expr(d + 1) + ")"
+        if r < 0.94: return "(not " + expr(d + 1) + ")"
+        return "(-" + expr(d + 1) + ")"
+
+    return ["{{ " + expr() + " }}" for _ in range(count)]
+
+
+def random_statements(rng, count):
+    def expr():
+        return rng.choice(["a", "b", "v", "x", "i", "n", "m", "m.role", "loop.index", "loop.last", "ns.k", "ns.l",
+                           "1", "'s'", "a ~ b", "(x or 0) + 1", "xs|length", "messages[0].content", "loop.previtem",
+                           "f(1)", "f(a)", "g()", "ns.k + 1", "[a, b]", "i * 2", "x is defined", "a if b else v"])
+
+    def stmt(d):
+        r = rng.random()
+        if r < 0.3: return "{{ " + expr() + " }}"
+        if r < 0.5:
+            return "{% set " + rng.choice(["a", "b", "v", "x", "i", "m", "n", "xs", "ns.k", "ns.l"]) + " = " + expr() + " %}"
+        if d > 2: return "."
+        if r < 0.68:
+            return ("{% for " + rng.choice(["i", "x", "m", "a"]) + " in " + rng.choice(["xs", "messages", "range(2)", "[]"])
+                    + rng.choice(["", " if " + expr()]) + " %}" + body(d + 1) + rng.choice(["", "{% else %}E" + body(d + 1)])
+                    + "{% endfor %}")
+        if r < 0.8:
+            return ("{% if " + expr() + " %}" + body(d + 1) + rng.choice(["", "{% elif " + expr() + " %}" + body(d + 1)])
+                    + rng.choice(["", "{% else %}" + body(d + 1)]) + "{% endif %}")
+        if r < 0.86: return rng.choice(["{% break %}", "{% continue %}"]) if d > 0 else "-"
+        if r < 0.93: return "{% set " + rng.choice(["a", "b"]) + " %}" + body(d + 1) + "{% endset %}"
+        return rng.choice(["{{ f(" + expr() + ") }}", "{{ g() }}", "{% set ns.l = ns.l + [" + expr() + "] %}"])
+
+    def body(d):
+        return "".join(stmt(d) for _ in range(rng.randint(1, 4)))
+
+    head = ("{% macro f(p, q=a) %}<{{ p }}{{ q }}{{ v }}{% set v = 'mv' %}{{ v }}>{% endmacro %}"
+            "{% macro g() %}[{{ a }}]{% endmacro %}{% set ns = namespace(k=0, l=[]) %}")
+    return [head + body(0) + "|{{ a }}{{ b }}{{ v }}{{ x }}{{ i }}{{ ns.k }}" for _ in range(count)]
+
+
+def random_whitespace(rng, count):
+    text = ["", " ", "  ", "\t", "\n", "\n\n", " \n", "\n  ", "x", "ab c", "\r\n", "\r", " \t\n\t ", "\u00a0",
+            "\u3000\n", "é", "{", "}", "#", "%", "-", "+"]
+
+    def ws(): return rng.choice(["", " ", "  ", "\n", " \n ", "\t"])
+    def sign(): return rng.choice(["", "", "-", "+"])
+
+    def tag():
+        r = rng.random()
+        if r < 0.25: return "{{" + sign() + ws() + rng.choice(["v", "'s'", "n", "n + 1"]) + ws() + rng.choice(["", "-"]) + "}}"
+        if r < 0.4: return "{#" + sign() + rng.choice(["", " c ", "\n", "-"]) + rng.choice(["", "-", "+"]) + "#}"
+        if r < 0.5: return "{%" + sign() + ws() + "set y = 1" + ws() + sign() + "%}"
+        if r < 0.6:
+            return ("{%" + sign() + " raw " + sign() + "%}" + rng.choice(text) + "{{ v }}" + rng.choice(text)
+                    + "{%" + sign() + " endraw " + sign() + "%}")
+        return None
+
+    def block(d):
+        out = []
+        for _ in range(rng.randint(1, 4)):
+            out.append(rng.choice(text) * rng.randint(0, 2))
+            t = tag()
+            if t:
+                out.append(t)
+                continue
+            if d > 2: continue
+            kind = rng.choice(["if", "for"])
+            head = "if n > 0" if kind == "if" else "for i in [1, 2]"
+            out.append("{%" + sign() + ws() + head + ws() + sign() + "%}" + block(d + 1)
+                       + ("{%" + sign() + " else " + sign() + "%}" + block(d + 1) if rng.random() < 0.3 else "")
+                       + "{%" + sign() + " end" + kind + " " + sign() + "%}")
+        return "".join(out)
+
+    return [block(0) + rng.choice(["", "\n", "\n\n", " "]) for _ in range(count)]
+
+
+def known_difference(ref_text, our_tag, our_body):
+    """The documented differences: Python prints a memory address (generators, methods),
+    integers beyond 64 bits, and refused constructs."""
+    if ref_text is not None and (" at 0x" in ref_text or " AT 0X" in ref_text or "<generator" in ref_text
+                                 or "<built-in" in ref_text):
+        return True
+    return our_tag in ("ERR", "CERR") and ("64 bits" in our_body or "64-bit" in our_body
+                                          or "not supported" in our_body
+                                          or "cannot print a" in our_body)
+
+
+def run_pairs(cli, cases, keep):
+    fd, path = tempfile.mkstemp(suffix=".pairs", dir=keep)
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogatepass") as f:
+        for src, ctx in cases:
+            f.write(json.dumps(src) + "\t" + json.dumps(ctx, ensure_ascii=True) + "\n")
+    p = subprocess.run([cli, "--pairs", path], capture_output=True, timeout=300)
+    if not keep:
+        os.unlink(path)
+    if p.returncode != 0:
+        raise RuntimeError(f"tmpl_cli exited {p.returncode}: {p.stderr.decode(errors='replace')}")
+    return parse_records(p.stdout)
+
+
+# ---------------------------------------------------------------------------------------
 # Running both sides.
 
 def oracle(template, messages, tools, agp, extra):
@@ -767,7 +933,12 @@ def run_cli(cli, template, contexts, use_cjson, keep):
         os.unlink(path)
     if p.returncode != 0:
         raise RuntimeError(f"tmpl_cli exited {p.returncode}: {p.stderr.decode(errors='replace')}")
-    out, recs, i = p.stdout, [], 0
+    return parse_records(p.stdout)
+
+
+def parse_records(out):
+    """tmpl_cli's records: (tag, code name, text)."""
+    recs, i = [], 0
     while i < len(out):
         nl = out.index(b"\n", i)
         tag, name, n = out[i:nl].decode().split(" ")
@@ -839,6 +1010,33 @@ def main():
                     report(ok, what, "" if ok else f"jinja2 failed ({result[1][:200]}), ours {tag} {code}: {body[:200]!r}")
         stats[tname] = (n_ok, n_err)
 
+    # Random templates against jinja2 directly (the environment of transformers).
+    rng = random.Random(20260101)
+    env_compile = ctu._compile_jinja_template
+    rnd = ([("expr", s) for s in random_expressions(rng, 400)] + [("stmt", s) for s in random_statements(rng, 400)]
+           + [("ws", s) for s in random_whitespace(rng, 300)])
+    refs = []
+    for _, src in rnd:
+        try:
+            refs.append(("OK", env_compile(src).render(**RANDOM_CTX)))
+        except Exception as exc:  # noqa: BLE001
+            refs.append(("ERR", f"{type(exc).__name__}: {exc}"))
+    recs = run_pairs(args.cli, [(src, RANDOM_CTX) for _, src in rnd], args.keep)
+    rstats = {"expr": [0, 0, 0], "stmt": [0, 0, 0], "ws": [0, 0, 0]}  # identical, failures matched, skipped
+    for (kind, src), ref, (tag, code, body) in zip(rnd, refs, recs):
+        if known_difference(ref[1] if ref[0] == "OK" else None, tag, body):
+            rstats[kind][2] += 1
+            continue
+        if ref[0] == "OK":
+            ok = tag == "OK" and body == ref[1]
+            rstats[kind][0] += ok
+            report(ok, f"random {kind}: {src[:80]!r}",
+                   "" if ok else f"jinja2 {ref[1][:200]!r}, ours {tag} {code}: {body[:200]!r}")
+        else:
+            ok = tag in ("ERR", "CERR")
+            rstats[kind][1] += ok
+            report(ok, f"random {kind}: {src[:80]!r}", "" if ok else f"jinja2 failed ({ref[1][:150]}), ours {tag}: {body[:200]!r}")
+
     # Refusals: each names the construct and its line.
     refusals = [
         ('{% include "other.jinja" %}', '"include" is not supported', 1),
@@ -868,6 +1066,9 @@ def main():
 
     for tname, (n_ok, n_err) in stats.items():
         print(f"  {tname:14s} {n_ok:4d} byte-identical renderings, {n_err:3d} failures matched")
+    for kind, (n_ok, n_err, n_skip) in rstats.items():
+        print(f"  random {kind:7s} {n_ok:4d} byte-identical renderings, {n_err:3d} failures matched, "
+              f"{n_skip:3d} known differences skipped")
     print(f"test_chat_template_jinja: {passed} passed, {failed} failed")
     return 1 if failed else 0
 

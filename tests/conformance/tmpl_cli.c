@@ -8,10 +8,13 @@
  *   tmpl_cli [--cjson] --batch FILE            FILE: line 1 the template as a JSON string,
  *                                              every further line one context (JSON text);
  *                                              the template is compiled once
+ *   tmpl_cli --pairs FILE                      FILE: one case a line, the template as a JSON
+ *                                              string, a tab, the context (JSON text)
  *
  * Batch output, one record per context, each "<TAG> <name> <len>\n" + len bytes + "\n":
  * TAG OK (name "-", the rendered text), ERR (the error code's name, its message); if the
- * template is refused, one CERR record instead. Lengths keep any byte safe.
+ * template is refused, one CERR record instead (--pairs: a CERR record for that line).
+ * Lengths keep any byte safe.
  * --cjson renders through cJSON (gc_tmpl_render) instead of the JSON text reader.
  */
 #include <cjson/cJSON.h>
@@ -106,13 +109,53 @@ static int batch(const char *path, bool use_cjson) {
   return 0;
 }
 
+/* --pairs: a template and a context per line (JSON strings escape tabs, so the first
+ * raw tab separates them). */
+static int pairs(const char *path) {
+  size_t len;
+  char *data = slurp(path, &len);
+  if (!data) {
+    fprintf(stderr, "tmpl_cli: cannot read %s\n", path);
+    return 3;
+  }
+  for (char *line = data, *end = data + len; line < end;) {
+    char *nl = memchr(line, '\n', (size_t)(end - line));
+    size_t ll = nl ? (size_t)(nl - line) : (size_t)(end - line);
+    char *tab = memchr(line, '\t', ll);
+    if (ll && tab) {
+      cJSON *tj = cJSON_ParseWithLength(line, (size_t)(tab - line));
+      gc_tmpl *t = NULL;
+      mr_err e;
+      char *out = NULL;
+      size_t out_len = 0;
+      if (!cJSON_IsString(tj)) {
+        record("CERR", "MR_EINVAL", "not a JSON string", 17);
+      } else if (gc_tmpl_compile(&t, tj->valuestring, strlen(tj->valuestring), "chat_template", &e)) {
+        record("CERR", mr_err_name(e.code), e.msg, strlen(e.msg));
+      } else if (gc_tmpl_render_json(t, tab + 1, (size_t)(line + ll - tab - 1), NULL, &out, &out_len, &e)) {
+        record("ERR", mr_err_name(e.code), e.msg, strlen(e.msg));
+      } else {
+        record("OK", "-", out, out_len);
+      }
+      mr_free(out);
+      gc_tmpl_free(t);
+      cJSON_Delete(tj);
+    }
+    line = nl ? nl + 1 : end;
+  }
+  free(data);
+  return 0;
+}
+
 int main(int argc, char **argv) {
   bool use_cjson = false;
   int a = 1;
   if (a < argc && strcmp(argv[a], "--cjson") == 0) use_cjson = true, a++;
   if (a + 1 < argc && strcmp(argv[a], "--batch") == 0) return batch(argv[a + 1], use_cjson);
+  if (a + 1 < argc && strcmp(argv[a], "--pairs") == 0) return pairs(argv[a + 1]);
   if (a + 2 != argc) {
-    fprintf(stderr, "usage: tmpl_cli [--cjson] TEMPLATE CONTEXT.json | [--cjson] --batch FILE\n");
+    fprintf(stderr, "usage: tmpl_cli [--cjson] TEMPLATE CONTEXT.json | [--cjson] --batch FILE | "
+                    "--pairs FILE\n");
     return 3;
   }
   size_t tl, cl;

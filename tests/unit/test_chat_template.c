@@ -99,6 +99,10 @@ MT_TEST(for_loops) {
   EXPECT("{% for x in [1, 2, 3, 4] if x is even %}{{ x }}/{{ loop.length }}{% endfor %}", NULL, "2/24/2");
   EXPECT("{% for x in [] %}x{% else %}empty{% endfor %}", NULL, "empty");
   EXPECT("{% for x in [1] if false %}x{% else %}none{% endfor %}", NULL, "none");
+  /* jinja2 runs the else when no iteration ran to its end: continue and break skip it. */
+  EXPECT("{% for x in [1, 2] %}{% continue %}{% else %}E{% endfor %}", NULL, "E");
+  EXPECT("{% for x in [1, 2] %}{% break %}{% else %}E{% endfor %}", NULL, "E");
+  EXPECT("{% for x in [1, 2] %}{% if x == 2 %}{% break %}{% endif %}{% else %}E{% endfor %}", NULL, "");
   EXPECT("{% for x in [1, 2, 3, 4] %}{% if x == 2 %}{% continue %}{% endif %}"
          "{% if x == 4 %}{% break %}{% endif %}{{ x }}{% else %}E{% endfor %}",
          NULL, "13");
@@ -133,6 +137,16 @@ MT_TEST(scoping) {
   EXPECT("{{ tools }}{% set tools = [] %}{{ tools }}", "{\"tools\": null}", "None[]");
   EXPECT("{% set block %}a{{ 1 + 1 }}{% endset %}[{{ block }}]{{ block|length }}", NULL, "[a2]2");
   EXPECT("{% set a, b = 1, 2 %}{{ b }}{{ a }}", NULL, "21");
+  /* A set block's body is a scope of its own. */
+  EXPECT("{% set a %}{% set b = 1 %}x{% endset %}[{{ a }}][{{ b }}]", NULL, "[x][]");
+  /* A name whose first top-level mention is an unconditional set starts undefined, the
+   * render's variable of that name hidden (in loops and macros too) until the set... */
+  EXPECT("{% macro m() %}[{{ v }}]{% endmacro %}{% for i in [1] %}({{ v }}){% endfor %}{{ m() }}"
+         "{% set v = 1 %}{{ m() }}",
+         "{\"v\": \"ctx\"}", "()[][1]");
+  /* ...but a read first, or a set in only some branches, leaves it visible. */
+  EXPECT("{{ v }}{% set v = 1 %}{{ v }}|{% if false %}{% set w = 1 %}{% endif %}{{ w }}",
+         "{\"v\": \"ctx\", \"w\": \"W\"}", "ctx1|W");
   EXPECT_ERR("{% set d = {} %}{% set d.x = 1 %}", NULL, MR_EINVAL, "chat_template:1:",
              "cannot assign attribute on non-namespace object");
   EXPECT_ERR("{% set ns = namespace() %}{% set ns._x = 1 %}", NULL, MR_EINVAL, "chat_template:1:",
