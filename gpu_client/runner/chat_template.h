@@ -31,11 +31,12 @@
  *
  * Errors (mr_err): compile refusals MR_ENOTSUP (a construct outside the subset) or
  * MR_EFORMAT (a syntax error), both "origin:line:col: ..."; at render, a template's
- * raise_exception(msg) is MR_EPRECOND with msg as the whole message (the conversation
- * broke the template's rule, e.g. roles must alternate), a limit is MR_EEXHAUSTED naming
- * it, anything else (a type error, an undefined value used) MR_EINVAL
- * "origin:line:col: ...". Nothing a template or a context can do aborts or hangs: output,
- * memory, loop iterations, macro depth and value nesting are bounded (gc_tmpl_limits).
+ * raise_exception(msg) is MR_EPRECOND with msg (its first 500 bytes) as the whole
+ * message (the conversation broke the template's rule, e.g. roles must alternate), a
+ * limit is MR_EEXHAUSTED naming it, anything else (a type error, an undefined value
+ * used) MR_EINVAL "origin:line:col: ...". Nothing a template or a context can do aborts
+ * or hangs: output, memory, loop iterations, macro depth and value nesting are bounded
+ * (gc_tmpl_limits).
  *
  * Threads: a compiled template is immutable; any number of threads may render it at
  * once, each render with its own scratch memory.

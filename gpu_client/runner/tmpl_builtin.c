@@ -1861,8 +1861,14 @@ int gc__tmpl_call_func(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn, gc_
       return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "raise_exception() takes exactly one argument");
     gc__tmpl_str s = {"", 0};
     if ((rc = str_of(rt, n, &args->pos[0], &s))) return rc;
-    /* The template's own message, bare: it is the caller's answer to its user. */
-    mr_err_set(h->e, MR_EPRECOND, "%.*s", (int)(s.n > 500 ? 500 : s.n), s.p);
+    /* The template's own message, bare: it is the caller's answer to its user. The error
+     * record holds 511 bytes: a longer one is cut at a character boundary. */
+    size_t len = s.n;
+    if (len > 500) {
+      len = 500;
+      while (len > 0 && ((unsigned char)s.p[len] & 0xc0) == 0x80) len--;
+    }
+    mr_err_set(h->e, MR_EPRECOND, "%.*s", (int)len, s.p);
     return gc__tmpl_rt_locate(rt, NULL, MR_EPRECOND); /* NULL: located, without a place */
   }
   case GC__TF_STRFTIME: {
