@@ -357,7 +357,8 @@ int gc__tmpl_replace(gc__tmpl_heap *h, gc__tmpl_str s, gc__tmpl_str old, gc__tmp
   return rc;
 }
 
-/* Python's str.splitlines line boundaries: the length of the one at s[i], or 0. */
+/* Python's str.splitlines line boundaries: the length of the one at s[i], or 0. "\r\n"
+ * is one boundary of two bytes; the others are single code points. */
 static size_t line_break_at(gc__tmpl_str s, size_t i) {
   uint32_t c;
   size_t k = gc__tmpl_u8_next(s.p + i, s.n - i, &c);
@@ -368,7 +369,9 @@ static size_t line_break_at(gc__tmpl_str s, size_t i) {
   return 0;
 }
 
-/* str.splitlines(keepends) as a list of slices of s. */
+/* str.splitlines(keepends) as a list of slices of s: two passes, one to count the lines
+ * and one to fill the list, so the list is allocated once. A final line without a
+ * break counts; an empty string has no lines. */
 static int splitlines(gc__tmpl_heap *h, gc__tmpl_str s, bool keepends, gc__tmpl_val *out) {
   size_t n = 0;
   for (size_t pass = 0; pass < 2; pass++) {
@@ -541,15 +544,20 @@ static int check_args(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_ar
   return 0;
 }
 
+/* Python accepts a bool wherever an int is asked for (True is 1). */
 static bool is_intish(const gc__tmpl_val *v) { return v && (v->kind == GC__TV_INT || v->kind == GC__TV_BOOL); }
 static int64_t intval(const gc__tmpl_val *v) { return v->kind == GC__TV_BOOL ? v->u.b : v->u.i; }
 
+/* A str argument where Python's method takes only str (no str() conversion): "sep must
+ * be str, not int"; an undefined one is jinja2's UndefinedError. */
 static int need_str(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v, const char *what) {
   if (v->kind == GC__TV_STR) return 0;
   if (v->kind == GC__TV_UNDEF) return gc__tmpl_rt_undef(rt, n, v);
   return gc__tmpl_rt_fail(rt, n, MR_EINVAL, "%s must be str, not %s", what, gc__tmpl_type_name(v));
 }
 
+/* soft_str / str(): any value's text (undefined is ""), located at n on failure (a
+ * generator has no text). */
 static int str_of(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v, gc__tmpl_str *out) {
   gc__tmpl_val s;
   int rc = gc__tmpl_to_str(gc__tmpl_rt_heap(rt), v, &s);
@@ -558,7 +566,7 @@ static int str_of(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v
   return 0;
 }
 
-/* A generator over count items (copied). */
+/* A generator over count items (copied): the form of every lazy filter's result. */
 static int make_gen(gc__tmpl_rt *rt, const gc__tmpl_val *items, size_t count, gc__tmpl_val *out) {
   int rc = gc__tmpl_list_new(gc__tmpl_rt_heap(rt), count, GC__TL_GEN, out);
   if (!rc && count) memcpy(out->u.l->v, items, count * sizeof *items);
@@ -740,8 +748,9 @@ static int f_len(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
   }
 }
 
-/* The sort key of an item: its attribute (a comma list makes a tuple), lower-cased if
- * strings compare without case (jinja2's ignore_case). */
+/* The sort key of an item: its attribute (a comma list makes a tuple, so that
+ * sort(attribute="age,name") orders by age then name), lower-cased if strings compare
+ * without case (jinja2's ignore_case applies to str keys only). */
 static int sort_key(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *attr,
                     bool case_sensitive, const gc__tmpl_val *item, gc__tmpl_val *key) {
   gc__tmpl_heap *h = gc__tmpl_rt_heap(rt);
@@ -774,7 +783,9 @@ static int key_less(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   return 0;
 }
 
-/* Stable merge sort of idx[0..n) by keys (Python's sorted: only `<` is used). */
+/* Stable merge sort of idx[0..n) by keys (Python's sorted: only `<` is used, and equal
+ * items keep their order). A comparison that fails (a str against an int) fails the
+ * sort, as Python's TypeError does. */
 static int merge_sort(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *keys,
                       size_t *idx, size_t *tmp, size_t cnt, bool reverse) {
   if (cnt < 2) return 0;
@@ -1004,7 +1015,9 @@ static int f_tojson(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
 }
 
 /* Python's int(s, base) on a str: whitespace around, a sign, digits with single
- * underscores between, a 0x / 0o / 0b prefix when base is 0 or matches. */
+ * underscores between, a 0x / 0o / 0b prefix when base is 0 or matches. Letters are
+ * digits above 9 for bases up to 36. Beyond 64 bits fails (Python would not): the
+ * filter then tries float and then its default, as jinja2 would for a bad string. */
 static bool parse_int_str(gc__tmpl_str s, int base, int64_t *out) {
   gc__tmpl_val t;
   gc__tmpl_strip(NULL, s, NULL, true, true, &t);
@@ -1042,7 +1055,9 @@ static bool parse_int_str(gc__tmpl_str s, int base, int64_t *out) {
 }
 
 /* Python's float(s): whitespace around, a sign, decimal digits (single underscores between
- * them), an exponent, or inf / infinity / nan in any case. */
+ * them), an exponent, or inf / infinity / nan in any case. Hex floats and "1e" are not
+ * Python floats although strtod reads them, so the text is checked first and strtod
+ * only converts what passed. */
 static bool parse_float_str(gc__tmpl_str s, double *out) {
   gc__tmpl_val t;
   gc__tmpl_strip(NULL, s, NULL, true, true, &t);

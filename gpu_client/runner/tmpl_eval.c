@@ -1019,6 +1019,7 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     return gc__tmpl_getattr(rt, n, &a, n->val.u.s.p, n->val.u.s.n, out);
   case GC__TN_GETITEM:
+    /* A slice evaluates its parts (missing ones are None) before the object can fail. */
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     if (n->b->kind == GC__TN_SLICE) {
       gc__tmpl_val sl[3] = {gc__tmpl_none(), gc__tmpl_none(), gc__tmpl_none()};
@@ -1051,6 +1052,7 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
     return 0;
   case GC__TN_NEG:
   case GC__TN_POS:
+    /* Numbers only (a bool becomes an int: -True is -1); -INT64_MIN overflows. */
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     if (a.kind == GC__TV_UNDEF) return gc__tmpl_rt_undef(rt, n, &a);
     if (a.kind == GC__TV_FLOAT) {
@@ -1087,6 +1089,7 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
     return 0;
   }
   case GC__TN_COMPARE: {
+    /* Left to right, stopping at the first false link, each operand evaluated once. */
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     for (uint32_t k = 0; k < n->n; k++) {
       bool r;
@@ -1112,6 +1115,7 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
     }
     return eval(rt, n->b, f, out);
   case GC__TN_COND:
+    /* Only the chosen branch is evaluated; no else gives jinja2's undefined. */
     if ((rc = eval(rt, n->a, f, &a))) return rc;
     if (gc__tmpl_truthy(&a)) return eval(rt, n->b, f, out);
     if (n->c) return eval(rt, n->c, f, out);
@@ -1123,6 +1127,8 @@ static int eval_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f, gc__tmp
   case GC__TN_TUPLE:
     return eval_list(rt, n, f, GC__TL_TUPLE, out);
   case GC__TN_DICT:
+    /* Keys and values in source order; a repeated key keeps its first place and takes
+     * the last value; an unhashable key (a list) fails as in Python. */
     if ((rc = gc__tmpl_dict_new(rt->h, n->n / 2, false, out))) return rc;
     for (uint32_t k = 0; k + 1 < n->n; k += 2) {
       if ((rc = eval(rt, n->kids[k], f, &a)) || (rc = eval(rt, n->kids[k + 1], f, &b))) return rc;
@@ -1273,9 +1279,11 @@ static int exec_inner(gc__tmpl_rt *rt, const gc__tmpl_node *n, frame *f) {
   case GC__TN_DATA:
     return gc__tmpl_sb_put(rt->out, n->val.u.s.p, n->val.u.s.n);
   case GC__TN_PRINT:
+    /* {{ x }} writes str(x): no autoescaping, undefined writes nothing. */
     if ((rc = eval(rt, n->a, f, &v))) return rc;
     return gc__tmpl_str_put(rt->out, &v);
   case GC__TN_IF:
+    /* An if is no scope: what its branches set lands in the enclosing one. */
     if ((rc = eval(rt, n->a, f, &v))) return rc;
     if (gc__tmpl_truthy(&v)) return exec_node(rt, n->b, f);
     return n->c ? exec_node(rt, n->c, f) : 0;

@@ -584,6 +584,7 @@ static int parse_primary(parser *P, bool with_ns, gc__tmpl_node **out) {
   }
 }
 
+/* jinja2's is_tuple_end: a tag end, ")", or the word that follows the tuple. */
 static bool tuple_end(const parser *P, const char *end_name) {
   const gc__tmpl_tok *t = cur(P);
   if (t->kind == GC__TK_VAR_END || t->kind == GC__TK_BLOCK_END || is_op(t, GC__TOP_RPAREN))
@@ -710,6 +711,10 @@ static bool str_is(const gc__tmpl_str *s, const char *lit) {
   return s->n == n && memcmp(s->p, lit, n) == 0;
 }
 
+/* A call after a postfix or filter expression. Which callees exist is known here: a
+ * name is a macro of this template or a global function; an attribute is a method of
+ * the subset. Everything else (a Python builtin the sandbox exposes, a context value,
+ * a call of a call's result) is refused now rather than failing at some render. */
 static int parse_call(parser *P, gc__tmpl_node **node_) {
   gc__tmpl_node *callee = *node_;
   gc__tmpl_node *n = node(P, GC__TN_CALL, cur(P)->pos);
@@ -905,7 +910,8 @@ static int parse_postfix(parser *P, gc__tmpl_node **node_) {
 }
 
 /* A constant test or filter name given to select / reject / selectattr / rejectattr / map
- * is checked now; a computed one is checked when called. */
+ * is checked now (it is the common case: selectattr("role", "equalto", "user")); a
+ * computed one is checked when called. map(attribute=...) takes no filter name. */
 static int check_name_arg(parser *P, gc__tmpl_node *f) {
   uint32_t k;
   bool test;
@@ -1059,7 +1065,8 @@ static int drop_end(parser *P) {
   return 0;
 }
 
-/* for / set targets: a name, or a flat tuple of names (NSREF too where with_ns). */
+/* for / set targets: a name, or a flat tuple of names (NSREF too where with_ns). jinja2
+ * allows nested tuples; no template of the families uses them. */
 static int check_target(parser *P, gc__tmpl_node *t, bool with_ns) {
   if (t->kind == GC__TN_NAME) return 0;
   if (t->kind == GC__TN_NSREF && with_ns) return 0;
