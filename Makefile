@@ -170,7 +170,7 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tok_cli
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tok_cli $(BUILD)/tests/tmpl_cli
 
 .SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration check-layers demo demo-multihost bench fuzz fuzz-check have-not clean help
@@ -350,6 +350,12 @@ $(BUILD)/tests/kn_ref_cli: $(BUILD)/obj/tests/conformance/kn_ref_cli.o $(LIB_KN)
 
 # The tokenizer on lines of text, driven by tests/conformance/test_tokenizer_hf.py.
 $(BUILD)/tests/tok_cli: $(BUILD)/obj/tests/conformance/tok_cli.o $(LIB_RUN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+# The chat-template interpreter on a template file and a JSON context, driven by
+# tests/conformance/test_chat_template_jinja.py (transformers' jinja2 as the oracle).
+$(BUILD)/tests/tmpl_cli: $(BUILD)/obj/tests/conformance/tmpl_cli.o $(LIB_RUN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 

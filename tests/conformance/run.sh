@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tests/conformance/run.sh - checks the reference kernel (kernels/kn_ref.c),
 # kn_moe_forward and the whole-model runner (moerpc-client logits; Qwen3-MoE, Mixtral and
-# DeepSeek-V3 checkpoints) against PyTorch + transformers, and the runner's tokenizer
-# against the `tokenizers` package (tests/conformance/README.md).
+# DeepSeek-V3 checkpoints) against PyTorch + transformers, the runner's tokenizer against
+# the `tokenizers` package, and the chat-template interpreter against transformers' jinja2
+# (tests/conformance/README.md).
 #
 #   tests/conformance/run.sh            uses/creates the venv $MOERPC_CONF_VENV (.venv-conf)
 #   BUILD=build/x tests/conformance/run.sh
@@ -24,7 +25,7 @@ elif [ $rc -ne 0 ]; then
 fi
 
 make -s BUILD="$BUILD" SANITIZER="${SANITIZER:-}" "$BUILD/tests/kn_ref_cli" "$BUILD/lib/libmr.a" \
-  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client" "$BUILD/tests/tok_cli"
+  "$BUILD/bin/moerpc-mkmodel" "$BUILD/bin/moerpc-client" "$BUILD/tests/tok_cli" "$BUILD/tests/tmpl_cli"
 # Each check prints its own cases and ends with "<check>: N passed, N failed[, N skipped]";
 # the last line here is their sum, "conformance: ...", the one tests/run.sh counts. A check
 # that ends without its line counts as one failure.
@@ -52,5 +53,6 @@ check tests/conformance/test_mkmodel_deepseek.py --build "$BUILD"
 check tests/conformance/test_model_logits.py --client "$BUILD/bin/moerpc-client"
 check tests/conformance/test_deepseek_logits.py --client "$BUILD/bin/moerpc-client"
 check tests/conformance/test_tokenizer_hf.py --cli "$BUILD/tests/tok_cli"
+check tests/conformance/test_chat_template_jinja.py --cli "$BUILD/tests/tmpl_cli"
 echo "conformance: $P passed, $F failed, $S skipped"
 exit $rc
