@@ -4,7 +4,10 @@
 #   2. makes a small random Qwen3-MoE model (moerpc-mkmodel),
 #   3. starts two expert servers on loopback, each owning half of the experts
 #      (deploy/local-cluster.sh),
-#   4. generates with the whole-model runner: hot experts local (--local-experts), the cold
+#   4. one chat turn, text in and text out: the model's chat template and tokenizer, hot
+#      experts local, the cold ones on the two servers (the weights are random: the text is
+#      nonsense, the path is real);
+#      then generates with the whole-model runner: hot experts local (--local-experts), the cold
 #      ones on the servers, their RPCs overlapped and deferred (--max-deferred); then the
 #      same prompts all-local; one comparison line (tokens/s, greedy tokens, and the logits
 #      difference that deferral causes by design),
@@ -44,6 +47,15 @@ lc_start "$DEMO_DIR" "$DEMO_DIR/model" 2 ${SERVER_FLAGS:-}
 
 step "moerpc-client info"
 "$BIN/moerpc-client" info --cluster "$DEMO_DIR/cluster.json"
+
+step "chat: one turn through the two servers (chat template + tokenizer of the model)"
+echo "    the model's weights are random, so its answer is nonsense text; the tokens went through"
+echo "    its chat template, its tokenizer, the hot experts here and the cold ones on s0 and s1"
+printf '    user: %s\n    assistant: ' "What is a mixture of experts?"
+"$BIN/moerpc-client" generate --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \
+    --local-experts "$LOCAL_EXPERTS" --chat "What is a mixture of experts?" --max-new 24 \
+    --quiet --log warn 2>"$DEMO_DIR/chat.log" || { cat "$DEMO_DIR/chat.log"; exit 1; }
+sed 's/^/    /' "$DEMO_DIR/chat.log"
 
 step "generate: hot experts local (--local-experts $LOCAL_EXPERTS), cold on s0/s1, --max-deferred $MAX_DEFERRED"
 "$BIN/moerpc-client" generate --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \

@@ -1,6 +1,7 @@
 /*
- * gpu_client/cli.h - the subcommands of moerpc-client that live outside main.c
- * (cli_model.c: the whole-model runner's generate / logits / bench). Each takes the
+ * gpu_client/runner/cli.h - the subcommands of moerpc-client that live outside main.c
+ * (cli_model.c: the whole-model runner's generate / logits / bench; cli_serve.c: serve;
+ * cli_text.c: tokenize / detokenize / chat-template). Each takes the
  * subcommand's argv (argv[0] = its name) and returns the exit status (0 ok, 1 failure,
  * 2 usage error).
  */
@@ -14,6 +15,11 @@
 int gc__cli_generate(int argc, char **argv);
 int gc__cli_logits(int argc, char **argv);
 int gc__cli_bench(int argc, char **argv);
+int gc__cli_serve(int argc, char **argv);
+/* cli_text.c: the text tools (no weights loaded) */
+int gc__cli_tokenize(int argc, char **argv);
+int gc__cli_detokenize(int argc, char **argv);
+int gc__cli_chat_template(int argc, char **argv);
 /* Parses flag's value s as a decimal integer in lo..hi into *out; otherwise prints
  * "moerpc-client: FLAG = \"S\", must be an integer in LO..HI" and returns false. */
 bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out);

@@ -14,9 +14,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cjson/cJSON.h>
+
 #include "gpu_client/runner/cli.h"
 #include "gpu_client/runner/comm.h"
 #include "gpu_client/runner/model.h"
+#include "gpu_client/runner/sched.h"
+#include "gpu_client/runner/text.h"
 
 #define PROG "moerpc-client"
 /* Most ids one flag may list (a prompt longer than --max-seq is refused after open). */
@@ -28,8 +32,9 @@ enum {
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
   MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH,
-  MO_BACKEND, MO_DEVICE, MO_TP
+  MO_BACKEND, MO_DEVICE, MO_TP, MO_TEXT, MO_CHAT, MO_SYSTEM, MO_STOP, MO_TEMPLATE, MO_TOPK
 };
+#define CLI_MAX_TEXTS 256u
 
 #define MODEL_OPTIONS                                                                    \
   {"model", required_argument, NULL, MO_MODEL},                                          \
@@ -109,6 +114,9 @@ static const char MODEL_HELP[] =
 typedef struct mcli {
   gc_model_opts mo;
   const char *prompt, *ids, *out, *compare;
+  const char *texts[CLI_MAX_TEXTS], *chats[CLI_MAX_TEXTS], *stops[GC_TEXT_MAX_STOPS];
+  uint32_t n_texts, n_chats, n_stops;
+  const char *system, *chat_template;
   uint32_t batch, max_new, prompt_len, decode, repeats;
   bool batch_set, json;
   gc_sampling smp;
@@ -269,6 +277,27 @@ static int model_opt(mcli *c, int opt, const char *arg) {
   case MO_TEMP: return p_float("--temperature", arg, 0, 100, &c->smp.temperature) ? 1 : -1;
   case MO_TOPP: return p_float("--top-p", arg, 1e-6, 1, &c->smp.top_p) ? 1 : -1;
   case MO_SEED: return gc__cli_u64("--seed", arg, 0, UINT64_MAX, &c->smp.seed) ? 1 : -1;
+  case MO_TOPK: return gc__cli_u32("--top-k", arg, 0, 1u << 24, &c->smp.top_k) ? 1 : -1;
+  case MO_TEXT:
+  case MO_CHAT: {
+    uint32_t *n = opt == MO_TEXT ? &c->n_texts : &c->n_chats;
+    if (*n >= CLI_MAX_TEXTS) {
+      fprintf(stderr, PROG ": at most %u --prompt / --chat\n", CLI_MAX_TEXTS);
+      return -1;
+    }
+    (opt == MO_TEXT ? c->texts : c->chats)[(*n)++] = arg;
+    return 1;
+  }
+  case MO_SYSTEM: c->system = arg; return 1;
+  case MO_TEMPLATE: c->chat_template = arg; return 1;
+  case MO_STOP:
+    if (c->n_stops >= GC_TEXT_MAX_STOPS || !*arg || strlen(arg) > GC_TEXT_MAX_STOP_BYTES) {
+      fprintf(stderr, PROG ": --stop \"%s\": at most %u stop strings of 1..%u bytes\n", arg, GC_TEXT_MAX_STOPS,
+              GC_TEXT_MAX_STOP_BYTES);
+      return -1;
+    }
+    c->stops[c->n_stops++] = arg;
+    return 1;
   default: return 0;
   }
 }
@@ -465,40 +494,293 @@ static void failover_summary(gc_model *m, bool json) {
   if (any) printf(json ? "]}\n" : "\n");
 }
 
+/* ---- generate: text in, text out ---------------------------------------------------------
+ *
+ * --prompt TEXT (as tokenizer(text): its post-processor may add a BOS) and --chat MESSAGE
+ * (with --system: rendered by the model's chat template with add_generation_prompt, then
+ * tokenized as apply_chat_template does: special tokens matched, nothing added) make one
+ * sequence each. They run through the continuous-batching scheduler (sched.h), which
+ * serve uses too, and each stops at the model's stop ids (generation_config.json and the
+ * tokenizer's eos), at a --stop string (never printed), or after --max-new tokens. With
+ * one sequence the text is printed as it is produced; with several, each when it ends. */
+
+typedef struct gen_seq {
+  uint32_t idx;
+  gc_text_out *txt;
+  bool stream;            /* print as produced (one sequence, not --json) */
+  char *text;             /* all emitted text (for --json and the several-sequence print) */
+  size_t text_len, text_cap;
+  int32_t *ids;           /* produced ids */
+  uint32_t n_ids;
+  gc_finish why;
+  mr_err err;
+  gc_sched_usage u;
+  bool done;
+  int text_rc;            /* a decoding failure (ends the sequence) */
+} gen_seq;
+
+static bool gen_append(gen_seq *q, const char *s, size_t n) {
+  if (n == 0) return true;
+  if (q->stream) {
+    fwrite(s, 1, n, stdout);
+    fflush(stdout);
+  }
+  if (q->text_len + n + 1 > q->text_cap) {
+    size_t c = q->text_cap ? q->text_cap * 2 : 256;
+    while (c < q->text_len + n + 1) c *= 2;
+    char *p = mr_realloc(q->text, c);
+    if (!p) return false;
+    q->text = p;
+    q->text_cap = c;
+  }
+  memcpy(q->text + q->text_len, s, n);
+  q->text_len += n;
+  q->text[q->text_len] = '\0';
+  return true;
+}
+
+static bool gen_on_token(void *ud, const gc_sched_token *t) {
+  gen_seq *q = ud;
+  q->ids[q->n_ids++] = t->id;
+  const char *s;
+  size_t n;
+  bool stopped = false;
+  mr_err e;
+  q->text_rc = gc_text_out_feed(q->txt, t->id, &s, &n, &stopped, &e);
+  if (q->text_rc || !gen_append(q, s, n)) {
+    if (!q->text_rc) q->text_rc = MR_ENOMEM;
+    return true;
+  }
+  return stopped;
+}
+
+static void gen_on_done(void *ud, gc_finish why, const mr_err *err, const gc_sched_usage *u) {
+  gen_seq *q = ud;
+  q->why = why;
+  q->u = *u;
+  q->done = true;
+  if (err) q->err = *err;
+  const char *s;
+  size_t n;
+  mr_err e;
+  if (why != GC_FINISH_ERROR && gc_text_out_finish(q->txt, &s, &n, &e) == 0) gen_append(q, s, n);
+  if (q->stream) putchar('\n');
+}
+
+/* The prompts of --prompt and --chat, tokenized, into prompts[i] (mr_malloc'ed); the time
+ * spent rendering templates and encoding into *tmpl_ns / *enc_ns. */
+static int gen_prompts(const mcli *c, const gc_tok *tok, gc_tok_ids *prompts, uint64_t *tmpl_ns, uint64_t *enc_ns,
+                       mr_err *e) {
+  gc_chat *chat = NULL;
+  int rc = 0;
+  uint32_t k = 0;
+  uint64_t t0 = mr_now_ns();
+  for (uint32_t i = 0; i < c->n_texts && !rc; i++, k++)
+    rc = gc_tok_encode(tok, c->texts[i], strlen(c->texts[i]), true, &prompts[k], e);
+  *enc_ns = mr_now_ns() - t0;
+  *tmpl_ns = 0;
+  if (!rc && c->n_chats) rc = gc_chat_load(&chat, c->mo.model_dir, c->chat_template, e);
+  for (uint32_t i = 0; i < c->n_chats && !rc; i++, k++) {
+    cJSON *msgs = cJSON_CreateArray(), *m;
+    if (c->system && (m = cJSON_CreateObject())) {
+      cJSON_AddStringToObject(m, "role", "system");
+      cJSON_AddStringToObject(m, "content", c->system);
+      cJSON_AddItemToArray(msgs, m);
+    }
+    if ((m = cJSON_CreateObject())) {
+      cJSON_AddStringToObject(m, "role", "user");
+      cJSON_AddStringToObject(m, "content", c->chats[i]);
+      cJSON_AddItemToArray(msgs, m);
+    }
+    char *text = NULL;
+    size_t len = 0;
+    t0 = mr_now_ns();
+    rc = gc_chat_render(chat, msgs, NULL, true, NULL, &text, &len, e);
+    *tmpl_ns += mr_now_ns() - t0;
+    t0 = mr_now_ns();
+    if (!rc) rc = gc_tok_encode(tok, text, len, false, &prompts[k], e);
+    *enc_ns += mr_now_ns() - t0;
+    mr_free(text);
+    cJSON_Delete(msgs);
+  }
+  gc_chat_free(chat);
+  return rc;
+}
+
+static void gen_print_json(const gen_seq *q) {
+  cJSON *o = cJSON_CreateObject(), *ids = cJSON_CreateArray();
+  cJSON_AddNumberToObject(o, "seq", q->idx);
+  cJSON_AddStringToObject(o, "text", q->text ? q->text : "");
+  for (uint32_t i = 0; i < q->n_ids; i++) cJSON_AddItemToArray(ids, cJSON_CreateNumber(q->ids[i]));
+  cJSON_AddItemToObject(o, "ids", ids);
+  cJSON_AddStringToObject(o, "finish_reason", gc_finish_name(q->why));
+  cJSON_AddNumberToObject(o, "prompt_tokens", q->u.prompt_tokens);
+  cJSON_AddNumberToObject(o, "completion_tokens", q->u.completion_tokens);
+  if (q->why == GC_FINISH_ERROR) cJSON_AddStringToObject(o, "error", q->err.msg);
+  char *s = cJSON_PrintUnformatted(o);
+  if (s) printf("%s\n", s);
+  cJSON_free(s);
+  cJSON_Delete(o);
+}
+
+static int gen_text(mcli *c) {
+  const uint32_t n = c->n_texts + c->n_chats;
+  mr_err e;
+  mr_err_clear(&e);
+  gc_tok *tok = NULL;
+  gc_model *m = NULL;
+  gc_sched *sch = NULL;
+  gc_tok_ids *prompts = mr_calloc(n, sizeof *prompts);
+  gen_seq *seqs = mr_calloc(n, sizeof *seqs);
+  int32_t stop_ids[GC_SCHED_MAX_STOP_IDS];
+  size_t n_stop = 0;
+  int rc = prompts && seqs ? 0 : mr_err_set(&e, MR_ENOMEM, "out of memory"), status = 1;
+  if (!rc) rc = gc_tok_load(&tok, c->mo.model_dir, &e);
+  uint64_t tmpl_ns = 0, enc_ns = 0;
+  if (!rc) rc = gen_prompts(c, tok, prompts, &tmpl_ns, &enc_ns, &e);
+  if (!rc) rc = gc_text_stop_ids(c->mo.model_dir, tok, stop_ids, GC_SCHED_MAX_STOP_IDS, &n_stop, &e);
+  if (rc) {
+    fprintf(stderr, PROG " generate: %s: %s\n", mr_err_name(rc), e.msg);
+    goto out;
+  }
+  c->mo.max_batch = c->batch_set ? c->batch : n;
+  if (open_model(c, &m)) goto out;
+  gc_sched_opts so = {.max_queue = n};
+  if ((rc = gc_sched_new(&sch, m, &so, &e))) {
+    fprintf(stderr, PROG " generate: %s: %s\n", mr_err_name(rc), e.msg);
+    goto out;
+  }
+  const uint64_t t0 = mr_now_ns();
+  for (uint32_t i = 0; i < n; i++) {
+    gen_seq *q = &seqs[i];
+    q->idx = i;
+    q->stream = n == 1 && !c->json;
+    q->ids = mr_malloc(((size_t)c->max_new + 1) * sizeof *q->ids);
+    if (!q->ids) rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+    if (!rc) rc = gc_text_out_new(&q->txt, tok, c->stops, c->n_stops, true, &e);
+    gc_sched_req r = {.prompt = prompts[i].v, .n_prompt = (uint32_t)prompts[i].n, .max_new = c->max_new,
+                      .smp = c->smp, .on_token = gen_on_token, .on_done = gen_on_done, .ud = q};
+    for (uint32_t k = 0; k < GC_SCHED_MAX_STOP_IDS; k++) r.stop_ids[k] = k < n_stop ? stop_ids[k] : -1;
+    if (!rc) rc = gc_sched_submit(sch, &r, NULL, &e);
+    if (rc) {
+      fprintf(stderr, PROG " generate: sequence %u: %s: %s\n", i, mr_err_name(rc), e.msg);
+      goto out;
+    }
+  }
+  for (bool busy = true; busy;) gc_sched_step(sch, &busy);
+  const double secs = (double)(mr_now_ns() - t0) / 1e9;
+  uint64_t p_tok = 0, c_tok = 0, first_ns = 0;
+  status = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    const gen_seq *q = &seqs[i];
+    p_tok += q->u.prompt_tokens;
+    c_tok += q->u.completion_tokens;
+    if (q->u.t_first_ns && (!first_ns || q->u.t_first_ns - q->u.t_submit_ns > first_ns))
+      first_ns = q->u.t_first_ns - q->u.t_submit_ns;
+    if (q->why == GC_FINISH_ERROR || q->text_rc) {
+      fprintf(stderr, PROG " generate: sequence %u: %s\n", i, q->why == GC_FINISH_ERROR ? q->err.msg : "decoding failed");
+      status = 1;
+    }
+    if (c->json) gen_print_json(q);
+    else if (n > 1) printf("[%u] %s\n", i, q->text ? q->text : "");
+  }
+  if (c->json)
+    printf("{\"prompt_tokens\": %llu, \"completion_tokens\": %llu, \"seconds\": %.3f, \"template_s\": %.6f, "
+           "\"encode_s\": %.6f, \"first_token_s\": %.3f, \"tok_s\": %.2f}\n", (unsigned long long)p_tok,
+           (unsigned long long)c_tok, secs, tmpl_ns / 1e9, enc_ns / 1e9, first_ns / 1e9, secs > 0 ? c_tok / secs : 0.0);
+  else
+    fprintf(stderr, "%u sequence%s: %llu prompt tokens, %llu generated in %.3f s (%.1f tok/s), first token after "
+            "%.3f s; finish: %s\n", n, n == 1 ? "" : "s", (unsigned long long)p_tok, (unsigned long long)c_tok, secs,
+            secs > 0 ? c_tok / secs : 0.0, first_ns / 1e9, gc_finish_name(seqs[n - 1].why));
+out:
+  gc_sched_free(sch);
+  failover_summary(m, c->json);
+  if (close_model(c, m) && status == 0) status = 1;
+  for (uint32_t i = 0; seqs && i < n; i++) {
+    gc_text_out_free(seqs[i].txt);
+    mr_free(seqs[i].text);
+    mr_free(seqs[i].ids);
+  }
+  for (uint32_t i = 0; prompts && i < n; i++) mr_free(prompts[i].v);
+  mr_free(prompts);
+  mr_free(seqs);
+  gc_tok_free(tok);
+  return status;
+}
+
 static const char GEN_USAGE[] =
-    "usage: " PROG " generate --model DIR --prompt-ids 1,2,3[;4,5] [--batch B] --max-new N\n"
+    "usage: " PROG " generate --model DIR (--prompt TEXT | --chat MESSAGE [--system TEXT] |\n"
+    "                --prompt-ids 1,2,3[;4,5]) [--max-new N] [--stop STRING]...\n"
     "                [--cluster FILE] [--local-experts N | --placement FILE] [--max-deferred K]\n"
-    "                [--temperature T --top-p P --seed S] [--json]\n"
-    "Generates N tokens after each prompt and prints them, one line per sequence, then the\n"
-    "timing. Sequences are separated by ';'; --batch B repeats them cyclically to B\n"
-    "sequences (default: as many as given). All prompts are prefilled in one step, then\n"
-    "every sequence decodes one token per step.\n\n";
+    "                [--temperature T --top-p P --top-k K --seed S] [--json]\n"
+    "Text: each --prompt / --chat is one sequence; the text is printed as it is produced (one\n"
+    "sequence) or when each ends (several), then a timing line on stderr. A sequence stops at\n"
+    "the model's stop ids (generation_config.json, the tokenizer's eos), at a --stop string\n"
+    "(not printed) or after --max-new tokens. Requests share steps as serve's do (continuous\n"
+    "batching). Ids: --prompt-ids generates exactly N tokens after each prompt and prints the\n"
+    "ids (';' between sequences; --batch B repeats them cyclically): all prompts are\n"
+    "prefilled in one step, then every sequence decodes one token per step.\n\n";
 static const char GEN_HELP[] =
     "generation:\n"
-    "  --prompt-ids LIST        token ids, ';' between sequences                 required\n"
+    "  --prompt TEXT            a completion prompt, tokenized as tokenizer(TEXT) (repeatable)\n"
+    "  --chat MESSAGE           a user message rendered by the model's chat template with the\n"
+    "                           assistant's turn opened (repeatable)\n"
+    "  --system TEXT            a system message before each --chat\n"
+    "  --chat-template FILE     use this Jinja template instead of the model's\n"
+    "  --stop STRING            end a sequence when its text contains STRING (repeatable,\n"
+    "                           at most 16); the text stops before it\n"
+    "  --prompt-ids LIST        token ids, ';' between sequences (prints ids)\n"
     "  --batch B                sequences, 1..4096 (default: the prompts given)\n"
     "  --max-new N              tokens to generate per sequence (default 16)\n"
     "  --temperature T          0 = greedy (default), else softmax(logits / T) sampling\n"
+    "  --top-k K                keep the K most likely tokens (0 = all, the default)\n"
     "  --top-p P                nucleus sampling mass in (0, 1] (default 1)\n"
     "  --seed S                 sampling seed (default 0)\n"
-    "  --json                   one JSON line per sequence and a timing line\n";
+    "  --json                   one JSON line per sequence (text: also the ids, finish_reason,\n"
+    "                           token counts) and a timing line\n";
 
 int gc__cli_generate(int argc, char **argv) {
   static const struct option lo[] = {
       MODEL_OPTIONS, {"prompt-ids", required_argument, NULL, MO_PROMPT},
+      {"prompt", required_argument, NULL, MO_TEXT}, {"chat", required_argument, NULL, MO_CHAT},
+      {"system", required_argument, NULL, MO_SYSTEM}, {"stop", required_argument, NULL, MO_STOP},
+      {"chat-template", required_argument, NULL, MO_TEMPLATE},
       {"batch", required_argument, NULL, MO_BATCH},
       {"max-new", required_argument, NULL, MO_MAXNEW},
       {"temperature", required_argument, NULL, MO_TEMP},
-      {"top-p", required_argument, NULL, MO_TOPP}, {"seed", required_argument, NULL, MO_SEED},
+      {"top-p", required_argument, NULL, MO_TOPP}, {"top-k", required_argument, NULL, MO_TOPK},
+      {"seed", required_argument, NULL, MO_SEED},
       {"json", no_argument, NULL, MO_JSON}, {NULL, 0, NULL, 0}};
   mcli c;
   mcli_init(&c);
   c.max_new = 16;
   int r = parse(argc, argv, lo, GEN_USAGE, GEN_HELP, &c);
   if (r) return r == 1 ? 0 : 2;
-  if (!c.prompt) {
-    fprintf(stderr, PROG " generate: --prompt-ids is required (see --help)\n");
+  const bool text = c.n_texts || c.n_chats;
+  if (!c.prompt == !text) {
+    fprintf(stderr, PROG " generate: give --prompt / --chat (text) or --prompt-ids (ids), not both "
+            "(see --help)\n");
     return 2;
+  }
+  if (!text && (c.n_stops || c.system || c.chat_template || c.smp.top_k)) {
+    fprintf(stderr, PROG " generate: --stop, --system, --chat-template and --top-k go with --prompt / "
+            "--chat\n");
+    return 2;
+  }
+  if (c.system && !c.n_chats) {
+    fprintf(stderr, PROG " generate: --system goes with --chat\n");
+    return 2;
+  }
+  if (text) {
+    if (c.max_new < 1) {
+      fprintf(stderr, PROG " generate: --max-new = 0: text generation makes at least one token\n");
+      return 2;
+    }
+    if (c.batch_set && c.batch < c.n_texts + c.n_chats) {
+      fprintf(stderr, PROG " generate: --batch %u is below the %u sequences (it sets the KV slots; "
+              "sequences wait for a slot)\n", c.batch, c.n_texts + c.n_chats);
+    }
+    return gen_text(&c);
   }
   int32_t *ids = NULL, *gen = NULL;
   uint32_t *lens = NULL, n_given = 0;

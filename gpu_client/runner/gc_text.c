@@ -4,6 +4,8 @@
  */
 #include "gpu_client/runner/text.h"
 
+#include "gpu_client/runner/chat_template.h"
+
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -193,4 +195,158 @@ int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, siz
   }
   if (tok && gc_tok_eos_id(tok) >= 0) add_id(ids, cap, n, gc_tok_eos_id(tok));
   return 0;
+}
+
+/* ---- chat prompts ----------------------------------------------------------------------------- */
+
+struct gc_chat {
+  gc_tmpl *t;
+  char bos[256], eos[256]; /* tokenizer_config.json's bos_token / eos_token ("" = none) */
+  bool has_bos, has_eos;
+};
+
+/* A special token of tokenizer_config.json: a string, or an AddedToken {"content": ...}. */
+static bool special_token(const cJSON *cfg, const char *key, char *out, size_t cap) {
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(cfg, key);
+  if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
+  if (!cJSON_IsString(v) || strlen(v->valuestring) >= cap) return false;
+  snprintf(out, cap, "%s", v->valuestring);
+  return true;
+}
+
+int gc_chat_load(gc_chat **out, const char *model_dir, const char *template_file, mr_err *e) {
+  *out = NULL;
+  gc_chat *c = mr_calloc(1, sizeof *c);
+  if (!c) return mr_err_set(e, MR_ENOMEM, "chat template: out of memory");
+  int rc;
+  if (template_file) {
+    char *text = NULL;
+    size_t len = 0;
+    rc = mr_file_read(template_file, 4u << 20, &text, &len, e);
+    if (!rc) rc = gc_tmpl_compile(&c->t, text, len, template_file, e);
+    mr_free(text);
+  } else {
+    rc = gc_tmpl_load_dir(&c->t, model_dir, NULL, e);
+  }
+  char path[4096];
+  struct stat sb;
+  if (!rc && model_dir && snprintf(path, sizeof path, "%s/tokenizer_config.json", model_dir) < (int)sizeof path &&
+      stat(path, &sb) == 0) {
+    char *text = NULL;
+    size_t len = 0;
+    cJSON *cfg = NULL;
+    rc = mr_file_read(path, MR_JSON_MAX_BYTES, &text, &len, e);
+    if (!rc) rc = mr_json_parse_object(text, len, path, &cfg, e);
+    mr_free(text);
+    if (!rc) {
+      c->has_bos = special_token(cfg, "bos_token", c->bos, sizeof c->bos);
+      c->has_eos = special_token(cfg, "eos_token", c->eos, sizeof c->eos);
+    }
+    cJSON_Delete(cfg);
+  }
+  if (rc) {
+    gc_chat_free(c);
+    return rc;
+  }
+  *out = c;
+  return 0;
+}
+
+void gc_chat_free(gc_chat *c) {
+  if (!c) return;
+  gc_tmpl_free(c->t);
+  mr_free(c);
+}
+
+/* One message as transformers hands it to the template (see text.h). */
+static int message_norm(const cJSON *m, size_t i, cJSON **out, mr_err *e) {
+  *out = NULL;
+  if (!cJSON_IsObject(m)) return mr_err_set(e, MR_EINVAL, "messages[%zu]: must be an object", i);
+  const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+  if (!cJSON_IsString(role)) return mr_err_set(e, MR_EINVAL, "messages[%zu].role: must be a string", i);
+  cJSON *o = cJSON_CreateObject();
+  if (!o) return mr_err_set(e, MR_ENOMEM, "messages: out of memory");
+  const cJSON *f;
+  cJSON_ArrayForEach(f, m) {
+    if (cJSON_IsNull(f)) continue; /* transformers drops keys whose value is None */
+    const char *key = f->string;
+    if (strcmp(key, "thinking") == 0 || strcmp(key, "reasoning") == 0) key = "reasoning_content";
+    if (cJSON_GetObjectItemCaseSensitive(o, key)) continue;
+    cJSON *v;
+    if (strcmp(key, "content") == 0 && cJSON_IsArray(f)) {
+      /* a list of only text parts: one string (the parts concatenated, as OpenAI reads them) */
+      bool only_text = true;
+      size_t n = 0;
+      const cJSON *p;
+      cJSON_ArrayForEach(p, f) {
+        const cJSON *ty = cJSON_GetObjectItemCaseSensitive(p, "type");
+        const cJSON *tx = cJSON_GetObjectItemCaseSensitive(p, "text");
+        if (!cJSON_IsString(ty) || strcmp(ty->valuestring, "text") != 0 || !cJSON_IsString(tx)) only_text = false;
+        else n += strlen(tx->valuestring);
+      }
+      if (only_text) {
+        char *buf = mr_malloc(n + 1);
+        if (!buf) {
+          cJSON_Delete(o);
+          return mr_err_set(e, MR_ENOMEM, "messages: out of memory");
+        }
+        size_t at = 0;
+        cJSON_ArrayForEach(p, f) {
+          const char *tx = cJSON_GetObjectItemCaseSensitive(p, "text")->valuestring;
+          memcpy(buf + at, tx, strlen(tx));
+          at += strlen(tx);
+        }
+        buf[at] = '\0';
+        v = cJSON_CreateString(buf);
+        mr_free(buf);
+      } else {
+        v = cJSON_Duplicate(f, true);
+      }
+    } else {
+      v = cJSON_Duplicate(f, true);
+    }
+    if (!v || !cJSON_AddItemToObject(o, key, v)) {
+      cJSON_Delete(v);
+      cJSON_Delete(o);
+      return mr_err_set(e, MR_ENOMEM, "messages: out of memory");
+    }
+  }
+  *out = o;
+  return 0;
+}
+
+int gc_chat_render(const gc_chat *c, const cJSON *messages, const cJSON *tools, bool add_generation_prompt,
+                   const cJSON *extra, char **out, size_t *len, mr_err *e) {
+  *out = NULL;
+  *len = 0;
+  if (!cJSON_IsArray(messages)) return mr_err_set(e, MR_EINVAL, "messages: must be a list");
+  cJSON *vars = cJSON_CreateObject(), *msgs = cJSON_CreateArray();
+  int rc = 0;
+  if (!vars || !msgs || !cJSON_AddItemToObject(vars, "messages", msgs)) {
+    cJSON_Delete(msgs);
+    rc = mr_err_set(e, MR_ENOMEM, "chat: out of memory");
+    goto out;
+  }
+  size_t i = 0;
+  const cJSON *m;
+  cJSON_ArrayForEach(m, messages) {
+    cJSON *n = NULL;
+    if ((rc = message_norm(m, i++, &n, e))) goto out;
+    cJSON_AddItemToArray(msgs, n);
+  }
+  cJSON_AddItemToObject(vars, "tools", tools ? cJSON_Duplicate(tools, true) : cJSON_CreateNull());
+  cJSON_AddItemToObject(vars, "documents", cJSON_CreateNull());
+  cJSON_AddBoolToObject(vars, "add_generation_prompt", add_generation_prompt);
+  if (c->has_bos) cJSON_AddStringToObject(vars, "bos_token", c->bos);
+  if (c->has_eos) cJSON_AddStringToObject(vars, "eos_token", c->eos);
+  const cJSON *x;
+  if (cJSON_IsObject(extra))
+    cJSON_ArrayForEach(x, extra) {
+      cJSON_DeleteItemFromObjectCaseSensitive(vars, x->string);
+      cJSON_AddItemToObject(vars, x->string, cJSON_Duplicate(x, true));
+    }
+  rc = gc_tmpl_render(c->t, vars, NULL, out, len, e);
+out:
+  cJSON_Delete(vars);
+  return rc;
 }

@@ -1187,6 +1187,9 @@ static const command commands[] = {
     {"generate", gc__cli_generate, "run the model: generate tokens after prompts (--model DIR)"},
     {"logits", gc__cli_logits, "run the model: fp32 logits of one sequence's prefill, to a file"},
     {"bench", gc__cli_bench, "run the model: prefill/decode tok/s, per-layer time, overlap"},
+    {"tokenize", gc__cli_tokenize, "the model's tokenizer: text -> ids"},
+    {"detokenize", gc__cli_detokenize, "the model's tokenizer: ids -> text"},
+    {"chat-template", gc__cli_chat_template, "the prompt the model's chat template renders for messages"},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
 

@@ -48,6 +48,29 @@ int gc_text_out_finish(gc_text_out *t, const char **emit, size_t *len, mr_err *e
 int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, size_t cap, size_t *n,
                      mr_err *e);
 
+/* ---- chat prompts ----------------------------------------------------------------------------
+ *
+ * A model's chat template with what transformers passes next to the messages: the special
+ * tokens of tokenizer_config.json (bos_token, eos_token, as strings), tools and documents
+ * (null when none), add_generation_prompt and any extra variable (enable_thinking, ...).
+ * The messages are normalized as transformers does before rendering: keys whose value is
+ * null are dropped, "thinking" / "reasoning" become "reasoning_content". A content that is
+ * a list of only text parts is joined into one string when the template is not known to
+ * read parts (most published templates concatenate message['content'] as a string). */
+typedef struct gc_chat gc_chat;
+/* The template of model_dir (gc_tmpl_load_dir), or of template_file when not NULL (the
+ * --chat-template override). MR_ENOTFOUND when the model has none, compile refusals as
+ * gc_tmpl_compile (naming the construct and the line). */
+int gc_chat_load(gc_chat **out, const char *model_dir, const char *template_file, mr_err *e);
+void gc_chat_free(gc_chat *c); /* NULL is a no-op */
+/* Renders messages (a cJSON array of {"role", "content", ...}) with tools (a cJSON array or
+ * NULL) and extra (a cJSON object of more variables or NULL) into *out (mr_free). Errors as
+ * gc_tmpl_render, and MR_EINVAL naming messages[i] for a message that is not an object or
+ * has no string role. Any thread. */
+int gc_chat_render(const gc_chat *c, const struct cJSON *messages, const struct cJSON *tools,
+                   bool add_generation_prompt, const struct cJSON *extra, char **out, size_t *len,
+                   mr_err *e);
+
 #ifdef __cplusplus
 }
 #endif
