@@ -90,7 +90,7 @@ ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnn
 ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-bf16 -mamx-int8
 
 GRPC_LIBS = -lgrpc -lgpr
-EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lonig -lutf8proc -lm
+EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lmicrohttpd -lonig -lutf8proc -lm
 ifeq ($(HAVE_HWLOC),1)
 EXT_LIBS += -lhwloc
 endif

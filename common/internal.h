@@ -98,4 +98,8 @@ int mr__json_parse_object(const char *text, size_t len, const char *label, cJSON
 /* Joins dir and name into buf ("dir/name"); returns MR_ERANGE if it does not fit. */
 int mr__path_join(char *buf, size_t len, const char *dir, const char *name);
 
+/* Splits HOST:PORT / [V6]:PORT into host (NUL-terminated, hlen bytes of room) and *port
+ * (pointing into listen); MR_EINVAL naming flag and the form otherwise (http.c). */
+int mr__http_split(const char *listen, const char *flag, char *host, size_t hlen, const char **port, mr_err *e);
+
 #endif /* MR_INTERNAL_H */

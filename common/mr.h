@@ -679,67 +679,97 @@ void mr_hist_observe(mr_hist *h, uint64_t v);
  * (after the caller's mr_prom_family(name, MR_PROM_HISTOGRAM, ...)). */
 void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const mr_hist *h);
 
-/* ---------------------------------------------------------------------------------------
- * A minimal HTTP/1.x responder for /metrics (http.c), shared by the server and the client.
- *
- * One thread of its own: accepts one connection at a time, reads one request head (at most
- * MR_HTTP_MAX_HEAD bytes, within MR_HTTP_TIMEOUT_MS), answers it and closes the connection
- * (Connection: close). GET or HEAD of the one path it serves gets 200 with the text the
- * render callback writes (Content-Type: text/plain; version=0.0.4); another path 404, another
- * method 405, a malformed head 400, one over the size limit 431, a version other than 1.x
- * 505, a client too slow to send its head or read the answer is dropped at the timeout. It
- * never blocks the caller's threads: render runs on the responder thread and reads only
- * what is safe to read from there (atomics, or state under its own lock).
+/*
+ * The HTTP server (common/http_server.c, on libmicrohttpd): one epoll thread serves every
+ * connection, with an idle timeout per connection (an idle or slowloris connection costs a
+ * socket, never a thread, and never delays another request), HTTP/1.1 keep-alive and
+ * chunked bodies, a body limit (413), a connection limit, and an optional bearer token
+ * (401). Routes are either renders (GET/HEAD: the body rendered on the server's thread,
+ * which must read only what is safe there: atomics, or state under its own lock) or
+ * handlers (any method) that get the request as an mr_http_call and answer it at once or
+ * later, from any thread, in one piece or as a stream (server-sent events).
  */
 #define MR_HTTP_MAX_HEAD 8192u
-#define MR_HTTP_TIMEOUT_MS 2000
-#define MR_HTTP_MAX_HEADERS 64u
-
-/* A parsed request head. */
-typedef struct mr_http_req {
-  bool complete;      /* the head ended (blank line) within the bytes given */
-  int status;         /* on failure: the HTTP status to answer (400, 431, 505) */
-  char method[16];
-  char path[1024];    /* the target up to '?' */
-  size_t head_len;    /* bytes of the head, the blank line included */
-} mr_http_req;
-/* Parses the first len bytes received on a connection (any bytes: this is network input;
- * pure). Returns 0 with out->complete false when the head may still be valid and needs more
- * bytes, 0 with out->complete true and method/path set when it is complete and well formed,
- * or MR_EFORMAT (out->status 400 or 505) / MR_EEXHAUSTED (431: longer than max bytes, a
- * target over 1023 bytes or more than MR_HTTP_MAX_HEADERS header lines), with the reason
- * in e. */
-int mr_http_parse_request(const char *buf, size_t len, size_t max, mr_http_req *out, mr_err *e);
 
 typedef struct mr_http_server mr_http_server;
-/* Writes the body of a 200 answer into out (empty on entry). Runs on the responder thread. */
+typedef struct mr_http_call mr_http_call;
+/* Writes the body of a 200 answer into out (empty on entry). Runs on the server's thread. */
 typedef void (*mr_http_render_fn)(void *ud, mr_prom *out);
-/* Binds listen ("HOST:PORT", "[V6]:PORT"; port 0 = any free port) and starts the responder
- * thread serving path with render(ud). flag names the option in messages ("--metrics-listen").
- * Errors: MR_EINVAL for an address that is not HOST:PORT or does not resolve, MR_EUNAVAIL
- * when it cannot be bound. On success the caller owns *out (mr_http_server_free). */
+/* A handler route: runs on the server's thread with the whole request (head and body).
+ * It must make exactly one terminal call on c, now or later from any thread:
+ * mr_http_reply, or mr_http_stream_begin + writes + mr_http_stream_end. It must not block. */
+typedef void (*mr_http_handler_fn)(void *ud, mr_http_call *c);
+/* Liveness (ready false) or readiness (ready true) of the process, for /healthz and /readyz.
+ * Runs on the server's thread; reads atomics only. */
+typedef bool (*mr_http_probe_fn)(void *ud, bool ready);
+
+typedef struct mr_http_opts {
+  const char *listen;         /* "HOST:PORT", "[V6]:PORT"; port 0 = any free port */
+  const char *flag;           /* names the option in messages ("--metrics-listen") */
+  uint32_t max_conns;         /* connections at once, 0 = 1024 (more wait in the backlog) */
+  uint32_t idle_timeout_s;    /* a connection silent this long is closed, 0 = 10 */
+  size_t max_body;            /* request body limit (413 past it), 0 = 1 MiB */
+  const char *token;          /* bearer token required on auth routes (copied), NULL = none */
+  bool token_on_renders;      /* render routes (metrics, ...) need the token too */
+  const char *auth_body;      /* the body of a 401 (copied; NULL = a text line) */
+  const char *auth_ctype;     /* its Content-Type (default application/json) */
+  void *probe_ud;             /* the probes' ud */
+} mr_http_opts;
+/* Binds and starts serving (no route yet: 404). Errors: MR_EINVAL for an address that is
+ * not HOST:PORT or does not resolve, MR_EUNAVAIL when it cannot be bound. Raises the
+ * process's soft limit on open files to its hard limit. The caller owns *out. */
+int mr_http_server_start(mr_http_server **out, const mr_http_opts *o, mr_err *e);
+/* mr_http_server_start with the defaults and one render route (path, Prometheus text). */
 int mr_http_server_new(mr_http_server **out, const char *listen, const char *flag,
                        const char *path, mr_http_render_fn render, void *ud, mr_err *e);
 /* The bound port. */
 int mr_http_server_port(const mr_http_server *h);
-/* Liveness (ready false) or readiness (ready true) of the process, for the probe paths.
- * Runs on the responder thread; reads atomics only. */
-typedef bool (*mr_http_probe_fn)(void *ud, bool ready);
-/* Also answers GET /healthz (probe(ud, false)) and /readyz (probe(ud, true)) with 200 "ok"
- * or 503, for kubelet and load balancers that cannot speak gRPC health over TLS. Any
- * thread, any time (the pointer is read atomically per request). */
+/* Also answers GET /healthz (probe(probe_ud, false)) and /readyz (probe(probe_ud, true))
+ * with 200 "ok" or 503, for kubelet and load balancers that cannot speak gRPC health over
+ * TLS; never behind the token. Any thread, any time. */
 void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
-/* Stops the thread (an answer in progress is cut) and closes the socket. NULL is a no-op. */
+/* Stops serving: calls still open are answered 503 or their stream ends with an error, then
+ * the connections close (their on_close runs). Calls the app still holds stay valid until
+ * its terminal call. NULL is a no-op. */
 void mr_http_server_free(mr_http_server *h);
 
-/* More paths on the same responder, each with its own render and Content-Type (NULL = the
- * Prometheus text type; kept, not copied: a string literal), e.g. the client's GET /routing
- * (JSON). At most MR_HTTP_MAX_ROUTES;
- * a path already served is MR_EINVAL, past the limit MR_ERANGE. Call it from any thread,
- * before or after traffic starts (a route becomes visible atomically). */
-#define MR_HTTP_MAX_ROUTES 8u
+/* A GET render route, with its Content-Type (NULL = the Prometheus text type; kept, not
+ * copied: a string literal). At most 32 routes; a route already served is MR_EINVAL. Any
+ * thread, before or after traffic starts. */
 int mr_http_server_route(mr_http_server *h, const char *path, const char *content_type,
                          mr_http_render_fn render, void *ud, mr_err *e);
+/* A handler route for method and path; auth: the bearer token is required (401 without). */
+int mr_http_server_handle(mr_http_server *h, const char *method, const char *path, bool auth,
+                          mr_http_handler_fn handle, void *ud, mr_err *e);
+
+/* The request of a call (valid until its terminal call; the body is NUL-terminated). */
+const char *mr_http_call_method(const mr_http_call *c);
+const char *mr_http_call_path(const mr_http_call *c);
+const char *mr_http_call_body(const mr_http_call *c, size_t *len);
+/* A request header (case-insensitive name), NULL if absent. Only inside the handler. */
+const char *mr_http_call_header(mr_http_call *c, const char *name);
+/* fn(ud) runs once if the call ends on the wire before the app's terminal call (the peer
+ * went away, timed out, or the server stopped): the app should stop the work behind it and
+ * still make its terminal call. Once the terminal call has returned, fn never runs (so ud
+ * need live only until then). fn runs on the server's thread with the call's lock held (or
+ * at once, on the caller's, if the call is over already): it must not call mr_http_* on c
+ * nor take a lock the app holds while calling them. */
+void mr_http_call_on_close(mr_http_call *c, void (*fn)(void *ud), void *ud);
+/* Terminal: answers status with body[0..len) (copied) and its Content-Type; headers: NULL
+ * or name, value, ..., NULL. Any thread. */
+void mr_http_reply(mr_http_call *c, int status, const char *content_type, const char *body, size_t len,
+                   const char *const *headers);
+/* A streamed answer (chunked, Cache-Control: no-cache): the head now, the body as written.
+ * Any thread. MR_ENOMEM. */
+int mr_http_stream_begin(mr_http_call *c, int status, const char *content_type, const char *const *headers);
+/* Appends n bytes to the stream (copied; sent as the peer takes them). MR_EUNAVAIL once the
+ * peer is gone (the app should end the work behind it), MR_ENOMEM. Any thread. */
+int mr_http_stream_write(mr_http_call *c, const char *data, size_t n);
+/* Terminal: ends the stream after what was written. Any thread. */
+void mr_http_stream_end(mr_http_call *c);
+/* True when the peer has gone: the call ended on the wire, or the socket of a call that
+ * waits for its answer (suspended) was closed by the peer. Any thread; one poll(2). */
+bool mr_http_call_peer_gone(mr_http_call *c);
 
 /* A one-shot HTTP/1.0 GET client for our own endpoints (moerpc-place reads a client's
  * /routing): url is "http://HOST:PORT/PATH" (or "HOST:PORT/PATH"; PATH defaults to

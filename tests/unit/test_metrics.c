@@ -77,51 +77,6 @@ MT_TEST(histogram) {
   mr_prom_close(&p);
 }
 
-static int parse(const char *s, mr_http_req *r) {
-  return mr_http_parse_request(s, strlen(s), MR_HTTP_MAX_HEAD, r, NULL);
-}
-
-MT_TEST(parser) {
-  mr_http_req r;
-  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: */*\r\n\r\n", &r), 0);
-  MT_TRUE(r.complete);
-  MT_EQ_STR(r.method, "GET");
-  MT_EQ_STR(r.path, "/metrics");
-  MT_EQ_INT(parse("HEAD /metrics?x=1 HTTP/1.0\n\n", &r), 0);
-  MT_TRUE(r.complete);
-  MT_EQ_STR(r.path, "/metrics");
-  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nHost: x\r\n", &r), 0); /* more to come */
-  MT_FALSE(r.complete);
-  MT_EQ_INT(parse("GE", &r), 0);
-  MT_FALSE(r.complete);
-  MT_EQ_INT(parse("", &r), 0);
-  MT_FALSE(r.complete);
-  /* Garbage is refused on its first bytes. */
-  MT_EQ_INT(parse("\x16\x03\x01", &r), MR_EFORMAT); /* a TLS ClientHello */
-  MT_EQ_INT(r.status, 400);
-  MT_EQ_INT(parse("get /metrics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET metrics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET /metrics\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET /met rics HTTP/1.1\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nNoColon\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nBad Name: v\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(parse("GET /metrics HTTP/1.1\r\nX: a\x01z\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(r.status, 400);
-  MT_EQ_INT(parse("GET /metrics HTTP/2.0\r\n\r\n", &r), MR_EFORMAT);
-  MT_EQ_INT(r.status, 505);
-  char big[MR_HTTP_MAX_HEAD + 64];
-  int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
-  while ((size_t)n < MR_HTTP_MAX_HEAD + 10) n += snprintf(big + n, sizeof big - (size_t)n, "X: y\r\n");
-  mr_err e;
-  MT_EQ_INT(mr_http_parse_request(big, (size_t)n, MR_HTTP_MAX_HEAD, &r, &e), MR_EEXHAUSTED);
-  MT_EQ_INT(r.status, 431);
-  MT_CONTAINS(e.msg, "431");
-  memset(big, 'a', sizeof big);
-  memcpy(big, "GET /", 5);
-  MT_EQ_INT(mr_http_parse_request(big, MR_HTTP_MAX_HEAD + 10, MR_HTTP_MAX_HEAD, &r, NULL), MR_EEXHAUSTED);
-  MT_EQ_INT(r.status, 431);
-}
-
 static void render(void *ud, mr_prom *out) {
   mr_prom_family(out, "t_up", MR_PROM_GAUGE, "up");
   mr_prom_u64(out, "t_up", NULL, (uint64_t)(uintptr_t)ud);
@@ -145,39 +100,47 @@ static size_t roundtrip(int port, const char *req, size_t len, char *buf, size_t
 MT_TEST(responder) {
   mr_http_server *h;
   mr_err e;
-  MT_OK(mr_http_server_new(&h, "127.0.0.1:0", "--metrics-listen", "/metrics", render, (void *)42, &e), &e);
+  mr_http_opts o = {.listen = "127.0.0.1:0", .flag = "--metrics-listen", .idle_timeout_s = 1};
+  MT_OK(mr_http_server_start(&h, &o, &e), &e);
+  MT_OK(mr_http_server_route(h, "/metrics", NULL, render, (void *)42, &e), &e);
   int port = mr_http_server_port(h);
   MT_TRUE(port > 0);
   static char buf[65536];
-  const char *get = "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n";
+  const char *get = "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
   roundtrip(port, get, strlen(get), buf, sizeof buf);
   MT_CONTAINS(buf, "HTTP/1.1 200 OK\r\n");
-  MT_CONTAINS(buf, "Content-Type: text/plain; version=0.0.4");
+  MT_CONTAINS(buf, "text/plain; version=0.0.4");
   MT_CONTAINS(buf, "\r\n\r\n# HELP t_up up\n# TYPE t_up gauge\nt_up 42\n");
   const char *head = "HEAD /metrics HTTP/1.0\r\n\r\n";
   roundtrip(port, head, strlen(head), buf, sizeof buf);
-  MT_CONTAINS(buf, "HTTP/1.1 200 OK");
+  MT_CONTAINS(buf, " 200 OK");
   MT_TRUE(strstr(buf, "t_up 42") == NULL);
-  const char *other = "GET /other HTTP/1.1\r\n\r\n";
+  const char *other = "GET /other HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
   roundtrip(port, other, strlen(other), buf, sizeof buf);
   MT_CONTAINS(buf, "HTTP/1.1 404 ");
-  const char *post = "POST /metrics HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc";
+  const char *post = "POST /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\nContent-Length: 3\r\n\r\nabc";
   roundtrip(port, post, strlen(post), buf, sizeof buf);
   MT_CONTAINS(buf, "HTTP/1.1 405 ");
   MT_CONTAINS(buf, "Allow: GET, HEAD");
+  /* garbage: a 400, or the connection closed at once (libmicrohttpd's choice per case);
+   * either way the server serves the next request */
   roundtrip(port, "\x00\x01\x02garbage\r\n\r\n", 14, buf, sizeof buf);
-  MT_CONTAINS(buf, "HTTP/1.1 400 ");
-  static char big[3 * MR_HTTP_MAX_HEAD];
-  int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
-  while ((size_t)n < 2 * MR_HTTP_MAX_HEAD) n += snprintf(big + n, sizeof big - (size_t)n, "X-Pad: yyyyyyyy\r\n");
+  MT_TRUE(buf[0] == '\0' || strstr(buf, "HTTP/1.1 400 ") != NULL);
+  roundtrip(port, get, strlen(get), buf, sizeof buf);
+  MT_CONTAINS(buf, "t_up 42");
+  static char big[200 * 1024];
+  int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\nHost: t\r\n");
+  while ((size_t)n < sizeof big - 100) n += snprintf(big + n, sizeof big - (size_t)n, "X-Pad: yyyyyyyy\r\n");
+  n += snprintf(big + n, sizeof big - (size_t)n, "\r\n");
   roundtrip(port, big, (size_t)n, buf, sizeof buf);
-  MT_CONTAINS(buf, "HTTP/1.1 431 ");
-  /* A client that sends nothing is cut at the timeout; the next one is served. */
+  MT_TRUE(strstr(buf, "HTTP/1.1 431 ") || strstr(buf, "HTTP/1.1 413 "));
+  /* A client that sends nothing is cut at the idle timeout (1 s here); others are served
+   * meanwhile. */
   uint64_t t0 = mr_now_ns();
   size_t got = roundtrip(port, NULL, 0, buf, sizeof buf);
   uint64_t ms = (mr_now_ns() - t0) / 1000000u;
   MT_EQ_U64(got, 0);
-  MT_TRUE(ms >= MR_HTTP_TIMEOUT_MS - 100 && ms < MR_HTTP_TIMEOUT_MS + 2000);
+  MT_TRUE(ms >= 900 && ms < 4000);
   roundtrip(port, get, strlen(get), buf, sizeof buf);
   MT_CONTAINS(buf, "t_up 42");
   mr_http_server_free(h);
@@ -199,7 +162,7 @@ MT_TEST(routes_and_get) {
   MT_OK(mr_http_server_route(h, "/big", NULL, render_big, NULL, &e), &e);
   MT_EQ_INT(mr_http_server_route(h, "/routing", NULL, render_json, &n, &e), MR_EINVAL);
   MT_CONTAINS(e.msg, "already served");
-  MT_EQ_INT(mr_http_server_route(h, "/metrics", NULL, render_json, &n, &e), MR_EINVAL);
+  MT_EQ_INT(mr_http_server_route(h, "/metrics", NULL, render_json, &n, &e), MR_EINVAL); /* served already */
   MT_EQ_INT(mr_http_server_route(h, "nopath", NULL, render_json, &n, &e), MR_EINVAL);
   char url[80], *body = NULL;
   size_t len = 0;
@@ -211,7 +174,7 @@ MT_TEST(routes_and_get) {
   MT_EQ_U64(len, 9);
   mr_free(body);
   static char buf[4096];
-  const char *get = "GET /routing HTTP/1.1\r\n\r\n";
+  const char *get = "GET /routing HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
   roundtrip(mr_http_server_port(h), get, strlen(get), buf, sizeof buf);
   MT_CONTAINS(buf, "Content-Type: application/json\r\n");
   char u2[96];
