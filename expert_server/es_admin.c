@@ -66,10 +66,6 @@
 
 static uint64_t es__now_ms(void) { return mr_now_ns() / 1000000u; }
 
-void es__admin_wake(es_server *s) {
-  if (s->loop_inited) uv_async_send(&s->wake);
-}
-
 static void es__drain_step(es_server *s);
 static void es__on_drain_tick(uv_timer_t *t);
 

@@ -358,12 +358,6 @@ static bool es__control_refused(es_server *s, es_rpc *r) {
   return false;
 }
 
-static void es__reply_err(es_rpc *r, int rc, const char *what, const mr_err *e) {
-  char msg[700];
-  snprintf(msg, sizeof msg, "%s: %s", what, e->msg);
-  es__rpc_reply(r, pr_status_from_mr(rc), msg, NULL);
-}
-
 static void *es__ctl_load_main(void *arg) {
   es_server *s = arg;
   pthread_setname_np(pthread_self(), "es-ctl-load");
@@ -479,7 +473,7 @@ void es__on_load(es_rpc *r) {
                                   ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
                       : mr_err_set(&e, MR_EINVAL, "empty message");
   if (rc) {
-    es__reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
+    es__rpc_reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
     return;
   }
   uint8_t *want = mr_malloc((size_t)L * E);
@@ -591,7 +585,7 @@ void es__on_load(es_rpc *r) {
 out_unlock:
   pthread_mutex_unlock(&s->ctl_lock);
   mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e.msg);
-  es__reply_err(r, rc, "LoadExperts refused", &e);
+  es__rpc_reply_err(r, rc, "LoadExperts refused", &e);
 out_free:
   mr_st_close(st);
   mr_free(want);
@@ -606,7 +600,7 @@ void es__on_load_status(es_rpc *r) {
   Moerpc__V1__LoadStatusRequest *req = NULL;
   if (r->payload && pr_decode(r->payload, &moerpc__v1__load_status_request__descriptor,
                               ES_MAX_CONTROL_REQUEST_BYTES, (ProtobufCMessage **)&req, &e)) {
-    es__reply_err(r, MR_EINVAL, "LoadStatusRequest does not decode", &e);
+    es__rpc_reply_err(r, MR_EINVAL, "LoadStatusRequest does not decode", &e);
     return;
   }
   uint64_t id = req ? req->load_id : 0;
@@ -651,7 +645,7 @@ void es__on_unload(es_rpc *r) {
                                   ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
                       : mr_err_set(&e, MR_EINVAL, "empty message");
   if (rc) {
-    es__reply_err(r, MR_EINVAL, "UnloadRequest does not decode", &e);
+    es__rpc_reply_err(r, MR_EINVAL, "UnloadRequest does not decode", &e);
     return;
   }
   char peer[96];
@@ -714,7 +708,7 @@ out_unlock:
     if (changed[l]) kn_layer_forget(changed[l], s->tab->layers[l]);
   pthread_mutex_unlock(&s->ctl_lock);
   mr_log_ratelimited(MR_LOG_WARN, 1, "placement: UnloadExperts from %s refused: %s", peer, e.msg);
-  es__reply_err(r, rc, "UnloadExperts refused", &e);
+  es__rpc_reply_err(r, rc, "UnloadExperts refused", &e);
 out_free:
   mr_free(drop);
   mr_free(keep);

@@ -10,7 +10,6 @@
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <grpc/grpc_security.h>
-#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -29,21 +28,6 @@
  * serving, draining). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
 #define ES_HEALTH_LIVENESS "moerpc.v1.Liveness"
-
-static const char *const es__method_path[ES_M_COUNT] = {
-    [ES_M_HELLO] = PR_METHOD_HELLO,
-    [ES_M_STATS] = PR_METHOD_STATS,
-    [ES_M_HEALTH] = PR_METHOD_HEALTH_CHECK,
-    [ES_M_FORWARD] = PR_METHOD_FORWARD,
-    [ES_M_LOAD] = PR_METHOD_LOAD_EXPERTS,
-    [ES_M_LOAD_STATUS] = PR_METHOD_LOAD_STATUS,
-    [ES_M_UNLOAD] = PR_METHOD_UNLOAD_EXPERTS,
-};
-static const char *const es__method_name[ES_M_COUNT] = {
-    [ES_M_HELLO] = "Hello", [ES_M_STATS] = "Stats", [ES_M_HEALTH] = "Health",
-    [ES_M_FORWARD] = "Forward", [ES_M_LOAD] = "LoadExperts", [ES_M_LOAD_STATUS] = "LoadStatus",
-    [ES_M_UNLOAD] = "UnloadExperts",
-};
 
 /* ---- set-up ------------------------------------------------------------------------------ */
 
@@ -77,9 +61,9 @@ int es__grpc_create(es_server *s, mr_err *e) {
   for (int m = 0; m < ES_M_COUNT; m++) {
     grpc_server_register_method_payload_handling ph =
         m == ES_M_FORWARD ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER;
-    s->rm[m] = grpc_server_register_method(s->gs, es__method_path[m], NULL, ph, 0);
+    s->rm[m] = grpc_server_register_method(s->gs, es__method_path(m), NULL, ph, 0);
     if (!s->rm[m])
-      return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path[m]);
+      return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path(m));
   }
   s->n_cqts = s->opts.grpc_threads;
   s->cqts = mr_calloc(s->n_cqts, sizeof *s->cqts);
@@ -107,20 +91,11 @@ int es__grpc_create(es_server *s, mr_err *e) {
 
 /* ---- unary calls ---------------------------------------------------------------------------- */
 
-static void es__rpc_free(es_rpc *r) {
-  if (r->payload) grpc_byte_buffer_destroy(r->payload);
-  if (r->reply) grpc_byte_buffer_destroy(r->reply);
-  grpc_metadata_array_destroy(&r->md);
-  grpc_slice_unref(r->details);
-  if (r->call) grpc_call_unref(r->call);
-  mr_free(r);
-}
-
 /* Posts one request_call for unary method m on t's queue. */
 static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
   es_rpc *r = mr_calloc(1, sizeof *r);
   if (!r) {
-    mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path[m]);
+    mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path(m));
     return;
   }
   r->srv = s;
@@ -134,47 +109,9 @@ static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
                                                            &r->md, &r->payload, t->cq, t->cq, &r->t_new);
   if (ce != GRPC_CALL_OK) {
     if (!atomic_load(&s->stop_reposting))
-      mr_log(MR_LOG_ERROR, "grpc: request_registered_call(%s) failed: %d", es__method_path[m], ce);
+      mr_log(MR_LOG_ERROR, "grpc: request_registered_call(%s) failed: %d", es__method_path(m), ce);
     es__rpc_free(r);
   }
-}
-
-/* Answers a unary call: status, details (copied) and, for OK, reply (owned from here on). */
-void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
-                   grpc_byte_buffer *reply) {
-  grpc_op ops[4];
-  size_t n = 0;
-  memset(ops, 0, sizeof ops);
-  ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-  n++;
-  if (reply) {
-    r->reply = reply;
-    ops[n].op = GRPC_OP_SEND_MESSAGE;
-    ops[n].data.send_message.send_message = reply;
-    n++;
-  }
-  r->details = grpc_slice_from_copied_string(details ? details : "");
-  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-  ops[n].data.send_status_from_server.status = status;
-  ops[n].data.send_status_from_server.status_details = &r->details;
-  n++;
-  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[n].data.recv_close_on_server.cancelled = &r->cancelled;
-  n++;
-  grpc_call_error ce = grpc_call_start_batch(r->call, ops, n, &r->t_done, NULL);
-  if (ce != GRPC_CALL_OK) {
-    mr_log(MR_LOG_ERROR, "grpc: start_batch for %s reply failed: %d", es__method_path[r->m], ce);
-    es_server *s = r->srv;
-    es__rpc_free(r);
-    es__counter_dec(s, &s->live_calls);
-  }
-}
-
-void es__call_peer(grpc_call *call, char *buf, size_t len) {
-  char *p = grpc_call_get_peer(call);
-  /* Escaped once here: every log line that names a peer uses this copy. */
-  mr_log_escape(buf, len, p ? p : "?", p ? strlen(p) : 1);
-  gpr_free(p);
 }
 
 static void es__on_hello(es_rpc *r) {
@@ -347,7 +284,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
   if (r->m != ES_M_HEALTH) {
     char peer[96];
     es__call_peer(r->call, peer, sizeof peer);
-    if (!es__auth_ok(s, &r->md, peer, es__method_name[r->m])) {
+    if (!es__auth_ok(s, &r->md, peer, es__method_name(r->m))) {
       es__rpc_reply(r, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG, NULL);
       return;
     }
@@ -392,6 +329,7 @@ static void *es__cq_main(void *arg) {
     case ES_TAG_RPC_NEW: es__on_rpc_new(tag->obj, ok); break;
     case ES_TAG_RPC_DONE: {
       es_rpc *r = tag->obj;
+      PR_HB_ACQUIRE(r); /* its reply may have been started by es-ctl-load (es_rpc.c) */
       es__rpc_free(r);
       es__counter_dec(s, &s->live_calls);
       break;

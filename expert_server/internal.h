@@ -486,8 +486,6 @@ void es__control_close(es_server *s);
 void es__on_load(es_rpc *r);
 void es__on_load_status(es_rpc *r);
 void es__on_unload(es_rpc *r);
-/* es_grpc.c: answers a unary call (status, details copied, reply owned from here on). */
-void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details, grpc_byte_buffer *reply);
 
 /* es_metrics.c */
 /* Binds opts.metrics_listen and starts its responder (es_server_new, before the load). */
@@ -501,9 +499,22 @@ static inline void es__count_error(es_server *s, uint32_t status) {
                             1, memory_order_relaxed);
 }
 
-/* es_grpc.c */
-/* Writes the peer address of call ("ipv4:127.0.0.1:5555") into buf, for log lines. */
+/* es_rpc.c: answering a unary call. */
+/* The method's path ("/moerpc.v1.ExpertService/Hello") and short name ("Hello"). */
+const char *es__method_path(es_method m);
+const char *es__method_name(es_method m);
+/* Answers a unary call: status, details (copied) and reply (NULL, or owned from here on).
+ * The CQ thread of the call, or es-ctl-load for a LoadExperts; r is freed by the CQ thread
+ * on ES_TAG_RPC_DONE (or here, and live_calls settled, if the batch cannot start). */
+void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details, grpc_byte_buffer *reply);
+/* Answers with the status of MR code rc and the message "what: e->msg". */
+void es__rpc_reply_err(es_rpc *r, int rc, const char *what, const mr_err *e);
+/* Frees a unary call's context (its payload, reply, metadata, details and call reference). */
+void es__rpc_free(es_rpc *r);
+/* Writes the peer address of call ("ipv4:127.0.0.1:5555"), escaped, into buf, for log lines. */
 void es__call_peer(grpc_call *call, char *buf, size_t len);
+
+/* es_grpc.c */
 /* Creates the gRPC server, registers the methods and the completion queues, binds. */
 int es__grpc_create(es_server *s, mr_err *e);
 /* Starts the server and the CQ threads (which pre-post their request_calls). */
@@ -597,10 +608,16 @@ void es__job_done(es_server *s, es_job *job);
 uint64_t es__inflight_budget(const es_server *s);
 
 /* es_admin.c */
-/* Wakes the admin loop to re-check the drain (any thread, async-signal-safe). */
-void es__admin_wake(es_server *s);
 int es__admin_init(es_server *s, mr_err *e);
 void es__admin_close(es_server *s);
+
+/* Rings the admin loop's doorbell (any thread, async-signal-safe): s->wake is the uv_async_t
+ * that es__admin_init armed before any other thread exists, and es_admin.c's handler
+ * re-checks the drain, the end of loading and the streams paused on the budget. The lower
+ * floors wake the loop through this field, never by calling into es_admin.c. */
+static inline void es__admin_wake(es_server *s) {
+  if (s->loop_inited) uv_async_send(&s->wake);
+}
 
 /* Decrements a drain-relevant counter and wakes the admin loop when it reaches zero during a
  * drain. */
