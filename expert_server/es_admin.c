@@ -126,7 +126,7 @@ static void es__drain_step(es_server *s) {
     s->phase = ES_PHASE_DRAIN_CALLS;
     uint64_t rest = s->drain_deadline_ms > now ? s->drain_deadline_ms - now : 0;
     s->calls_deadline_ms = now + (rest > ES_DRAIN_CALLS_MIN_MS ? rest : ES_DRAIN_CALLS_MIN_MS);
-    es__grpc_finish_streams(s);
+    es__streams_finish(s);
   }
   /* fall through */
   case ES_PHASE_DRAIN_CALLS: {
@@ -334,7 +334,7 @@ static void es__log_serving(es_server *s) {
          "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
          ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
          " streams, stall timeout %" PRIu32 " ms",
-         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens,
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cq_threads, s->opts.max_tokens,
          s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
          (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
 }

@@ -181,13 +181,13 @@ static void es__queue_push(es_server *s, es_job *job) {
   pthread_mutex_unlock(&s->q_lock);
 }
 
-bool es__compute_offer(es_server *s, es_cqt *t, es_job *job) {
+bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job) {
   job->t_enqueue_ns = mr_now_ns();
-  if (t->deferred) {
+  if (t->inline_job) {
     /* A second request in the same round of events: both go to the compute thread, which
      * merges them if they share layer and dtype. */
-    es_job *first = t->deferred;
-    t->deferred = NULL;
+    es_job *first = t->inline_job;
+    t->inline_job = NULL;
     MR_ASSERT(first->st != job->st); /* a held request's stream has no RECV armed */
     pthread_mutex_lock(&s->q_lock);
     es__queue_append_locked(s, first);
@@ -198,7 +198,7 @@ bool es__compute_offer(es_server *s, es_cqt *t, es_job *job) {
     return false;
   }
   if (job->n_tokens <= ES_INLINE_MAX_TOKENS) {
-    t->deferred = job; /* decided by es__compute_deferred */
+    t->inline_job = job; /* decided by es__compute_deferred */
     return true;
   }
   es__queue_push(s, job);
@@ -474,10 +474,10 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   atomic_fetch_add(&s->sum_compute_us, (uint64_t)compute_us * n);
 }
 
-void es__compute_deferred(es_server *s, es_cqt *t) {
-  es_job *job = t->deferred;
+void es__compute_deferred(es_server *s, es_cq_thread *t) {
+  es_job *job = t->inline_job;
   if (!job) return;
-  t->deferred = NULL;
+  t->inline_job = NULL;
   pthread_mutex_lock(&s->q_lock);
   bool inline_run = !s->q_heap_len && !s->computing;
   if (inline_run) s->computing = true;

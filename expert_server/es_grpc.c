@@ -65,15 +65,15 @@ int es__grpc_create(es_server *s, mr_err *e) {
     if (!s->rm[m])
       return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path(m));
   }
-  s->n_cqts = s->opts.grpc_threads;
-  s->cqts = mr_calloc(s->n_cqts, sizeof *s->cqts);
-  if (!s->cqts) return mr_err_set(e, MR_ENOMEM, "out of memory for %u gRPC threads", s->n_cqts);
-  for (uint32_t i = 0; i < s->n_cqts; i++) {
-    s->cqts[i].srv = s;
-    s->cqts[i].idx = i;
-    s->cqts[i].cq = grpc_completion_queue_create_for_next(NULL);
-    if (!s->cqts[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
-    grpc_server_register_completion_queue(s->gs, s->cqts[i].cq, NULL);
+  s->n_cq_threads = s->opts.grpc_threads;
+  s->cq_threads = mr_calloc(s->n_cq_threads, sizeof *s->cq_threads);
+  if (!s->cq_threads) return mr_err_set(e, MR_ENOMEM, "out of memory for %u gRPC threads", s->n_cq_threads);
+  for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+    s->cq_threads[i].srv = s;
+    s->cq_threads[i].idx = i;
+    s->cq_threads[i].cq = grpc_completion_queue_create_for_next(NULL);
+    if (!s->cq_threads[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
+    grpc_server_register_completion_queue(s->gs, s->cq_threads[i].cq, NULL);
   }
   grpc_server_credentials *creds = es__auth_server_creds(s);
   if (!creds)
@@ -92,14 +92,14 @@ int es__grpc_create(es_server *s, mr_err *e) {
 /* ---- unary calls ---------------------------------------------------------------------------- */
 
 /* Posts one request_call for unary method m on t's queue. */
-static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
+static void es__rpc_post(es_server *s, es_cq_thread *t, es_method m) {
   es_rpc *r = mr_calloc(1, sizeof *r);
   if (!r) {
     mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path(m));
     return;
   }
   r->srv = s;
-  r->cqt = t;
+  r->cq_thread = t;
   r->m = m;
   r->details = grpc_empty_slice();
   grpc_metadata_array_init(&r->md);
@@ -271,7 +271,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
     es__rpc_free(r);
     return;
   }
-  if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cqt, r->m);
+  if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cq_thread, r->m);
   atomic_fetch_add(&s->live_calls, 1);
   bool control = r->m == ES_M_LOAD || r->m == ES_M_LOAD_STATUS || r->m == ES_M_UNLOAD;
   if (control && !s->auth_on) {
@@ -303,7 +303,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
 /* ---- completion-queue threads ------------------------------------------------------------- */
 
 static void *es__cq_main(void *arg) {
-  es_cqt *t = arg;
+  es_cq_thread *t = arg;
   es_server *s = t->srv;
   char name[16];
   snprintf(name, sizeof name, "es-grpc-%u", t->idx);
@@ -317,7 +317,7 @@ static void *es__cq_main(void *arg) {
   for (;;) {
     /* With a small request held back (es__compute_offer), look for more events without
      * blocking first: the queue running dry is what lets the request run inline. */
-    gpr_timespec until = t->deferred ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
+    gpr_timespec until = t->inline_job ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
                                      : gpr_inf_future(GPR_CLOCK_MONOTONIC);
     grpc_event ev = grpc_completion_queue_next(t->cq, until, NULL);
     if (ev.type != GRPC_OP_COMPLETE) es__compute_deferred(s, t);
@@ -352,10 +352,10 @@ static void *es__cq_main(void *arg) {
 
 int es__grpc_start(es_server *s, mr_err *e) {
   grpc_server_start(s->gs);
-  for (uint32_t i = 0; i < s->n_cqts; i++) {
-    int err = pthread_create(&s->cqts[i].thread, NULL, es__cq_main, &s->cqts[i]);
+  for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+    int err = pthread_create(&s->cq_threads[i].thread, NULL, es__cq_main, &s->cq_threads[i]);
     if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start gRPC thread %u: error %d", i, err);
-    s->cqts[i].started = true;
+    s->cq_threads[i].started = true;
   }
   return 0;
 }
@@ -383,7 +383,7 @@ void es__grpc_shutdown_begin(es_server *s) {
   if (!s->gs || s->shutdown_called) return;
   atomic_store(&s->stop_reposting, true);
   s->shutdown_called = true;
-  grpc_server_shutdown_and_notify(s->gs, s->cqts[0].cq, &s->t_shutdown);
+  grpc_server_shutdown_and_notify(s->gs, s->cq_threads[0].cq, &s->t_shutdown);
 }
 
 void es__grpc_destroy(es_server *s) {
@@ -391,28 +391,28 @@ void es__grpc_destroy(es_server *s) {
     if (!atomic_load(&s->shutdown_notified)) {
       es__grpc_shutdown_begin(s);
       grpc_server_cancel_all_calls(s->gs);
-      if (!s->cqts[0].started) es__cq_drain_unthreaded(s, s->cqts[0].cq, true);
+      if (!s->cq_threads[0].started) es__cq_drain_unthreaded(s, s->cq_threads[0].cq, true);
       /* With the threads running, they see the notification; the calls were cancelled, so it
        * comes as soon as their last batches complete. */
       while (!atomic_load(&s->shutdown_notified)) usleep(1000);
     }
-    for (uint32_t i = 0; i < s->n_cqts; i++) grpc_completion_queue_shutdown(s->cqts[i].cq);
-    for (uint32_t i = 0; i < s->n_cqts; i++) {
-      if (s->cqts[i].started) {
-        pthread_join(s->cqts[i].thread, NULL);
-        s->cqts[i].started = false;
+    for (uint32_t i = 0; i < s->n_cq_threads; i++) grpc_completion_queue_shutdown(s->cq_threads[i].cq);
+    for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+      if (s->cq_threads[i].started) {
+        pthread_join(s->cq_threads[i].thread, NULL);
+        s->cq_threads[i].started = false;
       } else {
-        es__cq_drain_unthreaded(s, s->cqts[i].cq, false);
+        es__cq_drain_unthreaded(s, s->cq_threads[i].cq, false);
       }
     }
     grpc_server_destroy(s->gs);
     s->gs = NULL;
   }
 
-  if (s->cqts) {
-    for (uint32_t i = 0; i < s->n_cqts; i++)
-      if (s->cqts[i].cq) grpc_completion_queue_destroy(s->cqts[i].cq);
-    mr_free(s->cqts);
-    s->cqts = NULL;
+  if (s->cq_threads) {
+    for (uint32_t i = 0; i < s->n_cq_threads; i++)
+      if (s->cq_threads[i].cq) grpc_completion_queue_destroy(s->cq_threads[i].cq);
+    mr_free(s->cq_threads);
+    s->cq_threads = NULL;
   }
 }

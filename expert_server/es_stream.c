@@ -33,7 +33,7 @@
  * stopped reading) cuts the stream with RESOURCE_EXHAUSTED, which frees what it held.
  *
  * Threads: the CQ thread of the call runs every es__on_stream_* handler; the compute thread
- * calls es__stream_send; the admin thread calls es__grpc_finish_streams. The shared fields
+ * calls es__stream_send; the admin thread calls es__streams_finish. The shared fields
  * are under es_stream.lock (internal.h has the lock order). Only the CQ thread frees a stream.
  */
 #include <inttypes.h>
@@ -81,14 +81,14 @@ void es__stream_free(es_stream *st) {
   if (was_live) es__counter_dec(s, &s->live_calls);
 }
 
-void es__stream_post(es_server *s, es_cqt *t) {
+void es__stream_post(es_server *s, es_cq_thread *t) {
   es_stream *st = mr_calloc(1, sizeof *st);
   if (!st) {
     mr_log(MR_LOG_ERROR, "grpc: out of memory posting a Forward call");
     return;
   }
   st->srv = s;
-  st->cqt = t;
+  st->cq_thread = t;
   st->details = grpc_empty_slice();
   grpc_metadata_array_init(&st->md);
   pthread_mutex_init(&st->lock, NULL);
@@ -449,7 +449,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   st->jobs_pending++;
   st->bytes_pending += job->nbytes;
   pthread_mutex_unlock(&st->lock);
-  held = es__compute_offer(s, st->cqt, job);
+  held = es__compute_offer(s, st->cq_thread, job);
 out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);
@@ -483,7 +483,7 @@ void es__on_stream_new(es_stream *st, bool ok) {
     es__stream_free(st);
     return;
   }
-  if (!atomic_load(&s->stop_reposting)) es__stream_post(s, st->cqt);
+  if (!atomic_load(&s->stop_reposting)) es__stream_post(s, st->cq_thread);
   atomic_fetch_add(&s->live_calls, 1);
   st->t_new.obj = NULL; /* marks the stream as counted in live_calls, for es__stream_free */
   es__call_peer(st->call, st->peer, sizeof st->peer);
@@ -665,7 +665,7 @@ void es__on_stream_final(es_stream *st, bool ok) {
   if (dead) es__stream_free(st);
 }
 
-void es__grpc_finish_streams(es_server *s) {
+void es__streams_finish(es_server *s) {
   pthread_mutex_lock(&s->streams_lock);
   s->finishing = true;
   for (es_stream *st = s->streams; st; st = st->next) {

@@ -19,7 +19,7 @@
  *
  * Threads and where they meet (STYLE.md 8):
  *
- *   CQ thread i (es_cqt)   owns every call accepted on cqts[i].cq. It decodes and validates
+ *   CQ thread i (es_cq_thread)   owns every call accepted on cq_threads[i].cq. It decodes and validates
  *                          each ForwardRequest, gathers its payload once into an es_buf and
  *                          pushes an es_job onto the compute queue (q_lock + q_cond), or runs
  *                          a small one itself (below). It also starts the next send of a
@@ -45,7 +45,7 @@
  * Inline compute. Handing a request to the compute thread costs a wake-up (~15-20 µs on a
  * busy host) on every round trip, as much as the whole compute of a decode-sized request.
  * So a CQ thread holds back a request of at most ES_INLINE_MAX_TOKENS tokens
- * (es_cqt.deferred), polls its queue without blocking, and if no other request came in that
+ * (es_cq_thread.inline_job), polls its queue without blocking, and if no other request came in that
  * round, the compute queue is empty and the engine is idle, runs it itself. A second
  * request in the same round sends both to the compute queue, where they merge as before; a
  * busy engine or a non-empty queue sends the request there too. While it computes, the CQ
@@ -177,14 +177,14 @@ typedef struct es_table {
 } es_table;
 
 /* One gRPC thread with its completion queue. */
-typedef struct es_cqt {
+typedef struct es_cq_thread {
   struct es_server *srv;
   uint32_t idx;
   grpc_completion_queue *cq;
   pthread_t thread;
   bool started;
-  struct es_job *deferred; /* a small request held back for inline compute (this thread only) */
-} es_cqt;
+  struct es_job *inline_job; /* a small request held back for inline compute (this thread only) */
+} es_cq_thread;
 
 /* Requests of at most this many tokens may run on the CQ thread (internal.h, top). Larger
  * ones keep the CQ thread free to read other streams while they compute. */
@@ -195,7 +195,7 @@ typedef struct es_cqt {
 /* A unary call (Hello, Stats, Health). Lives on its CQ thread only: no lock. */
 typedef struct es_rpc {
   struct es_server *srv;
-  es_cqt *cqt;
+  es_cq_thread *cq_thread;
   es_method m;
   grpc_call *call;
   gpr_timespec deadline;
@@ -217,7 +217,7 @@ typedef struct es_rpc {
  * batch and any outstanding RECV have completed). Only the CQ thread frees a stream. */
 typedef struct es_stream {
   struct es_server *srv;
-  es_cqt *cqt;
+  es_cq_thread *cq_thread;
   grpc_call *call;
   gpr_timespec deadline;
   grpc_metadata_array md;
@@ -359,8 +359,8 @@ struct es_server {
   bool grpc_inited;
   grpc_server *gs;
   void *rm[ES_M_COUNT];    /* registered methods */
-  es_cqt *cqts;
-  uint32_t n_cqts;
+  es_cq_thread *cq_threads;
+  uint32_t n_cq_threads;
   int port;
   bool shutdown_called;    /* grpc_server_shutdown_and_notify called */
   es_tag t_shutdown;
@@ -546,7 +546,7 @@ bool es__auth_ok(es_server *s, const grpc_metadata_array *md, const char *peer,
 /* es_stream.c. The es__on_stream_* handlers run on the call's CQ thread, with ok = the
  * event's success flag. */
 /* Posts one request_call for Forward on t's queue (CQ thread, or at start-up). */
-void es__stream_post(es_server *s, es_cqt *t);
+void es__stream_post(es_server *s, es_cq_thread *t);
 void es__on_stream_new(es_stream *st, bool ok);
 void es__on_stream_recv(es_stream *st, bool ok);
 void es__on_stream_send(es_stream *st, bool ok);
@@ -560,7 +560,7 @@ void es__stream_refuse_locked(es_stream *st, uint32_t status, const char *msg);
  * came back unused). */
 void es__stream_free(es_stream *st);
 /* Drain, admin thread: asks every open stream (and any accepted later) to finish. */
-void es__grpc_finish_streams(es_server *s);
+void es__streams_finish(es_server *s);
 /* Compute thread -> stream: queues job's encoded reply and starts its send if the stream has
  * none in flight. Takes st->lock. */
 void es__stream_send(es_stream *st, es_job *job);
@@ -589,12 +589,12 @@ es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n);
 /* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
 uint32_t es__compute_abort_queued(es_server *s);
 /* A validated job received on CQ thread t: held back for inline compute when it is small
- * and alone so far (t->deferred; returns true, and its stream's next RECV waits for
+ * and alone so far (t->inline_job; returns true, and its stream's next RECV waits for
  * es__stream_recv_resume), else queued; a job already held back is queued with it. */
-bool es__compute_offer(es_server *s, es_cqt *t, es_job *job);
+bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job);
 /* CQ thread t found no more events: runs its held-back job inline if the queue is empty
  * and the engine idle, else queues it. No-op without one. */
-void es__compute_deferred(es_server *s, es_cqt *t);
+void es__compute_deferred(es_server *s, es_cq_thread *t);
 /* Stops the compute thread once its queue is empty and joins it. */
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */
