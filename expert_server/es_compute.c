@@ -61,113 +61,99 @@ int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
   return job->reply ? 0 : MR_ENOMEM;
 }
 
-void es__job_done(es_server *s, es_job *job) {
-  if (job->reply) grpc_byte_buffer_destroy(job->reply);
-  if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
-  if (job->buf) es__buf_release(job->buf);
-  es__tab_put(job->tab);
-  job->tab = NULL;
-  if (job->counted) {
-    if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
-    es__counter_dec(s, &s->inflight);
-  }
-  if (job->held) es__held_sub(s, job->held);
-  es__job_put(&s->pool, job);
-}
-
 /* ---- the fair queue (q_lock) ------------------------------------------------------------- */
 
-static inline uint64_t es__key(const es_stream *st) { return st->cq_head->vstart; }
+static inline uint64_t es__key(const es_lane *ln) { return ln->head->vstart; }
 
-static inline void es__heap_set(es_server *s, uint32_t i, es_stream *st) {
-  s->q_heap[i] = st;
-  st->heap_idx = (int32_t)i;
+static inline void es__heap_set(es_server *s, uint32_t i, es_lane *ln) {
+  s->q_heap[i] = ln;
+  ln->heap_idx = (int32_t)i;
 }
 
 static void es__heap_up(es_server *s, uint32_t i) {
-  es_stream *st = s->q_heap[i];
+  es_lane *ln = s->q_heap[i];
   while (i > 0) {
     uint32_t p = (i - 1) / 2;
-    if (es__key(s->q_heap[p]) <= es__key(st)) break;
+    if (es__key(s->q_heap[p]) <= es__key(ln)) break;
     es__heap_set(s, i, s->q_heap[p]);
     i = p;
   }
-  es__heap_set(s, i, st);
+  es__heap_set(s, i, ln);
 }
 
 static void es__heap_down(es_server *s, uint32_t i) {
-  es_stream *st = s->q_heap[i];
+  es_lane *ln = s->q_heap[i];
   for (;;) {
     uint32_t c = 2 * i + 1;
     if (c >= s->q_heap_len) break;
     if (c + 1 < s->q_heap_len && es__key(s->q_heap[c + 1]) < es__key(s->q_heap[c])) c++;
-    if (es__key(s->q_heap[c]) >= es__key(st)) break;
+    if (es__key(s->q_heap[c]) >= es__key(ln)) break;
     es__heap_set(s, i, s->q_heap[c]);
     i = c;
   }
-  es__heap_set(s, i, st);
+  es__heap_set(s, i, ln);
 }
 
-static void es__heap_remove(es_server *s, es_stream *st) {
-  uint32_t i = (uint32_t)st->heap_idx;
-  st->heap_idx = -1;
+static void es__heap_remove(es_server *s, es_lane *ln) {
+  uint32_t i = (uint32_t)ln->heap_idx;
+  ln->heap_idx = -1;
   s->q_heap_len--;
   if (i == s->q_heap_len) return;
-  es_stream *last = s->q_heap[s->q_heap_len];
+  es_lane *last = s->q_heap[s->q_heap_len];
   es__heap_set(s, i, last);
   es__heap_up(s, i);
   es__heap_down(s, (uint32_t)last->heap_idx);
 }
 
-/* After st's head job changed: moves st to its place in the heap, or out of it. */
-static void es__heap_fix(es_server *s, es_stream *st) {
-  if (!st->cq_head) {
-    es__heap_remove(s, st);
+/* After ln's head job changed: moves ln to its place in the heap, or out of it. */
+static void es__heap_fix(es_server *s, es_lane *ln) {
+  if (!ln->head) {
+    es__heap_remove(s, ln);
     return;
   }
-  es__heap_up(s, (uint32_t)st->heap_idx);
-  es__heap_down(s, (uint32_t)st->heap_idx);
+  es__heap_up(s, (uint32_t)ln->heap_idx);
+  es__heap_down(s, (uint32_t)ln->heap_idx);
 }
 
-static es_job *es__stream_pop_locked(es_server *s, es_stream *st) {
-  es_job *j = st->cq_head;
-  st->cq_head = j->next;
-  if (!st->cq_head) st->cq_tail = NULL;
-  st->cq_len--;
+static es_job *es__lane_pop_locked(es_server *s, es_lane *ln) {
+  es_job *j = ln->head;
+  ln->head = j->next;
+  if (!ln->head) ln->tail = NULL;
+  ln->len--;
   s->q_len--;
   j->next = NULL;
   return j;
 }
 
-/* Appends job to its stream's queue, stamped with its virtual start. Caller holds q_lock.
- * The heap has room: it holds streams, at most opts.max_streams of them. */
+/* Appends job to its lane, stamped with its virtual start. Caller holds q_lock. The heap
+ * has room: it holds lanes, one per open stream, at most opts.max_streams of them. */
 static void es__queue_append_locked(es_server *s, es_job *job) {
-  es_stream *st = job->st;
-  uint64_t start = st->vfinish > s->q_vtime ? st->vfinish : s->q_vtime;
+  es_lane *ln = job->lane;
+  uint64_t start = ln->vfinish > s->q_vtime ? ln->vfinish : s->q_vtime;
   job->vstart = start;
-  st->vfinish = start + job->n_tokens + 1u;
+  ln->vfinish = start + job->n_tokens + 1u;
   job->next = NULL;
-  if (st->cq_tail) st->cq_tail->next = job;
-  else st->cq_head = job;
-  st->cq_tail = job;
-  st->cq_len++;
+  if (ln->tail) ln->tail->next = job;
+  else ln->head = job;
+  ln->tail = job;
+  ln->len++;
   s->q_len++;
-  if (st->heap_idx < 0) {
+  if (ln->heap_idx < 0) {
     MR_ASSERT(s->q_heap_len < s->q_heap_cap);
-    es__heap_set(s, s->q_heap_len++, st);
-    es__heap_up(s, (uint32_t)st->heap_idx);
+    es__heap_set(s, s->q_heap_len++, ln);
+    es__heap_up(s, (uint32_t)ln->heap_idx);
   }
 }
 
-es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n) {
+es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n) {
   pthread_mutex_lock(&s->q_lock);
-  es_job *list = st->cq_head;
-  *n = st->cq_len;
+  es_job *list = ln->head;
+  *n = ln->len;
   if (list) {
-    s->q_len -= st->cq_len;
-    st->cq_head = st->cq_tail = NULL;
-    st->cq_len = 0;
-    es__heap_remove(s, st);
+    s->q_len -= ln->len;
+    ln->head = ln->tail = NULL;
+    ln->len = 0;
+    es__heap_remove(s, ln);
   }
   pthread_mutex_unlock(&s->q_lock);
   return list;
@@ -188,13 +174,15 @@ bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job) {
      * merges them if they share layer and dtype. */
     es_job *first = t->inline_job;
     t->inline_job = NULL;
-    MR_ASSERT(first->st != job->st); /* a held request's stream has no RECV armed */
+    MR_ASSERT(first->lane != job->lane); /* a held request's stream has no RECV armed */
+    const es_job_ops *ops = first->ops;
+    void *owner = first->owner;
     pthread_mutex_lock(&s->q_lock);
     es__queue_append_locked(s, first);
     es__queue_append_locked(s, job);
     pthread_cond_signal(&s->q_cond);
     pthread_mutex_unlock(&s->q_lock);
-    es__stream_recv_resume(first->st);
+    ops->released(owner);
     return false;
   }
   if (job->n_tokens <= ES_INLINE_MAX_TOKENS) {
@@ -207,7 +195,7 @@ bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job) {
 
 /* True for a job that must not be computed (see the top). */
 static bool es__job_skip(const es_server *s, const es_job *j, uint64_t now) {
-  return atomic_load_explicit(&j->st->dead, memory_order_relaxed) ||
+  return atomic_load_explicit(&j->lane->dead, memory_order_relaxed) ||
          atomic_load_explicit(&s->abort_jobs, memory_order_relaxed) ||
          (j->deadline_ns && now > j->deadline_ns);
 }
@@ -219,9 +207,9 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
   uint64_t now = mr_now_ns();
   es_job *h = NULL;
   while (!h && s->q_heap_len) {
-    es_stream *st = s->q_heap[0];
-    es_job *j = es__stream_pop_locked(s, st);
-    es__heap_fix(s, st);
+    es_lane *ln = s->q_heap[0];
+    es_job *j = es__lane_pop_locked(s, ln);
+    es__heap_fix(s, ln);
     if (es__job_skip(s, j, now)) {
       j->next = *skipped;
       *skipped = j;
@@ -233,18 +221,18 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
   s->q_vtime = h->vstart;
   batch[0] = h;
   uint32_t n = 1, tokens = h->n_tokens;
-  /* The streams' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
-  es_stream *cand[ES_MERGE_SCAN];
+  /* The lanes' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
+  es_lane *cand[ES_MERGE_SCAN];
   uint32_t nc = s->q_heap_len < ES_MERGE_SCAN ? s->q_heap_len : ES_MERGE_SCAN;
   memcpy(cand, s->q_heap, nc * sizeof *cand);
   for (uint32_t c = 0; c < nc && n < ES_MERGE_MAX; c++) {
-    es_stream *st = cand[c];
+    es_lane *ln = cand[c];
     bool took = false;
-    while (st->cq_head && n < ES_MERGE_MAX) {
-      es_job *j = st->cq_head;
+    while (ln->head && n < ES_MERGE_MAX) {
+      es_job *j = ln->head;
       if (j->layer != h->layer || j->tab != h->tab || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
         break;
-      es__stream_pop_locked(s, st);
+      es__lane_pop_locked(s, ln);
       took = true;
       if (es__job_skip(s, j, now)) {
         j->next = *skipped;
@@ -254,7 +242,7 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
       batch[n++] = j;
       tokens += j->n_tokens;
     }
-    if (took) es__heap_fix(s, st);
+    if (took) es__heap_fix(s, ln);
   }
   return n;
 }
@@ -275,7 +263,7 @@ static void es__skipped_answer(es_server *s, es_job *list) {
     list = j->next;
     j->next = NULL;
     j->queue_us = es__us(now - j->t_enqueue_ns);
-    if (atomic_load(&j->st->dead)) {
+    if (atomic_load(&j->lane->dead)) {
       atomic_fetch_add(&s->n_dropped, 1);
       atomic_fetch_add_explicit(&s->tot_dropped, 1, memory_order_relaxed);
       es__reply_fail(s, j, GRPC_STATUS_CANCELLED, "stream cancelled: request not computed");
@@ -300,14 +288,14 @@ uint32_t es__compute_abort_queued(es_server *s) {
   uint32_t n = 0;
   pthread_mutex_lock(&s->q_lock);
   while (s->q_heap_len) {
-    es_stream *st = s->q_heap[0];
-    while (st->cq_head) {
-      es_job *j = es__stream_pop_locked(s, st);
+    es_lane *ln = s->q_heap[0];
+    while (ln->head) {
+      es_job *j = es__lane_pop_locked(s, ln);
       j->next = list;
       list = j;
       n++;
     }
-    es__heap_remove(s, st);
+    es__heap_remove(s, ln);
   }
   pthread_mutex_unlock(&s->q_lock);
   es__skipped_answer(s, list);
@@ -327,10 +315,10 @@ static void es__reply_ok(es_server *s, es_job *job) {
   } else {
     mr_log(MR_LOG_ERROR, "compute: out of memory encoding the reply to request %" PRIu64, job->id);
     es__count_error(s, GRPC_STATUS_RESOURCE_EXHAUSTED);
-    /* If even this fails, es__stream_send settles the job and cancels the stream. */
+    /* If even this fails, the owner's done settles the job and ends its call. */
     es__reply_encode_error(job, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory encoding the reply");
   }
-  es__stream_send(job->st, job);
+  job->ops->done(job, job->owner);
 }
 
 static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg) {
@@ -344,7 +332,7 @@ static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const cha
     job->buf = NULL;
   }
   es__reply_encode_error(job, status, msg);
-  es__stream_send(job->st, job);
+  job->ops->done(job, job->owner);
 }
 
 /* Resets the compute arena after a batch; shrinks it back after a peak (see the top). */
@@ -447,7 +435,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     /* Finite inputs can still overflow fp32 (es_output_check_finite): this job alone fails. */
     if (es_output_check_finite(out + row * H, b->layer, b->n_tokens, H, &e) != 0) {
       mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": INTERNAL: %s",
-                         b->st->peer, b->id, e.msg);
+                         b->lane->name, b->id, e.msg);
       row += b->n_tokens;
       es__reply_fail(s, b, GRPC_STATUS_INTERNAL, e.msg);
       continue;
@@ -482,10 +470,12 @@ void es__compute_deferred(es_server *s, es_cq_thread *t) {
   bool inline_run = !s->q_heap_len && !s->computing;
   if (inline_run) s->computing = true;
   pthread_mutex_unlock(&s->q_lock);
-  es_stream *st = job->st; /* the job may be gone once its reply is sent */
+  /* The job may be gone once its reply is sent. */
+  const es_job_ops *ops = job->ops;
+  void *owner = job->owner;
   if (inline_run && es__job_skip(s, job, mr_now_ns())) {
     es__skipped_answer(s, job);
-    es__stream_recv_resume(st);
+    ops->released(owner);
     pthread_mutex_lock(&s->q_lock);
     s->computing = false;
     if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
@@ -494,11 +484,11 @@ void es__compute_deferred(es_server *s, es_cq_thread *t) {
   }
   if (!inline_run) {
     es__queue_push(s, job);
-    es__stream_recv_resume(st);
+    ops->released(owner);
     return;
   }
   es__batch_run(s, &job, 1);
-  es__stream_recv_resume(st);
+  ops->released(owner);
   pthread_mutex_lock(&s->q_lock);
   s->computing = false;
   /* Jobs queued meanwhile waited for the engine: the compute thread may take them now. */

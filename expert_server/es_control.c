@@ -94,21 +94,10 @@ int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e) {
                     ES_LOAD_MEM_MARGIN >> 20);
 }
 
-/* MemAvailable of /proc/meminfo in bytes; UINT64_MAX when it cannot be read. */
-static uint64_t es__mem_available(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (!f) return UINT64_MAX;
-  char line[256];
-  uint64_t kb = UINT64_MAX;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1) break;
-  fclose(f);
-  return kb == UINT64_MAX ? kb : kb * 1024u;
-}
-
 /* Bytes a load may still add now, with weight_bytes packed (ctl_lock held). */
 static uint64_t es__load_free(es_server *s, uint64_t weight_bytes) {
-  uint64_t avail = es__mem_available();
+  uint64_t avail;
+  if (!es__mem_available(&avail)) avail = UINT64_MAX;
   uint64_t free_b = avail == UINT64_MAX ? UINT64_MAX
                     : avail > ES_LOAD_MEM_MARGIN ? avail - ES_LOAD_MEM_MARGIN : 0;
   uint64_t running = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? s->ld_packed : 0;

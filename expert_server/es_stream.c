@@ -49,16 +49,47 @@
 #define ES_STREAM_MAX_PENDING 128u
 #define ES_STREAM_MAX_BYTES ((size_t)64 << 20)
 
-void es__held_add(es_server *s, size_t n) {
+/* Charges n bytes to the admission budget (any thread). */
+static void es__held_add(es_server *s, size_t n) {
   long long now = atomic_fetch_add(&s->held_bytes, (long long)n) + (long long)n;
   long long peak = atomic_load(&s->held_peak);
   while (now > peak && !atomic_compare_exchange_weak(&s->held_peak, &peak, now)) {
   }
 }
 
-void es__held_sub(es_server *s, size_t n) {
+/* Returns n bytes; wakes the admin loop to resume paused streams once below the budget. */
+static void es__held_sub(es_server *s, size_t n) {
   atomic_fetch_sub(&s->held_bytes, (long long)n);
   if (atomic_load(&s->mem_paused) > 0) es__admin_wake(s); /* paused streams may fit now */
+}
+
+uint64_t es__inflight_budget(const es_server *s) {
+  uint64_t max_req = (uint64_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
+  uint64_t floor = max_req * ES_INFLIGHT_MIN_REQUESTS;
+  uint64_t b = s->opts.max_inflight_bytes;
+  if (b == 0) {
+    uint64_t avail;
+    b = es__mem_available(&avail) ? avail / 4 : 0;
+    if (b < ES_AUTO_INFLIGHT_MIN) b = ES_AUTO_INFLIGHT_MIN;
+    if (b > ES_AUTO_INFLIGHT_MAX) b = ES_AUTO_INFLIGHT_MAX;
+  }
+  return b < floor ? floor : b;
+}
+
+/* Releases what a settled job holds (reply, request header, buffer, table reference), its
+ * units of the inflight count and of the byte budget, and returns it to the pool. */
+static void es__job_release(es_server *s, es_job *job) {
+  if (job->reply) grpc_byte_buffer_destroy(job->reply);
+  if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
+  if (job->buf) es__buf_release(job->buf);
+  es__tab_put(job->tab);
+  job->tab = NULL;
+  if (job->counted) {
+    if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
+    es__counter_dec(s, &s->inflight);
+  }
+  if (job->held) es__held_sub(s, job->held);
+  es__job_put(&s->pool, job);
 }
 
 void es__stream_free(es_stream *st) {
@@ -98,9 +129,10 @@ void es__stream_post(es_server *s, es_cq_thread *t) {
   st->t_final = (es_tag){ES_TAG_STREAM_FINAL, st};
   st->t_close = (es_tag){ES_TAG_STREAM_CLOSE, st};
   st->t_init = (es_tag){ES_TAG_STREAM_INIT, st};
-  st->heap_idx = -1;
+  st->lane.heap_idx = -1;
+  st->lane.name = st->peer;
   st->final_status = GRPC_STATUS_OK;
-  atomic_init(&st->dead, false);
+  atomic_init(&st->lane.dead, false);
   grpc_call_error ce = grpc_server_request_registered_call(s->gs, s->rm[ES_M_FORWARD], &st->call,
                                                            &st->deadline, &st->md, NULL, t->cq, t->cq,
                                                            &st->t_new);
@@ -182,7 +214,7 @@ static void es__stream_settle_locked(es_stream *st, es_job *j) {
   MR_ASSERT(st->jobs_pending > 0 && st->bytes_pending >= j->nbytes);
   st->jobs_pending--;
   st->bytes_pending -= j->nbytes;
-  es__job_done(st->srv, j);
+  es__job_release(st->srv, j);
 }
 
 /* True while the stream holds more unanswered work than a client should keep in flight. */
@@ -236,7 +268,7 @@ static void es__stream_rearm_locked(es_stream *st) {
  * will read their replies. Caller holds st->lock. */
 static void es__stream_purge_locked(es_stream *st) {
   uint32_t n = 0;
-  es_job *list = es__compute_detach(st->srv, st, &n);
+  es_job *list = es__compute_detach(st->srv, &st->lane, &n);
   if (!n) return;
   atomic_fetch_add(&st->srv->n_dropped, n);
   atomic_fetch_add_explicit(&st->srv->tot_dropped, n, memory_order_relaxed);
@@ -253,7 +285,7 @@ static void es__stream_purge_locked(es_stream *st) {
  * counts as done receiving (else it could never finish). Caller holds st->lock. */
 static void es__stream_fail_locked(es_stream *st) {
   st->send_failed = true;
-  atomic_store(&st->dead, true);
+  atomic_store(&st->lane.dead, true);
   if (st->recv_paused || st->mem_paused) {
     if (st->mem_paused) atomic_fetch_sub(&st->srv->mem_paused, 1);
     st->recv_paused = st->mem_paused = false;
@@ -298,7 +330,9 @@ static void es__stream_send_next_locked(es_stream *st) {
   }
 }
 
-void es__stream_send(es_stream *st, es_job *job) {
+/* Queues job's encoded reply and starts its send if none is in flight; a job without a
+ * reply (out of memory) ends the call. Any thread; takes st->lock. */
+static void es__stream_send(es_stream *st, es_job *job) {
   pthread_mutex_lock(&st->lock);
   if (!job->reply && !st->send_failed) {
     /* No reply could be encoded (out of memory): end the stream so the client learns. */
@@ -321,6 +355,24 @@ void es__stream_send(es_stream *st, es_job *job) {
   pthread_mutex_unlock(&st->lock);
 }
 
+static void es__stream_recv_resume(es_stream *st);
+
+/* How a job comes back to its stream (es_job_ops, internal.h): its reply goes to the send
+ * queue; a request held in the inline slot re-arms the RECV it held back. */
+static void es__stream_job_done(es_job *job, void *owner) { es__stream_send(owner, job); }
+static void es__stream_job_released(void *owner) { es__stream_recv_resume(owner); }
+static const es_job_ops es__stream_job_ops = {
+    .done = es__stream_job_done,
+    .released = es__stream_job_released,
+};
+
+/* Makes st the owner of a new job: its lane, its way back. */
+static void es__stream_job_init(es_stream *st, es_job *job) {
+  job->lane = &st->lane;
+  job->ops = &es__stream_job_ops;
+  job->owner = st;
+}
+
 /* Answers one request of st at once with an error (CQ thread). counted: the request holds a
  * unit of srv->inflight, handed to the job. */
 static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, const char *msg,
@@ -335,7 +387,7 @@ static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, 
                        pr_status_name((grpc_status_code)status), msg);
   es_job *job = es__job_get(&s->pool);
   if (job) {
-    job->st = st;
+    es__stream_job_init(st, job);
     job->id = id;
     job->status = status;
     job->counted = counted;
@@ -426,7 +478,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
     goto out_free_input;
   }
-  job->st = st;
+  es__stream_job_init(st, job);
   job->tab = tab;
   job->req = req;
   req = NULL;
@@ -607,7 +659,9 @@ void es__on_stream_recv(es_stream *st, bool ok) {
   if (dead) es__stream_free(st);
 }
 
-void es__stream_recv_resume(es_stream *st) {
+/* CQ thread: re-arms the RECV that es__on_stream_recv held back while the stream's request
+ * was held in the inline slot, once the slot let go of it (recv_held). */
+static void es__stream_recv_resume(es_stream *st) {
   pthread_mutex_lock(&st->lock);
   MR_ASSERT(st->recv_held);
   st->recv_held = false;

@@ -207,6 +207,66 @@ typedef struct es_rpc {
   es_tag t_new, t_done;
 } es_rpc;
 
+/* ---- jobs: what crosses from a call to the engine and back --------------------------------- */
+
+/* How a job comes back to whoever submitted it (STYLE.md 8). es_compute.c and es_inline.c
+ * know jobs, lanes and the engine only; the submitter (es_stream.c for every Forward request)
+ * sets job->ops and job->owner, and these callbacks are the only way back up. */
+typedef struct es_job_ops {
+  /* The job is answered: job->reply holds its encoded reply (OK or an error; NULL if even
+   * that could not be encoded). Takes the job back, which may be freed before this returns.
+   * Called once, by the thread that computed or skipped it (the compute thread, a CQ thread
+   * running it inline, or the admin thread answering queued jobs after a drain timeout),
+   * with no lock held. */
+  void (*done)(es_job *job, void *owner);
+  /* The inline slot (es_inline.c) let go of a job it held back: the job went to the compute
+   * queue, or its done has returned. CQ thread of the slot; owner is the job's, read before
+   * the job could be freed. */
+  void (*released)(void *owner);
+} es_job_ops;
+
+/* A submitter's lane in the fair compute queue (es_compute.c): its queued jobs in arrival
+ * order and its virtual finish time. One per Forward stream (es_stream.lane). Every field
+ * but `dead` and `name` is under srv->q_lock. */
+typedef struct es_lane {
+  es_job *head, *tail;
+  uint32_t len;
+  uint64_t vfinish;          /* virtual finish time of its last queued job */
+  int32_t heap_idx;          /* position in srv->q_heap, -1 when it has no queued job */
+  atomic_bool dead;          /* set by the submitter: nobody will read the replies, so its
+                              * jobs are answered (CANCELLED) without being computed */
+  const char *name;          /* for log lines (the stream's peer); set before the first job */
+} es_lane;
+
+/* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
+ * the compute queue (or the CQ thread's inline slot), the engine's user, and the owner's
+ * send queue. */
+struct es_job {
+  es_job *next;                    /* link in a lane, a send queue or the pool */
+  es_lane *lane;                   /* the lane it queues in */
+  const es_job_ops *ops;           /* how it comes back (set by the submitter) */
+  void *owner;                     /* passed to ops: the es_stream, which counts the job in
+                                    * its jobs_pending until the job is settled */
+  Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
+  es_table *tab;                   /* the owned table it was validated against (a reference) */
+  uint64_t id;
+  uint32_t layer, n_tokens, top_k;
+  mr_dtype dtype;
+  es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
+  size_t nbytes;                   /* payload bytes in buf */
+  bool counted;                    /* holds one unit of srv->inflight */
+  bool sent;                       /* its reply's SEND_MESSAGE completed */
+  size_t held;                     /* bytes charged to srv->held_bytes (es_stream.c) */
+  uint64_t deadline_ns;            /* mr_now_ns() past which it is not computed, 0 = none */
+  uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
+  uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
+  uint32_t status;                 /* gRPC status of the reply */
+  uint64_t t_enqueue_ns;
+  uint32_t queue_us, compute_us;
+  grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
+  size_t reply_bytes;              /* its length when its send started (metrics) */
+};
+
 /* A Forward stream. The fields above `lock` belong to the CQ thread (set once at accept or
  * only touched by it); the fields below are shared with the compute and admin threads and
  * are protected by `lock`.
@@ -229,14 +289,9 @@ typedef struct es_stream {
   es_tag t_new, t_recv, t_send, t_final, t_close, t_init;
   size_t expect;             /* CQ thread: bytes the next request is expected to hold */
   struct es_stream *prev, *next; /* srv->streams list, under srv->streams_lock */
-  atomic_bool dead;          /* the call is cancelled or broken: its queued work is dropped */
   bool listed;               /* counted in srv->n_streams (streams_lock) */
-
-  /* The stream's jobs in the compute queue (fair queueing, es_compute.c): under srv->q_lock. */
-  es_job *cq_head, *cq_tail;
-  uint32_t cq_len;
-  uint64_t vfinish;          /* virtual finish time of its last queued job */
-  int32_t heap_idx;          /* position in srv->q_heap, -1 when it has no queued job */
+  es_lane lane;              /* its jobs in the compute queue; lane.dead: the call is cancelled
+                              * or broken, its queued work is dropped */
 
   pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock */
   es_job *sq_head, *sq_tail; /* encoded replies waiting for the send slot */
@@ -259,31 +314,6 @@ typedef struct es_stream {
   uint32_t final_status;     /* status the final batch sends: OK, or UNAVAILABLE (draining) */
   uint64_t send_t0_ns;       /* when the SEND_MESSAGE in flight started (stall detection) */
 } es_stream;
-
-/* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
- * the compute queue, the compute thread and the stream's send queue. */
-struct es_job {
-  es_job *next;                    /* link in the compute queue, a send queue or the pool */
-  es_stream *st;                   /* holds one unit of st->jobs_pending */
-  Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
-  es_table *tab;                   /* the owned table it was validated against (a reference) */
-  uint64_t id;
-  uint32_t layer, n_tokens, top_k;
-  mr_dtype dtype;
-  es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
-  size_t nbytes;                   /* payload bytes in buf */
-  bool counted;                    /* holds one unit of srv->inflight */
-  bool sent;                       /* its reply's SEND_MESSAGE completed */
-  size_t held;                     /* bytes charged to srv->held_bytes (es__held_add) */
-  uint64_t deadline_ns;            /* mr_now_ns() past which it is not computed, 0 = none */
-  uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
-  uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
-  uint32_t status;                 /* gRPC status of the reply */
-  uint64_t t_enqueue_ns;
-  uint32_t queue_us, compute_us;
-  grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
-  size_t reply_bytes;              /* its length when its send started (metrics) */
-};
 
 /* ---- the server --------------------------------------------------------------------------- */
 
@@ -402,7 +432,7 @@ struct es_server {
   /* Compute queue (q_lock, after es_stream.lock in the order). */
   pthread_mutex_t q_lock;
   pthread_cond_t q_cond;
-  es_stream **q_heap;           /* streams with queued jobs, a min-heap on their head's vstart */
+  es_lane **q_heap;             /* lanes with queued jobs, a min-heap on their head's vstart */
   uint32_t q_heap_len, q_heap_cap;
   uint64_t q_vtime;             /* virtual time: vstart of the job taken last */
   uint32_t q_len;               /* jobs queued, all streams */
@@ -466,6 +496,9 @@ int es__load_weights(es_server *s, mr_err *e);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
+/* MemAvailable of /proc/meminfo into *bytes; false when it cannot be read. For the load
+ * memory rule (es_control.c) and the auto admission budget (es__inflight_budget). */
+bool es__mem_available(uint64_t *bytes);
 
 /* es_control.c */
 /* A reference to the current table (NULL before the start-up load is done). Any thread. */
@@ -561,31 +594,26 @@ void es__stream_refuse_locked(es_stream *st, uint32_t status, const char *msg);
 void es__stream_free(es_stream *st);
 /* Drain, admin thread: asks every open stream (and any accepted later) to finish. */
 void es__streams_finish(es_server *s);
-/* Compute thread -> stream: queues job's encoded reply and starts its send if the stream has
- * none in flight. Takes st->lock. */
-void es__stream_send(es_stream *st, es_job *job);
-/* CQ thread: re-arms the RECV that es__on_stream_recv held back while the stream's request
- * was held for inline compute (es_stream.recv_held), once its reply has been started. */
-void es__stream_recv_resume(es_stream *st);
 
 /* Bytes a request holds until its reply is sent: its buffer (request rows, then reply rows,
  * buf_cap bytes) and its decoded header (ids and weights, 8 bytes a slot, and the record). */
 static inline size_t es__request_cost(size_t buf_cap, uint32_t n_tokens, uint32_t top_k) {
   return buf_cap + (size_t)n_tokens * top_k * 8u + sizeof(es_job) + 256u;
 }
-/* Charges n bytes to the admission budget (any thread). */
-void es__held_add(es_server *s, size_t n);
-/* Returns n bytes; wakes the admin loop to resume paused streams once below the budget. */
-void es__held_sub(es_server *s, size_t n);
+/* The admission budget: opts.max_inflight_bytes, or (auto) a quarter of MemAvailable within
+ * ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests.
+ * es_server_new checks an explicit option; the auto budget is taken when loading ends
+ * (es_admin.c). */
+uint64_t es__inflight_budget(const es_server *s);
 /* Admin thread: re-arms the RECV of streams paused on the budget while it has room, and cuts
  * streams whose reply send has stalled past opts.stall_timeout_ms. */
 void es__streams_service(es_server *s);
 
 /* es_compute.c */
 int es__compute_start(es_server *s, mr_err *e);
-/* Takes every job of st out of the compute queue and returns them (linked through next),
- * their number in *n. Any thread; takes q_lock, so a caller may hold st->lock. */
-es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n);
+/* Takes every job of lane ln out of the compute queue and returns them (linked through next),
+ * their number in *n. Any thread; takes q_lock, so a caller may hold its stream's lock. */
+es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n);
 /* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
 uint32_t es__compute_abort_queued(es_server *s);
 /* A validated job received on CQ thread t: held back for inline compute when it is small
@@ -599,13 +627,6 @@ void es__compute_deferred(es_server *s, es_cq_thread *t);
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */
 int es__reply_encode_error(es_job *job, uint32_t status, const char *msg);
-/* Releases what a finished job holds (reply, request header, buffer), settles the inflight
- * count and returns the job to the pool. Called by es_grpc.c with job->st->lock held, after
- * taking the job off the stream's pending counts. */
-void es__job_done(es_server *s, es_job *job);
-
-/* es_server.c: the admission budget (an explicit option, or the auto one once loaded). */
-uint64_t es__inflight_budget(const es_server *s);
 
 /* es_admin.c */
 int es__admin_init(es_server *s, mr_err *e);
