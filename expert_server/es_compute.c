@@ -1,13 +1,16 @@
 /*
- * es_compute.c - the compute thread: the job queue, merging, kn_moe_forward, replies.
+ * es_compute.c - the engine's side: the fair job queue, merging, kn_moe_forward, the replies'
+ * encoding, deadlines, and the compute thread. It knows jobs, lanes and the engine only: a
+ * job comes back to whoever submitted it through job->ops (internal.h), never by a call
+ * into the stream code.
  *
- * The CQ threads push validated jobs; the compute thread takes the next job in fair order
- * (below) and with it every queued job of the same layer and dtype, at the head of the
- * other streams' queues, that still fits in max_tokens (looking at most ES_MERGE_SCAN
- * streams, taking at most ES_MERGE_MAX jobs). The merged jobs run as one
- * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read once
- * for the tokens of every client that asked for it, which is what decode-time traffic from
- * several GPU workers needs, since a decode step is bound by weight bandwidth.
+ * Submitters push validated jobs (es__compute_submit); the compute thread takes the next job
+ * in fair order (below) and with it every queued job of the same layer, dtype and owned
+ * table, at the head of the other lanes, that still fits in max_tokens (looking at most
+ * ES_MERGE_SCAN lanes, taking at most ES_MERGE_MAX jobs). The merged jobs run as one
+ * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read
+ * once for the tokens of every client that asked for it, which is what decode-time traffic
+ * from several GPU workers needs, since a decode step is bound by weight bandwidth.
  *
  * Merged input layout (rows of the jobs in the order taken; k = the largest top_k):
  *
@@ -18,23 +21,22 @@
  *
  * A job alone is computed straight from its own buffer and header, without the copy.
  *
- * Small requests that arrive alone at an idle engine skip the queue: their CQ thread runs
- * them itself (es__compute_offer / es__compute_deferred; the rule is in internal.h), which
- * saves the compute thread's wake-up on every decode-sized round trip. Whoever runs a batch
- * first sets srv->computing under q_lock, so the engine and the arena have one user.
- * The fp32 output and the merged arrays live in the compute thread's arena, reset after
- * every batch, and shrunk back to its first block size once ES_ARENA_SHRINK_AFTER batches
- * in a row used under a quarter of a larger block (a prefill peak is not kept forever).
+ * One user of the engine at a time: whoever runs a batch first sets srv->computing under
+ * q_lock, the compute thread or a CQ thread that runs a small request inline (es_inline.c,
+ * through es__compute_claim / es__compute_run_one / es__compute_release). The fp32 output
+ * and the merged arrays live in the compute arena, reset after every batch, and shrunk back
+ * to its first block size once ES_ARENA_SHRINK_AFTER batches in a row used under a quarter
+ * of a larger block (a prefill peak is not kept forever).
  *
- * Fair order: start-time fair queueing over streams. Each stream keeps its queued jobs in
- * arrival order (es_stream.cq_head); a job's virtual start is max(V, the virtual finish of
- * its stream's previous job), its virtual finish that plus its cost (tokens + 1). The
- * compute thread serves the stream whose head job has the smallest virtual start (a
- * min-heap of streams, srv->q_heap) and V follows the job taken. A stream that sends one
- * decode step now and then starts near V, so it is served next, however many jobs a heavy
- * stream has queued: one greedy stream cannot starve another's decode step.
+ * Fair order: start-time fair queueing over lanes (one per Forward stream). Each lane keeps
+ * its queued jobs in arrival order (es_lane.head); a job's virtual start is max(V, the
+ * virtual finish of its lane's previous job), its virtual finish that plus its cost
+ * (tokens + 1). The compute thread serves the lane whose head job has the smallest virtual
+ * start (a min-heap of lanes, srv->q_heap) and V follows the job taken. A stream that sends
+ * one decode step now and then starts near V, so it is served next, however many jobs a
+ * heavy stream has queued: one greedy stream cannot starve another's decode step.
  *
- * Not computed: jobs of a dead stream (cancelled or broken call: dropped), jobs past their
+ * Not computed: jobs of a dead lane (cancelled or broken call: dropped), jobs past their
  * deadline (budget_us: DEADLINE_EXCEEDED) and, after a drain timed out, every queued job
  * (UNAVAILABLE). They are answered without touching the engine.
  */
@@ -159,38 +161,11 @@ es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n) {
   return list;
 }
 
-/* Queues job for the compute thread. */
-static void es__queue_push(es_server *s, es_job *job) {
+void es__compute_submit(es_server *s, es_job **jobs, uint32_t n) {
   pthread_mutex_lock(&s->q_lock);
-  es__queue_append_locked(s, job);
+  for (uint32_t i = 0; i < n; i++) es__queue_append_locked(s, jobs[i]);
   pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
-}
-
-bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job) {
-  job->t_enqueue_ns = mr_now_ns();
-  if (t->inline_job) {
-    /* A second request in the same round of events: both go to the compute thread, which
-     * merges them if they share layer and dtype. */
-    es_job *first = t->inline_job;
-    t->inline_job = NULL;
-    MR_ASSERT(first->lane != job->lane); /* a held request's stream has no RECV armed */
-    const es_job_ops *ops = first->ops;
-    void *owner = first->owner;
-    pthread_mutex_lock(&s->q_lock);
-    es__queue_append_locked(s, first);
-    es__queue_append_locked(s, job);
-    pthread_cond_signal(&s->q_cond);
-    pthread_mutex_unlock(&s->q_lock);
-    ops->released(owner);
-    return false;
-  }
-  if (job->n_tokens <= ES_INLINE_MAX_TOKENS) {
-    t->inline_job = job; /* decided by es__compute_deferred */
-    return true;
-  }
-  es__queue_push(s, job);
-  return false;
 }
 
 /* True for a job that must not be computed (see the top). */
@@ -462,39 +437,30 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   atomic_fetch_add(&s->sum_compute_us, (uint64_t)compute_us * n);
 }
 
-void es__compute_deferred(es_server *s, es_cq_thread *t) {
-  es_job *job = t->inline_job;
-  if (!job) return;
-  t->inline_job = NULL;
+/* ---- the engine for one job, on the caller's thread (es_inline.c) ------------------------- */
+
+bool es__compute_claim(es_server *s) {
   pthread_mutex_lock(&s->q_lock);
-  bool inline_run = !s->q_heap_len && !s->computing;
-  if (inline_run) s->computing = true;
+  bool idle = !s->q_heap_len && !s->computing;
+  if (idle) s->computing = true;
   pthread_mutex_unlock(&s->q_lock);
-  /* The job may be gone once its reply is sent. */
-  const es_job_ops *ops = job->ops;
-  void *owner = job->owner;
-  if (inline_run && es__job_skip(s, job, mr_now_ns())) {
-    es__skipped_answer(s, job);
-    ops->released(owner);
-    pthread_mutex_lock(&s->q_lock);
-    s->computing = false;
-    if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
-    pthread_mutex_unlock(&s->q_lock);
-    return;
-  }
-  if (!inline_run) {
-    es__queue_push(s, job);
-    ops->released(owner);
-    return;
-  }
-  es__batch_run(s, &job, 1);
-  ops->released(owner);
+  return idle;
+}
+
+void es__compute_run_one(es_server *s, es_job *job) {
+  if (es__job_skip(s, job, mr_now_ns())) es__skipped_answer(s, job);
+  else es__batch_run(s, &job, 1);
+}
+
+void es__compute_release(es_server *s) {
   pthread_mutex_lock(&s->q_lock);
   s->computing = false;
   /* Jobs queued meanwhile waited for the engine: the compute thread may take them now. */
   if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
 }
+
+/* ---- the compute thread -------------------------------------------------------------------- */
 
 static void *es__compute_main(void *arg) {
   es_server *s = arg;

@@ -315,12 +315,12 @@ static void *es__cq_main(void *arg) {
       for (int k = 0; k < ES_PREPOST_UNARY; k++) es__rpc_post(s, t, (es_method)m);
   }
   for (;;) {
-    /* With a small request held back (es__compute_offer), look for more events without
-     * blocking first: the queue running dry is what lets the request run inline. */
-    gpr_timespec until = t->inline_job ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
-                                     : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    /* With a small request held in the inline slot, look for more events without blocking
+     * first: the queue running dry is what lets the request run inline (es_inline.c). */
+    gpr_timespec until = es__inline_held(t) ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
+                                            : gpr_inf_future(GPR_CLOCK_MONOTONIC);
     grpc_event ev = grpc_completion_queue_next(t->cq, until, NULL);
-    if (ev.type != GRPC_OP_COMPLETE) es__compute_deferred(s, t);
+    if (ev.type != GRPC_OP_COMPLETE) es__inline_run(t);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     es_tag *tag = ev.tag;

@@ -501,7 +501,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   st->jobs_pending++;
   st->bytes_pending += job->nbytes;
   pthread_mutex_unlock(&st->lock);
-  held = es__compute_offer(s, st->cq_thread, job);
+  held = es__inline_offer(st->cq_thread, job);
 out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);

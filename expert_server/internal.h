@@ -42,19 +42,10 @@
  *                          es__admin_wake (uv_async_send) and the atomics below; during the
  *                          drain it walks the stream list (streams_lock) to finish streams.
  *
- * Inline compute. Handing a request to the compute thread costs a wake-up (~15-20 µs on a
- * busy host) on every round trip, as much as the whole compute of a decode-sized request.
- * So a CQ thread holds back a request of at most ES_INLINE_MAX_TOKENS tokens
- * (es_cq_thread.inline_job), polls its queue without blocking, and if no other request came in that
- * round, the compute queue is empty and the engine is idle, runs it itself. A second
- * request in the same round sends both to the compute queue, where they merge as before; a
- * busy engine or a non-empty queue sends the request there too. While it computes, the CQ
- * thread reads nothing: requests of other streams wait in gRPC (they would wait for the
- * engine anyway) and are read, and merged, in the next round; larger requests never run
- * inline, so that the thread stays responsive. The engine and the compute arena belong to
- * whoever set srv->computing (under q_lock): the compute thread or a CQ thread running one
- * job inline. The held request's stream re-arms its RECV only after the reply's send has
- * started (es_stream.recv_held, es_stream.c).
+ * Inline run (es_inline.c has the rule): a CQ thread may hold one small request back in its
+ * slot (es_cq_thread.inline_job) and, when its round of events is over and the engine is
+ * idle, compute it itself. The engine and the compute arena belong to whoever set
+ * srv->computing (under q_lock): the compute thread or that CQ thread.
  *
  *   control loader         es_control.c: packs the experts of a LoadExperts into staging
  *                          layers (nobody else sees them), then publishes a new es_table
@@ -183,10 +174,11 @@ typedef struct es_cq_thread {
   grpc_completion_queue *cq;
   pthread_t thread;
   bool started;
-  struct es_job *inline_job; /* a small request held back for inline compute (this thread only) */
+  struct es_job *inline_job; /* the inline slot: a small request held back to run on this
+                              * thread (es_inline.c; this thread only) */
 } es_cq_thread;
 
-/* Requests of at most this many tokens may run on the CQ thread (internal.h, top). Larger
+/* Requests of at most this many tokens may run on the CQ thread (es_inline.c). Larger
  * ones keep the CQ thread free to read other streams while they compute. */
 #define ES_INLINE_MAX_TOKENS 32u
 
@@ -616,17 +608,31 @@ int es__compute_start(es_server *s, mr_err *e);
 es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n);
 /* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
 uint32_t es__compute_abort_queued(es_server *s);
-/* A validated job received on CQ thread t: held back for inline compute when it is small
- * and alone so far (t->inline_job; returns true, and its stream's next RECV waits for
- * es__stream_recv_resume), else queued; a job already held back is queued with it. */
-bool es__compute_offer(es_server *s, es_cq_thread *t, es_job *job);
-/* CQ thread t found no more events: runs its held-back job inline if the queue is empty
- * and the engine idle, else queues it. No-op without one. */
-void es__compute_deferred(es_server *s, es_cq_thread *t);
+/* Queues n jobs (one q_lock, one wake-up of the compute thread). Any thread. */
+void es__compute_submit(es_server *s, es_job **jobs, uint32_t n);
+/* Takes the engine and the arena for the caller if the compute queue is empty and nobody
+ * computes (srv->computing, under q_lock); true if taken. */
+bool es__compute_claim(es_server *s);
+/* With the engine claimed: computes job alone, or answers it uncomputed if it must not be
+ * computed (dead lane, past its deadline, drain timed out). Its ops->done runs either way. */
+void es__compute_run_one(es_server *s, es_job *job);
+/* Gives the engine back; wakes the compute thread if jobs were queued meanwhile. */
+void es__compute_release(es_server *s);
 /* Stops the compute thread once its queue is empty and joins it. */
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */
 int es__reply_encode_error(es_job *job, uint32_t status, const char *msg);
+
+/* es_inline.c: the inline run (the rule is at the top of es_inline.c). CQ thread t only. */
+/* Takes a validated job received on t: holds it in t's slot when it is small and the slot
+ * was empty (returns true: its stream's RECV then waits for ops->released), else queues it
+ * (and a job the slot held, which ops->released then lets go). */
+bool es__inline_offer(es_cq_thread *t, es_job *job);
+/* True while t's slot holds a job (the dispatcher then polls without blocking). */
+bool es__inline_held(const es_cq_thread *t);
+/* t's round of events is over: runs the held job here if the compute queue is empty and the
+ * engine idle, else queues it. No-op with an empty slot. */
+void es__inline_run(es_cq_thread *t);
 
 /* es_admin.c */
 int es__admin_init(es_server *s, mr_err *e);
