@@ -21,12 +21,18 @@
  * the admin thread (es__tab_reap, every housekeeping tick) once no reference is left, and
  * with them the weights of dropped experts.
  *
- * Loading runs on its own thread (es-ctl-load), one load at a time: the experts are packed
- * from the model's safetensors (the same files, loader and formats as at start-up:
- * kn_layer_load_expert) into staging layers nobody else sees; packing shares the engine's
- * workers with the compute (kn.h: calls queue up), so requests keep being answered between
- * two experts. Then the new table is published at once. A load that fails publishes
- * nothing. The drain stops it after the expert it is packing.
+ * Loading runs on its own thread (es-ctl-load), one load at a time, which also reads the
+ * model's headers to check a LoadExperts before answering it (the LoadExperts section
+ * below): the experts are packed from the model's safetensors (the same files, loader and
+ * formats as at start-up: kn_layer_load_expert) into staging layers nobody else sees;
+ * packing shares the engine's workers with the compute (kn.h: calls queue up), so requests
+ * keep being answered between two experts. Then the new table is published at once. A load
+ * that fails publishes nothing. The drain stops it after the expert it is packing.
+ *
+ * Locks: ctl_lock serialises the publishers and guards the load record (ld_*) and the
+ * LoadExperts queue; it is held for table updates and short reads, never across a file
+ * read (MemAvailable is read before it is taken). tab_lock is taken inside it, for the
+ * pointer swap only; readers take tab_lock alone (es__tab_get).
  *
  * Authorisation is checked by es_grpc.c before these handlers run: a server without
  * --auth-token-file refuses every control call (PERMISSION_DENIED), a wrong or missing token
@@ -94,10 +100,16 @@ int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e) {
                     ES_LOAD_MEM_MARGIN >> 20);
 }
 
-/* Bytes a load may still add now, with weight_bytes packed (ctl_lock held). */
-static uint64_t es__load_free(es_server *s, uint64_t weight_bytes) {
+/* MemAvailable now, UINT64_MAX when it cannot be read (no limit). Read before ctl_lock is
+ * taken: the lock is never held across a file read. */
+static uint64_t es__mem_now(void) {
   uint64_t avail;
-  if (!es__mem_available(&avail)) avail = UINT64_MAX;
+  return es__mem_available(&avail) ? avail : UINT64_MAX;
+}
+
+/* Bytes a load may still add, with weight_bytes packed and avail (es__mem_now) available
+ * (ctl_lock held: a running load's packed bytes count as used). */
+static uint64_t es__load_free(es_server *s, uint64_t weight_bytes, uint64_t avail) {
   uint64_t free_b = avail == UINT64_MAX ? UINT64_MAX
                     : avail > ES_LOAD_MEM_MARGIN ? avail - ES_LOAD_MEM_MARGIN : 0;
   uint64_t running = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? s->ld_packed : 0;
@@ -151,8 +163,9 @@ static es_table *es__tab_alloc(es_server *s) {
   return t;
 }
 
-/* Fills sets, owned, lim, counts and the packed Hello from t->layers. */
-static int es__tab_finish(es_server *s, es_table *t, mr_err *e) {
+/* Fills sets, owned, lim, counts and the packed Hello from t->layers; avail is
+ * es__mem_now(), for Hello's load_free_bytes. ctl_lock held. */
+static int es__tab_finish(es_server *s, es_table *t, uint64_t avail, mr_err *e) {
   const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   uint32_t n_items = 0;
   for (uint32_t l = 0; l < L; l++) {
@@ -209,7 +222,7 @@ static int es__tab_finish(es_server *s, es_table *t, mr_err *e) {
   r.weight_bytes = t->weight_bytes;
   r.expert_bytes = s->expert_bytes;
   /* load_free_bytes is a snapshot at publish time (MemAvailable moves on its own). */
-  r.load_free_bytes = es__load_free(s, t->weight_bytes);
+  r.load_free_bytes = es__load_free(s, t->weight_bytes, avail);
   size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
   grpc_slice_unref(t->hello);
   t->hello = grpc_slice_malloc(len);
@@ -254,9 +267,10 @@ int es__tab_init(es_server *s, mr_err *e) {
   }
   /* The layers belong to the table from here on (es__unload then frees an empty array). */
   memset(s->layers, 0, L * sizeof *s->layers);
+  uint64_t avail = es__mem_now();
   pthread_mutex_lock(&s->ctl_lock);
   t->gen = s->tab_gen = 1;
-  int rc = es__tab_finish(s, t, e);
+  int rc = es__tab_finish(s, t, avail, e);
   if (rc == 0) es__tab_publish(s, t);
   pthread_mutex_unlock(&s->ctl_lock);
   if (rc) es__tab_free(s, t);
@@ -282,7 +296,7 @@ void es__tab_reap(es_server *s) {
 
 /* A new table from cur with every layer passed on except those in changed[] (ctl_lock). */
 static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
-                                const uint8_t *is_changed, mr_err *e) {
+                                const uint8_t *is_changed, uint64_t avail, mr_err *e) {
   es_table *t = es__tab_alloc(s);
   if (!t) {
     mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
@@ -291,7 +305,7 @@ static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
   for (uint32_t l = 0; l < s->cfg.num_layers; l++)
     t->layers[l] = is_changed[l] ? changed[l] : cur->layers[l];
   t->gen = s->tab_gen + 1;
-  if (es__tab_finish(s, t, e)) {
+  if (es__tab_finish(s, t, avail, e)) {
     memset(t->layers, 0, s->cfg.num_layers * sizeof *t->layers); /* the caller frees changed[] */
     es__tab_free(s, t);
     return NULL;
@@ -303,19 +317,19 @@ static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
 }
 
 void es__control_stop(es_server *s) {
-  if (s->ld_thread_started) {
-    atomic_store(&s->load_abort, true);
-    pthread_join(s->ld_thread, NULL);
-    s->ld_thread_started = false;
-  }
+  pthread_mutex_lock(&s->ctl_lock);
+  s->ctl_stop = true; /* no LoadExperts is queued from here on */
+  const bool started = s->ld_thread_started;
+  s->ld_thread_started = false;
+  pthread_cond_signal(&s->ctl_cond);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (!started) return;
+  atomic_store(&s->load_abort, true); /* a load packing stops after its expert */
+  pthread_join(s->ld_thread, NULL);
 }
 
 void es__control_close(es_server *s) {
   es__control_stop(s);
-  mr_st_close(s->ld_st);
-  s->ld_st = NULL;
-  mr_free(s->ld_want);
-  s->ld_want = NULL;
   /* Teardown: no request is left, so every table goes, current and retired. */
   es_table *t = s->retired;
   while (t) {
@@ -347,108 +361,85 @@ static bool es__control_refused(es_server *s, es_rpc *r) {
   return false;
 }
 
-static void *es__ctl_load_main(void *arg) {
-  es_server *s = arg;
-  pthread_setname_np(pthread_self(), "es-ctl-load");
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  mr_err e;
-  mr_err_clear(&e);
-  int rc = 0;
-  kn_layer **staging = mr_calloc(L, sizeof *staging);
-  uint8_t *is_changed = mr_calloc(L, 1);
-  kn_layer **changed = mr_calloc(L, sizeof *changed);
-  uint8_t *keep = mr_malloc(E);
-  uint64_t tensors = 0, bytes = 0, last_log = mr_now_ns();
-  /* Set by es__on_load before this thread started; changed only by the next load, which
-   * waits for this one's end: read here without ctl_lock until that end. */
-  const uint64_t id = s->ld_id, t0 = s->ld_t0_ns, tensors_total = s->ld_tensors_total,
-                 bytes_total = s->ld_bytes_total;
-  if (!staging || !is_changed || !changed || !keep) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
-    goto out;
-  }
-  memset(keep, 1, E);
-  kn_layer_desc d = {.hidden = s->cfg.hidden_size, .inter = s->cfg.moe_intermediate,
-                     .num_experts = E, .format = s->format, .group = s->group};
-  for (uint32_t l = 0; l < L && !rc; l++) {
-    for (uint32_t x = 0; x < E && !rc; x++) {
-      if (!s->ld_want[(size_t)l * E + x]) continue;
-      if (!staging[l] && (rc = kn_layer_new(&staging[l], s->eng, &d, &e))) break;
-      const mr_st_tensor *t[3];
-      rc = mr_config_expert_tensors(&s->cfg, s->ld_st, l, x, t, &e);
-      if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                         t[0]->dtype, &e);
-      if (rc) {
-        mr_err_prefix(&e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
-        break;
-      }
-      tensors += 3;
-      bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
-      atomic_store(&s->ld_tensors_done, tensors);
-      atomic_store(&s->ld_bytes_done, bytes);
-      uint64_t now = mr_now_ns();
-      if (now - last_log >= 1000000000ull) {
-        last_log = now;
-        double sec = (double)(now - t0) / 1e9, gbs = sec > 0 ? bytes / sec / 1e9 : 0;
-        mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 "/%" PRIu64 " tensors, "
-               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", id, tensors, tensors_total, bytes / 1e9,
-               bytes_total / 1e9, gbs, gbs > 0 ? (bytes_total - bytes) / 1e9 / gbs : 0);
-      }
-      for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort) &&
-                               !atomic_load(&s->draining); slept += 5)
-        usleep(5000);
-      if (atomic_load(&s->load_abort) || atomic_load(&s->draining))
-        rc = mr_err_set(&e, MR_ECANCELED, "the server began to drain: load stopped after %"
-                        PRIu64 " of %" PRIu64 " tensors", tensors, tensors_total);
-    }
-  }
-  if (rc) goto out;
+/* ---- LoadExperts ------------------------------------------------------------------------------
+ *
+ * A LoadExperts crosses two threads, so that no CQ thread reads the model and ctl_lock is
+ * never held across a file read:
+ *
+ *   CQ thread     es__on_load: the refusals (draining, loading, a load running), decode,
+ *                 the pure range checks (es_control_validate); then the request joins
+ *                 srv->ld_queue (ctl_lock) and wakes es-ctl-load, which the first
+ *                 LoadExperts starts and which then waits for the next one.
+ *   es-ctl-load   es__load_serve, one request at a time, in arrival order:
+ *                   es__load_admit          ctl_lock: pairs owned already are skipped, the
+ *                                           memory rule against the current table
+ *                   es__load_check_tensors  no lock: the safetensors reopened and
+ *                                           re-fingerprinted, every tensor's presence, dtype
+ *                                           and shape read from the headers
+ *                   es__load_record         ctl_lock: the load's id and totals, RUNNING
+ *                   es__load_reply          the LoadReply (es__rpc_reply, es_rpc.c)
+ *                   es__load_run            pack (no lock), publish (ctl_lock), end (ctl_lock)
+ *
+ * Taking requests one at a time in arrival order answers them as if each had been checked
+ * whole under ctl_lock, as one step: a request that arrives while a load runs is refused
+ * "still running" at once by its CQ thread, and those queued behind one that turns RUNNING
+ * are refused the same way by es-ctl-load (es__load_record hands them back).
+ */
 
-  /* Publish: rebuild every changed layer from the current table (which may have changed
-   * since the load started: an unload meanwhile is kept). */
-  pthread_mutex_lock(&s->ctl_lock);
-  es_table *cur = s->tab;
-  for (uint32_t l = 0; l < L && !rc; l++) {
-    if (!staging[l]) continue;
-    rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, staging[l], &e);
-    is_changed[l] = 1;
-  }
-  es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, &e);
-  if (!t && !rc) rc = e.code ? e.code : MR_ENOMEM;
-  if (t) {
-    es__tab_publish(s, t);
-    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
-           ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
-  } else {
-    /* Out of memory: nothing published. The rebuilt layers are undone: cur's experts are
-     * cur's again, the staged ones are freed. */
-    for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l], cur->layers[l]);
-  }
-  pthread_mutex_unlock(&s->ctl_lock);
+/* A LoadExperts call on its way from its CQ thread to es-ctl-load, and what es-ctl-load
+ * finds out about it. Owned by the queue, then by es-ctl-load, which frees it. */
+typedef struct es_load_req {
+  struct es_load_req *next;  /* srv->ld_queue (ctl_lock) */
+  es_rpc *r;                 /* the call: answered by es-ctl-load, freed by its CQ thread */
+  char peer[96];             /* for log lines */
+  uint8_t *want;             /* [num_layers * num_experts]: the pairs to load */
+  uint64_t n_pairs;          /* pairs set in want */
+  mr_st *st;                 /* the model's safetensors, open from the check to the end */
+  uint64_t tensors_total, bytes_total; /* what the load reads (headers) */
+  uint64_t need, free_b;     /* packed bytes it adds, and the room there was */
+  uint64_t id, t0_ns;        /* set when it becomes the latest load (es__load_record) */
+} es_load_req;
 
-out:;
-  const uint64_t t1 = mr_now_ns();
-  pthread_mutex_lock(&s->ctl_lock);
-  s->ld_t1_ns = t1;
-  s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
-  s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
-  snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e.msg : "");
-  mr_st_close(s->ld_st);
-  s->ld_st = NULL;
-  pthread_mutex_unlock(&s->ctl_lock);
-  double sec = (double)(t1 - t0) / 1e9;
-  if (rc)
-    mr_log(MR_LOG_ERROR, "placement: load %" PRIu64 " failed after %.1f s: %s (nothing published)",
-           id, sec, e.msg);
-  else
-    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
-           "(%.2f GB/s)", id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
-  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
-  mr_free(staging);
-  mr_free(is_changed);
-  mr_free(changed);
-  mr_free(keep);
-  return NULL;
+static void es__load_req_free(es_load_req *lr) {
+  if (!lr) return;
+  mr_st_close(lr->st);
+  mr_free(lr->want);
+  mr_free(lr);
+}
+
+/* Refuses a LoadExperts: a WARN line (rate-limited) with the peer, rc's status. */
+static void es__load_refuse(es_rpc *r, const char *peer, int rc, const mr_err *e) {
+  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e->msg);
+  es__rpc_reply_err(r, rc, "LoadExperts refused", e);
+}
+
+/* The refusal of a LoadExperts while load id packs. */
+static int es__load_busy_err(uint64_t id, mr_err *e) {
+  return mr_err_set(e, MR_EPRECOND, "load %" PRIu64 " is still running: one load at a time "
+                    "(poll LoadStatus)", id);
+}
+
+/* MR_EPRECOND while a load packs, else 0. ctl_lock held. */
+static int es__load_busy(const es_server *s, mr_err *e) {
+  return s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? es__load_busy_err(s->ld_id, e) : 0;
+}
+
+static void *es__ctl_main(void *arg);
+
+/* Queues lr for es-ctl-load, starting the thread the first time. ctl_lock held. */
+static int es__load_enqueue_locked(es_server *s, es_load_req *lr, mr_err *e) {
+  if (s->ctl_stop) return mr_err_set(e, MR_EUNAVAIL, "server is shutting down");
+  if (!s->ld_thread_started) {
+    int err = pthread_create(&s->ld_thread, NULL, es__ctl_main, s);
+    if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start the load thread: error %d", err);
+    s->ld_thread_started = true;
+  }
+  lr->next = NULL;
+  if (s->ld_queue_last) s->ld_queue_last->next = lr;
+  else s->ld_queue = lr;
+  s->ld_queue_last = lr;
+  pthread_cond_signal(&s->ctl_cond);
+  return 0;
 }
 
 void es__on_load(es_rpc *r) {
@@ -465,121 +456,295 @@ void es__on_load(es_rpc *r) {
     es__rpc_reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
     return;
   }
-  uint8_t *want = mr_malloc((size_t)L * E);
-  mr_st *st = NULL;
-  uint64_t n_pairs = 0;
   char peer[96];
   es__call_peer(r->call, peer, sizeof peer);
+  es_load_req *lr = mr_calloc(1, sizeof *lr);
+  if (lr) lr->want = mr_malloc((size_t)L * E);
   pthread_mutex_lock(&s->ctl_lock);
-  if (!want) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out_unlock;
+  rc = !lr || !lr->want ? mr_err_set(&e, MR_ENOMEM, "out of memory") : es__load_busy(s, &e);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (!rc)
+    rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->add, req->n_add,
+                             req->model_fingerprint, s->fingerprint, &s->limits, lr->want,
+                             &lr->n_pairs, &e);
+  moerpc__v1__load_request__free_unpacked(req, NULL);
+  if (!rc) {
+    lr->r = r;
+    snprintf(lr->peer, sizeof lr->peer, "%s", peer);
+    pthread_mutex_lock(&s->ctl_lock);
+    rc = es__load_busy(s, &e); /* a load may have started meanwhile */
+    if (!rc) rc = es__load_enqueue_locked(s, lr, &e);
+    pthread_mutex_unlock(&s->ctl_lock);
   }
-  if (s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING) {
-    rc = mr_err_set(&e, MR_EPRECOND, "load %" PRIu64 " is still running: one load at a time "
-                    "(poll LoadStatus)", s->ld_id);
-    goto out_unlock;
+  if (rc) {
+    es__load_refuse(r, peer, rc, &e);
+    es__load_req_free(lr);
   }
-  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->add, req->n_add,
-                           req->model_fingerprint, s->fingerprint, &s->limits, want, &n_pairs, &e);
-  if (rc) goto out_unlock;
-  /* Pairs owned already are skipped (a retried apply is not an error). */
-  es_table *cur = s->tab;
+}
+
+/* es-ctl-load: drops the pairs owned already (a retried apply is not an error) and applies
+ * the memory rule, both against the current table (ctl_lock). */
+static int es__load_admit(es_server *s, es_load_req *lr, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  uint64_t avail = es__mem_now();
+  pthread_mutex_lock(&s->ctl_lock);
+  const es_table *cur = s->tab;
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t x = 0; x < E; x++) {
-      uint8_t *p = &want[(size_t)l * E + x];
+      uint8_t *p = &lr->want[(size_t)l * E + x];
       if (*p && cur->owned[l] && mr_idset_has(cur->owned[l], x)) {
         *p = 0;
-        n_pairs--;
+        lr->n_pairs--;
       }
     }
-  uint64_t need = n_pairs * s->expert_bytes, free_b = es__load_free(s, cur->weight_bytes);
-  if ((rc = es_load_mem_check(need, free_b, &e))) goto out_unlock;
-  /* The tensors, before anything moves: presence, dtype and shape (headers only). */
-  uint64_t tensors = 0, bytes = 0;
-  if (n_pairs) {
-    if ((rc = mr_st_open(&st, s->model_dir, &e))) {
-      mr_err_prefix(&e, rc, "model %s", s->model_dir);
-      goto out_unlock;
-    }
-    char fp[17];
-    if ((rc = mr_model_fingerprint(s->model_dir, st, fp, &e))) goto out_unlock;
-    if (strcmp(fp, s->fingerprint) != 0) {
-      rc = mr_err_set(&e, MR_EMISMATCH, "model %s changed on disk since start-up (fingerprint "
+  lr->need = lr->n_pairs * s->expert_bytes;
+  lr->free_b = es__load_free(s, cur->weight_bytes, avail);
+  pthread_mutex_unlock(&s->ctl_lock);
+  return es_load_mem_check(lr->need, lr->free_b, e);
+}
+
+/* es-ctl-load, no lock: the tensors of every pair to load, before anything moves: the model
+ * reopened and re-fingerprinted, each tensor's presence, dtype and shape (headers only).
+ * Leaves the files open in lr->st for the packing. */
+static int es__load_check_tensors(es_server *s, es_load_req *lr, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  if (!lr->n_pairs) return 0;
+  int rc = mr_st_open(&lr->st, s->model_dir, e);
+  if (rc) {
+    mr_err_prefix(e, rc, "model %s", s->model_dir);
+    return rc;
+  }
+  char fp[17];
+  if ((rc = mr_model_fingerprint(s->model_dir, lr->st, fp, e))) return rc;
+  if (strcmp(fp, s->fingerprint) != 0)
+    return mr_err_set(e, MR_EMISMATCH, "model %s changed on disk since start-up (fingerprint "
                       "%s, was %s): restart the server", s->model_dir, fp, s->fingerprint);
-      goto out_unlock;
-    }
-    for (uint32_t l = 0; l < L && !rc; l++)
-      for (uint32_t x = 0; x < E && !rc; x++) {
-        if (!want[(size_t)l * E + x]) continue;
-        const mr_st_tensor *t[3];
-        rc = mr_config_expert_tensors(&s->cfg, st, l, x, t, &e);
-        if (rc) {
-          mr_err_prefix(&e, MR_EFORMAT, "model %s", s->model_dir);
-          rc = MR_EFORMAT;
-          break;
-        }
-        tensors += 3;
-        bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; x < E; x++) {
+      if (!lr->want[(size_t)l * E + x]) continue;
+      const mr_st_tensor *t[3];
+      if (mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e)) {
+        mr_err_prefix(e, MR_EFORMAT, "model %s", s->model_dir);
+        return MR_EFORMAT;
       }
-    if (rc) goto out_unlock;
-  }
-  if (s->ld_thread_started) { /* the previous load's thread has finished (state not RUNNING) */
-    pthread_join(s->ld_thread, NULL);
-    s->ld_thread_started = false;
-  }
-  s->ld_id++;
-  s->ld_t0_ns = s->ld_t1_ns = mr_now_ns();
-  s->ld_tensors_total = tensors;
-  s->ld_bytes_total = bytes;
-  s->ld_packed = need;
+      lr->tensors_total += 3;
+      lr->bytes_total += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+    }
+  return 0;
+}
+
+/* es-ctl-load: lr becomes the latest load, which LoadStatus reports: RUNNING, or DONE at once
+ * when every pair was owned already (ctl_lock). When it runs, returns the requests queued
+ * meanwhile (they are refused "still running", as they would have been after it). */
+static es_load_req *es__load_record(es_server *s, es_load_req *lr) {
+  const bool runs = lr->n_pairs > 0;
+  pthread_mutex_lock(&s->ctl_lock);
+  lr->id = ++s->ld_id;
+  lr->t0_ns = s->ld_t0_ns = s->ld_t1_ns = mr_now_ns();
+  s->ld_tensors_total = lr->tensors_total;
+  s->ld_bytes_total = lr->bytes_total;
+  s->ld_packed = lr->need;
   s->ld_status = 0;
   s->ld_error[0] = '\0';
   atomic_store(&s->ld_tensors_done, 0);
   atomic_store(&s->ld_bytes_done, 0);
-  if (n_pairs == 0) {
-    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
-    mr_st_close(st);
-    st = NULL;
-  } else {
-    mr_free(s->ld_want);
-    s->ld_want = want;
-    want = NULL;
-    s->ld_st = st;
-    st = NULL;
-    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING;
-    int err = pthread_create(&s->ld_thread, NULL, es__ctl_load_main, s);
-    if (err) {
-      s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED;
-      rc = mr_err_set(&e, MR_EINTERNAL, "cannot start the load thread: error %d", err);
-      snprintf(s->ld_error, sizeof s->ld_error, "%s", e.msg);
-      goto out_unlock;
-    }
-    s->ld_thread_started = true;
-  }
-  mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " from %s: %" PRIu64 " pairs, %" PRIu64
-         " tensors, %.3f GB to read, %.3f GB packed (%.3f GB free)", s->ld_id, peer, n_pairs,
-         tensors, bytes / 1e9, need / 1e9, free_b / 1e9);
-  Moerpc__V1__LoadReply rep = MOERPC__V1__LOAD_REPLY__INIT;
-  rep.load_id = s->ld_id;
-  rep.pairs = n_pairs;
-  rep.tensors_total = tensors;
-  rep.bytes_total = bytes;
-  rep.packed_bytes = need;
-  rep.free_bytes = free_b;
+  s->ld_state = runs ? MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING
+                     : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
+  es_load_req *behind = runs ? s->ld_queue : NULL;
+  if (runs) s->ld_queue = s->ld_queue_last = NULL;
   pthread_mutex_unlock(&s->ctl_lock);
-  grpc_byte_buffer *bb = pr_encode(&rep.base);
-  es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
-  goto out_free;
-out_unlock:
-  pthread_mutex_unlock(&s->ctl_lock);
-  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e.msg);
-  es__rpc_reply_err(r, rc, "LoadExperts refused", &e);
-out_free:
-  mr_st_close(st);
-  mr_free(want);
-  moerpc__v1__load_request__free_unpacked(req, NULL);
+  return behind;
 }
+
+/* es-ctl-load: logs the accepted load and answers its call with the LoadReply. */
+static void es__load_reply(es_load_req *lr) {
+  mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " from %s: %" PRIu64 " pairs, %" PRIu64
+         " tensors, %.3f GB to read, %.3f GB packed (%.3f GB free)", lr->id, lr->peer,
+         lr->n_pairs, lr->tensors_total, lr->bytes_total / 1e9, lr->need / 1e9, lr->free_b / 1e9);
+  Moerpc__V1__LoadReply rep = MOERPC__V1__LOAD_REPLY__INIT;
+  rep.load_id = lr->id;
+  rep.pairs = lr->n_pairs;
+  rep.tensors_total = lr->tensors_total;
+  rep.bytes_total = lr->bytes_total;
+  rep.packed_bytes = lr->need;
+  rep.free_bytes = lr->free_b;
+  grpc_byte_buffer *bb = pr_encode(&rep.base);
+  es__rpc_reply(lr->r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
+  lr->r = NULL; /* the CQ thread frees the call once the reply is sent */
+}
+
+/* es-ctl-load, no lock: packs every pair of lr into staging layers (nobody else sees them),
+ * counting the tensors and bytes read in *tensors, *bytes and the progress atomics. Stops
+ * with MR_ECANCELED after the expert it is packing once a drain or the teardown begins. */
+static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging,
+                         uint64_t *tensors, uint64_t *bytes, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  kn_layer_desc d = {.hidden = s->cfg.hidden_size, .inter = s->cfg.moe_intermediate,
+                     .num_experts = E, .format = s->format, .group = s->group};
+  uint64_t last_log = mr_now_ns();
+  for (uint32_t l = 0; l < L; l++) {
+    for (uint32_t x = 0; x < E; x++) {
+      if (!lr->want[(size_t)l * E + x]) continue;
+      int rc = staging[l] ? 0 : kn_layer_new(&staging[l], s->eng, &d, e);
+      if (rc) return rc;
+      const mr_st_tensor *t[3];
+      rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
+      if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                         t[0]->dtype, e);
+      if (rc) {
+        mr_err_prefix(e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
+        return rc;
+      }
+      *tensors += 3;
+      *bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      atomic_store(&s->ld_tensors_done, *tensors);
+      atomic_store(&s->ld_bytes_done, *bytes);
+      uint64_t now = mr_now_ns();
+      if (now - last_log >= 1000000000ull) {
+        last_log = now;
+        double sec = (double)(now - lr->t0_ns) / 1e9, gbs = sec > 0 ? *bytes / sec / 1e9 : 0;
+        mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 "/%" PRIu64 " tensors, "
+               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", lr->id, *tensors, lr->tensors_total,
+               *bytes / 1e9, lr->bytes_total / 1e9, gbs,
+               gbs > 0 ? (lr->bytes_total - *bytes) / 1e9 / gbs : 0);
+      }
+      for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort) &&
+                               !atomic_load(&s->draining); slept += 5)
+        usleep(5000);
+      if (atomic_load(&s->load_abort) || atomic_load(&s->draining))
+        return mr_err_set(e, MR_ECANCELED, "the server began to drain: load stopped after %"
+                          PRIu64 " of %" PRIu64 " tensors", *tensors, lr->tensors_total);
+    }
+  }
+  return 0;
+}
+
+/* es-ctl-load: rebuilds every layer that got experts from the current table (which may have
+ * changed since the load started: an unload meanwhile is kept) and publishes the new table
+ * (ctl_lock). On failure nothing is published and the current table is as it was. */
+static int es__load_publish(es_server *s, uint64_t id, kn_layer **staging, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  uint8_t *is_changed = mr_calloc(L, 1), *keep = mr_malloc(E);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  int rc = 0;
+  if (!is_changed || !keep || !changed) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for the load");
+    goto out_free;
+  }
+  memset(keep, 1, E);
+  uint64_t avail = es__mem_now();
+  pthread_mutex_lock(&s->ctl_lock);
+  es_table *cur = s->tab;
+  for (uint32_t l = 0; l < L && !rc; l++) {
+    if (!staging[l]) continue;
+    rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, staging[l], e);
+    is_changed[l] = 1;
+  }
+  es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, avail, e);
+  if (!t && !rc) rc = e->code ? e->code : MR_ENOMEM;
+  if (t) {
+    es__tab_publish(s, t);
+    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
+           ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
+  } else {
+    /* The rebuilt layers are undone: cur's experts are cur's again (the caller frees the
+     * staged ones). */
+    for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l], cur->layers[l]);
+  }
+  pthread_mutex_unlock(&s->ctl_lock);
+out_free:
+  mr_free(is_changed);
+  mr_free(keep);
+  mr_free(changed);
+  return rc;
+}
+
+/* es-ctl-load: the end of load lr, as LoadStatus reports it (ctl_lock) and in the log. */
+static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e, uint64_t tensors,
+                         uint64_t bytes) {
+  const uint64_t t1 = mr_now_ns();
+  pthread_mutex_lock(&s->ctl_lock);
+  s->ld_t1_ns = t1;
+  s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
+  s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
+  snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e->msg : "");
+  pthread_mutex_unlock(&s->ctl_lock);
+  mr_st_close(lr->st);
+  lr->st = NULL;
+  double sec = (double)(t1 - lr->t0_ns) / 1e9;
+  if (rc)
+    mr_log(MR_LOG_ERROR, "placement: load %" PRIu64 " failed after %.1f s: %s (nothing published)",
+           lr->id, sec, e->msg);
+  else
+    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
+           "(%.2f GB/s)", lr->id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
+}
+
+/* es-ctl-load: packs, publishes and ends the load recorded for lr. */
+static void es__load_run(es_server *s, es_load_req *lr) {
+  const uint32_t L = s->cfg.num_layers;
+  mr_err e;
+  mr_err_clear(&e);
+  uint64_t tensors = 0, bytes = 0;
+  kn_layer **staging = mr_calloc(L, sizeof *staging);
+  int rc = staging ? es__load_pack(s, lr, staging, &tensors, &bytes, &e)
+                   : mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
+  if (!rc) rc = es__load_publish(s, lr->id, staging, &e);
+  es__load_end(s, lr, rc, &e, tensors, bytes);
+  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
+  mr_free(staging);
+}
+
+/* es-ctl-load: one LoadExperts, from its admission to the end of its load. Frees lr. */
+static void es__load_serve(es_server *s, es_load_req *lr) {
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = es__load_admit(s, lr, &e);
+  if (!rc) rc = es__load_check_tensors(s, lr, &e);
+  if (rc) {
+    es__load_refuse(lr->r, lr->peer, rc, &e);
+    es__load_req_free(lr);
+    return;
+  }
+  es_load_req *behind = es__load_record(s, lr);
+  es__load_reply(lr);
+  while (behind) {
+    es_load_req *b = behind;
+    behind = b->next;
+    es__load_refuse(b->r, b->peer, es__load_busy_err(lr->id, &e), &e);
+    es__load_req_free(b);
+  }
+  if (lr->n_pairs) es__load_run(s, lr);
+  es__load_req_free(lr);
+}
+
+/* The thread es-ctl-load: serves the LoadExperts queue until es__control_stop. Requests
+ * still queued then are answered UNAVAILABLE. */
+static void *es__ctl_main(void *arg) {
+  es_server *s = arg;
+  pthread_setname_np(pthread_self(), "es-ctl-load");
+  for (;;) {
+    pthread_mutex_lock(&s->ctl_lock);
+    while (!s->ld_queue && !s->ctl_stop) pthread_cond_wait(&s->ctl_cond, &s->ctl_lock);
+    es_load_req *lr = s->ld_queue;
+    const bool stop = s->ctl_stop;
+    if (stop) s->ld_queue = s->ld_queue_last = NULL;
+    else if (!(s->ld_queue = lr->next)) s->ld_queue_last = NULL;
+    pthread_mutex_unlock(&s->ctl_lock);
+    if (stop) {
+      while (lr) {
+        es_load_req *n = lr->next;
+        es__rpc_reply(lr->r, GRPC_STATUS_UNAVAILABLE, "server is draining (shutting down)", NULL);
+        es__load_req_free(lr);
+        lr = n;
+      }
+      return NULL;
+    }
+    es__load_serve(s, lr);
+  }
+}
+
+/* ---- LoadStatus, UnloadExperts (CQ thread) -------------------------------------------------- */
 
 void es__on_load_status(es_rpc *r) {
   es_server *s = r->srv;
@@ -642,6 +807,7 @@ void es__on_unload(es_rpc *r) {
   uint8_t *drop = mr_malloc((size_t)L * E), *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1);
   kn_layer **changed = mr_calloc(L, sizeof *changed);
   uint64_t n_pairs = 0, dropped = 0, freed = 0, gen = 0;
+  uint64_t avail = es__mem_now();
   pthread_mutex_lock(&s->ctl_lock);
   if (!drop || !keep || !is_changed || !changed) {
     rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
@@ -669,7 +835,7 @@ void es__on_unload(es_rpc *r) {
   }
   if (rc) goto out_unlock;
   if (dropped) {
-    es_table *t = es__tab_derive(s, cur, changed, is_changed, &e);
+    es_table *t = es__tab_derive(s, cur, changed, is_changed, avail, &e);
     if (!t) {
       rc = e.code ? e.code : MR_ENOMEM;
       goto out_unlock;

@@ -95,6 +95,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   pthread_cond_init(&s->q_cond, NULL);
   pthread_mutex_init(&s->tab_lock, NULL);
   pthread_mutex_init(&s->ctl_lock, NULL);
+  pthread_cond_init(&s->ctl_cond, NULL);
   mr_arena_init(&s->arena, ES_COMPUTE_ARENA_BLOCK);
 
   s->opts = *opts;
@@ -225,6 +226,7 @@ void es_server_free(es_server *s) {
   pthread_mutex_destroy(&s->q_lock);
   pthread_mutex_destroy(&s->streams_lock);
   pthread_mutex_destroy(&s->tab_lock);
+  pthread_cond_destroy(&s->ctl_cond);
   pthread_mutex_destroy(&s->ctl_lock);
   mr_free(s);
 }

@@ -184,7 +184,9 @@ typedef struct es_cq_thread {
 
 /* ---- calls -------------------------------------------------------------------------------- */
 
-/* A unary call (Hello, Stats, Health). Lives on its CQ thread only: no lock. */
+/* A unary call (Hello, Stats, Health, the control calls). Lives on its CQ thread, no lock:
+ * a LoadExperts is handed to es-ctl-load (through ctl_lock) until that thread starts its
+ * reply; the CQ thread frees it on ES_TAG_RPC_DONE (es_rpc.c). */
 typedef struct es_rpc {
   struct es_server *srv;
   es_cq_thread *cq_thread;
@@ -372,10 +374,13 @@ struct es_server {
   char ld_error[512];
   uint64_t ld_t0_ns, ld_t1_ns, ld_tensors_total, ld_bytes_total, ld_packed;
   atomic_ullong ld_tensors_done, ld_bytes_done;
-  uint8_t *ld_want;          /* [num_layers * num_experts]: the pairs being loaded */
-  mr_st *ld_st;              /* the model's safetensors, opened for the load */
+  /* es-ctl-load and its queue of LoadExperts calls (ctl_lock): started by the first
+   * LoadExperts, waits on ctl_cond for the next, joined by es__control_stop. */
+  pthread_cond_t ctl_cond;
+  struct es_load_req *ld_queue, *ld_queue_last;
+  bool ctl_stop;             /* es__control_stop: no more requests, the thread ends */
   pthread_t ld_thread;
-  bool ld_thread_started;    /* joined by the next load, or at free */
+  bool ld_thread_started;
 
   /* gRPC: created by es_server_new, started by es_server_run. */
   bool grpc_inited;
