@@ -497,7 +497,7 @@ void es__loading_msg(es_server *s, char *buf, size_t len);
  * memory rule (es_control.c) and the auto admission budget (es__inflight_budget). */
 bool es__mem_available(uint64_t *bytes);
 
-/* es_control.c */
+/* es_table.c: the owned table. */
 /* A reference to the current table (NULL before the start-up load is done). Any thread. */
 es_table *es__tab_get(es_server *s);
 /* Drops a reference (any thread, lock-free; NULL is a no-op). */
@@ -508,11 +508,28 @@ static inline void es__tab_put(es_table *t) {
 int es__tab_init(es_server *s, mr_err *e);
 /* Admin thread, housekeeping: frees retired tables nobody references. */
 void es__tab_reap(es_server *s);
-/* es_server_free: stops and joins the live loader (first, before the engine and gRPC go) */
+/* A new table from cur with every layer passed on except those with is_changed[l], which
+ * take changed[l] (owned by the new table from here on; on failure, NULL and they stay the
+ * caller's); avail is es__mem_now(), read before ctl_lock. ctl_lock held. */
+es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed, const uint8_t *is_changed,
+                         uint64_t avail, mr_err *e);
+/* Makes t current (ctl_lock held; takes tab_lock); the previous table is retired. */
+void es__tab_publish(es_server *s, es_table *t);
+/* Teardown, no request left: frees every table, current and retired. */
+void es__tab_close(es_server *s);
+/* The memory rule (docs/DESIGN.md 15.1). es__mem_now: MemAvailable, UINT64_MAX when it
+ * cannot be read, read before ctl_lock is taken. es__load_free: the bytes a load may still
+ * add with weight_bytes packed (ctl_lock held: a running load's bytes count as used). */
+uint64_t es__mem_now(void);
+uint64_t es__load_free(es_server *s, uint64_t weight_bytes, uint64_t avail);
+
+/* es_control.c: live placement. */
+/* es_server_free: stops and joins es-ctl-load (first, before the engine and gRPC go) */
 void es__control_stop(es_server *s);
 /* ... and later frees every table. */
 void es__control_close(es_server *s);
-/* The control calls (CQ thread); the caller checked authorisation. */
+/* The control calls (CQ thread); the caller checked authorisation. A LoadExperts is answered
+ * by es-ctl-load once it has read the model's headers. */
 void es__on_load(es_rpc *r);
 void es__on_load_status(es_rpc *r);
 void es__on_unload(es_rpc *r);
