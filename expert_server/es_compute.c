@@ -181,6 +181,8 @@ static bool es__job_skip(const es_server *s, const es_job *j, uint64_t now) {
 static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
   uint64_t now = mr_now_ns();
   es_job *h = NULL;
+  /* The head: the first job in fair order that is still worth computing; the ones passed
+   * over on the way (dead lane, past their deadline, aborted) are answered by the caller. */
   while (!h && s->q_heap_len) {
     es_lane *ln = s->q_heap[0];
     es_job *j = es__lane_pop_locked(s, ln);
@@ -193,7 +195,7 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
     }
   }
   if (!h) return 0;
-  s->q_vtime = h->vstart;
+  s->q_vtime = h->vstart; /* V follows the job taken: new lanes start from here */
   batch[0] = h;
   uint32_t n = 1, tokens = h->n_tokens;
   /* The lanes' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
@@ -205,6 +207,9 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
     bool took = false;
     while (ln->head && n < ES_MERGE_MAX) {
       es_job *j = ln->head;
+      /* Only the head of each lane is looked at, in the lane's own order: a lane's later
+       * job never overtakes its earlier one. Same table too: a switch between two jobs
+       * means two different kn_layers. */
       if (j->layer != h->layer || j->tab != h->tab || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
         break;
       es__lane_pop_locked(s, ln);
@@ -472,6 +477,7 @@ static void *es__compute_main(void *arg) {
      * only once the queue is empty. */
     while ((!s->q_heap_len || s->computing) && !(s->q_stop && !s->q_heap_len))
       pthread_cond_wait(&s->q_cond, &s->q_lock);
+    /* Signalled by es__compute_submit, es__compute_release and es__compute_stop. */
     if (!s->q_heap_len) {
       pthread_mutex_unlock(&s->q_lock);
       break;

@@ -1,12 +1,18 @@
 /*
  * es_grpc.c - the gRPC side of the server: set-up (methods, completion queues, port), the
  * completion-queue threads that dispatch every event, the unary calls (Hello, Stats,
- * grpc.health.v1 Check) and the teardown. The Forward streams are in es_stream.c.
+ * grpc.health.v1 Check; the control calls go to es_control.c) and the teardown. The Forward
+ * streams are in es_stream.c, the reply of a unary call in es_rpc.c.
  *
  * Every call is bound to the completion queue of the thread that accepted it, so all of a
- * call's events are handled by one thread and a unary call needs no lock. A Forward stream is
- * also written to by the compute thread (replies) and the admin thread (drain), through the
- * fields under es_stream.lock (internal.h).
+ * call's events are handled by one thread and a unary call needs no lock (a LoadExperts is
+ * answered by es-ctl-load, whose hand-off is under ctl_lock). A Forward stream is also
+ * written to by whoever answers its jobs (replies) and the admin thread (drain), through
+ * the fields under es_stream.lock (internal.h).
+ *
+ * A CQ thread's loop: block for the next event, except while its inline slot holds a request
+ * (es_inline.c): then poll, and when a poll finds nothing the round is over and the slot
+ * runs. The only way up is the admin doorbell, rung on the shutdown notification.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <grpc/grpc_security.h>

@@ -1,63 +1,83 @@
 /*
  * internal.h - what the files of expert_server/ share. Not a public header.
  *
- * Files:
- *   es_server.c    es_server_new/free: options, start-up order, teardown order
- *   es_load.c      config + safetensors -> one kn_layer per owned layer, progress log
- *   es_grpc.c      gRPC set-up and teardown, completion-queue threads, unary Hello/Stats/Health
- *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues;
- *                  backpressure and the byte budget; dead streams; the stall cut
- *   es_compute.c   the fair compute queue, merging of same-layer requests, deadlines, replies
- *   es_pool.c      reusable request/reply buffers and job records
- *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the loader thread,
- *                  the drain sequence
- *   es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
- *   es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite (pure)
- *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
- *   es_control.c   live placement: the owned table (RCU-like), LoadExperts / LoadStatus /
- *                  UnloadExperts, the live loader thread, retiring old tables
+ * Files, by floor. A file calls only files listed after it (below it, or to its right on its
+ * floor), so no files call each other in a circle; where work must go back up, it goes
+ * through a callback or a field set at start-up (es_job_ops, the admin doorbell srv->wake),
+ * named under "Threads".
+ *
+ *   top      es_server.c    es_server_new/free: options, start-up order, teardown order
+ *            es_admin.c     es_server_run: the libuv loop (signals, timers, housekeeping),
+ *                           the loader thread, the drain sequence
+ *            es_grpc.c      gRPC set-up and teardown, the completion-queue threads that
+ *                           dispatch every event, the unary Hello / Stats / Health
+ *   middle   es_stream.c    Forward streams: decode, validate, hand to compute; send queues;
+ *                           admission (the byte budget); dead streams; the stall cut
+ *            es_inline.c    the inline run: a small request computed on its CQ thread
+ *            es_control.c   live placement: LoadExperts / LoadStatus / UnloadExperts and the
+ *                           es-ctl-load thread
+ *            es_compute.c   jobs and the engine: the fair queue, merging, kn_moe_forward,
+ *                           deadlines, the replies' encoding, the compute thread
+ *            es_table.c     the owned table (RCU-like), its memory rule, retiring old tables
+ *   bottom   es_rpc.c       answering a unary call: the reply batch, status, peer, method names
+ *            es_load.c      config + safetensors -> one kn_layer per owned layer, progress,
+ *                           MemAvailable
+ *            es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
+ *            es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
+ *            es_pool.c      reusable request/reply buffers and job records
+ *            es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite
+ *                           (pure)
  *
  * Threads and where they meet (STYLE.md 8):
  *
- *   CQ thread i (es_cq_thread)   owns every call accepted on cq_threads[i].cq. It decodes and validates
- *                          each ForwardRequest, gathers its payload once into an es_buf and
- *                          pushes an es_job onto the compute queue (q_lock + q_cond), or runs
- *                          a small one itself (below). It also starts the next send of a
- *                          stream when one completes.
- *   compute thread         pops jobs (q_lock), runs kn_moe_forward, writes each reply into the
- *                          job's buffer and hands the job to its stream's send queue
- *                          (es__stream_send: under the stream's lock, and starts the send
- *                          batch itself when none is in flight).
- *   loader thread          es_server_run's first part: packs the owned experts (es__load_weights)
- *                          while the gRPC threads already answer health (and UNAVAILABLE
- *                          "loading" to everything else); publishes progress in atomics,
- *                          ends with es__admin_wake. The admin thread joins it, then starts
- *                          the compute thread and sets srv->loaded (release): every thread
- *                          reads the weights, the engine and max_inflight_bytes only after
- *                          seeing loaded.
- *   metrics thread         the mr_http_server responder (common/http.c): es__metrics_render
- *                          reads atomics, and q_len / n_streams under q_lock / streams_lock,
- *                          one at a time, holding no other lock.
- *   admin (libuv) thread   the thread in es_server_run. Learns about drain progress through
- *                          es__admin_wake (uv_async_send) and the atomics below; during the
- *                          drain it walks the stream list (streams_lock) to finish streams.
+ *   es-grpc-<i> (es_cq_thread)  owns every call accepted on cq_threads[i].cq: all of a
+ *                        call's events come to it, so a unary call needs no lock. It decodes
+ *                        and validates each ForwardRequest, gathers its payload once into an
+ *                        es_buf and offers the es_job to the compute side (es__inline_offer:
+ *                        the compute queue, q_lock + q_cond, or its own inline slot, below).
+ *                        It starts the next send of a stream when one completes, and frees
+ *                        every call of its queue.
+ *   es-compute           takes jobs (q_lock), runs kn_moe_forward, writes each reply into
+ *                        the job's buffer and gives the job back through job->ops->done: the
+ *                        stream queues the reply (under its lock) and starts the send batch
+ *                        itself when none is in flight.
+ *   es-loader            es_server_run's first part: packs the owned experts
+ *                        (es__load_weights) while the gRPC threads already answer health (and
+ *                        UNAVAILABLE "loading" to everything else); publishes progress in
+ *                        atomics, ends by ringing the admin doorbell. The admin thread joins
+ *                        it, then creates the first table, starts es-compute and sets
+ *                        srv->loaded (release): every thread reads the weights, the engine
+ *                        and max_inflight_bytes only after seeing loaded.
+ *   es-ctl-load          es_control.c, started by the first LoadExperts: takes the queued
+ *                        LoadExperts calls (ctl_lock + ctl_cond) one at a time, reads the
+ *                        model's headers, answers the call, packs the experts into staging
+ *                        layers nobody else sees and publishes a new es_table (ctl_lock).
+ *                        Requests hold a reference to the table they were validated against
+ *                        (es_job.tab) until their reply is sent; the admin thread frees
+ *                        retired tables once unreferenced.
+ *   mr-metrics           the mr_http_server responder (common/http.c): es__metrics_render
+ *                        reads atomics, and q_len / n_streams under q_lock / streams_lock,
+ *                        one at a time, holding no other lock.
+ *   admin (libuv)        the thread in es_server_run. Other threads reach it only through
+ *                        its doorbell (es__admin_wake: uv_async_send on srv->wake, armed at
+ *                        start-up) and the atomics below; during the drain it walks the stream
+ *                        list (streams_lock) to finish streams.
+ *   kn-w*                the engine's workers (kernels/), driven by whoever holds the engine.
  *
  * Inline run (es_inline.c has the rule): a CQ thread may hold one small request back in its
  * slot (es_cq_thread.inline_job) and, when its round of events is over and the engine is
  * idle, compute it itself. The engine and the compute arena belong to whoever set
- * srv->computing (under q_lock): the compute thread or that CQ thread.
+ * srv->computing (under q_lock): es-compute or that CQ thread.
  *
- *   control loader         es_control.c: packs the experts of a LoadExperts into staging
- *                          layers (nobody else sees them), then publishes a new es_table
- *                          under ctl_lock. Requests hold a reference to the table they were
- *                          validated against (es_job.tab) until their reply is sent; the
- *                          admin thread frees retired tables once unreferenced.
- *
- * Lock order (never take an earlier lock while holding a later one):
+ * Lock order (never take an earlier lock while holding a later one; each lock's own
+ * comment says what it guards):
  *   srv->streams_lock  ->  es_stream.lock  ->  srv->q_lock  ->  es_pool.lock
- *   srv->ctl_lock  ->  srv->tab_lock (a leaf: held for a pointer read and an increment)
- * es_pool.lock is a leaf: gRPC may call the slice release callback (es__buf_release) from
- * inside grpc_byte_buffer_destroy while a stream lock is held.
+ *   srv->ctl_lock  ->  srv->tab_lock
+ * The two chains never nest: no table lock is taken under a stream or queue lock, and the
+ * control code answers its calls after letting ctl_lock go. es_pool.lock and tab_lock are
+ * leaves: gRPC may call the slice release callback (es__buf_release) from inside
+ * grpc_byte_buffer_destroy while a stream lock is held; tab_lock is held for a pointer read
+ * and an increment, or the swap.
  */
 #ifndef ES_INTERNAL_H
 #define ES_INTERNAL_H
@@ -87,7 +107,7 @@ typedef struct es_buf {
 #define ES_POOL_CLASSES 32
 typedef struct es_job es_job;
 typedef struct es_pool {
-  pthread_mutex_t lock; /* leaf lock, see the order at the top */
+  pthread_mutex_t lock; /* a leaf (order at the top): any thread, for the free lists only */
   es_buf *free[ES_POOL_CLASSES];
   uint32_t nfree[ES_POOL_CLASSES];
   uint32_t keep[ES_POOL_CLASSES]; /* most buffers kept per class */
@@ -149,7 +169,7 @@ typedef enum es_method {
   ES_M_COUNT
 } es_method;
 
-/* The owned set and its weights, as one immutable object (es_control.c). A new one is built
+/* The owned set and its weights, as one immutable object (es_table.c). A new one is built
  * and swapped in for every change; readers hold a reference (refs) from validation to the
  * reply, so an old table, and the weights only it holds, are freed (by the admin thread)
  * only once no request can use them. */
@@ -287,13 +307,16 @@ typedef struct es_stream {
   es_lane lane;              /* its jobs in the compute queue; lane.dead: the call is cancelled
                               * or broken, its queued work is dropped */
 
-  pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock */
+  pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock and
+                              * es_pool.lock. Taken by the CQ thread (handlers), whoever
+                              * answers a job (its reply) and the admin thread (drain, budget,
+                              * stall cut); guards every field below */
   es_job *sq_head, *sq_tail; /* encoded replies waiting for the send slot */
   es_job *sending;           /* the reply whose SEND_MESSAGE is in flight, or NULL */
   uint32_t jobs_pending;     /* requests taken and not yet answered-and-sent (or dropped) */
   size_t bytes_pending;      /* their payload bytes (request buffers, then reply buffers) */
   bool recv_paused;          /* over the pending limits: RECV not re-armed until below half */
-  bool mem_paused;           /* over the server's byte budget: re-armed by es__streams_resume */
+  bool mem_paused;           /* over the server's byte budget: re-armed by es__streams_service */
   bool recv_inflight;        /* a RECV_MESSAGE batch is outstanding */
   bool recv_held;            /* RECV not re-armed until the held-back request's reply started */
   bool busy;                 /* the CQ thread is handling a received request: no final yet */
@@ -358,8 +381,12 @@ struct es_server {
   mr_err load_err;
   uint32_t load_delay_ms;    /* MOERPC_TEST_LOAD_DELAY_MS: test only, per expert */
 
-  /* Live placement (es_control.c). tab: the current owned table, swapped under tab_lock by
-   * publishers serialised by ctl_lock; NULL until the start-up load is done. */
+  /* Live placement (es_table.c, es_control.c). tab: the current owned table, swapped under
+   * tab_lock by publishers serialised by ctl_lock; NULL until the start-up load is done.
+   * Lock order: ctl_lock -> tab_lock, never nested with the stream chain (top). ctl_lock:
+   * the publishers (the admin thread once, es-ctl-load, a CQ thread's unload), the load
+   * record and the LoadExperts queue below; never held across a file read. tab_lock: a
+   * leaf, the pointer swap and every reader's es__tab_get. */
   pthread_mutex_t tab_lock, ctl_lock;
   es_table *tab;
   es_table *retired;         /* tables no longer current, not yet freed (ctl_lock) */
@@ -414,7 +441,7 @@ struct es_server {
    * every request taken and not yet answered-and-sent; a stream arms its next RECV only
    * while held_bytes < max_inflight_bytes or it has nothing pending (so a light client is
    * never locked out by heavy ones); the rest wait, paused (mem_paused), for
-   * es__streams_resume. */
+   * es__streams_service. */
   size_t max_inflight_bytes;
   atomic_llong held_bytes;
   atomic_llong reserved_bytes; /* expected sizes of the messages armed RECVs may bring */
@@ -422,11 +449,17 @@ struct es_server {
   atomic_int mem_paused;     /* streams paused on the budget */
   uint32_t n_streams;        /* open streams (streams_lock) */
 
-  pthread_mutex_t streams_lock; /* first in the lock order; protects the two fields below */
+  pthread_mutex_t streams_lock; /* first in the lock order (then es_stream.lock, q_lock): the
+                                 * list and the two fields below, and n_streams. CQ threads
+                                 * (accept, free), the admin thread (drain, service), and
+                                 * mr-metrics (n_streams alone) */
   es_stream *streams;           /* open streams */
   bool finishing;               /* the drain asked every stream to finish */
 
-  /* Compute queue (q_lock, after es_stream.lock in the order). */
+  /* Compute queue. q_lock: after es_stream.lock, before es_pool.lock in the order; guards
+   * the heap and the lanes' queues, q_vtime, q_len, q_stop and computing. Taken by the CQ
+   * threads (submit, inline claim), es-compute, a stream purging its lane, the admin thread
+   * (drain abort) and mr-metrics (q_len alone). q_cond: es-compute waits there. */
   pthread_mutex_t q_lock;
   pthread_cond_t q_cond;
   es_lane **q_heap;             /* lanes with queued jobs, a min-heap on their head's vstart */
@@ -494,7 +527,7 @@ void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
 /* MemAvailable of /proc/meminfo into *bytes; false when it cannot be read. For the load
- * memory rule (es_control.c) and the auto admission budget (es__inflight_budget). */
+ * memory rule (es_table.c) and the auto admission budget (es__inflight_budget). */
 bool es__mem_available(uint64_t *bytes);
 
 /* es_table.c: the owned table. */
