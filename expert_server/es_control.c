@@ -117,6 +117,28 @@ static bool es__control_refused(es_server *s, es_rpc *r) {
   return false;
 }
 
+/* The request of LoadExperts or UnloadExperts r, decoded (the caller frees it with
+ * protobuf_c_message_free_unpacked), its peer's name in peer[96]; or NULL once r is
+ * answered: refused (draining, loading) or INVALID_ARGUMENT "<what> does not decode: ..."
+ * (an empty message too). */
+static void *es__control_request(es_rpc *r, const ProtobufCMessageDescriptor *d, const char *what,
+                                 char *peer) {
+  mr_err e;
+  mr_err_clear(&e);
+  if (es__control_refused(r->srv, r)) return NULL;
+  ProtobufCMessage *m = NULL;
+  int rc = r->payload ? pr_decode(r->payload, d, ES_MAX_CONTROL_REQUEST_BYTES_LARGE, &m, &e)
+                      : mr_err_set(&e, MR_EINVAL, "empty message");
+  if (rc) {
+    char where[64];
+    snprintf(where, sizeof where, "%s does not decode", what);
+    es__rpc_reply_err(r, MR_EINVAL, where, &e);
+    return NULL;
+  }
+  es__call_peer(r->call, peer, 96);
+  return m;
+}
+
 /* ---- LoadExperts ------------------------------------------------------------------------------
  *
  * A LoadExperts crosses two threads, so that no CQ thread reads the model and ctl_lock is
@@ -199,21 +221,15 @@ static int es__load_enqueue_locked(es_server *s, es_load_req *lr, mr_err *e) {
 }
 
 void es__on_load(es_rpc *r) {
+  char peer[96];
+  Moerpc__V1__LoadRequest *req =
+      es__control_request(r, &moerpc__v1__load_request__descriptor, "LoadRequest", peer);
+  if (!req) return;
   es_server *s = r->srv;
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   mr_err e;
   mr_err_clear(&e);
-  if (es__control_refused(s, r)) return;
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  Moerpc__V1__LoadRequest *req = NULL;
-  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__load_request__descriptor,
-                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
-                      : mr_err_set(&e, MR_EINVAL, "empty message");
-  if (rc) {
-    es__rpc_reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
-    return;
-  }
-  char peer[96];
-  es__call_peer(r->call, peer, sizeof peer);
+  int rc;
   es_load_req *lr = mr_calloc(1, sizeof *lr);
   if (lr) lr->want = mr_malloc((size_t)L * E);
   pthread_mutex_lock(&s->ctl_lock);
@@ -545,21 +561,15 @@ void es__on_load_status(es_rpc *r) {
 }
 
 void es__on_unload(es_rpc *r) {
+  char peer[96];
+  Moerpc__V1__UnloadRequest *req =
+      es__control_request(r, &moerpc__v1__unload_request__descriptor, "UnloadRequest", peer);
+  if (!req) return;
   es_server *s = r->srv;
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   mr_err e;
   mr_err_clear(&e);
-  if (es__control_refused(s, r)) return;
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  Moerpc__V1__UnloadRequest *req = NULL;
-  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__unload_request__descriptor,
-                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
-                      : mr_err_set(&e, MR_EINVAL, "empty message");
-  if (rc) {
-    es__rpc_reply_err(r, MR_EINVAL, "UnloadRequest does not decode", &e);
-    return;
-  }
-  char peer[96];
-  es__call_peer(r->call, peer, sizeof peer);
+  int rc;
   uint8_t *drop = mr_malloc((size_t)L * E), *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1);
   kn_layer **changed = mr_calloc(L, sizeof *changed);
   uint64_t n_pairs = 0, dropped = 0, freed = 0, gen = 0;
