@@ -66,8 +66,11 @@ void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
   ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
   ops[n].data.recv_close_on_server.cancelled = &r->cancelled;
   n++;
-  PR_HB_RELEASE(r); /* the CQ thread frees r after ES_TAG_RPC_DONE (see the top) */
-  grpc_call_error ce = grpc_call_start_batch(r->call, ops, n, &r->t_done, NULL);
+  /* Once the batch starts, the CQ thread may free r at any moment (see the top): r is not
+   * read after the release below unless the batch did not start. */
+  grpc_call *call = r->call;
+  PR_HB_RELEASE(r);
+  grpc_call_error ce = grpc_call_start_batch(call, ops, n, &r->t_done, NULL);
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "grpc: start_batch for %s reply failed: %d", es__method_path(r->m), ce);
     es_server *s = r->srv;
