@@ -226,12 +226,11 @@ void es__on_load(es_rpc *r) {
       es__control_request(r, &moerpc__v1__load_request__descriptor, "LoadRequest", peer);
   if (!req) return;
   es_server *s = r->srv;
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  es_load_req *lr = mr_calloc(1, sizeof *lr);
+  if (lr) lr->want = mr_malloc((size_t)s->cfg.num_layers * s->cfg.num_experts);
   mr_err e;
   mr_err_clear(&e);
   int rc;
-  es_load_req *lr = mr_calloc(1, sizeof *lr);
-  if (lr) lr->want = mr_malloc((size_t)L * E);
   pthread_mutex_lock(&s->ctl_lock);
   rc = !lr || !lr->want ? mr_err_set(&e, MR_ENOMEM, "out of memory") : es__load_busy(s, &e);
   pthread_mutex_unlock(&s->ctl_lock);
@@ -560,6 +559,32 @@ void es__on_load_status(es_rpc *r) {
   es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
 }
 
+/* The layers of cur that lose experts named in drop (pairs not owned are skipped), rebuilt
+ * without them into changed[] (NULL for a layer that goes empty), marked in is_changed[];
+ * the pairs dropped in *dropped. keep is scratch [num_experts]. ctl_lock held. */
+static int es__unload_rebuild(es_server *s, const es_table *cur, const uint8_t *drop, uint8_t *keep,
+                              kn_layer **changed, uint8_t *is_changed, uint64_t *dropped, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  for (uint32_t l = 0; l < L; l++) {
+    if (!cur->owned[l]) continue;
+    uint32_t n_drop = 0;
+    for (uint32_t x = 0; x < E; x++) {
+      bool d = drop[(size_t)l * E + x] && mr_idset_has(cur->owned[l], x);
+      keep[x] = !d;
+      n_drop += d;
+    }
+    if (!n_drop) continue;
+    is_changed[l] = 1;
+    *dropped += n_drop;
+    if (n_drop < mr_idset_count(cur->owned[l])) {
+      int rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, NULL, e);
+      if (rc) return rc;
+    }
+    /* else: the layer goes empty (changed[l] stays NULL) */
+  }
+  return 0;
+}
+
 void es__on_unload(es_rpc *r) {
   char peer[96];
   Moerpc__V1__UnloadRequest *req =
@@ -583,23 +608,9 @@ void es__on_unload(es_rpc *r) {
                            req->model_fingerprint, s->fingerprint, &s->limits, drop, &n_pairs, &e);
   if (rc) goto out_unlock;
   es_table *cur = s->tab;
-  for (uint32_t l = 0; l < L && !rc; l++) {
-    if (!cur->owned[l]) continue;
-    uint32_t n_drop = 0;
-    for (uint32_t x = 0; x < E; x++) {
-      bool d = drop[(size_t)l * E + x] && mr_idset_has(cur->owned[l], x);
-      keep[x] = !d;
-      n_drop += d;
-    }
-    if (!n_drop) continue;
-    is_changed[l] = 1;
-    dropped += n_drop;
-    freed += n_drop * s->expert_bytes;
-    if (n_drop < mr_idset_count(cur->owned[l]))
-      rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, NULL, &e);
-    /* else: the layer goes empty (changed[l] stays NULL) */
-  }
-  if (rc) goto out_unlock;
+  if ((rc = es__unload_rebuild(s, cur, drop, keep, changed, is_changed, &dropped, &e)))
+    goto out_unlock;
+  freed = dropped * s->expert_bytes;
   if (dropped) {
     es_table *t = es__tab_derive(s, cur, changed, is_changed, avail, &e);
     if (!t) {
