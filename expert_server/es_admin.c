@@ -66,10 +66,6 @@
 
 static uint64_t es__now_ms(void) { return mr_now_ns() / 1000000u; }
 
-void es__admin_wake(es_server *s) {
-  if (s->loop_inited) uv_async_send(&s->wake);
-}
-
 static void es__drain_step(es_server *s);
 static void es__on_drain_tick(uv_timer_t *t);
 
@@ -95,6 +91,7 @@ static void es__drain_begin(es_server *s, const char *why) {
   /* Order matters (see es__stream_on_request): the flag first, then the count is read. */
   atomic_store(&s->serving, false);
   atomic_store(&s->draining, true);
+  /* For the log line only: q_len under its lock, no other lock held. */
   pthread_mutex_lock(&s->q_lock);
   uint32_t queued = s->q_len;
   pthread_mutex_unlock(&s->q_lock);
@@ -114,10 +111,15 @@ static void es__stop_loop(es_server *s) {
   uv_stop(&s->loop);
 }
 
+/* One step of the drain (see the top): each phase returns while it must wait and falls
+ * through to the next once its condition holds, so one wake-up may cover several phases.
+ * Called on every wake-up and drain tick; idempotent while waiting. */
 static void es__drain_step(es_server *s) {
   uint64_t now = es__now_ms();
   switch (s->phase) {
   case ES_PHASE_DRAIN_REQUESTS: {
+    /* inflight counts requests accepted before the drain and not yet sent; the CQ threads
+     * refuse new ones once draining is set (es__stream_on_request's order). */
     long long left = atomic_load(&s->inflight);
     if (left > 0 && now < s->drain_deadline_ms) return;
     if (left > 0) {
@@ -128,12 +130,16 @@ static void es__drain_step(es_server *s) {
              s->opts.drain_timeout_ms, left, q);
     }
     s->phase = ES_PHASE_DRAIN_CALLS;
+    /* The calls get what is left of the timeout, but at least ES_DRAIN_CALLS_MIN_MS: the
+     * UNAVAILABLE replies of an aborted queue still have to go out. */
     uint64_t rest = s->drain_deadline_ms > now ? s->drain_deadline_ms - now : 0;
     s->calls_deadline_ms = now + (rest > ES_DRAIN_CALLS_MIN_MS ? rest : ES_DRAIN_CALLS_MIN_MS);
-    es__grpc_finish_streams(s);
+    es__streams_finish(s);
   }
   /* fall through */
   case ES_PHASE_DRAIN_CALLS: {
+    /* live_calls: unary calls and streams not yet freed; each stream ends once its queued
+     * replies are sent (es__streams_finish), a client that does not read holds it open. */
     long long calls = atomic_load(&s->live_calls);
     if (calls > 0) {
       if (now >= s->calls_deadline_ms && !s->cancelled_all) {
@@ -160,6 +166,9 @@ static void es__drain_step(es_server *s) {
       }
       return;
     }
+    /* No call is left, so no job either: the compute thread ends at once; then the CQ
+     * threads are joined and every gRPC object is destroyed (es_server_free does the
+     * rest). */
     es__compute_stop(s);
     es__grpc_destroy(s);
     s->phase = ES_PHASE_STOPPED;
@@ -236,6 +245,8 @@ static void es__load_done(es_server *s) {
     es__stop_loop(s);
     return;
   }
+  /* Everything a request reads (the table, the budget, the compute thread) exists before
+   * loaded is published: the CQ threads check it (acquire) before anything else. */
   s->phase = ES_PHASE_SERVING;
   atomic_store_explicit(&s->loaded, true, memory_order_release);
   atomic_store(&s->serving, true);
@@ -253,6 +264,9 @@ static void *es__loader_main(void *arg) {
   return NULL;
 }
 
+/* The doorbell (es__admin_wake, internal.h): rung by the loader's end, bytes returned to a
+ * budget with paused streams, a drain counter reaching zero, the gRPC shutdown notification
+ * and es_server_stop. uv_async_send coalesces rings, so every cause is re-checked here. */
 static void es__on_wake(uv_async_t *a) {
   es_server *s = a->data;
   if (atomic_load(&s->mem_paused) > 0) es__house(s);
@@ -338,7 +352,7 @@ static void es__log_serving(es_server *s) {
          "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
          ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
          " streams, stall timeout %" PRIu32 " ms",
-         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cqts, s->opts.max_tokens,
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cq_threads, s->opts.max_tokens,
          s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
          (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
 }

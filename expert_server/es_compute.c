@@ -1,13 +1,16 @@
 /*
- * es_compute.c - the compute thread: the job queue, merging, kn_moe_forward, replies.
+ * es_compute.c - the engine's side: the fair job queue, merging, kn_moe_forward, the replies'
+ * encoding, deadlines, and the compute thread. It knows jobs, lanes and the engine only: a
+ * job comes back to whoever submitted it through job->ops (internal.h), never by a call
+ * into the stream code.
  *
- * The CQ threads push validated jobs; the compute thread takes the next job in fair order
- * (below) and with it every queued job of the same layer and dtype, at the head of the
- * other streams' queues, that still fits in max_tokens (looking at most ES_MERGE_SCAN
- * streams, taking at most ES_MERGE_MAX jobs). The merged jobs run as one
- * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read once
- * for the tokens of every client that asked for it, which is what decode-time traffic from
- * several GPU workers needs, since a decode step is bound by weight bandwidth.
+ * Submitters push validated jobs (es__compute_submit); the compute thread takes the next job
+ * in fair order (below) and with it every queued job of the same layer, dtype and owned
+ * table, at the head of the other lanes, that still fits in max_tokens (looking at most
+ * ES_MERGE_SCAN lanes, taking at most ES_MERGE_MAX jobs). The merged jobs run as one
+ * kn_moe_forward call (docs/DESIGN.md section 3, step 6): each expert's weights are then read
+ * once for the tokens of every client that asked for it, which is what decode-time traffic
+ * from several GPU workers needs, since a decode step is bound by weight bandwidth.
  *
  * Merged input layout (rows of the jobs in the order taken; k = the largest top_k):
  *
@@ -18,23 +21,22 @@
  *
  * A job alone is computed straight from its own buffer and header, without the copy.
  *
- * Small requests that arrive alone at an idle engine skip the queue: their CQ thread runs
- * them itself (es__compute_offer / es__compute_deferred; the rule is in internal.h), which
- * saves the compute thread's wake-up on every decode-sized round trip. Whoever runs a batch
- * first sets srv->computing under q_lock, so the engine and the arena have one user.
- * The fp32 output and the merged arrays live in the compute thread's arena, reset after
- * every batch, and shrunk back to its first block size once ES_ARENA_SHRINK_AFTER batches
- * in a row used under a quarter of a larger block (a prefill peak is not kept forever).
+ * One user of the engine at a time: whoever runs a batch first sets srv->computing under
+ * q_lock, the compute thread or a CQ thread that runs a small request inline (es_inline.c,
+ * through es__compute_claim / es__compute_run_one / es__compute_release). The fp32 output
+ * and the merged arrays live in the compute arena, reset after every batch, and shrunk back
+ * to its first block size once ES_ARENA_SHRINK_AFTER batches in a row used under a quarter
+ * of a larger block (a prefill peak is not kept forever).
  *
- * Fair order: start-time fair queueing over streams. Each stream keeps its queued jobs in
- * arrival order (es_stream.cq_head); a job's virtual start is max(V, the virtual finish of
- * its stream's previous job), its virtual finish that plus its cost (tokens + 1). The
- * compute thread serves the stream whose head job has the smallest virtual start (a
- * min-heap of streams, srv->q_heap) and V follows the job taken. A stream that sends one
- * decode step now and then starts near V, so it is served next, however many jobs a heavy
- * stream has queued: one greedy stream cannot starve another's decode step.
+ * Fair order: start-time fair queueing over lanes (one per Forward stream). Each lane keeps
+ * its queued jobs in arrival order (es_lane.head); a job's virtual start is max(V, the
+ * virtual finish of its lane's previous job), its virtual finish that plus its cost
+ * (tokens + 1). The compute thread serves the lane whose head job has the smallest virtual
+ * start (a min-heap of lanes, srv->q_heap) and V follows the job taken. A stream that sends
+ * one decode step now and then starts near V, so it is served next, however many jobs a
+ * heavy stream has queued: one greedy stream cannot starve another's decode step.
  *
- * Not computed: jobs of a dead stream (cancelled or broken call: dropped), jobs past their
+ * Not computed: jobs of a dead lane (cancelled or broken call: dropped), jobs past their
  * deadline (budget_us: DEADLINE_EXCEEDED) and, after a drain timed out, every queued job
  * (UNAVAILABLE). They are answered without touching the engine.
  */
@@ -61,153 +63,114 @@ int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
   return job->reply ? 0 : MR_ENOMEM;
 }
 
-void es__job_done(es_server *s, es_job *job) {
-  if (job->reply) grpc_byte_buffer_destroy(job->reply);
-  if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
-  if (job->buf) es__buf_release(job->buf);
-  es__tab_put(job->tab);
-  job->tab = NULL;
-  if (job->counted) {
-    if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
-    es__counter_dec(s, &s->inflight);
-  }
-  if (job->held) es__held_sub(s, job->held);
-  es__job_put(&s->pool, job);
-}
-
 /* ---- the fair queue (q_lock) ------------------------------------------------------------- */
 
-static inline uint64_t es__key(const es_stream *st) { return st->cq_head->vstart; }
+static inline uint64_t es__key(const es_lane *ln) { return ln->head->vstart; }
 
-static inline void es__heap_set(es_server *s, uint32_t i, es_stream *st) {
-  s->q_heap[i] = st;
-  st->heap_idx = (int32_t)i;
+static inline void es__heap_set(es_server *s, uint32_t i, es_lane *ln) {
+  s->q_heap[i] = ln;
+  ln->heap_idx = (int32_t)i;
 }
 
 static void es__heap_up(es_server *s, uint32_t i) {
-  es_stream *st = s->q_heap[i];
+  es_lane *ln = s->q_heap[i];
   while (i > 0) {
     uint32_t p = (i - 1) / 2;
-    if (es__key(s->q_heap[p]) <= es__key(st)) break;
+    if (es__key(s->q_heap[p]) <= es__key(ln)) break;
     es__heap_set(s, i, s->q_heap[p]);
     i = p;
   }
-  es__heap_set(s, i, st);
+  es__heap_set(s, i, ln);
 }
 
 static void es__heap_down(es_server *s, uint32_t i) {
-  es_stream *st = s->q_heap[i];
+  es_lane *ln = s->q_heap[i];
   for (;;) {
     uint32_t c = 2 * i + 1;
     if (c >= s->q_heap_len) break;
     if (c + 1 < s->q_heap_len && es__key(s->q_heap[c + 1]) < es__key(s->q_heap[c])) c++;
-    if (es__key(s->q_heap[c]) >= es__key(st)) break;
+    if (es__key(s->q_heap[c]) >= es__key(ln)) break;
     es__heap_set(s, i, s->q_heap[c]);
     i = c;
   }
-  es__heap_set(s, i, st);
+  es__heap_set(s, i, ln);
 }
 
-static void es__heap_remove(es_server *s, es_stream *st) {
-  uint32_t i = (uint32_t)st->heap_idx;
-  st->heap_idx = -1;
+static void es__heap_remove(es_server *s, es_lane *ln) {
+  uint32_t i = (uint32_t)ln->heap_idx;
+  ln->heap_idx = -1;
   s->q_heap_len--;
   if (i == s->q_heap_len) return;
-  es_stream *last = s->q_heap[s->q_heap_len];
+  es_lane *last = s->q_heap[s->q_heap_len];
   es__heap_set(s, i, last);
   es__heap_up(s, i);
   es__heap_down(s, (uint32_t)last->heap_idx);
 }
 
-/* After st's head job changed: moves st to its place in the heap, or out of it. */
-static void es__heap_fix(es_server *s, es_stream *st) {
-  if (!st->cq_head) {
-    es__heap_remove(s, st);
+/* After ln's head job changed: moves ln to its place in the heap, or out of it. */
+static void es__heap_fix(es_server *s, es_lane *ln) {
+  if (!ln->head) {
+    es__heap_remove(s, ln);
     return;
   }
-  es__heap_up(s, (uint32_t)st->heap_idx);
-  es__heap_down(s, (uint32_t)st->heap_idx);
+  es__heap_up(s, (uint32_t)ln->heap_idx);
+  es__heap_down(s, (uint32_t)ln->heap_idx);
 }
 
-static es_job *es__stream_pop_locked(es_server *s, es_stream *st) {
-  es_job *j = st->cq_head;
-  st->cq_head = j->next;
-  if (!st->cq_head) st->cq_tail = NULL;
-  st->cq_len--;
+static es_job *es__lane_pop_locked(es_server *s, es_lane *ln) {
+  es_job *j = ln->head;
+  ln->head = j->next;
+  if (!ln->head) ln->tail = NULL;
+  ln->len--;
   s->q_len--;
   j->next = NULL;
   return j;
 }
 
-/* Appends job to its stream's queue, stamped with its virtual start. Caller holds q_lock.
- * The heap has room: it holds streams, at most opts.max_streams of them. */
+/* Appends job to its lane, stamped with its virtual start. Caller holds q_lock. The heap
+ * has room: it holds lanes, one per open stream, at most opts.max_streams of them. */
 static void es__queue_append_locked(es_server *s, es_job *job) {
-  es_stream *st = job->st;
-  uint64_t start = st->vfinish > s->q_vtime ? st->vfinish : s->q_vtime;
+  es_lane *ln = job->lane;
+  uint64_t start = ln->vfinish > s->q_vtime ? ln->vfinish : s->q_vtime;
   job->vstart = start;
-  st->vfinish = start + job->n_tokens + 1u;
+  ln->vfinish = start + job->n_tokens + 1u;
   job->next = NULL;
-  if (st->cq_tail) st->cq_tail->next = job;
-  else st->cq_head = job;
-  st->cq_tail = job;
-  st->cq_len++;
+  if (ln->tail) ln->tail->next = job;
+  else ln->head = job;
+  ln->tail = job;
+  ln->len++;
   s->q_len++;
-  if (st->heap_idx < 0) {
+  if (ln->heap_idx < 0) {
     MR_ASSERT(s->q_heap_len < s->q_heap_cap);
-    es__heap_set(s, s->q_heap_len++, st);
-    es__heap_up(s, (uint32_t)st->heap_idx);
+    es__heap_set(s, s->q_heap_len++, ln);
+    es__heap_up(s, (uint32_t)ln->heap_idx);
   }
 }
 
-es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n) {
+es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n) {
   pthread_mutex_lock(&s->q_lock);
-  es_job *list = st->cq_head;
-  *n = st->cq_len;
+  es_job *list = ln->head;
+  *n = ln->len;
   if (list) {
-    s->q_len -= st->cq_len;
-    st->cq_head = st->cq_tail = NULL;
-    st->cq_len = 0;
-    es__heap_remove(s, st);
+    s->q_len -= ln->len;
+    ln->head = ln->tail = NULL;
+    ln->len = 0;
+    es__heap_remove(s, ln);
   }
   pthread_mutex_unlock(&s->q_lock);
   return list;
 }
 
-/* Queues job for the compute thread. */
-static void es__queue_push(es_server *s, es_job *job) {
+void es__compute_submit(es_server *s, es_job **jobs, uint32_t n) {
   pthread_mutex_lock(&s->q_lock);
-  es__queue_append_locked(s, job);
+  for (uint32_t i = 0; i < n; i++) es__queue_append_locked(s, jobs[i]);
   pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
 }
 
-bool es__compute_offer(es_server *s, es_cqt *t, es_job *job) {
-  job->t_enqueue_ns = mr_now_ns();
-  if (t->deferred) {
-    /* A second request in the same round of events: both go to the compute thread, which
-     * merges them if they share layer and dtype. */
-    es_job *first = t->deferred;
-    t->deferred = NULL;
-    MR_ASSERT(first->st != job->st); /* a held request's stream has no RECV armed */
-    pthread_mutex_lock(&s->q_lock);
-    es__queue_append_locked(s, first);
-    es__queue_append_locked(s, job);
-    pthread_cond_signal(&s->q_cond);
-    pthread_mutex_unlock(&s->q_lock);
-    es__stream_recv_resume(first->st);
-    return false;
-  }
-  if (job->n_tokens <= ES_INLINE_MAX_TOKENS) {
-    t->deferred = job; /* decided by es__compute_deferred */
-    return true;
-  }
-  es__queue_push(s, job);
-  return false;
-}
-
 /* True for a job that must not be computed (see the top). */
 static bool es__job_skip(const es_server *s, const es_job *j, uint64_t now) {
-  return atomic_load_explicit(&j->st->dead, memory_order_relaxed) ||
+  return atomic_load_explicit(&j->lane->dead, memory_order_relaxed) ||
          atomic_load_explicit(&s->abort_jobs, memory_order_relaxed) ||
          (j->deadline_ns && now > j->deadline_ns);
 }
@@ -218,10 +181,12 @@ static bool es__job_skip(const es_server *s, const es_job *j, uint64_t now) {
 static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
   uint64_t now = mr_now_ns();
   es_job *h = NULL;
+  /* The head: the first job in fair order that is still worth computing; the ones passed
+   * over on the way (dead lane, past their deadline, aborted) are answered by the caller. */
   while (!h && s->q_heap_len) {
-    es_stream *st = s->q_heap[0];
-    es_job *j = es__stream_pop_locked(s, st);
-    es__heap_fix(s, st);
+    es_lane *ln = s->q_heap[0];
+    es_job *j = es__lane_pop_locked(s, ln);
+    es__heap_fix(s, ln);
     if (es__job_skip(s, j, now)) {
       j->next = *skipped;
       *skipped = j;
@@ -230,21 +195,24 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
     }
   }
   if (!h) return 0;
-  s->q_vtime = h->vstart;
+  s->q_vtime = h->vstart; /* V follows the job taken: new lanes start from here */
   batch[0] = h;
   uint32_t n = 1, tokens = h->n_tokens;
-  /* The streams' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
-  es_stream *cand[ES_MERGE_SCAN];
+  /* The lanes' heads, in heap order (a snapshot: taking jobs re-orders the heap). */
+  es_lane *cand[ES_MERGE_SCAN];
   uint32_t nc = s->q_heap_len < ES_MERGE_SCAN ? s->q_heap_len : ES_MERGE_SCAN;
   memcpy(cand, s->q_heap, nc * sizeof *cand);
   for (uint32_t c = 0; c < nc && n < ES_MERGE_MAX; c++) {
-    es_stream *st = cand[c];
+    es_lane *ln = cand[c];
     bool took = false;
-    while (st->cq_head && n < ES_MERGE_MAX) {
-      es_job *j = st->cq_head;
+    while (ln->head && n < ES_MERGE_MAX) {
+      es_job *j = ln->head;
+      /* Only the head of each lane is looked at, in the lane's own order: a lane's later
+       * job never overtakes its earlier one. Same table too: a switch between two jobs
+       * means two different kn_layers. */
       if (j->layer != h->layer || j->tab != h->tab || j->dtype != h->dtype || tokens + j->n_tokens > s->opts.max_tokens)
         break;
-      es__stream_pop_locked(s, st);
+      es__lane_pop_locked(s, ln);
       took = true;
       if (es__job_skip(s, j, now)) {
         j->next = *skipped;
@@ -254,7 +222,7 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
       batch[n++] = j;
       tokens += j->n_tokens;
     }
-    if (took) es__heap_fix(s, st);
+    if (took) es__heap_fix(s, ln);
   }
   return n;
 }
@@ -275,7 +243,7 @@ static void es__skipped_answer(es_server *s, es_job *list) {
     list = j->next;
     j->next = NULL;
     j->queue_us = es__us(now - j->t_enqueue_ns);
-    if (atomic_load(&j->st->dead)) {
+    if (atomic_load(&j->lane->dead)) {
       atomic_fetch_add(&s->n_dropped, 1);
       atomic_fetch_add_explicit(&s->tot_dropped, 1, memory_order_relaxed);
       es__reply_fail(s, j, GRPC_STATUS_CANCELLED, "stream cancelled: request not computed");
@@ -300,14 +268,14 @@ uint32_t es__compute_abort_queued(es_server *s) {
   uint32_t n = 0;
   pthread_mutex_lock(&s->q_lock);
   while (s->q_heap_len) {
-    es_stream *st = s->q_heap[0];
-    while (st->cq_head) {
-      es_job *j = es__stream_pop_locked(s, st);
+    es_lane *ln = s->q_heap[0];
+    while (ln->head) {
+      es_job *j = es__lane_pop_locked(s, ln);
       j->next = list;
       list = j;
       n++;
     }
-    es__heap_remove(s, st);
+    es__heap_remove(s, ln);
   }
   pthread_mutex_unlock(&s->q_lock);
   es__skipped_answer(s, list);
@@ -327,10 +295,10 @@ static void es__reply_ok(es_server *s, es_job *job) {
   } else {
     mr_log(MR_LOG_ERROR, "compute: out of memory encoding the reply to request %" PRIu64, job->id);
     es__count_error(s, GRPC_STATUS_RESOURCE_EXHAUSTED);
-    /* If even this fails, es__stream_send settles the job and cancels the stream. */
+    /* If even this fails, the owner's done settles the job and ends its call. */
     es__reply_encode_error(job, GRPC_STATUS_RESOURCE_EXHAUSTED, "server out of memory encoding the reply");
   }
-  es__stream_send(job->st, job);
+  job->ops->done(job, job->owner);
 }
 
 static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg) {
@@ -344,7 +312,7 @@ static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const cha
     job->buf = NULL;
   }
   es__reply_encode_error(job, status, msg);
-  es__stream_send(job->st, job);
+  job->ops->done(job, job->owner);
 }
 
 /* Resets the compute arena after a batch; shrinks it back after a peak (see the top). */
@@ -447,7 +415,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     /* Finite inputs can still overflow fp32 (es_output_check_finite): this job alone fails. */
     if (es_output_check_finite(out + row * H, b->layer, b->n_tokens, H, &e) != 0) {
       mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": INTERNAL: %s",
-                         b->st->peer, b->id, e.msg);
+                         b->lane->name, b->id, e.msg);
       row += b->n_tokens;
       es__reply_fail(s, b, GRPC_STATUS_INTERNAL, e.msg);
       continue;
@@ -474,37 +442,30 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   atomic_fetch_add(&s->sum_compute_us, (uint64_t)compute_us * n);
 }
 
-void es__compute_deferred(es_server *s, es_cqt *t) {
-  es_job *job = t->deferred;
-  if (!job) return;
-  t->deferred = NULL;
+/* ---- the engine for one job, on the caller's thread (es_inline.c) ------------------------- */
+
+bool es__compute_claim(es_server *s) {
   pthread_mutex_lock(&s->q_lock);
-  bool inline_run = !s->q_heap_len && !s->computing;
-  if (inline_run) s->computing = true;
+  bool idle = !s->q_heap_len && !s->computing;
+  if (idle) s->computing = true;
   pthread_mutex_unlock(&s->q_lock);
-  es_stream *st = job->st; /* the job may be gone once its reply is sent */
-  if (inline_run && es__job_skip(s, job, mr_now_ns())) {
-    es__skipped_answer(s, job);
-    es__stream_recv_resume(st);
-    pthread_mutex_lock(&s->q_lock);
-    s->computing = false;
-    if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
-    pthread_mutex_unlock(&s->q_lock);
-    return;
-  }
-  if (!inline_run) {
-    es__queue_push(s, job);
-    es__stream_recv_resume(st);
-    return;
-  }
-  es__batch_run(s, &job, 1);
-  es__stream_recv_resume(st);
+  return idle;
+}
+
+void es__compute_run_one(es_server *s, es_job *job) {
+  if (es__job_skip(s, job, mr_now_ns())) es__skipped_answer(s, job);
+  else es__batch_run(s, &job, 1);
+}
+
+void es__compute_release(es_server *s) {
   pthread_mutex_lock(&s->q_lock);
   s->computing = false;
   /* Jobs queued meanwhile waited for the engine: the compute thread may take them now. */
   if (s->q_heap_len) pthread_cond_signal(&s->q_cond);
   pthread_mutex_unlock(&s->q_lock);
 }
+
+/* ---- the compute thread -------------------------------------------------------------------- */
 
 static void *es__compute_main(void *arg) {
   es_server *s = arg;
@@ -516,6 +477,7 @@ static void *es__compute_main(void *arg) {
      * only once the queue is empty. */
     while ((!s->q_heap_len || s->computing) && !(s->q_stop && !s->q_heap_len))
       pthread_cond_wait(&s->q_cond, &s->q_lock);
+    /* Signalled by es__compute_submit, es__compute_release and es__compute_stop. */
     if (!s->q_heap_len) {
       pthread_mutex_unlock(&s->q_lock);
       break;

@@ -1,32 +1,21 @@
 /*
- * es_control.c - live placement (docs/DESIGN.md section 15): the owned table, the control
- * calls LoadExperts / LoadStatus / UnloadExperts, the live loader thread.
+ * es_control.c - live placement (docs/DESIGN.md section 15): the control calls LoadExperts /
+ * LoadStatus / UnloadExperts and the live loader thread es-ctl-load. Each change it makes is
+ * a new owned table, built and published through es_table.c.
  *
- * The owned table (es_table, internal.h) holds what a request needs to be validated and
- * computed: the kn_layer of each layer, the owned sets, the es_limits over them and the
- * packed HelloReply. It never changes once published. A change builds a new table and
- * swaps it in under tab_lock:
+ * Loading runs on its own thread (es-ctl-load), one load at a time, which also reads the
+ * model's headers to check a LoadExperts before answering it (the LoadExperts section
+ * below): the experts are packed from the model's safetensors (the same files, loader and
+ * formats as at start-up: kn_layer_load_expert) into staging layers nobody else sees;
+ * packing shares the engine's workers with the compute (kn.h: calls queue up), so requests
+ * keep being answered between two experts. Then the new table is published at once. A load
+ * that fails publishes nothing. The drain stops it after the expert it is packing. An
+ * unload builds and publishes its table at once, on the CQ thread of its call.
  *
- *   - a layer that does not change is passed on as it is (old->passed[l]: the old table
- *     will not free it);
- *   - a layer that changes is rebuilt with kn_layer_rebuild: the experts kept are shared
- *     (the new layer owns them, the old one only reads them), the experts loaded move in
- *     from a staging layer, the experts dropped stay owned by the old layer only.
- *
- * A ForwardRequest takes a reference to the current table when it is validated (es_stream.c)
- * and keeps it until its job is done, and the compute uses that table's layer, so a request
- * validated before a switch computes on the weights it was validated against, and a request
- * validated after it sees the new set (an unloaded expert gets FAILED_PRECONDITION "expert
- * not served here", like any expert the server does not own). Retired tables are freed by
- * the admin thread (es__tab_reap, every housekeeping tick) once no reference is left, and
- * with them the weights of dropped experts.
- *
- * Loading runs on its own thread (es-ctl-load), one load at a time: the experts are packed
- * from the model's safetensors (the same files, loader and formats as at start-up:
- * kn_layer_load_expert) into staging layers nobody else sees; packing shares the engine's
- * workers with the compute (kn.h: calls queue up), so requests keep being answered between
- * two experts. Then the new table is published at once. A load that fails publishes
- * nothing. The drain stops it after the expert it is packing.
+ * Locks: ctl_lock serialises the publishers and guards the load record (ld_*) and the
+ * LoadExperts queue; it is held for table updates and short reads, never across a file
+ * read (MemAvailable is read before it is taken). tab_lock is taken inside it, for the
+ * pointer swap only (es_table.c).
  *
  * Authorisation is checked by es_grpc.c before these handlers run: a server without
  * --auth-token-file refuses every control call (PERMISSION_DENIED), a wrong or missing token
@@ -94,251 +83,21 @@ int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e) {
                     ES_LOAD_MEM_MARGIN >> 20);
 }
 
-/* MemAvailable of /proc/meminfo in bytes; UINT64_MAX when it cannot be read. */
-static uint64_t es__mem_available(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (!f) return UINT64_MAX;
-  char line[256];
-  uint64_t kb = UINT64_MAX;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "MemAvailable: %" SCNu64 " kB", &kb) == 1) break;
-  fclose(f);
-  return kb == UINT64_MAX ? kb : kb * 1024u;
-}
-
-/* Bytes a load may still add now, with weight_bytes packed (ctl_lock held). */
-static uint64_t es__load_free(es_server *s, uint64_t weight_bytes) {
-  uint64_t avail = es__mem_available();
-  uint64_t free_b = avail == UINT64_MAX ? UINT64_MAX
-                    : avail > ES_LOAD_MEM_MARGIN ? avail - ES_LOAD_MEM_MARGIN : 0;
-  uint64_t running = s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? s->ld_packed : 0;
-  free_b = free_b > running ? free_b - running : 0;
-  if (s->opts.max_expert_memory) {
-    uint64_t used = weight_bytes + running;
-    uint64_t lim = s->opts.max_expert_memory > used ? s->opts.max_expert_memory - used : 0;
-    if (lim < free_b) free_b = lim;
-  }
-  return free_b == UINT64_MAX ? (uint64_t)INT64_MAX : free_b;
-}
-
-/* ---- tables ---------------------------------------------------------------------------------- */
-
-es_table *es__tab_get(es_server *s) {
-  pthread_mutex_lock(&s->tab_lock);
-  es_table *t = s->tab;
-  if (t) atomic_fetch_add_explicit(&t->refs, 1, memory_order_relaxed);
-  pthread_mutex_unlock(&s->tab_lock);
-  if (t) atomic_thread_fence(memory_order_acquire);
-  return t;
-}
-
-static void es__tab_free(es_server *s, es_table *t) {
-  if (!t) return;
-  for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
-    if (t->layers && !t->passed[l]) kn_layer_free(t->layers[l]);
-    if (t->sets && t->sets[l].bits) mr_idset_close(&t->sets[l]);
-  }
-  mr_free(t->layers);
-  mr_free(t->passed);
-  mr_free(t->sets);
-  mr_free(t->owned);
-  grpc_slice_unref(t->hello);
-  mr_free(t);
-}
-
-static es_table *es__tab_alloc(es_server *s) {
-  const uint32_t L = s->cfg.num_layers;
-  es_table *t = mr_calloc(1, sizeof *t);
-  if (!t) return NULL;
-  t->hello = grpc_empty_slice();
-  t->layers = mr_calloc(L, sizeof *t->layers);
-  t->passed = mr_calloc(L, 1);
-  t->sets = mr_calloc(L, sizeof *t->sets);
-  t->owned = mr_calloc(L, sizeof *t->owned);
-  if (!t->layers || !t->passed || !t->sets || !t->owned) {
-    es__tab_free(s, t);
-    return NULL;
-  }
-  return t;
-}
-
-/* Fills sets, owned, lim, counts and the packed Hello from t->layers. */
-static int es__tab_finish(es_server *s, es_table *t, mr_err *e) {
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  uint32_t n_items = 0;
-  for (uint32_t l = 0; l < L; l++) {
-    if (!t->layers[l]) continue;
-    if (mr_idset_init(&t->sets[l], E)) return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
-    for (uint32_t x = 0; x < E; x++)
-      if (kn_layer_has_expert(t->layers[l], x)) mr_idset_add(&t->sets[l], x);
-    uint32_t c = mr_idset_count(&t->sets[l]);
-    if (!c) continue; /* an empty layer serves nothing: no owned entry */
-    t->owned[l] = &t->sets[l];
-    t->pairs += c;
-    t->weight_bytes += kn_layer_bytes(t->layers[l]);
-    n_items++;
-  }
-  t->lim = s->limits;
-  t->lim.owned = t->owned;
-
-  Moerpc__V1__LayerExperts *items = mr_calloc(n_items ? n_items : 1, sizeof *items);
-  Moerpc__V1__LayerExperts **ptrs = mr_calloc(n_items ? n_items : 1, sizeof *ptrs);
-  uint32_t *ids = mr_calloc(t->pairs ? t->pairs : 1, sizeof *ids);
-  int rc = 0;
-  if (!items || !ptrs || !ids) {
-    rc = mr_err_set(e, MR_ENOMEM, "out of memory packing HelloReply");
-    goto out_free;
-  }
-  uint32_t k = 0;
-  size_t off = 0;
-  for (uint32_t l = 0; l < L; l++) {
-    if (!t->owned[l]) continue;
-    Moerpc__V1__LayerExperts init = MOERPC__V1__LAYER_EXPERTS__INIT;
-    items[k] = init;
-    items[k].layer = l;
-    items[k].experts = ids + off;
-    for (uint32_t x = 0; x < E; x++)
-      if (mr_idset_has(&t->sets[l], x)) ids[off + items[k].n_experts++] = x;
-    off += items[k].n_experts;
-    ptrs[k] = &items[k];
-    k++;
-  }
-  Moerpc__V1__HelloReply r = MOERPC__V1__HELLO_REPLY__INIT;
-  r.protocol_major = PR_PROTOCOL_MAJOR;
-  r.protocol_minor = PR_PROTOCOL_MINOR;
-  r.model_fingerprint = s->fingerprint;
-  r.hidden_size = s->cfg.hidden_size;
-  r.intermediate_size = s->cfg.moe_intermediate;
-  r.num_layers = s->cfg.num_layers;
-  r.num_experts = s->cfg.num_experts;
-  r.n_owned = k;
-  r.owned = ptrs;
-  r.weight_format = s->weight_format;
-  r.max_tokens = s->opts.max_tokens;
-  r.max_top_k = s->limits.max_top_k;
-  r.owned_generation = t->gen;
-  r.weight_bytes = t->weight_bytes;
-  r.expert_bytes = s->expert_bytes;
-  /* load_free_bytes is a snapshot at publish time (MemAvailable moves on its own). */
-  r.load_free_bytes = es__load_free(s, t->weight_bytes);
-  size_t len = moerpc__v1__hello_reply__get_packed_size(&r);
-  grpc_slice_unref(t->hello);
-  t->hello = grpc_slice_malloc(len);
-  moerpc__v1__hello_reply__pack(&r, GRPC_SLICE_START_PTR(t->hello));
-out_free:
-  mr_free(items);
-  mr_free(ptrs);
-  mr_free(ids);
-  return rc;
-}
-
-/* Makes t current (ctl_lock held); the previous table goes to the retired list. */
-static void es__tab_publish(es_server *s, es_table *t) {
-  atomic_init(&t->refs, 1);
-  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
-    if (t->owned[l]) atomic_store(&s->layer_served[l], 1);
-  atomic_store(&s->cur_weight_bytes, t->weight_bytes);
-  atomic_store(&s->cur_pairs, t->pairs);
-  atomic_store(&s->cur_gen, t->gen);
-  pthread_mutex_lock(&s->tab_lock);
-  es_table *old = s->tab;
-  s->tab = t;
-  pthread_mutex_unlock(&s->tab_lock);
-  if (old) {
-    old->next = s->retired;
-    s->retired = old;
-    es__tab_put(old); /* its "current" reference */
-  }
-}
-
-int es__tab_init(es_server *s, mr_err *e) {
-  const uint32_t L = s->cfg.num_layers;
-  s->layer_served = mr_calloc(L, sizeof *s->layer_served);
-  es_table *t = es__tab_alloc(s);
-  if (!t || !s->layer_served) {
-    es__tab_free(s, t);
-    return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
-  }
-  for (uint32_t l = 0; l < L; l++) {
-    t->layers[l] = s->layers[l];
-    if (!s->expert_bytes && s->layers[l]) s->expert_bytes = kn_layer_expert_bytes(s->layers[l]);
-  }
-  /* The layers belong to the table from here on (es__unload then frees an empty array). */
-  memset(s->layers, 0, L * sizeof *s->layers);
-  pthread_mutex_lock(&s->ctl_lock);
-  t->gen = s->tab_gen = 1;
-  int rc = es__tab_finish(s, t, e);
-  if (rc == 0) es__tab_publish(s, t);
-  pthread_mutex_unlock(&s->ctl_lock);
-  if (rc) es__tab_free(s, t);
-  return rc;
-}
-
-void es__tab_reap(es_server *s) {
-  pthread_mutex_lock(&s->ctl_lock);
-  es_table **pp = &s->retired;
-  while (*pp) {
-    es_table *t = *pp;
-    if (atomic_load_explicit(&t->refs, memory_order_acquire) == 0) {
-      *pp = t->next;
-      uint64_t gen = t->gen;
-      es__tab_free(s, t);
-      mr_log(MR_LOG_DEBUG, "placement: owned table %" PRIu64 " freed (no request uses it)", gen);
-    } else {
-      pp = &t->next;
-    }
-  }
-  pthread_mutex_unlock(&s->ctl_lock);
-}
-
-/* A new table from cur with every layer passed on except those in changed[] (ctl_lock). */
-static es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed,
-                                const uint8_t *is_changed, mr_err *e) {
-  es_table *t = es__tab_alloc(s);
-  if (!t) {
-    mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
-    return NULL;
-  }
-  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
-    t->layers[l] = is_changed[l] ? changed[l] : cur->layers[l];
-  t->gen = s->tab_gen + 1;
-  if (es__tab_finish(s, t, e)) {
-    memset(t->layers, 0, s->cfg.num_layers * sizeof *t->layers); /* the caller frees changed[] */
-    es__tab_free(s, t);
-    return NULL;
-  }
-  s->tab_gen++;
-  for (uint32_t l = 0; l < s->cfg.num_layers; l++)
-    if (!is_changed[l]) cur->passed[l] = 1;
-  return t;
-}
-
 void es__control_stop(es_server *s) {
-  if (s->ld_thread_started) {
-    atomic_store(&s->load_abort, true);
-    pthread_join(s->ld_thread, NULL);
-    s->ld_thread_started = false;
-  }
+  pthread_mutex_lock(&s->ctl_lock);
+  s->ctl_stop = true; /* no LoadExperts is queued from here on */
+  const bool started = s->ld_thread_started;
+  s->ld_thread_started = false;
+  pthread_cond_signal(&s->ctl_cond);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (!started) return;
+  atomic_store(&s->load_abort, true); /* a load packing stops after its expert */
+  pthread_join(s->ld_thread, NULL);
 }
 
 void es__control_close(es_server *s) {
   es__control_stop(s);
-  mr_st_close(s->ld_st);
-  s->ld_st = NULL;
-  mr_free(s->ld_want);
-  s->ld_want = NULL;
-  /* Teardown: no request is left, so every table goes, current and retired. */
-  es_table *t = s->retired;
-  while (t) {
-    es_table *n = t->next;
-    es__tab_free(s, t);
-    t = n;
-  }
-  s->retired = NULL;
-  es__tab_free(s, s->tab);
-  s->tab = NULL;
-  mr_free((void *)s->layer_served);
-  s->layer_served = NULL;
+  es__tab_close(s);
 }
 
 /* ---- the control calls ----------------------------------------------------------------------- */
@@ -358,245 +117,405 @@ static bool es__control_refused(es_server *s, es_rpc *r) {
   return false;
 }
 
-static void es__reply_err(es_rpc *r, int rc, const char *what, const mr_err *e) {
-  char msg[700];
-  snprintf(msg, sizeof msg, "%s: %s", what, e->msg);
-  es__rpc_reply(r, pr_status_from_mr(rc), msg, NULL);
-}
-
-static void *es__ctl_load_main(void *arg) {
-  es_server *s = arg;
-  pthread_setname_np(pthread_self(), "es-ctl-load");
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+/* The request of LoadExperts or UnloadExperts r, decoded (the caller frees it with
+ * protobuf_c_message_free_unpacked), its peer's name in peer[96]; or NULL once r is
+ * answered: refused (draining, loading) or INVALID_ARGUMENT "<what> does not decode: ..."
+ * (an empty message too). */
+static void *es__control_request(es_rpc *r, const ProtobufCMessageDescriptor *d, const char *what,
+                                 char *peer) {
   mr_err e;
   mr_err_clear(&e);
-  int rc = 0;
-  kn_layer **staging = mr_calloc(L, sizeof *staging);
-  uint8_t *is_changed = mr_calloc(L, 1);
-  kn_layer **changed = mr_calloc(L, sizeof *changed);
-  uint8_t *keep = mr_malloc(E);
-  uint64_t tensors = 0, bytes = 0, last_log = mr_now_ns();
-  /* Set by es__on_load before this thread started; changed only by the next load, which
-   * waits for this one's end: read here without ctl_lock until that end. */
-  const uint64_t id = s->ld_id, t0 = s->ld_t0_ns, tensors_total = s->ld_tensors_total,
-                 bytes_total = s->ld_bytes_total;
-  if (!staging || !is_changed || !changed || !keep) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
-    goto out;
+  if (es__control_refused(r->srv, r)) return NULL;
+  ProtobufCMessage *m = NULL;
+  int rc = r->payload ? pr_decode(r->payload, d, ES_MAX_CONTROL_REQUEST_BYTES_LARGE, &m, &e)
+                      : mr_err_set(&e, MR_EINVAL, "empty message");
+  if (rc) {
+    char where[64];
+    snprintf(where, sizeof where, "%s does not decode", what);
+    es__rpc_reply_err(r, MR_EINVAL, where, &e);
+    return NULL;
   }
-  memset(keep, 1, E);
+  es__call_peer(r->call, peer, 96);
+  return m;
+}
+
+/* ---- LoadExperts ------------------------------------------------------------------------------
+ *
+ * A LoadExperts crosses two threads, so that no CQ thread reads the model and ctl_lock is
+ * never held across a file read:
+ *
+ *   CQ thread     es__on_load: the refusals (draining, loading, a load running), decode,
+ *                 the pure range checks (es_control_validate); then the request joins
+ *                 srv->ld_queue (ctl_lock) and wakes es-ctl-load, which the first
+ *                 LoadExperts starts and which then waits for the next one.
+ *   es-ctl-load   es__load_serve, one request at a time, in arrival order:
+ *                   es__load_admit          ctl_lock: pairs owned already are skipped, the
+ *                                           memory rule against the current table
+ *                   es__load_check_tensors  no lock: the safetensors reopened and
+ *                                           re-fingerprinted, every tensor's presence, dtype
+ *                                           and shape read from the headers
+ *                   es__load_record         ctl_lock: the load's id and totals, RUNNING
+ *                   es__load_reply          the LoadReply (es__rpc_reply, es_rpc.c)
+ *                   es__load_run            pack (no lock), publish (ctl_lock), end (ctl_lock)
+ *
+ * Taking requests one at a time in arrival order answers them as if each had been checked
+ * whole under ctl_lock, as one step: a request that arrives while a load runs is refused
+ * "still running" at once by its CQ thread, and those queued behind one that turns RUNNING
+ * are refused the same way by es-ctl-load (es__load_record hands them back).
+ */
+
+/* A LoadExperts call on its way from its CQ thread to es-ctl-load, and what es-ctl-load
+ * finds out about it. Owned by the queue, then by es-ctl-load, which frees it. */
+typedef struct es_load_req {
+  struct es_load_req *next;  /* srv->ld_queue (ctl_lock) */
+  es_rpc *r;                 /* the call: answered by es-ctl-load, freed by its CQ thread */
+  char peer[96];             /* for log lines */
+  uint8_t *want;             /* [num_layers * num_experts]: the pairs to load */
+  uint64_t n_pairs;          /* pairs set in want */
+  mr_st *st;                 /* the model's safetensors, open from the check to the end */
+  uint64_t tensors_total, bytes_total; /* what the load reads (headers) */
+  uint64_t need, free_b;     /* packed bytes it adds, and the room there was */
+  uint64_t id, t0_ns;        /* set when it becomes the latest load (es__load_record) */
+} es_load_req;
+
+static void es__load_req_free(es_load_req *lr) {
+  if (!lr) return;
+  mr_st_close(lr->st);
+  mr_free(lr->want);
+  mr_free(lr);
+}
+
+/* Refuses a LoadExperts: a WARN line (rate-limited) with the peer, rc's status. */
+static void es__load_refuse(es_rpc *r, const char *peer, int rc, const mr_err *e) {
+  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e->msg);
+  es__rpc_reply_err(r, rc, "LoadExperts refused", e);
+}
+
+/* The refusal of a LoadExperts while load id packs. */
+static int es__load_busy_err(uint64_t id, mr_err *e) {
+  return mr_err_set(e, MR_EPRECOND, "load %" PRIu64 " is still running: one load at a time "
+                    "(poll LoadStatus)", id);
+}
+
+/* MR_EPRECOND while a load packs, else 0. ctl_lock held. */
+static int es__load_busy(const es_server *s, mr_err *e) {
+  return s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING ? es__load_busy_err(s->ld_id, e) : 0;
+}
+
+static void *es__ctl_main(void *arg);
+
+/* Queues lr for es-ctl-load, starting the thread the first time. ctl_lock held. */
+static int es__load_enqueue_locked(es_server *s, es_load_req *lr, mr_err *e) {
+  if (s->ctl_stop) return mr_err_set(e, MR_EUNAVAIL, "server is shutting down");
+  if (!s->ld_thread_started) {
+    int err = pthread_create(&s->ld_thread, NULL, es__ctl_main, s);
+    if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start the load thread: error %d", err);
+    s->ld_thread_started = true;
+  }
+  lr->next = NULL;
+  if (s->ld_queue_last) s->ld_queue_last->next = lr;
+  else s->ld_queue = lr;
+  s->ld_queue_last = lr;
+  pthread_cond_signal(&s->ctl_cond);
+  return 0;
+}
+
+void es__on_load(es_rpc *r) {
+  char peer[96];
+  Moerpc__V1__LoadRequest *req =
+      es__control_request(r, &moerpc__v1__load_request__descriptor, "LoadRequest", peer);
+  if (!req) return;
+  es_server *s = r->srv;
+  es_load_req *lr = mr_calloc(1, sizeof *lr);
+  if (lr) lr->want = mr_malloc((size_t)s->cfg.num_layers * s->cfg.num_experts);
+  mr_err e;
+  mr_err_clear(&e);
+  int rc;
+  pthread_mutex_lock(&s->ctl_lock);
+  rc = !lr || !lr->want ? mr_err_set(&e, MR_ENOMEM, "out of memory") : es__load_busy(s, &e);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (!rc)
+    rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->add, req->n_add,
+                             req->model_fingerprint, s->fingerprint, &s->limits, lr->want,
+                             &lr->n_pairs, &e);
+  moerpc__v1__load_request__free_unpacked(req, NULL);
+  if (!rc) {
+    lr->r = r;
+    snprintf(lr->peer, sizeof lr->peer, "%s", peer);
+    pthread_mutex_lock(&s->ctl_lock);
+    rc = es__load_busy(s, &e); /* a load may have started meanwhile */
+    if (!rc) rc = es__load_enqueue_locked(s, lr, &e);
+    pthread_mutex_unlock(&s->ctl_lock);
+  }
+  if (rc) {
+    es__load_refuse(r, peer, rc, &e);
+    es__load_req_free(lr);
+  }
+}
+
+/* es-ctl-load: drops the pairs owned already (a retried apply is not an error) and applies
+ * the memory rule, both against the current table (ctl_lock). */
+static int es__load_admit(es_server *s, es_load_req *lr, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  uint64_t avail = es__mem_now();
+  pthread_mutex_lock(&s->ctl_lock);
+  const es_table *cur = s->tab;
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; x < E; x++) {
+      uint8_t *p = &lr->want[(size_t)l * E + x];
+      if (*p && cur->owned[l] && mr_idset_has(cur->owned[l], x)) {
+        *p = 0;
+        lr->n_pairs--;
+      }
+    }
+  lr->need = lr->n_pairs * s->expert_bytes;
+  lr->free_b = es__load_free(s, cur->weight_bytes, avail);
+  pthread_mutex_unlock(&s->ctl_lock);
+  return es_load_mem_check(lr->need, lr->free_b, e);
+}
+
+/* es-ctl-load, no lock: the tensors of every pair to load, before anything moves: the model
+ * reopened and re-fingerprinted, each tensor's presence, dtype and shape (headers only).
+ * Leaves the files open in lr->st for the packing. */
+static int es__load_check_tensors(es_server *s, es_load_req *lr, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  if (!lr->n_pairs) return 0;
+  int rc = mr_st_open(&lr->st, s->model_dir, e);
+  if (rc) {
+    mr_err_prefix(e, rc, "model %s", s->model_dir);
+    return rc;
+  }
+  char fp[17];
+  if ((rc = mr_model_fingerprint(s->model_dir, lr->st, fp, e))) return rc;
+  if (strcmp(fp, s->fingerprint) != 0)
+    return mr_err_set(e, MR_EMISMATCH, "model %s changed on disk since start-up (fingerprint "
+                      "%s, was %s): restart the server", s->model_dir, fp, s->fingerprint);
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; x < E; x++) {
+      if (!lr->want[(size_t)l * E + x]) continue;
+      const mr_st_tensor *t[3];
+      if (mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e)) {
+        mr_err_prefix(e, MR_EFORMAT, "model %s", s->model_dir);
+        return MR_EFORMAT;
+      }
+      lr->tensors_total += 3;
+      lr->bytes_total += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+    }
+  return 0;
+}
+
+/* es-ctl-load: lr becomes the latest load, which LoadStatus reports: RUNNING, or DONE at once
+ * when every pair was owned already (ctl_lock). When it runs, returns the requests queued
+ * meanwhile (they are refused "still running", as they would have been after it). */
+static es_load_req *es__load_record(es_server *s, es_load_req *lr) {
+  const bool runs = lr->n_pairs > 0;
+  pthread_mutex_lock(&s->ctl_lock);
+  lr->id = ++s->ld_id;
+  lr->t0_ns = s->ld_t0_ns = s->ld_t1_ns = mr_now_ns();
+  s->ld_tensors_total = lr->tensors_total;
+  s->ld_bytes_total = lr->bytes_total;
+  s->ld_packed = lr->need;
+  s->ld_status = 0;
+  s->ld_error[0] = '\0';
+  atomic_store(&s->ld_tensors_done, 0);
+  atomic_store(&s->ld_bytes_done, 0);
+  s->ld_state = runs ? MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING
+                     : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
+  es_load_req *behind = runs ? s->ld_queue : NULL;
+  if (runs) s->ld_queue = s->ld_queue_last = NULL;
+  pthread_mutex_unlock(&s->ctl_lock);
+  return behind;
+}
+
+/* es-ctl-load: logs the accepted load and answers its call with the LoadReply. */
+static void es__load_reply(es_load_req *lr) {
+  mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " from %s: %" PRIu64 " pairs, %" PRIu64
+         " tensors, %.3f GB to read, %.3f GB packed (%.3f GB free)", lr->id, lr->peer,
+         lr->n_pairs, lr->tensors_total, lr->bytes_total / 1e9, lr->need / 1e9, lr->free_b / 1e9);
+  Moerpc__V1__LoadReply rep = MOERPC__V1__LOAD_REPLY__INIT;
+  rep.load_id = lr->id;
+  rep.pairs = lr->n_pairs;
+  rep.tensors_total = lr->tensors_total;
+  rep.bytes_total = lr->bytes_total;
+  rep.packed_bytes = lr->need;
+  rep.free_bytes = lr->free_b;
+  grpc_byte_buffer *bb = pr_encode(&rep.base);
+  es__rpc_reply(lr->r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
+  lr->r = NULL; /* the CQ thread frees the call once the reply is sent */
+}
+
+/* es-ctl-load, no lock: packs every pair of lr into staging layers (nobody else sees them),
+ * counting the tensors and bytes read in *tensors, *bytes and the progress atomics. Stops
+ * with MR_ECANCELED after the expert it is packing once a drain or the teardown begins. */
+static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging,
+                         uint64_t *tensors, uint64_t *bytes, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   kn_layer_desc d = {.hidden = s->cfg.hidden_size, .inter = s->cfg.moe_intermediate,
                      .num_experts = E, .format = s->format, .group = s->group};
-  for (uint32_t l = 0; l < L && !rc; l++) {
-    for (uint32_t x = 0; x < E && !rc; x++) {
-      if (!s->ld_want[(size_t)l * E + x]) continue;
-      if (!staging[l] && (rc = kn_layer_new(&staging[l], s->eng, &d, &e))) break;
+  uint64_t last_log = mr_now_ns();
+  for (uint32_t l = 0; l < L; l++) {
+    for (uint32_t x = 0; x < E; x++) {
+      if (!lr->want[(size_t)l * E + x]) continue;
+      int rc = staging[l] ? 0 : kn_layer_new(&staging[l], s->eng, &d, e);
+      if (rc) return rc;
       const mr_st_tensor *t[3];
-      rc = mr_config_expert_tensors(&s->cfg, s->ld_st, l, x, t, &e);
+      rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
       if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                         t[0]->dtype, &e);
+                                         t[0]->dtype, e);
       if (rc) {
-        mr_err_prefix(&e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
-        break;
+        mr_err_prefix(e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
+        return rc;
       }
-      tensors += 3;
-      bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
-      atomic_store(&s->ld_tensors_done, tensors);
-      atomic_store(&s->ld_bytes_done, bytes);
+      *tensors += 3;
+      *bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
+      atomic_store(&s->ld_tensors_done, *tensors);
+      atomic_store(&s->ld_bytes_done, *bytes);
       uint64_t now = mr_now_ns();
       if (now - last_log >= 1000000000ull) {
         last_log = now;
-        double sec = (double)(now - t0) / 1e9, gbs = sec > 0 ? bytes / sec / 1e9 : 0;
+        double sec = (double)(now - lr->t0_ns) / 1e9, gbs = sec > 0 ? *bytes / sec / 1e9 : 0;
         mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 "/%" PRIu64 " tensors, "
-               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", id, tensors, tensors_total, bytes / 1e9,
-               bytes_total / 1e9, gbs, gbs > 0 ? (bytes_total - bytes) / 1e9 / gbs : 0);
+               "%.3f/%.3f GB, %.2f GB/s, ETA %.0f s", lr->id, *tensors, lr->tensors_total,
+               *bytes / 1e9, lr->bytes_total / 1e9, gbs,
+               gbs > 0 ? (lr->bytes_total - *bytes) / 1e9 / gbs : 0);
       }
       for (uint32_t slept = 0; slept < s->load_delay_ms && !atomic_load(&s->load_abort) &&
                                !atomic_load(&s->draining); slept += 5)
         usleep(5000);
       if (atomic_load(&s->load_abort) || atomic_load(&s->draining))
-        rc = mr_err_set(&e, MR_ECANCELED, "the server began to drain: load stopped after %"
-                        PRIu64 " of %" PRIu64 " tensors", tensors, tensors_total);
+        return mr_err_set(e, MR_ECANCELED, "the server began to drain: load stopped after %"
+                          PRIu64 " of %" PRIu64 " tensors", *tensors, lr->tensors_total);
     }
   }
-  if (rc) goto out;
+  return 0;
+}
 
-  /* Publish: rebuild every changed layer from the current table (which may have changed
-   * since the load started: an unload meanwhile is kept). */
+/* es-ctl-load: rebuilds every layer that got experts from the current table (which may have
+ * changed since the load started: an unload meanwhile is kept) and publishes the new table
+ * (ctl_lock). On failure nothing is published and the current table is as it was. */
+static int es__load_publish(es_server *s, uint64_t id, kn_layer **staging, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  uint8_t *is_changed = mr_calloc(L, 1), *keep = mr_malloc(E);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  int rc = 0;
+  if (!is_changed || !keep || !changed) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for the load");
+    goto out_free;
+  }
+  memset(keep, 1, E);
+  uint64_t avail = es__mem_now();
   pthread_mutex_lock(&s->ctl_lock);
   es_table *cur = s->tab;
   for (uint32_t l = 0; l < L && !rc; l++) {
     if (!staging[l]) continue;
-    rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, staging[l], &e);
+    rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, staging[l], e);
     is_changed[l] = 1;
   }
-  es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, &e);
-  if (!t && !rc) rc = e.code ? e.code : MR_ENOMEM;
+  es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, avail, e);
+  if (!t && !rc) rc = e->code ? e->code : MR_ENOMEM;
   if (t) {
     es__tab_publish(s, t);
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
            ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
   } else {
-    /* Out of memory: nothing published. The rebuilt layers are undone: cur's experts are
-     * cur's again, the staged ones are freed. */
+    /* The rebuilt layers are undone: cur's experts are cur's again (the caller frees the
+     * staged ones). */
     for (uint32_t l = 0; l < L; l++) kn_layer_forget(changed[l], cur->layers[l]);
   }
   pthread_mutex_unlock(&s->ctl_lock);
+out_free:
+  mr_free(is_changed);
+  mr_free(keep);
+  mr_free(changed);
+  return rc;
+}
 
-out:;
+/* es-ctl-load: the end of load lr, as LoadStatus reports it (ctl_lock) and in the log. */
+static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e, uint64_t tensors,
+                         uint64_t bytes) {
   const uint64_t t1 = mr_now_ns();
   pthread_mutex_lock(&s->ctl_lock);
   s->ld_t1_ns = t1;
   s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
   s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
-  snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e.msg : "");
-  mr_st_close(s->ld_st);
-  s->ld_st = NULL;
+  snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e->msg : "");
   pthread_mutex_unlock(&s->ctl_lock);
-  double sec = (double)(t1 - t0) / 1e9;
+  mr_st_close(lr->st);
+  lr->st = NULL;
+  double sec = (double)(t1 - lr->t0_ns) / 1e9;
   if (rc)
     mr_log(MR_LOG_ERROR, "placement: load %" PRIu64 " failed after %.1f s: %s (nothing published)",
-           id, sec, e.msg);
+           lr->id, sec, e->msg);
   else
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
-           "(%.2f GB/s)", id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
-  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
-  mr_free(staging);
-  mr_free(is_changed);
-  mr_free(changed);
-  mr_free(keep);
-  return NULL;
+           "(%.2f GB/s)", lr->id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
 }
 
-void es__on_load(es_rpc *r) {
-  es_server *s = r->srv;
+/* es-ctl-load: packs, publishes and ends the load recorded for lr. */
+static void es__load_run(es_server *s, es_load_req *lr) {
+  const uint32_t L = s->cfg.num_layers;
   mr_err e;
   mr_err_clear(&e);
-  if (es__control_refused(s, r)) return;
-  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  Moerpc__V1__LoadRequest *req = NULL;
-  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__load_request__descriptor,
-                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
-                      : mr_err_set(&e, MR_EINVAL, "empty message");
+  uint64_t tensors = 0, bytes = 0;
+  kn_layer **staging = mr_calloc(L, sizeof *staging);
+  int rc = staging ? es__load_pack(s, lr, staging, &tensors, &bytes, &e)
+                   : mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
+  if (!rc) rc = es__load_publish(s, lr->id, staging, &e);
+  es__load_end(s, lr, rc, &e, tensors, bytes);
+  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
+  mr_free(staging);
+}
+
+/* es-ctl-load: one LoadExperts, from its admission to the end of its load. Frees lr. */
+static void es__load_serve(es_server *s, es_load_req *lr) {
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = es__load_admit(s, lr, &e);
+  if (!rc) rc = es__load_check_tensors(s, lr, &e);
   if (rc) {
-    es__reply_err(r, MR_EINVAL, "LoadRequest does not decode", &e);
+    es__load_refuse(lr->r, lr->peer, rc, &e);
+    es__load_req_free(lr);
     return;
   }
-  uint8_t *want = mr_malloc((size_t)L * E);
-  mr_st *st = NULL;
-  uint64_t n_pairs = 0;
-  char peer[96];
-  es__call_peer(r->call, peer, sizeof peer);
-  pthread_mutex_lock(&s->ctl_lock);
-  if (!want) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out_unlock;
+  es_load_req *behind = es__load_record(s, lr);
+  es__load_reply(lr);
+  while (behind) {
+    es_load_req *b = behind;
+    behind = b->next;
+    es__load_refuse(b->r, b->peer, es__load_busy_err(lr->id, &e), &e);
+    es__load_req_free(b);
   }
-  if (s->ld_state == MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING) {
-    rc = mr_err_set(&e, MR_EPRECOND, "load %" PRIu64 " is still running: one load at a time "
-                    "(poll LoadStatus)", s->ld_id);
-    goto out_unlock;
-  }
-  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->add, req->n_add,
-                           req->model_fingerprint, s->fingerprint, &s->limits, want, &n_pairs, &e);
-  if (rc) goto out_unlock;
-  /* Pairs owned already are skipped (a retried apply is not an error). */
-  es_table *cur = s->tab;
-  for (uint32_t l = 0; l < L; l++)
-    for (uint32_t x = 0; x < E; x++) {
-      uint8_t *p = &want[(size_t)l * E + x];
-      if (*p && cur->owned[l] && mr_idset_has(cur->owned[l], x)) {
-        *p = 0;
-        n_pairs--;
-      }
-    }
-  uint64_t need = n_pairs * s->expert_bytes, free_b = es__load_free(s, cur->weight_bytes);
-  if ((rc = es_load_mem_check(need, free_b, &e))) goto out_unlock;
-  /* The tensors, before anything moves: presence, dtype and shape (headers only). */
-  uint64_t tensors = 0, bytes = 0;
-  if (n_pairs) {
-    if ((rc = mr_st_open(&st, s->model_dir, &e))) {
-      mr_err_prefix(&e, rc, "model %s", s->model_dir);
-      goto out_unlock;
-    }
-    char fp[17];
-    if ((rc = mr_model_fingerprint(s->model_dir, st, fp, &e))) goto out_unlock;
-    if (strcmp(fp, s->fingerprint) != 0) {
-      rc = mr_err_set(&e, MR_EMISMATCH, "model %s changed on disk since start-up (fingerprint "
-                      "%s, was %s): restart the server", s->model_dir, fp, s->fingerprint);
-      goto out_unlock;
-    }
-    for (uint32_t l = 0; l < L && !rc; l++)
-      for (uint32_t x = 0; x < E && !rc; x++) {
-        if (!want[(size_t)l * E + x]) continue;
-        const mr_st_tensor *t[3];
-        rc = mr_config_expert_tensors(&s->cfg, st, l, x, t, &e);
-        if (rc) {
-          mr_err_prefix(&e, MR_EFORMAT, "model %s", s->model_dir);
-          rc = MR_EFORMAT;
-          break;
-        }
-        tensors += 3;
-        bytes += t[0]->nbytes + t[1]->nbytes + t[2]->nbytes;
-      }
-    if (rc) goto out_unlock;
-  }
-  if (s->ld_thread_started) { /* the previous load's thread has finished (state not RUNNING) */
-    pthread_join(s->ld_thread, NULL);
-    s->ld_thread_started = false;
-  }
-  s->ld_id++;
-  s->ld_t0_ns = s->ld_t1_ns = mr_now_ns();
-  s->ld_tensors_total = tensors;
-  s->ld_bytes_total = bytes;
-  s->ld_packed = need;
-  s->ld_status = 0;
-  s->ld_error[0] = '\0';
-  atomic_store(&s->ld_tensors_done, 0);
-  atomic_store(&s->ld_bytes_done, 0);
-  if (n_pairs == 0) {
-    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
-    mr_st_close(st);
-    st = NULL;
-  } else {
-    mr_free(s->ld_want);
-    s->ld_want = want;
-    want = NULL;
-    s->ld_st = st;
-    st = NULL;
-    s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_RUNNING;
-    int err = pthread_create(&s->ld_thread, NULL, es__ctl_load_main, s);
-    if (err) {
-      s->ld_state = MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED;
-      rc = mr_err_set(&e, MR_EINTERNAL, "cannot start the load thread: error %d", err);
-      snprintf(s->ld_error, sizeof s->ld_error, "%s", e.msg);
-      goto out_unlock;
-    }
-    s->ld_thread_started = true;
-  }
-  mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " from %s: %" PRIu64 " pairs, %" PRIu64
-         " tensors, %.3f GB to read, %.3f GB packed (%.3f GB free)", s->ld_id, peer, n_pairs,
-         tensors, bytes / 1e9, need / 1e9, free_b / 1e9);
-  Moerpc__V1__LoadReply rep = MOERPC__V1__LOAD_REPLY__INIT;
-  rep.load_id = s->ld_id;
-  rep.pairs = n_pairs;
-  rep.tensors_total = tensors;
-  rep.bytes_total = bytes;
-  rep.packed_bytes = need;
-  rep.free_bytes = free_b;
-  pthread_mutex_unlock(&s->ctl_lock);
-  grpc_byte_buffer *bb = pr_encode(&rep.base);
-  es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
-  goto out_free;
-out_unlock:
-  pthread_mutex_unlock(&s->ctl_lock);
-  mr_log_ratelimited(MR_LOG_WARN, 1, "placement: LoadExperts from %s refused: %s", peer, e.msg);
-  es__reply_err(r, rc, "LoadExperts refused", &e);
-out_free:
-  mr_st_close(st);
-  mr_free(want);
-  moerpc__v1__load_request__free_unpacked(req, NULL);
+  if (lr->n_pairs) es__load_run(s, lr);
+  es__load_req_free(lr);
 }
+
+/* The thread es-ctl-load: serves the LoadExperts queue until es__control_stop. Requests
+ * still queued then are answered UNAVAILABLE. */
+static void *es__ctl_main(void *arg) {
+  es_server *s = arg;
+  pthread_setname_np(pthread_self(), "es-ctl-load");
+  for (;;) {
+    pthread_mutex_lock(&s->ctl_lock);
+    while (!s->ld_queue && !s->ctl_stop) pthread_cond_wait(&s->ctl_cond, &s->ctl_lock);
+    es_load_req *lr = s->ld_queue;
+    const bool stop = s->ctl_stop;
+    if (stop) s->ld_queue = s->ld_queue_last = NULL;
+    else if (!(s->ld_queue = lr->next)) s->ld_queue_last = NULL;
+    pthread_mutex_unlock(&s->ctl_lock);
+    if (stop) {
+      while (lr) {
+        es_load_req *n = lr->next;
+        es__rpc_reply(lr->r, GRPC_STATUS_UNAVAILABLE, "server is draining (shutting down)", NULL);
+        es__load_req_free(lr);
+        lr = n;
+      }
+      return NULL;
+    }
+    es__load_serve(s, lr);
+  }
+}
+
+/* ---- LoadStatus, UnloadExperts (CQ thread) -------------------------------------------------- */
 
 void es__on_load_status(es_rpc *r) {
   es_server *s = r->srv;
@@ -606,7 +525,7 @@ void es__on_load_status(es_rpc *r) {
   Moerpc__V1__LoadStatusRequest *req = NULL;
   if (r->payload && pr_decode(r->payload, &moerpc__v1__load_status_request__descriptor,
                               ES_MAX_CONTROL_REQUEST_BYTES, (ProtobufCMessage **)&req, &e)) {
-    es__reply_err(r, MR_EINVAL, "LoadStatusRequest does not decode", &e);
+    es__rpc_reply_err(r, MR_EINVAL, "LoadStatusRequest does not decode", &e);
     return;
   }
   uint64_t id = req ? req->load_id : 0;
@@ -640,35 +559,13 @@ void es__on_load_status(es_rpc *r) {
   es__rpc_reply(r, bb ? GRPC_STATUS_OK : GRPC_STATUS_RESOURCE_EXHAUSTED, bb ? "" : "out of memory", bb);
 }
 
-void es__on_unload(es_rpc *r) {
-  es_server *s = r->srv;
-  mr_err e;
-  mr_err_clear(&e);
-  if (es__control_refused(s, r)) return;
+/* The layers of cur that lose experts named in drop (pairs not owned are skipped), rebuilt
+ * without them into changed[] (NULL for a layer that goes empty), marked in is_changed[];
+ * the pairs dropped in *dropped. keep is scratch [num_experts]. ctl_lock held. */
+static int es__unload_rebuild(es_server *s, const es_table *cur, const uint8_t *drop, uint8_t *keep,
+                              kn_layer **changed, uint8_t *is_changed, uint64_t *dropped, mr_err *e) {
   const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
-  Moerpc__V1__UnloadRequest *req = NULL;
-  int rc = r->payload ? pr_decode(r->payload, &moerpc__v1__unload_request__descriptor,
-                                  ES_MAX_CONTROL_REQUEST_BYTES_LARGE, (ProtobufCMessage **)&req, &e)
-                      : mr_err_set(&e, MR_EINVAL, "empty message");
-  if (rc) {
-    es__reply_err(r, MR_EINVAL, "UnloadRequest does not decode", &e);
-    return;
-  }
-  char peer[96];
-  es__call_peer(r->call, peer, sizeof peer);
-  uint8_t *drop = mr_malloc((size_t)L * E), *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1);
-  kn_layer **changed = mr_calloc(L, sizeof *changed);
-  uint64_t n_pairs = 0, dropped = 0, freed = 0, gen = 0;
-  pthread_mutex_lock(&s->ctl_lock);
-  if (!drop || !keep || !is_changed || !changed) {
-    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
-    goto out_unlock;
-  }
-  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->drop, req->n_drop,
-                           req->model_fingerprint, s->fingerprint, &s->limits, drop, &n_pairs, &e);
-  if (rc) goto out_unlock;
-  es_table *cur = s->tab;
-  for (uint32_t l = 0; l < L && !rc; l++) {
+  for (uint32_t l = 0; l < L; l++) {
     if (!cur->owned[l]) continue;
     uint32_t n_drop = 0;
     for (uint32_t x = 0; x < E; x++) {
@@ -678,15 +575,44 @@ void es__on_unload(es_rpc *r) {
     }
     if (!n_drop) continue;
     is_changed[l] = 1;
-    dropped += n_drop;
-    freed += n_drop * s->expert_bytes;
-    if (n_drop < mr_idset_count(cur->owned[l]))
-      rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, NULL, &e);
+    *dropped += n_drop;
+    if (n_drop < mr_idset_count(cur->owned[l])) {
+      int rc = kn_layer_rebuild(&changed[l], cur->layers[l], keep, NULL, e);
+      if (rc) return rc;
+    }
     /* else: the layer goes empty (changed[l] stays NULL) */
   }
+  return 0;
+}
+
+void es__on_unload(es_rpc *r) {
+  char peer[96];
+  Moerpc__V1__UnloadRequest *req =
+      es__control_request(r, &moerpc__v1__unload_request__descriptor, "UnloadRequest", peer);
+  if (!req) return;
+  es_server *s = r->srv;
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc;
+  uint8_t *drop = mr_malloc((size_t)L * E), *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  uint64_t n_pairs = 0, dropped = 0, freed = 0, gen = 0;
+  uint64_t avail = es__mem_now();
+  pthread_mutex_lock(&s->ctl_lock);
+  if (!drop || !keep || !is_changed || !changed) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+    goto out_unlock;
+  }
+  rc = es_control_validate((const Moerpc__V1__LayerExperts *const *)req->drop, req->n_drop,
+                           req->model_fingerprint, s->fingerprint, &s->limits, drop, &n_pairs, &e);
   if (rc) goto out_unlock;
+  es_table *cur = s->tab;
+  if ((rc = es__unload_rebuild(s, cur, drop, keep, changed, is_changed, &dropped, &e)))
+    goto out_unlock;
+  freed = dropped * s->expert_bytes;
   if (dropped) {
-    es_table *t = es__tab_derive(s, cur, changed, is_changed, &e);
+    es_table *t = es__tab_derive(s, cur, changed, is_changed, avail, &e);
     if (!t) {
       rc = e.code ? e.code : MR_ENOMEM;
       goto out_unlock;
@@ -714,7 +640,7 @@ out_unlock:
     if (changed[l]) kn_layer_forget(changed[l], s->tab->layers[l]);
   pthread_mutex_unlock(&s->ctl_lock);
   mr_log_ratelimited(MR_LOG_WARN, 1, "placement: UnloadExperts from %s refused: %s", peer, e.msg);
-  es__reply_err(r, rc, "UnloadExperts refused", &e);
+  es__rpc_reply_err(r, rc, "UnloadExperts refused", &e);
 out_free:
   mr_free(drop);
   mr_free(keep);

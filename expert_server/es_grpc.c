@@ -1,16 +1,21 @@
 /*
  * es_grpc.c - the gRPC side of the server: set-up (methods, completion queues, port), the
  * completion-queue threads that dispatch every event, the unary calls (Hello, Stats,
- * grpc.health.v1 Check) and the teardown. The Forward streams are in es_stream.c.
+ * grpc.health.v1 Check; the control calls go to es_control.c) and the teardown. The Forward
+ * streams are in es_stream.c, the reply of a unary call in es_rpc.c.
  *
  * Every call is bound to the completion queue of the thread that accepted it, so all of a
- * call's events are handled by one thread and a unary call needs no lock. A Forward stream is
- * also written to by the compute thread (replies) and the admin thread (drain), through the
- * fields under es_stream.lock (internal.h).
+ * call's events are handled by one thread and a unary call needs no lock (a LoadExperts is
+ * answered by es-ctl-load, whose hand-off is under ctl_lock). A Forward stream is also
+ * written to by whoever answers its jobs (replies) and the admin thread (drain), through
+ * the fields under es_stream.lock (internal.h).
+ *
+ * A CQ thread's loop: block for the next event, except while its inline slot holds a request
+ * (es_inline.c): then poll, and when a poll finds nothing the round is over and the slot
+ * runs. The only way up is the admin doorbell, rung on the shutdown notification.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <grpc/grpc_security.h>
-#include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
 #include <inttypes.h>
 #include <stdio.h>
@@ -29,21 +34,6 @@
  * serving, draining). */
 #define ES_HEALTH_SERVICE "moerpc.v1.ExpertService"
 #define ES_HEALTH_LIVENESS "moerpc.v1.Liveness"
-
-static const char *const es__method_path[ES_M_COUNT] = {
-    [ES_M_HELLO] = PR_METHOD_HELLO,
-    [ES_M_STATS] = PR_METHOD_STATS,
-    [ES_M_HEALTH] = PR_METHOD_HEALTH_CHECK,
-    [ES_M_FORWARD] = PR_METHOD_FORWARD,
-    [ES_M_LOAD] = PR_METHOD_LOAD_EXPERTS,
-    [ES_M_LOAD_STATUS] = PR_METHOD_LOAD_STATUS,
-    [ES_M_UNLOAD] = PR_METHOD_UNLOAD_EXPERTS,
-};
-static const char *const es__method_name[ES_M_COUNT] = {
-    [ES_M_HELLO] = "Hello", [ES_M_STATS] = "Stats", [ES_M_HEALTH] = "Health",
-    [ES_M_FORWARD] = "Forward", [ES_M_LOAD] = "LoadExperts", [ES_M_LOAD_STATUS] = "LoadStatus",
-    [ES_M_UNLOAD] = "UnloadExperts",
-};
 
 /* ---- set-up ------------------------------------------------------------------------------ */
 
@@ -77,19 +67,19 @@ int es__grpc_create(es_server *s, mr_err *e) {
   for (int m = 0; m < ES_M_COUNT; m++) {
     grpc_server_register_method_payload_handling ph =
         m == ES_M_FORWARD ? GRPC_SRM_PAYLOAD_NONE : GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER;
-    s->rm[m] = grpc_server_register_method(s->gs, es__method_path[m], NULL, ph, 0);
+    s->rm[m] = grpc_server_register_method(s->gs, es__method_path(m), NULL, ph, 0);
     if (!s->rm[m])
-      return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path[m]);
+      return mr_err_set(e, MR_EINTERNAL, "grpc_server_register_method(%s) failed", es__method_path(m));
   }
-  s->n_cqts = s->opts.grpc_threads;
-  s->cqts = mr_calloc(s->n_cqts, sizeof *s->cqts);
-  if (!s->cqts) return mr_err_set(e, MR_ENOMEM, "out of memory for %u gRPC threads", s->n_cqts);
-  for (uint32_t i = 0; i < s->n_cqts; i++) {
-    s->cqts[i].srv = s;
-    s->cqts[i].idx = i;
-    s->cqts[i].cq = grpc_completion_queue_create_for_next(NULL);
-    if (!s->cqts[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
-    grpc_server_register_completion_queue(s->gs, s->cqts[i].cq, NULL);
+  s->n_cq_threads = s->opts.grpc_threads;
+  s->cq_threads = mr_calloc(s->n_cq_threads, sizeof *s->cq_threads);
+  if (!s->cq_threads) return mr_err_set(e, MR_ENOMEM, "out of memory for %u gRPC threads", s->n_cq_threads);
+  for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+    s->cq_threads[i].srv = s;
+    s->cq_threads[i].idx = i;
+    s->cq_threads[i].cq = grpc_completion_queue_create_for_next(NULL);
+    if (!s->cq_threads[i].cq) return mr_err_set(e, MR_EINTERNAL, "grpc_completion_queue_create failed");
+    grpc_server_register_completion_queue(s->gs, s->cq_threads[i].cq, NULL);
   }
   grpc_server_credentials *creds = es__auth_server_creds(s);
   if (!creds)
@@ -107,24 +97,15 @@ int es__grpc_create(es_server *s, mr_err *e) {
 
 /* ---- unary calls ---------------------------------------------------------------------------- */
 
-static void es__rpc_free(es_rpc *r) {
-  if (r->payload) grpc_byte_buffer_destroy(r->payload);
-  if (r->reply) grpc_byte_buffer_destroy(r->reply);
-  grpc_metadata_array_destroy(&r->md);
-  grpc_slice_unref(r->details);
-  if (r->call) grpc_call_unref(r->call);
-  mr_free(r);
-}
-
 /* Posts one request_call for unary method m on t's queue. */
-static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
+static void es__rpc_post(es_server *s, es_cq_thread *t, es_method m) {
   es_rpc *r = mr_calloc(1, sizeof *r);
   if (!r) {
-    mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path[m]);
+    mr_log(MR_LOG_ERROR, "grpc: out of memory posting a %s call", es__method_path(m));
     return;
   }
   r->srv = s;
-  r->cqt = t;
+  r->cq_thread = t;
   r->m = m;
   r->details = grpc_empty_slice();
   grpc_metadata_array_init(&r->md);
@@ -134,47 +115,9 @@ static void es__rpc_post(es_server *s, es_cqt *t, es_method m) {
                                                            &r->md, &r->payload, t->cq, t->cq, &r->t_new);
   if (ce != GRPC_CALL_OK) {
     if (!atomic_load(&s->stop_reposting))
-      mr_log(MR_LOG_ERROR, "grpc: request_registered_call(%s) failed: %d", es__method_path[m], ce);
+      mr_log(MR_LOG_ERROR, "grpc: request_registered_call(%s) failed: %d", es__method_path(m), ce);
     es__rpc_free(r);
   }
-}
-
-/* Answers a unary call: status, details (copied) and, for OK, reply (owned from here on). */
-void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details,
-                   grpc_byte_buffer *reply) {
-  grpc_op ops[4];
-  size_t n = 0;
-  memset(ops, 0, sizeof ops);
-  ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-  n++;
-  if (reply) {
-    r->reply = reply;
-    ops[n].op = GRPC_OP_SEND_MESSAGE;
-    ops[n].data.send_message.send_message = reply;
-    n++;
-  }
-  r->details = grpc_slice_from_copied_string(details ? details : "");
-  ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-  ops[n].data.send_status_from_server.status = status;
-  ops[n].data.send_status_from_server.status_details = &r->details;
-  n++;
-  ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-  ops[n].data.recv_close_on_server.cancelled = &r->cancelled;
-  n++;
-  grpc_call_error ce = grpc_call_start_batch(r->call, ops, n, &r->t_done, NULL);
-  if (ce != GRPC_CALL_OK) {
-    mr_log(MR_LOG_ERROR, "grpc: start_batch for %s reply failed: %d", es__method_path[r->m], ce);
-    es_server *s = r->srv;
-    es__rpc_free(r);
-    es__counter_dec(s, &s->live_calls);
-  }
-}
-
-void es__call_peer(grpc_call *call, char *buf, size_t len) {
-  char *p = grpc_call_get_peer(call);
-  /* Escaped once here: every log line that names a peer uses this copy. */
-  mr_log_escape(buf, len, p ? p : "?", p ? strlen(p) : 1);
-  gpr_free(p);
 }
 
 static void es__on_hello(es_rpc *r) {
@@ -334,7 +277,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
     es__rpc_free(r);
     return;
   }
-  if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cqt, r->m);
+  if (!atomic_load(&s->stop_reposting)) es__rpc_post(s, r->cq_thread, r->m);
   atomic_fetch_add(&s->live_calls, 1);
   bool control = r->m == ES_M_LOAD || r->m == ES_M_LOAD_STATUS || r->m == ES_M_UNLOAD;
   if (control && !s->auth_on) {
@@ -347,7 +290,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
   if (r->m != ES_M_HEALTH) {
     char peer[96];
     es__call_peer(r->call, peer, sizeof peer);
-    if (!es__auth_ok(s, &r->md, peer, es__method_name[r->m])) {
+    if (!es__auth_ok(s, &r->md, peer, es__method_name(r->m))) {
       es__rpc_reply(r, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG, NULL);
       return;
     }
@@ -366,7 +309,7 @@ static void es__on_rpc_new(es_rpc *r, bool ok) {
 /* ---- completion-queue threads ------------------------------------------------------------- */
 
 static void *es__cq_main(void *arg) {
-  es_cqt *t = arg;
+  es_cq_thread *t = arg;
   es_server *s = t->srv;
   char name[16];
   snprintf(name, sizeof name, "es-grpc-%u", t->idx);
@@ -378,12 +321,12 @@ static void *es__cq_main(void *arg) {
       for (int k = 0; k < ES_PREPOST_UNARY; k++) es__rpc_post(s, t, (es_method)m);
   }
   for (;;) {
-    /* With a small request held back (es__compute_offer), look for more events without
-     * blocking first: the queue running dry is what lets the request run inline. */
-    gpr_timespec until = t->deferred ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
-                                     : gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    /* With a small request held in the inline slot, look for more events without blocking
+     * first: the queue running dry is what lets the request run inline (es_inline.c). */
+    gpr_timespec until = es__inline_held(t) ? gpr_inf_past(GPR_CLOCK_MONOTONIC)
+                                            : gpr_inf_future(GPR_CLOCK_MONOTONIC);
     grpc_event ev = grpc_completion_queue_next(t->cq, until, NULL);
-    if (ev.type != GRPC_OP_COMPLETE) es__compute_deferred(s, t);
+    if (ev.type != GRPC_OP_COMPLETE) es__inline_run(t);
     if (ev.type == GRPC_QUEUE_SHUTDOWN) break;
     if (ev.type != GRPC_OP_COMPLETE) continue;
     es_tag *tag = ev.tag;
@@ -392,6 +335,7 @@ static void *es__cq_main(void *arg) {
     case ES_TAG_RPC_NEW: es__on_rpc_new(tag->obj, ok); break;
     case ES_TAG_RPC_DONE: {
       es_rpc *r = tag->obj;
+      PR_HB_ACQUIRE(r); /* its reply may have been started by es-ctl-load (es_rpc.c) */
       es__rpc_free(r);
       es__counter_dec(s, &s->live_calls);
       break;
@@ -414,10 +358,10 @@ static void *es__cq_main(void *arg) {
 
 int es__grpc_start(es_server *s, mr_err *e) {
   grpc_server_start(s->gs);
-  for (uint32_t i = 0; i < s->n_cqts; i++) {
-    int err = pthread_create(&s->cqts[i].thread, NULL, es__cq_main, &s->cqts[i]);
+  for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+    int err = pthread_create(&s->cq_threads[i].thread, NULL, es__cq_main, &s->cq_threads[i]);
     if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start gRPC thread %u: error %d", i, err);
-    s->cqts[i].started = true;
+    s->cq_threads[i].started = true;
   }
   return 0;
 }
@@ -445,7 +389,7 @@ void es__grpc_shutdown_begin(es_server *s) {
   if (!s->gs || s->shutdown_called) return;
   atomic_store(&s->stop_reposting, true);
   s->shutdown_called = true;
-  grpc_server_shutdown_and_notify(s->gs, s->cqts[0].cq, &s->t_shutdown);
+  grpc_server_shutdown_and_notify(s->gs, s->cq_threads[0].cq, &s->t_shutdown);
 }
 
 void es__grpc_destroy(es_server *s) {
@@ -453,28 +397,28 @@ void es__grpc_destroy(es_server *s) {
     if (!atomic_load(&s->shutdown_notified)) {
       es__grpc_shutdown_begin(s);
       grpc_server_cancel_all_calls(s->gs);
-      if (!s->cqts[0].started) es__cq_drain_unthreaded(s, s->cqts[0].cq, true);
+      if (!s->cq_threads[0].started) es__cq_drain_unthreaded(s, s->cq_threads[0].cq, true);
       /* With the threads running, they see the notification; the calls were cancelled, so it
        * comes as soon as their last batches complete. */
       while (!atomic_load(&s->shutdown_notified)) usleep(1000);
     }
-    for (uint32_t i = 0; i < s->n_cqts; i++) grpc_completion_queue_shutdown(s->cqts[i].cq);
-    for (uint32_t i = 0; i < s->n_cqts; i++) {
-      if (s->cqts[i].started) {
-        pthread_join(s->cqts[i].thread, NULL);
-        s->cqts[i].started = false;
+    for (uint32_t i = 0; i < s->n_cq_threads; i++) grpc_completion_queue_shutdown(s->cq_threads[i].cq);
+    for (uint32_t i = 0; i < s->n_cq_threads; i++) {
+      if (s->cq_threads[i].started) {
+        pthread_join(s->cq_threads[i].thread, NULL);
+        s->cq_threads[i].started = false;
       } else {
-        es__cq_drain_unthreaded(s, s->cqts[i].cq, false);
+        es__cq_drain_unthreaded(s, s->cq_threads[i].cq, false);
       }
     }
     grpc_server_destroy(s->gs);
     s->gs = NULL;
   }
 
-  if (s->cqts) {
-    for (uint32_t i = 0; i < s->n_cqts; i++)
-      if (s->cqts[i].cq) grpc_completion_queue_destroy(s->cqts[i].cq);
-    mr_free(s->cqts);
-    s->cqts = NULL;
+  if (s->cq_threads) {
+    for (uint32_t i = 0; i < s->n_cq_threads; i++)
+      if (s->cq_threads[i].cq) grpc_completion_queue_destroy(s->cq_threads[i].cq);
+    mr_free(s->cq_threads);
+    s->cq_threads = NULL;
   }
 }

@@ -136,6 +136,18 @@ static int es__expect_expert(es_server *s, const mr_st *st, uint32_t l, uint32_t
   return rc ? es__file_err(e, rc, "model %s", s->model_dir) : 0;
 }
 
+bool es__mem_available(uint64_t *bytes) {
+  FILE *f = fopen("/proc/meminfo", "r");
+  if (!f) return false;
+  char line[256];
+  unsigned long long kb;
+  bool found = false;
+  while (!found && fgets(line, sizeof line, f)) found = sscanf(line, "MemAvailable: %llu kB", &kb) == 1;
+  fclose(f);
+  if (found) *bytes = (uint64_t)kb * 1024u;
+  return found;
+}
+
 void es__loading_msg(es_server *s, char *buf, size_t len) {
   snprintf(buf, len, "loading: %llu of %llu tensors (%.2f of %.2f GB) loaded; not serving yet",
            (unsigned long long)atomic_load(&s->load_tensors_done),

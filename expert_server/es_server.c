@@ -42,34 +42,6 @@ void es_server_opts_init(es_server_opts *o) {
   o->metrics_listen = NULL;
 }
 
-/* Bytes of memory available now (MemAvailable), or 0 when /proc/meminfo cannot be read. */
-static uint64_t es__mem_available(void) {
-  FILE *f = fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  unsigned long long kb = 0;
-  while (fgets(line, sizeof line, f))
-    if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) break;
-  fclose(f);
-  return (uint64_t)kb * 1024u;
-}
-
-/* The admission budget: the option, or a quarter of the memory left once the weights are in,
- * within ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests.
- * es_server_new checks an explicit option; the auto budget is taken when loading ends
- * (es_admin.c). */
-uint64_t es__inflight_budget(const es_server *s) {
-  uint64_t max_req = (uint64_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
-  uint64_t floor = max_req * ES_INFLIGHT_MIN_REQUESTS;
-  uint64_t b = s->opts.max_inflight_bytes;
-  if (b == 0) {
-    b = es__mem_available() / 4;
-    if (b < ES_AUTO_INFLIGHT_MIN) b = ES_AUTO_INFLIGHT_MIN;
-    if (b > ES_AUTO_INFLIGHT_MAX) b = ES_AUTO_INFLIGHT_MAX;
-  }
-  return b < floor ? floor : b;
-}
-
 /* The checks that need no model. main.c checks the same ranges while parsing, to name the
  * flag as typed; these protect library callers. */
 static int es__opts_check(const es_server_opts *o, mr_err *e) {
@@ -123,6 +95,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   pthread_cond_init(&s->q_cond, NULL);
   pthread_mutex_init(&s->tab_lock, NULL);
   pthread_mutex_init(&s->ctl_lock, NULL);
+  pthread_cond_init(&s->ctl_cond, NULL);
   mr_arena_init(&s->arena, ES_COMPUTE_ARENA_BLOCK);
 
   s->opts = *opts;
@@ -253,6 +226,7 @@ void es_server_free(es_server *s) {
   pthread_mutex_destroy(&s->q_lock);
   pthread_mutex_destroy(&s->streams_lock);
   pthread_mutex_destroy(&s->tab_lock);
+  pthread_cond_destroy(&s->ctl_cond);
   pthread_mutex_destroy(&s->ctl_lock);
   mr_free(s);
 }

@@ -1,6 +1,7 @@
 /*
  * es_stream.c - the Forward streams: decode + validate each request, hand it to the compute
- * queue, and send the replies one at a time through the stream's send queue.
+ * side (es__inline_offer), take its reply back (es_job_ops) and send the replies one at a
+ * time through the stream's send queue; admission (the byte budget) and the stall cut.
  *
  * One Forward stream, as batches on its call:
  *
@@ -11,30 +12,49 @@
  *            (over --max-streams, or during a drain: {SEND_INITIAL_METADATA} and the final
  *            batch with RESOURCE_EXHAUSTED / UNAVAILABLE, nothing read)
  *   request  RECV_MESSAGE completes with a message: decode + validate; a valid request goes
- *            to the compute queue (or is held for inline compute, internal.h), a bad one
- *            gets an error reply at once; re-arm {RECV_MESSAGE} (one is outstanding while
- *            the stream is open, except while its request is held: then the re-arm waits
- *            until the reply's send has started, es__stream_recv_resume, because gRPC
+ *            to the compute side (or is held in the CQ thread's inline slot, es_inline.c), a
+ *            bad one gets an error reply at once; re-arm {RECV_MESSAGE} (one is outstanding
+ *            while the stream is open, except while its request is held: then the re-arm
+ *            waits for the slot to let go of it, es__stream_recv_resume, because gRPC
  *            answers the re-arm with a WINDOW_UPDATE write that would otherwise go out on
  *            its own ahead of the reply)
- *   reply    the compute thread (or the CQ thread, inline) queues the encoded reply; if no
- *            SEND_MESSAGE is in flight it starts {SEND_MESSAGE} itself (under the lock),
- *            else the CQ thread starts the next one when the current send completes -> t_send
+ *   reply    whoever answered the job (the compute thread, the CQ thread inline, the admin
+ *            thread after a drain timeout) hands it back through es__stream_job_ops: the
+ *            encoded reply joins the send queue; if no SEND_MESSAGE is in flight that thread
+ *            starts {SEND_MESSAGE} itself (under the lock), else the CQ thread starts the
+ *            next one when the current send completes                          -> t_send
  *   end      RECV_MESSAGE completes empty (half-close) or fails (client gone), or the drain
  *            asks to finish: once nothing is pending,
  *            {SEND_STATUS_FROM_SERVER OK}                                      -> t_final
  *   free     after t_final, t_close and any outstanding t_recv have completed (CQ thread)
  *
- * Admission: before re-arming RECV the stream checks its own limits (ES_STREAM_MAX_*) and
- * the server's byte budget (srv->held_bytes < max_inflight_bytes, or nothing of its own
- * pending); over the budget it pauses (mem_paused) until es__streams_service, run by the
- * admin loop when bytes are returned, re-arms it. HTTP/2 flow control holds the client
- * meanwhile. A reply whose send has not completed after --stall-timeout-ms (the client
- * stopped reading) cuts the stream with RESOURCE_EXHAUSTED, which frees what it held.
+ * The read side, as flags under st->lock (at most one of the first four holds):
  *
- * Threads: the CQ thread of the call runs every es__on_stream_* handler; the compute thread
- * calls es__stream_send; the admin thread calls es__grpc_finish_streams. The shared fields
- * are under es_stream.lock (internal.h has the lock order). Only the CQ thread frees a stream.
+ *   recv_inflight  a RECV_MESSAGE is armed
+ *   recv_held      its request sits in the inline slot; es__stream_recv_resume re-arms
+ *   recv_paused    over its own limits (ES_STREAM_MAX_*); re-armed below half of them
+ *   mem_paused     over the server's byte budget; re-armed by es__streams_service or the
+ *                  next completed send once the budget has room
+ *   recv_done      never again: half-close, a failed call, a refusal, or the drain
+ *
+ * A stream may end only when recv_done (or finish_requested) holds and nothing is pending
+ * (es__stream_maybe_finish_locked), and may be freed only when no batch of its call is
+ * outstanding and no thread is inside a handler for it (es__stream_dead_locked).
+ *
+ * Admission: before re-arming RECV the stream checks its own limits (ES_STREAM_MAX_*) and
+ * reserves its next message's size in the server's byte budget (es__stream_reserve_locked:
+ * held + reserved bytes under max_inflight_bytes, or under a quarter more for a stream with
+ * nothing of its own pending); over the budget it pauses (mem_paused) until
+ * es__streams_service, run by the admin loop when bytes are returned, re-arms it. HTTP/2
+ * flow control holds the client meanwhile. A reply whose send has not completed after
+ * --stall-timeout-ms (the client stopped reading) cuts the stream with RESOURCE_EXHAUSTED,
+ * which frees what it held.
+ *
+ * Threads: the CQ thread of the call runs every es__on_stream_* handler and
+ * es__stream_recv_resume; whoever answers a job runs es__stream_send (through the job's
+ * ops); the admin thread runs es__streams_finish and es__streams_service. The shared fields
+ * are under es_stream.lock (after streams_lock, before q_lock: internal.h). Only the CQ
+ * thread frees a stream.
  */
 #include <inttypes.h>
 #include <stdio.h>
@@ -49,16 +69,47 @@
 #define ES_STREAM_MAX_PENDING 128u
 #define ES_STREAM_MAX_BYTES ((size_t)64 << 20)
 
-void es__held_add(es_server *s, size_t n) {
+/* Charges n bytes to the admission budget (any thread). */
+static void es__held_add(es_server *s, size_t n) {
   long long now = atomic_fetch_add(&s->held_bytes, (long long)n) + (long long)n;
   long long peak = atomic_load(&s->held_peak);
   while (now > peak && !atomic_compare_exchange_weak(&s->held_peak, &peak, now)) {
   }
 }
 
-void es__held_sub(es_server *s, size_t n) {
+/* Returns n bytes; wakes the admin loop to resume paused streams once below the budget. */
+static void es__held_sub(es_server *s, size_t n) {
   atomic_fetch_sub(&s->held_bytes, (long long)n);
   if (atomic_load(&s->mem_paused) > 0) es__admin_wake(s); /* paused streams may fit now */
+}
+
+uint64_t es__inflight_budget(const es_server *s) {
+  uint64_t max_req = (uint64_t)s->opts.max_tokens * s->cfg.hidden_size * 4u;
+  uint64_t floor = max_req * ES_INFLIGHT_MIN_REQUESTS;
+  uint64_t b = s->opts.max_inflight_bytes;
+  if (b == 0) {
+    uint64_t avail;
+    b = es__mem_available(&avail) ? avail / 4 : 0;
+    if (b < ES_AUTO_INFLIGHT_MIN) b = ES_AUTO_INFLIGHT_MIN;
+    if (b > ES_AUTO_INFLIGHT_MAX) b = ES_AUTO_INFLIGHT_MAX;
+  }
+  return b < floor ? floor : b;
+}
+
+/* Releases what a settled job holds (reply, request header, buffer, table reference), its
+ * units of the inflight count and of the byte budget, and returns it to the pool. */
+static void es__job_release(es_server *s, es_job *job) {
+  if (job->reply) grpc_byte_buffer_destroy(job->reply);
+  if (job->req) moerpc__v1__forward_request__free_unpacked(job->req, NULL);
+  if (job->buf) es__buf_release(job->buf);
+  es__tab_put(job->tab);
+  job->tab = NULL;
+  if (job->counted) {
+    if (!job->sent && atomic_load(&s->draining)) atomic_fetch_add(&s->lost_in_drain, 1);
+    es__counter_dec(s, &s->inflight);
+  }
+  if (job->held) es__held_sub(s, job->held);
+  es__job_put(&s->pool, job);
 }
 
 void es__stream_free(es_stream *st) {
@@ -81,14 +132,14 @@ void es__stream_free(es_stream *st) {
   if (was_live) es__counter_dec(s, &s->live_calls);
 }
 
-void es__stream_post(es_server *s, es_cqt *t) {
+void es__stream_post(es_server *s, es_cq_thread *t) {
   es_stream *st = mr_calloc(1, sizeof *st);
   if (!st) {
     mr_log(MR_LOG_ERROR, "grpc: out of memory posting a Forward call");
     return;
   }
   st->srv = s;
-  st->cqt = t;
+  st->cq_thread = t;
   st->details = grpc_empty_slice();
   grpc_metadata_array_init(&st->md);
   pthread_mutex_init(&st->lock, NULL);
@@ -98,9 +149,10 @@ void es__stream_post(es_server *s, es_cqt *t) {
   st->t_final = (es_tag){ES_TAG_STREAM_FINAL, st};
   st->t_close = (es_tag){ES_TAG_STREAM_CLOSE, st};
   st->t_init = (es_tag){ES_TAG_STREAM_INIT, st};
-  st->heap_idx = -1;
+  st->lane.heap_idx = -1;
+  st->lane.name = st->peer;
   st->final_status = GRPC_STATUS_OK;
-  atomic_init(&st->dead, false);
+  atomic_init(&st->lane.dead, false);
   grpc_call_error ce = grpc_server_request_registered_call(s->gs, s->rm[ES_M_FORWARD], &st->call,
                                                            &st->deadline, &st->md, NULL, t->cq, t->cq,
                                                            &st->t_new);
@@ -111,7 +163,10 @@ void es__stream_post(es_server *s, es_cqt *t) {
   }
 }
 
-/* True when nothing refers to st any more: only then may the CQ thread free it. */
+/* True when nothing refers to st any more: only then may the CQ thread free it. Every
+ * batch of the call has completed (the final one; the close one, if it was started; a
+ * RECV; a lone initial metadata) and no handler is inside es__stream_on_request (busy).
+ * Jobs cannot still point at it: the final batch starts only once jobs_pending is 0. */
 static bool es__stream_dead_locked(const es_stream *st) {
   return st->final_done && (st->close_done || !st->close_started) && !st->recv_inflight &&
          !st->init_inflight && !st->busy;
@@ -141,6 +196,8 @@ static void es__stream_recv_locked(es_stream *st, bool first) {
   grpc_call_error ce = grpc_call_start_batch(st->call, ops, n, &st->t_recv, NULL);
   if (ce != GRPC_CALL_OK) {
     mr_log(MR_LOG_ERROR, "stream %s: start_batch(RECV_MESSAGE) failed: %d", st->peer, ce);
+    /* No message can come: the stream is done reading, and the room reserved for the
+     * message goes back to the budget at once (no completion will return it). */
     st->recv_done = true;
     atomic_fetch_sub(&st->srv->reserved_bytes, (long long)st->reserved);
     st->reserved = 0;
@@ -152,8 +209,13 @@ static void es__stream_recv_locked(es_stream *st, bool first) {
 /* Starts the final batch once the stream is closing and nothing is pending. Any thread;
  * caller holds st->lock. */
 static void es__stream_maybe_finish_locked(es_stream *st) {
+  /* Not while the CQ thread is inside es__stream_on_request (busy: a request is being
+   * taken and will be pending in a moment) nor while any request waits for its reply or
+   * for its send: the status must follow the last reply on the wire. */
   if (st->final_started || st->busy || st->jobs_pending > 0) return;
+  /* Only once nothing more will be read, or the drain asked the stream to end. */
   if (!st->recv_done && !st->finish_requested) return;
+  /* Every reply is settled (jobs_pending 0), so neither a send nor a queued reply is left. */
   MR_ASSERT(!st->sending && !st->sq_head);
   st->final_started = true;
   grpc_op ops[2];
@@ -182,10 +244,12 @@ static void es__stream_settle_locked(es_stream *st, es_job *j) {
   MR_ASSERT(st->jobs_pending > 0 && st->bytes_pending >= j->nbytes);
   st->jobs_pending--;
   st->bytes_pending -= j->nbytes;
-  es__job_done(st->srv, j);
+  es__job_release(st->srv, j);
 }
 
-/* True while the stream holds more unanswered work than a client should keep in flight. */
+/* True while the stream holds more unanswered work than a client should keep in flight:
+ * div 1 to decide to pause, div 2 to decide to resume (below half of both limits), so that
+ * a stream at the edge does not flip between the two on every reply. */
 static bool es__stream_over_limit_locked(const es_stream *st, uint32_t div) {
   size_t max_bytes = ES_STREAM_MAX_BYTES;
   size_t max_req = (size_t)st->srv->opts.max_tokens * st->srv->cfg.hidden_size * 4u;
@@ -206,7 +270,10 @@ static bool es__stream_reserve_locked(es_stream *st) {
   es_server *s = st->srv;
   long long want = (long long)es__stream_expect(st);
   long long limit = (long long)s->max_inflight_bytes;
-  if (st->jobs_pending == 0) limit += limit / 4;
+  if (st->jobs_pending == 0) limit += limit / 4; /* the reserve, for streams with nothing pending */
+  /* r counts this reservation with every other one, so of two threads racing for the last
+   * room at least one sees the other's and backs off. held_bytes may move meanwhile; it
+   * only grows by requests that had reserved their room first. */
   long long r = atomic_fetch_add(&s->reserved_bytes, want) + want;
   if (atomic_load(&s->held_bytes) + r > limit) {
     atomic_fetch_sub(&s->reserved_bytes, want);
@@ -233,10 +300,12 @@ static void es__stream_rearm_locked(es_stream *st) {
 }
 
 /* Takes st's queued jobs out of the compute queue and releases them: the call is dead, nobody
- * will read their replies. Caller holds st->lock. */
+ * will read their replies. Caller holds st->lock (q_lock comes after it). A job in a CQ
+ * thread's inline slot is not in the queue: it is answered CANCELLED, uncomputed, when the
+ * slot runs (lane.dead), and its send then fails like any other. */
 static void es__stream_purge_locked(es_stream *st) {
   uint32_t n = 0;
-  es_job *list = es__compute_detach(st->srv, st, &n);
+  es_job *list = es__compute_detach(st->srv, &st->lane, &n);
   if (!n) return;
   atomic_fetch_add(&st->srv->n_dropped, n);
   atomic_fetch_add_explicit(&st->srv->tot_dropped, n, memory_order_relaxed);
@@ -253,7 +322,7 @@ static void es__stream_purge_locked(es_stream *st) {
  * counts as done receiving (else it could never finish). Caller holds st->lock. */
 static void es__stream_fail_locked(es_stream *st) {
   st->send_failed = true;
-  atomic_store(&st->dead, true);
+  atomic_store(&st->lane.dead, true);
   if (st->recv_paused || st->mem_paused) {
     if (st->mem_paused) atomic_fetch_sub(&st->srv->mem_paused, 1);
     st->recv_paused = st->mem_paused = false;
@@ -298,7 +367,9 @@ static void es__stream_send_next_locked(es_stream *st) {
   }
 }
 
-void es__stream_send(es_stream *st, es_job *job) {
+/* Queues job's encoded reply and starts its send if none is in flight; a job without a
+ * reply (out of memory) ends the call. Any thread; takes st->lock. */
+static void es__stream_send(es_stream *st, es_job *job) {
   pthread_mutex_lock(&st->lock);
   if (!job->reply && !st->send_failed) {
     /* No reply could be encoded (out of memory): end the stream so the client learns. */
@@ -309,9 +380,12 @@ void es__stream_send(es_stream *st, es_job *job) {
     if (!st->sending) es__stream_drop_queue_locked(st);
   }
   if (st->send_failed) {
+    /* Nobody will read it: settle it now, and this may have been the last pending job the
+     * final batch waited for. */
     es__stream_settle_locked(st, job);
     es__stream_maybe_finish_locked(st);
   } else {
+    /* One SEND_MESSAGE in flight per call (gRPC's rule): queue behind it, or start now. */
     job->next = NULL;
     if (st->sq_tail) st->sq_tail->next = job;
     else st->sq_head = job;
@@ -319,6 +393,24 @@ void es__stream_send(es_stream *st, es_job *job) {
     if (!st->sending) es__stream_send_next_locked(st);
   }
   pthread_mutex_unlock(&st->lock);
+}
+
+static void es__stream_recv_resume(es_stream *st);
+
+/* How a job comes back to its stream (es_job_ops, internal.h): its reply goes to the send
+ * queue; a request held in the inline slot re-arms the RECV it held back. */
+static void es__stream_job_done(es_job *job, void *owner) { es__stream_send(owner, job); }
+static void es__stream_job_released(void *owner) { es__stream_recv_resume(owner); }
+static const es_job_ops es__stream_job_ops = {
+    .done = es__stream_job_done,
+    .released = es__stream_job_released,
+};
+
+/* Makes st the owner of a new job: its lane, its way back. */
+static void es__stream_job_init(es_stream *st, es_job *job) {
+  job->lane = &st->lane;
+  job->ops = &es__stream_job_ops;
+  job->owner = st;
 }
 
 /* Answers one request of st at once with an error (CQ thread). counted: the request holds a
@@ -335,7 +427,7 @@ static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, 
                        pr_status_name((grpc_status_code)status), msg);
   es_job *job = es__job_get(&s->pool);
   if (job) {
-    job->st = st;
+    es__stream_job_init(st, job);
     job->id = id;
     job->status = status;
     job->counted = counted;
@@ -396,7 +488,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     goto out_free_input;
   }
   /* Validated against the current owned table, which the job keeps until it is done
-   * (es_control.c): a switch meanwhile does not take its experts away. */
+   * (es_table.c): a switch meanwhile does not take its experts away. */
   es_table *tab = es__tab_get(s);
   rc = es_forward_validate(req, st->split.payload.len, &tab->lim, &e);
   if (rc) {
@@ -426,7 +518,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
     goto out_free_input;
   }
-  job->st = st;
+  es__stream_job_init(st, job);
   job->tab = tab;
   job->req = req;
   req = NULL;
@@ -445,11 +537,13 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   job->held = es__request_cost(buf->cap, job->n_tokens, job->top_k);
   es__held_add(s, job->held);
   st->expect = job->held; /* the next request is likely of the same size (CQ thread field) */
+  /* Pending from here until its reply is sent or dropped: the final batch waits for it. */
   pthread_mutex_lock(&st->lock);
   st->jobs_pending++;
   st->bytes_pending += job->nbytes;
   pthread_mutex_unlock(&st->lock);
-  held = es__compute_offer(s, st->cqt, job);
+  /* To the compute side; true when the inline slot holds it (the RECV then waits). */
+  held = es__inline_offer(st->cq_thread, job);
 out_free_input:
   if (req) moerpc__v1__forward_request__free_unpacked(req, NULL);
   mr_free(segs);
@@ -483,13 +577,15 @@ void es__on_stream_new(es_stream *st, bool ok) {
     es__stream_free(st);
     return;
   }
-  if (!atomic_load(&s->stop_reposting)) es__stream_post(s, st->cqt);
+  if (!atomic_load(&s->stop_reposting)) es__stream_post(s, st->cq_thread);
   atomic_fetch_add(&s->live_calls, 1);
   st->t_new.obj = NULL; /* marks the stream as counted in live_calls, for es__stream_free */
   es__call_peer(st->call, st->peer, sizeof st->peer);
   bool authed = es__auth_ok(s, &st->md, st->peer, "Forward");
   mr_log(MR_LOG_DEBUG, "stream from %s opened", st->peer);
 
+  /* Listed under streams_lock, where the drain's es__streams_finish reads `finishing` too:
+   * a stream accepted after the drain asked every stream to finish still learns it. */
   pthread_mutex_lock(&s->streams_lock);
   st->next = s->streams;
   if (s->streams) s->streams->prev = st;
@@ -501,10 +597,12 @@ void es__on_stream_new(es_stream *st, bool ok) {
     st->listed = true;
   }
   uint32_t n_open = s->n_streams;
-  pthread_mutex_lock(&st->lock);
+  pthread_mutex_lock(&st->lock); /* taken before streams_lock is let go: the lock order */
   pthread_mutex_unlock(&s->streams_lock);
   st->finish_requested = finishing;
   es__stream_close_start_locked(st);
+  /* Then the first of: refused (token, cap, drain, loading: final batch only, nothing read),
+   * paused on the budget (initial metadata only), or read. */
   if (!authed) {
     /* No request is read; nothing is counted against the stream cap. */
     es__stream_refuse_locked(st, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG);
@@ -569,6 +667,9 @@ void es__on_stream_close(es_stream *st, bool ok) {
 void es__on_stream_recv(es_stream *st, bool ok) {
   grpc_byte_buffer *bb = st->recv_bb;
   st->recv_bb = NULL;
+  /* A message is taken unless the stream has already ended (a drain that finished it while
+   * the RECV was out). busy keeps the final batch and the free away while the lock is let
+   * go for the decode and the validation. */
   pthread_mutex_lock(&st->lock);
   st->recv_inflight = false;
   bool take = ok && bb && !st->final_started;
@@ -607,7 +708,9 @@ void es__on_stream_recv(es_stream *st, bool ok) {
   if (dead) es__stream_free(st);
 }
 
-void es__stream_recv_resume(es_stream *st) {
+/* CQ thread: re-arms the RECV that es__on_stream_recv held back while the stream's request
+ * was held in the inline slot, once the slot let go of it (recv_held). */
+static void es__stream_recv_resume(es_stream *st) {
   pthread_mutex_lock(&st->lock);
   MR_ASSERT(st->recv_held);
   st->recv_held = false;
@@ -637,6 +740,8 @@ void es__on_stream_send(es_stream *st, bool ok) {
   }
   if (st->send_failed) es__stream_drop_queue_locked(st);
   else if (st->sq_head) es__stream_send_next_locked(st);
+  /* A reply sent frees room in the stream's own limits and in the budget: a paused stream
+   * may read again (or, finishing, never will). */
   if ((st->recv_paused || st->mem_paused) && st->finish_requested) {
     /* The drain ends the stream: reads stay off for good. */
     if (st->mem_paused) atomic_fetch_sub(&st->srv->mem_paused, 1);
@@ -665,7 +770,7 @@ void es__on_stream_final(es_stream *st, bool ok) {
   if (dead) es__stream_free(st);
 }
 
-void es__grpc_finish_streams(es_server *s) {
+void es__streams_finish(es_server *s) {
   pthread_mutex_lock(&s->streams_lock);
   s->finishing = true;
   for (es_stream *st = s->streams; st; st = st->next) {

@@ -1,72 +1,83 @@
 /*
  * internal.h - what the files of expert_server/ share. Not a public header.
  *
- * Files:
- *   es_server.c    es_server_new/free: options, start-up order, teardown order
- *   es_load.c      config + safetensors -> one kn_layer per owned layer, progress log
- *   es_grpc.c      gRPC set-up and teardown, completion-queue threads, unary Hello/Stats/Health
- *   es_stream.c    Forward streams: decode, validate, hand to compute; send queues;
- *                  backpressure and the byte budget; dead streams; the stall cut
- *   es_compute.c   the fair compute queue, merging of same-layer requests, deadlines, replies
- *   es_pool.c      reusable request/reply buffers and job records
- *   es_admin.c     es_server_run: the libuv loop, signals, metrics timer, the loader thread,
- *                  the drain sequence
- *   es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
- *   es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite (pure)
- *   es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
- *   es_control.c   live placement: the owned table (RCU-like), LoadExperts / LoadStatus /
- *                  UnloadExperts, the live loader thread, retiring old tables
+ * Files, by floor. A file calls only files listed after it (below it, or to its right on its
+ * floor), so no files call each other in a circle; where work must go back up, it goes
+ * through a callback or a field set at start-up (es_job_ops, the admin doorbell srv->wake),
+ * named under "Threads".
+ *
+ *   top      es_server.c    es_server_new/free: options, start-up order, teardown order
+ *            es_admin.c     es_server_run: the libuv loop (signals, timers, housekeeping),
+ *                           the loader thread, the drain sequence
+ *            es_grpc.c      gRPC set-up and teardown, the completion-queue threads that
+ *                           dispatch every event, the unary Hello / Stats / Health
+ *   middle   es_stream.c    Forward streams: decode, validate, hand to compute; send queues;
+ *                           admission (the byte budget); dead streams; the stall cut
+ *            es_inline.c    the inline run: a small request computed on its CQ thread
+ *            es_control.c   live placement: LoadExperts / LoadStatus / UnloadExperts and the
+ *                           es-ctl-load thread
+ *            es_compute.c   jobs and the engine: the fair queue, merging, kn_moe_forward,
+ *                           deadlines, the replies' encoding, the compute thread
+ *            es_table.c     the owned table (RCU-like), its memory rule, retiring old tables
+ *   bottom   es_rpc.c       answering a unary call: the reply batch, status, peer, method names
+ *            es_load.c      config + safetensors -> one kn_layer per owned layer, progress,
+ *                           MemAvailable
+ *            es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
+ *            es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
+ *            es_pool.c      reusable request/reply buffers and job records
+ *            es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite
+ *                           (pure)
  *
  * Threads and where they meet (STYLE.md 8):
  *
- *   CQ thread i (es_cqt)   owns every call accepted on cqts[i].cq. It decodes and validates
- *                          each ForwardRequest, gathers its payload once into an es_buf and
- *                          pushes an es_job onto the compute queue (q_lock + q_cond), or runs
- *                          a small one itself (below). It also starts the next send of a
- *                          stream when one completes.
- *   compute thread         pops jobs (q_lock), runs kn_moe_forward, writes each reply into the
- *                          job's buffer and hands the job to its stream's send queue
- *                          (es__stream_send: under the stream's lock, and starts the send
- *                          batch itself when none is in flight).
- *   loader thread          es_server_run's first part: packs the owned experts (es__load_weights)
- *                          while the gRPC threads already answer health (and UNAVAILABLE
- *                          "loading" to everything else); publishes progress in atomics,
- *                          ends with es__admin_wake. The admin thread joins it, then starts
- *                          the compute thread and sets srv->loaded (release): every thread
- *                          reads the weights, the engine and max_inflight_bytes only after
- *                          seeing loaded.
- *   metrics thread         the mr_http_server responder (common/http.c): es__metrics_render
- *                          reads atomics, and q_len / n_streams under q_lock / streams_lock,
- *                          one at a time, holding no other lock.
- *   admin (libuv) thread   the thread in es_server_run. Learns about drain progress through
- *                          es__admin_wake (uv_async_send) and the atomics below; during the
- *                          drain it walks the stream list (streams_lock) to finish streams.
+ *   es-grpc-<i> (es_cq_thread)  owns every call accepted on cq_threads[i].cq: all of a
+ *                        call's events come to it, so a unary call needs no lock. It decodes
+ *                        and validates each ForwardRequest, gathers its payload once into an
+ *                        es_buf and offers the es_job to the compute side (es__inline_offer:
+ *                        the compute queue, q_lock + q_cond, or its own inline slot, below).
+ *                        It starts the next send of a stream when one completes, and frees
+ *                        every call of its queue.
+ *   es-compute           takes jobs (q_lock), runs kn_moe_forward, writes each reply into
+ *                        the job's buffer and gives the job back through job->ops->done: the
+ *                        stream queues the reply (under its lock) and starts the send batch
+ *                        itself when none is in flight.
+ *   es-loader            es_server_run's first part: packs the owned experts
+ *                        (es__load_weights) while the gRPC threads already answer health (and
+ *                        UNAVAILABLE "loading" to everything else); publishes progress in
+ *                        atomics, ends by ringing the admin doorbell. The admin thread joins
+ *                        it, then creates the first table, starts es-compute and sets
+ *                        srv->loaded (release): every thread reads the weights, the engine
+ *                        and max_inflight_bytes only after seeing loaded.
+ *   es-ctl-load          es_control.c, started by the first LoadExperts: takes the queued
+ *                        LoadExperts calls (ctl_lock + ctl_cond) one at a time, reads the
+ *                        model's headers, answers the call, packs the experts into staging
+ *                        layers nobody else sees and publishes a new es_table (ctl_lock).
+ *                        Requests hold a reference to the table they were validated against
+ *                        (es_job.tab) until their reply is sent; the admin thread frees
+ *                        retired tables once unreferenced.
+ *   mr-metrics           the mr_http_server responder (common/http.c): es__metrics_render
+ *                        reads atomics, and q_len / n_streams under q_lock / streams_lock,
+ *                        one at a time, holding no other lock.
+ *   admin (libuv)        the thread in es_server_run. Other threads reach it only through
+ *                        its doorbell (es__admin_wake: uv_async_send on srv->wake, armed at
+ *                        start-up) and the atomics below; during the drain it walks the stream
+ *                        list (streams_lock) to finish streams.
+ *   kn-w*                the engine's workers (kernels/), driven by whoever holds the engine.
  *
- * Inline compute. Handing a request to the compute thread costs a wake-up (~15-20 µs on a
- * busy host) on every round trip, as much as the whole compute of a decode-sized request.
- * So a CQ thread holds back a request of at most ES_INLINE_MAX_TOKENS tokens
- * (es_cqt.deferred), polls its queue without blocking, and if no other request came in that
- * round, the compute queue is empty and the engine is idle, runs it itself. A second
- * request in the same round sends both to the compute queue, where they merge as before; a
- * busy engine or a non-empty queue sends the request there too. While it computes, the CQ
- * thread reads nothing: requests of other streams wait in gRPC (they would wait for the
- * engine anyway) and are read, and merged, in the next round; larger requests never run
- * inline, so that the thread stays responsive. The engine and the compute arena belong to
- * whoever set srv->computing (under q_lock): the compute thread or a CQ thread running one
- * job inline. The held request's stream re-arms its RECV only after the reply's send has
- * started (es_stream.recv_held, es_stream.c).
+ * Inline run (es_inline.c has the rule): a CQ thread may hold one small request back in its
+ * slot (es_cq_thread.inline_job) and, when its round of events is over and the engine is
+ * idle, compute it itself. The engine and the compute arena belong to whoever set
+ * srv->computing (under q_lock): es-compute or that CQ thread.
  *
- *   control loader         es_control.c: packs the experts of a LoadExperts into staging
- *                          layers (nobody else sees them), then publishes a new es_table
- *                          under ctl_lock. Requests hold a reference to the table they were
- *                          validated against (es_job.tab) until their reply is sent; the
- *                          admin thread frees retired tables once unreferenced.
- *
- * Lock order (never take an earlier lock while holding a later one):
+ * Lock order (never take an earlier lock while holding a later one; each lock's own
+ * comment says what it guards):
  *   srv->streams_lock  ->  es_stream.lock  ->  srv->q_lock  ->  es_pool.lock
- *   srv->ctl_lock  ->  srv->tab_lock (a leaf: held for a pointer read and an increment)
- * es_pool.lock is a leaf: gRPC may call the slice release callback (es__buf_release) from
- * inside grpc_byte_buffer_destroy while a stream lock is held.
+ *   srv->ctl_lock  ->  srv->tab_lock
+ * The two chains never nest: no table lock is taken under a stream or queue lock, and the
+ * control code answers its calls after letting ctl_lock go. es_pool.lock and tab_lock are
+ * leaves: gRPC may call the slice release callback (es__buf_release) from inside
+ * grpc_byte_buffer_destroy while a stream lock is held; tab_lock is held for a pointer read
+ * and an increment, or the swap.
  */
 #ifndef ES_INTERNAL_H
 #define ES_INTERNAL_H
@@ -96,7 +107,7 @@ typedef struct es_buf {
 #define ES_POOL_CLASSES 32
 typedef struct es_job es_job;
 typedef struct es_pool {
-  pthread_mutex_t lock; /* leaf lock, see the order at the top */
+  pthread_mutex_t lock; /* a leaf (order at the top): any thread, for the free lists only */
   es_buf *free[ES_POOL_CLASSES];
   uint32_t nfree[ES_POOL_CLASSES];
   uint32_t keep[ES_POOL_CLASSES]; /* most buffers kept per class */
@@ -158,7 +169,7 @@ typedef enum es_method {
   ES_M_COUNT
 } es_method;
 
-/* The owned set and its weights, as one immutable object (es_control.c). A new one is built
+/* The owned set and its weights, as one immutable object (es_table.c). A new one is built
  * and swapped in for every change; readers hold a reference (refs) from validation to the
  * reply, so an old table, and the weights only it holds, are freed (by the admin thread)
  * only once no request can use them. */
@@ -177,25 +188,28 @@ typedef struct es_table {
 } es_table;
 
 /* One gRPC thread with its completion queue. */
-typedef struct es_cqt {
+typedef struct es_cq_thread {
   struct es_server *srv;
   uint32_t idx;
   grpc_completion_queue *cq;
   pthread_t thread;
   bool started;
-  struct es_job *deferred; /* a small request held back for inline compute (this thread only) */
-} es_cqt;
+  struct es_job *inline_job; /* the inline slot: a small request held back to run on this
+                              * thread (es_inline.c; this thread only) */
+} es_cq_thread;
 
-/* Requests of at most this many tokens may run on the CQ thread (internal.h, top). Larger
+/* Requests of at most this many tokens may run on the CQ thread (es_inline.c). Larger
  * ones keep the CQ thread free to read other streams while they compute. */
 #define ES_INLINE_MAX_TOKENS 32u
 
 /* ---- calls -------------------------------------------------------------------------------- */
 
-/* A unary call (Hello, Stats, Health). Lives on its CQ thread only: no lock. */
+/* A unary call (Hello, Stats, Health, the control calls). Lives on its CQ thread, no lock:
+ * a LoadExperts is handed to es-ctl-load (through ctl_lock) until that thread starts its
+ * reply; the CQ thread frees it on ES_TAG_RPC_DONE (es_rpc.c). */
 typedef struct es_rpc {
   struct es_server *srv;
-  es_cqt *cqt;
+  es_cq_thread *cq_thread;
   es_method m;
   grpc_call *call;
   gpr_timespec deadline;
@@ -207,6 +221,66 @@ typedef struct es_rpc {
   es_tag t_new, t_done;
 } es_rpc;
 
+/* ---- jobs: what crosses from a call to the engine and back --------------------------------- */
+
+/* How a job comes back to whoever submitted it (STYLE.md 8). es_compute.c and es_inline.c
+ * know jobs, lanes and the engine only; the submitter (es_stream.c for every Forward request)
+ * sets job->ops and job->owner, and these callbacks are the only way back up. */
+typedef struct es_job_ops {
+  /* The job is answered: job->reply holds its encoded reply (OK or an error; NULL if even
+   * that could not be encoded). Takes the job back, which may be freed before this returns.
+   * Called once, by the thread that computed or skipped it (the compute thread, a CQ thread
+   * running it inline, or the admin thread answering queued jobs after a drain timeout),
+   * with no lock held. */
+  void (*done)(es_job *job, void *owner);
+  /* The inline slot (es_inline.c) let go of a job it held back: the job went to the compute
+   * queue, or its done has returned. CQ thread of the slot; owner is the job's, read before
+   * the job could be freed. */
+  void (*released)(void *owner);
+} es_job_ops;
+
+/* A submitter's lane in the fair compute queue (es_compute.c): its queued jobs in arrival
+ * order and its virtual finish time. One per Forward stream (es_stream.lane). Every field
+ * but `dead` and `name` is under srv->q_lock. */
+typedef struct es_lane {
+  es_job *head, *tail;
+  uint32_t len;
+  uint64_t vfinish;          /* virtual finish time of its last queued job */
+  int32_t heap_idx;          /* position in srv->q_heap, -1 when it has no queued job */
+  atomic_bool dead;          /* set by the submitter: nobody will read the replies, so its
+                              * jobs are answered (CANCELLED) without being computed */
+  const char *name;          /* for log lines (the stream's peer); set before the first job */
+} es_lane;
+
+/* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
+ * the compute queue (or the CQ thread's inline slot), the engine's user, and the owner's
+ * send queue. */
+struct es_job {
+  es_job *next;                    /* link in a lane, a send queue or the pool */
+  es_lane *lane;                   /* the lane it queues in */
+  const es_job_ops *ops;           /* how it comes back (set by the submitter) */
+  void *owner;                     /* passed to ops: the es_stream, which counts the job in
+                                    * its jobs_pending until the job is settled */
+  Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
+  es_table *tab;                   /* the owned table it was validated against (a reference) */
+  uint64_t id;
+  uint32_t layer, n_tokens, top_k;
+  mr_dtype dtype;
+  es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
+  size_t nbytes;                   /* payload bytes in buf */
+  bool counted;                    /* holds one unit of srv->inflight */
+  bool sent;                       /* its reply's SEND_MESSAGE completed */
+  size_t held;                     /* bytes charged to srv->held_bytes (es_stream.c) */
+  uint64_t deadline_ns;            /* mr_now_ns() past which it is not computed, 0 = none */
+  uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
+  uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
+  uint32_t status;                 /* gRPC status of the reply */
+  uint64_t t_enqueue_ns;
+  uint32_t queue_us, compute_us;
+  grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
+  size_t reply_bytes;              /* its length when its send started (metrics) */
+};
+
 /* A Forward stream. The fields above `lock` belong to the CQ thread (set once at accept or
  * only touched by it); the fields below are shared with the compute and admin threads and
  * are protected by `lock`.
@@ -217,7 +291,7 @@ typedef struct es_rpc {
  * batch and any outstanding RECV have completed). Only the CQ thread frees a stream. */
 typedef struct es_stream {
   struct es_server *srv;
-  es_cqt *cqt;
+  es_cq_thread *cq_thread;
   grpc_call *call;
   gpr_timespec deadline;
   grpc_metadata_array md;
@@ -229,22 +303,20 @@ typedef struct es_stream {
   es_tag t_new, t_recv, t_send, t_final, t_close, t_init;
   size_t expect;             /* CQ thread: bytes the next request is expected to hold */
   struct es_stream *prev, *next; /* srv->streams list, under srv->streams_lock */
-  atomic_bool dead;          /* the call is cancelled or broken: its queued work is dropped */
   bool listed;               /* counted in srv->n_streams (streams_lock) */
+  es_lane lane;              /* its jobs in the compute queue; lane.dead: the call is cancelled
+                              * or broken, its queued work is dropped */
 
-  /* The stream's jobs in the compute queue (fair queueing, es_compute.c): under srv->q_lock. */
-  es_job *cq_head, *cq_tail;
-  uint32_t cq_len;
-  uint64_t vfinish;          /* virtual finish time of its last queued job */
-  int32_t heap_idx;          /* position in srv->q_heap, -1 when it has no queued job */
-
-  pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock */
+  pthread_mutex_t lock;      /* lock order: after srv->streams_lock, before srv->q_lock and
+                              * es_pool.lock. Taken by the CQ thread (handlers), whoever
+                              * answers a job (its reply) and the admin thread (drain, budget,
+                              * stall cut); guards every field below */
   es_job *sq_head, *sq_tail; /* encoded replies waiting for the send slot */
   es_job *sending;           /* the reply whose SEND_MESSAGE is in flight, or NULL */
   uint32_t jobs_pending;     /* requests taken and not yet answered-and-sent (or dropped) */
   size_t bytes_pending;      /* their payload bytes (request buffers, then reply buffers) */
   bool recv_paused;          /* over the pending limits: RECV not re-armed until below half */
-  bool mem_paused;           /* over the server's byte budget: re-armed by es__streams_resume */
+  bool mem_paused;           /* over the server's byte budget: re-armed by es__streams_service */
   bool recv_inflight;        /* a RECV_MESSAGE batch is outstanding */
   bool recv_held;            /* RECV not re-armed until the held-back request's reply started */
   bool busy;                 /* the CQ thread is handling a received request: no final yet */
@@ -259,31 +331,6 @@ typedef struct es_stream {
   uint32_t final_status;     /* status the final batch sends: OK, or UNAVAILABLE (draining) */
   uint64_t send_t0_ns;       /* when the SEND_MESSAGE in flight started (stall detection) */
 } es_stream;
-
-/* One request's life: decoded header + payload in, reply out. Owned in turn by the CQ thread,
- * the compute queue, the compute thread and the stream's send queue. */
-struct es_job {
-  es_job *next;                    /* link in the compute queue, a send queue or the pool */
-  es_stream *st;                   /* holds one unit of st->jobs_pending */
-  Moerpc__V1__ForwardRequest *req; /* decoded header (ids, weights), owned; NULL for errors */
-  es_table *tab;                   /* the owned table it was validated against (a reference) */
-  uint64_t id;
-  uint32_t layer, n_tokens, top_k;
-  mr_dtype dtype;
-  es_buf *buf;                     /* hidden in, output out; owned until the reply is encoded */
-  size_t nbytes;                   /* payload bytes in buf */
-  bool counted;                    /* holds one unit of srv->inflight */
-  bool sent;                       /* its reply's SEND_MESSAGE completed */
-  size_t held;                     /* bytes charged to srv->held_bytes (es__held_add) */
-  uint64_t deadline_ns;            /* mr_now_ns() past which it is not computed, 0 = none */
-  uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
-  uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
-  uint32_t status;                 /* gRPC status of the reply */
-  uint64_t t_enqueue_ns;
-  uint32_t queue_us, compute_us;
-  grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */
-  size_t reply_bytes;              /* its length when its send started (metrics) */
-};
 
 /* ---- the server --------------------------------------------------------------------------- */
 
@@ -334,8 +381,12 @@ struct es_server {
   mr_err load_err;
   uint32_t load_delay_ms;    /* MOERPC_TEST_LOAD_DELAY_MS: test only, per expert */
 
-  /* Live placement (es_control.c). tab: the current owned table, swapped under tab_lock by
-   * publishers serialised by ctl_lock; NULL until the start-up load is done. */
+  /* Live placement (es_table.c, es_control.c). tab: the current owned table, swapped under
+   * tab_lock by publishers serialised by ctl_lock; NULL until the start-up load is done.
+   * Lock order: ctl_lock -> tab_lock, never nested with the stream chain (top). ctl_lock:
+   * the publishers (the admin thread once, es-ctl-load, a CQ thread's unload), the load
+   * record and the LoadExperts queue below; never held across a file read. tab_lock: a
+   * leaf, the pointer swap and every reader's es__tab_get. */
   pthread_mutex_t tab_lock, ctl_lock;
   es_table *tab;
   es_table *retired;         /* tables no longer current, not yet freed (ctl_lock) */
@@ -350,17 +401,20 @@ struct es_server {
   char ld_error[512];
   uint64_t ld_t0_ns, ld_t1_ns, ld_tensors_total, ld_bytes_total, ld_packed;
   atomic_ullong ld_tensors_done, ld_bytes_done;
-  uint8_t *ld_want;          /* [num_layers * num_experts]: the pairs being loaded */
-  mr_st *ld_st;              /* the model's safetensors, opened for the load */
+  /* es-ctl-load and its queue of LoadExperts calls (ctl_lock): started by the first
+   * LoadExperts, waits on ctl_cond for the next, joined by es__control_stop. */
+  pthread_cond_t ctl_cond;
+  struct es_load_req *ld_queue, *ld_queue_last;
+  bool ctl_stop;             /* es__control_stop: no more requests, the thread ends */
   pthread_t ld_thread;
-  bool ld_thread_started;    /* joined by the next load, or at free */
+  bool ld_thread_started;
 
   /* gRPC: created by es_server_new, started by es_server_run. */
   bool grpc_inited;
   grpc_server *gs;
   void *rm[ES_M_COUNT];    /* registered methods */
-  es_cqt *cqts;
-  uint32_t n_cqts;
+  es_cq_thread *cq_threads;
+  uint32_t n_cq_threads;
   int port;
   bool shutdown_called;    /* grpc_server_shutdown_and_notify called */
   es_tag t_shutdown;
@@ -387,7 +441,7 @@ struct es_server {
    * every request taken and not yet answered-and-sent; a stream arms its next RECV only
    * while held_bytes < max_inflight_bytes or it has nothing pending (so a light client is
    * never locked out by heavy ones); the rest wait, paused (mem_paused), for
-   * es__streams_resume. */
+   * es__streams_service. */
   size_t max_inflight_bytes;
   atomic_llong held_bytes;
   atomic_llong reserved_bytes; /* expected sizes of the messages armed RECVs may bring */
@@ -395,14 +449,20 @@ struct es_server {
   atomic_int mem_paused;     /* streams paused on the budget */
   uint32_t n_streams;        /* open streams (streams_lock) */
 
-  pthread_mutex_t streams_lock; /* first in the lock order; protects the two fields below */
+  pthread_mutex_t streams_lock; /* first in the lock order (then es_stream.lock, q_lock): the
+                                 * list and the two fields below, and n_streams. CQ threads
+                                 * (accept, free), the admin thread (drain, service), and
+                                 * mr-metrics (n_streams alone) */
   es_stream *streams;           /* open streams */
   bool finishing;               /* the drain asked every stream to finish */
 
-  /* Compute queue (q_lock, after es_stream.lock in the order). */
+  /* Compute queue. q_lock: after es_stream.lock, before es_pool.lock in the order; guards
+   * the heap and the lanes' queues, q_vtime, q_len, q_stop and computing. Taken by the CQ
+   * threads (submit, inline claim), es-compute, a stream purging its lane, the admin thread
+   * (drain abort) and mr-metrics (q_len alone). q_cond: es-compute waits there. */
   pthread_mutex_t q_lock;
   pthread_cond_t q_cond;
-  es_stream **q_heap;           /* streams with queued jobs, a min-heap on their head's vstart */
+  es_lane **q_heap;             /* lanes with queued jobs, a min-heap on their head's vstart */
   uint32_t q_heap_len, q_heap_cap;
   uint64_t q_vtime;             /* virtual time: vstart of the job taken last */
   uint32_t q_len;               /* jobs queued, all streams */
@@ -466,8 +526,11 @@ int es__load_weights(es_server *s, mr_err *e);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
+/* MemAvailable of /proc/meminfo into *bytes; false when it cannot be read. For the load
+ * memory rule (es_table.c) and the auto admission budget (es__inflight_budget). */
+bool es__mem_available(uint64_t *bytes);
 
-/* es_control.c */
+/* es_table.c: the owned table. */
 /* A reference to the current table (NULL before the start-up load is done). Any thread. */
 es_table *es__tab_get(es_server *s);
 /* Drops a reference (any thread, lock-free; NULL is a no-op). */
@@ -478,16 +541,31 @@ static inline void es__tab_put(es_table *t) {
 int es__tab_init(es_server *s, mr_err *e);
 /* Admin thread, housekeeping: frees retired tables nobody references. */
 void es__tab_reap(es_server *s);
-/* es_server_free: stops and joins the live loader (first, before the engine and gRPC go) */
+/* A new table from cur with every layer passed on except those with is_changed[l], which
+ * take changed[l] (owned by the new table from here on; on failure, NULL and they stay the
+ * caller's); avail is es__mem_now(), read before ctl_lock. ctl_lock held. */
+es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed, const uint8_t *is_changed,
+                         uint64_t avail, mr_err *e);
+/* Makes t current (ctl_lock held; takes tab_lock); the previous table is retired. */
+void es__tab_publish(es_server *s, es_table *t);
+/* Teardown, no request left: frees every table, current and retired. */
+void es__tab_close(es_server *s);
+/* The memory rule (docs/DESIGN.md 15.1). es__mem_now: MemAvailable, UINT64_MAX when it
+ * cannot be read, read before ctl_lock is taken. es__load_free: the bytes a load may still
+ * add with weight_bytes packed (ctl_lock held: a running load's bytes count as used). */
+uint64_t es__mem_now(void);
+uint64_t es__load_free(es_server *s, uint64_t weight_bytes, uint64_t avail);
+
+/* es_control.c: live placement. */
+/* es_server_free: stops and joins es-ctl-load (first, before the engine and gRPC go) */
 void es__control_stop(es_server *s);
 /* ... and later frees every table. */
 void es__control_close(es_server *s);
-/* The control calls (CQ thread); the caller checked authorisation. */
+/* The control calls (CQ thread); the caller checked authorisation. A LoadExperts is answered
+ * by es-ctl-load once it has read the model's headers. */
 void es__on_load(es_rpc *r);
 void es__on_load_status(es_rpc *r);
 void es__on_unload(es_rpc *r);
-/* es_grpc.c: answers a unary call (status, details copied, reply owned from here on). */
-void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details, grpc_byte_buffer *reply);
 
 /* es_metrics.c */
 /* Binds opts.metrics_listen and starts its responder (es_server_new, before the load). */
@@ -501,9 +579,22 @@ static inline void es__count_error(es_server *s, uint32_t status) {
                             1, memory_order_relaxed);
 }
 
-/* es_grpc.c */
-/* Writes the peer address of call ("ipv4:127.0.0.1:5555") into buf, for log lines. */
+/* es_rpc.c: answering a unary call. */
+/* The method's path ("/moerpc.v1.ExpertService/Hello") and short name ("Hello"). */
+const char *es__method_path(es_method m);
+const char *es__method_name(es_method m);
+/* Answers a unary call: status, details (copied) and reply (NULL, or owned from here on).
+ * The CQ thread of the call, or es-ctl-load for a LoadExperts; r is freed by the CQ thread
+ * on ES_TAG_RPC_DONE (or here, and live_calls settled, if the batch cannot start). */
+void es__rpc_reply(es_rpc *r, grpc_status_code status, const char *details, grpc_byte_buffer *reply);
+/* Answers with the status of MR code rc and the message "what: e->msg". */
+void es__rpc_reply_err(es_rpc *r, int rc, const char *what, const mr_err *e);
+/* Frees a unary call's context (its payload, reply, metadata, details and call reference). */
+void es__rpc_free(es_rpc *r);
+/* Writes the peer address of call ("ipv4:127.0.0.1:5555"), escaped, into buf, for log lines. */
 void es__call_peer(grpc_call *call, char *buf, size_t len);
+
+/* es_grpc.c */
 /* Creates the gRPC server, registers the methods and the completion queues, binds. */
 int es__grpc_create(es_server *s, mr_err *e);
 /* Starts the server and the CQ threads (which pre-post their request_calls). */
@@ -535,7 +626,7 @@ bool es__auth_ok(es_server *s, const grpc_metadata_array *md, const char *peer,
 /* es_stream.c. The es__on_stream_* handlers run on the call's CQ thread, with ok = the
  * event's success flag. */
 /* Posts one request_call for Forward on t's queue (CQ thread, or at start-up). */
-void es__stream_post(es_server *s, es_cqt *t);
+void es__stream_post(es_server *s, es_cq_thread *t);
 void es__on_stream_new(es_stream *st, bool ok);
 void es__on_stream_recv(es_stream *st, bool ok);
 void es__on_stream_send(es_stream *st, bool ok);
@@ -549,58 +640,66 @@ void es__stream_refuse_locked(es_stream *st, uint32_t status, const char *msg);
  * came back unused). */
 void es__stream_free(es_stream *st);
 /* Drain, admin thread: asks every open stream (and any accepted later) to finish. */
-void es__grpc_finish_streams(es_server *s);
-/* Compute thread -> stream: queues job's encoded reply and starts its send if the stream has
- * none in flight. Takes st->lock. */
-void es__stream_send(es_stream *st, es_job *job);
-/* CQ thread: re-arms the RECV that es__on_stream_recv held back while the stream's request
- * was held for inline compute (es_stream.recv_held), once its reply has been started. */
-void es__stream_recv_resume(es_stream *st);
+void es__streams_finish(es_server *s);
 
 /* Bytes a request holds until its reply is sent: its buffer (request rows, then reply rows,
  * buf_cap bytes) and its decoded header (ids and weights, 8 bytes a slot, and the record). */
 static inline size_t es__request_cost(size_t buf_cap, uint32_t n_tokens, uint32_t top_k) {
   return buf_cap + (size_t)n_tokens * top_k * 8u + sizeof(es_job) + 256u;
 }
-/* Charges n bytes to the admission budget (any thread). */
-void es__held_add(es_server *s, size_t n);
-/* Returns n bytes; wakes the admin loop to resume paused streams once below the budget. */
-void es__held_sub(es_server *s, size_t n);
+/* The admission budget: opts.max_inflight_bytes, or (auto) a quarter of MemAvailable within
+ * ES_AUTO_INFLIGHT_MIN..MAX; never below ES_INFLIGHT_MIN_REQUESTS largest requests.
+ * es_server_new checks an explicit option; the auto budget is taken when loading ends
+ * (es_admin.c). */
+uint64_t es__inflight_budget(const es_server *s);
 /* Admin thread: re-arms the RECV of streams paused on the budget while it has room, and cuts
  * streams whose reply send has stalled past opts.stall_timeout_ms. */
 void es__streams_service(es_server *s);
 
 /* es_compute.c */
 int es__compute_start(es_server *s, mr_err *e);
-/* Takes every job of st out of the compute queue and returns them (linked through next),
- * their number in *n. Any thread; takes q_lock, so a caller may hold st->lock. */
-es_job *es__compute_detach(es_server *s, es_stream *st, uint32_t *n);
+/* Takes every job of lane ln out of the compute queue and returns them (linked through next),
+ * their number in *n. Any thread; takes q_lock, so a caller may hold its stream's lock. */
+es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n);
 /* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
 uint32_t es__compute_abort_queued(es_server *s);
-/* A validated job received on CQ thread t: held back for inline compute when it is small
- * and alone so far (t->deferred; returns true, and its stream's next RECV waits for
- * es__stream_recv_resume), else queued; a job already held back is queued with it. */
-bool es__compute_offer(es_server *s, es_cqt *t, es_job *job);
-/* CQ thread t found no more events: runs its held-back job inline if the queue is empty
- * and the engine idle, else queues it. No-op without one. */
-void es__compute_deferred(es_server *s, es_cqt *t);
+/* Queues n jobs (one q_lock, one wake-up of the compute thread). Any thread. */
+void es__compute_submit(es_server *s, es_job **jobs, uint32_t n);
+/* Takes the engine and the arena for the caller if the compute queue is empty and nobody
+ * computes (srv->computing, under q_lock); true if taken. */
+bool es__compute_claim(es_server *s);
+/* With the engine claimed: computes job alone, or answers it uncomputed if it must not be
+ * computed (dead lane, past its deadline, drain timed out). Its ops->done runs either way. */
+void es__compute_run_one(es_server *s, es_job *job);
+/* Gives the engine back; wakes the compute thread if jobs were queued meanwhile. */
+void es__compute_release(es_server *s);
 /* Stops the compute thread once its queue is empty and joins it. */
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */
 int es__reply_encode_error(es_job *job, uint32_t status, const char *msg);
-/* Releases what a finished job holds (reply, request header, buffer), settles the inflight
- * count and returns the job to the pool. Called by es_grpc.c with job->st->lock held, after
- * taking the job off the stream's pending counts. */
-void es__job_done(es_server *s, es_job *job);
 
-/* es_server.c: the admission budget (an explicit option, or the auto one once loaded). */
-uint64_t es__inflight_budget(const es_server *s);
+/* es_inline.c: the inline run (the rule is at the top of es_inline.c). CQ thread t only. */
+/* Takes a validated job received on t: holds it in t's slot when it is small and the slot
+ * was empty (returns true: its stream's RECV then waits for ops->released), else queues it
+ * (and a job the slot held, which ops->released then lets go). */
+bool es__inline_offer(es_cq_thread *t, es_job *job);
+/* True while t's slot holds a job (the dispatcher then polls without blocking). */
+bool es__inline_held(const es_cq_thread *t);
+/* t's round of events is over: runs the held job here if the compute queue is empty and the
+ * engine idle, else queues it. No-op with an empty slot. */
+void es__inline_run(es_cq_thread *t);
 
 /* es_admin.c */
-/* Wakes the admin loop to re-check the drain (any thread, async-signal-safe). */
-void es__admin_wake(es_server *s);
 int es__admin_init(es_server *s, mr_err *e);
 void es__admin_close(es_server *s);
+
+/* Rings the admin loop's doorbell (any thread, async-signal-safe): s->wake is the uv_async_t
+ * that es__admin_init armed before any other thread exists, and es_admin.c's handler
+ * re-checks the drain, the end of loading and the streams paused on the budget. The lower
+ * floors wake the loop through this field, never by calling into es_admin.c. */
+static inline void es__admin_wake(es_server *s) {
+  if (s->loop_inited) uv_async_send(&s->wake);
+}
 
 /* Decrements a drain-relevant counter and wakes the admin loop when it reaches zero during a
  * drain. */
