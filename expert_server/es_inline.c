@@ -37,7 +37,7 @@
  * Threads: the slot belongs to its CQ thread alone. The engine and the compute arena belong
  * to whoever set srv->computing (es__compute_claim): the compute thread or one CQ thread.
  */
-#include "internal.h"
+#include "expert_server/internal.h"
 
 bool es__inline_offer(es_cq_thread *t, es_job *job) {
   es_server *s = t->srv;

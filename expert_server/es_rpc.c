@@ -15,7 +15,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 static const char *const es__method_paths[ES_M_COUNT] = {
     [ES_M_HELLO] = PR_METHOD_HELLO,

@@ -29,7 +29,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "internal.h"
+#include "expert_server/internal.h"
 
 /* ---- the memory rule ------------------------------------------------------------------------ */
 
