@@ -61,6 +61,7 @@
 
 #define MR__HTTP_PROM_TYPE "text/plain; version=0.0.4; charset=utf-8"
 #define MR__HTTP_MAX_ROUTES 32u
+#define MR__HTTP_N_CODES 11u
 
 typedef struct mr__route {
   char *method;               /* NULL = GET and HEAD (a render route) */
@@ -111,7 +112,23 @@ struct mr_http_server {
   void *probe_ud;
   struct mr_http_call *calls; /* live calls (MHD side) */
   bool stopping;
+  _Atomic uint64_t answered[MR__HTTP_N_CODES]; /* answers queued, by status (code_slot) */
 };
+
+/* The statuses counted one by one; the rest go to the last slot ("other"). */
+static const int mr__http_codes[MR__HTTP_N_CODES - 1] = {200, 400, 401, 404, 405, 408, 413, 429, 500, 503};
+
+static size_t code_slot(int status) {
+  for (size_t i = 0; i < MR__HTTP_N_CODES - 1; i++)
+    if (mr__http_codes[i] == status) return i;
+  return MR__HTTP_N_CODES - 1;
+}
+
+/* Every answer goes through here (the per-status counters of mr_http_server_render_answers). */
+static enum MHD_Result queue(mr_http_server *h, struct MHD_Connection *conn, unsigned status, struct MHD_Response *r) {
+  atomic_fetch_add_explicit(&h->answered[code_slot((int)status)], 1, memory_order_relaxed);
+  return MHD_queue_response(conn, status, r);
+}
 
 static void call_unref(struct mr_http_call *c) {
   pthread_mutex_lock(&c->lock);
@@ -133,12 +150,28 @@ static struct MHD_Response *text_response(const char *body, size_t len, const ch
   return r;
 }
 
-static enum MHD_Result queue_text(struct MHD_Connection *conn, unsigned status, const char *body, const char *ctype) {
+/* An answer the server makes itself (probes, 401, 404, 405, 413, 503): msg as a text line,
+ * or, with o.json_errors and a status >= 400, as {"error": {"message", "type", "code"}}
+ * (OpenAI's shape, which its clients parse). */
+static enum MHD_Result queue_text(mr_http_server *h, struct MHD_Connection *conn, unsigned status, const char *msg,
+                                  const char *ctype) {
+  char buf[512];
+  const char *body = msg;
+  if (!ctype && status >= 400 && h->o.json_errors) {
+    const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
+                       : status >= 500 ? "server_error" : "invalid_request_error";
+    size_t n = (size_t)snprintf(buf, sizeof buf, "{\"error\":{\"message\":\"");
+    for (const char *p = msg; *p && *p != '\n' && n < sizeof buf - 64; p++) /* ours: ASCII */
+      if (*p != '"' && *p != '\\') buf[n++] = *p;
+    snprintf(buf + n, sizeof buf - n, "\",\"type\":\"%s\",\"param\":null,\"code\":%u}}", type, status);
+    body = buf;
+    ctype = "application/json";
+  }
   struct MHD_Response *r = text_response(body, strlen(body), ctype ? ctype : "text/plain; charset=utf-8");
   if (!r) return MHD_NO;
   if (status == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
   if (status == 405) MHD_add_response_header(r, MHD_HTTP_HEADER_ALLOW, "GET, HEAD");
-  enum MHD_Result rc = MHD_queue_response(conn, status, r);
+  enum MHD_Result rc = queue(h, conn, status, r);
   MHD_destroy_response(r);
   return rc;
 }
@@ -207,24 +240,24 @@ static enum MHD_Result dispatch(mr_http_server *h, struct mr_http_call *c) {
   pthread_mutex_unlock(&h->lock);
   c->dispatched = true;
   const bool head = strcmp(c->method, "HEAD") == 0, get = head || strcmp(c->method, "GET") == 0;
-  if (stopping) return queue_text(conn, 503, "503 shutting down\n", NULL);
+  if (stopping) return queue_text(h, conn, 503, "503 shutting down\n", NULL);
   mr_http_probe_fn probe = atomic_load(&h->probe);
   if (!r && get && probe && (strcmp(c->path, "/healthz") == 0 || strcmp(c->path, "/readyz") == 0)) {
     const bool ready = strcmp(c->path, "/readyz") == 0, ok = probe(h->probe_ud, ready);
-    return queue_text(conn, ok ? 200 : 503, ok ? "ok\n" : ready ? "not ready\n" : "not alive\n", NULL);
+    return queue_text(h, conn, ok ? 200 : 503, ok ? "ok\n" : ready ? "not ready\n" : "not alive\n", NULL);
   }
-  if (!r) return known ? queue_text(conn, 405, "405 Method Not Allowed\n", NULL) : queue_text(conn, 404, "404 Not Found\n", NULL);
+  if (!r) return known ? queue_text(h, conn, 405, "405 Method Not Allowed\n", NULL) : queue_text(h, conn, 404, "404 Not Found\n", NULL);
   if (rt.auth && !token_ok(h, conn))
-    return queue_text(conn, 401, h->auth_body_copy ? h->auth_body_copy : "401 Unauthorized\n",
+    return queue_text(h, conn, 401, h->auth_body_copy ? h->auth_body_copy : "401 Unauthorized\n",
                       h->auth_body_copy ? h->o.auth_ctype : NULL);
   if (rt.render) {
     mr_prom p;
     mr_prom_init(&p);
     rt.render(rt.ud, &p);
-    enum MHD_Result rc = p.oom ? queue_text(conn, 500, "500 Internal Server Error\n", NULL) : MHD_NO;
+    enum MHD_Result rc = p.oom ? queue_text(h, conn, 500, "500 Internal Server Error\n", NULL) : MHD_NO;
     if (!p.oom) {
       struct MHD_Response *resp = text_response(p.buf ? p.buf : "", p.len, rt.ctype);
-      rc = resp ? MHD_queue_response(conn, 200, resp) : MHD_NO;
+      rc = resp ? queue(h, conn, 200, resp) : MHD_NO;
       if (resp) MHD_destroy_response(resp);
     }
     mr_prom_close(&p);
@@ -245,7 +278,7 @@ static enum MHD_Result dispatch(mr_http_server *h, struct mr_http_call *c) {
   const int status = c->status;
   pthread_mutex_unlock(&c->lock);
   if (!resp) return MHD_YES;
-  enum MHD_Result rc = MHD_queue_response(conn, (unsigned)status, resp);
+  enum MHD_Result rc = queue(h, conn, (unsigned)status, resp);
   MHD_destroy_response(resp);
   return rc;
 }
@@ -280,7 +313,7 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
       c->dispatched = true;
       char msg[160];
       snprintf(msg, sizeof msg, "413 request body of %s bytes, at most %zu\n", cl, h->o.max_body);
-      return queue_text(conn, 413, msg, NULL);
+      return queue_text(h, conn, 413, msg, NULL);
     }
     return MHD_YES;
   }
@@ -309,7 +342,7 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
     c->dispatched = true;
     char msg[160];
     snprintf(msg, sizeof msg, "413 request body over %zu bytes\n", h->o.max_body);
-    return queue_text(conn, 413, msg, NULL);
+    return queue_text(h, conn, 413, msg, NULL);
   }
   if (!c->dispatched) return dispatch(h, c);
   /* resumed: the app's reply is here (or the server stops) */
@@ -323,8 +356,8 @@ static enum MHD_Result access_handler(void *cls, struct MHD_Connection *conn, co
     MHD_suspend_connection(conn);
   }
   pthread_mutex_unlock(&c->lock);
-  if (!resp) return stopping ? queue_text(conn, 503, "503 shutting down\n", NULL) : MHD_YES;
-  enum MHD_Result rc = MHD_queue_response(conn, (unsigned)status, resp);
+  if (!resp) return stopping ? queue_text(h, conn, 503, "503 shutting down\n", NULL) : MHD_YES;
+  enum MHD_Result rc = queue(h, conn, (unsigned)status, resp);
   MHD_destroy_response(resp);
   return rc;
 }
@@ -357,7 +390,11 @@ static void mhd_log(void *cls, const char *fmt, va_list ap) {
   vsnprintf(msg, sizeof msg, fmt, ap);
   size_t n = strlen(msg);
   while (n && (msg[n - 1] == '\n' || msg[n - 1] == '\r')) msg[--n] = '\0';
-  mr_log_ratelimited(MR_LOG_WARN, 5, "http: %s", msg);
+  /* A peer that leaves mid-answer is ordinary (a client cancels a stream): debug, not a
+   * warning an operator has to read. */
+  const bool peer_left = strstr(msg, "no longer available") || strstr(msg, "Connection reset") ||
+                         strstr(msg, "closed by remote") || strstr(msg, "Broken pipe");
+  mr_log_ratelimited(peer_left ? MR_LOG_DEBUG : MR_LOG_WARN, 5, "http: %s", msg);
 }
 
 /* ---- the app's side (any thread) --------------------------------------------------------------- */
@@ -431,6 +468,8 @@ int mr_http_stream_write(mr_http_call *c, const char *data, size_t n) {
   bool wake = false;
   if (c->mhd_done) {
     rc = MR_EUNAVAIL; /* the peer went away */
+  } else if (c->slen - c->soff + n > c->h->o.max_stream_buffer) {
+    rc = MR_EEXHAUSTED; /* a peer that does not read */
   } else {
     if (c->slen + n > c->scap) {
       size_t cap = c->scap ? c->scap : 4096;
@@ -540,6 +579,7 @@ int mr_http_server_start(mr_http_server **out, const mr_http_opts *o, mr_err *e)
   if (!h->o.max_conns) h->o.max_conns = 1024;
   if (!h->o.idle_timeout_s) h->o.idle_timeout_s = 10;
   if (!h->o.max_body) h->o.max_body = 1u << 20;
+  if (!h->o.max_stream_buffer) h->o.max_stream_buffer = 8u << 20;
   h->listen_copy = mr_strdup(o->listen ? o->listen : "");
   h->flag_copy = mr_strdup(h->o.flag);
   h->token = o->token ? mr_strdup(o->token) : NULL;
@@ -590,6 +630,17 @@ int mr_http_server_new(mr_http_server **out, const char *listen, const char *fla
 int mr_http_server_port(const mr_http_server *h) { return h->port; }
 
 void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe) { atomic_store(&h->probe, probe); }
+
+void mr_http_server_render_answers(mr_http_server *h, mr_prom *p, const char *name) {
+  char code[16];
+  for (size_t i = 0; i < MR__HTTP_N_CODES; i++) {
+    const uint64_t v = atomic_load_explicit(&h->answered[i], memory_order_relaxed);
+    if (i < MR__HTTP_N_CODES - 1) snprintf(code, sizeof code, "%d", mr__http_codes[i]);
+    else snprintf(code, sizeof code, "other");
+    const char *lab[] = {"code", code, NULL};
+    mr_prom_u64(p, name, lab, v);
+  }
+}
 
 static int route_add(mr_http_server *h, const mr__route *r, mr_err *e) {
   if (!r->path || r->path[0] != '/' || strlen(r->path) > 1023)

@@ -113,6 +113,8 @@ static void mr__prom_num(char *buf, size_t len, double v) {
     snprintf(buf, len, "NaN");
   } else if (isinf(v)) {
     snprintf(buf, len, v > 0 ? "+Inf" : "-Inf");
+  } else if (v == floor(v) && fabs(v) < 1e15) {
+    snprintf(buf, len, "%.0f", v); /* 10, not 1e+01 */
   } else {
     for (int prec = 1; prec <= 17; prec++) {
       snprintf(buf, len, "%.*g", prec, v);
@@ -195,7 +197,10 @@ void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const
   char le[40];
   for (uint32_t i = 0; i <= h->n; i++) {
     cum += __atomic_load_n(&h->counts[i], __ATOMIC_RELAXED);
-    if (i < h->n) mr__prom_num(le, sizeof le, (double)h->bounds[i] * h->scale);
+    /* 30e9 ns / 1e9 is 30 exactly, 30e9 * 1e-9 is not */
+    const double inv = h->scale < 1 ? round(1.0 / h->scale) : 0;
+    const bool whole = inv > 0 && fabs(inv * h->scale - 1.0) < 1e-12;
+    if (i < h->n) mr__prom_num(le, sizeof le, whole ? (double)h->bounds[i] / inv : (double)h->bounds[i] * h->scale);
     else snprintf(le, sizeof le, "+Inf");
     mr__prom_head(p, name, "_bucket", labels, "le", le);
     mr_prom_printf(p, "%llu\n", (unsigned long long)cum);

@@ -709,6 +709,10 @@ typedef struct mr_http_opts {
   uint32_t max_conns;         /* connections at once, 0 = 1024 (more wait in the backlog) */
   uint32_t idle_timeout_s;    /* a connection silent this long is closed, 0 = 10 */
   size_t max_body;            /* request body limit (413 past it), 0 = 1 MiB */
+  size_t max_stream_buffer;   /* streamed bytes the peer has not taken yet, past which
+                                 mr_http_stream_write refuses (MR_EEXHAUSTED); 0 = 8 MiB */
+  bool json_errors;           /* the server's own 4xx/5xx answers as OpenAI's JSON error
+                                 object {"error": {"message", "type", "param", "code"}} */
   const char *token;          /* bearer token required on auth routes (copied), NULL = none */
   bool token_on_renders;      /* render routes (metrics, ...) need the token too */
   const char *auth_body;      /* the body of a 401 (copied; NULL = a text line) */
@@ -728,6 +732,10 @@ int mr_http_server_port(const mr_http_server *h);
  * with 200 "ok" or 503, for kubelet and load balancers that cannot speak gRPC health over
  * TLS; never behind the token. Any thread, any time. */
 void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
+/* Writes name{code="200"} N ... for every answer this server queued, by HTTP status (200,
+ * 400, 401, 404, 405, 408, 413, 429, 500, 503, other), after the caller's
+ * mr_prom_family(name, MR_PROM_COUNTER, ...). Any thread. */
+void mr_http_server_render_answers(mr_http_server *h, mr_prom *p, const char *name);
 /* Stops serving: calls still open are answered 503 or their stream ends with an error, then
  * the connections close (their on_close runs). Calls the app still holds stay valid until
  * its terminal call. NULL is a no-op. */
@@ -763,7 +771,8 @@ void mr_http_reply(mr_http_call *c, int status, const char *content_type, const 
  * Any thread. MR_ENOMEM. */
 int mr_http_stream_begin(mr_http_call *c, int status, const char *content_type, const char *const *headers);
 /* Appends n bytes to the stream (copied; sent as the peer takes them). MR_EUNAVAIL once the
- * peer is gone (the app should end the work behind it), MR_ENOMEM. Any thread. */
+ * peer is gone (the app should end the work behind it), MR_EEXHAUSTED when the peer has
+ * left more than max_stream_buffer bytes unread (end it too), MR_ENOMEM. Any thread. */
 int mr_http_stream_write(mr_http_call *c, const char *data, size_t n);
 /* Terminal: ends the stream after what was written. Any thread. */
 void mr_http_stream_end(mr_http_call *c);

@@ -27,6 +27,9 @@ PKGS=(
   libonig-dev                       # Oniguruma: the tokenizer's split regexes, the engine HF
                                     # tokenizers uses (same syntax, \p{..} and && classes)
   libutf8proc-dev                   # utf8proc: the tokenizer's NFC/NFKC normalizers
+  libmicrohttpd-dev                 # libmicrohttpd: the one HTTP server (serve, /metrics,
+                                    # probes): epoll, idle timeouts, suspend/resume
+  curl                              # make demo's streamed chat request, the serve tests
   hwloc-nox numactl                 # lstopo / numactl for operators
   iproute2                          # ip netns for the multi-host harness
   openssl                           # certificates made at test time (itest_security)
@@ -58,8 +61,8 @@ fi
 for t in gcc make protoc-c pkg-config; do
   command -v "$t" >/dev/null || { echo "install-deps: $t is missing after install" >&2; exit 1; }
 done
-pkg-config --exists grpc libprotobuf-c libuv hwloc libcjson oniguruma libutf8proc || {
-  echo "install-deps: pkg-config cannot find grpc/libprotobuf-c/libuv/hwloc/libcjson/oniguruma/libutf8proc" >&2; exit 1; }
+pkg-config --exists grpc libprotobuf-c libuv hwloc libcjson oniguruma libutf8proc libmicrohttpd || {
+  echo "install-deps: pkg-config cannot find grpc/libprotobuf-c/libuv/hwloc/libcjson/oniguruma/libutf8proc/libmicrohttpd" >&2; exit 1; }
 echo "install-deps: ok (grpc $(pkg-config --modversion grpc), protobuf-c $(pkg-config --modversion libprotobuf-c), libuv $(pkg-config --modversion libuv), hwloc $(pkg-config --modversion hwloc))"
 
 if [ "$WITH_PYTHON" = 1 ]; then

@@ -20,10 +20,13 @@ cd "$(dirname "$0")/.."
 VENV=${1:-${MOERPC_CONF_VENV:-.venv-conf}}
 
 TORCH=torch==2.15.0
+# Clients the serve tests drive (tests/integration/serve_openai.py): topped up into a venv
+# that has the rest, without rebuilding it.
+EXTRA=(openai==3.60.0)
 # torch's own pure-Python requirements (its METADATA), and the test-side packages.
 PURE=(filelock 'typing-extensions>=4.13.0' 'setuptools>=77.0.3' 'sympy>=1.13.3'
       'networkx>=2.5.1' jinja2 'fsspec>=0.8.5'
-      transformers==5.24.0 safetensors==0.8.0 numpy kubernetes-validate==1.37.0)
+      transformers==5.24.0 safetensors==0.8.0 numpy kubernetes-validate==1.37.0 "${EXTRA[@]}")
 # The CUDA libraries of torch 2.15.0 that CUDA 13.0's toolkit does not carry (cuSPARSELt,
 # NVSHMEM, cuFile) or carries too old (NCCL 2.2x lacks ncclCommResume).
 LEAN_CUDA=(nvidia-nccl-cu13==2.30.7 nvidia-cusparselt-cu13==0.8.1
@@ -62,7 +65,14 @@ need_disk() { # MiB what
   fi
 }
 
-if usable; then exit 0; fi
+extras_ok() { "$VENV/bin/python" -c 'import openai' >/dev/null 2>&1; }
+if usable; then
+  extras_ok && exit 0
+  say "adding ${EXTRA[*]} to $VENV"
+  pip_q "${EXTRA[@]}" && extras_ok && exit 0
+  say "failed to add ${EXTRA[*]}"
+  exit 1
+fi
 log=$(mktemp /tmp/moerpc-py-env.XXXXXX)
 trap 'rm -f "$log"' EXIT
 t0=$(date +%s)

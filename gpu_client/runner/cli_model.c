@@ -27,41 +27,7 @@
 #define CLI_MAX_IDS (1u << 20)
 #define CLI_MAX_SEQS 4096u
 
-enum {
-  MO_MODEL = 2000, MO_CLUSTER, MO_PLACEMENT, MO_LOCAL, MO_DEFER, MO_MAXSEQ, MO_BATCH,
-  MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
-  MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
-  MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH,
-  MO_BACKEND, MO_DEVICE, MO_TP, MO_TEXT, MO_CHAT, MO_SYSTEM, MO_STOP, MO_TEMPLATE, MO_TOPK
-};
-#define CLI_MAX_TEXTS 256u
-
-#define MODEL_OPTIONS                                                                    \
-  {"model", required_argument, NULL, MO_MODEL},                                          \
-      {"cluster", required_argument, NULL, MO_CLUSTER},                                  \
-      {"placement", required_argument, NULL, MO_PLACEMENT},                              \
-      {"watch-placement", no_argument, NULL, MO_WATCH},                                  \
-      {"local-experts", required_argument, NULL, MO_LOCAL},                              \
-      {"max-deferred", required_argument, NULL, MO_DEFER},                               \
-      {"max-seq", required_argument, NULL, MO_MAXSEQ},                                   \
-      {"threads", required_argument, NULL, MO_THREADS},                                  \
-      {"backend", required_argument, NULL, MO_BACKEND},                                  \
-      {"device", required_argument, NULL, MO_DEVICE},                                    \
-      {"tp", required_argument, NULL, MO_TP},                                            \
-      {"isa", required_argument, NULL, MO_ISA},                                          \
-      {"numa", required_argument, NULL, MO_NUMA},                                        \
-      {"format", required_argument, NULL, MO_FORMAT},                                    \
-      {"dense-format", required_argument, NULL, MO_DENSE},                               \
-      {"wire", required_argument, NULL, MO_WIRE},                                        \
-      {"deadline-ms", required_argument, NULL, MO_DEADLINE},                             \
-      {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
-      {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
-      {"metrics-listen", required_argument, NULL, MO_METRICS},                           \
-      {"routing-window", required_argument, NULL, MO_RWINDOW},                           \
-      {"routing-stats", required_argument, NULL, MO_RSTATS},                             \
-      {"help", no_argument, NULL, MO_HELP}
-
-static const char MODEL_HELP[] =
+const char gc__cli_model_help[] =
     "model and placement:\n"
     "  --model DIR              HF checkpoint (config.json + safetensors)       required\n"
     "  --cluster FILE           expert servers for the cold experts; without it every\n"
@@ -111,18 +77,6 @@ static const char MODEL_HELP[] =
     "                           input of moerpc-place plan)\n"
     "  --help                   this text\n";
 
-typedef struct mcli {
-  gc_model_opts mo;
-  const char *prompt, *ids, *out, *compare;
-  const char *texts[CLI_MAX_TEXTS], *chats[CLI_MAX_TEXTS], *stops[GC_TEXT_MAX_STOPS];
-  uint32_t n_texts, n_chats, n_stops;
-  const char *system, *chat_template;
-  uint32_t batch, max_new, prompt_len, decode, repeats;
-  bool batch_set, json;
-  gc_sampling smp;
-  const char *metrics_listen; /* --metrics-listen, NULL = off */
-  const char *routing_stats;  /* --routing-stats FILE, NULL = off */
-} mcli;
 
 /* The --metrics-listen responder of this run (common/http.c): serves
  * gc_model_metrics_render from its own thread while the command runs. */
@@ -139,9 +93,15 @@ static void routing_render(void *ud, mr_prom *p) {
   if (gc_model_routing_json(ud, GC_ROUTING_WINDOW, p, &e)) p->oom = true;
 }
 
+int gc__cli_model_routes(mr_http_server *h, gc_model *m, mr_err *e) {
+  int rc = mr_http_server_route(h, "/routing", "application/json", routing_render, m, e);
+  if (rc == 0) rc = mr_http_server_route(h, "/placement", "application/json", placement_render, m, e);
+  return rc;
+}
+
 /* Writes --routing-stats (when given and the model opened); 0, or 1 on failure. Then stops
  * the responder and closes the model (the responder reads the model). */
-static int close_model(const mcli *c, gc_model *m) {
+int gc__cli_close_model(const gc__mcli *c, gc_model *m) {
   int status = 0;
   if (m && c->routing_stats) {
     mr_err e;
@@ -207,7 +167,7 @@ bad:
 }
 
 /* Returns 1 taken, 0 not a model option, -1 bad value. */
-static int model_opt(mcli *c, int opt, const char *arg) {
+static int model_opt(gc__mcli *c, int opt, const char *arg) {
   gc_model_opts *o = &c->mo;
   uint32_t v;
   int lvl;
@@ -303,15 +263,15 @@ static int model_opt(mcli *c, int opt, const char *arg) {
 }
 
 /* getopt_long over argv; 0 = run, 1 = --help printed, 2 = usage error. */
-static int parse(int argc, char **argv, const struct option *lo, const char *usage,
-                 const char *own_help, mcli *c) {
+int gc__cli_parse(int argc, char **argv, const struct option *lo, const char *usage, const char *own_help,
+                  gc__mcli *c, int (*own)(void *ctx, int opt, const char *arg), void *ctx) {
   optind = 1;
   opterr = 0;
   for (;;) {
     int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi);
     if (opt == -1) break;
     if (opt == MO_HELP) {
-      printf("%s%s%s", usage, own_help, MODEL_HELP);
+      printf("%s%s%s", usage, own_help, gc__cli_model_help);
       return 1;
     }
     if (opt == '?' || opt == ':') {
@@ -320,6 +280,7 @@ static int parse(int argc, char **argv, const struct option *lo, const char *usa
       return 2;
     }
     int r = model_opt(c, opt, optarg);
+    if (r == 0 && own) r = own(ctx, opt, optarg);
     if (r == 0) {
       fprintf(stderr, PROG " %s: unexpected option (see --help)\n", argv[0]);
       return 2;
@@ -350,7 +311,7 @@ static int parse(int argc, char **argv, const struct option *lo, const char *usa
   return 0;
 }
 
-static void mcli_init(mcli *c) {
+void gc__cli_init(gc__mcli *c) {
   memset(c, 0, sizeof *c);
   gc_model_opts_init(&c->mo);
   c->batch = 1;
@@ -404,7 +365,7 @@ bad:
   return -1;
 }
 
-static int open_model(mcli *c, gc_model **m) {
+int gc__cli_open_model(gc__mcli *c, gc_model **m) {
   mr_err e;
   mr_err_clear(&e);
   int rc = gc_model_open(m, &c->mo, &e);
@@ -419,11 +380,7 @@ static int open_model(mcli *c, gc_model **m) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
     }
-    rc = mr_http_server_route(cli_metrics, "/routing", "application/json", routing_render, *m, &e);
-    if (rc == 0)
-      rc = mr_http_server_route(cli_metrics, "/placement", "application/json", placement_render,
-                                *m, &e);
-    if (rc) {
+    if ((rc = gc__cli_model_routes(cli_metrics, *m, &e))) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
       return rc;
     }
@@ -569,7 +526,7 @@ static void gen_on_done(void *ud, gc_finish why, const mr_err *err, const gc_sch
 
 /* The prompts of --prompt and --chat, tokenized, into prompts[i] (mr_malloc'ed); the time
  * spent rendering templates and encoding into *tmpl_ns / *enc_ns. */
-static int gen_prompts(const mcli *c, const gc_tok *tok, gc_tok_ids *prompts, uint64_t *tmpl_ns, uint64_t *enc_ns,
+static int gen_prompts(const gc__mcli *c, const gc_tok *tok, gc_tok_ids *prompts, uint64_t *tmpl_ns, uint64_t *enc_ns,
                        mr_err *e) {
   gc_chat *chat = NULL;
   int rc = 0;
@@ -623,7 +580,7 @@ static void gen_print_json(const gen_seq *q) {
   cJSON_Delete(o);
 }
 
-static int gen_text(mcli *c) {
+static int gen_text(gc__mcli *c) {
   const uint32_t n = c->n_texts + c->n_chats;
   mr_err e;
   mr_err_clear(&e);
@@ -644,7 +601,7 @@ static int gen_text(mcli *c) {
     goto out;
   }
   c->mo.max_batch = c->batch_set ? c->batch : n;
-  if (open_model(c, &m)) goto out;
+  if (gc__cli_open_model(c, &m)) goto out;
   gc_sched_opts so = {.max_queue = n};
   if ((rc = gc_sched_new(&sch, m, &so, &e))) {
     fprintf(stderr, PROG " generate: %s: %s\n", mr_err_name(rc), e.msg);
@@ -695,7 +652,7 @@ static int gen_text(mcli *c) {
 out:
   gc_sched_free(sch);
   failover_summary(m, c->json);
-  if (close_model(c, m) && status == 0) status = 1;
+  if (gc__cli_close_model(c, m) && status == 0) status = 1;
   for (uint32_t i = 0; seqs && i < n; i++) {
     gc_text_out_free(seqs[i].txt);
     mr_free(seqs[i].text);
@@ -751,10 +708,10 @@ int gc__cli_generate(int argc, char **argv) {
       {"top-p", required_argument, NULL, MO_TOPP}, {"top-k", required_argument, NULL, MO_TOPK},
       {"seed", required_argument, NULL, MO_SEED},
       {"json", no_argument, NULL, MO_JSON}, {NULL, 0, NULL, 0}};
-  mcli c;
-  mcli_init(&c);
+  gc__mcli c;
+  gc__cli_init(&c);
   c.max_new = 16;
-  int r = parse(argc, argv, lo, GEN_USAGE, GEN_HELP, &c);
+  int r = gc__cli_parse(argc, argv, lo, GEN_USAGE, GEN_HELP, &c, NULL, NULL);
   if (r) return r == 1 ? 0 : 2;
   const bool text = c.n_texts || c.n_chats;
   if (!c.prompt == !text) {
@@ -807,7 +764,7 @@ int gc__cli_generate(int argc, char **argv) {
     blen[b] = lens[b % n_given];
   }
   free(off);
-  if (open_model(&c, &m)) goto out;
+  if (gc__cli_open_model(&c, &m)) goto out;
   if (check_prompts(m, ids, lens, n_given, c.max_new)) goto out;
   gen = malloc(((size_t)B * c.max_new + 1) * sizeof *gen);
   if (!gen) goto out;
@@ -839,7 +796,7 @@ int gc__cli_generate(int argc, char **argv) {
   rc = 0;
 out:
   failover_summary(m, c.json);
-  if (close_model(&c, m) && rc == 0) rc = 1;
+  if (gc__cli_close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(prompts);
@@ -898,9 +855,9 @@ int gc__cli_logits(int argc, char **argv) {
                                      {"out", required_argument, NULL, MO_OUT},
                                      {"compare", required_argument, NULL, MO_COMPARE},
                                      {NULL, 0, NULL, 0}};
-  mcli c;
-  mcli_init(&c);
-  int r = parse(argc, argv, lo, LOGITS_USAGE, LOGITS_HELP, &c);
+  gc__mcli c;
+  gc__cli_init(&c);
+  int r = gc__cli_parse(argc, argv, lo, LOGITS_USAGE, LOGITS_HELP, &c, NULL, NULL);
   if (r) return r == 1 ? 0 : 2;
   if (!c.ids || !c.out) {
     fprintf(stderr, PROG " logits: --ids and --out are required (see --help)\n");
@@ -923,7 +880,7 @@ int gc__cli_logits(int argc, char **argv) {
   }
   const uint32_t T = lens[0];
   if (c.mo.max_seq == 0) c.mo.max_seq = T; /* the cache needs no more */
-  if (open_model(&c, &m)) goto out;
+  if (gc__cli_open_model(&c, &m)) goto out;
   if (check_prompts(m, ids, lens, 1, 0)) goto out;
   const uint32_t V = gc_model_config(m)->vocab_size;
   seq = calloc(T, sizeof *seq);
@@ -952,7 +909,7 @@ int gc__cli_logits(int argc, char **argv) {
   rc = 0;
 out:
   if (f) fclose(f);
-  if (close_model(&c, m) && rc == 0) rc = 1;
+  if (gc__cli_close_model(&c, m) && rc == 0) rc = 1;
   free(ids);
   free(lens);
   free(seq);
@@ -1178,7 +1135,7 @@ static void bench_summarize(bench_state *b) {
   b->over = median(ov, R);
 }
 
-static void bench_print(const bench_state *b, const mcli *c) {
+static void bench_print(const bench_state *b, const gc__mcli *c) {
   const mr_model_config *cfg = gc_model_config(b->m);
   gc_cluster *cl = gc_model_cluster(b->m);
   uint32_t n_servers = 0;
@@ -1228,12 +1185,12 @@ int gc__cli_bench(int argc, char **argv) {
       {"repeats", required_argument, NULL, MO_REPEATS},
       {"seed", required_argument, NULL, MO_SEED}, {"json", no_argument, NULL, MO_JSON},
       {NULL, 0, NULL, 0}};
-  mcli c;
-  mcli_init(&c);
+  gc__mcli c;
+  gc__cli_init(&c);
   c.prompt_len = 32;
   c.decode = 32;
   c.repeats = 3;
-  int r = parse(argc, argv, lo, BENCH_USAGE, BENCH_HELP, &c);
+  int r = gc__cli_parse(argc, argv, lo, BENCH_USAGE, BENCH_HELP, &c, NULL, NULL);
   if (r) return r == 1 ? 0 : 2;
   bench_state b;
   memset(&b, 0, sizeof b);
@@ -1247,7 +1204,7 @@ int gc__cli_bench(int argc, char **argv) {
   int rc = 1;
   mr_err e;
   mr_err_clear(&e);
-  if (open_model(&c, &b.m)) goto out;
+  if (gc__cli_open_model(&c, &b.m)) goto out;
   b.V = gc_model_config(b.m)->vocab_size;
   b.L = gc_model_config(b.m)->num_layers;
   if ((uint64_t)b.P + b.N > gc_model_max_seq(b.m)) {
@@ -1271,7 +1228,7 @@ int gc__cli_bench(int argc, char **argv) {
   rc = 0;
 out:
   failover_summary(b.m, c.json);
-  if (close_model(&c, b.m) && rc == 0) rc = 1;
+  if (gc__cli_close_model(&c, b.m) && rc == 0) rc = 1;
   bench_free(&b);
   return rc;
 }

@@ -71,6 +71,8 @@ struct gc_sched {
   uint64_t next_id;
   bool stopping;
   uint64_t drain_deadline_ns; /* 0 = no drain: stop at the next boundary */
+  void (*on_boundary)(void *ud);
+  void *boundary_ud;
   gc_sched_stats st;      /* counters (under lock) */
   /* step buffers (scheduler thread) */
   uint32_t cap;           /* tokens: step_tokens + slots */
@@ -103,6 +105,10 @@ int gc_sched_new(gc_sched **out, gc_model *m, const gc_sched_opts *o, mr_err *e)
   s->max_queue = o && o->max_queue ? o->max_queue : GC__SCHED_DEFAULT_QUEUE;
   s->step_tokens = o && o->step_tokens ? o->step_tokens : GC__SCHED_DEFAULT_STEP_TOKENS;
   if (s->step_tokens < s->slots) s->step_tokens = s->slots; /* decoders never wait */
+  if (o) {
+    s->on_boundary = o->on_boundary;
+    s->boundary_ud = o->boundary_ud;
+  }
   s->cap = s->step_tokens + s->slots;
   s->run = mr_calloc(s->slots, sizeof *s->run);
   s->slot_used = mr_calloc(s->slots, 1);
@@ -408,6 +414,7 @@ static gc_finish next_token(gc_sched *s, sreq *r, const float *row) {
 }
 
 int gc_sched_step(gc_sched *s, bool *busy) {
+  if (s->on_boundary) s->on_boundary(s->boundary_ud);
   boundary(s);
   uint32_t n_want = 0, n = assemble(s, &n_want);
   if (busy) *busy = n > 0;

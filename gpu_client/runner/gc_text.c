@@ -156,20 +156,29 @@ static void add_id(int32_t *ids, size_t cap, size_t *n, int32_t id) {
   if (*n < cap) ids[(*n)++] = id;
 }
 
+/* generation_config.json of model_dir into *root (NULL when there is none); its path in
+ * path. A file that does not read or parse is an error naming it. */
+static int gen_config(const char *model_dir, char *path, size_t cap, cJSON **root, mr_err *e) {
+  *root = NULL;
+  struct stat sb;
+  if (!model_dir || snprintf(path, cap, "%s/generation_config.json", model_dir) >= (int)cap || stat(path, &sb) != 0)
+    return 0;
+  char *text = NULL;
+  size_t len = 0;
+  int rc = mr_file_read(path, MR_JSON_MAX_BYTES, &text, &len, e);
+  if (!rc) rc = mr_json_parse_object(text, len, path, root, e);
+  mr_free(text);
+  return rc;
+}
+
 int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, size_t cap, size_t *n, mr_err *e) {
   *n = 0;
   const uint32_t V = tok ? gc_tok_vocab_size(tok) : 0;
   char path[4096];
-  struct stat sb;
-  if (model_dir && snprintf(path, sizeof path, "%s/generation_config.json", model_dir) < (int)sizeof path &&
-      stat(path, &sb) == 0) {
-    char *text = NULL;
-    size_t len = 0;
-    cJSON *root = NULL;
-    int rc = mr_file_read(path, MR_JSON_MAX_BYTES, &text, &len, e);
-    if (!rc) rc = mr_json_parse_object(text, len, path, &root, e);
-    mr_free(text);
-    if (rc) return rc;
+  cJSON *root = NULL;
+  int rc = gen_config(model_dir, path, sizeof path, &root, e);
+  if (rc) return rc;
+  if (root) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "eos_token_id");
     const cJSON *it;
     if (cJSON_IsNumber(v)) {
@@ -195,6 +204,35 @@ int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, siz
   }
   if (tok && gc_tok_eos_id(tok) >= 0) add_id(ids, cap, n, gc_tok_eos_id(tok));
   return 0;
+}
+
+int gc_text_sampling(const char *model_dir, gc_sampling *smp, bool *found, mr_err *e) {
+  *found = false;
+  char path[4096];
+  cJSON *root = NULL;
+  int rc = gen_config(model_dir, path, sizeof path, &root, e);
+  if (rc || !root) return rc;
+  const cJSON *ds = cJSON_GetObjectItemCaseSensitive(root, "do_sample");
+  const cJSON *t = cJSON_GetObjectItemCaseSensitive(root, "temperature");
+  const cJSON *p = cJSON_GetObjectItemCaseSensitive(root, "top_p");
+  const cJSON *k = cJSON_GetObjectItemCaseSensitive(root, "top_k");
+  if ((t && !cJSON_IsNumber(t)) || (t && !(t->valuedouble >= 0 && t->valuedouble <= 100)))
+    rc = mr_err_set(e, MR_EFORMAT, "%s: temperature must be a number in 0..100", path);
+  else if ((p && !cJSON_IsNumber(p)) || (p && !(p->valuedouble > 0 && p->valuedouble <= 1)))
+    rc = mr_err_set(e, MR_EFORMAT, "%s: top_p must be a number in (0, 1]", path);
+  else if ((k && !cJSON_IsNumber(k)) || (k && !(k->valuedouble >= 0 && k->valuedouble <= (1 << 24))))
+    rc = mr_err_set(e, MR_EFORMAT, "%s: top_k must be an integer in 0..16777216", path);
+  else if (cJSON_IsFalse(ds)) { /* transformers: greedy whatever the rest says */
+    smp->temperature = 0;
+    *found = true;
+  } else {
+    if (t) smp->temperature = (float)t->valuedouble;
+    if (p) smp->top_p = (float)p->valuedouble;
+    if (k) smp->top_k = (uint32_t)k->valuedouble;
+    *found = t || p || k;
+  }
+  cJSON_Delete(root);
+  return rc;
 }
 
 /* ---- chat prompts ----------------------------------------------------------------------------- */

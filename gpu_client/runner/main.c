@@ -1187,6 +1187,7 @@ static const command commands[] = {
     {"generate", gc__cli_generate, "run the model: generate tokens after prompts (--model DIR)"},
     {"logits", gc__cli_logits, "run the model: fp32 logits of one sequence's prefill, to a file"},
     {"bench", gc__cli_bench, "run the model: prefill/decode tok/s, per-layer time, overlap"},
+    {"serve", gc__cli_serve, "an OpenAI-compatible HTTP server of the model (continuous batching)"},
     {"tokenize", gc__cli_tokenize, "the model's tokenizer: text -> ids"},
     {"detokenize", gc__cli_detokenize, "the model's tokenizer: ids -> text"},
     {"chat-template", gc__cli_chat_template, "the prompt the model's chat template renders for messages"},

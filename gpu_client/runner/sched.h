@@ -97,6 +97,11 @@ typedef struct gc_sched_req {
 typedef struct gc_sched_opts {
   uint32_t max_queue;         /* requests waiting for a slot; 0 = 256 */
   uint32_t step_tokens;       /* token budget of one step (decode + prefill chunks); 0 = 512 */
+  /* Called on the scheduler thread at the start of every step, before the boundary takes
+   * cancels and admits requests: the place to gc_sched_cancel what went away (serve polls
+   * its waiting connections there, so a dropped client ends within one step). NULL = none. */
+  void (*on_boundary)(void *ud);
+  void *boundary_ud;
 } gc_sched_opts;
 
 typedef struct gc_sched_stats {

@@ -17,6 +17,7 @@
 #ifndef GC_TEXT_H
 #define GC_TEXT_H
 
+#include "gpu_client/runner/model.h"
 #include "gpu_client/runner/tokenizer.h"
 
 #ifdef __cplusplus
@@ -47,6 +48,12 @@ int gc_text_out_finish(gc_text_out *t, const char **emit, size_t *len, mr_err *e
  * MR_EFORMAT naming the file and the field. */
 int gc_text_stop_ids(const char *model_dir, const gc_tok *tok, int32_t *ids, size_t cap, size_t *n,
                      mr_err *e);
+
+/* The model's recommended sampling, from generation_config.json in model_dir (as vLLM and
+ * SGLang take it by default): temperature, top_p and top_k where given (do_sample false
+ * means greedy); fields not given keep smp's values. *found tells whether the file gave
+ * any. A field of the wrong type or out of range is MR_EFORMAT naming the file and it. */
+int gc_text_sampling(const char *model_dir, gc_sampling *smp, bool *found, mr_err *e);
 
 /* ---- chat prompts ----------------------------------------------------------------------------
  *
