@@ -205,6 +205,7 @@ static int parse_fields(const cJSON *o, gc_oai_req *r, const char **param, mr_er
   }
   if (so && !r->stream)
     return OAI_ERR(MR_EINVAL, "stream_options", "stream_options: only allowed with stream = true");
+  if ((rc = get_bool(o, "ignore_eos", &r->ignore_eos, param, e))) return rc;
   bool echo = false;
   if ((rc = get_bool(o, "echo", &echo, param, e))) return rc;
   if (echo) return OAI_ERR(MR_EINVAL, "echo", "echo = true: not served (the prompt is not returned)");

@@ -605,7 +605,8 @@ static void handle_completion(gc_serve *sv, mr_http_call *c, gc_oai_kind kind) {
   if (q.has_top_p) sr.smp.top_p = q.top_p;
   if (q.has_top_k) sr.smp.top_k = q.top_k;
   sr.smp.seed = q.has_seed ? q.seed : 0;
-  for (uint32_t i = 0; i < GC_SCHED_MAX_STOP_IDS; i++) sr.stop_ids[i] = i < m->n_stop_ids ? m->stop_ids[i] : -1;
+  for (uint32_t i = 0; i < GC_SCHED_MAX_STOP_IDS; i++)
+    sr.stop_ids[i] = i < m->n_stop_ids && !q.ignore_eos ? m->stop_ids[i] : -1;
   pthread_mutex_lock(&r->mu); /* the callbacks wait until the set-up is done */
   int rc = gc_sched_submit(m->sched, &sr, &r->sched_id, &e);
   if (rc) {

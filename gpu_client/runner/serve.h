@@ -70,6 +70,7 @@ typedef struct gc_oai_req {
   const char *stops[GC_TEXT_MAX_STOPS];
   uint32_t n_stops;
   bool stream, include_usage;
+  bool ignore_eos;               /* vLLM's extension: the model's stop ids do not end it */
   bool logprobs;                 /* chat: logprobs true; completions: logprobs >= 0 */
   uint32_t top_logprobs;         /* chat: top_logprobs; completions: logprobs */
 } gc_oai_req;
