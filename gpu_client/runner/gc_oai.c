@@ -247,10 +247,12 @@ void gc_oai_req_close(gc_oai_req *r) {
 
 /* ---- UTF-8 for JSON strings ------------------------------------------------------------------ */
 
-/* The length of the well-formed UTF-8 sequence at s[0..n) (Unicode's table 3-7), 0 if
- * ill-formed or cut short. */
-static size_t utf8_seq(const unsigned char *s, size_t n) {
+/* The well-formed UTF-8 sequence at s[0..n) (Unicode's table 3-7): its length, or 0 when
+ * it is ill-formed or cut short, with *bad the length of its maximal subpart (the bytes
+ * that one U+FFFD replaces, as Python's errors="replace" and Rust's from_utf8_lossy do). */
+static size_t utf8_seq(const unsigned char *s, size_t n, size_t *bad) {
   const unsigned c = s[0];
+  *bad = 1;
   if (c < 0x80) return 1;
   size_t len;
   unsigned lo = 0x80, hi = 0xBF;
@@ -265,10 +267,12 @@ static size_t utf8_seq(const unsigned char *s, size_t n) {
     if (c == 0xF4) hi = 0x8F;
   } else
     return 0;
-  if (n < len) return 0;
-  if (s[1] < lo || s[1] > hi) return 0;
-  for (size_t i = 2; i < len; i++)
-    if (s[i] < 0x80 || s[i] > 0xBF) return 0;
+  for (size_t i = 1; i < len; i++) {
+    if (i >= n) return 0;
+    const unsigned lo_i = i == 1 ? lo : 0x80, hi_i = i == 1 ? hi : 0xBF;
+    if (s[i] < lo_i || s[i] > hi_i) return 0;
+    *bad = i + 1;
+  }
   return len;
 }
 
@@ -283,7 +287,7 @@ bool gc_oai_utf8_append(char **out, size_t *len, size_t *cap, const char *s, siz
   }
   const unsigned char *u = (const unsigned char *)s;
   for (size_t i = 0; i < n;) {
-    size_t k = utf8_seq(u + i, n - i);
+    size_t bad, k = utf8_seq(u + i, n - i, &bad);
     if (k) {
       memcpy(*out + *len, u + i, k);
       *len += k;
@@ -291,7 +295,7 @@ bool gc_oai_utf8_append(char **out, size_t *len, size_t *cap, const char *s, siz
     } else {
       memcpy(*out + *len, "\xEF\xBF\xBD", 3);
       *len += 3;
-      i++;
+      i += bad;
     }
   }
   (*out)[*len] = '\0';
