@@ -683,8 +683,25 @@ int mr_http_server_handle(mr_http_server *h, const char *method, const char *pat
   return route_add(h, &r, e);
 }
 
+/* True while an answer the app has finished is still going out (its bytes not all taken
+ * by the peer yet). */
+static bool answers_in_flight(mr_http_server *h) {
+  bool busy = false;
+  pthread_mutex_lock(&h->lock);
+  for (mr_http_call *c = h->calls; c && !busy; c = c->next) {
+    pthread_mutex_lock(&c->lock);
+    busy = c->app_done && !c->mhd_done;
+    pthread_mutex_unlock(&c->lock);
+  }
+  pthread_mutex_unlock(&h->lock);
+  return busy;
+}
+
 void mr_http_server_free(mr_http_server *h) {
   if (!h) return;
+  /* Answers already made (the last events of a drained stream, a reply) go out first, for
+   * at most 2 s: a client that does not read them is not waited for. */
+  for (int i = 0; h->d && i < 200 && answers_in_flight(h); i++) usleep(10000);
   if (h->d) {
     /* MHD must not be stopped with suspended connections: wake them all; they see
      * `stopping` and end (503, or the stream's end with an error). */

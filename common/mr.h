@@ -736,7 +736,8 @@ void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
  * 400, 401, 404, 405, 408, 413, 429, 500, 503, other), after the caller's
  * mr_prom_family(name, MR_PROM_COUNTER, ...). Any thread. */
 void mr_http_server_render_answers(mr_http_server *h, mr_prom *p, const char *name);
-/* Stops serving: calls still open are answered 503 or their stream ends with an error, then
+/* Stops serving: answers the app has finished go out first (at most 2 s, for peers that
+ * read them); calls still open are answered 503 or their stream ends with an error, then
  * the connections close (their on_close runs). Calls the app still holds stay valid until
  * its terminal call. NULL is a no-op. */
 void mr_http_server_free(mr_http_server *h);

@@ -406,8 +406,11 @@ static void on_done(void *ud, gc_finish why, const mr_err *err, const gc_sched_u
   gc_serve *sv = r->sv;
   pthread_mutex_lock(&r->mu);
   const uint64_t now = mr_now_ns();
+  const bool gone = atomic_load(&r->gone);
   mr_hist_observe(&sv->e2e, now - r->t_arrive_ns);
-  atomic_fetch_add(&sv->finished[why], 1);
+  /* a client that left is a cancel, however the scheduler saw it end (a failed write ends
+   * the request from on_token: "stop" there) */
+  atomic_fetch_add(&sv->finished[gone && why != GC_FINISH_ERROR ? GC_FINISH_CANCELLED : why], 1);
   atomic_fetch_add(&sv->prompt_tokens, u->prompt_tokens);
   atomic_fetch_add(&sv->completion_tokens, u->completion_tokens);
   pthread_mutex_lock(&sv->lock);
@@ -415,7 +418,6 @@ static void on_done(void *ud, gc_finish why, const mr_err *err, const gc_sched_u
   else sv->live = r->next;
   if (r->next) r->next->prev = r->prev;
   pthread_mutex_unlock(&sv->lock);
-  const bool gone = atomic_load(&r->gone);
   const char *finish = why == GC_FINISH_LENGTH ? "length" : "stop";
   int status = 200;
   if (why == GC_FINISH_ERROR || (why == GC_FINISH_CANCELLED && !gone)) {
