@@ -6,7 +6,8 @@
 #      (deploy/local-cluster.sh),
 #   4. one chat turn, text in and text out: the model's chat template and tokenizer, hot
 #      experts local, the cold ones on the two servers (the weights are random: the text is
-#      nonsense, the path is real);
+#      nonsense, the path is real); then `moerpc-client serve` on the same cluster and one
+#      streamed chat request with curl, printed as it arrives, and serve's drain on SIGTERM;
 #      then generates with the whole-model runner: hot experts local (--local-experts), the cold
 #      ones on the servers, their RPCs overlapped and deferred (--max-deferred); then the
 #      same prompts all-local; one comparison line (tokens/s, greedy tokens, and the logits
@@ -56,6 +57,32 @@ printf '    user: %s\n    assistant: ' "What is a mixture of experts?"
     --local-experts "$LOCAL_EXPERTS" --chat "What is a mixture of experts?" --max-new 24 \
     --quiet --log warn 2>"$DEMO_DIR/chat.log" || { cat "$DEMO_DIR/chat.log"; exit 1; }
 sed 's/^/    /' "$DEMO_DIR/chat.log"
+
+step "serve: the OpenAI-compatible server on the two servers, one streamed chat request with curl"
+serve_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+"$BIN/moerpc-client" serve --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \
+    --local-experts "$LOCAL_EXPERTS" --listen "127.0.0.1:$serve_port" --quiet >"$DEMO_DIR/serve.log" 2>&1 &
+serve_pid=$!
+for _ in $(seq 1 600); do
+  curl -sf "http://127.0.0.1:$serve_port/health" >/dev/null && break
+  kill -0 $serve_pid 2>/dev/null || { cat "$DEMO_DIR/serve.log"; exit 1; }
+  sleep 0.1
+done
+echo "    curl -N http://127.0.0.1:$serve_port/v1/chat/completions -d '{\"messages\": [...], \"stream\": true}'"
+printf '    user: %s\n    assistant: ' "Tell me about experts."
+curl -sN "http://127.0.0.1:$serve_port/v1/chat/completions" -H 'Content-Type: application/json' \
+    -d '{"messages": [{"role": "user", "content": "Tell me about experts."}], "max_tokens": 24,
+         "stream": true, "stream_options": {"include_usage": true}}' |
+  python3 -u -c '
+import json, sys
+for line in sys.stdin:
+    if not line.startswith("data: {"): continue
+    d = json.loads(line[6:])
+    for c in d["choices"]: print(c["delta"].get("content") or "", end="", flush=True)
+    if d.get("usage"): print("\n    (%(prompt_tokens)d prompt + %(completion_tokens)d completion tokens, streamed)" % d["usage"])'
+kill -TERM $serve_pid
+wait $serve_pid || { echo "serve did not exit 0 after SIGTERM:"; tail -n 5 "$DEMO_DIR/serve.log"; exit 1; }
+grep -h -E 'listening|ready|stopped' "$DEMO_DIR/serve.log" | sed 's/^/    /'
 
 step "generate: hot experts local (--local-experts $LOCAL_EXPERTS), cold on s0/s1, --max-deferred $MAX_DEFERRED"
 "$BIN/moerpc-client" generate --model "$DEMO_DIR/model" --cluster "$DEMO_DIR/cluster.json" \

@@ -3,13 +3,19 @@
 
     deploy/k8s/render.py --config /models/qwen3-30b-a3b/config.json --servers 4 \
         --image registry.example/moerpc:1.1 --model-path /models/qwen3-30b-a3b \
-        [--format bf16|int8|int4|fp8] [--replicas 1|2] [--namespace moerpc] > moerpc.yaml
+        [--format bf16|int8|int4|fp8] [--replicas 1|2] [--namespace moerpc] \
+        [--serve [--serve-replicas N --serve-cpus C --serve-memory-gib G]] > moerpc.yaml
 
 Writes one multi-document YAML (JSON is YAML, so no YAML library is needed):
   ConfigMap   moerpc-config: cluster.json for clients, and the --experts of each ordinal
   Service     moerpc-servers: headless, stable DNS moerpc-server-<i>.moerpc-servers.<ns>
   StatefulSet moerpc-server: one pod per expert share, probes on the metrics port
   PodDisruptionBudget: at most one server down at a time (with --replicas 2: no expert lost)
+With --serve, also the OpenAI-compatible front (moerpc-client serve) using that cluster:
+  Deployment  moerpc-serve: --serve-replicas pods, readiness on GET /health (200 only once
+              the model and the cluster are up, 503 while draining), liveness on /healthz
+  Service     moerpc-serve: port 8000 (/v1/chat/completions, /v1/completions, /metrics)
+  Its API key is the secret moerpc-api-key (key "key"), mounted as a file.
 Memory requests = the packed expert weights of one share (from config.json: layers x
 experts x 3 x hidden x intermediate x bytes per weight of --format) + the admission budget
 (--max-inflight-bytes) + 1 GiB of process overhead. Only the standard library is used.
@@ -23,6 +29,8 @@ import sys
 BYTES_PER_WEIGHT = {"bf16": 2.0, "f16": 2.0, "f32": 4.0, "int8": 1.0 + 4.0 / 1024, "int4": 0.5 + 4.0 / 64,
                     "fp8": 1.0 + 4.0 / 128}  # fp8-b128: e4m3 + one fp32 per row and 128-block
 GRPC_PORT = 50051
+SERVE_PORT = 8000
+SERVE_DRAIN_S = 30
 METRICS_PORT = 9464
 GIB = 1 << 30
 
@@ -77,7 +85,17 @@ def main():
     ap.add_argument("--cpus", type=int, default=16, help="CPU request and limit per server")
     ap.add_argument("--namespace", default="moerpc")
     ap.add_argument("--deadline-ms", type=int, default=5000)
+    ap.add_argument("--serve", action="store_true", help="also the moerpc-client serve Deployment and Service")
+    ap.add_argument("--serve-replicas", type=int, default=1, help="serve pods, 1..64")
+    ap.add_argument("--serve-cpus", type=int, default=8, help="CPU request and limit per serve pod")
+    ap.add_argument("--serve-memory-gib", type=int, default=16,
+                    help="memory per serve pod: dense weights, hot experts, KV cache")
+    ap.add_argument("--serve-max-batch", type=int, default=16, help="serve --max-batch")
     a = ap.parse_args()
+    if not 1 <= a.serve_replicas <= 64:
+        fail(f"--serve-replicas {a.serve_replicas}: must be in 1..64")
+    if not 1 <= a.serve_cpus <= 1024 or not 1 <= a.serve_memory_gib <= 65536:
+        fail("--serve-cpus must be in 1..1024 and --serve-memory-gib in 1..65536")
     if not 1 <= a.servers <= 1024:
         fail(f"--servers {a.servers}: must be in 1..1024")
     if a.replicas == 2 and a.servers < 2:
@@ -188,6 +206,8 @@ def main():
         "metadata": {"name": "moerpc-server", "namespace": ns, "labels": labels},
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels}},
     })
+    if a.serve:
+        docs.extend(serve_docs(a, ns))
     sys.stdout.write(f"# moerpc: {a.servers} expert servers for a model of {moe_layers} MoE layers x "
                      f"{E} experts (H {H}, I {I}), {a.format}, {a.replicas} replica(s) per expert\n"
                      f"# per server: {weights / GIB:.2f} GiB of weights + {a.budget_gib:g} GiB "
@@ -196,6 +216,77 @@ def main():
                      f"moerpc-token and the PVC {a.models_pvc} are the operator's\n")
     for d in docs:
         sys.stdout.write("---\n" + json.dumps(d, indent=2) + "\n")
+
+
+def serve_docs(a, ns):
+    """The Deployment and Service of moerpc-client serve (the client process: attention,
+    hot experts, the OpenAI-compatible API) on the cluster of the ConfigMap."""
+    labels = {"app.kubernetes.io/name": "moerpc-serve", "app.kubernetes.io/part-of": "moerpc"}
+    flags = (f"--model {a.model_path} --cluster /etc/moerpc/config/cluster.json "
+             f"--listen 0.0.0.0:{SERVE_PORT} --api-key-file /etc/moerpc/api-key/key "
+             f"--max-batch {a.serve_max_batch} --threads {a.serve_cpus} --drain-timeout {SERVE_DRAIN_S}")
+    resources = {"cpu": str(a.serve_cpus), "memory": f"{a.serve_memory_gib}Gi"}
+    deploy = {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": "moerpc-serve", "namespace": ns, "labels": labels},
+        "spec": {
+            "replicas": a.serve_replicas,
+            "selector": {"matchLabels": labels},
+            "template": {
+                "metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true",
+                                             "prometheus.io/port": str(SERVE_PORT)}},
+                "spec": {
+                    # the drain (--drain-timeout) plus the time to send the last answers
+                    "terminationGracePeriodSeconds": SERVE_DRAIN_S + 15,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001},
+                    "containers": [{
+                        "name": "moerpc-serve",
+                        "image": a.image,
+                        "command": ["/bin/sh", "-c", f"exec /usr/local/bin/moerpc-client serve {flags}"],
+                        "env": [{"name": "MOERPC_LOG", "value": "info"}],
+                        "ports": [{"name": "http", "containerPort": SERVE_PORT}],
+                        # /health is 503 while the model loads and from SIGTERM on: the pod
+                        # leaves the Service's endpoints before its drain, and joins them
+                        # only once it can answer. The startup probe allows an hour of load.
+                        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                                         "periodSeconds": 10, "failureThreshold": 360},
+                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
+                                          "periodSeconds": 10, "failureThreshold": 3},
+                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
+                                           "periodSeconds": 5, "failureThreshold": 1},
+                        "resources": {"requests": resources, "limits": resources},
+                        "securityContext": {"allowPrivilegeEscalation": False,
+                                            "readOnlyRootFilesystem": True,
+                                            "capabilities": {"drop": ["ALL"]}},
+                        "volumeMounts": [
+                            {"name": "models", "mountPath": "/models", "readOnly": True},
+                            {"name": "config", "mountPath": "/etc/moerpc/config", "readOnly": True},
+                            {"name": "tls", "mountPath": "/etc/moerpc/tls", "readOnly": True},
+                            {"name": "token", "mountPath": "/etc/moerpc/token", "readOnly": True},
+                            {"name": "api-key", "mountPath": "/etc/moerpc/api-key", "readOnly": True},
+                        ],
+                    }],
+                    "volumes": [
+                        {"name": "models", "persistentVolumeClaim": {"claimName": a.models_pvc,
+                                                                     "readOnly": True}},
+                        {"name": "config", "configMap": {"name": "moerpc-config"}},
+                        {"name": "tls", "secret": {"secretName": "moerpc-server-tls",
+                                                   "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                        {"name": "token", "secret": {"secretName": "moerpc-token"}},
+                        {"name": "api-key", "secret": {"secretName": "moerpc-api-key"}},
+                    ],
+                },
+            },
+        },
+    }
+    svc = {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": "moerpc-serve", "namespace": ns, "labels": labels},
+        "spec": {"selector": labels,
+                 "ports": [{"name": "http", "port": SERVE_PORT, "targetPort": "http"}]},
+    }
+    return [deploy, svc]
 
 
 if __name__ == "__main__":

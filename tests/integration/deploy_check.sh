@@ -33,6 +33,13 @@ else
         moerpc-server@s0.service 2>&1); rc=$?
   if [ $rc -eq 0 ] && [ -z "$out" ]; then ok systemd_units
   else bad systemd_units "rc=$rc: $out"; fi
+  sed "s|/usr/local/bin/moerpc-client|$BIN/moerpc-client|" deploy/systemd/moerpc-serve.service \
+    >"$units/moerpc-serve.service"
+  mkdir -p "$units/moerpc-serve.service.d"
+  cp deploy/systemd/serve-flags.conf.example "$units/moerpc-serve.service.d/flags.conf"
+  out=$(SYSTEMD_UNIT_PATH=$units: systemd-analyze verify moerpc-serve.service 2>&1); rc=$?
+  if [ $rc -eq 0 ] && [ -z "$out" ]; then ok systemd_serve_unit
+  else bad systemd_serve_unit "rc=$rc: $out"; fi
   # A misspelt key is only a warning for systemd: the check above must see it.
   echo "Restartt=always" >>"$units/moerpc-server@s0.service.d/flags.conf"
   out=$(SYSTEMD_UNIT_PATH=$units: systemd-analyze verify moerpc-server@s0.service 2>&1)
@@ -54,7 +61,7 @@ else
     y=$tmp/k8s-$reps.yaml
     if ! python3 deploy/k8s/render.py --config "$model/config.json" --servers 4 \
          --image registry.example/moerpc:test --model-path /models/m --replicas $reps \
-         --format int8 >"$y" 2>"$tmp/render.err"; then
+         --format int8 --serve >"$y" 2>"$tmp/render.err"; then
       bad k8s_manifests "render.py --replicas $reps: $(cat "$tmp/render.err")"; all_ok=0; continue
     fi
     if ! out=$("$kv" --strict --quiet "$y" 2>&1); then
@@ -71,6 +78,17 @@ open(sys.argv[2],"w").write(cm["data"]["cluster.json"])' "$y" "$tmp/cl-$reps/ok_
       bad k8s_manifests "the rendered cluster.json is refused by the client: $out"; all_ok=0
     fi
   done
+  # serve's Deployment: ready on /health (200 only once loaded, 503 from SIGTERM on), and
+  # a grace period above its drain
+  python3 -c 'import json,sys
+docs=[json.loads(d) for d in open(sys.argv[1]).read().split("\n---\n")[1:]]
+d=[x for x in docs if x["kind"]=="Deployment" and x["metadata"]["name"]=="moerpc-serve"][0]
+c=d["spec"]["template"]["spec"]["containers"][0]
+assert c["readinessProbe"]["httpGet"]["path"]=="/health", c["readinessProbe"]
+assert " serve " in c["command"][2] and "--api-key-file" in c["command"][2], c["command"]
+assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30
+assert [x for x in docs if x["kind"]=="Service" and x["metadata"]["name"]=="moerpc-serve"]' "$tmp/k8s-1.yaml" \
+    2>"$tmp/serve.err" || { bad k8s_manifests "serve's Deployment: $(tail -n 2 "$tmp/serve.err")"; all_ok=0; }
   [ $all_ok = 1 ] && ok k8s_manifests
   sed 's/"readOnlyRootFilesystem"/"readOnlyRootFilesystm"/' "$tmp/k8s-1.yaml" >"$tmp/broken.yaml"
   if "$kv" --strict --quiet "$tmp/broken.yaml" >/dev/null 2>&1; then
