@@ -76,7 +76,7 @@ static void stop(int sig, int want) {
 
 /* GET /metrics into text; returns the body (after the head), which must be a 200. */
 static const char *scrape(void) {
-  const char *get = "GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n";
+  const char *get = "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";
   itu_http(mport, get, strlen(get), text, sizeof text);
   if (strncmp(text, "HTTP/1.1 200 ", 13) != 0) {
     fprintf(stderr, "  scrape: %.200s\n", text);
@@ -146,7 +146,7 @@ static int wait_health(const char *svc, int want, int ms) {
 /* The HTTP status of GET path on the metrics port. */
 static int probe(const char *path) {
   char req[200], ans[2048];
-  snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\n\r\n", path);
+  snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n", path);
   itu_http(mport, req, strlen(req), ans, sizeof ans);
   int code = 0;
   if (sscanf(ans, "HTTP/1.1 %d", &code) != 1) return -1;
@@ -355,19 +355,20 @@ MT_TEST(counters_and_histograms_count_exactly_and_bad_http_is_refused) {
   MT_EQ_INT((int)metric(b, "moerpc_errors_total{status=\"INVALID_ARGUMENT\"}"), 1);
   MT_EQ_INT((int)metric(b, "moerpc_computed_requests_total"), 150);
 
-  /* Bad HTTP: refused with the right status, and the server goes on. */
+  /* Bad HTTP: refused with the right status, and the server goes on. A TLS hello is not
+   * HTTP: libmicrohttpd closes the connection without an answer (or answers 400). */
   char ans[4096];
-  itu_http(mport, "\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", 11, ans, sizeof ans);
-  MT_CONTAINS(ans, "HTTP/1.1 400 ");
+  itu_http(mport, "\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 15, ans, sizeof ans);
+  MT_TRUE(ans[0] == '\0' || strncmp(ans, "HTTP/1.1 400 ", 13) == 0);
   static char big[3 * MR_HTTP_MAX_HEAD];
   int n = snprintf(big, sizeof big, "GET /metrics HTTP/1.1\r\n");
   while ((size_t)n < 2 * MR_HTTP_MAX_HEAD) n += snprintf(big + n, sizeof big - (size_t)n, "X-Pad: yyyyyyyyyyyy\r\n");
   itu_http(mport, big, (size_t)n, ans, sizeof ans);
   MT_CONTAINS(ans, "HTTP/1.1 431 ");
-  const char *post = "POST /metrics HTTP/1.1\r\nContent-Length: 2\r\n\r\nhi";
+  const char *post = "POST /metrics HTTP/1.1\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi";
   itu_http(mport, post, strlen(post), ans, sizeof ans);
   MT_CONTAINS(ans, "HTTP/1.1 405 ");
-  const char *other = "GET /debug HTTP/1.1\r\n\r\n";
+  const char *other = "GET /debug HTTP/1.1\r\nConnection: close\r\n\r\n";
   itu_http(mport, other, strlen(other), ans, sizeof ans);
   MT_CONTAINS(ans, "HTTP/1.1 404 ");
   for (int i = 0; i < 64; i++) { /* random bytes */
