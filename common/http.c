@@ -20,6 +20,12 @@
 /* Splits HOST:PORT / [V6]:PORT into host and port text. */
 int mr__http_split(const char *listen, const char *flag, char *host, size_t hlen, const char **port, mr_err *e) {
   const char *colon, *h0 = listen, *h1;
+  if (listen[0] && strspn(listen, "0123456789") == strlen(listen)) { /* a port alone: loopback */
+    if (hlen < sizeof "127.0.0.1" || strlen(listen) > 5 || strtoul(listen, NULL, 10) > 65535) goto bad;
+    snprintf(host, hlen, "127.0.0.1");
+    *port = listen;
+    return 0;
+  }
   if (listen[0] == '[') {
     const char *close = strchr(listen, ']');
     if (!close || close == listen + 1 || close[1] != ':') goto bad;
@@ -40,7 +46,8 @@ int mr__http_split(const char *listen, const char *flag, char *host, size_t hlen
   if (!**port || *end || v > 65535 || (*port)[0] == '-' || (*port)[0] == '+') goto bad;
   return 0;
 bad:
-  return mr_err_set(e, MR_EINVAL, "%s \"%s\": must be HOST:PORT or [IPV6]:PORT, port 0..65535", flag, listen);
+  return mr_err_set(e, MR_EINVAL, "%s \"%s\": must be HOST:PORT, [IPV6]:PORT or PORT (loopback), port 0..65535",
+                    flag, listen);
 }
 
 /* ---- the one-shot GET client ------------------------------------------------------------ */

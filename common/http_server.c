@@ -576,7 +576,7 @@ int mr_http_server_start(mr_http_server **out, const mr_http_opts *o, mr_err *e)
   h->o = *o;
   h->probe_ud = o->probe_ud;
   if (!h->o.flag) h->o.flag = "--listen";
-  if (!h->o.max_conns) h->o.max_conns = 1024;
+  if (!h->o.max_conns) h->o.max_conns = 4096;
   if (!h->o.idle_timeout_s) h->o.idle_timeout_s = 10;
   if (!h->o.max_body) h->o.max_body = 1u << 20;
   if (!h->o.max_stream_buffer) h->o.max_stream_buffer = 8u << 20;

@@ -706,7 +706,7 @@ typedef bool (*mr_http_probe_fn)(void *ud, bool ready);
 typedef struct mr_http_opts {
   const char *listen;         /* "HOST:PORT", "[V6]:PORT"; port 0 = any free port */
   const char *flag;           /* names the option in messages ("--metrics-listen") */
-  uint32_t max_conns;         /* connections at once, 0 = 1024 (more wait in the backlog) */
+  uint32_t max_conns;         /* connections at once, 0 = 4096 (more wait in the backlog) */
   uint32_t idle_timeout_s;    /* a connection silent this long is closed, 0 = 10 */
   size_t max_body;            /* request body limit (413 past it), 0 = 1 MiB */
   size_t max_stream_buffer;   /* streamed bytes the peer has not taken yet, past which

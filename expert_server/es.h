@@ -82,8 +82,11 @@ typedef struct es_server_opts {
   uint64_t max_expert_memory; /* live placement: LoadExperts is refused RESOURCE_EXHAUSTED when
                                * the packed expert bytes would exceed this; 0 = no limit of its
                                * own (MemAvailable minus ES_LOAD_MEM_MARGIN always applies) */
-  const char *metrics_listen; /* "HOST:PORT" of the Prometheus /metrics endpoint, NULL = off;
-                               * port 0 = any free port (logged; es_server_metrics_port) */
+  const char *metrics_listen; /* "HOST:PORT" (or "PORT": 127.0.0.1) of the Prometheus /metrics
+                               * endpoint, NULL = off; port 0 = any free port (logged;
+                               * es_server_metrics_port) */
+  const char *metrics_token_file; /* bearer token /metrics requires (the probes /healthz and
+                                   * /readyz stay open, for kubelet); NULL = none */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"

@@ -163,15 +163,37 @@ static bool es__metrics_probe(void *ud, bool ready) {
   return !ready || atomic_load(&s->serving);
 }
 
+/* True for 127.0.0.0/8, ::1, localhost and a port alone (which binds 127.0.0.1). */
+static bool es__loopback(const char *listen) {
+  if (strspn(listen, "0123456789") == strlen(listen)) return true;
+  return strncmp(listen, "127.", 4) == 0 || strncmp(listen, "[::1]:", 6) == 0 || strncmp(listen, "localhost:", 10) == 0;
+}
+
 int es__metrics_start(es_server *s, mr_err *e) {
   if (!s->opts.metrics_listen) return 0;
-  int rc = mr_http_server_new(&s->metrics_http, s->opts.metrics_listen, "--metrics-listen", "/metrics",
-                              es__metrics_render, s, e);
-  if (rc) return rc;
+  char token[MR_SECRET_MAX_BYTES + 1];
+  size_t token_len = 0;
+  int rc = 0;
+  if (s->opts.metrics_token_file &&
+      (rc = mr_secret_read(s->opts.metrics_token_file, "--metrics-token-file", token, sizeof token, &token_len, e)))
+    return rc;
+  mr_http_opts o = {.listen = s->opts.metrics_listen, .flag = "--metrics-listen", .probe_ud = s,
+                    .token = s->opts.metrics_token_file ? token : NULL, .token_on_renders = true};
+  rc = mr_http_server_start(&s->metrics_http, &o, e);
+  mr_secret_wipe(token, sizeof token);
+  if (!rc) rc = mr_http_server_route(s->metrics_http, "/metrics", NULL, es__metrics_render, s, e);
+  if (rc) {
+    mr_http_server_free(s->metrics_http);
+    s->metrics_http = NULL;
+    return rc;
+  }
   mr_http_server_probes(s->metrics_http, es__metrics_probe);
-  const char *l = s->opts.metrics_listen;
-  mr_log(MR_LOG_INFO, "metrics: http://%.*s:%d/metrics", (int)(strrchr(l, ':') - l), l,
-         mr_http_server_port(s->metrics_http));
+  const char *l = s->opts.metrics_listen, *colon = strrchr(l, ':');
+  mr_log(MR_LOG_INFO, "metrics: http://%.*s:%d/metrics%s", colon ? (int)(colon - l) : 9, colon ? l : "127.0.0.1",
+         mr_http_server_port(s->metrics_http), s->opts.metrics_token_file ? " (bearer token required)" : "");
+  if (!es__loopback(l) && !s->opts.metrics_token_file)
+    mr_log(MR_LOG_WARN, "metrics: %s is not loopback and /metrics needs no token: whoever reaches it reads the "
+           "model fingerprint, the load and the request counts (--metrics-token-file)", l);
   return 0;
 }
 

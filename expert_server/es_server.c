@@ -105,6 +105,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   s->layers_spec = es__dup(opts->layers, &rc);
   s->numa = es__dup(opts->numa ? opts->numa : "auto", &rc);
   s->metrics_listen = opts->metrics_listen ? es__dup(opts->metrics_listen, &rc) : NULL;
+  s->metrics_token_file = opts->metrics_token_file ? es__dup(opts->metrics_token_file, &rc) : NULL;
   if (rc) {
     mr_err_set(e, rc, "out of memory copying the options");
     goto out_free_server;
@@ -115,6 +116,7 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   s->opts.layers = s->layers_spec;
   s->opts.numa = s->numa;
   s->opts.metrics_listen = s->metrics_listen;
+  s->opts.metrics_token_file = s->metrics_token_file;
   struct timeval tv;
   gettimeofday(&tv, NULL);
   s->start_time_s = (double)tv.tv_sec + (double)tv.tv_usec / 1e6;
@@ -214,6 +216,7 @@ void es_server_free(es_server *s) {
   mr_free(s->layer_tokens);
   mr_free(s->layer_hist);
   mr_free(s->metrics_listen);
+  mr_free(s->metrics_token_file);
   mr_free(s->q_heap);
   mr_arena_close(&s->arena);
   if (s->pool_inited) es__pool_close(&s->pool);

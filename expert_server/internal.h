@@ -349,7 +349,7 @@ typedef enum es_phase {
 
 struct es_server {
   es_server_opts opts;   /* strings below point at the copies */
-  char *model_dir, *listen, *experts_spec, *layers_spec, *numa, *metrics_listen;
+  char *model_dir, *listen, *experts_spec, *layers_spec, *numa, *metrics_listen, *metrics_token_file;
 
   /* Model and weights: written by es_server_new, and the packed weights by the loader
    * thread; read-only once srv->loaded is set (every thread). */

@@ -73,8 +73,12 @@ static void usage(FILE *f) {
           "  --insecure               allow plaintext on a non-loopback --listen address (without\n"
           "                           it, only 127.0.0.0/8, ::1 and localhost serve plaintext)\n"
           "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
-          "                           (default off; port 0 = any free port, logged at start);\n"
-          "                           up before the weights load, with the loading progress\n"
+          "                           (default off; PORT alone binds 127.0.0.1; port 0 = any\n"
+          "                           free port, logged at start); up before the weights load,\n"
+          "                           with the loading progress; also /healthz and /readyz\n"
+          "  --metrics-token-file FILE  /metrics requires \"Authorization: Bearer <token>\" (the\n"
+          "                           token in FILE); /healthz and /readyz stay open. Without it\n"
+          "                           a non-loopback --metrics-listen is logged at WARN\n"
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
           "  --help                   this text\n"
           "\n"
@@ -190,7 +194,7 @@ enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT, OPT_MAX_EXPERT_MEMORY,
-  OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN
+  OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN, OPT_METRICS_TOKEN
 };
 
 int main(int argc, char **argv) {
@@ -212,6 +216,7 @@ int main(int argc, char **argv) {
       {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
+      {"metrics-token-file", required_argument, NULL, OPT_METRICS_TOKEN},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
@@ -281,8 +286,10 @@ int main(int argc, char **argv) {
       if (!parse_u32("--stall-timeout-ms", optarg, 0, ES_MAX_STALL_TIMEOUT_MS, &o.stall_timeout_ms))
         return 2;
       break;
-    case OPT_METRICS_LISTEN:
-      if (!check_listen(optarg, "--metrics-listen")) return 2;
+    case OPT_METRICS_LISTEN: /* a port alone binds loopback (common/http.c) */
+      if (strspn(optarg, "0123456789") != strlen(optarg) && !check_listen(optarg, "--metrics-listen")) return 2;
+      if (!optarg[0] || (strspn(optarg, "0123456789") == strlen(optarg) && (strlen(optarg) > 5 || atoi(optarg) > 65535)))
+        return usage_error("--metrics-listen \"%s\": a port must be 0..65535", optarg);
       o.metrics_listen = optarg;
       break;
     case OPT_LOG_LEVEL: {
@@ -296,6 +303,7 @@ int main(int argc, char **argv) {
     case OPT_TLS_KEY: o.tls_key = optarg; break;
     case OPT_TLS_CLIENT_CA: o.tls_client_ca = optarg; break;
     case OPT_AUTH_TOKEN_FILE: o.auth_token_file = optarg; break;
+    case OPT_METRICS_TOKEN: o.metrics_token_file = optarg; break;
     case OPT_INSECURE: o.insecure = true; break;
     case OPT_HELP: usage(stdout); return 0;
     case ':': return usage_error("%s needs a value", argv[optind - 1]);

@@ -85,6 +85,9 @@ def main():
     ap.add_argument("--cpus", type=int, default=16, help="CPU request and limit per server")
     ap.add_argument("--namespace", default="moerpc")
     ap.add_argument("--deadline-ms", type=int, default=5000)
+    ap.add_argument("--metrics-token", action="store_true",
+                    help="/metrics requires the bearer token of the secret moerpc-metrics-token (key "
+                         "\"token\"); give Prometheus the same token")
     ap.add_argument("--serve", action="store_true", help="also the moerpc-client serve Deployment and Service")
     ap.add_argument("--serve-replicas", type=int, default=1, help="serve pods, 1..64")
     ap.add_argument("--serve-cpus", type=int, default=8, help="CPU request and limit per serve pod")
@@ -144,6 +147,11 @@ def main():
              f"--drain-timeout-ms 20000")
     if a.format != "bf16":
         flags += f" --quant {a.format}"
+    # The metrics port is on the pod network (kubelet probes it, Prometheus scrapes it): it
+    # shows the model fingerprint and the load; --metrics-token puts /metrics behind a token
+    # (the probes stay open).
+    if a.metrics_token:
+        flags += " --metrics-token-file /etc/moerpc/metrics-token/token"
     resources = {"cpu": str(a.cpus), "memory": f"{mem_gib}Gi"}
     docs.append({
         "apiVersion": "apps/v1", "kind": "StatefulSet",
@@ -188,7 +196,8 @@ def main():
                             {"name": "config", "mountPath": "/etc/moerpc/config", "readOnly": True},
                             {"name": "tls", "mountPath": "/etc/moerpc/tls", "readOnly": True},
                             {"name": "token", "mountPath": "/etc/moerpc/token", "readOnly": True},
-                        ],
+                        ] + ([{"name": "metrics-token", "mountPath": "/etc/moerpc/metrics-token",
+                               "readOnly": True}] if a.metrics_token else []),
                     }],
                     "volumes": [
                         {"name": "models", "persistentVolumeClaim": {"claimName": a.models_pvc,
@@ -196,7 +205,9 @@ def main():
                         {"name": "config", "configMap": {"name": "moerpc-config"}},
                         {"name": "tls", "secret": {"secretName": "moerpc-server-tls"}},
                         {"name": "token", "secret": {"secretName": "moerpc-token"}},
-                    ],
+                    ] + ([{"name": "metrics-token", "secret": {"secretName": "moerpc-metrics-token",
+                                                               "defaultMode": 0o400}}]
+                         if a.metrics_token else []),
                 },
             },
         },

@@ -61,7 +61,7 @@ else
     y=$tmp/k8s-$reps.yaml
     if ! python3 deploy/k8s/render.py --config "$model/config.json" --servers 4 \
          --image registry.example/moerpc:test --model-path /models/m --replicas $reps \
-         --format int8 --serve >"$y" 2>"$tmp/render.err"; then
+         --format int8 --serve --metrics-token >"$y" 2>"$tmp/render.err"; then
       bad k8s_manifests "render.py --replicas $reps: $(cat "$tmp/render.err")"; all_ok=0; continue
     fi
     if ! out=$("$kv" --strict --quiet "$y" 2>&1); then
