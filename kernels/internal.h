@@ -539,6 +539,11 @@ uint64_t kn__amx_cfg_audit_take(char *why, size_t n);
 uint64_t kn__amx_cfg_audit_loads(void);
 uint32_t kn__amx_min_tokens(void);
 bool kn__amx_usable(void);
+/* The tile peak loop (moe_amx.c, "the tile peak"): iters iterations of a 2 x 2 block of
+ * full-tile dot products (bf16 for bf16 / fp8, int8 for int8 / int4) on the calling thread;
+ * returns the operations done. AMX CPUs only (the emulated twin runs anywhere). */
+uint64_t kn__amx_peak(kn_format f, uint64_t iters);
+uint64_t kn__amx_emu_peak(kn_format f, uint64_t iters);
 void kn__amx_emu_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
 void kn__amx_emu_entries(kn__kernel_table *t);
 void kn__amx_emu_cfg_audit(bool on);

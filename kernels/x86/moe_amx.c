@@ -649,3 +649,43 @@ void kn__amx_register(kn__kernel_table *t) {
 
 /* Whether this CPU can run this object's entries (the emulated ones need no AMX). */
 bool AMX_SYM(usable)(void) { return cpu_can_run(kn__cpu_get(), !KN_AMX_EMULATE); }
+
+/* ---- the tile peak (moerpc-bench-kernels) ------------------------------------------------------
+ *
+ * What the tiles can do with nothing to wait for: operands resident in tiles, a 2 x 2
+ * block of dot products per iteration (C0..C3 in tmm0-3 += A0, A1 in tmm4-5 times B0, B1 in
+ * tmm6-7), each on full tiles (16 rows x 64 bytes). AMX instructions take as long whatever
+ * the values, so the operands are zero. One call runs iters iterations on the calling
+ * thread and returns the operations it did: 4 x 2 x 16 x 16 x K per iteration, K = 32
+ * (bf16 pairs) or 64 (int8 quads; int4 runs on int8 tiles after its unpack, so its peak is
+ * int8's). The bench runs it on every thread and divides by the wall time: the roofline's
+ * compute ceiling. */
+uint64_t AMX_SYM(peak)(kn_format f, uint64_t iters) {
+  const bool bf16 = f == KN_FMT_BF16 || f == KN_FMT_FP8;
+  _Alignas(64) kn__amx_cfg c;
+  cfg_make(&c, 64);
+  KN_AMX_LOADCFG(&c);
+  KN_AMX_ZERO(0); /* tile numbers are encoded in the instruction: no loop */
+  KN_AMX_ZERO(1);
+  KN_AMX_ZERO(2);
+  KN_AMX_ZERO(3);
+  KN_AMX_ZERO(4);
+  KN_AMX_ZERO(5);
+  KN_AMX_ZERO(6);
+  KN_AMX_ZERO(7);
+  for (uint64_t i = 0; i < iters; i++) {
+    if (bf16) {
+      KN_AMX_DPBF16PS(0, 4, 6);
+      KN_AMX_DPBF16PS(1, 4, 7);
+      KN_AMX_DPBF16PS(2, 5, 6);
+      KN_AMX_DPBF16PS(3, 5, 7);
+    } else {
+      KN_AMX_DPBSSD(0, 4, 6);
+      KN_AMX_DPBSSD(1, 4, 7);
+      KN_AMX_DPBSSD(2, 5, 6);
+      KN_AMX_DPBSSD(3, 5, 7);
+    }
+  }
+  KN_AMX_RELEASE();
+  return iters * 4u * 2u * 16u * 16u * (bf16 ? 32u : 64u);
+}

@@ -30,10 +30,15 @@
  *   - peak_tflops: the register-only peak of the best dot instruction for the format, measured
  *     once per run on the same number of threads: vdpbf16ps (bf16), vpdpbusd (int8,
  *     int4), vfmadd231ps (f32, f16, and bf16/int8/int4 without BF16/VNNI); peak_kind
- *     names it; peak_ratio = tflops / peak_tflops. There is no AMX peak loop: with
- *     --isa amx (kernels/x86/moe_amx.c, AMX CPUs only) the ratio is still against the
- *     AVX-512 instruction and may exceed 1; compare against --isa avx512 of the same run
- *     (tests/bench/amx_host.sh prints those ratios).
+ *     names it; peak_ratio = tflops / peak_tflops;
+ *   - amx_peak_tflops (AMX CPUs only, null elsewhere): the tile peak of the format (bf16
+ *     tiles for bf16 / fp8, int8 tiles for int8 / int4), operands resident in tiles, a 2 x 2
+ *     block of full-tile dot products (kn__amx_peak, kernels/x86/moe_amx.c) on the same
+ *     threads, best of 3;
+ *   - roofline_tflops = min(ceiling, intensity x read_gbps), the intensity being the case's
+ *     operations per weight byte (its tokens per expert) and the ceiling the AMX peak for a
+ *     case that ran on tiles, else peak_tflops: what the case could reach on this machine;
+ *     roofline_ratio = tflops / roofline_tflops.
  * JSON lines on stdout with --json; a human table on stderr always.
  *
  *   moerpc-bench-kernels --linear NxK[,NxK...]|qwen3-30b-a3b [--tokens ...] [--format ...]
@@ -558,6 +563,40 @@ static double peak_measure(team *t, peak_kind k) {
   for (int r = 0; r < 3; r++) {
     uint64_t ns = team_run(t, peak_fn, &j);
     double ops = (double)j.iters * 16.0 * peak_ops[k] * t->n / ((double)ns * 1e-9);
+    if (ops > best) best = ops;
+  }
+  return best;
+}
+
+/* The tile peak of format f (bf16 tiles, or int8 tiles for int8 / int4) on the team's
+ * threads, ops/s, best of 3 rounds; 0 where the CPU has no AMX. */
+typedef struct amx_peak_job {
+  kn_format f;
+  uint64_t iters;
+  _Atomic uint64_t ops;
+} amx_peak_job;
+static void amx_peak_fn(int id, int n, void *arg) {
+  (void)id;
+  (void)n;
+  amx_peak_job *j = arg;
+#if MR_HAVE_AMX
+  atomic_fetch_add(&j->ops, kn__amx_peak(j->f, j->iters));
+#else
+  (void)j;
+#endif
+}
+static double amx_peak_measure(team *t, kn_format f) {
+  if (kn__cpu_get()->best != KN_ISA_AMX || !(f == KN_FMT_BF16 || f == KN_FMT_FP8 || f == KN_FMT_INT8 ||
+                                              f == KN_FMT_INT4))
+    return 0.0;
+  amx_peak_job j = {.f = f, .iters = PEAK_ITERS / 8};
+  team_run(t, amx_peak_fn, &j); /* warm up (clock ramp, the tile state's first use) */
+  double best = 0.0;
+  j.iters = PEAK_ITERS / 2;
+  for (int r = 0; r < 3; r++) {
+    atomic_store(&j.ops, 0);
+    uint64_t ns = team_run(t, amx_peak_fn, &j);
+    double ops = (double)atomic_load(&j.ops) / ((double)ns * 1e-9);
     if (ops > best) best = ops;
   }
   return best;
@@ -1124,6 +1163,7 @@ int main(int argc, char **argv) {
   team_start(&tm, (int)threads);
   double peak[PK_COUNT] = {0};
   bool peak_done[PK_COUNT] = {0};
+  double amx_peak[KN_FMT_COUNT] = {0};
 
   /* The read buffer: 4x the LLC, at least 2x the bytes of the biggest call (capped). */
   const double llc = o.llc_mb > 0 ? o.llc_mb * 1048576.0 : llc_bytes();
@@ -1148,9 +1188,9 @@ int main(int argc, char **argv) {
   }
   fprintf(stderr, "# moerpc-bench-kernels: %s H=%u I=%u E=%u k=%u, %u thread(s), LLC %.0f MiB\n",
           sh->name, sh->H, sh->I, sh->E, sh->k, threads, llc / 1048576.0);
-  fprintf(stderr, "%-14s %-6s %-6s %-18s %5s %3s %11s %9s %8s %8s %6s %8s %8s %6s\n", "shape", "format",
+  fprintf(stderr, "%-14s %-6s %-6s %-18s %5s %3s %11s %9s %8s %8s %6s %8s %8s %6s %8s %6s\n", "shape", "format",
           "isa", "kernel", "T", "thr", "us", "weightMB", "wGB/s", "readGB/s", "bw", "TFLOP/s",
-          "peak", "peak%");
+          "peak", "peak%", "roofline", "roof%");
   for (int fi = 0; fi < o.n_fmt; fi++) {
     kn_format f = o.fmt[fi];
     fmt_run fr;
@@ -1164,6 +1204,10 @@ int main(int argc, char **argv) {
       peak[pk] = peak_measure(&tm, pk);
       peak_done[pk] = true;
     }
+    amx_peak[f] = amx_peak_measure(&tm, f);
+    if (amx_peak[f] > 0)
+      fprintf(stderr, "# AMX tile peak for %s: %.3f TFLOP/s on %u thread(s)\n", kn_format_name(f), amx_peak[f] / 1e12,
+              threads);
     for (int ii = 0; ii < o.n_isa; ii++) {
       if (!eng[ii]) continue;
       if (kn_engine_nodes(eng[ii]) != kn_engine_nodes(any)) {
@@ -1181,22 +1225,32 @@ int main(int argc, char **argv) {
         }
         double pt = peak[pk] / 1e12;
         double pr = pt > 0 ? r.tflops / pt : 0.0;
+        /* the roofline: the case's ceiling (the tiles' for a case on tiles), or its bytes at
+         * the plain read's rate (intensity x read_gbps = tflops / bw_ratio) */
+        const double at = amx_peak[f] / 1e12;
+        const double ceil_t = isa_used == KN_ISA_AMX && at > 0 ? at : pt;
+        const double bw_t = r.bw_ratio > 0 ? r.tflops / r.bw_ratio : 0.0;
+        const double roof = ceil_t > 0 && ceil_t < bw_t ? ceil_t : bw_t, rr = roof > 0 ? r.tflops / roof : 0.0;
+        char atj[32];
+        if (at > 0) snprintf(atj, sizeof atj, "%.5f", at);
+        else snprintf(atj, sizeof atj, "null");
         char group[16] = "";
         if (f == KN_FMT_INT4) snprintf(group, sizeof group, "-g%u", o.group);
         char fname[24];
         snprintf(fname, sizeof fname, "%s%s", kn_format_name(f), group);
-        fprintf(stderr, "%-14s %-6s %-6s %-18s %5u %3u %11.1f %9.1f %8.2f %8.2f %6.3f %8.4f %8.4f %5.1f%%\n",
+        fprintf(stderr, "%-14s %-6s %-6s %-18s %5u %3u %11.1f %9.1f %8.2f %8.2f %6.3f %8.4f %8.4f %5.1f%% %8.4f %5.1f%%\n",
                 sh->name, fname, kn_isa_name(isa_used), kname, fr.rt[ti].T, threads, r.us, r.weight_mb,
-                r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, 100.0 * pr);
+                r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, 100.0 * pr, roof, 100.0 * rr);
         if (o.json)
           printf("{\"shape\":\"%s\",\"format\":\"%s\",\"group\":%u,\"isa\":\"%s\",\"kernel\":\"%s\","
                  "\"tokens\":%u,\"top_k\":%u,\"threads\":%u,\"layers\":%u,\"experts_pool\":%u,"
                  "\"repeats\":%u,\"us\":%.2f,\"us_min\":%.2f,\"weight_mb\":%.3f,\"weight_gbps\":%.3f,"
                  "\"read_gbps\":%.3f,\"bw_ratio\":%.4f,\"tflops\":%.5f,\"peak_tflops\":%.5f,"
-                 "\"peak_kind\":\"%s\",\"peak_ratio\":%.4f}\n",
+                 "\"peak_kind\":\"%s\",\"peak_ratio\":%.4f,\"amx_peak_tflops\":%s,\"roofline_tflops\":%.5f,"
+                 "\"roofline_ratio\":%.4f}\n",
                  sh->name, kn_format_name(f), f == KN_FMT_INT4 ? o.group : 0, kn_isa_name(isa_used), kname,
                  fr.rt[ti].T, sh->k, threads, fr.rt[ti].layers, fr.pool, r.repeats, r.us, r.us_min, r.weight_mb,
-                 r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, peak_names[pk], pr);
+                 r.weight_gbps, r.read_gbps, r.bw_ratio, r.tflops, pt, peak_names[pk], pr, atj, roof, rr);
         fflush(stdout);
       }
     }

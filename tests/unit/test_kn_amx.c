@@ -568,6 +568,25 @@ MT_TEST(engine_registers_amx_only_with_amx) {
 #endif
 }
 
+/* The tile peak loop of moerpc-bench-kernels (issue 19): runs on the real tiles (or under
+ * the trap) and on the emulated ones, and counts its operations: 4 dot products of full
+ * tiles per iteration, K = 32 bf16 pairs or 64 int8 quads; int4 runs on the int8 tiles. */
+static void peak_loop(int which) {
+#if MR_HAVE_AMX
+  impl_or_skip(which);
+  uint64_t (*peak)(kn_format, uint64_t) = which ? kn__amx_peak : kn__amx_emu_peak;
+  MT_EQ_U64(peak(KN_FMT_BF16, 3), 3ull * 4 * 2 * 16 * 16 * 32);
+  MT_EQ_U64(peak(KN_FMT_INT8, 2), 2ull * 4 * 2 * 16 * 16 * 64);
+  MT_EQ_U64(peak(KN_FMT_INT4, 1), 1ull * 4 * 2 * 16 * 16 * 64);
+  MT_EQ_U64(peak(KN_FMT_BF16, 0), 0);
+#else
+  (void)which;
+  MT_SKIP("built without AMX kernels (HAVE_AMX=0)");
+#endif
+}
+MT_TEST(emulated_peak_loop_counts) { peak_loop(0); }
+MT_TEST(real_peak_loop_counts) { peak_loop(1); }
+
 /* The trap is no softer than the hardware: a TILELOADD into a tile the loaded
  * configuration leaves out (what the dropped stores of GCC 12 did to tmm4) kills the
  * process, by #UD on an AMX CPU and by the trap's abort elsewhere. Run in a child. */
