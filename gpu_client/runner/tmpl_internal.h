@@ -8,9 +8,17 @@
  *                   construct outside the subset is refused at compile time
  *   tmpl_value.c    values with Python's semantics: str() and repr(), equality and
  *                   order, truthiness, transformers' tojson, the JSON readers
- *   tmpl_eval.c     the tree walker: scopes, statements, operators, calls, limits
+ *   tmpl_names.c    the names of the subset's filters, tests, functions and methods, and
+ *                   the lookups over them (the parser's and the runtime's)
+ *   tmpl_rt.c       the runtime of one render: errors located at a node, limits,
+ *                   attribute / item lookup, slices, iteration, `in`
  *   tmpl_builtin.c  filters, tests, methods of str / dict / list and the global functions
+ *   tmpl_eval.c     the tree walker: scopes, statements, operators, calls
  *   chat_template.c the public API (chat_template.h)
+ *
+ * Calls go one way, down: chat_template.c calls tmpl_lex.c, tmpl_parse.c and tmpl_eval.c;
+ * tmpl_eval.c -> tmpl_builtin.c -> tmpl_rt.c -> tmpl_names.c (the walker calls tmpl_rt.c
+ * too, the parser tmpl_names.c); all of them stand on tmpl_value.c and tmpl_unicode.c.
  *
  * Memory: a compiled template owns its normalized source and one arena with the tree and
  * its constants. A render owns one arena (gc__tmpl_heap) with a byte budget: every value
@@ -385,7 +393,7 @@ int gc__tmpl_lex(gc_tmpl *t, gc__tmpl_tok **toks, size_t *n, mr_err *e);
 /* Parses the tokens into t->root, interning names into t->names. */
 int gc__tmpl_parse(gc_tmpl *t, const gc__tmpl_tok *toks, size_t n, mr_err *e);
 
-/* ---- builtins (tmpl_builtin.c) ------------------------------------------------------ */
+/* ---- names of the builtins (tmpl_names.c) --------------------------------------------- */
 
 /* Global functions (GC__TV_FUNC aux, gc_tmpl.name_fn). */
 enum gc__tmpl_func {
@@ -438,26 +446,28 @@ uint16_t gc__tmpl_method_of(const gc__tmpl_val *self, const char *p, size_t n);
 const char *gc__tmpl_filter_name(uint16_t id);
 const char *gc__tmpl_test_name(uint16_t id);
 
-/* ---- evaluation --------------------------------------------------------------------- */
+/* ---- the render's runtime (tmpl_rt.c) ------------------------------------------------- */
 
+struct gc__tmpl_frame; /* a scope of the tree walker (tmpl_eval.c): opaque here */
+
+/* One render: its heap, output, error record, limits and scopes. Single-threaded. */
+struct gc__tmpl_rt {
+  const gc_tmpl *t;
+  gc__tmpl_heap *h;
+  gc__tmpl_sb *out;
+  mr_err *e;
+  gc__tmpl_val *ctx; /* per name id: the render's variable of that name, or undefined */
+  struct gc__tmpl_frame *root; /* the top-level scope (a tmpl_eval.c frame) */
+  uint64_t steps, max_steps;
+  uint32_t calls, max_calls; /* macro calls open now */
+  uint32_t nest;             /* tree-walker recursion */
+  bool located;              /* the error record already names its place */
+};
 typedef struct gc__tmpl_rt gc__tmpl_rt;
 
-/* Arguments of a call, a filter or a test: positional then keywords. */
-typedef struct gc__tmpl_args {
-  gc__tmpl_val *pos;
-  size_t npos;
-  const gc__tmpl_str *kw;
-  gc__tmpl_val *kwv;
-  size_t nkw;
-} gc__tmpl_args;
-
-/* Renders t->root; the output is the render's (rt) buffer. See chat_template.c. */
-int gc__tmpl_run(const gc_tmpl *t, gc__tmpl_val vars, const gc_tmpl_limits *lim,
-                 gc__tmpl_heap *h, gc__tmpl_sb *out, mr_err *e);
-
-/* For tmpl_builtin.c: the render's heap, an error at node n ("origin:line:col: msg",
- * MR_EINVAL unless code says otherwise), a limit step, and the use of an undefined value
- * (its jinja2 message at n). */
+/* For the builtins and the tree walker: the render's heap, an error at node n
+ * ("origin:line:col: msg", MR_EINVAL unless code says otherwise), a limit step, and the
+ * use of an undefined value (its jinja2 message at n). */
 gc__tmpl_heap *gc__tmpl_rt_heap(gc__tmpl_rt *rt);
 int gc__tmpl_rt_fail(gc__tmpl_rt *rt, const gc__tmpl_node *n, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -471,6 +481,11 @@ int gc__tmpl_getitem(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val
                      const gc__tmpl_val *key, gc__tmpl_val *out);
 int gc__tmpl_getattr(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
                      const char *p, size_t len, gc__tmpl_val *out);
+/* obj[start:stop:step] (sl, None where a part is missing) as Python's subscription does
+ * it, by code points for a str; n->op 1 marks a slice jinja2 folds at compile time, whose
+ * failures give undefined instead. */
+int gc__tmpl_slice(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *obj,
+                   const gc__tmpl_val sl[3], gc__tmpl_val *out);
 /* The items of an iterable (a generator is used up), as Python's iter() sees them; a
  * generator with a kept failure raises it. */
 int gc__tmpl_iter(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v,
@@ -483,6 +498,17 @@ int gc__tmpl_rt_raise(gc__tmpl_rt *rt, int code, const char *msg);
 /* `a in b`. */
 int gc__tmpl_contains(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *b,
                       const gc__tmpl_val *a, bool *in);
+
+/* ---- builtins (tmpl_builtin.c) -------------------------------------------------------- */
+
+/* Arguments of a call, a filter or a test: positional then keywords. */
+typedef struct gc__tmpl_args {
+  gc__tmpl_val *pos;
+  size_t npos;
+  const gc__tmpl_str *kw;
+  gc__tmpl_val *kwv;
+  size_t nkw;
+} gc__tmpl_args;
 
 int gc__tmpl_call_filter(gc__tmpl_rt *rt, const gc__tmpl_node *n, uint16_t fn,
                          const gc__tmpl_val *in, gc__tmpl_args *args, gc__tmpl_val *out);
@@ -501,5 +527,11 @@ int gc__tmpl_replace(gc__tmpl_heap *h, gc__tmpl_str s, gc__tmpl_str old, gc__tmp
 /* upper / lower / capitalize / str.title() (how: 'u', 'l', 'c', 't') / jinja2's title
  * filter ('T'), with Python's full case mappings and its final-sigma rule. */
 int gc__tmpl_case(gc__tmpl_heap *h, gc__tmpl_str s, char how, gc__tmpl_val *out);
+
+/* ---- the tree walker (tmpl_eval.c) ---------------------------------------------------- */
+
+/* Renders t->root; the output is the render's (rt) buffer. See chat_template.c. */
+int gc__tmpl_run(const gc_tmpl *t, gc__tmpl_val vars, const gc_tmpl_limits *lim,
+                 gc__tmpl_heap *h, gc__tmpl_sb *out, mr_err *e);
 
 #endif /* GC_TMPL_INTERNAL_H */

@@ -1,13 +1,18 @@
 /*
  * tok_internal.h - the internals shared by the tokenizer's files (prefix gc__tok_):
  *
- *   tok_util.c     buffers, hash maps, UTF-8 (validation, lossy decoding, classes), the
- *                  GPT-2 byte <-> char table, the Oniguruma wrapper
+ *   tok_util.c     buffers (gc_tok_ids_close, gc_tok_text_close), hash maps and the token
+ *                  lookup by text (gc_tok_token_id), UTF-8 (validation, lossy decoding,
+ *                  classes), the GPT-2 byte <-> char table, the Oniguruma wrapper
  *   tok_json.c     the loaders: tokenizer.json, tokenizer_config.json, tiktoken.model
  *   tok_bpe.c      the BPE model (merges by rank, byte fallback, unk) and its word cache
  *   tok_encode.c   added tokens, normalizers, pre-tokenizers, post-processors, encode
  *   tok_decode.c   the decoder pipeline as a streaming machine (decode = stream + flush)
  *   tokenizer.c    load / free and the queries of tokenizer.h
+ *
+ * Calls go one way, down: tokenizer.c calls tok_json.c, tok_encode.c and tok_bpe.c;
+ * tok_encode.c calls tok_bpe.c; all of them and tok_decode.c call tok_util.c; nothing
+ * calls back up into tokenizer.c.
  *
  * Nothing here is part of the public contract (tokenizer.h).
  */

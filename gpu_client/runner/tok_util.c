@@ -1,8 +1,10 @@
 /*
- * tok_util.c - the tokenizer's small tools: growable buffers, the two hash maps (vocabulary
- * and merges), UTF-8 validation and lossy decoding, the Unicode classes HF's Rust code asks
- * std for, the GPT-2 byte <-> char table, the added-token trie, and the Oniguruma wrapper
- * that reproduces the `onig` crate's find_iter as HF's Pattern::find_matches uses it.
+ * tok_util.c - the tokenizer's small tools: growable buffers (and the release of
+ * tokenizer.h's id and text buffers), the two hash maps (vocabulary and merges) and the
+ * token lookup by text over them, UTF-8 validation and lossy decoding, the Unicode classes
+ * HF's Rust code asks std for, the GPT-2 byte <-> char table, the added-token trie, and the
+ * Oniguruma wrapper that reproduces the `onig` crate's find_iter as HF's
+ * Pattern::find_matches uses it.
  */
 #include "gpu_client/runner/tok_internal.h"
 
@@ -40,6 +42,18 @@ int gc__tok_buf_put(gc__tok_buf *b, const void *s, size_t n) {
 void gc__tok_buf_close(gc__tok_buf *b) {
   mr_free(b->p);
   memset(b, 0, sizeof *b);
+}
+
+void gc_tok_ids_close(gc_tok_ids *ids) {
+  if (!ids) return;
+  mr_free(ids->v);
+  memset(ids, 0, sizeof *ids);
+}
+
+void gc_tok_text_close(gc_tok_text *t) {
+  if (!t) return;
+  mr_free(t->s);
+  memset(t, 0, sizeof *t);
 }
 
 int gc__tok_ids_put(gc_tok_ids *v, const int32_t *ids, size_t n) {
@@ -151,6 +165,20 @@ void gc__tok_strmap_close(gc__tok_strmap *m) {
   mr_free(m->ent);
   gc__tok_buf_close(&m->blob);
   memset(m, 0, sizeof *m);
+}
+
+/* ---------------------------------------------------------------------------------------
+ * Token lookup by text (tokenizer.h): the added tokens first, then the model's vocabulary.
+ * Here, below the loaders, because tokenizer_config.json's reader (tok_json.c) resolves
+ * bos_token / eos_token with it.
+ */
+int32_t gc_tok_token_id_n(const gc_tok *tok, const char *piece, size_t len) {
+  int32_t id = gc__tok_strmap_get(&tok->added_map, piece, len);
+  return id >= 0 ? id : gc__tok_strmap_get(&tok->bpe.vocab, piece, len);
+}
+
+int32_t gc_tok_token_id(const gc_tok *tok, const char *piece) {
+  return gc_tok_token_id_n(tok, piece, strlen(piece));
 }
 
 /* ---------------------------------------------------------------------------------------

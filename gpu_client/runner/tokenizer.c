@@ -1,5 +1,6 @@
 /*
- * tokenizer.c - gc_tok_load / gc_tok_free and the queries of tokenizer.h, plus the step
+ * tokenizer.c - gc_tok_load / gc_tok_free and the queries of tokenizer.h (but the lookup by
+ * text, gc_tok_token_id, which the config loader needs too: tok_util.c), plus the step
  * after parsing that HF does in AddedVocabulary::add_tokens: the ids of the added tokens,
  * their normalized forms and the tries that find them, and the per-id table decode reads.
  */
@@ -9,18 +10,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
-
-void gc_tok_ids_close(gc_tok_ids *ids) {
-  if (!ids) return;
-  mr_free(ids->v);
-  memset(ids, 0, sizeof *ids);
-}
-
-void gc_tok_text_close(gc_tok_text *t) {
-  if (!t) return;
-  mr_free(t->s);
-  memset(t, 0, sizeof *t);
-}
 
 /* ---------------------------------------------------------------------------------------
  * Release.
@@ -401,15 +390,6 @@ out:
  * Queries.
  */
 uint32_t gc_tok_vocab_size(const gc_tok *tok) { return tok->vocab_size; }
-
-int32_t gc_tok_token_id_n(const gc_tok *tok, const char *piece, size_t len) {
-  int32_t id = gc__tok_strmap_get(&tok->added_map, piece, len);
-  return id >= 0 ? id : gc__tok_strmap_get(&tok->bpe.vocab, piece, len);
-}
-
-int32_t gc_tok_token_id(const gc_tok *tok, const char *piece) {
-  return gc_tok_token_id_n(tok, piece, strlen(piece));
-}
 
 const char *gc_tok_id_to_piece(const gc_tok *tok, int32_t id, size_t *len) {
   if (id < 0 || (uint32_t)id >= tok->vocab_size || tok->piece_off[id] == UINT64_MAX) {
