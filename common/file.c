@@ -1,6 +1,7 @@
 /*
  * common/file.c - whole-file reads, the regular-file check every reader of a user-named file
- * goes through, and path joins for the JSON readers of common/.
+ * goes through (and the mode check of a secret's file), atomic writes, and path joins for
+ * the JSON readers of common/.
  */
 #include "common/internal.h"
 
@@ -21,7 +22,22 @@ static const char *file_kind(mode_t m) {
   return "not a plain file";
 }
 
-int mr_file_open_regular(const char *path, int *fd_out, uint64_t *size, mr_err *e) {
+/* Whether the mode bits of sb let someone other than its owner read a secret (see
+ * mr_file_read_private in mr.h): any access for others is refused; access for the group only
+ * when root owns the file and the group may read and nothing more (a root-owned key in a
+ * dedicated group, as Debian's ssl-cert group or a Kubernetes secret volume with fsGroup
+ * lays it out; PostgreSQL accepts its key file on the same terms). */
+static int file_private_check(const struct stat *sb, const char *path, mr_err *e) {
+  const mode_t m = sb->st_mode & 0777;
+  const bool root_group_read = sb->st_uid == 0 && (m & S_IRWXG) == S_IRGRP;
+  if (!(m & S_IRWXO) && (!(m & S_IRWXG) || root_group_read)) return 0;
+  return mr_err_set(e, MR_EINVAL, "%s: mode %04o, must not be readable by group or others "
+                    "(chmod 600%s)", path, (unsigned)m,
+                    (m & S_IRWXO) ? "" : "; a group may read it only when root owns the file");
+}
+
+/* mr_file_open_regular, with the secret-file check of mr_file_read_private when private. */
+static int file_open(const char *path, bool private, int *fd_out, uint64_t *size, mr_err *e) {
   *fd_out = -1;
   if (size) *size = 0;
   /* O_NONBLOCK: opening a FIFO without a writer (or some devices) would otherwise block
@@ -43,6 +59,8 @@ int mr_file_open_regular(const char *path, int *fd_out, uint64_t *size, mr_err *
     rc = mr_err_set(e, MR_EINVAL, "%s: not a regular file (%s)", path, file_kind(sb.st_mode));
     goto out_close_fd;
   }
+  /* The descriptor's own mode: a file swapped after a check by name cannot slip through. */
+  if (private && (rc = file_private_check(&sb, path, e))) goto out_close_fd;
   /* A regular file: reads block as usual from here on. */
   int fl = fcntl(fd, F_GETFL);
   if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
@@ -57,14 +75,19 @@ out_close_fd:
   return rc;
 }
 
-int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e) {
+int mr_file_open_regular(const char *path, int *fd_out, uint64_t *size, mr_err *e) {
+  return file_open(path, false, fd_out, size, e);
+}
+
+static int file_read(const char *path, bool private, size_t max_bytes, char **out, size_t *len,
+                     mr_err *e) {
   int rc = 0;
   char *buf = NULL;
   uint64_t fsize = 0;
   int fd = -1;
   *out = NULL;
   if (len) *len = 0;
-  rc = mr_file_open_regular(path, &fd, &fsize, e);
+  rc = file_open(path, private, &fd, &fsize, e);
   if (rc) return rc;
   if (fsize > (uint64_t)max_bytes) {
     rc = mr_err_set(e, MR_ERANGE, "%s: size %llu bytes exceeds the limit of %zu bytes", path,
@@ -100,6 +123,23 @@ out_free_buf:
 out_close_fd:
   close(fd);
   return rc;
+}
+
+int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e) {
+  return file_read(path, false, max_bytes, out, len, e);
+}
+
+int mr_file_parse(const char *path, size_t max_bytes, mr_file_parse_fn parse, void *ctx, mr_err *e) {
+  char *text = NULL;
+  size_t len = 0;
+  int rc = mr_file_read(path, max_bytes, &text, &len, e);
+  if (!rc) rc = parse(ctx, text, len, path, e);
+  mr_free(text);
+  return rc;
+}
+
+int mr_file_read_private(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e) {
+  return file_read(path, true, max_bytes, out, len, e);
 }
 
 int mr__path_join(char *buf, size_t len, const char *dir, const char *name) {

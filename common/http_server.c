@@ -251,8 +251,8 @@ static enum MHD_Result dispatch(mr_http_server *h, struct mr_http_call *c) {
     return queue_text(h, conn, 401, h->auth_body_copy ? h->auth_body_copy : "401 Unauthorized\n",
                       h->auth_body_copy ? h->o.auth_ctype : NULL);
   if (rt.render) {
-    mr_prom p;
-    mr_prom_init(&p);
+    mr_buf p;
+    mr_buf_init(&p);
     rt.render(rt.ud, &p);
     enum MHD_Result rc = p.oom ? queue_text(h, conn, 500, "500 Internal Server Error\n", NULL) : MHD_NO;
     if (!p.oom) {
@@ -260,7 +260,7 @@ static enum MHD_Result dispatch(mr_http_server *h, struct mr_http_call *c) {
       rc = resp ? queue(h, conn, 200, resp) : MHD_NO;
       if (resp) MHD_destroy_response(resp);
     }
-    mr_prom_close(&p);
+    mr_buf_close(&p);
     return rc;
   }
   /* A handler: the app's reference lives until its terminal call. */
@@ -631,7 +631,7 @@ int mr_http_server_port(const mr_http_server *h) { return h->port; }
 
 void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe) { atomic_store(&h->probe, probe); }
 
-void mr_http_server_render_answers(mr_http_server *h, mr_prom *p, const char *name) {
+void mr_http_server_render_answers(mr_http_server *h, mr_buf *p, const char *name) {
   char code[16];
   for (size_t i = 0; i < MR__HTTP_N_CODES; i++) {
     const uint64_t v = atomic_load_explicit(&h->answered[i], memory_order_relaxed);

@@ -17,75 +17,22 @@
 
 #include "common/mr.h"
 
-void mr_prom_init(mr_prom *p) { memset(p, 0, sizeof *p); }
+static void mr__prom_putc(mr_buf *p, char c) { mr_buf_append(p, &c, 1); }
+static void mr__prom_puts(mr_buf *p, const char *s) { mr_buf_append(p, s, strlen(s)); }
 
-void mr_prom_close(mr_prom *p) {
-  mr_free(p->buf);
-  memset(p, 0, sizeof *p);
-}
-
-void mr_prom_reset(mr_prom *p) {
-  p->len = 0;
-  p->oom = false;
-  if (p->buf) p->buf[0] = '\0';
-}
-
-/* Room for n more bytes and the NUL. */
-static bool mr__prom_room(mr_prom *p, size_t n) {
-  if (p->oom) return false;
-  if (p->len + n + 1 <= p->cap) return true;
-  size_t cap = p->cap ? p->cap : 4096;
-  while (cap < p->len + n + 1) cap *= 2;
-  char *b = mr_realloc(p->buf, cap);
-  if (!b) {
-    p->oom = true;
-    return false;
-  }
-  p->buf = b;
-  p->cap = cap;
-  return true;
-}
-
-void mr_prom_append(mr_prom *p, const char *s, size_t n) {
-  if (!mr__prom_room(p, n)) return;
-  memcpy(p->buf + p->len, s, n);
-  p->len += n;
-  p->buf[p->len] = '\0';
-}
-
-static void mr__prom_putc(mr_prom *p, char c) { mr_prom_append(p, &c, 1); }
-static void mr__prom_puts(mr_prom *p, const char *s) { mr_prom_append(p, s, strlen(s)); }
-
-void mr_prom_printf(mr_prom *p, const char *fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  char small[256];
-  int n = vsnprintf(small, sizeof small, fmt, ap);
-  va_end(ap);
-  if (n < 0) return;
-  if ((size_t)n < sizeof small) {
-    mr_prom_append(p, small, (size_t)n);
-    return;
-  }
-  if (!mr__prom_room(p, (size_t)n)) return;
-  va_start(ap, fmt);
-  vsnprintf(p->buf + p->len, (size_t)n + 1, fmt, ap);
-  va_end(ap);
-  p->len += (size_t)n;
-}
 
 static bool mr__alpha(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_'; }
 static bool mr__digit(char c) { return c >= '0' && c <= '9'; }
 
 /* A metric name ([a-zA-Z_:][a-zA-Z0-9_:]*) or, colon false, a label name. */
-static void mr__prom_name(mr_prom *p, const char *name, bool colon) {
+static void mr__prom_name(mr_buf *p, const char *name, bool colon) {
   if (!name[0] || mr__digit(name[0])) mr__prom_putc(p, '_');
   for (const char *c = name; *c; c++)
     mr__prom_putc(p, mr__alpha(*c) || mr__digit(*c) || (colon && *c == ':') ? *c : '_');
 }
 
 /* Escapes backslash and newline, and with quote also the double quote. */
-static void mr__prom_escaped(mr_prom *p, const char *s, bool quote) {
+static void mr__prom_escaped(mr_buf *p, const char *s, bool quote) {
   for (const char *c = s; *c; c++) {
     if (*c == '\\') mr__prom_puts(p, "\\\\");
     else if (*c == '\n') mr__prom_puts(p, "\\n");
@@ -94,7 +41,7 @@ static void mr__prom_escaped(mr_prom *p, const char *s, bool quote) {
   }
 }
 
-void mr_prom_family(mr_prom *p, const char *name, mr_prom_type t, const char *help) {
+void mr_prom_family(mr_buf *p, const char *name, mr_prom_type t, const char *help) {
   static const char *const types[] = {"counter", "gauge", "histogram"};
   mr__prom_puts(p, "# HELP ");
   mr__prom_name(p, name, true);
@@ -124,7 +71,7 @@ static void mr__prom_num(char *buf, size_t len, double v) {
 }
 
 /* name{labels[,extra_k="extra_v"]} */
-static void mr__prom_head(mr_prom *p, const char *name, const char *suffix,
+static void mr__prom_head(mr_buf *p, const char *name, const char *suffix,
                           const char *const *labels, const char *extra_k, const char *extra_v) {
   mr__prom_name(p, name, true);
   if (suffix) mr__prom_puts(p, suffix);
@@ -149,7 +96,7 @@ static void mr__prom_head(mr_prom *p, const char *name, const char *suffix,
   mr__prom_putc(p, ' ');
 }
 
-void mr_prom_double(mr_prom *p, const char *name, const char *const *labels, double v) {
+void mr_prom_double(mr_buf *p, const char *name, const char *const *labels, double v) {
   char num[40];
   mr__prom_num(num, sizeof num, v);
   mr__prom_head(p, name, NULL, labels, NULL, NULL);
@@ -157,9 +104,9 @@ void mr_prom_double(mr_prom *p, const char *name, const char *const *labels, dou
   mr__prom_putc(p, '\n');
 }
 
-void mr_prom_u64(mr_prom *p, const char *name, const char *const *labels, uint64_t v) {
+void mr_prom_u64(mr_buf *p, const char *name, const char *const *labels, uint64_t v) {
   mr__prom_head(p, name, NULL, labels, NULL, NULL);
-  mr_prom_printf(p, "%llu\n", (unsigned long long)v);
+  mr_buf_printf(p, "%llu\n", (unsigned long long)v);
 }
 
 void mr_hist_init(mr_hist *h, const uint64_t *bounds, uint32_t n, double scale) {
@@ -192,7 +139,7 @@ void mr_hist_observe(mr_hist *h, uint64_t v) {
   __atomic_fetch_add(&h->sum, v, __ATOMIC_RELAXED);
 }
 
-void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const mr_hist *h) {
+void mr_prom_hist(mr_buf *p, const char *name, const char *const *labels, const mr_hist *h) {
   uint64_t cum = 0;
   char le[40];
   for (uint32_t i = 0; i <= h->n; i++) {
@@ -203,7 +150,7 @@ void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const
     if (i < h->n) mr__prom_num(le, sizeof le, whole ? (double)h->bounds[i] / inv : (double)h->bounds[i] * h->scale);
     else snprintf(le, sizeof le, "+Inf");
     mr__prom_head(p, name, "_bucket", labels, "le", le);
-    mr_prom_printf(p, "%llu\n", (unsigned long long)cum);
+    mr_buf_printf(p, "%llu\n", (unsigned long long)cum);
   }
   char num[40];
   mr__prom_num(num, sizeof num, (double)__atomic_load_n(&h->sum, __ATOMIC_RELAXED) * h->scale);
@@ -211,5 +158,5 @@ void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const
   mr__prom_puts(p, num);
   mr__prom_putc(p, '\n');
   mr__prom_head(p, name, "_count", labels, NULL, NULL);
-  mr_prom_printf(p, "%llu\n", (unsigned long long)cum);
+  mr_buf_printf(p, "%llu\n", (unsigned long long)cum);
 }

@@ -234,6 +234,17 @@ void mr_convert_to_f32(float *dst, const void *src, mr_dtype dt, size_t n);
 /* Converts n f32 elements to dtype dt at dst. */
 void mr_convert_from_f32(void *dst, mr_dtype dt, const float *src, size_t n);
 
+/* The finite scan (finite.c) of n elements at x (dt F32, F16 or BF16, little-endian, any
+ * alignment; another dt is our bug and asserts): the index of the first element, in memory
+ * order, that is NaN or +-Inf in dt, or n if every one is finite. One integer test of the
+ * exponent bits per element, vectorised; denormals, -0 and the largest finite value pass.
+ * Pure, any thread. Used on every hidden state and expert output the server receives or
+ * sends and on every reply the client receives (docs/DESIGN.md section 5). */
+size_t mr_nonfinite_find(const void *x, mr_dtype dt, size_t n);
+/* "NaN", "+Inf", "-Inf" (or "finite") for element i of x (dtype dt); *bits (may be NULL)
+ * gets its raw bits, for messages like "= NaN (bf16 bits 0x7fc1)". Pure. */
+const char *mr_nonfinite_name(const void *x, mr_dtype dt, size_t i, uint32_t *bits);
+
 /* ---------------------------------------------------------------------------------------
  * Id sets: "all", "", or a comma list of ids and inclusive ranges, "0-7,12,20-23".
  */
@@ -306,6 +317,9 @@ typedef struct mr_st mr_st;
  * file and the field. The caller owns *out and frees it with mr_st_close. */
 int mr_st_open(mr_st **out, const char *path, mr_err *e);
 void mr_st_close(mr_st *st); /* NULL is a no-op */
+/* Asks the kernel to start reading t's bytes from disk now (madvise WILLNEED on its pages),
+ * so that a loader reads one tensor while it converts the one before. Never fails. */
+void mr_st_prefetch(const mr_st_tensor *t);
 /* Returns the tensor called name, or NULL. */
 const mr_st_tensor *mr_st_find(const mr_st *st, const char *name);
 size_t mr_st_count(const mr_st *st);
@@ -562,6 +576,16 @@ void mr_placement_close(mr_placement *p);
 /* Reads a whole file into a NUL-terminated heap buffer (caller frees with mr_free);
  * refuses files over max_bytes, and anything but a regular file (mr_file_open_regular). */
 int mr_file_read(const char *path, size_t max_bytes, char **out, size_t *len, mr_err *e);
+/* mr_file_read, then parse(ctx, text, len, path, e) on its text, which is freed after. */
+typedef int (*mr_file_parse_fn)(void *ctx, const char *text, size_t len, const char *path, mr_err *e);
+int mr_file_parse(const char *path, size_t max_bytes, mr_file_parse_fn parse, void *ctx, mr_err *e);
+/* mr_file_read for a secret (a bearer token, an API key, a TLS private key): also refuses,
+ * from the open descriptor's mode, a file that others may access in any way, or that its
+ * group may access, unless root owns it and the group may only read it (root:ssl-cert 0640,
+ * a Kubernetes secret volume with fsGroup): MR_EINVAL,
+ * "PATH: mode 0644, must not be readable by group or others (chmod 600)". */
+int mr_file_read_private(const char *path, size_t max_bytes, char **out, size_t *len,
+                         mr_err *e);
 /* Opens path read-only for a reader of a user-named file: a FIFO, device, socket or
  * directory is refused before it can block ("PATH: not a regular file (a FIFO)", MR_EINVAL):
  * the open is non-blocking, fstat decides, and only a regular file's descriptor is switched
@@ -583,7 +607,8 @@ int mr_file_write_atomic(const char *path, const void *data, size_t len, mr_err 
 /* Reads the token in path into buf (cap >= MR_SECRET_MAX_BYTES + 1, NUL-terminated) and its
  * length into *len: one trailing "\n" (or "\r\n") is trimmed; an empty token, one over
  * MR_SECRET_MAX_BYTES bytes, or one with a byte outside printable ASCII 0x21..0x7e is refused
- * (MR_EINVAL / MR_ERANGE), as is a file that is not a regular file. Errors start with
+ * (MR_EINVAL / MR_ERANGE), as is a file that is not a regular file or that group or others
+ * may read (mr_file_read_private). Errors start with
  * "<what> <path>: " (what names the flag or field, e.g. "--auth-token-file") and never
  * quote the file's contents. On failure buf is zeroed. */
 int mr_secret_read(const char *path, const char *what, char *buf, size_t cap, size_t *len,
@@ -620,40 +645,69 @@ int mr_json_parse_object(const char *text, size_t len, const char *label, struct
 void mr_json_describe(const struct cJSON *item, char *buf, size_t len);
 
 /* ---------------------------------------------------------------------------------------
- * Prometheus text exposition, format 0.0.4 (metrics.c). A growable text buffer with one
- * writer per sample kind; the server's and the client's /metrics both use it.
+ * The subcommand front door of moerpc-client and moerpc-place (cli.c): names the log
+ * component, ignores SIGPIPE, answers `--help` / `-h` / `help` on stdout (exit 0), an
+ * unknown or missing command with the usage on stderr (exit 2), and otherwise returns what
+ * the command's run returns (argv from the command's name on).
+ */
+typedef struct mr_cli_command {
+  const char *name;
+  int (*run)(int argc, char **argv);
+  const char *summary; /* one line in --help */
+} mr_cli_command;
+typedef struct mr_cli_program {
+  const char *name;      /* "moerpc-client" */
+  const char *component; /* the log component ("client") */
+  const char *synopsis;  /* after "usage: NAME COMMAND [options]", in parentheses */
+  const char *about;     /* a paragraph before the command list */
+  const char *footer;    /* NULL, or a sentence after the exit codes */
+  const mr_cli_command *commands;
+  size_t n_commands;
+} mr_cli_program;
+int mr_cli_main(const mr_cli_program *p, int argc, char **argv);
+
+/* ---------------------------------------------------------------------------------------
+ * A growable, NUL-terminated text buffer (buf.c). Out of memory is sticky (oom) and the
+ * text is then incomplete: the writer checks oom once at the end (callers answer 500 or
+ * fail with MR_ENOMEM). One thread per mr_buf.
+ */
+typedef struct mr_buf {
+  char *buf; /* NUL-terminated text, owned; NULL until the first append */
+  size_t len, cap;
+  bool oom;
+} mr_buf;
+void mr_buf_init(mr_buf *p);
+void mr_buf_close(mr_buf *p);
+/* Empties the text, keeps the memory. */
+void mr_buf_reset(mr_buf *p);
+/* Appends raw bytes / printf text. */
+void mr_buf_append(mr_buf *p, const char *s, size_t n);
+void mr_buf_printf(mr_buf *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* s as a JSON string: quote, backslash and control bytes escaped, other bytes as they are
+ * (UTF-8 passes through; what our JSON readers accept, so a document round-trips). */
+void mr_buf_json_str(mr_buf *p, const char *s);
+
+/* ---------------------------------------------------------------------------------------
+ * Prometheus text exposition, format 0.0.4 (metrics.c), written into an mr_buf: one writer
+ * per sample kind; the server's and the client's /metrics both use it.
  *
- *   mr_prom p; mr_prom_init(&p);
+ *   mr_buf p; mr_buf_init(&p);
  *   mr_prom_family(&p, "moerpc_requests_total", MR_PROM_COUNTER, "ForwardRequests received");
  *   mr_prom_u64(&p, "moerpc_requests_total", NULL, n);
  *   const char *lab[] = {"status", "INVALID_ARGUMENT", NULL};
- *   mr_prom_u64(&p, "moerpc_errors_total", lab, k);   ... p.buf, p.len ... mr_prom_close(&p);
+ *   mr_prom_u64(&p, "moerpc_errors_total", lab, k);   ... p.buf, p.len ... mr_buf_close(&p);
  *
  * Names are ours, but are still made valid: a metric name keeps [a-zA-Z0-9_:] (others become
  * '_', a leading digit gets a '_' before it), a label name [a-zA-Z0-9_]; label values escape
  * backslash, double quote and newline, HELP text backslash and newline (the spec's rules).
- * Out of memory is sticky (p.oom) and the text is then incomplete: callers answer 500.
- * One thread per mr_prom.
  */
-typedef struct mr_prom {
-  char *buf;   /* NUL-terminated text, owned */
-  size_t len, cap;
-  bool oom;
-} mr_prom;
 typedef enum mr_prom_type { MR_PROM_COUNTER, MR_PROM_GAUGE, MR_PROM_HISTOGRAM } mr_prom_type;
-void mr_prom_init(mr_prom *p);
-void mr_prom_close(mr_prom *p);
-/* Empties the text, keeps the memory. */
-void mr_prom_reset(mr_prom *p);
-/* Appends raw bytes / printf text (the HTTP responder builds its head with these). */
-void mr_prom_append(mr_prom *p, const char *s, size_t n);
-void mr_prom_printf(mr_prom *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 /* "# HELP name help" and "# TYPE name type"; once per family, before its samples. */
-void mr_prom_family(mr_prom *p, const char *name, mr_prom_type t, const char *help);
+void mr_prom_family(mr_buf *p, const char *name, mr_prom_type t, const char *help);
 /* One sample "name{l1="v1",...} value". labels: NULL, or name/value pairs ending in NULL.
  * Doubles are written in their shortest round-trip form, +Inf, -Inf, NaN as the spec says. */
-void mr_prom_double(mr_prom *p, const char *name, const char *const *labels, double v);
-void mr_prom_u64(mr_prom *p, const char *name, const char *const *labels, uint64_t v);
+void mr_prom_double(mr_buf *p, const char *name, const char *const *labels, double v);
+void mr_prom_u64(mr_buf *p, const char *name, const char *const *labels, uint64_t v);
 
 /* A histogram updated lock-free from any thread: fixed upper bounds in integer units
  * (nanoseconds, bytes), one relaxed atomic add per observation into its bucket and one
@@ -677,7 +731,7 @@ void mr_hist_init_latency(mr_hist *h);
 void mr_hist_observe(mr_hist *h, uint64_t v);
 /* Writes name_bucket{labels...,le="..."} for every bound and +Inf, name_sum, name_count
  * (after the caller's mr_prom_family(name, MR_PROM_HISTOGRAM, ...)). */
-void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const mr_hist *h);
+void mr_prom_hist(mr_buf *p, const char *name, const char *const *labels, const mr_hist *h);
 
 /*
  * The HTTP server (common/http_server.c, on libmicrohttpd): one epoll thread serves every
@@ -694,7 +748,7 @@ void mr_prom_hist(mr_prom *p, const char *name, const char *const *labels, const
 typedef struct mr_http_server mr_http_server;
 typedef struct mr_http_call mr_http_call;
 /* Writes the body of a 200 answer into out (empty on entry). Runs on the server's thread. */
-typedef void (*mr_http_render_fn)(void *ud, mr_prom *out);
+typedef void (*mr_http_render_fn)(void *ud, mr_buf *out);
 /* A handler route: runs on the server's thread with the whole request (head and body).
  * It must make exactly one terminal call on c, now or later from any thread:
  * mr_http_reply, or mr_http_stream_begin + writes + mr_http_stream_end. It must not block. */
@@ -735,7 +789,7 @@ void mr_http_server_probes(mr_http_server *h, mr_http_probe_fn probe);
 /* Writes name{code="200"} N ... for every answer this server queued, by HTTP status (200,
  * 400, 401, 404, 405, 408, 413, 429, 500, 503, other), after the caller's
  * mr_prom_family(name, MR_PROM_COUNTER, ...). Any thread. */
-void mr_http_server_render_answers(mr_http_server *h, mr_prom *p, const char *name);
+void mr_http_server_render_answers(mr_http_server *h, mr_buf *p, const char *name);
 /* Stops serving: answers the app has finished go out first (at most 2 s, for peers that
  * read them); calls still open are answered 503 or their stream ends with an error, then
  * the connections close (their on_close runs). Calls the app still holds stay valid until

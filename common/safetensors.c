@@ -649,6 +649,14 @@ const mr_st_tensor *mr_st_find(const mr_st *st, const char *name) {
   return NULL;
 }
 
+void mr_st_prefetch(const mr_st_tensor *t) {
+  if (!t || !t->nbytes) return;
+  const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t a = (uintptr_t)t->data & ~(pg - 1), end = (uintptr_t)t->data + t->nbytes;
+  /* Advice only: a buffer that is not a file mapping (mr_st_parse_buffer) just ignores it. */
+  (void)madvise((void *)a, end - a, MADV_WILLNEED);
+}
+
 size_t mr_st_count(const mr_st *st) { return st->n_tensors; }
 
 const mr_st_tensor *mr_st_at(const mr_st *st, size_t i) {

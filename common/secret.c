@@ -28,7 +28,7 @@ int mr_secret_read(const char *path, const char *what, char *buf, size_t cap, si
   *len = 0;
   mr_err fe;
   mr_err_clear(&fe);
-  rc = mr_file_read(path, SECRET_FILE_MAX_BYTES, &text, &n, &fe);
+  rc = mr_file_read_private(path, SECRET_FILE_MAX_BYTES, &text, &n, &fe);
   if (rc == MR_ERANGE)
     return mr_err_set(e, MR_ERANGE, "%s %s: the file is larger than a token of at most %d bytes "
                       "and one newline", what, path, MR_SECRET_MAX_BYTES);

@@ -64,6 +64,7 @@ typedef struct mk_args {
   uint64_t seed;
   uint64_t shard_mb;
   double router_skew; /* --router-skew S: 0 = plain random routers */
+  double expert_scale; /* --expert-scale S: routed experts' weights times S (1 = as drawn) */
   bool fp8;           /* --dtype fp8: experts (qwen) / every decoder Linear (deepseek) as F8_E4M3 */
   bool tie;           /* --tie 1: no lm_head, tie_word_embeddings true */
   /* --arch deepseek-v3 only (ds-shared.md): MLA widths, MoE shape, routing, RoPE. */
@@ -293,6 +294,7 @@ static void mk_ds_layer(const mk_args *a, uint64_t l, uint64_t k, mk_tensor *t) 
            proj[p]);
   if (p == 2) mk_2d(t, a->hidden, a->inter);
   else mk_2d(t, a->inter, a->hidden);
+  t->scale *= (float)a->expert_scale;
   if (a->fp8) mk_as_fp8(t, k % w);
 }
 
@@ -328,6 +330,7 @@ static void mk_qwen_layer(const mk_args *a, uint64_t l, uint64_t k, mk_tensor *t
            proj[p % 3]);
   if (p % 3 == 2) mk_2d(t, H, I);
   else mk_2d(t, I, H);
+  t->scale *= (float)a->expert_scale; /* 1: the values drawn, bit for bit */
   if (a->fp8) mk_as_fp8(t, p < 3 ? 0 : 1); /* codes of the three, then their scales */
 }
 
@@ -1161,6 +1164,9 @@ static void mk_usage(FILE *f) {
           "                   model is larger, 0..1048576; 0 = auto: 2 GiB     default 0\n"
           "  --router-skew S  popular experts: router row e of a layer is scaled by\n"
           "                   (1 + rank)^-S, ranks a per-layer permutation, 0..8   default 0\n"
+          "  --expert-scale S the routed experts' gate, up and down weights times S, > 0 and\n"
+          "                   <= 1e6 (an expert's output grows as S^3: models whose outputs\n"
+          "                   overflow f16, for the finite-check tests)         default 1\n"
           "  --dtype D        bf16, or fp8: F8_E4M3 weights with F32 128x128 block scales\n"
           "                   (weight_scale_inv) and quantization_config fp8; qwen3-moe: the\n"
           "                   routed experts, deepseek-v3: every Linear of the decoder layers\n"
@@ -1281,7 +1287,7 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
   *a = (mk_args){.layers = 4, .experts = 16, .topk = 4, .hidden = 256, .inter = 128,
                  .vocab = 512, .heads = 4, .kv_heads = 2, .head_dim = 64, .seed = 1,
                  .q_lora = 48, .kv_lora = 32, .nope = 16, .rope = 8, .vdim = 16, .n_shared = 1,
-                 .groups = 1, .routed_scale = 2.5, .norm_topk = true};
+                 .groups = 1, .routed_scale = 2.5, .norm_topk = true, .expert_scale = 1.0};
   enum { MK_ANY, MK_QWEN_ONLY, MK_DS_ONLY };
   static const struct {
     const char *flag;
@@ -1317,6 +1323,7 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
   } others[] = {{"--out", MK_ANY},          {"--seed", MK_ANY},       {"--shard-mb", MK_ANY},
                 {"--router-skew", MK_ANY},  {"--dtype", MK_ANY},      {"--arch", MK_ANY},
                 {"--tie", MK_ANY},          {"--routed-scale", MK_DS_ONLY},
+                {"--expert-scale", MK_ANY},
                 {"--yarn", MK_DS_ONLY},     {"--norm-topk", MK_DS_ONLY}};
   enum { MK_OTHERS = sizeof others / sizeof others[0] };
   bool given[MK_NUMS + MK_OTHERS] = {0};
@@ -1376,6 +1383,8 @@ static int mk_parse(int argc, char **argv, mk_args *a) {
         return 2;
       }
       a->router_skew = v;
+    } else if (strcmp(flag, "--expert-scale") == 0) {
+      if (!mk_real(flag, val, 0.0, true, 1e6, &a->expert_scale)) return 2;
     } else if (strcmp(flag, "--routed-scale") == 0) {
       if (!mk_real(flag, val, 0.0, true, 1000.0, &a->routed_scale)) return 2;
     } else if (strcmp(flag, "--yarn") == 0) {
