@@ -35,11 +35,15 @@ extern "C" {
 #endif
 
 #define PR_PROTOCOL_MAJOR 1
-#define PR_PROTOCOL_MINOR 2
+#define PR_PROTOCOL_MINOR 4
 #define PR_PAYLOAD_FIELD 15
 #define PR_METHOD_HELLO "/moerpc.v1.ExpertService/Hello"
 #define PR_METHOD_FORWARD "/moerpc.v1.ExpertService/Forward"
 #define PR_METHOD_STATS "/moerpc.v1.ExpertService/Stats"
+/* Protocol 1.4: a Forward stream's client name, sent as initial metadata by the client
+ * (printable ASCII, at most PR_CLIENT_NAME_MAX bytes) and reported in StatsReply.clients. */
+#define PR_MD_CLIENT_NAME "moerpc-client"
+#define PR_CLIENT_NAME_MAX 128
 /* Control methods (protocol 1.2, docs/DESIGN.md section 15). */
 #define PR_METHOD_LOAD_EXPERTS "/moerpc.v1.ExpertService/LoadExperts"
 #define PR_METHOD_LOAD_STATUS "/moerpc.v1.ExpertService/LoadStatus"
@@ -162,6 +166,17 @@ grpc_byte_buffer *pr_health_request_encode(const char *service);
  * malformed framing, a service field that is not length-delimited, or a name of cap bytes
  * or more; MR_ENOTSUP on a compressed buffer. */
 int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr_err *e);
+
+/* ---- HelloRequest.client_name as sent -------------------------------------------------- */
+/* protobuf-c hands a string field over NUL-terminated and without its length, so a NUL in
+ * client_name would cut what the server logs; this reads the field's bytes as they are on
+ * the wire. Copies the first min(length, cap) bytes of the last client_name (field 3) of
+ * the HelloRequest in bb into buf (not NUL-terminated) and sets *len to the field's whole
+ * length (0 when absent; more than cap when cut). Walks the slices like the health
+ * decoders: other fields skipped, MR_EFORMAT (naming the byte offset) on malformed framing
+ * or a field 3 that is not length-delimited; MR_ENOTSUP on a compressed buffer. The bytes
+ * are the peer's: escape them (mr_log_escape) before they reach a log line. */
+int pr_hello_client_name(grpc_byte_buffer *bb, char *buf, size_t cap, size_t *len, mr_err *e);
 
 /* ---- gRPC helpers shared by server and client ---------------------------------------- */
 /* Client channels: fills args_out[0..PR_CHANNEL_ARGS) with max send/receive message length =

@@ -193,14 +193,16 @@ grpc_byte_buffer *pr_health_request_encode(const char *service) {
   return bb;
 }
 
-/* Both health messages hold one field of interest, number 1. health_decode walks bb with
- * the segment reader, skips unknown fields and hands every field 1 of wire type want_wt to
- * take(), which consumes its body (the last occurrence wins, as protobuf requires). Errors
- * are prefixed with the message name. */
+/* Both health messages hold one field of interest, number 1, and so does the raw reading of
+ * HelloRequest.client_name (field 3). one_field_decode walks bb with the segment reader,
+ * skips the other fields and hands every field `want` of wire type want_wt to take(), which
+ * consumes its body (the last occurrence wins, as protobuf requires). Errors are prefixed
+ * with the message name. */
 typedef int (*health_take_fn)(pr__rd *r, uint64_t val, size_t body, size_t start, void *ctx,
                               mr_err *e);
-static int health_decode(grpc_byte_buffer *bb, const char *msg, const char *field1,
-                         unsigned want_wt, health_take_fn take, void *ctx, mr_err *e) {
+static int one_field_decode(grpc_byte_buffer *bb, const char *msg, uint32_t want,
+                            const char *fname, unsigned want_wt, health_take_fn take, void *ctx,
+                            mr_err *e) {
   pr_seg *segs = NULL;
   size_t n = 0;
   pr__rd r;
@@ -218,13 +220,13 @@ static int health_decode(grpc_byte_buffer *bb, const char *msg, const char *fiel
       mr_err_prefix(e, rc, "%s", msg);
       goto out_free;
     }
-    if (field != 1) {
-      pr__rd_skip(&r, body); /* unknown fields */
+    if (field != want) {
+      pr__rd_skip(&r, body); /* unknown fields, or ones the caller does not want */
       continue;
     }
     if (wt != want_wt) {
-      rc = mr_err_set(e, MR_EFORMAT, "%s: field 1 (%s) at byte %zu has wire type %u, must be %u",
-                      msg, field1, start, wt, want_wt);
+      rc = mr_err_set(e, MR_EFORMAT, "%s: field %u (%s) at byte %zu has wire type %u, must be %u",
+                      msg, want, fname, start, wt, want_wt);
       goto out_free;
     }
     rc = take(&r, val, body, start, ctx, e);
@@ -244,7 +246,7 @@ static int health_take_status(pr__rd *r, uint64_t val, size_t body, size_t start
 int pr_health_response_decode(grpc_byte_buffer *bb, int *status, mr_err *e) {
   int st = PR_HEALTH_UNKNOWN;
   MR_ASSERT(bb && status);
-  int rc = health_decode(bb, "HealthCheckResponse", "status", PR__WT_VARINT, health_take_status,
+  int rc = one_field_decode(bb, "HealthCheckResponse", 1, "status", PR__WT_VARINT, health_take_status,
                          &st, e);
   if (rc == 0) *status = st;
   return rc;
@@ -272,9 +274,37 @@ int pr_health_request_decode(grpc_byte_buffer *bb, char *service, size_t cap, mr
   MR_ASSERT(bb && service && cap > 0);
   health_service hs = {service, cap};
   service[0] = '\0';
-  int rc = health_decode(bb, "HealthCheckRequest", "service", PR__WT_LEN, health_take_service,
-                         &hs, e);
+  int rc = one_field_decode(bb, "HealthCheckRequest", 1, "service", PR__WT_LEN,
+                            health_take_service, &hs, e);
   if (rc) service[0] = '\0';
+  return rc;
+}
+
+/* ---- HelloRequest.client_name, raw ---------------------------------------------------- */
+
+typedef struct raw_string {
+  char *buf;
+  size_t cap, len;
+} raw_string;
+
+/* Keeps the first cap bytes of the body, and its whole length. */
+static int take_raw_string(pr__rd *r, uint64_t val, size_t body, size_t start, void *ctx,
+                           mr_err *e) {
+  raw_string *rs = ctx;
+  size_t k = body < rs->cap ? body : rs->cap;
+  pr__rd_copy(r, (uint8_t *)rs->buf, k);
+  pr__rd_skip(r, body - k);
+  rs->len = body;
+  return 0;
+}
+
+int pr_hello_client_name(grpc_byte_buffer *bb, char *buf, size_t cap, size_t *len, mr_err *e) {
+  MR_ASSERT(bb && buf && len);
+  raw_string rs = {buf, cap, 0};
+  *len = 0;
+  int rc = one_field_decode(bb, "HelloRequest", 3, "client_name", PR__WT_LEN, take_raw_string,
+                            &rs, e);
+  if (rc == 0) *len = rs.len;
   return rc;
 }
 

@@ -7,8 +7,10 @@
  * Accepted = decoded and passed the checks. Checked beyond "no crash, no leak, no UB": a
  * decode failure is MR_EFORMAT / MR_EEXHAUSTED naming HelloReply; a check failure is
  * MR_EMISMATCH (protocol) or MR_EPROTO naming the server; on success every dimension the
- * client will size arrays from is in 1..its limit, strings fit their buffers, and the
- * announce bitset counts exactly `announced` pairs, all inside num_layers x num_experts.
+ * client will size arrays from is in 1..its limit, strings fit their buffers, the
+ * instance_id (protocol 1.3) is the reply's, printable ASCII only (it goes into log lines),
+ * and the announce bitset counts exactly `announced` pairs, all inside num_layers x
+ * num_experts.
  */
 #include <stdio.h>
 #include <string.h>
@@ -53,8 +55,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if ((uint64_t)sv.layers * sv.experts > (1u << 22)) fuzz_fail("accepted too many pairs", "");
     if (!sv.fingerprint[0] || !sv.weight_format[0]) fuzz_fail("accepted an empty string", "");
     if (memchr(sv.fingerprint, 0, sizeof sv.fingerprint) == NULL ||
-        memchr(sv.weight_format, 0, sizeof sv.weight_format) == NULL)
+        memchr(sv.weight_format, 0, sizeof sv.weight_format) == NULL ||
+        memchr(sv.instance_id, 0, sizeof sv.instance_id) == NULL)
       fuzz_fail("string not terminated", "");
+    if (strcmp(sv.instance_id, h->instance_id ? h->instance_id : "") != 0)
+      fuzz_fail("instance_id differs from the reply's", sv.instance_id);
+    for (const char *p = sv.instance_id; *p; p++)
+      if ((unsigned char)*p < 0x21 || (unsigned char)*p > 0x7e)
+        fuzz_fail("accepted an instance_id that is not printable ASCII", "");
     size_t bits = (size_t)sv.layers * sv.experts, set = 0;
     for (size_t w = 0; w < (bits + 63) / 64; w++) set += (size_t)__builtin_popcountll(sv.announce[w]);
     if (set != sv.announced) fuzz_fail("announce bitset and count differ", "");

@@ -6,6 +6,11 @@
  * Checked beyond "no crash, no leak, no UB": a failure is MR_EFORMAT or MR_EEXHAUSTED (over
  * the limit) with a message naming HelloRequest and no message returned; an accepted
  * message was within the limit and packs again into bytes that decode to the same fields.
+ *
+ * The same buffer also goes through pr_hello_client_name, the raw reader of client_name
+ * that the server logs from (with two buffer sizes, so that cutting is exercised): a
+ * failure is MR_EFORMAT naming HelloRequest, with no length; when both accept, it reads the
+ * same name as protobuf-c up to protobuf-c's first NUL, and a length no shorter.
  */
 #include <stdio.h>
 #include <string.h>
@@ -28,6 +33,34 @@ static bool same(const Moerpc__V1__HelloRequest *a, const Moerpc__V1__HelloReque
          strcmp(str(a->client_name), str(b->client_name)) == 0;
 }
 
+/* pr_hello_client_name on bb with a buffer of cap bytes; req is protobuf-c's reading (or
+ * NULL when it refused the message). */
+static void check_raw_name(grpc_byte_buffer *bb, size_t cap, const Moerpc__V1__HelloRequest *req) {
+  static char raw[300];
+  size_t len = 12345;
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = pr_hello_client_name(bb, raw, cap, &len, &e);
+  if (rc) {
+    if (rc != MR_EFORMAT && rc != MR_ENOMEM) fuzz_fail("raw name: undocumented code", mr_err_name(rc));
+    if (!strstr(e.msg, "HelloRequest")) fuzz_fail("raw name: message names no HelloRequest", e.msg);
+    if (len != 0) fuzz_fail("raw name: a length set on failure", e.msg);
+    return; /* protobuf-c may still accept it: it is lenient with field 0 (the server then
+             * logs protobuf-c's copy) */
+  }
+  if (!req) return;
+  const char *cn = str(req->client_name);
+  size_t n = strlen(cn); /* protobuf-c's copy ends at the first NUL */
+  size_t got = len < cap ? len : cap;
+  if (len < n) fuzz_fail("raw name: shorter than protobuf-c's", cn);
+  if (memcmp(raw, cn, n < got ? n : got) != 0) fuzz_fail("raw name: differs from protobuf-c's", cn);
+  if (n < got && raw[n] != '\0') fuzz_fail("raw name: no NUL where protobuf-c's copy ends", cn);
+  /* What the server logs from it fits its buffer, whatever the bytes. */
+  char out[MR_LOG_ESC_MAX];
+  size_t k = mr_log_escape(out, sizeof out, raw, got);
+  if (k >= sizeof out || strlen(out) != k) fuzz_fail("raw name: escaped text not one bounded line", out);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   fuzz_verdict_set(false);
@@ -36,6 +69,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   Moerpc__V1__HelloRequest *req = (Moerpc__V1__HelloRequest *)fuzz_pr_decode(
       "fuzz_hello_request", bb, &moerpc__v1__hello_request__descriptor, ES_MAX_CONTROL_REQUEST_BYTES);
   fuzz_verdict_set(req != NULL);
+  check_raw_name(bb, 300, req);
+  check_raw_name(bb, 3, req);
   if (req) {
     if (grpc_byte_buffer_length(bb) > ES_MAX_CONTROL_REQUEST_BYTES)
       fuzz_fail("accepted a message over the limit", "");

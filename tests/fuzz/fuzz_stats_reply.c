@@ -6,7 +6,8 @@
  *
  * Accepted = decoded and passed the check. Checked beyond "no crash, no leak, no UB": a
  * failure is a documented code with a message naming the message or the server; on
- * success every count is inside the model and the counts are the reply's, in order.
+ * success every count is inside the model and the counts are the reply's, in order, and
+ * (protocol 1.4) every client is the reply's, within its limits, without control bytes.
  */
 #include <stdio.h>
 #include <string.h>
@@ -52,6 +53,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (size_t i = 0; i < out.n_counts; i++) {
       if (out.counts[i].layer >= L || out.counts[i].expert >= E) fuzz_fail("count outside the model", "");
       if (out.counts[i].tokens != r->counts[i]->tokens) fuzz_fail("tokens differ", "");
+    }
+    /* 1.4: every client copied, bounded and free of control bytes. */
+    if (out.n_clients != r->n_clients) fuzz_fail("clients not copied", "");
+    for (size_t i = 0; i < out.n_clients; i++) {
+      const gc_client_info *ci = &out.clients[i];
+      if (strlen(ci->name) > GC_CLIENT_NAME_MAX || strlen(ci->peer) > GC_CLIENT_PEER_MAX)
+        fuzz_fail("client field over its limit", ci->name);
+      for (const char *q = ci->name; *q; q++)
+        if ((unsigned char)*q < 0x20 || *q == 0x7f) fuzz_fail("control byte in client_name", "");
+      for (const char *q = ci->peer; *q; q++)
+        if ((unsigned char)*q < 0x20 || *q == 0x7f) fuzz_fail("control byte in peer", "");
+      if (strcmp(ci->name, r->clients[i]->client_name ? r->clients[i]->client_name : "") != 0)
+        fuzz_fail("client_name differs", ci->name);
+      if (ci->streams != r->clients[i]->streams) fuzz_fail("streams differ", "");
     }
   }
   gc_stats_close(&out);

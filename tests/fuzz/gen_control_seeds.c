@@ -12,7 +12,8 @@
  *   /tmp/gen_cs tests/fuzz/corpus
  *
  * The hello_reply seeds aim at the client's checks (gc__hello_check), stats_reply at a
- * model of 4 layers x 16 experts (fuzz_stats_reply.c).
+ * model of 4 layers x 16 experts and, from protocol 1.4, the clients list (client_name at
+ * most 128 bytes, no control bytes in it or the peer; fuzz_stats_reply.c).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -76,6 +77,14 @@ static void hello_request(void) {
   n = pack(&q.base);
   n += varint(buf + n, 99 << 3 | 2), n += varint(buf + n, 3), memcpy(buf + n, "abc", 3), n += 3;
   put_msg(d, "ok_unknown_field", 3, buf, n);
+  /* client_name with a NUL and an escape byte inside (the server logs all of it, escaped),
+   * then given twice (the last wins). */
+  static const uint8_t nul[] = {0x08, 0x01, 0x1a, 0x06, 'a', 'b', 0x00, 'c', 0x1b, 'd'};
+  put_msg(d, "ok_nul_in_client_name", 0x21, nul, sizeof nul);
+  static const uint8_t twice[] = {0x1a, 0x01, 'x', 0x08, 0x01, 0x1a, 0x02, 'y', 0x00};
+  put_msg(d, "ok_client_name_twice", 4, twice, sizeof twice);
+  static const uint8_t name_varint[] = {0x08, 0x01, 0x18, 0x05};
+  put_msg(d, "bad_client_name_not_a_string", 1, name_varint, sizeof name_varint);
   static const uint8_t trunc[] = {0x08, 0x81};
   put_msg(d, "bad_truncated_varint", 0, trunc, sizeof trunc);
   static const uint8_t past[] = {0x08, 0x01, 0x1a, 0x20, 'a', 'b'};
@@ -156,12 +165,19 @@ static void hello_reply(void) {
   r.num_experts = 4096;
   r.max_tokens = 1u << 20;
   put_msg(d, "ok_largest_dims", 3, buf, pack(&r.base));
+  r = hello_reply_good(); /* protocol 1.3: the server process's id */
+  r.protocol_minor = 3;
+  r.instance_id = "5f0c2a9e61d84b7d93a1c0e4b2f87d16";
+  put_msg(d, "ok_instance_id", 0x12, buf, pack(&r.base));
+  r.instance_id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"; /* 64 */
+  put_msg(d, "ok_instance_id_64_bytes", 1, buf, pack(&r.base));
 
   struct { const char *name; int what; } bad[] = {
       {"bad_protocol_2", 0}, {"bad_hidden_zero", 1}, {"bad_max_tokens_over", 2},
       {"bad_layer_out_of_range", 3}, {"bad_expert_out_of_range", 4}, {"bad_too_many_pairs", 5},
       {"bad_empty_fingerprint", 6}, {"bad_long_weight_format", 7}, {"bad_num_layers_over", 8},
-      {"bad_inter_over", 9},
+      {"bad_inter_over", 9}, {"bad_instance_id_65_bytes", 10},
+      {"bad_instance_id_control_byte", 11},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     r = hello_reply_good();
@@ -176,6 +192,8 @@ static void hello_reply(void) {
     case 7: r.weight_format = "a-weight-format-name-of-40-characters-xx"; break;
     case 8: r.num_layers = 1025; break;
     case 9: r.intermediate_size = 65537; break;
+    case 10: r.instance_id = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef0"; break;
+    case 11: r.instance_id = "id\x1b[31m"; break;
     }
     put_msg(d, bad[i].name, (uint8_t)i, buf, pack(&r.base));
     owned_ids[7] = 7;
@@ -216,6 +234,40 @@ static void stats_reply(void) {
   c[1].expert = 5;
   n = pack(&r.base);
   put_msg(d, "bad_truncated", 1, buf, n - 1);
+
+  /* Protocol 1.4: the clients with an open Forward stream. */
+  Moerpc__V1__ClientInfo ci[2];
+  Moerpc__V1__ClientInfo *cip[2] = {&ci[0], &ci[1]};
+  for (int i = 0; i < 2; i++) {
+    Moerpc__V1__ClientInfo x = MOERPC__V1__CLIENT_INFO__INIT;
+    ci[i] = x;
+    ci[i].streams = 1;
+  }
+  ci[0].client_name = "moerpc-client model pid=4242";
+  ci[0].peer = "ipv4:127.0.0.1:53122";
+  ci[0].hello_generation = 3;
+  ci[0].hello_age_ms = 1500;
+  ci[1].client_name = ""; /* a client older than 1.4 sends no name */
+  ci[1].peer = "ipv6:[::1]:40000";
+  r.n_clients = 2;
+  r.clients = cip;
+  put_msg(d, "ok_clients", 0, buf, pack(&r.base));
+  char name128[129], name129[130];
+  memset(name128, 'n', 128);
+  name128[128] = '\0';
+  memset(name129, 'n', 129);
+  name129[129] = '\0';
+  ci[0].client_name = name128;
+  put_msg(d, "ok_client_name_128_bytes", 0, buf, pack(&r.base));
+  ci[0].client_name = name129;
+  put_msg(d, "bad_client_name_129_bytes", 0, buf, pack(&r.base));
+  ci[0].client_name = "evil\nname";
+  put_msg(d, "bad_client_name_control_byte", 0, buf, pack(&r.base));
+  ci[0].client_name = "moerpc-client model pid=4242";
+  ci[1].peer = "ipv4:127.0.0.1:1\x1b[2J";
+  put_msg(d, "bad_client_peer_control_byte", 0, buf, pack(&r.base));
+  r.n_clients = 0;
+  r.clients = NULL;
 }
 
 static void health(void) {
@@ -255,8 +307,8 @@ static void health(void) {
 }
 
 /* hidden_finite: [dtype | unaligned << 2][H - 1][T rows]. */
-static void put_hidden(const char *name, uint8_t dt, int unaligned, uint8_t H, const void *x,
-                       size_t len) {
+static void put_hidden(const char *name, uint8_t dt, int unaligned, unsigned H, const void *x,
+                       size_t len) { /* H 1..256 */
   uint8_t pre[2] = {(uint8_t)(dt | (unaligned ? 4 : 0)), (uint8_t)(H - 1)};
   put("hidden_finite", name, pre, 2, x, len);
 }
@@ -288,6 +340,22 @@ static void hidden_finite(void) {
   h[2 * 64 + 5] = 0x3f80;
   h[63] = 0x7f80;
   put_hidden("bad_bf16_inf_row_end", 2, 0, 64, h, sizeof h);
+  /* Output and reply rows as the server converts them (issue 23): f16 at +-65504, the
+   * largest finite, passes; an fp32 value over it became -Inf (token 2, index 200, in the
+   * third block of the scan); bf16 next to FLT_MAX rounds up to +Inf; an f32 NaN with a
+   * payload at the end of a 256-element block. */
+  static uint16_t o16[4 * 256];
+  static uint32_t o32[2 * 256];
+  for (int i = 0; i < 4 * 256; i++) o16[i] = i % 2 ? 0xfbff : 0x7bff;
+  put_hidden("ok_f16_output_largest_4_rows", 1, 0, 256, o16, sizeof o16);
+  o16[2 * 256 + 200] = 0xfc00;
+  put_hidden("bad_f16_output_overflow_token2", 1, 1, 256, o16, 3 * 256 * 2);
+  for (int i = 0; i < 4 * 256; i++) o16[i] = i % 2 ? 0xff7f : 0x7f7f;
+  o16[256 + 3] = 0x7f80;
+  put_hidden("bad_bf16_output_overflow_token1", 2, 0, 256, o16, 2 * 256 * 2);
+  for (int i = 0; i < 2 * 256; i++) o32[i] = 0x477fe000u; /* 65504.0f */
+  o32[255] = 0x7f800001u;
+  put_hidden("bad_f32_output_nan_payload_block_end", 0, 0, 256, o32, sizeof o32);
 }
 
 /* Control requests (protocol 1.2), against 4 layers (layer 0 dense) x 16 experts. */

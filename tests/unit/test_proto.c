@@ -1069,6 +1069,54 @@ MT_TEST(health_framing) {
   grpc_shutdown();
 }
 
+/* HelloRequest.client_name as sent: a NUL inside is kept (protobuf-c's copy stops there),
+ * the last occurrence wins across 1-byte slices, a long name is cut with its length kept. */
+MT_TEST(hello_client_name_raw) {
+  grpc_init();
+  mr_err e_ = {0}, *e = &e_;
+  char buf[16];
+  size_t len = 99;
+  const uint8_t nul[] = {0x08, 0x01, 0x1a, 0x02, 'x', 'y', 0x20, 0x05,
+                         0x1a, 0x06, 'a', 'b', 0x00, 'c', 0x1b, 'd'};
+  grpc_slice sl[sizeof nul];
+  for (size_t i = 0; i < sizeof nul; i++) sl[i] = grpc_slice_from_copied_buffer((char *)nul + i, 1);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(sl, sizeof nul);
+  for (size_t i = 0; i < sizeof nul; i++) grpc_slice_unref(sl[i]);
+  MT_OK(pr_hello_client_name(bb, buf, sizeof buf, &len, e), e);
+  MT_EQ_U64(len, 6);
+  MT_TRUE(memcmp(buf, "ab\0c\x1b" "d", 6) == 0);
+  /* protobuf-c, which the server decodes the rest with, stops at the NUL. */
+  Moerpc__V1__HelloRequest *q = NULL;
+  MT_OK(pr_decode(bb, &moerpc__v1__hello_request__descriptor, 1 << 16, (ProtobufCMessage **)&q, e), e);
+  MT_EQ_STR(q->client_name, "ab");
+  protobuf_c_message_free_unpacked(&q->base, NULL);
+  /* Cut to the buffer, the whole length told. */
+  MT_OK(pr_hello_client_name(bb, buf, 3, &len, e), e);
+  MT_EQ_U64(len, 6);
+  MT_TRUE(memcmp(buf, "ab\0", 3) == 0);
+  grpc_byte_buffer_destroy(bb);
+  /* Absent: length 0. */
+  const uint8_t none[] = {0x08, 0x01};
+  bb = bb_from(none, sizeof none);
+  len = 99;
+  MT_OK(pr_hello_client_name(bb, buf, sizeof buf, &len, e), e);
+  MT_EQ_U64(len, 0);
+  grpc_byte_buffer_destroy(bb);
+  /* Malformed: client_name not length-delimited, a length past the end. */
+  const uint8_t wrong[] = {0x18, 0x01};
+  bb = bb_from(wrong, sizeof wrong);
+  MT_EQ_INT(pr_hello_client_name(bb, buf, sizeof buf, &len, e), MR_EFORMAT);
+  MT_CONTAINS(e->msg, "HelloRequest: field 3 (client_name) at byte 0 has wire type 0, must be 2");
+  MT_EQ_U64(len, 0);
+  grpc_byte_buffer_destroy(bb);
+  const uint8_t past[] = {0x1a, 0x09, 'a'};
+  bb = bb_from(past, sizeof past);
+  MT_EQ_INT(pr_hello_client_name(bb, buf, sizeof buf, &len, e), MR_EFORMAT);
+  MT_CONTAINS(e->msg, "HelloRequest: field 3 at byte 0: length 9, but 1 left");
+  grpc_byte_buffer_destroy(bb);
+  grpc_shutdown();
+}
+
 /* ---- status mapping, channel args, targets ---------------------------------------------------- */
 
 MT_TEST(status_mapping) {
