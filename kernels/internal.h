@@ -108,6 +108,8 @@ typedef struct kn__slice_w {
                        * or kn__mem_map_on_node when map_bytes > 0 */
   size_t mem_bytes;   /* its size, including alignment padding */
   size_t map_bytes;   /* > 0: mem is a mapping of this many bytes on the slice's node */
+  bool borrowed;      /* mem belongs to someone else (kn_layer_adopt_expert: a mapped
+                       * cache file); never freed here */
   void *gate;         /* [I_s rows][H], format layout above */
   void *up;           /* [I_s rows][H] */
   void *down;         /* [H rows][I_s] */
@@ -182,6 +184,33 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
  * packer of section A: the expert loader and the dense-layer loader (linear.c) use it. */
 void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
                   void *dst, float *scale);
+
+/* The loader's row converters, behind kn__pack_row and the loaders' copies: the scalar
+ * set in kn.c is the definition; x86/pack_avx2.c has an AVX2 set that gives the same bits
+ * for every input (tests/unit/test_kn_pack.c). kn__pack() picks once per process: AVX2
+ * where the CPU and the OS have it (cpuid and XCR0, as KN_ISA_AVX2), unless the
+ * environment says MOERPC_PACK=scalar (for A/B benchmarks, tests/bench/load_speed.sh). */
+typedef struct kn__pack_fns {
+  /* n values of dt (F32, F16, BF16) at src to fp32 at dst, all n of them; returns the index
+   * of the first value that is not finite, or n. */
+  uint32_t (*to_f32)(float *dst, const void *src, mr_dtype dt, uint32_t n);
+  /* Copies n values of dt from src to dst as they are; returns as to_f32. */
+  uint32_t (*copy)(void *dst, const void *src, mr_dtype dt, uint32_t n);
+  /* Copies n e4m3fn codes; returns the index of the first NaN code (0x7f, 0xff), or n. */
+  uint32_t (*copy_fp8)(uint8_t *dst, const uint8_t *src, uint32_t n);
+  float (*amax)(const float *src, uint32_t n);
+  void (*quant_int8)(const float *src, uint32_t n, float scale, int8_t *dst);
+  void (*quant_int4)(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale);
+  /* n finite fp32 values to dt (F16 or BF16), rounded to nearest even. */
+  void (*from_f32)(void *dst, mr_dtype dt, const float *src, uint32_t n);
+  const char *name; /* "scalar", "avx2" */
+} kn__pack_fns;
+extern const kn__pack_fns kn__pack_scalar;
+extern const kn__pack_fns kn__pack_avx2; /* only in builds with MR_HAVE_AVX2 (x86) */
+const kn__pack_fns *kn__pack(void);
+/* The mr_dtype whose values format f stores as they are (F32, F16, BF16), else
+ * MR_DTYPE_UNSPECIFIED: a source of that dtype is copied, not converted. */
+mr_dtype kn__format_dtype(kn_format f);
 
 /* ---------------------------------------------------------------------------------------
  * C. The engine and its kernel table.
@@ -458,12 +487,17 @@ void kn__work_init(kn__work *w, uint32_t n_groups, const uint32_t *counts);
 bool kn__work_claim(kn__work *w, const kn__pool_ctx *c, uint32_t *group, uint32_t *item);
 
 /* NUMA placement of weight slices (used when the engine spans several real nodes and
- * libnuma works). Maps bytes (rounded up to pages) of anonymous memory with the policy
- * "preferably on node" (mbind MPOL_PREFERRED: a full node spills over instead of failing)
- * and returns it, untouched, with the mapped length in *mapped; NULL when mmap fails. The
- * pages land on the node at first touch, which the loader does from workers pinned there,
- * so placement holds even where mbind is forbidden (a WARN says so once). Free with
- * kn__mem_unmap. */
+ * libnuma works), and huge pages for large ones on any host. Maps bytes (rounded up to
+ * pages) of anonymous memory with the policy "preferably on node" (mbind MPOL_PREFERRED: a
+ * full node spills over instead of failing; none for node KN__NO_NODE) and returns it,
+ * untouched, with the mapped length in *mapped; NULL when mmap fails. The pages land on
+ * the node at first touch, which the loader does from workers pinned there, so placement
+ * holds even where mbind is forbidden (a WARN says so once). From KN__HUGE_BYTES up the
+ * mapping starts on a 2 MiB boundary and asks for transparent huge pages (MADV_HUGEPAGE):
+ * a 2 MiB fault instead of 512, which was most of a bf16 load's time (docs/DESIGN.md
+ * section 6.6). Free with kn__mem_unmap. */
+#define KN__NO_NODE UINT32_MAX
+#define KN__HUGE_BYTES ((size_t)2 << 20)
 void *kn__mem_map_on_node(size_t bytes, uint32_t node, size_t *mapped);
 void kn__mem_unmap(void *p, size_t mapped);
 /* The NUMA node of the (touched) page holding p; -1 when unknown (no libnuma, untouched). */

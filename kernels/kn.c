@@ -24,6 +24,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#include <stdatomic.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #define KN__X86 1
@@ -460,13 +462,13 @@ static inline float kn__round_even(float x) {
   return (x + mm) - mm;
 }
 
-float kn__amax(const float *src, uint32_t n) {
+static float pack_amax(const float *src, uint32_t n) {
   float amax = 0.0f;
   for (uint32_t i = 0; i < n; i++) amax = kn__maxf(amax, fabsf(src[i]));
   return amax;
 }
 
-void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
+static void pack_quant_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
   for (uint32_t i = 0; i < n; i++) {
     /* scale == 0 also covers amax so small that amax / 127 underflows: those rows are 0. */
     float q = scale > 0.0f ? kn__round_even(src[i] / scale) : 0.0f;
@@ -474,7 +476,7 @@ void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst) 
   }
 }
 
-void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
+static void pack_quant_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
   uint32_t ng = kn__ngroups(K, G);
   memset(dst, 0, (size_t)ng * G / 2);
   for (uint32_t g = 0; g < ng; g++) {
@@ -492,17 +494,96 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
   }
 }
 
+static uint32_t pack_to_f32(float *dst, const void *src, mr_dtype dt, uint32_t n) {
+  mr_convert_to_f32(dst, src, dt, n);
+  for (uint32_t k = 0; k < n; k++)
+    if (!isfinite(dst[k])) return k;
+  return n;
+}
+
+static uint32_t pack_copy(void *dst, const void *src, mr_dtype dt, uint32_t n) {
+  memcpy(dst, src, (size_t)n * mr_dtype_size(dt));
+  if (dt == MR_DTYPE_F32) {
+    const float *v = src;
+    for (uint32_t k = 0; k < n; k++)
+      if (!isfinite(v[k])) return k;
+    return n;
+  }
+  const uint16_t *v = src, m = dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00; /* exponent all ones */
+  for (uint32_t k = 0; k < n; k++)
+    if ((v[k] & m) == m) return k;
+  return n;
+}
+
+static uint32_t pack_copy_fp8(uint8_t *dst, const uint8_t *src, uint32_t n) {
+  memcpy(dst, src, n);
+  for (uint32_t k = 0; k < n; k++)
+    if ((src[k] & 0x7f) == 0x7f) return k;
+  return n;
+}
+
+static void pack_from_f32(void *dst, mr_dtype dt, const float *src, uint32_t n) {
+  mr_convert_from_f32(dst, dt, src, n);
+}
+
+const kn__pack_fns kn__pack_scalar = {
+    .to_f32 = pack_to_f32,
+    .copy = pack_copy,
+    .copy_fp8 = pack_copy_fp8,
+    .amax = pack_amax,
+    .quant_int8 = pack_quant_int8,
+    .quant_int4 = pack_quant_int4,
+    .from_f32 = pack_from_f32,
+    .name = "scalar",
+};
+
+static const kn__pack_fns *pack_fns = &kn__pack_scalar;
+static pthread_once_t pack_once = PTHREAD_ONCE_INIT;
+
+static void pack_pick(void) {
+  const char *env = getenv("MOERPC_PACK");
+  if (env && strcmp(env, "scalar") == 0) {
+    mr_log(MR_LOG_INFO, "kn: MOERPC_PACK=scalar: weights are converted by the scalar packer");
+    return;
+  }
+#if KN__X86 && !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX2
+  const kn__cpu *c = kn__cpu_get();
+  if (c->avx2 && c->fma && c->f16c && c->os_avx) pack_fns = &kn__pack_avx2;
+#endif
+}
+
+const kn__pack_fns *kn__pack(void) {
+  pthread_once(&pack_once, pack_pick);
+  return pack_fns;
+}
+
+mr_dtype kn__format_dtype(kn_format f) {
+  return f == KN_FMT_F32 ? MR_DTYPE_F32 : f == KN_FMT_F16 ? MR_DTYPE_F16
+         : f == KN_FMT_BF16 ? MR_DTYPE_BF16 : MR_DTYPE_UNSPECIFIED;
+}
+
+float kn__amax(const float *src, uint32_t n) { return kn__pack()->amax(src, n); }
+
+void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
+  kn__pack()->quant_int8(src, n, scale, dst);
+}
+
+void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
+  kn__pack()->quant_int4(src, K, G, dst, scale);
+}
+
 void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
                   void *dst, float *scale) {
+  const kn__pack_fns *P = kn__pack();
   switch (f) {
     case KN_FMT_F32: memcpy(dst, src, (size_t)K * 4); break;
-    case KN_FMT_F16: mr_convert_from_f32(dst, MR_DTYPE_F16, src, K); break;
-    case KN_FMT_BF16: mr_convert_from_f32(dst, MR_DTYPE_BF16, src, K); break;
+    case KN_FMT_F16: P->from_f32(dst, MR_DTYPE_F16, src, K); break;
+    case KN_FMT_BF16: P->from_f32(dst, MR_DTYPE_BF16, src, K); break;
     case KN_FMT_INT8:
       *scale = int8_scale;
-      kn__quant_row_int8(src, K, int8_scale, dst);
+      P->quant_int8(src, K, int8_scale, dst);
       break;
-    case KN_FMT_INT4: kn__quant_row_int4(src, K, G, dst, scale); break;
+    case KN_FMT_INT4: P->quant_int4(src, K, G, dst, scale); break;
     default: MR_ASSERT(!"kn__pack_row: bad format");
   }
 }
@@ -604,12 +685,28 @@ int kn_layer_new(kn_layer **out, kn_engine *eng, const kn_layer_desc *d, mr_err 
 static void slices_free(kn__slice_w *w, uint32_t n) {
   if (!w) return;
   for (uint32_t s = 0; s < n; s++) {
+    if (w[s].borrowed)
+      continue;
     if (w[s].map_bytes)
       kn__mem_unmap(w[s].mem, w[s].map_bytes);
     else
       mr_free_aligned(w[s].mem);
   }
   mr_free(w);
+}
+
+/* Puts an expert's slices (bytes in all) into the layer, freeing the ones it replaces.
+ * Reloading an expert replaces it; the layer must not be in use meanwhile (kn.h). */
+static void expert_install(kn_layer *L, uint32_t expert, kn__slice_w *w, uint64_t bytes) {
+  if (L->w[expert]) {
+    slices_free(L->w[expert], L->n_slices);
+    L->bytes -= L->expert_bytes;
+  } else {
+    L->owned[expert >> 6] |= 1ull << (expert & 63);
+    L->n_owned++;
+  }
+  L->w[expert] = w;
+  L->bytes += bytes;
 }
 
 void kn_layer_free(kn_layer *L) {
@@ -696,6 +793,8 @@ typedef struct load_job {
   const void *src[3];                /* gate [I, H], up [I, H], down [H, I] */
   mr_dtype dt;                       /* MR_DTYPE_UNSPECIFIED when src_fp8 */
   bool src_fp8;                      /* src are e4m3 codes with block scales bscale */
+  bool same;                         /* dt is what the format stores: rows are copied */
+  const kn__pack_fns *P;             /* kn__pack() */
   const float *bscale[3];            /* [ceil(N/128)][ceil(K/128)] of each matrix (src_fp8) */
   float *rows;                       /* [n_workers][row_floats]: one fp32 row per worker */
   size_t row_floats;
@@ -726,15 +825,33 @@ static bool load_row(load_job *j, float *dst, kn__proj p, size_t elem_off, uint3
     const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
     const float *sr = j->bscale[p] + (size_t)(row / KN_FP8_BLOCK) * kn__ngroups(Kf, KN_FP8_BLOCK);
     for (uint32_t k = 0; k < K; k++) dst[k] = tbl[q[k]] * sr[(col0 + k) / KN_FP8_BLOCK];
-  } else {
-    mr_convert_to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);
+    for (uint32_t k = 0; k < K; k++)
+      if (!isfinite(dst[k])) {
+        note_bad(j, p, row, col0 + k, dst[k]);
+        return false;
+      }
+    return true;
   }
-  for (uint32_t k = 0; k < K; k++)
-    if (!isfinite(dst[k])) {
-      note_bad(j, p, row, col0 + k, dst[k]);
-      return false;
-    }
+  const uint32_t k = j->P->to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);
+  if (k < K) {
+    note_bad(j, p, row, col0 + k, dst[k]);
+    return false;
+  }
   return true;
+}
+
+/* Stored format == served format: copies the K values of matrix p from element elem_off
+ * to dst as they are (no conversion), noting the first one that is not finite. */
+static void load_row_same(load_job *j, void *dst, kn__proj p, size_t elem_off, uint32_t K,
+                          uint32_t row, uint32_t col0) {
+  const size_t esz = mr_dtype_size(j->dt);
+  const char *src = (const char *)j->src[p] + elem_off * esz;
+  const uint32_t k = j->P->copy(dst, src, j->dt, K);
+  if (k < K) {
+    float v;
+    mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
+    note_bad(j, p, row, col0 + k, v);
+  }
 }
 
 /* FP8 layer from an FP8 source: copies the K codes of HF row `row` from column col0 (noting
@@ -743,12 +860,11 @@ static void load_row_fp8(load_job *j, kn__proj p, uint32_t row, uint32_t col0, u
                          uint8_t *dst, float *scale) {
   const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
   const uint8_t *q = (const uint8_t *)j->src[p] + (size_t)row * Kf + col0;
-  for (uint32_t k = 0; k < K; k++)
-    if ((q[k] & 0x7f) == 0x7f) {
-      note_bad(j, p, row, col0 + k, NAN);
-      return;
-    }
-  memcpy(dst, q, K);
+  const uint32_t k = j->P->copy_fp8(dst, q, K);
+  if (k < K) {
+    note_bad(j, p, row, col0 + k, NAN);
+    return;
+  }
   const float *sr = j->bscale[p] + (size_t)(row / KN_FP8_BLOCK) * kn__ngroups(Kf, KN_FP8_BLOCK);
   for (uint32_t g = 0; g < kn__ngroups(K, KN_FP8_BLOCK); g++) scale[g] = sr[col0 / KN_FP8_BLOCK + g];
 }
@@ -771,26 +887,35 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       float *scs[2] = {ws->gate_scale, ws->up_scale};
       for (uint32_t i = i0; i < i1; i++)
         for (int p = 0; p < 2; p++)
-          if (f == KN_FMT_FP8)
+          if (j->same)
+            load_row_same(j, (char *)dsts[p] + i * rb, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0);
+          else if (f == KN_FMT_FP8)
             load_row_fp8(j, (kn__proj)p, off + i, 0, H, (uint8_t *)dsts[p] + i * rb, scs[p] + i * sc);
           else if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
-            kn__pack_row(f, G, row, H, f == KN_FMT_INT8 ? kn__amax(row, H) / 127.0f : 0.0f,
+            kn__pack_row(f, G, row, H, f == KN_FMT_INT8 ? j->P->amax(row, H) / 127.0f : 0.0f,
                          (char *)dsts[p] + i * rb,
                          scs[p] ? scs[p] + i * sc : NULL);
     } else {
       const size_t rb = kn__row_bytes(f, Is, G), sc = kn__row_scales(f, Is, G);
       const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
       const uint32_t j1 = j0 + LOAD_BLOCK < H ? j0 + LOAD_BLOCK : H;
+      for (uint32_t r = j0; r < j1 && j->same; r++)
+        load_row_same(j, (char *)ws->down + r * rb, KN__DOWN, (size_t)r * I + off, Is, r, off);
       for (uint32_t r = j0; r < j1 && f == KN_FMT_FP8; r++)
         load_row_fp8(j, KN__DOWN, r, off, Is, (uint8_t *)ws->down + r * rb, ws->down_scale + r * sc);
-      for (uint32_t r = j0; r < j1 && f != KN_FMT_FP8; r++) {
+      for (uint32_t r = j0; r < j1 && f != KN_FMT_FP8 && !j->same; r++) {
         /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
          * the slice's band, so that the packed values do not depend on the slice count and
-         * a layer gives the same result on any number of nodes (docs/DESIGN.md section 5). */
+         * a layer gives the same result on any number of nodes (docs/DESIGN.md section 5).
+         * With one slice the band is the whole row, converted once. */
         float s8 = 0.0f;
         if (f == KN_FMT_INT8) {
           if (!load_row(j, row, KN__DOWN, (size_t)r * I, I, r, 0)) continue;
-          s8 = kn__amax(row, I) / 127.0f;
+          s8 = j->P->amax(row, I) / 127.0f;
+          if (Is == I) {
+            kn__pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb, ws->down_scale + r * sc);
+            continue;
+          }
         }
         if (load_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off))
           kn__pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb,
@@ -800,17 +925,21 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
   }
 }
 
-/* Gives slice s of w its memory: on its node (mapped) or from the heap. */
+/* Gives slice s of w its memory: mapped (on its node, huge pages when large) or from the
+ * heap (small slices on one node). */
 static int slice_alloc(kn_layer *L, uint32_t expert, uint32_t s, kn__slice_w *ws, mr_err *e) {
   const slice_layout lay = slice_layout_of(L, s);
   char *mem;
-  if (L->numa_place) {
-    mem = kn__mem_map_on_node(lay.total, L->node[s], &ws->map_bytes);
-    if (!mem)
+  if (L->numa_place || lay.total >= KN__HUGE_BYTES) {
+    mem = kn__mem_map_on_node(lay.total, L->numa_place ? L->node[s] : KN__NO_NODE, &ws->map_bytes);
+    if (!mem) {
+      char where[48] = "";
+      if (L->numa_place) snprintf(where, sizeof where, " on NUMA node %u", L->node[s]);
       return mr_err_set(e, MR_ENOMEM,
-                        "expert %u slice %u: mapping %zu bytes on NUMA node %u failed: %s (out of "
-                        "memory, or vm.max_map_count too low: each slice is one mapping)",
-                        expert, s, lay.total, L->node[s], strerror(errno));
+                        "expert %u slice %u: mapping %zu bytes%s failed: %s (out of memory, or "
+                        "vm.max_map_count too low: each slice is one mapping)",
+                        expert, s, lay.total, where, strerror(errno));
+    }
   } else {
     mem = mr_malloc_aligned(lay.total, KN_PACK_ALIGN);
     if (!mem)
@@ -892,6 +1021,8 @@ static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
   kn_layer *L = j.L;
   kn_engine *eng = L->eng;
   MR_ASSERT(eng->plan.n_groups == L->n_slices);
+  j.P = kn__pack();
+  j.same = !j.src_fp8 && j.dt == kn__format_dtype(L->d.format);
   const uint32_t H = L->d.hidden, I = L->d.inter, nw = eng->plan.n_workers;
   /* One row per worker, each on its own cache lines. */
   j.row_floats = ((size_t)(H > I ? H : I) + 15) & ~(size_t)15;
@@ -939,16 +1070,7 @@ static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
       }
     }
 
-  /* Reloading an expert replaces it; the layer must not be in use meanwhile (kn.h). */
-  if (L->w[expert]) {
-    slices_free(L->w[expert], L->n_slices);
-    L->bytes -= L->expert_bytes;
-  } else {
-    L->owned[expert >> 6] |= 1ull << (expert & 63);
-    L->n_owned++;
-  }
-  L->w[expert] = j.w;
-  L->bytes += bytes;
+  expert_install(L, expert, j.w, bytes);
   j.w = NULL;
 
 out_free:
@@ -993,6 +1115,102 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
 }
 
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert) { return kn__layer_owns(L, expert); }
+
+/* ---- packed-weight cache (kn.h) ---------------------------------------------------- */
+
+uint32_t kn_layer_slices(const kn_layer *L) { return L->n_slices; }
+uint32_t kn_layer_slice_off(const kn_layer *L, uint32_t s) { return s < L->n_slices ? L->slice_off[s] : 0; }
+uint32_t kn_layer_slice_len(const kn_layer *L, uint32_t s) { return s < L->n_slices ? L->slice_len[s] : 0; }
+uint64_t kn_layer_slice_bytes(const kn_layer *L, uint32_t s) {
+  return s < L->n_slices && L->slice_len[s] ? slice_layout_of(L, s).total : 0;
+}
+
+const void *kn_layer_expert_slice(const kn_layer *L, uint32_t expert, uint32_t s) {
+  if (!kn__layer_owns(L, expert) || s >= L->n_slices) return NULL;
+  return L->w[expert][s].mem;
+}
+
+int kn_layer_adopt_expert(kn_layer *L, uint32_t expert, void *const *mem, mr_err *e) {
+  if (!L || !mem) return mr_err_set(e, MR_EINVAL, "kn_layer_adopt_expert: layer and mem are required");
+  if (expert >= L->d.num_experts)
+    return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
+                      L->d.num_experts);
+  for (uint32_t s = 0; s < L->n_slices; s++)
+    if (L->slice_len[s] && (!mem[s] || ((uintptr_t)mem[s] & (KN_PACK_ALIGN - 1))))
+      return mr_err_set(e, MR_EINVAL, "expert %u slice %u: block %p is not %u-byte aligned", expert,
+                        s, mem[s], KN_PACK_ALIGN);
+  kn__slice_w *w = mr_calloc(L->n_slices, sizeof *w);
+  if (!w) return mr_err_set(e, MR_ENOMEM, "expert %u: out of memory", expert);
+  const bool scaled = L->d.format == KN_FMT_INT8 || L->d.format == KN_FMT_INT4 || L->d.format == KN_FMT_FP8;
+  for (uint32_t s = 0; s < L->n_slices; s++) {
+    w[s].borrowed = true;
+    if (!L->slice_len[s]) continue;
+    const slice_layout lay = slice_layout_of(L, s);
+    char *m = mem[s];
+    w[s].mem = m;
+    w[s].mem_bytes = lay.total;
+    w[s].gate = m + lay.gate;
+    w[s].up = m + lay.up;
+    w[s].down = m + lay.down;
+    w[s].gate_scale = scaled ? (float *)(m + lay.gate_scale) : NULL;
+    w[s].up_scale = scaled ? (float *)(m + lay.up_scale) : NULL;
+    w[s].down_scale = scaled ? (float *)(m + lay.down_scale) : NULL;
+  }
+  expert_install(L, expert, w, L->expert_bytes);
+  return 0;
+}
+
+/* kn_engine_populate: 2 MiB pieces of each region, claimed by the workers of its group. */
+#define KN__POPULATE_PIECE ((uint64_t)2 << 20)
+typedef struct populate_job {
+  const char *base[KN_MAX_NODES];
+  uint64_t bytes[KN_MAX_NODES];
+  _Atomic uint64_t done;
+  kn__work work;
+} populate_job;
+
+static void populate_fn(void *arg, const kn__pool_ctx *c) {
+  populate_job *j = arg;
+  uint32_t g, item;
+  uint64_t done = 0;
+  const long page = sysconf(_SC_PAGESIZE);
+  while (kn__work_claim(&j->work, c, &g, &item)) {
+    const uint64_t off = (uint64_t)item * KN__POPULATE_PIECE;
+    const uint64_t n = j->bytes[g] - off < KN__POPULATE_PIECE ? j->bytes[g] - off : KN__POPULATE_PIECE;
+    const char *p = j->base[g] + off;
+    bool ok = false;
+#ifdef MADV_POPULATE_READ
+    /* The base is page-aligned (an mmap) and pieces are multiples of a page. */
+    ok = madvise((void *)p, n, MADV_POPULATE_READ) == 0;
+#endif
+    if (!ok) {
+      volatile char sink = 0;
+      for (uint64_t k = 0; k < n; k += (uint64_t)page) sink ^= p[k];
+      (void)sink;
+    }
+    done += n;
+  }
+  atomic_fetch_add_explicit(&j->done, done, memory_order_relaxed);
+}
+
+uint64_t kn_engine_populate(kn_engine *eng, const void *const *base, const uint64_t *bytes,
+                            uint32_t n_regions) {
+  MR_ASSERT(eng && n_regions <= eng->n_nodes);
+  populate_job *j = mr_calloc(1, sizeof *j);
+  if (!j) return 0;
+  uint32_t counts[KN_MAX_NODES] = {0};
+  for (uint32_t s = 0; s < eng->n_nodes; s++) {
+    if (s >= n_regions || !base[s] || !bytes[s]) continue;
+    j->base[s] = base[s];
+    j->bytes[s] = bytes[s];
+    counts[s] = (uint32_t)((bytes[s] + KN__POPULATE_PIECE - 1) / KN__POPULATE_PIECE);
+  }
+  kn__work_init(&j->work, eng->n_nodes, counts);
+  kn__pool_run(eng->pool, populate_fn, j);
+  uint64_t done = atomic_load(&j->done);
+  mr_free(j);
+  return done;
+}
 const kn_layer_desc *kn_layer_get_desc(const kn_layer *L) { return &L->d; }
 uint64_t kn_layer_bytes(const kn_layer *L) { return L->bytes; }
 uint64_t kn_layer_expert_bytes(const kn_layer *L) { return L->expert_bytes; }

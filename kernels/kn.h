@@ -182,6 +182,37 @@ int kn_layer_rebuild(kn_layer **out, kn_layer *old, const uint8_t *keep, kn_laye
  * are freed, and L goes. NULL L is a no-op. */
 void kn_layer_forget(kn_layer *L, kn_layer *old);
 
+/* Packed-weight cache (docs/DESIGN.md section 23). The packed bytes of an expert are, per
+ * slice s, one block of kn_layer_slice_bytes(L, s) bytes (internal.h section A), aligned to
+ * KN_PACK_ALIGN; they do not depend on the ISA the kernels run on, but on the format, the
+ * shape, the slice split and this layout version. A cache written with another version,
+ * another split or other slice sizes must never be read back. */
+#define KN_PACK_LAYOUT_VERSION 1u
+/* Slices per expert (the creating engine's nodes); the first intermediate row, the rows,
+ * the packed bytes (0 for an empty slice) and the NUMA node (OS number) of slice s. */
+uint32_t kn_layer_slices(const kn_layer *L);
+uint32_t kn_layer_slice_off(const kn_layer *L, uint32_t s);
+uint32_t kn_layer_slice_len(const kn_layer *L, uint32_t s);
+uint64_t kn_layer_slice_bytes(const kn_layer *L, uint32_t s);
+/* The packed block of slice s of a loaded expert (kn_layer_slice_bytes(L, s) bytes), NULL
+ * when the expert is not loaded or the slice is empty. Read-only; valid while the layer
+ * (or a layer that shares the expert) lives. */
+const void *kn_layer_expert_slice(const kn_layer *L, uint32_t expert, uint32_t s);
+/* Makes expert hold the packed blocks mem[s] (s < kn_layer_slices(L); an empty slice's entry
+ * is ignored) without copying them: the layer only borrows them (kn_layer_free does not free
+ * them), so the caller keeps them mapped, unchanged, for as long as this layer or any layer
+ * kn_layer_rebuild shares the expert with lives. Each must be KN_PACK_ALIGN-aligned and hold
+ * kn_layer_slice_bytes(L, s) bytes of this layer's layout. Replaces a loaded expert (the
+ * layer must not be in use meanwhile). MR_EINVAL (misaligned, NULL), MR_ERANGE, MR_ENOMEM. */
+int kn_layer_adopt_expert(kn_layer *L, uint32_t expert, void *const *mem, mr_err *e);
+/* Faults in n_regions read-only regions (region s: base[s], bytes[s]; NULL or 0 = none) on
+ * the engine's workers, region s by the workers of group s (slice s's node), in 2 MiB pieces
+ * (MADV_POPULATE_READ where the kernel has it, else a read of every page), so that a mapped
+ * cache file's page tables exist before the first request. n_regions <= kn_engine_nodes.
+ * Serialised with the engine's other calls. Returns the bytes faulted in. */
+uint64_t kn_engine_populate(kn_engine *eng, const void *const *base, const uint64_t *bytes,
+                            uint32_t n_regions);
+
 typedef struct kn_moe_args {
   uint32_t n_tokens;     /* T */
   uint32_t top_k;        /* k */

@@ -73,13 +73,13 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
   const size_t w_bytes = (size_t)n_out * rb, s_bytes = (size_t)n_out * sc * sizeof(float);
   const size_t s_off = align_up(w_bytes), total = align_up(s_off + s_bytes);
   char *mem;
-  if (L->numa_place) {
-    mem = kn__mem_map_on_node(total, L->node[0], &lin->w.map_bytes);
+  if (L->numa_place || total >= KN__HUGE_BYTES) { /* on its node, huge pages when large */
+    mem = kn__mem_map_on_node(total, L->numa_place ? L->node[0] : KN__NO_NODE, &lin->w.map_bytes);
     if (!mem) {
       int err = errno;
       kn_linear_free(lin);
-      return mr_err_set(e, MR_ENOMEM, "kn_linear_new: mapping %zu bytes on NUMA node %u failed: %s",
-                        total, eng->node[0], strerror(err));
+      return mr_err_set(e, MR_ENOMEM, "kn_linear_new: mapping %zu bytes%s failed: %s", total,
+                        L->numa_place ? " on the engine's first NUMA node" : "", strerror(err));
     }
   } else {
     mem = mr_malloc_aligned(total, KN_PACK_ALIGN);
@@ -159,20 +159,31 @@ static void lin_load_fn(void *arg, const kn__pool_ctx *c) {
   const uint32_t K = lin->L.d.inter, G = lin->L.d.group;
   const size_t rb = kn__row_bytes(f, K, G), sc = kn__row_scales(f, K, G), esz = mr_dtype_size(j->dt);
   float *row = j->rows + (size_t)c->worker * j->row_floats;
+  const kn__pack_fns *P = kn__pack();
+  const bool same = j->dt == kn__format_dtype(f); /* stored as served: copied, not converted */
   uint32_t g, item;
   while (kn__work_claim(&j->work, c, &g, &item)) {
     const uint32_t r0 = item * LIN_LOAD_BLOCK;
     const uint32_t r1 = r0 + LIN_LOAD_BLOCK < j->n_rows ? r0 + LIN_LOAD_BLOCK : j->n_rows;
     for (uint32_t r = r0; r < r1; r++) {
-      mr_convert_to_f32(row, j->src + (size_t)r * K * esz, j->dt, K);
-      uint32_t k = 0;
-      while (k < K && isfinite(row[k])) k++;
-      if (k < K) { /* a NaN or inf weight would poison every token's output */
+      const char *src = j->src + (size_t)r * K * esz;
+      const size_t at = (size_t)j->row0 + r;
+      /* A NaN or inf weight would poison every token's output: refused either way. */
+      if (same) {
+        const uint32_t k = P->copy((char *)lin->w.down + at * rb, src, j->dt, K);
+        if (k < K) {
+          float v;
+          mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
+          lin_note_bad(j, r, k, v);
+        }
+        continue;
+      }
+      const uint32_t k = P->to_f32(row, src, j->dt, K);
+      if (k < K) {
         lin_note_bad(j, r, k, row[k]);
         continue;
       }
-      const size_t at = (size_t)j->row0 + r;
-      kn__pack_row(f, G, row, K, f == KN_FMT_INT8 ? kn__amax(row, K) / 127.0f : 0.0f,
+      kn__pack_row(f, G, row, K, f == KN_FMT_INT8 ? P->amax(row, K) / 127.0f : 0.0f,
                    (char *)lin->w.down + at * rb, sc ? lin->w.down_scale + at * sc : NULL);
     }
   }

@@ -687,16 +687,30 @@ bool kn__work_claim(kn__work *w, const kn__pool_ctx *c, uint32_t *group, uint32_
 void *kn__mem_map_on_node(size_t bytes, uint32_t node, size_t *mapped) {
   *mapped = 0;
   const size_t pg = (size_t)sysconf(_SC_PAGESIZE);
-  const size_t len = (bytes + pg - 1) / pg * pg;
-  void *p = mmap(NULL, len ? len : pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return NULL;
-  *mapped = len ? len : pg;
+  const size_t len = bytes ? (bytes + pg - 1) / pg * pg : pg;
+  void *p;
+  if (len >= KN__HUGE_BYTES) {
+    /* Over-map by 2 MiB and give back the ends, so that the mapping starts on a huge-page
+     * boundary (the kernel aligns only some anonymous mappings itself). */
+    char *raw = mmap(NULL, len + KN__HUGE_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return NULL;
+    const uintptr_t a = ((uintptr_t)raw + KN__HUGE_BYTES - 1) & ~(uintptr_t)(KN__HUGE_BYTES - 1);
+    const size_t head = a - (uintptr_t)raw, tail = KN__HUGE_BYTES - head;
+    if (head) munmap(raw, head);
+    if (tail) munmap((char *)a + len, tail);
+    p = (void *)a;
+  } else {
+    p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+  }
+  *mapped = len;
 #ifdef MADV_HUGEPAGE
-  /* Weights are read in long streams: fewer TLB misses where THP is in "madvise" mode. */
+  /* Weights are read in long streams: fewer TLB misses, and 512 times fewer page faults
+   * while loading, where THP is in "madvise" mode. */
   (void)madvise(p, *mapped, MADV_HUGEPAGE);
 #endif
 #if MR_HAVE_NUMA
-  if (node < KN__NODEMASK_BITS) {
+  if (node != KN__NO_NODE && node < KN__NODEMASK_BITS) {
     unsigned long mask[KN__NODEMASK_BITS / (8 * sizeof(unsigned long))] = {0};
     mask[node / (8 * sizeof(unsigned long))] |= 1ul << (node % (8 * sizeof(unsigned long)));
     if (mbind(p, *mapped, MPOL_PREFERRED, mask, KN__NODEMASK_BITS + 1, 0) != 0)

@@ -1,0 +1,258 @@
+/*
+ * pack_avx2.c - the AVX2 set of the loader's row converters (kn__pack_fns, internal.h
+ * section B), compiled with the AVX2 flags of the Makefile only (-mavx2 -mfma -mf16c).
+ *
+ * Every function gives the bits of its scalar twin in kn.c for every input, which the
+ * loaders rely on (a layer packs the same on any CPU, so a weight cache and the results do
+ * not depend on which set ran; tests/unit/test_kn_pack.c compares them):
+ *   - the int8 / int4 quotients are src / scale with a real division (vdivps is IEEE
+ *     exact, like the scalar division) rounded to nearest even by vroundps, which is what
+ *     the scalar kn__round_even computes for the |q| < 2^22 that occur;
+ *   - amax is a maximum, exact in any order;
+ *   - bf16 is the top half of fp32 (a shift); f16 <-> fp32 is vcvtph2ps / vcvtps2ph with
+ *     round to nearest even, as mr_f16_to_f32 / mr_f32_to_f16 for finite values;
+ *   - fp32 -> bf16 is mr_f32_to_bf16's integer rounding, lane by lane.
+ * The checks for values that are not finite OR a compare mask over the row and, only when
+ * it is set, find the first bad index with a scalar scan (a bad weight fails the load).
+ *
+ * Tails shorter than a vector are done by the scalar code of kn.c's rules, inline here.
+ */
+#include "kernels/internal.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+/* ---- the scalar rules, for tails --------------------------------------------------- */
+
+static inline float round_even(float x) {
+  volatile float m = 12582912.0f; /* as kn.c's kn__round_even */
+  float mm = m;
+  return (x + mm) - mm;
+}
+
+static inline float minf(float a, float b) { return a < b ? a : b; }
+static inline float maxf(float a, float b) { return a > b ? a : b; }
+
+/* The index of the first non-finite value of n fp32 values, or n. */
+static uint32_t first_bad_f32(const float *v, uint32_t n) {
+  for (uint32_t k = 0; k < n; k++)
+    if (!isfinite(v[k])) return k;
+  return n;
+}
+
+/* The same over raw 16-bit values whose exponent field is mask (bf16 0x7f80, f16 0x7c00). */
+static uint32_t first_bad_u16(const uint16_t *v, uint32_t n, uint16_t mask) {
+  for (uint32_t k = 0; k < n; k++)
+    if ((v[k] & mask) == mask) return k;
+  return n;
+}
+
+/* ---- conversions -------------------------------------------------------------------- */
+
+static uint32_t to_f32_avx2(float *dst, const void *src, mr_dtype dt, uint32_t n) {
+  uint32_t k = 0;
+  const __m256i expo = _mm256_set1_epi32(0x7f800000);
+  __m256i bad = _mm256_setzero_si256();
+  switch (dt) {
+    case MR_DTYPE_BF16: {
+      const uint16_t *s = src;
+      for (; k + 8 <= n; k += 8) {
+        __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(s + k))), 16);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo));
+        _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(u));
+      }
+      for (; k < n; k++) dst[k] = mr_bf16_to_f32(s[k]);
+      break;
+    }
+    case MR_DTYPE_F16: {
+      const uint16_t *s = src;
+      for (; k + 8 <= n; k += 8) {
+        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + k)));
+        __m256i u = _mm256_castps_si256(v);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo));
+        _mm256_storeu_ps(dst + k, v);
+      }
+      for (; k < n; k++) dst[k] = mr_f16_to_f32(s[k]);
+      break;
+    }
+    case MR_DTYPE_F32: {
+      const float *s = src;
+      for (; k + 8 <= n; k += 8) {
+        __m256 v = _mm256_loadu_ps(s + k);
+        __m256i u = _mm256_castps_si256(v);
+        bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(u, expo), expo));
+        _mm256_storeu_ps(dst + k, v);
+      }
+      for (; k < n; k++) dst[k] = s[k];
+      break;
+    }
+    default: MR_ASSERT(!"to_f32_avx2: bad dtype");
+  }
+  /* The vector loop covered n - n % 8 values; the tail is checked on its own. */
+  const uint32_t kv = n - n % 8;
+  if (_mm256_testz_si256(bad, bad) && first_bad_f32(dst + kv, n - kv) == n - kv) return n;
+  return first_bad_f32(dst, n);
+}
+
+static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
+  const size_t bytes = (size_t)n * mr_dtype_size(dt);
+  uint8_t *d = dst;
+  const uint8_t *s = src;
+  size_t b = 0;
+  __m256i bad = _mm256_setzero_si256();
+  if (dt == MR_DTYPE_F32) {
+    const __m256i m = _mm256_set1_epi32(0x7f800000);
+    for (; b + 32 <= bytes; b += 32) {
+      __m256i v = _mm256_loadu_si256((const __m256i *)(s + b));
+      bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(v, m), m));
+      _mm256_storeu_si256((__m256i *)(d + b), v);
+    }
+  } else {
+    const __m256i m = _mm256_set1_epi16((short)(dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00));
+    for (; b + 32 <= bytes; b += 32) {
+      __m256i v = _mm256_loadu_si256((const __m256i *)(s + b));
+      bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(_mm256_and_si256(v, m), m));
+      _mm256_storeu_si256((__m256i *)(d + b), v);
+    }
+  }
+  memcpy(d + b, s + b, bytes - b);
+  const bool tail_bad =
+      dt == MR_DTYPE_F32 ? first_bad_f32((const float *)(s + b), (uint32_t)((bytes - b) / 4)) < (bytes - b) / 4
+                         : first_bad_u16((const uint16_t *)(s + b), (uint32_t)((bytes - b) / 2),
+                                         dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00) < (bytes - b) / 2;
+  if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
+  if (dt == MR_DTYPE_F32) return first_bad_f32(src, n);
+  return first_bad_u16(src, n, dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00);
+}
+
+static uint32_t copy_fp8_avx2(uint8_t *dst, const uint8_t *src, uint32_t n) {
+  uint32_t k = 0;
+  const __m256i m = _mm256_set1_epi8(0x7f);
+  __m256i bad = _mm256_setzero_si256();
+  for (; k + 32 <= n; k += 32) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(src + k));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m));
+    _mm256_storeu_si256((__m256i *)(dst + k), v);
+  }
+  memcpy(dst + k, src + k, n - k);
+  bool tail_bad = false;
+  for (uint32_t i = k; i < n; i++) tail_bad |= (src[i] & 0x7f) == 0x7f;
+  if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
+  for (k = 0; k < n; k++)
+    if ((src[k] & 0x7f) == 0x7f) return k;
+  return n;
+}
+
+static float amax_avx2(const float *src, uint32_t n) {
+  const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
+  uint32_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    m0 = _mm256_max_ps(m0, _mm256_and_ps(abs, _mm256_loadu_ps(src + k)));
+    m1 = _mm256_max_ps(m1, _mm256_and_ps(abs, _mm256_loadu_ps(src + k + 8)));
+  }
+  for (; k + 8 <= n; k += 8) m0 = _mm256_max_ps(m0, _mm256_and_ps(abs, _mm256_loadu_ps(src + k)));
+  m0 = _mm256_max_ps(m0, m1);
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+  float a = _mm_cvtss_f32(h);
+  for (; k < n; k++) a = maxf(a, fabsf(src[k]));
+  return a;
+}
+
+/* 8 quotients round(src / scale) clamped to +-lim, as int32 (scale > 0). */
+static inline __m256i quant8(const float *src, __m256 scale, __m256 lim) {
+  __m256 q = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(src), scale),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  q = _mm256_min_ps(_mm256_max_ps(q, _mm256_sub_ps(_mm256_setzero_ps(), lim)), lim);
+  return _mm256_cvtps_epi32(q);
+}
+
+/* n quotients (scale > 0, clamp +-lim) as int8 at dst. */
+static void quant_i8(const float *src, uint32_t n, float scale, float lim, int8_t *dst) {
+  const __m256 vs = _mm256_set1_ps(scale), vl = _mm256_set1_ps(lim);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  uint32_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    __m256i a = quant8(src + k, vs, vl), b = quant8(src + k + 8, vs, vl);
+    __m256i c = quant8(src + k + 16, vs, vl), d = quant8(src + k + 24, vs, vl);
+    /* packs work per 128-bit lane: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7] as dwords */
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256((__m256i *)(dst + k), _mm256_permutevar8x32_epi32(p, order));
+  }
+  for (; k < n; k++) dst[k] = (int8_t)minf(maxf(round_even(src[k] / scale), -lim), lim);
+}
+
+static void quant_int8_avx2(const float *src, uint32_t n, float scale, int8_t *dst) {
+  if (!(scale > 0.0f)) {
+    memset(dst, 0, n);
+    return;
+  }
+  quant_i8(src, n, scale, 127.0f, dst);
+}
+
+static void quant_int4_avx2(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
+  const uint32_t ng = kn__ngroups(K, G);
+  int8_t q[128] __attribute__((aligned(32))); /* G <= 128 (kn_layer_new, kn_linear_new) */
+  MR_ASSERT(G <= 128 && G % 32 == 0);
+  const __m128i lo4 = _mm_set1_epi16(0x000f), hi4 = _mm_set1_epi16(0x00f0);
+  for (uint32_t g = 0; g < ng; g++) {
+    const uint32_t k0 = g * G, len = k0 + G < K ? G : K - k0;
+    const float amax = amax_avx2(src + k0, len), sc = amax / 7.0f;
+    scale[g] = sc;
+    memset(q + len, 0, G - len);
+    if (sc > 0.0f) quant_i8(src + k0, len, sc, 7.0f, q);
+    else memset(q, 0, len);
+    /* Two int8 values per 16-bit lane, element 2i low: byte = (e0 & 0xf) | (e1 & 0xf) << 4. */
+    uint8_t *d = dst + k0 / 2;
+    for (uint32_t k = 0; k < G; k += 32) {
+      __m128i a = _mm_load_si128((const __m128i *)(q + k)), b = _mm_load_si128((const __m128i *)(q + k + 16));
+      __m128i na = _mm_or_si128(_mm_and_si128(a, lo4), _mm_and_si128(_mm_srli_epi16(a, 4), hi4));
+      __m128i nb = _mm_or_si128(_mm_and_si128(b, lo4), _mm_and_si128(_mm_srli_epi16(b, 4), hi4));
+      _mm_storeu_si128((__m128i *)(d + k / 2), _mm_packus_epi16(na, nb));
+    }
+  }
+}
+
+static void from_f32_avx2(void *dst, mr_dtype dt, const float *src, uint32_t n) {
+  uint16_t *d = dst;
+  uint32_t k = 0;
+  if (dt == MR_DTYPE_F16) {
+    for (; k + 8 <= n; k += 8)
+      _mm_storeu_si128((__m128i *)(d + k), _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT));
+    for (; k < n; k++) d[k] = mr_f32_to_f16(src[k]);
+    return;
+  }
+  MR_ASSERT(dt == MR_DTYPE_BF16);
+  const __m256i one = _mm256_set1_epi32(1), r = _mm256_set1_epi32(0x7fff);
+  const __m256i absm = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  for (; k + 16 <= n; k += 16) {
+    __m256i h[2];
+    for (int i = 0; i < 2; i++) {
+      __m256i u = _mm256_loadu_si256((const __m256i *)(src + k + 8 * i));
+      __m256i rounded = _mm256_srli_epi32(
+          _mm256_add_epi32(u, _mm256_add_epi32(r, _mm256_and_si256(_mm256_srli_epi32(u, 16), one))), 16);
+      __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, absm), inf);
+      __m256i qn = _mm256_or_si256(_mm256_srli_epi32(u, 16), quiet);
+      h[i] = _mm256_blendv_epi8(rounded, qn, nan);
+    }
+    /* packus per 128-bit lane: [h0 0-3 h1 0-3 | h0 4-7 h1 4-7]; 64-bit order 0 2 1 3 fixes it */
+    __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(h[0], h[1]), 0xd8);
+    _mm256_storeu_si256((__m256i *)(d + k), p);
+  }
+  for (; k < n; k++) d[k] = mr_f32_to_bf16(src[k]);
+}
+
+const kn__pack_fns kn__pack_avx2 = {
+    .to_f32 = to_f32_avx2,
+    .copy = copy_avx2,
+    .copy_fp8 = copy_fp8_avx2,
+    .amax = amax_avx2,
+    .quant_int8 = quant_int8_avx2,
+    .quant_int4 = quant_int4_avx2,
+    .from_f32 = from_f32_avx2,
+    .name = "avx2",
+};

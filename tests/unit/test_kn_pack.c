@@ -1,0 +1,285 @@
+/*
+ * test_kn_pack.c - the loader's row converters (kn__pack_fns, kernels/internal.h section
+ * B): the AVX2 set gives the bits of the scalar set (the definition) for every input.
+ *
+ * Inputs are random bit patterns (every exponent, subnormals, values that round to inf
+ * in f16, exact rounding ties) plus the cases that matter to the loader: a value that is
+ * not finite at the first, a middle and the last position of rows whose lengths are and
+ * are not multiples of the vector width; int8 / int4 scales of every size down to
+ * subnormal and zero; every INT4 group (32, 64, 128) with a ragged last group.
+ *
+ * Also: kn__pack() picks the AVX2 set on a CPU that has it, and MOERPC_PACK=scalar picks
+ * the scalar one; a layer loaded with either packs the same bytes (kn_layer_expert_bytes
+ * compared through the public loader in every format).
+ */
+#include "kernels/internal.h"
+#include "tests/unit/kn_test.h"
+#include "tests/unit/mt.h"
+
+#include <math.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#if MR_HAVE_AVX2
+#define NEED_AVX2()                                                                           \
+  do {                                                                                        \
+    const kn__cpu *c_ = kn__cpu_get();                                                        \
+    if (!(c_->avx2 && c_->fma && c_->f16c && c_->os_avx)) MT_SKIP("no AVX2 on %s", c_->model); \
+  } while (0)
+#define A (&kn__pack_avx2)
+#else
+#define NEED_AVX2() MT_SKIP("built without AVX2")
+#define A (&kn__pack_scalar)
+#endif
+#define S (&kn__pack_scalar)
+
+static const uint32_t lens[] = {0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 300, 2048, 2051};
+#define N_LENS (sizeof lens / sizeof lens[0])
+#define MAXN 2051
+
+static float f32_of(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* A random finite fp32: a random bit pattern, exponent redrawn while all ones. */
+static float rand_finite(void) {
+  uint32_t u;
+  do u = rng_u32(); while ((u & 0x7f800000u) == 0x7f800000u);
+  return f32_of(u);
+}
+
+/* Random finite values of a realistic spread (normal times 2^[-20, 20]). */
+static float rand_weight(void) { return rng_normal() * ldexpf(1.0f, (int)(rng_u32() % 41) - 20); }
+
+MT_TEST(to_f32_and_copy_match_the_scalar_set_with_bad_values_anywhere) {
+  NEED_AVX2();
+  static uint16_t h[MAXN];
+  static float f[MAXN], a[MAXN], b[MAXN];
+  static uint8_t ca[MAXN * 4 + 1], cb[MAXN * 4 + 1];
+  const mr_dtype dts[] = {MR_DTYPE_BF16, MR_DTYPE_F16, MR_DTYPE_F32};
+  rng_seed(11);
+  for (int round = 0; round < 40; round++)
+    for (size_t li = 0; li < N_LENS; li++)
+      for (int d = 0; d < 3; d++) {
+        const uint32_t n = lens[li];
+        const mr_dtype dt = dts[d];
+        const uint16_t expo = dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00;
+        for (uint32_t k = 0; k < n; k++) {
+          h[k] = (uint16_t)rng_u32();
+          if ((h[k] & expo) == expo) h[k] &= (uint16_t)~0x0400u; /* finite: clear one exponent bit */
+          f[k] = round & 1 ? rand_finite() : rand_weight();
+        }
+        /* Rounds 0-9 clean; then one bad value at the start, the middle or the end. */
+        if (round >= 10 && n) {
+          uint32_t at = round % 3 == 0 ? 0 : round % 3 == 1 ? n / 2 : n - 1;
+          h[at] = (uint16_t)(expo | (round & 2 ? 0x8000u : 0) | (round & 4 ? 1u : 0)); /* inf or NaN */
+          f[at] = f32_of(0x7f800000u | (round & 4 ? 1u : 0));
+        }
+        const void *src = dt == MR_DTYPE_F32 ? (const void *)f : (const void *)h;
+        uint32_t ra = A->to_f32(a, src, dt, n), rb = S->to_f32(b, src, dt, n);
+        MT_EQ_INT(ra, rb);
+        for (uint32_t k = 0; k < n; k++)
+          if (isfinite(b[k])) MT_EQ_INT(memcmp(&a[k], &b[k], 4), 0);
+        memset(ca, 0xa5, sizeof ca);
+        memset(cb, 0x5a, sizeof cb);
+        ra = A->copy(ca, src, dt, n);
+        rb = S->copy(cb, src, dt, n);
+        MT_EQ_INT(ra, rb);
+        MT_EQ_INT(memcmp(ca, cb, (size_t)n * mr_dtype_size(dt)), 0);
+        MT_EQ_INT(memcmp(ca, src, (size_t)n * mr_dtype_size(dt)), 0);
+        MT_EQ_INT(ca[(size_t)n * mr_dtype_size(dt)], 0xa5); /* nothing written past the row */
+      }
+}
+
+MT_TEST(fp8_copy_finds_the_first_nan_code) {
+  NEED_AVX2();
+  static uint8_t q[MAXN], a[MAXN + 1], b[MAXN + 1];
+  rng_seed(12);
+  for (int round = 0; round < 40; round++)
+    for (size_t li = 0; li < N_LENS; li++) {
+      const uint32_t n = lens[li];
+      for (uint32_t k = 0; k < n; k++) {
+        q[k] = (uint8_t)rng_u32();
+        if ((q[k] & 0x7f) == 0x7f) q[k] ^= 1;
+      }
+      if (round >= 10 && n) q[round % 3 == 0 ? 0 : round % 3 == 1 ? n / 2 : n - 1] = round & 1 ? 0xff : 0x7f;
+      memset(a, 0xa5, sizeof a);
+      memset(b, 0xa5, sizeof b);
+      MT_EQ_INT(A->copy_fp8(a, q, n), S->copy_fp8(b, q, n));
+      MT_EQ_INT(memcmp(a, b, n + 1), 0);
+      MT_EQ_INT(memcmp(a, q, n), 0);
+    }
+}
+
+MT_TEST(amax_int8_and_float_outputs_are_bit_identical) {
+  NEED_AVX2();
+  static float x[MAXN];
+  static int8_t qa[MAXN], qb[MAXN];
+  static uint16_t ha[MAXN], hb[MAXN];
+  rng_seed(13);
+  for (int round = 0; round < 60; round++)
+    for (size_t li = 0; li < N_LENS; li++) {
+      const uint32_t n = lens[li];
+      for (uint32_t k = 0; k < n; k++) x[k] = round % 3 ? rand_weight() : rand_finite();
+      const float am = A->amax(x, n);
+      MT_EQ_INT(memcmp(&am, &(float){S->amax(x, n)}, 4), 0);
+      /* The loader's scale, then scales that put quotients on exact ties, subnormal and 0. */
+      float scales[5] = {am / 127.0f, 0.5f, ldexpf(1.0f, -140), 0.0f, am / 127.0f};
+      if (round % 5 == 0)
+        for (uint32_t k = 0; k < n; k++) x[k] = ((float)(int)(rng_u32() % 255) - 127.0f + 0.5f) * 0.5f;
+      for (int s = 0; s < 5; s++) {
+        memset(qa, 0x55, sizeof qa);
+        memset(qb, 0x55, sizeof qb);
+        A->quant_int8(x, n, scales[s], qa);
+        S->quant_int8(x, n, scales[s], qb);
+        MT_EQ_INT(memcmp(qa, qb, sizeof qa), 0);
+      }
+      for (uint32_t k = 0; k < n; k++)
+        if (round & 1) x[k] = rand_finite(); /* f16 overflow to inf and subnormals included */
+      const mr_dtype dts[] = {MR_DTYPE_BF16, MR_DTYPE_F16};
+      for (int d = 0; d < 2; d++) {
+        memset(ha, 0x55, sizeof ha);
+        memset(hb, 0x55, sizeof hb);
+        A->from_f32(ha, dts[d], x, n);
+        S->from_f32(hb, dts[d], x, n);
+        MT_EQ_INT(memcmp(ha, hb, sizeof ha), 0);
+      }
+    }
+}
+
+MT_TEST(int4_groups_and_ragged_rows_are_bit_identical) {
+  NEED_AVX2();
+  static float x[MAXN];
+  static uint8_t qa[MAXN], qb[MAXN];
+  static float sa[MAXN], sb[MAXN];
+  const uint32_t groups[] = {32, 64, 128};
+  rng_seed(14);
+  for (int round = 0; round < 40; round++)
+    for (int gi = 0; gi < 3; gi++)
+      for (size_t li = 1; li < N_LENS; li++) {
+        const uint32_t G = groups[gi], K = lens[li], ng = kn__ngroups(K, G);
+        for (uint32_t k = 0; k < K; k++) x[k] = round % 4 ? rand_weight() : rand_finite();
+        if (round % 7 == 0 && K > G)
+          for (uint32_t k = 0; k < G; k++) x[k] = 0.0f; /* a zero group: scale 0 */
+        memset(qa, 0x55, sizeof qa);
+        memset(qb, 0x55, sizeof qb);
+        A->quant_int4(x, K, G, qa, sa);
+        S->quant_int4(x, K, G, qb, sb);
+        MT_EQ_INT(memcmp(qa, qb, sizeof qa), 0);
+        MT_EQ_INT(memcmp(sa, sb, ng * sizeof(float)), 0);
+      }
+}
+
+/* The set kn__pack() picks, in a fresh process (pthread_once: the env is read once). */
+static void expect_pick(const char *env, const char *want) {
+  if (env) setenv("MOERPC_PACK", env, 1);
+  else unsetenv("MOERPC_PACK");
+  MT_EQ_STR(kn__pack()->name, want);
+}
+
+MT_TEST(the_avx2_set_is_picked_where_the_cpu_has_it) {
+  NEED_AVX2();
+  expect_pick(NULL, "avx2");
+}
+
+MT_TEST(moerpc_pack_scalar_picks_the_scalar_set) { expect_pick("scalar", "scalar"); }
+
+/* A whole expert packed through the public loader in every format: the same bytes with the
+ * AVX2 set as with the scalar one, from bf16, f16 and f32 sources (copied where the format
+ * stores the source's dtype, converted elsewhere). */
+static void pack_all(const char *env, uint8_t **out, size_t *len) {
+  if (env) setenv("MOERPC_PACK", env, 1);
+  mr_err e = {0};
+  kn_engine *eng = NULL;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 2};
+  MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+  const uint32_t H = 96, I = 160;
+  const kn_format fmts[] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  const mr_dtype srcs[] = {MR_DTYPE_F32, MR_DTYPE_F16, MR_DTYPE_BF16};
+  static float w[3][160 * 96];
+  static uint16_t h[3][160 * 96];
+  size_t total = 0;
+  *out = NULL;
+  for (int fi = 0; fi < 5; fi++)
+    for (int si = 0; si < 3; si++) {
+      rng_seed(100 + (uint64_t)fi * 3 + (uint64_t)si);
+      for (int p = 0; p < 3; p++)
+        for (uint32_t k = 0; k < H * I; k++) {
+          w[p][k] = rand_weight();
+          h[p][k] = srcs[si] == MR_DTYPE_BF16 ? mr_f32_to_bf16(w[p][k]) : mr_f32_to_f16(w[p][k] * 1e-3f);
+          if (srcs[si] == MR_DTYPE_F16 && !isfinite(mr_f16_to_f32(h[p][k]))) h[p][k] = 0;
+        }
+      kn_layer_desc d = {.hidden = H, .inter = I, .num_experts = 1, .format = fmts[fi],
+                         .group = fmts[fi] == KN_FMT_INT4 ? 32 : 0};
+      kn_layer *L = NULL;
+      MT_OK(kn_layer_new(&L, eng, &d, &e), &e);
+      const void *g = srcs[si] == MR_DTYPE_F32 ? (const void *)w[0] : h[0];
+      const void *u = srcs[si] == MR_DTYPE_F32 ? (const void *)w[1] : h[1];
+      const void *dn = srcs[si] == MR_DTYPE_F32 ? (const void *)w[2] : h[2];
+      MT_OK(kn_layer_load_expert(L, 0, g, u, dn, srcs[si], &e), &e);
+      for (uint32_t s = 0; s < L->n_slices; s++) {
+        /* The six arrays, not the block: its alignment padding is not written. */
+        const kn__slice_w *ws = &L->w[0][s];
+        const kn_format f = fmts[fi];
+        const uint32_t Is = L->slice_len[s], G = L->d.group;
+        const size_t gu = Is * kn__row_bytes(f, H, G), dnb = H * kn__row_bytes(f, Is, G);
+        const size_t gus = Is * kn__row_scales(f, H, G) * 4, dns = H * kn__row_scales(f, Is, G) * 4;
+        const void *part[6] = {ws->gate, ws->up, ws->down, ws->gate_scale, ws->up_scale, ws->down_scale};
+        const size_t plen[6] = {gu, gu, dnb, gus, gus, dns};
+        for (int q = 0; q < 6; q++) {
+          if (!plen[q]) continue;
+          *out = realloc(*out, total + plen[q]);
+          MT_TRUE(*out != NULL);
+          memcpy(*out + total, part[q], plen[q]);
+          total += plen[q];
+        }
+      }
+      kn_layer_free(L);
+    }
+  kn_engine_free(eng);
+  *len = total;
+}
+
+MT_TEST(a_layer_packs_the_same_bytes_with_either_set) {
+  NEED_AVX2();
+  /* Two children: kn__pack() picks once per process. */
+  int fd[2][2];
+  for (int c = 0; c < 2; c++) {
+    MT_EQ_INT(pipe(fd[c]), 0);
+    pid_t pid = fork();
+    MT_TRUE(pid >= 0);
+    if (pid == 0) {
+      uint8_t *b;
+      size_t n;
+      pack_all(c ? "scalar" : NULL, &b, &n);
+      MT_EQ_STR(kn__pack()->name, c ? "scalar" : "avx2");
+      FILE *f = fdopen(fd[c][1], "w");
+      fwrite(&n, sizeof n, 1, f);
+      fwrite(b, 1, n, f);
+      fclose(f);
+      _exit(0);
+    }
+    close(fd[c][1]);
+  }
+  uint8_t *buf[2];
+  size_t n[2];
+  for (int c = 0; c < 2; c++) {
+    FILE *f = fdopen(fd[c][0], "r");
+    MT_EQ_INT(fread(&n[c], sizeof n[c], 1, f), 1);
+    buf[c] = malloc(n[c]);
+    MT_EQ_U64(fread(buf[c], 1, n[c], f), n[c]);
+    fclose(f);
+    int st;
+    wait(&st);
+    MT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+  }
+  MT_EQ_U64(n[0], n[1]);
+  MT_TRUE(n[0] > 0);
+  MT_EQ_INT(memcmp(buf[0], buf[1], n[0]), 0);
+  free(buf[0]);
+  free(buf[1]);
+}
+
+MT_MAIN()
