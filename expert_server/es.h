@@ -29,8 +29,9 @@
  *
  * Also here: es_forward_validate, the pure validation of a decoded ForwardRequest against
  * the server's limits, and the finite checks of hidden states and outputs
- * (es_hidden_check_finite, es_output_check_finite), public so that the unit test and the
- * fuzzer reach them directly.
+ * (es_hidden_check_finite, es_output_check_finite), and the weight-cache manifest check
+ * (es_cache_manifest_check), public so that the unit test and the fuzzer reach them
+ * directly.
  *
  * This header needs neither gRPC nor the generated protobuf code: the decoded request is
  * an incomplete type here, defined by proto/pr.h (moe.pb-c.h) for the code that builds
@@ -62,17 +63,22 @@ typedef struct es_server_opts {
   uint32_t grpc_threads;     /* gRPC threads = completion queues, 1..64 */
   uint32_t drain_timeout_ms; /* bound on answering accepted requests during a drain */
   uint32_t metrics_interval_ms; /* period of the metrics log line, 0 = never */
-  bool handle_signals;       /* install SIGTERM/SIGINT handlers in es_server_run */
+  bool handle_signals;       /* install SIGTERM/SIGINT (drain) and SIGHUP (reload the TLS files
+                              * and the token) handlers in es_server_run */
   uint64_t max_inflight_bytes; /* admission budget: bytes held for requests and replies not yet
                                 * sent; 0 = auto (es_server_new: a quarter of the memory
                                 * available after loading, within ES_AUTO_INFLIGHT_MIN..MAX,
                                 * and never below ES_INFLIGHT_MIN_REQUESTS requests) */
-  uint32_t max_streams;      /* Forward streams open at once, server-wide, 1..ES_MAX_MAX_STREAMS */
+  uint32_t max_streams;      /* Forward streams open at once, server-wide, 1..ES_MAX_MAX_STREAMS;
+                              * 0 = auto: the budget / ES_STREAM_SHARE, within
+                              * ES_AUTO_STREAMS_MIN..MAX, set once the budget is */
   uint32_t stall_timeout_ms; /* a stream whose reply has not been taken by its client for this
                               * long is cut (RESOURCE_EXHAUSTED) and its memory freed; 0 = never */
   /* Security (docs/DESIGN.md section 11). Files are read by es_server_new, before the model
    * is loaded, through mr_file_read (regular files only, PEM files at most
-   * ES_MAX_PEM_BYTES). */
+   * ES_MAX_PEM_BYTES; the key and the token also not readable by group or others), and
+   * again on SIGHUP. Every certificate of tls_cert must be valid now and tls_key must be
+   * the first one's key. The server keeps its own copies of the paths. */
   const char *tls_cert;      /* PEM certificate chain: serve TLS (with tls_key); NULL = plaintext */
   const char *tls_key;       /* PEM private key of tls_cert */
   const char *tls_client_ca; /* PEM roots: require and verify a client certificate (mTLS) */
@@ -82,14 +88,23 @@ typedef struct es_server_opts {
   uint64_t max_expert_memory; /* live placement: LoadExperts is refused RESOURCE_EXHAUSTED when
                                * the packed expert bytes would exceed this; 0 = no limit of its
                                * own (MemAvailable minus ES_LOAD_MEM_MARGIN always applies) */
+  uint32_t unload_grace_s;   /* live placement: an unloaded pair leaves Hello at once but is
+                              * still served until no open Forward stream has used it, at most
+                              * this long (seconds, 0..ES_MAX_UNLOAD_GRACE_S; 0 = freed at
+                              * once); es_server_opts_init sets ES_DEFAULT_UNLOAD_GRACE_S */
   const char *metrics_listen; /* "HOST:PORT" (or "PORT": 127.0.0.1) of the Prometheus /metrics
                                * endpoint, NULL = off; port 0 = any free port (logged;
                                * es_server_metrics_port) */
+  const char *weight_cache;  /* --weight-cache DIR: packed-weight cache (docs/DESIGN.md section
+                              * 23), NULL = none */
+  bool verify_cache;         /* check the cache's checksums before readiness, not after */
   const char *metrics_token_file; /* bearer token /metrics requires (the probes /healthz and
                                    * /readyz stay open, for kubelet); NULL = none */
 } es_server_opts;
 
 #define ES_DEFAULT_LISTEN "127.0.0.1:50051"
+#define ES_DEFAULT_UNLOAD_GRACE_S 30u
+#define ES_MAX_UNLOAD_GRACE_S 86400u
 #define ES_DEFAULT_MAX_TOKENS 1024u
 #define ES_MAX_MAX_TOKENS 65536u
 #define ES_DEFAULT_GROUP 64u
@@ -99,11 +114,31 @@ typedef struct es_server_opts {
 #define ES_DEFAULT_DRAIN_TIMEOUT_MS 10000u
 #define ES_MAX_DRAIN_TIMEOUT_MS 3600000u
 #define ES_MAX_THREADS 4096u
-#define ES_DEFAULT_MAX_STREAMS 256u
 #define ES_MAX_MAX_STREAMS 65536u
-/* Concurrent streams one HTTP/2 connection may open (GRPC_ARG_MAX_CONCURRENT_STREAMS): a
- * client has one Forward stream per server plus a few unary calls. */
-#define ES_MAX_STREAMS_PER_CONNECTION 16u
+/* The auto --max-streams: one Forward stream per ES_STREAM_SHARE bytes of the budget, within
+ * ES_AUTO_STREAMS_MIN..MAX (512 MiB: 128 streams; 2 GiB: 512). A stream's own charge
+ * (ES_STREAM_OVERHEAD plus its HTTP/2 window, an eighth of its share) then takes at most
+ * a seventh of the budget (docs/DESIGN.md 3.5). */
+#define ES_STREAM_SHARE ((uint64_t)4 << 20)
+#define ES_AUTO_STREAMS_MIN 16u
+#define ES_AUTO_STREAMS_MAX 1024u
+/* The HTTP/2 window of one stream (GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, BDP probing off):
+ * what gRPC reads ahead of a RECV the server has not armed. An eighth of a stream's share of
+ * the budget, within these bounds. */
+#define ES_STREAM_WINDOW_MIN ((uint64_t)64 << 10)
+#define ES_STREAM_WINDOW_MAX ((uint64_t)1 << 20)
+/* What else one open Forward stream costs beyond its requests and its window: gRPC's call
+ * and HTTP/2 stream state, our es_stream, a partly parsed frame. Charged to the budget with
+ * the window from accept to free. */
+#define ES_STREAM_OVERHEAD ((uint64_t)64 << 10)
+/* The largest read gRPC makes from one connection (GRPC_ARG_TCP_MAX_READ_CHUNK_SIZE). */
+#define ES_TCP_READ_CHUNK ((uint64_t)64 << 10)
+/* Calls one HTTP/2 connection may have open beyond --max-streams
+ * (GRPC_ARG_MAX_CONCURRENT_STREAMS is max_streams + this): Hello, Stats, health and the
+ * control calls still get a stream while one connection carries every Forward stream the
+ * server allows. Forward streams past --max-streams are refused by the server, which ends
+ * them at once and frees their HTTP/2 slot. */
+#define ES_CONTROL_CALLS_PER_CONNECTION 32u
 #define ES_DEFAULT_STALL_TIMEOUT_MS 30000u
 #define ES_MAX_STALL_TIMEOUT_MS 3600000u
 #define ES_AUTO_INFLIGHT_MIN ((uint64_t)256 << 20)
@@ -230,6 +265,21 @@ int es_forward_validate(const struct Moerpc__V1__ForwardRequest *req, size_t hid
 int es_control_validate(const struct Moerpc__V1__LayerExperts *const *items, size_t n_items,
                         const char *req_fingerprint, const char *fingerprint, const es_limits *lim,
                         uint8_t *pairs, uint64_t *n_pairs, mr_err *e);
+/* What a weight-cache manifest must say for this server to use it (es_cache.c): every
+ * identity field of docs/DESIGN.md section 23. Borrowed strings and arrays ([n_slices]). */
+typedef struct es_cache_want {
+  const char *fingerprint, *model_stamp, *model_dir, *format, *isa;
+  uint32_t hidden, inter, num_layers, num_experts, n_slices;
+  const uint32_t *slice_off, *slice_len;
+  const uint64_t *slice_bytes;
+} es_cache_want;
+/* Checks a manifest's text (read from path, named in messages) against w without touching
+ * any file: 0 with *n_segs its segments, MR_EMISMATCH (made for another server: e names the
+ * field), MR_EFORMAT (malformed: e names the field and the limit) or MR_ENOMEM. Pure. The
+ * server's own reader and tests/fuzz/fuzz_cache_manifest.c use it. */
+int es_cache_manifest_check(const es_cache_want *w, const char *text, size_t len, const char *path,
+                            uint32_t *n_segs, mr_err *e);
+
 /* The memory rule of LoadExperts: 0 if need <= free_bytes, else MR_EEXHAUSTED naming both
  * (RESOURCE_EXHAUSTED on the wire). Pure. */
 int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e);
@@ -243,13 +293,18 @@ int es_load_mem_check(uint64_t need, uint64_t free_bytes, mr_err *e);
  * hidden states must be finite". Denormals and the largest finite value pass. */
 int es_hidden_check_finite(const void *x, mr_dtype dt, uint32_t n_tokens, uint32_t H, mr_err *e);
 
-/* Checks the fp32 output rows y[n_tokens x H] of one request of `layer` the same way,
- * before they are converted to the wire dtype. Pure. Returns 0, or MR_ERANGE with
- * "output[token t, index i] = +Inf in layer l: ..." for the first non-finite element: the
- * request was valid (finite inputs) but its expert outputs overflowed fp32. The compute
- * thread answers that request alone with INTERNAL (13) (docs/DESIGN.md section 4). */
-int es_output_check_finite(const float *y, uint32_t layer, uint32_t n_tokens, uint32_t H,
-                           mr_err *e);
+/* Checks one request's output rows y[n_tokens x H] of `layer` as they go on the wire: in
+ * the wire dtype dt (F32, F16 or BF16), after the conversion from fp32, so that an fp32
+ * value that overflows f16 (> 65504) is caught too. y32 (may be NULL) is the fp32 rows y
+ * was converted from, used only to word the message. Pure. Returns 0, or MR_ERANGE for the
+ * first non-finite element in memory order: "output[token t, index i] = +Inf in layer l:
+ * the expert output 7.2e+04 does not fit the f16 wire dtype (largest finite 65504; ...)"
+ * when y32[i] is finite, else "... = NaN in layer l: the expert output is not finite in
+ * fp32 (...)": the request was valid (finite inputs) but its expert outputs do not fit. The
+ * compute thread answers that request alone with INTERNAL (13), never OK with a NaN or an
+ * Inf (docs/DESIGN.md section 5, "Finite checks"). */
+int es_output_check_finite(const void *y, mr_dtype dt, const float *y32, uint32_t layer,
+                           uint32_t n_tokens, uint32_t H, mr_err *e);
 
 #ifdef __cplusplus
 }

@@ -26,7 +26,8 @@
  *       drain timeout: then answer every queued job UNAVAILABLE without computing it.
  *   DRAIN_CALLS: ask every open stream to finish (status OK once its queued replies are
  *       sent); wait until every call has ended (live_calls == 0). If that takes longer than
- *       the rest of the timeout (at least 1 s, so that the UNAVAILABLE replies can go out),
+ *       the rest of the timeout (at least 1 s, so that the UNAVAILABLE replies can go out,
+ *       and 1 s after a batch that was computing then has finished, for at most 30 s more),
  *       cancel every call: replies still unsent then are lost, and counted.
  *   DRAIN_SHUTDOWN: grpc_server_shutdown_and_notify and, no call being left, cancel-all at
  *       once, which closes idle client connections instead of waiting for their clients;
@@ -37,10 +38,17 @@
  * Housekeeping, every ES_HOUSE_TICK_MS while serving and draining: streams paused on the
  * byte budget are resumed when it has room (also on a wake-up when bytes come back), a
  * stream whose reply send stalled past --stall-timeout-ms is cut, and after a peak of held
- * bytes has passed, malloc_trim gives the freed memory back to the system.
+ * bytes has passed, after an eighth of the budget was received since the last trim, or
+ * after a quiet second, malloc_trim gives the freed memory back to the system.
  *
  * A second SIGTERM/SIGINT during the drain stops the loop at once and es_server_run returns
  * MR_ECANCELED.
+ *
+ * SIGHUP reloads the credentials (es__auth_reload): the token file and the TLS files are
+ * read and checked again and put in place only if all of them pass; one log line says what
+ * was reloaded, or why nothing was. Nothing else changes: no drain, no restart, calls and
+ * connections that are open go on. Without --tls-cert and --auth-token-file there is
+ * nothing to reload, which the line says too.
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <inttypes.h>
@@ -53,6 +61,11 @@
 
 #define ES_DRAIN_TICK_MS 20
 #define ES_DRAIN_CALLS_MIN_MS 1000
+/* A batch still computing when the calls' time is up was accepted before the drain: its
+ * replies are waited for (and ES_DRAIN_CALLS_MIN_MS more to send them), up to this long past
+ * the drain timeout. One batch is at most --max-tokens tokens of one layer: seconds at worst
+ * (a sanitized build, one thread), unless the machine is stuck. */
+#define ES_DRAIN_BATCH_MAX_MS 30000
 /* After every call has ended, how long to wait for gRPC's shutdown notification (the
  * transports closing) before cancelling whatever still holds it up. */
 #define ES_DRAIN_SHUTDOWN_GRACE_MS 5000
@@ -142,6 +155,11 @@ static void es__drain_step(es_server *s) {
      * replies are sent (es__streams_finish), a client that does not read holds it open. */
     long long calls = atomic_load(&s->live_calls);
     if (calls > 0) {
+      /* A batch computing now holds accepted requests: its replies get their time to go
+       * out (see ES_DRAIN_BATCH_MAX_MS). */
+      if (now >= s->calls_deadline_ms && !s->cancelled_all &&
+          now < s->drain_deadline_ms + ES_DRAIN_BATCH_MAX_MS && es__compute_busy(s))
+        s->calls_deadline_ms = now + ES_DRAIN_CALLS_MIN_MS;
       if (now >= s->calls_deadline_ms && !s->cancelled_all) {
         mr_log(MR_LOG_WARN, "drain: %lld calls still open after their streams were finished; "
                "cancelling them", calls);
@@ -195,6 +213,7 @@ static void es__on_drain_tick(uv_timer_t *t) { es__drain_step(t->data); }
 static void es__house(es_server *s) {
   if (s->phase < ES_PHASE_SERVING || s->phase >= ES_PHASE_DRAIN_SHUTDOWN) return;
   es__streams_service(s);
+  es__leaving_service(s);
   es__tab_reap(s);
   int64_t held = atomic_load(&s->held_bytes);
   if (held > s->house_trim_peak) s->house_trim_peak = held;
@@ -211,16 +230,25 @@ static void es__house(es_server *s) {
   s->house_last_calls = calls;
   bool after_peak = s->house_trim_peak >= ES_TRIM_MIN_PEAK && held < s->house_trim_peak / 4;
   bool quiet = s->house_dirty && s->house_quiet_ms >= ES_TRIM_QUIET_MS;
-  if (after_peak || quiet) {
+  /* Churn: every request arrives twice, in gRPC's read buffers and then in our buffer; the
+   * first copy is freed at once but stays in malloc's free lists, between live blocks, so a
+   * flood of new streams left RSS near the budget *plus* the bytes gRPC had received
+   * meanwhile (measured: 256 greedy streams, 537 MB budget, peak 1.0 GB, 0.6 GB once
+   * trimmed). A trim every eighth of the budget received bounds that to about an eighth
+   * of it, at the cost of one heap walk per eighth (docs/DESIGN.md 3.5). */
+  uint64_t in = atomic_load_explicit(&s->bytes_in, memory_order_relaxed);
+  bool churn = in - s->house_trim_bytes_in >= s->max_inflight_bytes / 8;
+  if (after_peak || quiet || churn) {
     /* gRPC's buffers of closed connections and our freed buffers go back to the system
      * rather than stay in malloc's free lists at the size of the last peak. */
     es__pool_trim(&s->pool, ES_POOL_KEEP_AFTER_PEAK);
     malloc_trim(0);
     mr_log(MR_LOG_DEBUG, "memory: trimmed (%s; held %.0f MB, peak %.0f MB)",
-           after_peak ? "after a peak" : "quiet", (double)held / 1e6,
+           after_peak ? "after a peak" : quiet ? "quiet" : "churn", (double)held / 1e6,
            (double)s->house_trim_peak / 1e6);
     s->house_trim_peak = held;
     s->house_dirty = false;
+    s->house_trim_bytes_in = in;
   }
 }
 
@@ -238,6 +266,11 @@ static void es__load_done(es_server *s) {
     return;
   }
   if (!s->opts.max_inflight_bytes) s->max_inflight_bytes = es__inflight_budget(s);
+  if (!s->opts.max_inflight_bytes && !es__streams_size(s))
+    mr_log(MR_LOG_WARN, "--max-streams %" PRIu32 ": the streams' windows and state (%" PRIu32
+           " x %zu bytes) are more than half of the auto budget (%zu bytes); half is set aside "
+           "for them, the rest is not counted", s->max_streams, s->max_streams,
+           s->stream_charge, s->max_inflight_bytes);
   int rc = es__tab_init(s, &s->load_err);
   if (!rc) rc = es__compute_start(s, &s->load_err);
   if (rc) {
@@ -251,6 +284,7 @@ static void es__load_done(es_server *s) {
   atomic_store_explicit(&s->loaded, true, memory_order_release);
   atomic_store(&s->serving, true);
   es__log_serving(s);
+  es__cache_start(s); /* es-cache: write the cache, or verify the mapped one */
   if (atomic_load(&s->stop_requested)) es__drain_begin(s, "stop requested");
 }
 
@@ -258,7 +292,10 @@ static void *es__loader_main(void *arg) {
   es_server *s = arg;
   pthread_setname_np(pthread_self(), "es-loader");
   mr_err_clear(&s->load_err);
-  s->load_rc = es__load_weights(s, &s->load_err);
+  /* A usable --weight-cache is mapped instead of packing (es_cache.c). */
+  s->load_t0_ns = mr_now_ns();
+  const bool cached = es__cache_attach(s);
+  s->load_rc = es__load_weights(s, cached, &s->load_err);
   atomic_store(&s->load_finished, true);
   es__admin_wake(s);
   return NULL;
@@ -290,6 +327,23 @@ static void es__on_signal(uv_signal_t *h, int signum) {
     s->run_rc = MR_ECANCELED;
     es__stop_loop(s);
   }
+}
+
+static void es__on_hup(uv_signal_t *h, int signum) {
+  es_server *s = h->data;
+  (void)signum;
+  if (!s->tls_on && !s->auth_on) {
+    mr_log(MR_LOG_INFO, "SIGHUP: nothing to reload (no --tls-cert, no --auth-token-file); "
+           "serving on");
+    return;
+  }
+  char what[1200];
+  mr_err e;
+  mr_err_clear(&e);
+  if (es__auth_reload(s, what, sizeof what, &e) != 0)
+    mr_log(MR_LOG_ERROR, "SIGHUP: reload refused, the credentials in use stay: %s", e.msg);
+  else
+    mr_log(MR_LOG_INFO, "SIGHUP: reloaded %s; new calls and connections use them", what);
 }
 
 /* Logs one metrics line if there was traffic since the last one. */
@@ -351,10 +405,11 @@ static void es__log_serving(es_server *s) {
   mr_log(MR_LOG_INFO,
          "serving: %.*s:%d, %" PRIu32 " gRPC thread(s), max_tokens %" PRIu32 ", max_top_k %" PRIu32
          ", format %s, drain timeout %" PRIu32 " ms, budget %.0f MB in flight, at most %" PRIu32
-         " streams, stall timeout %" PRIu32 " ms",
+         " streams%s (%zu KiB window each), stall timeout %" PRIu32 " ms",
          (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->n_cq_threads, s->opts.max_tokens,
          s->limits.max_top_k, s->weight_format, s->opts.drain_timeout_ms,
-         (double)s->max_inflight_bytes / 1e6, s->opts.max_streams, s->opts.stall_timeout_ms);
+         (double)s->max_inflight_bytes / 1e6, s->max_streams, s->opts.max_streams ? "" : " (auto)",
+         s->stream_window >> 10, s->opts.stall_timeout_ms);
 }
 
 int es_server_run(es_server *s, mr_err *e) {
@@ -371,9 +426,11 @@ int es_server_run(es_server *s, mr_err *e) {
   if (s->opts.handle_signals) {
     uv_signal_init(&s->loop, &s->sig_term);
     uv_signal_init(&s->loop, &s->sig_int);
-    s->sig_term.data = s->sig_int.data = s;
+    uv_signal_init(&s->loop, &s->sig_hup);
+    s->sig_term.data = s->sig_int.data = s->sig_hup.data = s;
     uv_signal_start(&s->sig_term, es__on_signal, SIGTERM);
     uv_signal_start(&s->sig_int, es__on_signal, SIGINT);
+    uv_signal_start(&s->sig_hup, es__on_hup, SIGHUP);
   }
   s->m_last_ms = es__now_ms();
   if (s->opts.metrics_interval_ms)
@@ -382,9 +439,9 @@ int es_server_run(es_server *s, mr_err *e) {
 
   s->run_rc = MR_EINTERNAL; /* until the drain completes or a second signal arrives */
   s->phase = ES_PHASE_LOADING;
-  mr_log(MR_LOG_INFO, "listening: %.*s:%d (health: liveness SERVING, readiness NOT_SERVING until "
-         "loaded); loading %llu tensors, %.2f GB",
-         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port,
+  mr_log(MR_LOG_INFO, "listening: %.*s:%d, instance %s (health: liveness SERVING, readiness "
+         "NOT_SERVING until loaded); loading %llu tensors, %.2f GB",
+         (int)(strrchr(s->listen, ':') - s->listen), s->listen, s->port, s->instance_id,
          (unsigned long long)s->load_tensors_total, (double)s->load_bytes_total / 1e9);
   int err = pthread_create(&s->loader, NULL, es__loader_main, s);
   if (err) {
@@ -404,6 +461,7 @@ int es_server_run(es_server *s, mr_err *e) {
   if (s->opts.handle_signals) {
     uv_close((uv_handle_t *)&s->sig_term, es__on_closed);
     uv_close((uv_handle_t *)&s->sig_int, es__on_closed);
+    uv_close((uv_handle_t *)&s->sig_hup, es__on_closed);
   }
   uv_run(&s->loop, UV_RUN_NOWAIT);
   if (s->run_rc == MR_ECANCELED)

@@ -18,6 +18,7 @@
  *   ids  [T_total, k]  each job's slots, padded with -1 up to k
  *   w    [T_total, k]  each job's weights, padded with 0
  *   out  [T_total, H]  fp32, then job j's rows are converted into job j's buffer
+ *                      and checked there, in the wire dtype (es_output_check_finite)
  *
  * A job alone is computed straight from its own buffer and header, without the copy.
  *
@@ -43,7 +44,9 @@
 #define _GNU_SOURCE /* pthread_setname_np */
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "expert_server/internal.h"
 
@@ -128,7 +131,8 @@ static es_job *es__lane_pop_locked(es_server *s, es_lane *ln) {
 }
 
 /* Appends job to its lane, stamped with its virtual start. Caller holds q_lock. The heap
- * has room: it holds lanes, one per open stream, at most opts.max_streams of them. */
+ * has room: it holds lanes, one per open stream, at most q_heap_cap of them (--max-streams,
+ * or the largest auto cap). */
 static void es__queue_append_locked(es_server *s, es_job *job) {
   es_lane *ln = job->lane;
   uint64_t start = ln->vfinish > s->q_vtime ? ln->vfinish : s->q_vtime;
@@ -282,6 +286,13 @@ uint32_t es__compute_abort_queued(es_server *s) {
   return n;
 }
 
+bool es__compute_busy(es_server *s) {
+  pthread_mutex_lock(&s->q_lock);
+  bool busy = s->computing;
+  pthread_mutex_unlock(&s->q_lock);
+  return busy;
+}
+
 /* Encodes job's OK reply around its buffer (which now holds the output) and queues it. */
 static void es__reply_ok(es_server *s, es_job *job) {
   Moerpc__V1__ForwardReply r = MOERPC__V1__FORWARD_REPLY__INIT;
@@ -329,6 +340,21 @@ static void es__arena_done(es_server *s) {
   }
 }
 
+/* MOERPC_TEST_NONFINITE_LAYER (test only, tests/README.md): makes this server the faulty
+ * one the client's reply check is there for. The first element of the last token's row of
+ * an OK reply becomes NaN in the wire dtype, after the output check, so that it crosses
+ * the wire with status OK. */
+static void es__test_corrupt(es_job *b, uint32_t H) {
+  size_t i = (size_t)(b->n_tokens - 1) * H;
+  if (b->dtype == MR_DTYPE_F32) {
+    uint32_t nan32 = 0x7fc00000u;
+    memcpy((uint8_t *)b->buf->data + 4 * i, &nan32, 4);
+  } else {
+    uint16_t nan16 = b->dtype == MR_DTYPE_F16 ? 0x7e00u : 0x7fc0u;
+    memcpy((uint8_t *)b->buf->data + 2 * i, &nan16, 2);
+  }
+}
+
 /* Runs one batch of same-layer, same-dtype jobs and answers each of them. */
 static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   const uint32_t H = s->cfg.hidden_size, E = s->cfg.num_experts;
@@ -337,7 +363,7 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
   mr_err_clear(&e);
   uint64_t t0 = mr_now_ns();
   for (uint32_t j = 0; j < n; j++) batch[j]->queue_us = es__us(t0 - batch[j]->t_enqueue_ns);
-
+  if (s->test_batch_delay_ms) usleep(s->test_batch_delay_ms * 1000u);
 
   uint32_t T = 0, k = 0;
   for (uint32_t j = 0; j < n; j++) {
@@ -380,6 +406,16 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
       a.x = x;
     }
   }
+  if (rc == 0 && atomic_load(&h->tab->bad)) {
+    /* Validated before a corrupt cache file was found: never computed on those weights. */
+    rc = MR_EUNAVAIL;
+    for (uint32_t j = 0; j < n; j++)
+      es__reply_fail(s, batch[j], (uint32_t)pr_status_from_mr(rc),
+                     "the weight cache failed its checksum: its weights are not served while they "
+                     "are repacked from the model; send to another replica or retry");
+    es__arena_done(s);
+    return;
+  }
   if (rc == 0) {
     a.out = out;
     rc = kn_moe_forward(s->eng, h->tab->layers[h->layer], &a, &s->arena, &e);
@@ -412,15 +448,19 @@ static void es__batch_run(es_server *s, es_job **batch, uint32_t n) {
     mr_hist_observe(lh, t1 - t0);
     mr_hist_observe(&s->queue_hist, t0 > b->t_enqueue_ns ? t0 - b->t_enqueue_ns : 0);
     atomic_fetch_add_explicit(&s->layer_tokens[b->layer], b->n_tokens, memory_order_relaxed);
-    /* Finite inputs can still overflow fp32 (es_output_check_finite): this job alone fails. */
-    if (es_output_check_finite(out + row * H, b->layer, b->n_tokens, H, &e) != 0) {
+    /* Finite inputs can still give outputs that are not finite on the wire: over fp32's
+     * range, or (far more often) over f16's 65504 once converted. The check reads the
+     * converted bytes, so it judges exactly what would be sent; this job alone fails. */
+    mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
+    if (es_output_check_finite(b->buf->data, b->dtype, out + row * H, b->layer, b->n_tokens, H,
+                               &e) != 0) {
       mr_log_ratelimited(MR_LOG_WARN, 5, "forward from %s: request %" PRIu64 ": INTERNAL: %s",
                          b->lane->name, b->id, e.msg);
       row += b->n_tokens;
       es__reply_fail(s, b, GRPC_STATUS_INTERNAL, e.msg);
       continue;
     }
-    mr_convert_from_f32(b->buf->data, b->dtype, out + row * H, (size_t)b->n_tokens * H);
+    if (s->test_nonfinite_layer == (int64_t)b->layer) es__test_corrupt(b, H);
     PR_HB_RELEASE(b->buf); /* the last write before gRPC takes the buffer */
     row += b->n_tokens;
     /* Tokens per (layer, expert), for Stats and placement. */
@@ -496,6 +536,18 @@ static void *es__compute_main(void *arg) {
 }
 
 int es__compute_start(es_server *s, mr_err *e) {
+  const char *bad = getenv("MOERPC_TEST_NONFINITE_LAYER");
+  s->test_nonfinite_layer = -1;
+  if (bad && bad[0]) {
+    s->test_nonfinite_layer = (int64_t)strtoul(bad, NULL, 10);
+    mr_log(MR_LOG_WARN, "MOERPC_TEST_NONFINITE_LAYER=%" PRId64 ": test only: OK replies of that "
+           "layer carry a NaN", s->test_nonfinite_layer);
+  }
+  const char *slow = getenv("MOERPC_TEST_BATCH_DELAY_MS");
+  s->test_batch_delay_ms = slow && slow[0] ? (uint32_t)strtoul(slow, NULL, 10) : 0;
+  if (s->test_batch_delay_ms)
+    mr_log(MR_LOG_WARN, "MOERPC_TEST_BATCH_DELAY_MS=%" PRIu32 ": test only: every batch sleeps that long",
+           s->test_batch_delay_ms);
   int err = pthread_create(&s->compute_thread, NULL, es__compute_main, s);
   if (err) return mr_err_set(e, MR_EINTERNAL, "cannot start the compute thread: error %d", err);
   s->compute_started = true;

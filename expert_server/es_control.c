@@ -42,9 +42,13 @@ int es_control_validate(const struct Moerpc__V1__LayerExperts *const *items, siz
   const uint32_t L = lim->num_layers, E = lim->num_experts;
   *n_pairs = 0;
   memset(pairs, 0, (size_t)L * E);
-  if (req_fingerprint && req_fingerprint[0] && strcmp(req_fingerprint, fingerprint) != 0)
-    return mr_err_set(e, MR_EMISMATCH, "model_fingerprint = \"%.64s\", but this server serves "
-                      "model %s: the request is for another model", req_fingerprint, fingerprint);
+  if (req_fingerprint && req_fingerprint[0] && strcmp(req_fingerprint, fingerprint) != 0) {
+    /* The peer's text goes into the reply and the log line: escaped and bounded. */
+    char fp[72];
+    mr_log_escape(fp, sizeof fp, req_fingerprint, strlen(req_fingerprint));
+    return mr_err_set(e, MR_EMISMATCH, "model_fingerprint = \"%s\", but this server serves "
+                      "model %s: the request is for another model", fp, fingerprint);
+  }
   uint64_t named = 0;
   for (size_t i = 0; i < n_items; i++) {
     const Moerpc__V1__LayerExperts *it = items[i];
@@ -260,14 +264,31 @@ static int es__load_admit(es_server *s, es_load_req *lr, mr_err *e) {
   uint64_t avail = es__mem_now();
   pthread_mutex_lock(&s->ctl_lock);
   const es_table *cur = s->tab;
+  uint64_t kept = 0;
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t x = 0; x < E; x++) {
       uint8_t *p = &lr->want[(size_t)l * E + x];
       if (*p && cur->owned[l] && mr_idset_has(cur->owned[l], x)) {
         *p = 0;
         lr->n_pairs--;
+        /* A leaving pair asked for again stays: announced again, no longer freed. */
+        if (s->leaving[(size_t)l * E + x]) {
+          s->leaving[(size_t)l * E + x] = 0;
+          s->n_leaving--;
+          kept++;
+        }
       }
     }
+  if (kept) {
+    s->leave_epoch++;
+    mr_err re;
+    if (es__tab_republish(s, avail, &re) == 0)
+      mr_log(MR_LOG_INFO, "placement: %" PRIu64 " leaving pair%s asked for again: kept and "
+             "announced again; owned generation %" PRIu64, kept, kept == 1 ? "" : "s", s->tab_gen);
+    else
+      mr_log(MR_LOG_ERROR, "placement: republishing %" PRIu64 " kept pairs: %s", kept, re.msg);
+    cur = s->tab;
+  }
   lr->need = lr->n_pairs * s->expert_bytes;
   lr->free_b = es__load_free(s, cur->weight_bytes, avail);
   pthread_mutex_unlock(&s->ctl_lock);
@@ -348,7 +369,8 @@ static void es__load_reply(es_load_req *lr) {
  * counting the tensors and bytes read in *tensors, *bytes and the progress atomics. Stops
  * with MR_ECANCELED after the expert it is packing once a drain or the teardown begins. */
 static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging,
-                         uint64_t *tensors, uint64_t *bytes, mr_err *e) {
+                         uint64_t *tensors, uint64_t *bytes, bool use_cache, uint64_t *mapped,
+                         mr_err *e) {
   const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   kn_layer_desc d = {.hidden = s->cfg.hidden_size, .inter = s->cfg.moe_intermediate,
                      .num_experts = E, .format = s->format, .group = s->group};
@@ -358,6 +380,13 @@ static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging
       if (!lr->want[(size_t)l * E + x]) continue;
       int rc = staging[l] ? 0 : kn_layer_new(&staging[l], s->eng, &d, e);
       if (rc) return rc;
+      /* A pair the weight cache holds is mapped from it, not converted (es_cache.c). */
+      if (use_cache && es__cache_adopt(s, staging[l], l, x)) {
+        (*mapped)++;
+        *tensors += 3;
+        atomic_store(&s->ld_tensors_done, *tensors);
+        continue;
+      }
       const mr_st_tensor *t[3];
       rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
       if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
@@ -393,7 +422,7 @@ static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging
 /* es-ctl-load: rebuilds every layer that got experts from the current table (which may have
  * changed since the load started: an unload meanwhile is kept) and publishes the new table
  * (ctl_lock). On failure nothing is published and the current table is as it was. */
-static int es__load_publish(es_server *s, uint64_t id, kn_layer **staging, mr_err *e) {
+static int es__load_publish(es_server *s, uint64_t id, kn_layer **staging, bool repair, mr_err *e) {
   const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
   uint8_t *is_changed = mr_calloc(L, 1), *keep = mr_malloc(E);
   kn_layer **changed = mr_calloc(L, sizeof *changed);
@@ -413,7 +442,12 @@ static int es__load_publish(es_server *s, uint64_t id, kn_layer **staging, mr_er
   }
   es_table *t = rc ? NULL : es__tab_derive(s, cur, changed, is_changed, avail, e);
   if (!t && !rc) rc = e->code ? e->code : MR_ENOMEM;
-  if (t) {
+  if (t && repair) atomic_store(&t->bad, false); /* every pair was repacked from the model */
+  if (t && repair) {
+    es__tab_publish(s, t);
+    mr_log(MR_LOG_INFO, "weight cache: repacked table published: owned generation %" PRIu64
+           ", %" PRIu64 " pairs, %.3f GB packed", t->gen, t->pairs, t->weight_bytes / 1e9);
+  } else if (t) {
     es__tab_publish(s, t);
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " published: owned generation %" PRIu64
            ", %" PRIu64 " pairs, %.3f GB packed", id, t->gen, t->pairs, t->weight_bytes / 1e9);
@@ -456,14 +490,50 @@ static void es__load_run(es_server *s, es_load_req *lr) {
   const uint32_t L = s->cfg.num_layers;
   mr_err e;
   mr_err_clear(&e);
-  uint64_t tensors = 0, bytes = 0;
+  uint64_t tensors = 0, bytes = 0, mapped = 0;
   kn_layer **staging = mr_calloc(L, sizeof *staging);
-  int rc = staging ? es__load_pack(s, lr, staging, &tensors, &bytes, &e)
+  int rc = staging ? es__load_pack(s, lr, staging, &tensors, &bytes, true, &mapped, &e)
                    : mr_err_set(&e, MR_ENOMEM, "out of memory for the load");
-  if (!rc) rc = es__load_publish(s, lr->id, staging, &e);
+  if (!rc && mapped)
+    mr_log(MR_LOG_INFO, "placement: load %" PRIu64 ": %" PRIu64 " of %" PRIu64 " pairs mapped from "
+           "the weight cache, the rest packed from the model", lr->id, mapped, lr->n_pairs);
+  if (!rc) rc = es__load_publish(s, lr->id, staging, false, &e);
   es__load_end(s, lr, rc, &e, tensors, bytes);
   for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
   mr_free(staging);
+  /* After the load is DONE (LoadStatus does not wait for the disk): the pairs packed from
+   * the model join the weight cache as a new segment. */
+  if (!rc) es__cache_extend(s, lr->want);
+}
+
+int es__control_repack_all(es_server *s, mr_err *e) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  es_load_req *lr = mr_calloc(1, sizeof *lr);
+  kn_layer **staging = mr_calloc(L, sizeof *staging);
+  int rc = 0;
+  if (!lr || !staging || !(lr->want = mr_calloc((size_t)L * E, 1))) {
+    rc = mr_err_set(e, MR_ENOMEM, "out of memory for the repack");
+    goto out;
+  }
+  es_table *cur = es__tab_get(s);
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t x = 0; cur->owned[l] && x < E; x++)
+      if (mr_idset_has(cur->owned[l], x)) {
+        lr->want[(size_t)l * E + x] = 1;
+        lr->n_pairs++;
+      }
+  es__tab_put(cur);
+  lr->t0_ns = mr_now_ns();
+  snprintf(lr->peer, sizeof lr->peer, "weight cache repair");
+  uint64_t tensors = 0, bytes = 0, mapped = 0;
+  rc = es__load_check_tensors(s, lr, e);
+  if (!rc) rc = es__load_pack(s, lr, staging, &tensors, &bytes, false, &mapped, e);
+  if (!rc) rc = es__load_publish(s, 0, staging, true, e);
+out:
+  for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
+  mr_free(staging);
+  es__load_req_free(lr);
+  return rc;
 }
 
 /* es-ctl-load: one LoadExperts, from its admission to the end of its load. Frees lr. */
@@ -608,6 +678,32 @@ void es__on_unload(es_rpc *r) {
                            req->model_fingerprint, s->fingerprint, &s->limits, drop, &n_pairs, &e);
   if (rc) goto out_unlock;
   es_table *cur = s->tab;
+  if (s->opts.unload_grace_s) {
+    /* Grace: the pairs leave Hello now and are freed by es__leaving_service once no open
+     * stream uses them (or the grace ends); requests for them are served meanwhile. */
+    for (uint32_t l = 0; l < L; l++)
+      for (uint32_t x = 0; x < E; x++) {
+        size_t i = (size_t)l * E + x;
+        if (drop[i] && cur->owned[l] && mr_idset_has(cur->owned[l], x) && !s->leaving[i]) {
+          s->leaving[i] = 1;
+          s->n_leaving++;
+          dropped++;
+        }
+      }
+    freed = dropped * s->expert_bytes;
+    if (dropped) {
+      s->leave_until_ns = mr_now_ns() + (uint64_t)s->opts.unload_grace_s * 1000000000u;
+      s->leave_epoch++;
+      if ((rc = es__tab_republish(s, avail, &e))) goto out_unlock;
+    }
+    gen = s->tab_gen;
+    pthread_mutex_unlock(&s->ctl_lock);
+    mr_log(MR_LOG_INFO, "placement: unload from %s: %" PRIu64 " of %" PRIu64 " pairs named "
+           "were owned and leave Hello (owned generation %" PRIu64 "); still served until no "
+           "open stream uses them, at most %" PRIu32 " s (--unload-grace), then freed (%.3f GB)",
+           peer, dropped, n_pairs, gen, s->opts.unload_grace_s, freed / 1e9);
+    goto out_reply;
+  }
   if ((rc = es__unload_rebuild(s, cur, drop, keep, changed, is_changed, &dropped, &e)))
     goto out_unlock;
   freed = dropped * s->expert_bytes;
@@ -626,6 +722,7 @@ void es__on_unload(es_rpc *r) {
   mr_log(MR_LOG_INFO, "placement: unload from %s: %" PRIu64 " of %" PRIu64 " pairs named were "
          "owned and are dropped (%.3f GB, freed once no request uses them); owned generation %"
          PRIu64, peer, dropped, n_pairs, freed / 1e9, gen);
+out_reply:;
   Moerpc__V1__UnloadReply rep = MOERPC__V1__UNLOAD_REPLY__INIT;
   rep.pairs = dropped;
   rep.bytes_freed = freed;
@@ -647,4 +744,84 @@ out_free:
   mr_free(is_changed);
   mr_free(changed);
   moerpc__v1__unload_request__free_unpacked(req, NULL);
+}
+
+/* ---- the unload grace (admin thread) ----------------------------------------------------- */
+
+void es__leaving_service(es_server *s) {
+  const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
+  const size_t pairs = (size_t)L * E, words = (pairs + 63) / 64;
+  pthread_mutex_lock(&s->ctl_lock);
+  if (!s->n_leaving || !s->tab) {
+    pthread_mutex_unlock(&s->ctl_lock);
+    return;
+  }
+  uint64_t epoch = s->leave_epoch;
+  bool expired = mr_now_ns() >= s->leave_until_ns;
+  unsigned long long *bits = expired ? NULL : mr_calloc(words, sizeof *bits);
+  for (size_t i = 0; bits && i < pairs; i++)
+    if (s->leaving[i]) bits[i >> 6] |= 1ull << (i & 63);
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (!expired && !bits) return; /* out of memory: the next tick tries again */
+
+  /* Streams first, without ctl_lock (the two are never nested): does an open stream still
+   * name a leaving pair? */
+  uint32_t users = 0;
+  if (!expired) {
+    pthread_mutex_lock(&s->streams_lock);
+    for (es_stream *st = s->streams; st; st = st->next) {
+      bool uses = !st->used;
+      for (size_t w = 0; !uses && w < words; w++)
+        uses = atomic_load_explicit(&st->used[w], memory_order_relaxed) & bits[w];
+      users += uses;
+    }
+    pthread_mutex_unlock(&s->streams_lock);
+    mr_free(bits);
+    if (users) return;
+  }
+
+  uint8_t *keep = mr_malloc(E), *is_changed = mr_calloc(L, 1), *drop = mr_malloc(pairs);
+  kn_layer **changed = mr_calloc(L, sizeof *changed);
+  uint64_t dropped = 0, avail = es__mem_now();
+  mr_err e;
+  mr_err_clear(&e);
+  int rc = 0;
+  pthread_mutex_lock(&s->ctl_lock);
+  if (!keep || !is_changed || !drop || !changed) {
+    rc = mr_err_set(&e, MR_ENOMEM, "out of memory");
+  } else if (s->leave_epoch == epoch) { /* else: changed meanwhile, the next tick decides */
+    memcpy(drop, s->leaving, pairs);
+    rc = es__unload_rebuild(s, s->tab, drop, keep, changed, is_changed, &dropped, &e);
+    es_table *t = NULL;
+    if (rc == 0) {
+      memset(s->leaving, 0, pairs); /* before the derive: its Hello must not hide them */
+      s->n_leaving = 0;
+      s->leave_epoch++;
+      t = es__tab_derive(s, s->tab, changed, is_changed, avail, &e);
+      if (!t) rc = e.code ? e.code : MR_ENOMEM;
+    }
+    if (t) {
+      es__tab_publish(s, t);
+    } else {
+      for (uint32_t l = 0; l < L; l++)
+        if (changed[l]) kn_layer_forget(changed[l], s->tab->layers[l]);
+      if (rc && dropped) { /* try again next tick */
+        memcpy(s->leaving, drop, pairs);
+        s->n_leaving = 0;
+        for (size_t i = 0; i < pairs; i++) s->n_leaving += drop[i];
+      }
+    }
+  }
+  uint64_t gen = s->tab_gen;
+  pthread_mutex_unlock(&s->ctl_lock);
+  if (rc)
+    mr_log_ratelimited(MR_LOG_ERROR, 10, "placement: freeing the leaving pairs: %s", e.msg);
+  else if (dropped)
+    mr_log(MR_LOG_INFO, "placement: %" PRIu64 " leaving pair%s freed (%s); owned generation %"
+           PRIu64, dropped, dropped == 1 ? "" : "s",
+           expired ? "the --unload-grace ended" : "no open stream uses them", gen);
+  mr_free(keep);
+  mr_free(is_changed);
+  mr_free(drop);
+  mr_free(changed);
 }

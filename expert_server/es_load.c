@@ -120,7 +120,7 @@ static void es__progress_log(es_progress *p, bool final) {
   double gb = (double)p->bytes_done / 1e9, gb_total = (double)p->bytes_total / 1e9;
   double rate = s > 0 ? gb / s : 0;
   if (final) {
-    mr_log(MR_LOG_INFO, "loading: done, %" PRIu64 "/%" PRIu64 " tensors, %.2f GB in %.1f s (%.2f GB/s)",
+    mr_log(MR_LOG_INFO, "loading: done, %" PRIu64 "/%" PRIu64 " tensors, %.2f GB in %.3f s (%.2f GB/s)",
            p->tensors_done, p->tensors_total, gb, s, rate);
   } else {
     double eta = rate > 0 ? (gb_total - gb) / rate : 0;
@@ -205,6 +205,15 @@ int es__load_prepare(es_server *s, mr_err *e) {
 
   /* Step 4. */
   kn_engine_opts eo = {.isa = KN_ISA_COUNT, .threads = s->opts.threads, .numa = s->numa};
+  /* MOERPC_TEST_FORCE_SPLIT=N (tests only): N weight slices on a one-node host, so that the
+   * multi-node layout (and a cache written under another split) can be tested here. */
+  const char *split = getenv("MOERPC_TEST_FORCE_SPLIT");
+  if (split && split[0]) {
+    eo.force_split = (uint32_t)strtoul(split, NULL, 10);
+    if (eo.force_split > 64) eo.force_split = 64;
+    mr_log(MR_LOG_WARN, "MOERPC_TEST_FORCE_SPLIT=%" PRIu32 ": weights split as if on that many "
+           "NUMA nodes, for a test", eo.force_split);
+  }
   rc = kn_engine_new(&s->eng, &eo, e);
   if (rc) goto out_close_st; /* MR_EINVAL names --threads / --numa / MOERPC_ISA */
   s->layers = mr_calloc(c->num_layers, sizeof *s->layers);
@@ -250,23 +259,45 @@ out_close_st:
   return rc;
 }
 
-int es__load_weights(es_server *s, mr_err *e) {
+/* Starts the disk read of the owned expert after (l, x) (in load order) while (l, x) is
+ * packed: from a cold page cache, the read then overlaps the conversion. */
+static void es__prefetch_next(es_server *s, const mr_st *st, uint32_t l, uint32_t x) {
+  const mr_model_config *c = &s->cfg;
+  for (x++;; x++) {
+    if (x >= c->num_experts) {
+      x = 0;
+      do l++; while (l < c->num_layers && !s->layers[l]);
+      if (l >= c->num_layers) return;
+    }
+    if (!mr_idset_has(&s->owned_experts, x)) continue;
+    const mr_st_tensor *t[3], *sc[3];
+    if (mr_config_expert_tensors_q(c, st, l, x, t, sc, NULL) != 0) return;
+    for (int p = 0; p < 3; p++) {
+      mr_st_prefetch(t[p]);
+      mr_st_prefetch(sc[p]);
+    }
+    return;
+  }
+}
+
+int es__load_weights(es_server *s, bool cached, mr_err *e) {
   mr_model_config *c = &s->cfg;
   mr_st *st = s->st;
-  uint64_t t0 = mr_now_ns();
+  uint64_t t0 = s->load_t0_ns ? s->load_t0_ns : mr_now_ns();
   int rc = 0;
   uint32_t n_layers = mr_idset_count(&s->owned_layers);
   uint32_t n_experts = mr_idset_count(&s->owned_experts);
   es_progress prog = {.tensors_total = s->load_tensors_total, .bytes_total = s->load_bytes_total};
 
-  /* Step 5. */
+  /* Step 5, unless the loader mapped every owned expert from the weight cache (cached). */
   prog.t0_ns = prog.last_ns = mr_now_ns();
-  for (uint32_t l = 0; l < c->num_layers; l++) {
+  for (uint32_t l = 0; l < c->num_layers && !cached; l++) {
     if (!s->layers[l]) continue;
     for (uint32_t x = 0; x < c->num_experts; x++) {
       if (!mr_idset_has(&s->owned_experts, x)) continue;
       const mr_st_tensor *t[3], *sc[3];
       if ((rc = es__expect_expert(s, st, l, x, t, sc, e))) goto out_close_st;
+      es__prefetch_next(s, st, l, x);
       rc = kn_layer_load_expert_st(s->layers[l], x, t, sc, e);
       if (rc) {
         rc = es__file_err(e, rc, "loading layer %" PRIu32 " expert %" PRIu32 " from %s", l, x,
@@ -289,16 +320,17 @@ int es__load_weights(es_server *s, mr_err *e) {
     }
     s->weight_bytes += kn_layer_bytes(s->layers[l]);
   }
-  es__progress_log(&prog, true);
+  if (!cached) es__progress_log(&prog, true);
 
   char isa[64];
   snprintf(isa, sizeof isa, "%s for %s", kn_isa_name(kn_engine_isa(s->eng, s->format)),
            kn_format_name(s->format));
   mr_log(MR_LOG_INFO,
          "loaded: %" PRIu32 " experts (%" PRIu32 " per layer) in %" PRIu32 " layers, %.2f GB packed "
-         "in %.1f s, format %s, isa %s, %" PRIu32 " threads on %" PRIu32 " NUMA node(s), model %s",
+         "in %.2f s%s, format %s, isa %s, %" PRIu32 " threads on %" PRIu32 " NUMA node(s), model %s",
          s->n_experts_loaded, n_experts, n_layers, (double)s->weight_bytes / 1e9,
-         (double)(mr_now_ns() - t0) / 1e9, s->weight_format, isa, kn_engine_threads(s->eng),
+         (double)(mr_now_ns() - t0) / 1e9, cached ? " (mapped from the weight cache)" : "",
+         s->weight_format, isa, kn_engine_threads(s->eng),
          kn_engine_nodes(s->eng), s->fingerprint);
   rc = 0;
 out_close_st:

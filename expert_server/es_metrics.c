@@ -36,24 +36,25 @@ static uint64_t es__rss_bytes(void) {
   return (uint64_t)kb * 1024u;
 }
 
-static void es__counter(mr_prom *p, const char *name, const char *help, uint64_t v) {
+static void es__counter(mr_buf *p, const char *name, const char *help, uint64_t v) {
   mr_prom_family(p, name, MR_PROM_COUNTER, help);
   mr_prom_u64(p, name, NULL, v);
 }
 
-static void es__gauge(mr_prom *p, const char *name, const char *help, double v) {
+static void es__gauge(mr_buf *p, const char *name, const char *help, double v) {
   mr_prom_family(p, name, MR_PROM_GAUGE, help);
   mr_prom_double(p, name, NULL, v);
 }
 
-static void es__metrics_render(void *ud, mr_prom *p) {
+static void es__metrics_render(void *ud, mr_buf *p) {
   es_server *s = ud;
   bool loaded = atomic_load_explicit(&s->loaded, memory_order_acquire);
   bool draining = atomic_load(&s->draining);
   const char *state = draining ? "draining" : loaded ? "serving" : "loading";
 
   mr_prom_family(p, "moerpc_build_info", MR_PROM_GAUGE,
-                 "Always 1; the labels say what runs: version, weight format, wire protocol.");
+                 "Always 1; the labels say what runs: version, weight format, wire protocol, "
+                 "model fingerprint.");
   char proto[32];
   snprintf(proto, sizeof proto, "%d.%d", PR_PROTOCOL_MAJOR, PR_PROTOCOL_MINOR);
   const char *bl[] = {"version", ES_VERSION, "weight_format", s->weight_format, "protocol", proto,
@@ -69,13 +70,14 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   }
   es__gauge(p, "moerpc_ready", "Readiness: 1 when every owned expert is loaded and no drain began.",
             atomic_load(&s->serving) ? 1 : 0);
-  es__gauge(p, "moerpc_load_owned_tensors", "Weight tensors this server loads (3 per owned expert).",
+  es__gauge(p, "moerpc_load_owned_tensors", "Weight tensors the start-up load packs (gate, up, "
+            "down: 3 per owned expert; FP8 block scales not counted).",
             (double)s->load_tensors_total);
-  es__gauge(p, "moerpc_load_loaded_tensors", "Weight tensors loaded so far.",
+  es__gauge(p, "moerpc_load_loaded_tensors", "Weight tensors the start-up load has packed so far.",
             (double)atomic_load(&s->load_tensors_done));
-  es__gauge(p, "moerpc_load_owned_bytes", "Bytes of the owned tensors as stored in the model files.",
-            (double)s->load_bytes_total);
-  es__gauge(p, "moerpc_load_loaded_bytes", "Bytes of the owned tensors loaded so far.",
+  es__gauge(p, "moerpc_load_owned_bytes", "Bytes of those tensors as stored in the model files "
+            "(FP8 block scales not counted).", (double)s->load_bytes_total);
+  es__gauge(p, "moerpc_load_loaded_bytes", "Bytes of those tensors packed so far.",
             (double)atomic_load(&s->load_bytes_done));
   es__gauge(p, "moerpc_loaded_experts", "Experts (layer, expert pairs) loaded and served.",
             loaded ? (double)atomic_load(&s->cur_pairs) : 0);
@@ -84,32 +86,36 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   es__gauge(p, "moerpc_owned_generation", "Generation of the owned set (1 at start-up, +1 per "
             "LoadExperts or UnloadExperts that changed it).", loaded ? (double)atomic_load(&s->cur_gen) : 0);
 
-  es__counter(p, "moerpc_requests_total", "ForwardRequests received (decoded or not).",
-              atomic_load(&s->tot_requests));
+  es__counter(p, "moerpc_requests_total", "ForwardRequests received (decoded or not; during a "
+              "drain too).", atomic_load(&s->tot_requests));
   mr_prom_family(p, "moerpc_errors_total", MR_PROM_COUNTER,
-                 "ForwardRequests answered with an error, by gRPC status.");
+                 "ForwardRequests answered with an error reply, by its gRPC status (stream and "
+                 "unary call statuses are not counted).");
   for (uint32_t st = 1; st < ES_N_STATUS; st++) {
     const char *l[] = {"status", pr_status_name((grpc_status_code)st), NULL};
     mr_prom_u64(p, "moerpc_errors_total", l, atomic_load(&s->err_by_status[st]));
   }
-  es__counter(p, "moerpc_expired_total", "Requests not computed: past their budget_us in the queue.",
-              atomic_load(&s->tot_expired));
-  es__counter(p, "moerpc_dropped_total", "Requests dropped: their stream was cancelled or broke.",
-              atomic_load(&s->tot_dropped));
-  es__counter(p, "moerpc_refused_total", "Forward streams refused over --max-streams.",
+  es__counter(p, "moerpc_expired_total", "Requests not computed: past their budget_us in the queue "
+              "(answered DEADLINE_EXCEEDED).", atomic_load(&s->tot_expired));
+  es__counter(p, "moerpc_dropped_total", "Queued requests not computed because their stream was "
+              "cancelled, broke or was cut.", atomic_load(&s->tot_dropped));
+  es__counter(p, "moerpc_refused_total", "Forward streams refused at accept over --max-streams.",
               atomic_load(&s->tot_refused));
-  es__counter(p, "moerpc_computed_requests_total", "Requests computed by the engine.",
-              atomic_load(&s->n_computed));
+  es__counter(p, "moerpc_stall_cuts_total", "Forward streams cut because their client took no reply "
+              "for --stall-timeout-ms.", atomic_load(&s->tot_stall_cuts));
+  es__counter(p, "moerpc_computed_requests_total", "Requests run by the engine (one whose output "
+              "overflowed is then answered INTERNAL).", atomic_load(&s->n_computed));
   es__counter(p, "moerpc_batches_total", "Engine runs (batches of merged requests).",
               atomic_load(&s->n_batches));
   es__counter(p, "moerpc_received_bytes_total", "Bytes of ForwardRequest messages received.",
               atomic_load(&s->bytes_in));
-  es__counter(p, "moerpc_sent_bytes_total", "Bytes of ForwardReply messages sent.",
+  es__counter(p, "moerpc_sent_bytes_total", "Bytes of ForwardReply messages whose send completed.",
               atomic_load(&s->bytes_out));
 
   uint64_t tok = 0;
   for (uint32_t l = 0; l < s->cfg.num_layers; l++) tok += atomic_load(&s->layer_tokens[l]);
-  es__counter(p, "moerpc_tokens_total", "Tokens computed (rows of computed requests), all layers.", tok);
+  es__counter(p, "moerpc_tokens_total", "Tokens computed (rows of requests the engine ran), all "
+              "layers.", tok);
   char lid[16];
   mr_prom_family(p, "moerpc_layer_tokens_total", MR_PROM_COUNTER, "Tokens computed, by layer.");
   for (uint32_t l = 0; l < s->cfg.num_layers; l++) {
@@ -140,7 +146,7 @@ static void es__metrics_render(void *ud, mr_prom *p) {
   es__gauge(p, "moerpc_open_streams", "Forward streams open (counted against --max-streams).", nst);
   es__gauge(p, "moerpc_open_calls", "gRPC calls open (streams and unary).",
             (double)atomic_load(&s->live_calls));
-  es__gauge(p, "moerpc_inflight_requests", "Requests accepted and not yet answered.",
+  es__gauge(p, "moerpc_inflight_requests", "Requests accepted whose reply has not been sent yet.",
             (double)atomic_load(&s->inflight));
   long long held = atomic_load(&s->held_bytes);
   es__gauge(p, "moerpc_held_bytes", "Bytes held for requests and replies not yet sent.",

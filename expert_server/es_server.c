@@ -9,10 +9,13 @@
  * usage error still fail here, before the long part. Teardown runs the other way round, and
  * grpc_shutdown comes after every gRPC object is destroyed.
  */
+#include <sys/random.h>
 #include <sys/time.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "expert_server/internal.h"
 
@@ -37,8 +40,9 @@ void es_server_opts_init(es_server_opts *o) {
   o->metrics_interval_ms = ES_DEFAULT_METRICS_INTERVAL_MS;
   o->handle_signals = true;
   o->max_inflight_bytes = 0; /* auto */
-  o->max_streams = ES_DEFAULT_MAX_STREAMS;
+  o->max_streams = 0; /* auto: from the budget */
   o->stall_timeout_ms = ES_DEFAULT_STALL_TIMEOUT_MS;
+  o->unload_grace_s = ES_DEFAULT_UNLOAD_GRACE_S;
   o->metrics_listen = NULL;
 }
 
@@ -66,16 +70,33 @@ static int es__opts_check(const es_server_opts *o, mr_err *e) {
   if (o->threads > ES_MAX_THREADS)
     return mr_err_set(e, MR_EINVAL, "--threads %" PRIu32 ", must be in 0..%u (0 = auto)", o->threads,
                       ES_MAX_THREADS);
-  if (o->max_streams < 1 || o->max_streams > ES_MAX_MAX_STREAMS)
-    return mr_err_set(e, MR_EINVAL, "--max-streams %" PRIu32 ", must be in 1..%u", o->max_streams,
-                      ES_MAX_MAX_STREAMS);
+  if (o->max_streams > ES_MAX_MAX_STREAMS)
+    return mr_err_set(e, MR_EINVAL, "--max-streams %" PRIu32 ", must be in 1..%u (0 = auto)",
+                      o->max_streams, ES_MAX_MAX_STREAMS);
   if (o->stall_timeout_ms > ES_MAX_STALL_TIMEOUT_MS)
     return mr_err_set(e, MR_EINVAL, "--stall-timeout-ms %" PRIu32 ", must be in 0..%u (0 = never)",
                       o->stall_timeout_ms, ES_MAX_STALL_TIMEOUT_MS);
+  if (o->unload_grace_s > ES_MAX_UNLOAD_GRACE_S)
+    return mr_err_set(e, MR_EINVAL, "--unload-grace %" PRIu32 ", must be in 0..%u seconds",
+                      o->unload_grace_s, ES_MAX_UNLOAD_GRACE_S);
   if (o->drain_timeout_ms > ES_MAX_DRAIN_TIMEOUT_MS)
     return mr_err_set(e, MR_EINVAL, "--drain-timeout-ms %" PRIu32 ", must be in 0..%u",
                       o->drain_timeout_ms, ES_MAX_DRAIN_TIMEOUT_MS);
   return 0;
+}
+
+/* HelloReply.instance_id: 128 bits from the kernel's random source, so that two server
+ * processes (on one host or two, started in the same microsecond or not) never share one,
+ * as lowercase hex. Without getrandom (never seen on Linux >= 3.17), the clock, the pid and
+ * an address stand in: a client then at worst takes two servers for one only if these
+ * collide too. */
+static void es__instance_id(es_server *s) {
+  uint64_t w[2] = {0, 0};
+  if (getrandom(w, sizeof w, 0) != (ssize_t)sizeof w) {
+    w[0] = mr_now_ns() ^ ((uint64_t)getpid() << 32);
+    w[1] = (uint64_t)(uintptr_t)s * 0x9e3779b97f4a7c15ull ^ (uint64_t)time(NULL);
+  }
+  snprintf(s->instance_id, sizeof s->instance_id, "%016" PRIx64 "%016" PRIx64, w[0], w[1]);
 }
 
 static char *es__dup(const char *s, int *rc) {
@@ -91,11 +112,14 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   es_server *s = mr_calloc(1, sizeof *s);
   if (!s) return mr_err_set(e, MR_ENOMEM, "out of memory for the server");
   pthread_mutex_init(&s->streams_lock, NULL);
+  pthread_mutex_init(&s->hello_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_cond, NULL);
   pthread_mutex_init(&s->tab_lock, NULL);
   pthread_mutex_init(&s->ctl_lock, NULL);
   pthread_cond_init(&s->ctl_cond, NULL);
+  pthread_mutex_init(&s->auth_lock, NULL);
+  pthread_mutex_init(&s->tls_lock, NULL);
   mr_arena_init(&s->arena, ES_COMPUTE_ARENA_BLOCK);
 
   s->opts = *opts;
@@ -121,9 +145,12 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
   gettimeofday(&tv, NULL);
   s->start_time_s = (double)tv.tv_sec + (double)tv.tv_usec / 1e6;
   mr_hist_init_latency(&s->queue_hist);
+  es__instance_id(s);
 
   if ((rc = es__auth_init(s, e))) goto out_free_server;
   if ((rc = es__admin_init(s, e))) goto out_free_server;
+  if ((rc = es__cache_new(s, opts->weight_cache, e))) goto out_free_server;
+  s->cache_repack = es__control_repack_all;
   if ((rc = es__load_prepare(s, e))) goto out_free_server;
 
   size_t ncnt = (size_t)s->cfg.num_layers * s->cfg.num_experts;
@@ -162,7 +189,24 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
                     s->cfg.hidden_size, (uint64_t)s->max_inflight_bytes);
     goto out_free_server;
   }
-  s->q_heap_cap = s->opts.max_streams;
+  /* The stream cap and each stream's HTTP/2 window come from the budget (docs/DESIGN.md
+   * 3.5). The window must be known now, for gRPC's arguments; an auto budget is only known
+   * once the weights are in, so it is sized from the smallest auto budget there can be. An
+   * auto cap is set with an auto budget (es_admin.c), before any stream is accepted. */
+  s->max_streams = s->opts.max_streams;
+  s->stream_window = es__stream_window(s->opts.max_inflight_bytes ? s->max_inflight_bytes
+                                                                  : ES_AUTO_INFLIGHT_MIN,
+                                       s->opts.max_streams);
+  s->stream_charge = s->stream_window + ES_STREAM_OVERHEAD;
+  if (s->opts.max_inflight_bytes && !es__streams_size(s)) {
+    rc = mr_err_set(e, MR_EINVAL,
+                    "--max-streams %" PRIu32 ": the streams' windows and state (%" PRIu32
+                    " x %zu bytes) would take more than half of --max-inflight-bytes %" PRIu64
+                    "; lower --max-streams or raise the budget",
+                    s->max_streams, s->max_streams, s->stream_charge, s->opts.max_inflight_bytes);
+    goto out_free_server;
+  }
+  s->q_heap_cap = s->opts.max_streams ? s->opts.max_streams : ES_AUTO_STREAMS_MAX;
   s->q_heap = mr_calloc(s->q_heap_cap, sizeof *s->q_heap);
   if (!s->q_heap) {
     rc = mr_err_set(e, MR_ENOMEM, "out of memory for the compute queue");
@@ -199,6 +243,9 @@ void es_server_stop(es_server *s) {
 void es_server_free(es_server *s) {
   if (!s) return;
   es__metrics_stop(s);
+  /* es-cache first: a write stops after its block (so es-ctl-load, which may wait for the
+   * cache's lock to extend it, is not held up), a repack after its expert. */
+  es__cache_stop(s);
   es__control_stop(s); /* a live load still packing stops after its expert */
   if (s->loader_started) { /* es_server_run failed or was cut short during the load */
     atomic_store(&s->load_abort, true);
@@ -211,6 +258,7 @@ void es_server_free(es_server *s) {
   if (s->grpc_inited) grpc_shutdown();
   es__admin_close(s);
   es__unload(s);
+  es__cache_close(s); /* the layers that borrowed its mappings are gone */
   es__auth_close(s);
   mr_free(s->tokens);
   mr_free(s->layer_tokens);
@@ -228,8 +276,11 @@ void es_server_free(es_server *s) {
   pthread_cond_destroy(&s->q_cond);
   pthread_mutex_destroy(&s->q_lock);
   pthread_mutex_destroy(&s->streams_lock);
+  pthread_mutex_destroy(&s->hello_lock);
   pthread_mutex_destroy(&s->tab_lock);
   pthread_cond_destroy(&s->ctl_cond);
   pthread_mutex_destroy(&s->ctl_lock);
+  pthread_mutex_destroy(&s->auth_lock);
+  pthread_mutex_destroy(&s->tls_lock);
   mr_free(s);
 }

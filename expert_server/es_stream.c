@@ -43,10 +43,11 @@
  *
  * Admission: before re-arming RECV the stream checks its own limits (ES_STREAM_MAX_*) and
  * reserves its next message's size in the server's byte budget (es__stream_reserve_locked:
- * held + reserved bytes under max_inflight_bytes, or under a quarter more for a stream with
- * nothing of its own pending); over the budget it pauses (mem_paused) until
- * es__streams_service, run by the admin loop when bytes are returned, re-arms it. HTTP/2
- * flow control holds the client meanwhile. A reply whose send has not completed after
+ * held + reserved bytes under max_inflight_bytes less the streams' room, and less the
+ * reserve for a stream that is not light); over the budget it pauses
+ * (mem_paused) until es__streams_service, run by the admin loop when bytes are returned,
+ * re-arms it. Meanwhile the stream's own HTTP/2 window (stream_window, fixed: BDP probing
+ * is off) holds its client; the connection and its other streams go on. A reply whose send has not completed after
  * --stall-timeout-ms (the client stopped reading) cuts the stream with RESOURCE_EXHAUSTED,
  * which frees what it held.
  *
@@ -96,6 +97,28 @@ uint64_t es__inflight_budget(const es_server *s) {
   return b < floor ? floor : b;
 }
 
+uint32_t es__auto_max_streams(uint64_t budget) {
+  uint64_t n = budget / ES_STREAM_SHARE;
+  if (n < ES_AUTO_STREAMS_MIN) n = ES_AUTO_STREAMS_MIN;
+  if (n > ES_AUTO_STREAMS_MAX) n = ES_AUTO_STREAMS_MAX;
+  return (uint32_t)n;
+}
+
+bool es__streams_size(es_server *s) {
+  if (!s->max_streams) s->max_streams = es__auto_max_streams(s->max_inflight_bytes);
+  uint64_t room = (uint64_t)s->max_streams * s->stream_charge;
+  bool fits = room <= s->max_inflight_bytes / 2;
+  s->stream_room = fits ? (size_t)room : s->max_inflight_bytes / 2;
+  return fits;
+}
+
+size_t es__stream_window(uint64_t budget, uint32_t max_streams) {
+  uint64_t w = max_streams ? budget / 8 / max_streams : ES_STREAM_SHARE / 8;
+  if (w < ES_STREAM_WINDOW_MIN) w = ES_STREAM_WINDOW_MIN;
+  if (w > ES_STREAM_WINDOW_MAX) w = ES_STREAM_WINDOW_MAX;
+  return (size_t)w;
+}
+
 /* Releases what a settled job holds (reply, request header, buffer, table reference), its
  * units of the inflight count and of the byte budget, and returns it to the pool. */
 static void es__job_release(es_server *s, es_job *job) {
@@ -126,6 +149,7 @@ void es__stream_free(es_stream *st) {
   grpc_metadata_array_destroy(&st->md);
   grpc_slice_unref(st->details);
   pr_split_free(&st->split);
+  mr_free((void *)st->used);
   if (st->call) grpc_call_unref(st->call);
   pthread_mutex_destroy(&st->lock);
   mr_free(st);
@@ -140,6 +164,10 @@ void es__stream_post(es_server *s, es_cq_thread *t) {
   }
   st->srv = s;
   st->cq_thread = t;
+  /* The pairs its requests name, for the unload grace (es__leaving_service); NULL when out
+   * of memory, which the service counts as "uses every pair". */
+  st->used = mr_calloc(((size_t)s->cfg.num_layers * s->cfg.num_experts + 63) / 64,
+                       sizeof *st->used);
   st->details = grpc_empty_slice();
   grpc_metadata_array_init(&st->md);
   pthread_mutex_init(&st->lock, NULL);
@@ -257,11 +285,14 @@ static bool es__stream_over_limit_locked(const es_stream *st, uint32_t div) {
   return st->jobs_pending >= ES_STREAM_MAX_PENDING / div || st->bytes_pending >= max_bytes / div;
 }
 
-/* The budget rule: the next request of st must fit the server's byte budget (held bytes plus
- * the reservations of every armed RECV). A stream with nothing pending may also use the
- * reserve above the budget (a quarter of it, at least one largest request, as the floor
- * of the budget ensures): a light client, or one that just connected, then gets in while
- * greedy streams, which always have something pending, hold the budget. */
+/* The budget rule: the next request of st must fit what the byte budget leaves for requests
+ * (held bytes plus the reservations of every armed RECV). The budget first sets aside the
+ * streams' own room (stream_room: --max-streams windows and states, at most half of it);
+ * of the rest, a quarter of the budget (at least one largest request, as the floor of the
+ * budget ensures) is a reserve only a light stream may use (nothing pending, small or no
+ * requests so far): a light client, or one that just connected, then gets in while greedy
+ * streams hold the remainder. Windows, requests and replies together never
+ * take more than the budget itself. */
 /* Reserves the room of st's next message for the RECV the caller is about to arm, or
  * returns false, reserving nothing, when it does not fit (the rule above). Reserving first
  * and checking after makes two threads that admit streams at once unable to both take the
@@ -269,8 +300,14 @@ static bool es__stream_over_limit_locked(const es_stream *st, uint32_t div) {
 static bool es__stream_reserve_locked(es_stream *st) {
   es_server *s = st->srv;
   long long want = (long long)es__stream_expect(st);
-  long long limit = (long long)s->max_inflight_bytes;
-  if (st->jobs_pending == 0) limit += limit / 4; /* the reserve, for streams with nothing pending */
+  long long limit = (long long)(s->max_inflight_bytes - s->stream_room);
+  /* The reserve is for light streams: nothing pending, and a last request of at most an
+   * eighth of the reserve (or none yet). A greedy stream whose replies have all gone out
+   * has nothing pending for a moment too; were it let in, greedy streams would fill the
+   * reserve between their requests and a newcomer would wait for bytes to come back. */
+  long long reserve = (long long)(s->max_inflight_bytes / 4);
+  bool light = st->jobs_pending == 0 && (long long)st->expect <= reserve / 8;
+  if (!light) limit -= reserve;
   /* r counts this reservation with every other one, so of two threads racing for the last
    * room at least one sees the other's and backs off. held_bytes may move meanwhile; it
    * only grows by requests that had reserved their room first. */
@@ -490,11 +527,25 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
   /* Validated against the current owned table, which the job keeps until it is done
    * (es_table.c): a switch meanwhile does not take its experts away. */
   es_table *tab = es__tab_get(s);
-  rc = es_forward_validate(req, st->split.payload.len, &tab->lim, &e);
+  rc = atomic_load(&tab->bad)
+           ? mr_err_set(&e, MR_EUNAVAIL, "the weight cache failed its checksum: its weights are "
+                        "not served while they are repacked from the model; send to another "
+                        "replica or retry")
+           : es_forward_validate(req, st->split.payload.len, &tab->lim, &e);
   if (rc) {
     es__tab_put(tab);
     es__stream_reply_error(st, id, (uint32_t)pr_status_from_mr(rc), e.msg, true);
     goto out_free_input;
+  }
+  if (st->used) { /* validated: every id is -1 or < num_experts */
+    const size_t base = (size_t)req->layer * s->cfg.num_experts;
+    for (size_t i = 0; i < req->n_expert_ids; i++) {
+      if (req->expert_ids[i] < 0) continue;
+      size_t b = base + (size_t)req->expert_ids[i];
+      unsigned long long bit = 1ull << (b & 63);
+      if (!(atomic_load_explicit(&st->used[b >> 6], memory_order_relaxed) & bit))
+        atomic_fetch_or_explicit(&st->used[b >> 6], bit, memory_order_relaxed);
+    }
   }
   es_job *job = es__job_get(&s->pool);
   es_buf *buf = job ? es__buf_get(&s->pool, st->split.payload.len) : NULL;
@@ -582,6 +633,15 @@ void es__on_stream_new(es_stream *st, bool ok) {
   st->t_new.obj = NULL; /* marks the stream as counted in live_calls, for es__stream_free */
   es__call_peer(st->call, st->peer, sizeof st->peer);
   bool authed = es__auth_ok(s, &st->md, st->peer, "Forward");
+  /* Protocol 1.4: the client's name, for StatsReply.clients (input: escaped and cut). */
+  for (size_t i = 0; i < st->md.count; i++) {
+    const grpc_metadata *m = &st->md.metadata[i];
+    if (!grpc_slice_str_cmp(m->key, PR_MD_CLIENT_NAME)) {
+      mr_log_escape(st->client, sizeof st->client, (const char *)GRPC_SLICE_START_PTR(m->value),
+                    GRPC_SLICE_LENGTH(m->value));
+      break;
+    }
+  }
   mr_log(MR_LOG_DEBUG, "stream from %s opened", st->peer);
 
   /* Listed under streams_lock, where the drain's es__streams_finish reads `finishing` too:
@@ -591,8 +651,11 @@ void es__on_stream_new(es_stream *st, bool ok) {
   if (s->streams) s->streams->prev = st;
   s->streams = st;
   bool finishing = s->finishing;
-  bool over = authed && s->n_streams >= s->opts.max_streams;
-  if (authed && !over) {
+  bool loaded = atomic_load_explicit(&s->loaded, memory_order_acquire);
+  /* max_streams is set with the budget, before loaded is published: a stream accepted while
+   * loading is refused below without being counted. */
+  bool over = authed && loaded && s->n_streams >= s->max_streams;
+  if (authed && loaded && !over) {
     s->n_streams++;
     st->listed = true;
   }
@@ -606,8 +669,7 @@ void es__on_stream_new(es_stream *st, bool ok) {
   if (!authed) {
     /* No request is read; nothing is counted against the stream cap. */
     es__stream_refuse_locked(st, GRPC_STATUS_UNAUTHENTICATED, ES_AUTH_REFUSED_MSG);
-  } else if (over || atomic_load(&s->draining) ||
-             !atomic_load_explicit(&s->loaded, memory_order_acquire)) {
+  } else if (over || atomic_load(&s->draining) || !loaded) {
     char msg[200];
     bool loading = !over && !atomic_load(&s->draining);
     if (loading) {
@@ -616,7 +678,7 @@ void es__on_stream_new(es_stream *st, bool ok) {
       atomic_fetch_add(&s->n_refused, 1);
       atomic_fetch_add_explicit(&s->tot_refused, 1, memory_order_relaxed);
       snprintf(msg, sizeof msg, "server has %" PRIu32 " Forward streams open, the limit "
-               "(--max-streams %" PRIu32 "): stream refused", n_open, s->opts.max_streams);
+               "(--max-streams %" PRIu32 "): stream refused", n_open, s->max_streams);
       mr_log_ratelimited(MR_LOG_WARN, 5, "stream from %s refused: %s", st->peer, msg);
     } else {
       snprintf(msg, sizeof msg, "server is draining (shutting down): send to another server");
@@ -809,8 +871,8 @@ void es__streams_service(es_server *s) {
                s->opts.stall_timeout_ms);
       mr_log_ratelimited(MR_LOG_WARN, 5, "stream %s: %s, %" PRIu32 " requests / %zu bytes freed",
                          st->peer, msg, st->jobs_pending, st->bytes_pending);
-      atomic_fetch_add(&s->n_refused, 1);
-      atomic_fetch_add_explicit(&s->tot_refused, 1, memory_order_relaxed);
+      atomic_fetch_add(&s->n_refused, 1); /* StatsReply.refused counts cuts too (moe.proto) */
+      atomic_fetch_add_explicit(&s->tot_stall_cuts, 1, memory_order_relaxed);
       grpc_call_cancel_with_status(st->call, GRPC_STATUS_RESOURCE_EXHAUSTED, msg, NULL);
       es__stream_fail_locked(st); /* the send in flight completes failed and drops the rest */
     }

@@ -124,6 +124,8 @@ static int es__tab_finish(es_server *s, es_table *t, uint64_t avail, mr_err *e) 
     rc = mr_err_set(e, MR_ENOMEM, "out of memory packing HelloReply");
     goto out_free;
   }
+  /* Hello announces the owned pairs except the leaving ones (served in their grace, but a
+   * client that Hellos now must route them elsewhere); a layer left with none is omitted. */
   uint32_t k = 0;
   size_t off = 0;
   for (uint32_t l = 0; l < L; l++) {
@@ -133,7 +135,9 @@ static int es__tab_finish(es_server *s, es_table *t, uint64_t avail, mr_err *e) 
     items[k].layer = l;
     items[k].experts = ids + off;
     for (uint32_t x = 0; x < E; x++)
-      if (mr_idset_has(&t->sets[l], x)) ids[off + items[k].n_experts++] = x;
+      if (mr_idset_has(&t->sets[l], x) && !(s->leaving && s->leaving[(size_t)l * E + x]))
+        ids[off + items[k].n_experts++] = x;
+    if (!items[k].n_experts) continue;
     off += items[k].n_experts;
     ptrs[k] = &items[k];
     k++;
@@ -142,6 +146,7 @@ static int es__tab_finish(es_server *s, es_table *t, uint64_t avail, mr_err *e) 
   r.protocol_major = PR_PROTOCOL_MAJOR;
   r.protocol_minor = PR_PROTOCOL_MINOR;
   r.model_fingerprint = s->fingerprint;
+  r.instance_id = s->instance_id;
   r.hidden_size = s->cfg.hidden_size;
   r.intermediate_size = s->cfg.moe_intermediate;
   r.num_layers = s->cfg.num_layers;
@@ -189,8 +194,9 @@ void es__tab_publish(es_server *s, es_table *t) {
 int es__tab_init(es_server *s, mr_err *e) {
   const uint32_t L = s->cfg.num_layers;
   s->layer_served = mr_calloc(L, sizeof *s->layer_served);
+  s->leaving = mr_calloc((size_t)L * s->cfg.num_experts, 1);
   es_table *t = es__tab_alloc(s);
-  if (!t || !s->layer_served) {
+  if (!t || !s->layer_served || !s->leaving) {
     es__tab_free(s, t);
     return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
   }
@@ -238,6 +244,7 @@ es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed, const 
   for (uint32_t l = 0; l < s->cfg.num_layers; l++)
     t->layers[l] = is_changed[l] ? changed[l] : cur->layers[l];
   t->gen = s->tab_gen + 1;
+  atomic_init(&t->bad, atomic_load(&cur->bad));
   if (es__tab_finish(s, t, avail, e)) {
     memset(t->layers, 0, s->cfg.num_layers * sizeof *t->layers); /* the caller frees changed[] */
     es__tab_free(s, t);
@@ -247,6 +254,32 @@ es_table *es__tab_derive(es_server *s, es_table *cur, kn_layer **changed, const 
   for (uint32_t l = 0; l < s->cfg.num_layers; l++)
     if (!is_changed[l]) cur->passed[l] = 1;
   return t;
+}
+
+int es__tab_republish(es_server *s, uint64_t avail, mr_err *e) {
+  uint8_t *none = mr_calloc(s->cfg.num_layers, 1);
+  if (!none) return mr_err_set(e, MR_ENOMEM, "owned table: out of memory");
+  es_table *t = es__tab_derive(s, s->tab, NULL, none, avail, e);
+  mr_free(none);
+  if (!t) return e && e->code ? e->code : MR_ENOMEM;
+  es__tab_publish(s, t);
+  return 0;
+}
+
+void es__tab_mark_bad(es_server *s) {
+  pthread_mutex_lock(&s->ctl_lock);
+  atomic_store(&s->cache_bad, true);
+  atomic_store(&s->serving, false);
+  for (es_table *t = s->retired; t; t = t->next) atomic_store(&t->bad, true);
+  if (s->tab) atomic_store(&s->tab->bad, true);
+  pthread_mutex_unlock(&s->ctl_lock);
+}
+
+void es__tab_serve_again(es_server *s) {
+  atomic_store(&s->cache_bad, false);
+  atomic_store(&s->serving, true);
+  /* A drain that began meanwhile wins (it set serving false before draining true). */
+  if (atomic_load(&s->draining)) atomic_store(&s->serving, false);
 }
 
 void es__tab_close(es_server *s) {
@@ -262,4 +295,6 @@ void es__tab_close(es_server *s) {
   s->tab = NULL;
   mr_free((void *)s->layer_served);
   s->layer_served = NULL;
+  mr_free(s->leaving);
+  s->leaving = NULL;
 }

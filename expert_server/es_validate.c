@@ -135,119 +135,50 @@ int es_forward_validate(const Moerpc__V1__ForwardRequest *req, size_t hidden_len
 
 /* ---- finite checks ------------------------------------------------------------------------
  *
- * An IEEE value (f32, f16 or bf16) is NaN or +-Inf exactly when every bit of its exponent is
- * set, so "all finite" is one integer test per element: (bits & exp_mask) == exp_mask. The
- * scan ORs that test over fixed blocks of ES__FIN_BLOCK elements (a fixed trip count, so
- * that GCC's -O2 vectoriser takes the inner loop: SSE2 at least, 4-8 elements per
- * instruction) and leaves the block at the first hit; only then is the element found and
- * classified, off the fast path. Loads go through memcpy: no alignment is assumed.
+ * Both checks are the one scan of common/finite.c (mr_nonfinite_find: an integer test of
+ * each element's exponent bits, vectorised), run on the bytes as they cross the wire: the
+ * gathered payload in, the converted output out. The output is checked after the
+ * conversion to the wire dtype, not before: an fp32 value over 65504 is finite but becomes
+ * +-Inf in f16, and the client must never get that as OK.
  */
-#define ES__FIN_BLOCK 256
-
-typedef struct es__fp_kind {
-  size_t size;       /* bytes per element */
-  uint32_t exp_mask; /* every exponent bit */
-  uint32_t man_mask; /* every mantissa bit */
-  uint32_t sign;     /* the sign bit */
-} es__fp_kind;
-
-static const es__fp_kind es__fp_f32 = {4, 0x7f800000u, 0x007fffffu, 0x80000000u};
-static const es__fp_kind es__fp_f16 = {2, 0x7c00u, 0x03ffu, 0x8000u};
-static const es__fp_kind es__fp_bf16 = {2, 0x7f80u, 0x007fu, 0x8000u};
-
-static bool es__block_bad32(const uint8_t *p, size_t n, uint32_t m) {
-  uint32_t bad = 0;
-  if (n == ES__FIN_BLOCK) {
-    for (size_t j = 0; j < ES__FIN_BLOCK; j++) {
-      uint32_t v;
-      memcpy(&v, p + 4 * j, 4);
-      bad |= (v & m) == m;
-    }
-  } else {
-    for (size_t j = 0; j < n; j++) {
-      uint32_t v;
-      memcpy(&v, p + 4 * j, 4);
-      bad |= (v & m) == m;
-    }
-  }
-  return bad != 0;
-}
-
-static bool es__block_bad16(const uint8_t *p, size_t n, uint16_t m) {
-  uint16_t bad = 0;
-  if (n == ES__FIN_BLOCK) {
-    for (size_t j = 0; j < ES__FIN_BLOCK; j++) {
-      uint16_t v;
-      memcpy(&v, p + 2 * j, 2);
-      bad |= (uint16_t)((v & m) == m);
-    }
-  } else {
-    for (size_t j = 0; j < n; j++) {
-      uint16_t v;
-      memcpy(&v, p + 2 * j, 2);
-      bad |= (uint16_t)((v & m) == m);
-    }
-  }
-  return bad != 0;
-}
-
-static uint32_t es__fp_bits(const uint8_t *p, const es__fp_kind *k, size_t i) {
-  if (k->size == 4) {
-    uint32_t v;
-    memcpy(&v, p + 4 * i, 4);
-    return v;
-  }
-  uint16_t v;
-  memcpy(&v, p + 2 * i, 2);
-  return v;
-}
-
-/* The index of the first non-finite element of p[0..n), or n if every one is finite. */
-static size_t es__find_nonfinite(const uint8_t *p, const es__fp_kind *k, size_t n) {
-  for (size_t i = 0; i < n; i += ES__FIN_BLOCK) {
-    size_t len = n - i < ES__FIN_BLOCK ? n - i : ES__FIN_BLOCK;
-    bool bad = k->size == 4 ? es__block_bad32(p + 4 * i, len, k->exp_mask)
-                            : es__block_bad16(p + 2 * i, len, (uint16_t)k->exp_mask);
-    if (!bad) continue;
-    for (size_t j = i; j < i + len; j++)
-      if ((es__fp_bits(p, k, j) & k->exp_mask) == k->exp_mask) return j;
-  }
-  return n;
-}
-
-/* "NaN", "+Inf" or "-Inf" for the bits of a non-finite value. */
-static const char *es__nonfinite_name(uint32_t bits, const es__fp_kind *k) {
-  if (bits & k->man_mask) return "NaN";
-  return bits & k->sign ? "-Inf" : "+Inf";
-}
 
 int es_hidden_check_finite(const void *x, mr_dtype dt, uint32_t n_tokens, uint32_t H, mr_err *e) {
-  const es__fp_kind *k = dt == MR_DTYPE_F32    ? &es__fp_f32
-                         : dt == MR_DTYPE_F16  ? &es__fp_f16
-                         : dt == MR_DTYPE_BF16 ? &es__fp_bf16
-                                               : NULL;
-  MR_ASSERT(k && (x || (size_t)n_tokens * H == 0)); /* es_forward_validate checked dtype */
+  MR_ASSERT(dt == MR_DTYPE_F32 || dt == MR_DTYPE_F16 || dt == MR_DTYPE_BF16); /* validated */
   size_t n = (size_t)n_tokens * H;
-  size_t i = es__find_nonfinite(x, k, n);
+  size_t i = mr_nonfinite_find(x, dt, n);
   if (i == n) return 0;
-  uint32_t bits = es__fp_bits(x, k, i);
+  uint32_t bits;
+  const char *what = mr_nonfinite_name(x, dt, i, &bits);
   return mr_err_set(e, MR_EINVAL,
                     "hidden[token %zu, index %zu] = %s (%s bits 0x%0*" PRIx32
                     "): hidden states must be finite",
-                    i / H, i % H, es__nonfinite_name(bits, k), mr_dtype_name(dt),
-                    (int)(2 * k->size), bits);
+                    i / H, i % H, what, mr_dtype_name(dt), (int)(2 * mr_dtype_size(dt)), bits);
 }
 
-int es_output_check_finite(const float *y, uint32_t layer, uint32_t n_tokens, uint32_t H,
-                           mr_err *e) {
-  MR_ASSERT(y || (size_t)n_tokens * H == 0);
+int es_output_check_finite(const void *y, mr_dtype dt, const float *y32, uint32_t layer,
+                           uint32_t n_tokens, uint32_t H, mr_err *e) {
   size_t n = (size_t)n_tokens * H;
-  size_t i = es__find_nonfinite((const uint8_t *)y, &es__fp_f32, n);
+  size_t i = mr_nonfinite_find(y, dt, n);
   if (i == n) return 0;
-  uint32_t bits = es__fp_bits((const uint8_t *)y, &es__fp_f32, i);
+  const char *what = mr_nonfinite_name(y, dt, i, NULL);
+  if (y32 && isfinite(y32[i]))
+    /* Finite in fp32, not in the wire dtype: only f16 can do this at sane sizes (bf16
+     * overflows only within half an ulp of FLT_MAX). */
+    return mr_err_set(e, MR_ERANGE,
+                      "output[token %zu, index %zu] = %s in layer %" PRIu32
+                      ": the expert output %.6g does not fit the %s wire dtype (largest finite "
+                      "%.6g; hidden states or routing weights too large for this layer); no "
+                      "result, bf16 and f32 keep fp32's range",
+                      i / H, i % H, what, layer, (double)y32[i], mr_dtype_name(dt),
+                      dt == MR_DTYPE_F16 ? 65504.0 : 3.38953139e38);
+  if (dt == MR_DTYPE_F32 || y32)
+    return mr_err_set(e, MR_ERANGE,
+                      "output[token %zu, index %zu] = %s in layer %" PRIu32
+                      ": the expert output is not finite in fp32 (hidden states too large for "
+                      "this layer's weights); no result",
+                      i / H, i % H, what, layer);
   return mr_err_set(e, MR_ERANGE,
                     "output[token %zu, index %zu] = %s in layer %" PRIu32
-                    ": the expert output is not finite in fp32 (hidden states too large for "
-                    "this layer's weights); no result",
-                    i / H, i % H, es__nonfinite_name(bits, &es__fp_f32), layer);
+                    ": the expert output is not finite in %s; no result",
+                    i / H, i % H, what, layer, mr_dtype_name(dt));
 }

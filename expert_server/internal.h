@@ -22,7 +22,8 @@
  *   bottom   es_rpc.c       answering a unary call: the reply batch, status, peer, method names
  *            es_load.c      config + safetensors -> one kn_layer per owned layer, progress,
  *                           MemAvailable
- *            es_auth.c      TLS credentials, the bearer-token check of every call, the loopback rule
+ *            es_auth.c      TLS credentials, certificate checks, the bearer-token check of every
+ *                           call, the SIGHUP reload, the loopback rule
  *            es_metrics.c   the --metrics-listen endpoint: what /metrics shows (Prometheus text)
  *            es_pool.c      reusable request/reply buffers and job records
  *            es_validate.c  es_forward_validate, es_hidden_check_finite, es_output_check_finite
@@ -77,12 +78,14 @@
  * control code answers its calls after letting ctl_lock go. es_pool.lock and tab_lock are
  * leaves: gRPC may call the slice release callback (es__buf_release) from inside
  * grpc_byte_buffer_destroy while a stream lock is held; tab_lock is held for a pointer read
- * and an increment, or the swap.
+ * and an increment, or the swap. auth_lock and tls_lock (es_auth.c) are leaves too: a token
+ * compare, a pointer swap.
  */
 #ifndef ES_INTERNAL_H
 #define ES_INTERNAL_H
 
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <uv.h>
@@ -185,6 +188,10 @@ typedef struct es_table {
   uint64_t pairs;            /* (layer, expert) pairs owned */
   grpc_slice hello;          /* the packed HelloReply of this set */
   struct es_table *next;     /* the retired list (ctl_lock) */
+  atomic_bool bad;           /* some of its weights come from a cache file that failed its
+                              * checksum (es_cache.c): requests validated against it are
+                              * refused UNAVAILABLE, never computed; inherited by derived tables
+                              * until the repacked table replaces it */
 } es_table;
 
 /* One gRPC thread with its completion queue. */
@@ -330,6 +337,11 @@ typedef struct es_stream {
   size_t reserved;           /* bytes reserved in srv->reserved_bytes for the armed RECV */
   uint32_t final_status;     /* status the final batch sends: OK, or UNAVAILABLE (draining) */
   uint64_t send_t0_ns;       /* when the SEND_MESSAGE in flight started (stall detection) */
+  char client[PR_CLIENT_NAME_MAX + 1]; /* its "moerpc-client" metadata, escaped and cut
+                              * ("" when none); set before it is listed, read-only after */
+  atomic_ullong *used;       /* bitset over layer * num_experts + expert: the pairs its
+                              * requests named (CQ thread sets; es__leaving_service reads
+                              * under streams_lock); NULL when out of memory (counts as all) */
 } es_stream;
 
 /* ---- the server --------------------------------------------------------------------------- */
@@ -355,6 +367,7 @@ struct es_server {
    * thread; read-only once srv->loaded is set (every thread). */
   mr_model_config cfg;
   char fingerprint[17];
+  char instance_id[33];    /* HelloReply.instance_id: 128 random bits in hex, made at start */
   kn_format format;
   uint32_t group;
   char weight_format[32];  /* wire name, "bf16" / "int4-g64" */
@@ -380,6 +393,13 @@ struct es_server {
   int load_rc;
   mr_err load_err;
   uint32_t load_delay_ms;    /* MOERPC_TEST_LOAD_DELAY_MS: test only, per expert */
+  uint64_t load_t0_ns;       /* the loader's start (before the cache is tried), for "loaded:" */
+  struct es_cache *cache;    /* --weight-cache, NULL without (es_cache.c) */
+  atomic_bool cache_bad;     /* a corrupt cache file was found after readiness: NOT_SERVING
+                              * until the repacked table is published */
+  int (*cache_repack)(struct es_server *s, mr_err *e); /* es__control_repack_all */
+  int64_t test_nonfinite_layer; /* MOERPC_TEST_NONFINITE_LAYER: test only, -1 = off (es_compute.c) */
+  uint32_t test_batch_delay_ms; /* MOERPC_TEST_BATCH_DELAY_MS: test only, a slow batch (es_compute.c) */
 
   /* Live placement (es_table.c, es_control.c). tab: the current owned table, swapped under
    * tab_lock by publishers serialised by ctl_lock; NULL until the start-up load is done.
@@ -394,6 +414,22 @@ struct es_server {
   uint64_t expert_bytes;     /* packed bytes of one expert (set with the first table) */
   atomic_ullong cur_weight_bytes, cur_pairs, cur_gen; /* of the current table, for metrics */
   atomic_uchar *layer_served; /* [num_layers]: the layer was ever served (metrics labels) */
+  /* The latest Hello of each client name (protocol 1.4, StatsReply.clients), under
+   * hello_lock (a leaf): a ring of ES_HELLO_SEEN entries, the oldest replaced. */
+  pthread_mutex_t hello_lock;
+  struct es_hello_seen {
+    char name[PR_CLIENT_NAME_MAX + 1]; /* escaped and cut like a stream's client name */
+    uint64_t gen;            /* owned_generation of the HelloReply it got */
+    uint64_t t_ns;           /* when */
+  } hello_seen[64];
+  uint32_t n_hello_seen;
+  /* Unloaded pairs in their grace (docs/DESIGN.md 15.1, "Unload grace"), ctl_lock: still
+   * in the table (served), no longer in its Hello; es__leaving_service frees them once no
+   * open stream has used one, or when --unload-grace ends. */
+  uint8_t *leaving;          /* [num_layers * num_experts] 1 = leaving */
+  uint64_t n_leaving;
+  uint64_t leave_until_ns;   /* the grace ends (mr_now_ns) */
+  uint64_t leave_epoch;      /* +1 per change of leaving */
   /* The live load (ctl_lock, except the progress atomics). */
   uint64_t ld_id;            /* the latest load, 0 = none */
   int ld_state;              /* MOERPC__V1__LOAD_STATE__* */
@@ -420,12 +456,17 @@ struct es_server {
   es_tag t_shutdown;
   int max_message_bytes;
 
-  /* Security (es_auth.c): set by es__auth_init, read-only afterwards (CQ threads). */
+  /* Security (es_auth.c). The flags and paths are set by es__auth_init and read-only
+   * afterwards; the token and the pending TLS config change on SIGHUP (es__auth_reload). */
   bool tls_on, mtls_on;
-  char *pem_cert, *pem_key, *pem_client_ca; /* until the credentials exist, then wiped */
   bool auth_on;                          /* a token is required */
+  char *token_path, *tls_cert_path, *tls_key_path, *tls_ca_path; /* owned copies, or NULL */
+  pthread_mutex_t auth_lock; /* a leaf: auth_value and auth_len (CQ threads read, admin writes) */
   char auth_value[MR_SECRET_MAX_BYTES + 8]; /* "Bearer <token>" */
   size_t auth_len;
+  pthread_mutex_t tls_lock;  /* a leaf: tls_pending (admin writes, gRPC's handshakes take it) */
+  grpc_ssl_server_certificate_config *tls_pending; /* the next handshake's config, or NULL */
+  char tls_until[40];        /* notAfter of the certificate last read (admin thread) */
 
   atomic_bool serving;       /* readiness: weights loaded and no drain started */
   atomic_bool draining;      /* new Forward requests get UNAVAILABLE */
@@ -439,10 +480,19 @@ struct es_server {
 
   /* Admission (es_stream.c). held_bytes: request and reply buffers and decoded headers of
    * every request taken and not yet answered-and-sent; a stream arms its next RECV only
-   * while held_bytes < max_inflight_bytes or it has nothing pending (so a light client is
-   * never locked out by heavy ones); the rest wait, paused (mem_paused), for
+   * while held + reserved bytes fit the budget less stream_room, and less its reserve
+   * unless the stream is light (es__stream_reserve_locked: so a light client is never
+   * locked out by heavy ones); the rest wait, paused (mem_paused), for
    * es__streams_service. */
   size_t max_inflight_bytes;
+  uint32_t max_streams;      /* Forward streams open at once: opts.max_streams, or (auto) the
+                              * budget / ES_STREAM_SHARE, set with max_inflight_bytes (read
+                              * after loaded, like it) */
+  size_t stream_window;      /* HTTP/2 read-ahead of one stream, bytes (es__grpc_create) */
+  size_t stream_charge;      /* what one open Forward stream costs outside its requests: its
+                              * window plus ES_STREAM_OVERHEAD */
+  size_t stream_room;        /* max_streams x stream_charge, at most half the budget: set aside
+                              * from the budget, requests get the rest (es_stream.c) */
   atomic_llong held_bytes;
   atomic_llong reserved_bytes; /* expected sizes of the messages armed RECVs may bring */
   atomic_llong held_peak;    /* since start or the last Stats reset */
@@ -489,7 +539,9 @@ struct es_server {
    * messages received and of ForwardReply messages whose send completed; per-layer tokens
    * and compute-time histograms ([num_layers], allocated by es_server_new). */
   atomic_ullong err_by_status[ES_N_STATUS];
-  atomic_ullong tot_expired, tot_dropped, tot_refused; /* n_expired... without the reset */
+  atomic_ullong tot_expired, tot_dropped, tot_refused; /* n_expired... without the reset, but
+                                                        * tot_refused only over --max-streams */
+  atomic_ullong tot_stall_cuts; /* streams cut after --stall-timeout-ms (in n_refused too) */
   atomic_ullong bytes_in, bytes_out;
   atomic_ullong *layer_tokens;
   mr_hist *layer_hist;           /* compute time of each request (its batch's), ns */
@@ -501,7 +553,7 @@ struct es_server {
    * es__admin_wake may be called from any thread once loop_inited. */
   uv_loop_t loop;
   uv_async_t wake;
-  uv_signal_t sig_term, sig_int;
+  uv_signal_t sig_term, sig_int, sig_hup;
   uv_timer_t metrics_timer, drain_timer, house_timer;
   bool loop_inited, run_called;
   es_phase phase;
@@ -512,6 +564,7 @@ struct es_server {
   uint64_t house_last_requests, house_quiet_ms;
   long long house_last_calls;
   bool house_dirty;            /* activity since the last trim */
+  uint64_t house_trim_bytes_in; /* bytes_in at the last malloc_trim */
   uint64_t m_last_ms, m_last_requests, m_last_errors, m_last_computed, m_last_queue_us,
       m_last_compute_us, m_last_batches, m_last_merged;
 };
@@ -520,15 +573,49 @@ struct es_server {
  * presence and shape, the engine and empty layers; fills cfg, fingerprint, format, limits,
  * owned_*, load_*_total and keeps st open. Option errors are MR_EINVAL naming the flag; file
  * errors keep their own codes. es__load_weights (the loader thread): packs every owned
- * expert, publishing progress; MR_ECANCELED once load_abort is seen; closes st. */
+ * expert, publishing progress (nothing when cached: es__cache_attach filled the layers);
+ * MR_ECANCELED once load_abort is seen; closes st. */
 int es__load_prepare(es_server *s, mr_err *e);
-int es__load_weights(es_server *s, mr_err *e);
+int es__load_weights(es_server *s, bool cached, mr_err *e);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
 /* MemAvailable of /proc/meminfo into *bytes; false when it cannot be read. For the load
  * memory rule (es_table.c) and the auto admission budget (es__inflight_budget). */
 bool es__mem_available(uint64_t *bytes);
+
+/* es_cache.c: the packed-weight cache (docs/DESIGN.md section 23).
+ *   es__cache_new      es_server_new: checks and creates --weight-cache DIR (MR_EINVAL
+ *                      naming the flag); a no-op without the flag;
+ *   es__cache_attach   the loader thread, before packing: true when every owned expert was
+ *                      adopted from a usable cache (then nothing is packed); false on a miss,
+ *                      a refusal or a corrupt cache (logged with the reason; the layers are
+ *                      left empty for packing and the cache is rewritten once serving);
+ *   es__cache_start    the admin thread, once loaded: es-cache writes the cache (after a
+ *                      miss) or checks the mapped files' checksums (after a hit without
+ *                      --verify-cache), and repairs a corrupt one (es__control_repack_all);
+ *   es__cache_adopt    es-ctl-load: expert x of layer from the cache into L (no copy), true
+ *                      when the cache had it (verified);
+ *   es__cache_extend   es-ctl-load, after a load published: a segment of the pairs of want
+ *                      the cache lacks is written and the manifest rewritten;
+ *   es__cache_stop / _close  teardown: joins es-cache; unmaps (after the layers are gone). */
+struct es_table;
+int es__cache_new(es_server *s, const char *dir, mr_err *e);
+bool es__cache_attach(es_server *s);
+void es__cache_start(es_server *s);
+bool es__cache_adopt(es_server *s, kn_layer *L, uint32_t layer, uint32_t x);
+void es__cache_extend(es_server *s, const uint8_t *want);
+void es__cache_stop(es_server *s);
+void es__cache_close(es_server *s);
+/* es_table.c: marks the current and every retired table bad and the server NOT_SERVING
+ * (cache_bad); es__tab_serve_again undoes the readiness part once a clean table is
+ * current (unless a drain began). */
+void es__tab_mark_bad(es_server *s);
+void es__tab_serve_again(es_server *s);
+/* es_control.c, es-cache: repacks every pair of the current table from the model (never
+ * from the cache) and publishes the result as a table that is not bad. es_cache.c sits
+ * below es_control.c, so it calls this through srv->cache_repack (set by es_server_new). */
+int es__control_repack_all(es_server *s, mr_err *e);
 
 /* es_table.c: the owned table. */
 /* A reference to the current table (NULL before the start-up load is done). Any thread. */
@@ -541,6 +628,16 @@ static inline void es__tab_put(es_table *t) {
 int es__tab_init(es_server *s, mr_err *e);
 /* Admin thread, housekeeping: frees retired tables nobody references. */
 void es__tab_reap(es_server *s);
+/* Republishes the current table's layers as a new generation (only its Hello changes: a
+ * pair entered or left s->leaving). ctl_lock held; avail as for es__tab_derive. */
+int es__tab_republish(es_server *s, uint64_t avail, mr_err *e);
+/* Admin thread, housekeeping: frees the leaving pairs once no open stream has used any of
+ * them, or their grace has ended (one INFO line). Takes ctl_lock and streams_lock, never
+ * nested. */
+void es__leaving_service(es_server *s);
+/* es_grpc.c: records a Hello of client name (escaped) answered with owned generation gen
+ * (hello_lock). */
+void es__hello_seen(es_server *s, const char *name, uint64_t gen);
 /* A new table from cur with every layer passed on except those with is_changed[l], which
  * take changed[l] (owned by the new table from here on; on failure, NULL and they stay the
  * caller's); avail is es__mem_now(), read before ctl_lock. ctl_lock held. */
@@ -610,11 +707,18 @@ void es__grpc_destroy(es_server *s);
 /* The status message of a refused call: says what is missing, never echoes what came. */
 #define ES_AUTH_REFUSED_MSG "missing or wrong bearer token (metadata \"authorization: Bearer <token>\", see --auth-token-file)"
 /* Checks the options that concern security (TLS flags in pairs, the loopback rule), reads the
- * token and PEM files. Start-up only, before the model loads. MR_EINVAL for option errors. */
+ * token and PEM files (modes, certificate dates, the key against the certificate) and keeps
+ * their paths for es__auth_reload. Start-up only, before the model loads. MR_EINVAL for
+ * option and file errors, naming the flag and the file. */
 int es__auth_init(es_server *s, mr_err *e);
-/* The credentials for grpc_server_add_http2_port (insecure or TLS/mTLS); wipes the PEM copies.
- * The caller releases them. */
+/* The credentials for grpc_server_add_http2_port: insecure, or TLS/mTLS on a certificate
+ * config fetcher that hands gRPC the config of the last (re)load. The caller releases them. */
 grpc_server_credentials *es__auth_server_creds(es_server *s);
+/* SIGHUP (admin thread): reads and checks the token file and the TLS files again and, only
+ * if all of them pass, puts them in place: the token for every call from now on, the TLS
+ * files for every connection made from now on. what (len bytes) gets the files reloaded,
+ * for the log line. On failure nothing changes and e says which file and why. */
+int es__auth_reload(es_server *s, char *what, size_t len, mr_err *e);
 void es__auth_close(es_server *s);
 /* True if md carries the expected bearer token (or none is required); else logs the refusal
  * (rate-limited, with peer and method) and returns false. CQ threads. */
@@ -652,6 +756,18 @@ static inline size_t es__request_cost(size_t buf_cap, uint32_t n_tokens, uint32_
  * es_server_new checks an explicit option; the auto budget is taken when loading ends
  * (es_admin.c). */
 uint64_t es__inflight_budget(const es_server *s);
+/* The auto --max-streams for a budget: budget / ES_STREAM_SHARE within
+ * ES_AUTO_STREAMS_MIN..MAX. */
+uint32_t es__auto_max_streams(uint64_t budget);
+/* Once the budget is known (es_server_new for an explicit one, the end of loading for an
+ * auto one): the auto max_streams, and stream_room = max_streams x stream_charge. Returns
+ * false when that is over half the budget; the room is then capped at half (the caller
+ * refuses an explicit budget, or logs a WARN for an auto one). */
+bool es__streams_size(es_server *s);
+/* The HTTP/2 window of one stream: an eighth of a stream's share of the budget, within
+ * ES_STREAM_WINDOW_MIN..MAX. budget is the explicit one, or (auto, not known before the
+ * weights load) ES_AUTO_INFLIGHT_MIN, which no auto budget is below; max_streams 0 = auto. */
+size_t es__stream_window(uint64_t budget, uint32_t max_streams);
 /* Admin thread: re-arms the RECV of streams paused on the budget while it has room, and cuts
  * streams whose reply send has stalled past opts.stall_timeout_ms. */
 void es__streams_service(es_server *s);
@@ -663,6 +779,8 @@ int es__compute_start(es_server *s, mr_err *e);
 es_job *es__compute_detach(es_server *s, es_lane *ln, uint32_t *n);
 /* Drain timeout, admin thread: answers every queued job UNAVAILABLE without computing it. */
 uint32_t es__compute_abort_queued(es_server *s);
+/* True while a batch is being computed (srv->computing, read under q_lock). Any thread. */
+bool es__compute_busy(es_server *s);
 /* Queues n jobs (one q_lock, one wake-up of the compute thread). Any thread. */
 void es__compute_submit(es_server *s, es_job **jobs, uint32_t n);
 /* Takes the engine and the arena for the caller if the compute queue is empty and nobody

@@ -38,6 +38,12 @@ static void usage(FILE *f) {
           "; [v6]:PORT for IPv6;\n"
           "                           port 0 = any free port, logged at start)\n"
           "  --threads N              kernel worker threads, 0 = one per core (default 0)\n"
+          "  --weight-cache DIR       packed-weight cache: map DIR's packed weights when they\n"
+          "                           were made for this model, format, CPU layout, NUMA split\n"
+          "                           and owned set, else pack from the model and write them\n"
+          "                           there once serving (docs/DESIGN.md section 23)\n"
+          "  --verify-cache           check the cache's checksums before readiness (default:\n"
+          "                           in the background once serving)\n"
           "  --numa auto|N|LIST       NUMA nodes: auto, a node count, or a list like 0,1 (default auto)\n"
           "  --max-tokens N           most tokens in one request, 1..%u (default %u)\n"
           "  --quant FMT              weight format: bf16|f16|f32|int8|int4|fp8 (default: as\n"
@@ -54,8 +60,11 @@ static void usage(FILE *f) {
           "                           past it streams wait under flow control (default auto: a\n"
           "                           quarter of the memory available after loading, 256 MiB..8 GiB;\n"
           "                           suffixes K, M, G)\n"
-          "  --max-streams N          Forward streams open at once, 1..%u (default %u); more\n"
-          "                           get RESOURCE_EXHAUSTED\n"
+          "  --max-streams N          Forward streams open at once, 1..%u (default auto: one\n"
+          "                           per 4 MiB of the budget, %u..%u); more get\n"
+          "                           RESOURCE_EXHAUSTED. Each open stream's HTTP/2 window (an\n"
+          "                           eighth of budget / N, 64 KiB..1 MiB) and state count\n"
+          "                           in the budget\n"
           "  --stall-timeout-ms N     cut a stream whose client has not read a reply for this\n"
           "                           long, 0..%u, 0 = never (default %u)\n"
           "  --tls-cert FILE          serve TLS with this PEM certificate chain (needs --tls-key)\n"
@@ -70,6 +79,9 @@ static void usage(FILE *f) {
           "  --max-expert-memory N    refuse a LoadExperts that would make the packed expert\n"
           "                           weights exceed N bytes (suffixes K, M, G; default: only\n"
           "                           MemAvailable minus 512 MiB limits it)\n"
+          "  --unload-grace S         an UnloadExperts takes the pairs out of Hello at once but\n"
+          "                           serves them on until no open Forward stream has used them,\n"
+          "                           at most S seconds, 0..%u (default %u; 0 = free at once)\n"
           "  --insecure               allow plaintext on a non-loopback --listen address (without\n"
           "                           it, only 127.0.0.0/8, ::1 and localhost serve plaintext)\n"
           "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics\n"
@@ -86,8 +98,8 @@ static void usage(FILE *f) {
           "the drain, 2 on a usage error, 3 after a drain that left accepted requests unanswered.\n",
           ES_MAX_MAX_TOKENS, ES_DEFAULT_MAX_TOKENS, ES_DEFAULT_GROUP, ES_MAX_GRPC_THREADS,
           ES_MAX_DRAIN_TIMEOUT_MS, ES_DEFAULT_DRAIN_TIMEOUT_MS, ES_MAX_MAX_STREAMS,
-          ES_DEFAULT_MAX_STREAMS, ES_MAX_STALL_TIMEOUT_MS, ES_DEFAULT_STALL_TIMEOUT_MS,
-          MR_SECRET_MAX_BYTES);
+          ES_AUTO_STREAMS_MIN, ES_AUTO_STREAMS_MAX, ES_MAX_STALL_TIMEOUT_MS, ES_DEFAULT_STALL_TIMEOUT_MS,
+          MR_SECRET_MAX_BYTES, ES_MAX_UNLOAD_GRACE_S, ES_DEFAULT_UNLOAD_GRACE_S);
 }
 
 static int usage_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -194,7 +206,8 @@ enum {
   OPT_MODEL = 1000, OPT_LISTEN, OPT_EXPERTS, OPT_LAYERS, OPT_THREADS, OPT_MAX_TOKENS, OPT_QUANT,
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT, OPT_MAX_EXPERT_MEMORY,
-  OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN, OPT_METRICS_TOKEN
+  OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN, OPT_METRICS_TOKEN, OPT_UNLOAD_GRACE,
+  OPT_WEIGHT_CACHE, OPT_VERIFY_CACHE
 };
 
 int main(int argc, char **argv) {
@@ -214,9 +227,12 @@ int main(int argc, char **argv) {
       {"max-expert-memory", required_argument, NULL, OPT_MAX_EXPERT_MEMORY},
       {"max-streams", required_argument, NULL, OPT_MAX_STREAMS},
       {"stall-timeout-ms", required_argument, NULL, OPT_STALL},
+      {"unload-grace", required_argument, NULL, OPT_UNLOAD_GRACE},
       {"log-level", required_argument, NULL, OPT_LOG_LEVEL},
       {"metrics-listen", required_argument, NULL, OPT_METRICS_LISTEN},
       {"metrics-token-file", required_argument, NULL, OPT_METRICS_TOKEN},
+      {"weight-cache", required_argument, NULL, OPT_WEIGHT_CACHE},
+      {"verify-cache", no_argument, NULL, OPT_VERIFY_CACHE},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
@@ -286,6 +302,10 @@ int main(int argc, char **argv) {
       if (!parse_u32("--stall-timeout-ms", optarg, 0, ES_MAX_STALL_TIMEOUT_MS, &o.stall_timeout_ms))
         return 2;
       break;
+    case OPT_UNLOAD_GRACE:
+      if (!parse_u32("--unload-grace", optarg, 0, ES_MAX_UNLOAD_GRACE_S, &o.unload_grace_s))
+        return 2;
+      break;
     case OPT_METRICS_LISTEN: /* a port alone binds loopback (common/http.c) */
       if (strspn(optarg, "0123456789") != strlen(optarg) && !check_listen(optarg, "--metrics-listen")) return 2;
       if (!optarg[0] || (strspn(optarg, "0123456789") == strlen(optarg) && (strlen(optarg) > 5 || atoi(optarg) > 65535)))
@@ -304,6 +324,8 @@ int main(int argc, char **argv) {
     case OPT_TLS_CLIENT_CA: o.tls_client_ca = optarg; break;
     case OPT_AUTH_TOKEN_FILE: o.auth_token_file = optarg; break;
     case OPT_METRICS_TOKEN: o.metrics_token_file = optarg; break;
+    case OPT_WEIGHT_CACHE: o.weight_cache = optarg; break;
+    case OPT_VERIFY_CACHE: o.verify_cache = true; break;
     case OPT_INSECURE: o.insecure = true; break;
     case OPT_HELP: usage(stdout); return 0;
     case ':': return usage_error("%s needs a value", argv[optind - 1]);
@@ -313,6 +335,7 @@ int main(int argc, char **argv) {
   if (optind < argc) return usage_error("unexpected argument \"%s\"", argv[optind]);
   if (!o.model_dir) return usage_error("--model DIR is required");
   if (!o.experts) return usage_error("--experts SPEC is required (\"all\" or ids like 0-7,12)");
+  if (o.verify_cache && !o.weight_cache) return usage_error("--verify-cache needs --weight-cache DIR");
   if (group_set && !(o.quant_set && o.quant == KN_FMT_INT4))
     return usage_error("--group applies to --quant int4 only");
 

@@ -1,7 +1,9 @@
 /*
- * fuzz_hidden_finite.c - libFuzzer target: the server's finite checks of hidden states and
- * outputs (es_hidden_check_finite, es_output_check_finite), against a scalar reference
- * (mr_convert_to_f32 + isfinite) on the same bytes.
+ * fuzz_hidden_finite.c - libFuzzer target: the finite checks of both sides, all one scan
+ * (mr_nonfinite_find): the server's of hidden states and outputs (es_hidden_check_finite,
+ * es_output_check_finite on wire-dtype rows) and the client's of a reply's output
+ * (gc__reply_check_finite), against a scalar reference (mr_convert_to_f32 + isfinite) on
+ * the same bytes.
  *
  * Input layout (what gen_control_seeds.c writes):
  *
@@ -17,7 +19,9 @@
  *
  * Accepted = every element finite. Checked: the verdict equals the reference's; a refusal
  * is MR_EINVAL naming the first non-finite element's token and index and its class (NaN,
- * +Inf, -Inf); for f32 payloads the output check gives the same verdict and position.
+ * +Inf, -Inf); the output check (MR_ERANGE, naming the layer) and the reply check
+ * (MR_EPROTO, naming the row and the call's token) give the same verdict and position in
+ * every dtype.
  */
 #include <math.h>
 #include <stdio.h>
@@ -25,6 +29,7 @@
 #include <string.h>
 
 #include "expert_server/es.h"
+#include "gpu_client/rpc/internal.h"
 #include "tests/fuzz/fuzz.h"
 
 static void fuzz_fail(const char *what, const char *msg) {
@@ -75,16 +80,37 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (rc != MR_EINVAL) fuzz_fail("undocumented code", mr_err_name(rc));
     if (!strstr(e.msg, want)) fuzz_fail("message does not name the first bad element", e.msg);
   }
-  if (dt == MR_DTYPE_F32 && off == 0) { /* the output rows are fp32 and aligned */
-    int rc2 = es_output_check_finite((const float *)(const void *)x, 7, T, H, &e);
-    if ((rc2 == 0) != (rc == 0)) fuzz_fail("output check disagrees", e.msg);
-    if (rc2) {
-      char want[64];
-      snprintf(want, sizeof want, "output[token %zu, index %zu]", first / H, first % H);
-      if (rc2 != MR_ERANGE || !strstr(e.msg, want) || !strstr(e.msg, "layer 7"))
-        fuzz_fail("output message does not name the element and layer", e.msg);
-    }
+  /* The output check on the same bytes as wire-dtype output rows: the same verdict and
+   * position; with the widened values as the fp32 rows it came from (y32), a refusal
+   * says "not finite in fp32" (the widening keeps NaN and Inf), without them it names the
+   * dtype. */
+  int rc2 = es_output_check_finite(x, dt, n ? f : NULL, 7, T, H, &e);
+  if ((rc2 == 0) != (rc == 0)) fuzz_fail("output check disagrees", e.msg);
+  if (rc2) {
+    char want[64];
+    snprintf(want, sizeof want, "output[token %zu, index %zu]", first / H, first % H);
+    if (rc2 != MR_ERANGE || !strstr(e.msg, want) || !strstr(e.msg, "layer 7") ||
+        !strstr(e.msg, "not finite in fp32"))
+      fuzz_fail("output message does not name the element and layer", e.msg);
+    rc2 = es_output_check_finite(x, dt, NULL, 7, T, H, &e);
+    if (rc2 != MR_ERANGE || !strstr(e.msg, want)) fuzz_fail("output check without y32", e.msg);
   }
+  /* The client's check of a reply: the same verdict, the row and the call's token (rows
+   * spread as a part's rows are: increasing, here 3t + 1). */
+  uint32_t *rows = malloc((T ? T : 1) * sizeof *rows);
+  if (!rows) abort();
+  for (uint32_t t = 0; t < T; t++) rows[t] = 3 * t + 1;
+  int rc3 = gc__reply_check_finite(x, dt, rows, T, H, &e);
+  if ((rc3 == 0) != (rc == 0)) fuzz_fail("reply check disagrees", e.msg);
+  if (rc3) {
+    char want[96];
+    snprintf(want, sizeof want, "reply output[row %zu (token %zu of the call), index %zu] = %s",
+             first / H, 3 * (first / H) + 1, first % H,
+             isnan(f[first]) ? "NaN" : f[first] > 0 ? "+Inf" : "-Inf");
+    if (rc3 != MR_EPROTO || !strstr(e.msg, want))
+      fuzz_fail("reply message does not name the row, token and element", e.msg);
+  }
+  free(rows);
   free(block);
   free(f);
   return 0;

@@ -12,12 +12,20 @@
  *   - --listen 0.0.0.0 without TLS: exit 2 naming --insecure; with --insecure it serves;
  *   - an idle stream lives through many keepalive periods (MOERPC_KEEPALIVE_TIME_MS=300 on
  *     both sides) without a too_many_pings GOAWAY: the same stream still answers;
- *   - a token file that is a FIFO: a clean error at once, on the server and on the client.
+ *   - a token file that is a FIFO: a clean error at once, on the server and on the client;
+ *   - token and key files readable by others refused (server and client), naming the mode;
+ *   - an expired or not-yet-valid certificate, or a key of another certificate, refused at
+ *     start naming the file and the dates;
+ *   - SIGHUP: the certificate and the token reloaded (new connections and calls use them),
+ *     a bad reload refused with the old credentials kept, a plaintext server serving on.
  */
 #include <grpc/byte_buffer.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/log.h>
 #include <grpc/support/time.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <signal.h>
 #include <sys/stat.h>
 
 #include "expert_server/es.h"
@@ -52,11 +60,13 @@ static const char *path(const char *name) {
   return p;
 }
 
+/* Writes tmp/NAME, mode 0600: token and key files readable by others are refused. */
 static void write_text(const char *name, const char *text) {
   FILE *f = fopen(path(name), "w");
   MT_TRUE(f != NULL);
   fputs(text, f);
   fclose(f);
+  MT_EQ_INT(chmod(path(name), 0600), 0);
 }
 
 /* Model, certificates and token file; skips (never passes) without the openssl CLI. */
@@ -270,11 +280,16 @@ static int raw_unary(const char *method, grpc_byte_buffer *req, char *details, s
   return st;
 }
 
+/* A Hello whose client_name holds a newline, an escape sequence and a NUL with text after
+ * it (framed by hand: protobuf-c would stop at the NUL). */
 static grpc_byte_buffer *hello_req(void) {
-  Moerpc__V1__HelloRequest h = MOERPC__V1__HELLO_REQUEST__INIT;
-  h.protocol_major = PR_PROTOCOL_MAJOR;
-  h.client_name = "raw\nclient\x1b[31m";
-  return pr_encode(&h.base);
+  static const char name[] = "raw\nclient\x1b[31m\0hidden";
+  uint8_t m[64] = {0x08, PR_PROTOCOL_MAJOR, 0x1a, sizeof name - 1};
+  memcpy(m + 4, name, sizeof name - 1);
+  grpc_slice s = grpc_slice_from_copied_buffer((const char *)m, 4 + sizeof name - 1);
+  grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&s, 1);
+  grpc_slice_unref(s);
+  return bb;
 }
 
 static grpc_byte_buffer *stats_req(bool reset) {
@@ -347,7 +362,7 @@ MT_TEST(token_on_every_call) {
   MT_TRUE(log_has("refused Stats from ipv4:127.0.0.1:"));
   MT_TRUE(log_has("refused Forward from ipv4:127.0.0.1:"));
   MT_TRUE(log_has("stats reset by ipv4:127.0.0.1:"));
-  MT_TRUE(log_has("client \"raw\\nclient\\x1b[31m\""));
+  MT_TRUE(log_has("client \"raw\\nclient\\x1b[31m\\x00hidden\""));
   MT_FALSE(log_has(TOKEN));
   MT_FALSE(log_has("not-the-token"));
   int ws = 0;
@@ -455,6 +470,207 @@ MT_TEST(token_file_fifo_is_a_clean_error) {
   MT_CONTAINS(e.msg, "tls.ca");
   MT_CONTAINS(e.msg, "not a regular file (a FIFO)");
   alarm(0);
+  finish();
+}
+
+/* Token and key files that group or others may read are refused at start, naming the flag,
+ * the file and its mode; the server and the client alike. */
+MT_TEST(secret_files_readable_by_others_are_refused) {
+  setup();
+  MT_EQ_INT(chmod(path("token"), 0644), 0);
+  char args[1200];
+  snprintf(args, sizeof args, "--auth-token-file %s", path("token"));
+  MT_EQ_INT(run_server(args, path("mode.log")), 2);
+  char *t = slurp("mode.log");
+  fprintf(stderr, "  %s", t);
+  char want[800];
+  snprintf(want, sizeof want, "--auth-token-file: %s: mode 0644, must not be readable by group "
+           "or others (chmod 600)", path("token"));
+  MT_CONTAINS(t, want);
+  mr_free(t);
+  MT_EQ_INT(chmod(path("server.key"), 0644), 0);
+  snprintf(args, sizeof args, "--tls-cert %s --tls-key %s", path("server.pem"),
+           path("server.key"));
+  MT_EQ_INT(run_server(args, path("keymode.log")), 2);
+  t = slurp("keymode.log");
+  fprintf(stderr, "  %s", t);
+  snprintf(want, sizeof want, "--tls-key: %s: mode 0644", path("server.key"));
+  MT_CONTAINS(t, want);
+  mr_free(t);
+  /* The client's token_file and tls.key likewise, before anything connects. */
+  snprintf(srv.address, sizeof srv.address, "127.0.0.1:9");
+  gc_cluster *c = NULL;
+  mr_err e;
+  char extra[1200];
+  snprintf(extra, sizeof extra, ", \"token_file\": \"%s\"", path("token"));
+  MT_EQ_INT(open_cluster(cluster("tokmode.json", extra), &c, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "token_file");
+  MT_CONTAINS(e.msg, "mode 0644");
+  MT_EQ_INT(chmod(path("client.key"), 0604), 0);
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\", \"cert\": \"%s\", \"key\": \"%s\"}",
+           path("ca.pem"), path("client.pem"), path("client.key"));
+  MT_EQ_INT(open_cluster(cluster("keymode.json", extra), &c, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "tls.key");
+  MT_CONTAINS(e.msg, "mode 0604");
+  finish();
+}
+
+/* Writes tmp/NAME: a self-signed certificate for CN=localhost with the key of tmp/server.key,
+ * valid from now + from_s to now + to_s (seconds; libcrypto, since the openssl CLI of
+ * Debian 12 cannot date a certificate in the past). */
+static void make_cert(const char *name, long from_s, long to_s) {
+  FILE *kf = fopen(path("server.key"), "r");
+  MT_TRUE(kf != NULL);
+  EVP_PKEY *k = PEM_read_PrivateKey(kf, NULL, NULL, NULL);
+  fclose(kf);
+  MT_TRUE(k != NULL);
+  X509 *x = X509_new();
+  MT_TRUE(x != NULL);
+  X509_set_version(x, 2);
+  ASN1_INTEGER_set(X509_get_serialNumber(x), 7);
+  X509_gmtime_adj(X509_getm_notBefore(x), from_s);
+  X509_gmtime_adj(X509_getm_notAfter(x), to_s);
+  X509_set_pubkey(x, k);
+  X509_NAME *n = X509_get_subject_name(x);
+  X509_NAME_add_entry_by_txt(n, "CN", MBSTRING_ASC, (const unsigned char *)"localhost", -1, -1, 0);
+  X509_set_issuer_name(x, n);
+  MT_TRUE(X509_sign(x, k, EVP_sha256()) > 0);
+  FILE *f = fopen(path(name), "w");
+  MT_TRUE(f != NULL);
+  MT_EQ_INT(PEM_write_X509(f, x), 1);
+  fclose(f);
+  X509_free(x);
+  EVP_PKEY_free(k);
+}
+
+MT_TEST(expired_or_future_certificate_or_wrong_key_refused_at_start) {
+  setup();
+  make_cert("expired.pem", -3 * 86400L, -86400L);
+  make_cert("future.pem", 86400L, 3 * 86400L);
+  char args[1200], want[800];
+  snprintf(args, sizeof args, "--tls-cert %s --tls-key %s", path("expired.pem"), path("server.key"));
+  MT_EQ_INT(run_server(args, path("expired.log")), 2);
+  char *t = slurp("expired.log");
+  fprintf(stderr, "  %s", t);
+  snprintf(want, sizeof want, "--tls-cert %s: certificate 1 (subject /CN=localhost) expired: "
+           "valid from 20", path("expired.pem"));
+  MT_CONTAINS(t, want);
+  MT_CONTAINS(t, " UTC to 20");
+  mr_free(t);
+  snprintf(args, sizeof args, "--tls-cert %s --tls-key %s", path("future.pem"), path("server.key"));
+  MT_EQ_INT(run_server(args, path("future.log")), 2);
+  t = slurp("future.log");
+  fprintf(stderr, "  %s", t);
+  snprintf(want, sizeof want, "--tls-cert %s: certificate 1 (subject /CN=localhost) is not valid "
+           "yet: valid from 20", path("future.pem"));
+  MT_CONTAINS(t, want);
+  MT_CONTAINS(t, "clock");
+  mr_free(t);
+  /* The client's key with the server's certificate. */
+  snprintf(args, sizeof args, "--tls-cert %s --tls-key %s", path("server.pem"), path("client.key"));
+  MT_EQ_INT(run_server(args, path("wrongkey.log")), 2);
+  t = slurp("wrongkey.log");
+  fprintf(stderr, "  %s", t);
+  MT_CONTAINS(t, "--tls-key is not the key of the first certificate of --tls-cert");
+  mr_free(t);
+  finish();
+}
+
+/* Waits up to 5 s for needle in the server log. */
+static bool log_wait(const char *needle) {
+  for (int i = 0; i < 500; i++) {
+    if (log_has(needle)) return true;
+    usleep(10 * 1000);
+  }
+  return false;
+}
+
+static void copy_file(const char *from, const char *to) {
+  char *t = slurp(from);
+  write_text(to, t);
+  mr_free(t);
+}
+
+MT_TEST(sighup_reloads_certificate_and_token) {
+  setup();
+  /* A second server certificate, signed by the other CA: which CA a client must trust tells
+   * which certificate the server presents. */
+  char cmd[1200];
+  snprintf(cmd, sizeof cmd, "cd '%s' && openssl x509 -req -in server.csr -CA other.pem -CAkey "
+           "other.key -CAcreateserial -out server2.pem -days 2 -extfile server.ext "
+           ">>openssl.log 2>&1", tmp);
+  MT_EQ_INT(system(cmd), 0);
+  copy_file("server.pem", "live.pem");
+  copy_file("server.key", "live.key");
+  copy_file("token", "live-token");
+  itu_client_security(ca_pem, NULL, NULL, NULL, NULL); /* the start-up probe */
+  char flags[1200];
+  snprintf(flags, sizeof flags, "--experts all --tls-cert %s --tls-key %s --auth-token-file %s",
+           path("live.pem"), path("live.key"), path("live-token"));
+  MT_EQ_INT(itu_server_start(&srv, model, flags, tmp, 60000), 0);
+  gc_cluster *c = NULL;
+  mr_err e;
+  char extra[1200];
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\"}, \"token_file\": \"%s\"",
+           path("ca.pem"), path("token"));
+  MT_OK(open_cluster(cluster("before.json", extra), &c, &e), &e);
+  MT_OK(forward(c, &e), &e);
+  gc_cluster_close(c);
+
+  /* New certificate and token in the same files, then SIGHUP. */
+  copy_file("server2.pem", "live.pem");
+  write_text("live-token", "the-second-T0ken\n");
+  write_text("token2", "the-second-T0ken\n");
+  MT_EQ_INT(kill(srv.pid, SIGHUP), 0);
+  MT_TRUE(log_wait("SIGHUP: reloaded --tls-cert"));
+  MT_TRUE(log_has("--auth-token-file"));
+  MT_EQ_INT(kill(srv.pid, 0), 0); /* alive */
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\"}, \"token_file\": \"%s\"",
+           path("other.pem"), path("token2"));
+  MT_OK(open_cluster(cluster("after.json", extra), &c, &e), &e);
+  MT_OK(forward(c, &e), &e);
+  gc_cluster_close(c);
+  /* The old token is refused now; the old CA does not verify the new certificate. */
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\"}, \"token_file\": \"%s\"",
+           path("other.pem"), path("token"));
+  MT_EQ_INT(open_cluster(cluster("oldtoken.json", extra), &c, &e), MR_EAUTH);
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\"}, \"token_file\": \"%s\"",
+           path("ca.pem"), path("token2"));
+  MT_NE_INT(open_refused(cluster("oldca.json", extra), &c, &e), 0);
+
+  /* A bad reload (an expired certificate) is refused and changes nothing. */
+  make_cert("expired.pem", -3 * 86400L, -86400L);
+  copy_file("expired.pem", "live.pem");
+  write_text("live-token", "a-third-token-never-used\n");
+  MT_EQ_INT(kill(srv.pid, SIGHUP), 0);
+  MT_TRUE(log_wait("SIGHUP: reload refused, the credentials in use stay: --tls-cert"));
+  MT_TRUE(log_has("expired: valid from"));
+  snprintf(extra, sizeof extra, ", \"tls\": {\"ca\": \"%s\"}, \"token_file\": \"%s\"",
+           path("other.pem"), path("token2"));
+  MT_OK(open_cluster(cluster("still.json", extra), &c, &e), &e);
+  MT_OK(forward(c, &e), &e);
+  gc_cluster_close(c);
+  MT_FALSE(log_has("the-second-T0ken") || log_has("a-third-token"));
+  int ws = 0;
+  MT_EQ_INT(itu_server_stop(&srv, SIGTERM, 20000, &ws), 0);
+  MT_TRUE(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
+  finish();
+}
+
+MT_TEST(sighup_on_a_plaintext_server_is_not_fatal) {
+  setup();
+  MT_EQ_INT(itu_server_start(&srv, model, "--experts all", tmp, 60000), 0);
+  MT_EQ_INT(kill(srv.pid, SIGHUP), 0);
+  MT_TRUE(log_wait("SIGHUP: nothing to reload"));
+  MT_EQ_INT(itu_health(srv.address, 5000), PR_HEALTH_SERVING);
+  gc_cluster *c = NULL;
+  mr_err e;
+  MT_OK(open_cluster(cluster("plain.json", NULL), &c, &e), &e);
+  MT_OK(forward(c, &e), &e);
+  gc_cluster_close(c);
+  int ws = 0;
+  MT_EQ_INT(itu_server_stop(&srv, SIGTERM, 20000, &ws), 0);
+  MT_TRUE(WIFEXITED(ws) && WEXITSTATUS(ws) == 0);
   finish();
 }
 

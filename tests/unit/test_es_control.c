@@ -72,6 +72,14 @@ MT_TEST(bad_pairs_name_the_field) {
   it = item(2, ids_a, 4);
   MT_EQ_INT(check(&it, 1, "fedcba9876543210", &n, bits, &e), MR_EMISMATCH);
   MT_CONTAINS(e.msg, "model_fingerprint = \"fedcba9876543210\"");
+  /* The peer's text is logged: escaped, and bounded. */
+  MT_EQ_INT(check(&it, 1, "ab\ncd\x1b[31m", &n, bits, &e), MR_EMISMATCH);
+  MT_CONTAINS(e.msg, "model_fingerprint = \"ab\\ncd\\x1b[31m\"");
+  char longfp[300];
+  memset(longfp, 'f', sizeof longfp - 1);
+  longfp[sizeof longfp - 1] = '\0';
+  MT_EQ_INT(check(&it, 1, longfp, &n, bits, &e), MR_EMISMATCH);
+  MT_CONTAINS(e.msg, "fff...\", but this server");
   MT_EQ_INT(pr_status_from_mr(MR_EMISMATCH), 9); /* FAILED_PRECONDITION */
   MT_OK(check(&it, 1, "0123456789abcdef", &n, bits, &e), &e);
 }
@@ -155,6 +163,68 @@ MT_TEST(rebuild_shares_kept_takes_added_frees_dropped_once) {
   MT_TRUE(isfinite(got[0]));
   MT_EQ_INT(kn_layer_rebuild(&tmp, NULL, NULL, NULL, &e), MR_EINVAL);
   kn_layer_free(nw);
+  kn_engine_free(eng);
+}
+
+/* ---- kn_layer_adopt_expert (the weight cache, docs/DESIGN.md section 23) --------------------- */
+
+/* Blocks copied out of a packed layer, adopted by another layer (split into 2 slices):
+ * bit-identical outputs; the blocks are borrowed (the layer frees none of them: ASan would
+ * flag a free of this one buffer's interior); misaligned blocks are refused; populate faults
+ * in every byte of the regions. */
+MT_TEST(adopted_blocks_compute_like_packed_ones) {
+  srand(11);
+  for (int x = 0; x < E; x++)
+    for (int p = 0; p < 3; p++)
+      for (int i = 0; i < KH * KI; i++) wt[x][p][i] = (float)(rand() % 200 - 100) / 400.0f;
+  kn_engine *eng = NULL;
+  mr_err e;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 2, .force_split = 2};
+  MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+  kn_layer_desc d = {.hidden = KH, .inter = 64, .num_experts = E, .format = KN_FMT_INT8};
+  static float big[3][KH * 64];
+  for (int p = 0; p < 3; p++)
+    for (int i = 0; i < KH * 64; i++) big[p][i] = (float)(rand() % 200 - 100) / 300.0f;
+  kn_layer *src = NULL, *dst = NULL;
+  MT_OK(kn_layer_new(&src, eng, &d, &e), &e);
+  MT_OK(kn_layer_new(&dst, eng, &d, &e), &e);
+  MT_EQ_INT(kn_layer_slices(src), 2);
+  MT_OK(kn_layer_load_expert(src, 3, big[0], big[1], big[2], MR_DTYPE_F32, &e), &e);
+  uint64_t b0 = kn_layer_slice_bytes(src, 0), b1 = kn_layer_slice_bytes(src, 1);
+  MT_TRUE(b0 > 0 && b1 > 0 && b0 % 64 == 0 && b1 % 64 == 0);
+  MT_EQ_U64(b0 + b1, kn_layer_expert_bytes(src));
+  MT_EQ_U64(kn_layer_slice_off(src, 1), kn_layer_slice_len(src, 0));
+  char *buf = mr_malloc_aligned(b0 + b1 + 64, 4096);
+  MT_TRUE(buf != NULL);
+  memcpy(buf, kn_layer_expert_slice(src, 3, 0), b0);
+  memcpy(buf + b0, kn_layer_expert_slice(src, 3, 1), b1);
+  MT_TRUE(kn_layer_expert_slice(src, 4, 0) == NULL); /* not loaded */
+  void *bad[2] = {buf + 8, buf + b0};
+  MT_EQ_INT(kn_layer_adopt_expert(dst, 3, bad, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "not 64-byte aligned");
+  MT_FALSE(kn_layer_has_expert(dst, 3));
+  void *mem[2] = {buf, buf + b0};
+  MT_OK(kn_layer_adopt_expert(dst, 3, mem, &e), &e);
+  MT_TRUE(kn_layer_has_expert(dst, 3));
+  MT_EQ_U64(kn_layer_bytes(dst), kn_layer_expert_bytes(dst));
+  float ref[KH], got[KH];
+  fwd(eng, src, 3, ref);
+  fwd(eng, dst, 3, got);
+  MT_TRUE(memcmp(got, ref, sizeof got) == 0);
+  /* Shared on by a rebuild, then all layers freed: the buffer is still ours. */
+  kn_layer *nw = NULL;
+  uint8_t all[E];
+  memset(all, 1, sizeof all);
+  MT_OK(kn_layer_rebuild(&nw, dst, all, NULL, &e), &e);
+  kn_layer_free(dst);
+  fwd(eng, nw, 3, got);
+  MT_TRUE(memcmp(got, ref, sizeof got) == 0);
+  kn_layer_free(nw);
+  const void *base[2] = {buf, buf + b0};
+  const uint64_t bytes[2] = {b0, b1};
+  MT_EQ_U64(kn_engine_populate(eng, base, bytes, 2), b0 + b1);
+  mr_free_aligned(buf);
+  kn_layer_free(src);
   kn_engine_free(eng);
 }
 

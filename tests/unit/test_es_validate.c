@@ -4,7 +4,8 @@
  * field, the value and the limit; good requests of every dtype pass. The finite checks
  * (es_hidden_check_finite, es_output_check_finite): NaN, +Inf and -Inf in each dtype at the
  * first, a middle and the last position are refused naming the token and the index;
- * denormals, zeros and the largest finite value pass.
+ * denormals, zeros and the largest finite value pass; an fp32 output that is finite but
+ * overflows the wire dtype (f16 over 65504) is refused naming the layer and the value.
  *
  * Limits used: H = 64, E = 16, max_tokens 32; 6 layers: 0-3 MoE and served (experts 0-7),
  * 4 dense, 5 MoE but not served.
@@ -340,16 +341,64 @@ MT_TEST(non_finite_output_names_layer_token_and_index) {
   mr_err e;
   for (size_t i = 0; i < 3 * 70; i++) y[i] = (float)i * 1e30f; /* finite, large */
   y[5] = FLT_MAX;
-  MT_OK(es_output_check_finite(y, 4, 3, 70, &e), &e);
+  MT_OK(es_output_check_finite(y, MR_DTYPE_F32, y, 4, 3, 70, &e), &e);
   y[70 + 69] = INFINITY;
-  MT_EQ_INT(es_output_check_finite(y, 4, 3, 70, &e), MR_ERANGE);
+  MT_EQ_INT(es_output_check_finite(y, MR_DTYPE_F32, y, 4, 3, 70, &e), MR_ERANGE);
   MT_CONTAINS(e.msg, "output[token 1, index 69] = +Inf in layer 4");
+  MT_CONTAINS(e.msg, "not finite in fp32");
   y[2] = NAN;
-  MT_EQ_INT(es_output_check_finite(y, 4, 3, 70, &e), MR_ERANGE);
+  MT_EQ_INT(es_output_check_finite(y, MR_DTYPE_F32, NULL, 4, 3, 70, &e), MR_ERANGE);
   MT_CONTAINS(e.msg, "output[token 0, index 2] = NaN in layer 4");
   y[2] = -INFINITY;
-  MT_EQ_INT(es_output_check_finite(y, 0, 3, 70, &e), MR_ERANGE);
+  MT_EQ_INT(es_output_check_finite(y, MR_DTYPE_F32, y, 0, 3, 70, &e), MR_ERANGE);
   MT_CONTAINS(e.msg, "= -Inf in layer 0");
+}
+
+/* The issue-23 defect: finite fp32 outputs over 65504 became +-Inf on the f16 wire and went
+ * out as OK. The check runs on the converted bytes, so the wire dtype decides: the same
+ * fp32 rows pass in f32 and bf16 and are refused in f16, naming layer, token, index and the
+ * fp32 value; 65519 still rounds to 65504 (passes), 65520 rounds to Inf (refused). */
+MT_TEST(output_that_overflows_the_wire_dtype_is_refused) {
+  enum { T = 2, HH = 300 };
+  static float y[T * HH];
+  static uint8_t wire[T * HH * 4];
+  for (size_t i = 0; i < T * HH; i++) y[i] = (float)((int)(i % 13) - 6) * 5000.0f; /* |y| <= 30000 */
+  y[HH + 7] = 65519.0f;
+  y[HH + 8] = -65519.0f;
+  const mr_dtype dts[] = {MR_DTYPE_F32, MR_DTYPE_F16, MR_DTYPE_BF16};
+  mr_err e;
+  for (size_t q = 0; q < 3; q++) {
+    mr_convert_from_f32(wire, dts[q], y, T * HH);
+    MT_OK(es_output_check_finite(wire, dts[q], y, 9, T, HH, &e), &e);
+  }
+  y[HH + 9] = -65520.0f; /* token 1, index 9: -Inf in f16 */
+  y[HH + 20] = 3e5f;
+  for (size_t q = 0; q < 3; q++) {
+    mr_convert_from_f32(wire, dts[q], y, T * HH);
+    int rc = es_output_check_finite(wire, dts[q], y, 9, T, HH, &e);
+    if (dts[q] != MR_DTYPE_F16) {
+      MT_OK(rc, &e);
+      continue;
+    }
+    fprintf(stderr, "  f16: %s\n", e.msg);
+    MT_EQ_INT(rc, MR_ERANGE);
+    MT_CONTAINS(e.msg, "output[token 1, index 9] = -Inf in layer 9");
+    MT_CONTAINS(e.msg, "-65520");
+    MT_CONTAINS(e.msg, "does not fit the f16 wire dtype");
+    MT_CONTAINS(e.msg, "65504");
+    /* Without the fp32 rows the message still names the element and the dtype. */
+    MT_EQ_INT(es_output_check_finite(wire, dts[q], NULL, 9, T, HH, &e), MR_ERANGE);
+    MT_CONTAINS(e.msg, "output[token 1, index 9] = -Inf in layer 9");
+    MT_CONTAINS(e.msg, "not finite in f16");
+  }
+  /* bf16 overflows only next to FLT_MAX: 3.4e38 rounds up to Inf, fp32 itself is finite. */
+  y[3] = 3.4e38f;
+  mr_convert_from_f32(wire, MR_DTYPE_BF16, y, T * HH);
+  MT_EQ_INT(es_output_check_finite(wire, MR_DTYPE_BF16, y, 2, T, HH, &e), MR_ERANGE);
+  MT_CONTAINS(e.msg, "output[token 0, index 3] = +Inf in layer 2");
+  MT_CONTAINS(e.msg, "does not fit the bf16 wire dtype");
+  mr_convert_from_f32(wire, MR_DTYPE_F32, y, T * HH);
+  MT_OK(es_output_check_finite(wire, MR_DTYPE_F32, y, 2, T, HH, &e), &e);
 }
 
 MT_MAIN()
