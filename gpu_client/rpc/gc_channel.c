@@ -56,12 +56,14 @@ grpc_channel *gc__channel_new(const gc_cluster *c, const gc__server *srv, int ma
   return grpc_channel_create(srv->target, c->creds, &ca);
 }
 
-/* Reads one PEM file of the cluster file's "tls" section (field names it in errors). */
-static int pem_read(const char *field, const char *path, char **out, mr_err *e) {
+/* Reads one PEM file of the cluster file's "tls" section (field names it in errors); the
+ * private key's file must not be readable by group or others (mr_file_read_private). */
+static int pem_read(const char *field, const char *path, bool private, char **out, mr_err *e) {
   size_t len = 0;
   *out = NULL;
   if (!path[0]) return 0;
-  int rc = mr_file_read(path, GC__MAX_PEM_BYTES, out, &len, e);
+  int rc = private ? mr_file_read_private(path, GC__MAX_PEM_BYTES, out, &len, e)
+                   : mr_file_read(path, GC__MAX_PEM_BYTES, out, &len, e);
   if (rc) return mr_err_prefix(e, rc, "cluster file: %s", field);
   if (!strstr(*out, "-----BEGIN ")) {
     mr_free(*out);
@@ -100,9 +102,9 @@ int gc__security_init(gc_cluster *c, mr_err *e) {
     return 0;
   }
   char *ca = NULL, *cert = NULL, *key = NULL;
-  if ((rc = pem_read("tls.ca", f->tls_ca, &ca, e)) ||
-      (rc = pem_read("tls.cert", f->tls_cert, &cert, e)) ||
-      (rc = pem_read("tls.key", f->tls_key, &key, e)))
+  if ((rc = pem_read("tls.ca", f->tls_ca, false, &ca, e)) ||
+      (rc = pem_read("tls.cert", f->tls_cert, false, &cert, e)) ||
+      (rc = pem_read("tls.key", f->tls_key, true, &key, e)))
     goto out_free_pem;
   grpc_ssl_pem_key_cert_pair kp = {.private_key = key, .cert_chain = cert};
   /* ca NULL: gRPC's default roots (GRPC_DEFAULT_SSL_ROOTS_FILE_PATH or its bundled ones). */
@@ -274,6 +276,17 @@ int gc__hello_check(gc__server *sv, const Moerpc__V1__HelloReply *h, mr_err *e) 
                           (size_t)(p - (f ? wf : fp)));
   snprintf(sv->fingerprint, sizeof sv->fingerprint, "%s", fp);
   snprintf(sv->weight_format, sizeof sv->weight_format, "%s", wf);
+  /* 1.3: the server process's id; it goes into log lines too. */
+  const char *iid = h->instance_id ? h->instance_id : "";
+  if (strlen(iid) >= sizeof sv->instance_id)
+    return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Hello instance_id has %zu characters, at "
+                      "most %zu", GC__SRV_ARGS(sv), strlen(iid), sizeof sv->instance_id - 1);
+  for (const char *p = iid; *p; p++)
+    if ((unsigned char)*p < 0x21 || (unsigned char)*p > 0x7e)
+      return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Hello instance_id has byte 0x%02x at "
+                        "offset %zu, must be printable ASCII", GC__SRV_ARGS(sv),
+                        (unsigned char)*p, (size_t)(p - iid));
+  snprintf(sv->instance_id, sizeof sv->instance_id, "%s", iid);
   struct { const char *name; uint32_t v, max; } dims[] = {
       {"hidden_size", h->hidden_size, GC__MAX_DIM},
       {"intermediate_size", h->intermediate_size, GC__MAX_DIM},
@@ -347,6 +360,7 @@ void gc__hello_take(gc__server *dst, gc__server *src) {
   dst->weight_bytes = src->weight_bytes;
   dst->expert_bytes = src->expert_bytes;
   dst->load_free_bytes = src->load_free_bytes;
+  memcpy(dst->instance_id, src->instance_id, sizeof dst->instance_id);
   dst->announce = src->announce;
   dst->announced = src->announced;
   src->announce = NULL;

@@ -10,11 +10,15 @@
  *      one costs the timeout once, not once per server.
  *   3. Check each reply (it is input from the network: ranges, ownership inside the
  *      model) and compare every server with the first.
- *   4. With a model: its config and fingerprint must match; local experts load from it.
- *   5. Owner map (local first, then the routed or first announcing server: the primary),
+ *   4. One server under two addresses ("localhost:P" and "127.0.0.1:P", a DNS name and its
+ *      IP): the entries whose Hello carries the instance_id of an earlier one are aliases
+ *      of it (one WARN line naming both addresses); they count once: no announcements, no
+ *      stream, no traffic, a route to one goes to its original (aliases_find).
+ *   5. With a model: its config and fingerprint must match; local experts load from it.
+ *   6. Owner map (local first, then the routed or first announcing server: the primary),
  *      replica sets (every announcing server of a server-owned pair), coverage check.
- *   6. Data channels sized from max_tokens, the I/O thread, one Forward stream per server,
- *      the prober thread (gc_health.c).
+ *   7. Data channels sized from max_tokens, the I/O thread, one Forward stream per server
+ *      (aliases: none), the prober thread (gc_health.c).
  */
 #include <limits.h>
 #include <stdio.h>
@@ -100,6 +104,25 @@ out_free:
   return rc;
 }
 
+/* Marks every server whose instance_id an earlier one already had as that one's alias (see
+ * the top). Servers older than protocol 1.3 send no id and are never aliases. */
+static void aliases_find(gc_cluster *c) {
+  for (uint32_t i = 1; i < c->n_servers; i++) {
+    gc__server *sv = &c->servers[i];
+    if (!sv->instance_id[0]) continue;
+    for (uint32_t j = 0; j < i; j++) {
+      const gc__server *o = &c->servers[j];
+      if (o->alias_of >= 0 || strcmp(o->instance_id, sv->instance_id) != 0) continue;
+      sv->alias_of = (int32_t)j;
+      mr_log(MR_LOG_WARN, GC__SRV_FMT " and " GC__SRV_FMT " are one server (both answer "
+             "Hello with instance_id %s): counted once, as %s; %s gets no traffic and is no "
+             "replica (list each server once in the cluster file)", GC__SRV_ARGS(o),
+             GC__SRV_ARGS(sv), sv->instance_id, o->cfg.name, sv->cfg.name);
+      break;
+    }
+  }
+}
+
 /* ---- the model --------------------------------------------------------------------------- */
 
 static int model_check(gc_cluster *c, uint8_t *must, mr_err *e) {
@@ -132,6 +155,156 @@ static int model_check(gc_cluster *c, uint8_t *must, mr_err *e) {
                       c->model_dir, fp, GC__SRV_ARGS(s0), c->fingerprint);
   for (uint32_t l = 0; l < c->L; l++) must[l] = mr_config_is_moe_layer(&cfg, l);
   return 0;
+}
+
+/* ---- the replica sets (gc__routes) --------------------------------------------------------- */
+
+static void routes_free_all(gc__routes *rt, uint32_t n_servers) {
+  while (rt) {
+    gc__routes *older = rt->older;
+    for (uint32_t i = 0; rt->ann && i < n_servers; i++) mr_free(rt->ann[i]);
+    mr_free(rt->ann);
+    mr_free(rt->rep_off);
+    mr_free(rt->rep);
+    mr_free(rt->pref);
+    mr_free(rt);
+    rt = older;
+  }
+}
+
+static bool ann_has(const uint64_t *ann, size_t i) { return ann && ann[i >> 6] >> (i & 63) & 1u; }
+
+/* A new table (gen 0) of replica sets over c->owner from the owned sets ann[] (copied; NULL
+ * for an alias): every announcing server of a server-owned pair, the placement's server
+ * preferred while it announces the pair. assigned (may be NULL) gets each server's pairs.
+ * NULL and MR_ENOMEM in e on failure. */
+static gc__routes *routes_build(gc_cluster *c, const uint64_t *const *ann, uint64_t *assigned,
+                                mr_err *e) {
+  const size_t pairs = (size_t)c->L * c->E, words = (pairs + 63) / 64;
+  gc__routes *rt = mr_calloc(1, sizeof *rt);
+  if (!rt) goto out_nomem;
+  rt->ann = mr_calloc(c->n_servers, sizeof *rt->ann);
+  rt->rep_off = mr_malloc((pairs + 1) * sizeof *rt->rep_off);
+  if (!rt->ann || !rt->rep_off) goto out_nomem;
+  for (uint32_t s = 0; s < c->n_servers; s++) {
+    if (!ann[s]) continue;
+    rt->ann[s] = mr_malloc(words * sizeof **rt->ann);
+    if (!rt->ann[s]) goto out_nomem;
+    memcpy(rt->ann[s], ann[s], words * sizeof **rt->ann);
+  }
+  size_t n_rep = gc__replicas_build(rt->rep_off, NULL, c->owner, c->L, c->E, c->n_servers,
+                                    (const uint64_t *const *)rt->ann, NULL);
+  rt->rep = mr_malloc((n_rep ? n_rep : 1) * sizeof *rt->rep);
+  if (!rt->rep) goto out_nomem;
+  gc__replicas_build(rt->rep_off, rt->rep, c->owner, c->L, c->E, c->n_servers,
+                     (const uint64_t *const *)rt->ann, assigned);
+  if (c->route) {
+    rt->pref = mr_malloc(pairs * sizeof *rt->pref);
+    if (!rt->pref) goto out_nomem;
+    for (size_t i = 0; i < pairs; i++) {
+      int32_t s = c->route[i];
+      rt->pref[i] = c->local[i] || s < 0 || !ann_has(rt->ann[s], i) ? -1 : s;
+    }
+  }
+  return rt;
+out_nomem:
+  routes_free_all(rt, c->n_servers);
+  mr_err_set(e, MR_ENOMEM, "replica sets of %u x %u: out of memory", c->L, c->E);
+  return NULL;
+}
+
+/* Whether two tables route alike: the same replica sets and preferences. */
+static bool routes_same(const gc_cluster *c, const gc__routes *a, const gc__routes *b) {
+  const size_t pairs = (size_t)c->L * c->E;
+  if (memcmp(a->rep_off, b->rep_off, (pairs + 1) * sizeof *a->rep_off) != 0) return false;
+  if (memcmp(a->rep, b->rep, a->rep_off[pairs] * sizeof *a->rep) != 0) return false;
+  return !a->pref || memcmp(a->pref, b->pref, pairs * sizeof *a->pref) == 0;
+}
+
+int gc__routes_refresh(gc_cluster *c, uint64_t seen_gen, uint32_t min_gap_ms,
+                       const char *trigger, mr_err *e) {
+  const uint32_t n = c->n_servers;
+  const size_t pairs = (size_t)c->L * c->E;
+  int rc = 0;
+  pthread_mutex_lock(&c->refresh_lock);
+  gc__routes *cur = atomic_load(&c->routes);
+  const uint64_t now = mr_now_ns();
+  /* Another caller refreshed since that request was planned, or a re-Hello just now found
+   * what this one would (a lost expert asked for every step costs one round per gap). */
+  if (cur->gen > seen_gen ||
+      (c->t_refresh_ns && now - c->t_refresh_ns < (uint64_t)min_gap_ms * 1000000u)) {
+    pthread_mutex_unlock(&c->refresh_lock);
+    return 0;
+  }
+  c->t_refresh_ns = now;
+  uint32_t *idx = mr_calloc(n, sizeof *idx);
+  gc__server *tmp = mr_calloc(n, sizeof *tmp);
+  int *rcs = mr_calloc(n, sizeof *rcs);
+  mr_err *errs = mr_calloc(n, sizeof *errs);
+  const uint64_t **ann = mr_calloc(n, sizeof *ann);
+  uint32_t k = 0, answered = 0;
+  if (!idx || !tmp || !rcs || !errs || !ann) {
+    rc = mr_err_set(e, MR_ENOMEM, "re-Hello of %u servers: out of memory", n);
+    goto out_free;
+  }
+  for (uint32_t s = 0; s < n; s++) {
+    ann[s] = cur->ann[s]; /* a server that does not answer keeps its previous set */
+    if (c->servers[s].alias_of < 0 && atomic_load(&c->streams[s].up)) idx[k++] = s;
+  }
+  /* A short deadline: the servers are up and answered a moment ago; the call waits. */
+  uint32_t tmo = c->deadline_ms / 4 < 2000 ? c->deadline_ms / 4 : 2000;
+  gc__hello_round(c, idx, k, tmo ? tmo : 1, tmp, rcs, errs);
+  for (uint32_t i = 0; i < k; i++) {
+    const gc__server *sv = &c->servers[idx[i]];
+    if (rcs[i]) {
+      mr_log_ratelimited(MR_LOG_WARN, 10, "re-Hello: %s (its owned set stays as it was)",
+                         errs[i].msg);
+      continue;
+    }
+    if (strcmp(tmp[i].fingerprint, c->fingerprint) != 0 || tmp[i].layers != c->L ||
+        tmp[i].experts != c->E || tmp[i].hidden != c->H ||
+        strcmp(tmp[i].weight_format, c->weight_format) != 0) {
+      mr_log_ratelimited(MR_LOG_WARN, 10, "re-Hello: " GC__SRV_FMT " now serves model %s (%s), "
+                         "the cluster's is %s (%s): its owned set stays as it was",
+                         GC__SRV_ARGS(sv), tmp[i].fingerprint, tmp[i].weight_format,
+                         c->fingerprint, c->weight_format);
+      continue;
+    }
+    ann[idx[i]] = tmp[i].announce;
+    answered++;
+  }
+  gc__routes *rt = routes_build(c, ann, NULL, e);
+  if (!rt) {
+    rc = MR_ENOMEM;
+    goto out_free;
+  }
+  if (routes_same(c, cur, rt)) {
+    mr_log(MR_LOG_INFO, "re-Hello of %u server%s (%u answered) after %s: the owned sets are "
+           "unchanged, routing generation %llu stays", k, k == 1 ? "" : "s", answered, trigger,
+           (unsigned long long)cur->gen);
+    routes_free_all(rt, n);
+    goto out_free;
+  }
+  uint64_t moved = 0;
+  for (size_t i = 0; i < pairs; i++)
+    moved += cur->rep_off[i + 1] - cur->rep_off[i] != rt->rep_off[i + 1] - rt->rep_off[i] ||
+             memcmp(cur->rep + cur->rep_off[i], rt->rep + rt->rep_off[i],
+                    (rt->rep_off[i + 1] - rt->rep_off[i]) * sizeof *rt->rep) != 0;
+  rt->gen = cur->gen + 1;
+  rt->older = cur;
+  atomic_store_explicit(&c->routes, rt, memory_order_release);
+  mr_log(MR_LOG_INFO, "re-Hello of %u server%s (%u answered) after %s: %llu pair%s changed "
+         "servers; routing generation %llu", k, k == 1 ? "" : "s", answered, trigger,
+         (unsigned long long)moved, moved == 1 ? "" : "s", (unsigned long long)rt->gen);
+out_free:
+  pthread_mutex_unlock(&c->refresh_lock);
+  for (uint32_t i = 0; tmp && i < n; i++) mr_free(tmp[i].announce);
+  mr_free(tmp);
+  mr_free(idx);
+  mr_free(rcs);
+  mr_free(errs);
+  mr_free(ann);
+  return rc;
 }
 
 /* ---- open / close ------------------------------------------------------------------------ */
@@ -176,6 +349,8 @@ int gc__cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_option
   pthread_mutex_init(&c->local_lock, NULL);
   pthread_mutex_init(&c->calls_lock, NULL);
   pthread_cond_init(&c->calls_cond, NULL);
+  pthread_mutex_init(&c->refresh_lock, NULL);
+  atomic_init(&c->routes, NULL);
   c->locks_inited = true;
   int rc = gc__pool_new(c, e);
   if (rc) return rc;
@@ -185,6 +360,7 @@ int gc__cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_option
     return mr_err_set(e, MR_ENOMEM, "cluster of %u servers: out of memory", c->n_servers);
   for (uint32_t i = 0; i < c->n_servers; i++) {
     c->servers[i].cfg = file->servers[i];
+    c->servers[i].alias_of = -1;
     pr_target_from_address(file->servers[i].address, c->servers[i].target,
                            sizeof c->servers[i].target);
   }
@@ -216,8 +392,18 @@ static int caller_placement_check(gc_cluster *c, uint8_t *local, mr_err *e) {
       return mr_err_set(e, MR_EMISMATCH, "placement routing: %zu entries given, the servers' "
                         "model has %u layers x %u experts = %zu", o->route_len, c->L, c->E,
                         pairs);
+    /* A copy: the caller's array need not outlive open, and a re-Hello (gc__routes_refresh)
+     * reads it later. A placement naming an alias means its original. */
+    c->route_own = mr_malloc(pairs * sizeof *c->route_own);
+    if (!c->route_own) return mr_err_set(e, MR_ENOMEM, "placement routing: out of memory");
     for (size_t i = 0; i < pairs; i++) {
       int32_t s = o->route[i];
+      c->route_own[i] = s >= 0 && (uint32_t)s < c->n_servers && c->servers[s].alias_of >= 0
+                            ? c->servers[s].alias_of : s;
+    }
+    c->route = c->route_own;
+    for (size_t i = 0; i < pairs; i++) {
+      int32_t s = c->route[i];
       if (s < 0) continue;
       if ((uint32_t)s >= c->n_servers)
         return mr_err_set(e, MR_ERANGE, "placement: layer %zu expert %zu is routed to server "
@@ -254,6 +440,7 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
                                                    : GC_DEFAULT_CONNECT_TIMEOUT_MS;
   rc = hello_all(c, connect_ms, e);
   if (rc) goto out_close;
+  aliases_find(c);
 
   const gc__server *s0 = &c->servers[0];
   c->H = s0->hidden;
@@ -276,7 +463,7 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
 
   size_t pairs = (size_t)c->L * c->E;
   must = mr_calloc(c->L, 1);
-  local = mr_calloc(pairs, 1);
+  local = c->local = mr_calloc(pairs, 1);
   c->owner = mr_malloc(pairs * sizeof *c->owner);
   msg = mr_malloc(sizeof e->msg);
   if (!must || !local || !c->owner || !msg) {
@@ -309,31 +496,26 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
     rc = mr_err_set(e, MR_ENOMEM, "owner map: out of memory");
     goto out_close;
   }
-  for (uint32_t i = 0; i < c->n_servers; i++) ann[i] = c->servers[i].announce;
-  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, c->opts.route, NULL);
+  /* An alias announces nothing: its pairs are its original's, counted once. */
+  for (uint32_t i = 0; i < c->n_servers; i++)
+    ann[i] = c->servers[i].alias_of >= 0 ? NULL : c->servers[i].announce;
+  gc__owner_build(c->owner, c->L, c->E, c->n_servers, ann, local, c->route, NULL);
   /* Every announcing server is a replica of a server-owned pair; a routed pair prefers
-   * its placement's server while that one is up. */
-  c->rep_off = mr_malloc((pairs + 1) * sizeof *c->rep_off);
-  size_t n_rep = c->rep_off ? gc__replicas_build(c->rep_off, NULL, c->owner, c->L, c->E,
-                                                 c->n_servers, ann, NULL) : 0;
-  c->rep = c->rep_off ? mr_malloc((n_rep ? n_rep : 1) * sizeof *c->rep) : NULL;
-  if (c->opts.route) {
-    c->pref = mr_malloc(pairs * sizeof *c->pref);
-    if (c->pref)
-      for (size_t i = 0; i < pairs; i++) c->pref[i] = local[i] ? -1 : c->opts.route[i];
-  }
-  if (!c->rep_off || !c->rep || (c->opts.route && !c->pref)) {
+   * its placement's server while it is up. */
+  gc__routes *rt = routes_build(c, ann, assigned, e);
+  if (!rt) {
     mr_free(ann);
     mr_free(assigned);
-    rc = mr_err_set(e, MR_ENOMEM, "replica sets of %u x %u: out of memory", c->L, c->E);
+    rc = e && e->code ? e->code : MR_ENOMEM;
     goto out_close;
   }
-  gc__replicas_build(c->rep_off, c->rep, c->owner, c->L, c->E, c->n_servers, ann, assigned);
+  rt->gen = 1;
+  atomic_store(&c->routes, rt);
   uint64_t replicated = 0;
-  for (size_t i = 0; i < pairs; i++) replicated += c->rep_off[i + 1] - c->rep_off[i] > 1;
+  for (size_t i = 0; i < pairs; i++) replicated += rt->rep_off[i + 1] - rt->rep_off[i] > 1;
   for (uint32_t i = 0; i < c->n_servers; i++) {
     c->servers[i].assigned = assigned[i];
-    if (assigned[i] == 0)
+    if (assigned[i] == 0 && c->servers[i].alias_of < 0)
       mr_log(MR_LOG_WARN, GC__SRV_FMT ": every expert it announces is local or "
              "caller-computed; it gets no traffic", GC__SRV_ARGS(&c->servers[i]));
   }
@@ -371,7 +553,6 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
 out_close:
   gc_cluster_close(c);
   mr_free(must);
-  mr_free(local);
   mr_free(msg);
   return rc;
 }
@@ -404,21 +585,23 @@ void gc_cluster_close(gc_cluster *c) {
   mr_free(c->servers);
   mr_free(c->streams);
   mr_free(c->owner);
-  mr_free(c->rep_off);
-  mr_free(c->rep);
-  mr_free(c->pref);
+  mr_free(c->local);
+  routes_free_all(atomic_load(&c->routes), c->n_servers);
+  mr_free(c->route_own);
   gc_routing_free(c->routing);
   if (c->creds) grpc_channel_credentials_release(c->creds);
   if (c->n_auth_md) {
     grpc_slice_unref(c->auth_md.key);
     grpc_slice_unref(c->auth_md.value);
   }
+  if (c->n_fwd_md > c->n_auth_md) grpc_slice_unref(c->fwd_md[c->n_fwd_md - 1].value);
   if (c->locks_inited) {
     pthread_mutex_destroy(&c->local_lock);
     pthread_mutex_destroy(&c->health_lock);
     pthread_cond_destroy(&c->health_cond);
     pthread_mutex_destroy(&c->calls_lock);
     pthread_cond_destroy(&c->calls_cond);
+    pthread_mutex_destroy(&c->refresh_lock);
   }
   if (c->grpc_inited) grpc_shutdown();
   mr_free(c);
@@ -455,6 +638,8 @@ int gc_server_info_get(const gc_cluster *c, uint32_t idx, gc_server_info *out, m
   out->max_tokens = sv->max_tokens;
   out->announced_pairs = sv->announced;
   out->assigned_pairs = sv->assigned;
+  out->alias_of = sv->alias_of;
+  memcpy(out->instance_id, sv->instance_id, sizeof out->instance_id);
   return 0;
 }
 
@@ -465,6 +650,7 @@ int gc_cluster_owner(const gc_cluster *c, uint32_t layer, uint32_t expert) {
 
 bool gc_server_announces(const gc_cluster *c, uint32_t idx, uint32_t layer, uint32_t expert) {
   if (idx >= c->n_servers || layer >= c->L || expert >= c->E) return false;
+  if (c->servers[idx].alias_of >= 0) return false; /* counted once, as its original */
   size_t b = (size_t)layer * c->E + expert;
   return c->servers[idx].announce[b >> 6] >> (b & 63) & 1u;
 }

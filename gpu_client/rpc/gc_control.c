@@ -34,10 +34,58 @@ int gc__stats_reply_check(const gc__server *sv, const Moerpc__V1__StatsReply *r,
                         x->layer, x->expert, L, E);
     out->counts[out->n_counts++] = (gc_expert_count){x->layer, x->expert, x->tokens};
   }
+  /* 1.4: the clients, input like the rest: bounded, printable (they reach log lines and
+   * `moerpc-place apply`'s output). */
+  if (r->n_clients > GC_STATS_MAX_CLIENTS)
+    return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Stats clients has %zu entries, at most %d",
+                      GC__SRV_ARGS(sv), r->n_clients, GC_STATS_MAX_CLIENTS);
+  if (r->n_clients) {
+    out->clients = mr_calloc(r->n_clients, sizeof *out->clients);
+    if (!out->clients)
+      return mr_err_set(e, MR_ENOMEM, GC__SRV_FMT ": Stats reply of %zu clients: out of memory",
+                        GC__SRV_ARGS(sv), r->n_clients);
+  }
+  for (size_t i = 0; i < r->n_clients; i++) {
+    const Moerpc__V1__ClientInfo *x = r->clients[i];
+    struct { const char *field, *v; size_t max; char *dst; } f[] = {
+        {"client_name", x->client_name, GC_CLIENT_NAME_MAX, out->clients[i].name},
+        {"peer", x->peer, GC_CLIENT_PEER_MAX, out->clients[i].peer},
+    };
+    for (size_t k = 0; k < 2; k++) {
+      const char *v = f[k].v ? f[k].v : "";
+      size_t len = strlen(v);
+      if (len > f[k].max)
+        return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Stats clients[%zu].%s has %zu bytes, at "
+                          "most %zu", GC__SRV_ARGS(sv), i, f[k].field, len, f[k].max);
+      for (size_t j = 0; j < len; j++)
+        if ((unsigned char)v[j] < 0x20 || v[j] == 0x7f)
+          return mr_err_set(e, MR_EPROTO, GC__SRV_FMT ": Stats clients[%zu].%s has a control "
+                            "byte 0x%02x at offset %zu", GC__SRV_ARGS(sv), i, f[k].field,
+                            (unsigned char)v[j], j);
+      memcpy(f[k].dst, v, len + 1);
+    }
+    out->clients[i].streams = x->streams;
+    out->clients[i].hello_generation = x->hello_generation;
+    out->clients[i].hello_age_ms = x->hello_age_ms;
+    out->n_clients++;
+  }
   return 0;
 }
 
+static int stats_call(gc_cluster *c, uint32_t idx, bool reset, uint32_t L, uint32_t E,
+                      gc_stats *out, mr_err *e);
+
 int gc_cluster_stats(gc_cluster *c, uint32_t idx, bool reset, gc_stats *out, mr_err *e) {
+  return stats_call(c, idx, reset, c->L, c->E, out, e);
+}
+
+int gc_control_stats(gc_cluster *c, uint32_t idx, uint32_t L, uint32_t E, gc_stats *out,
+                     mr_err *e) {
+  return stats_call(c, idx, false, L, E, out, e);
+}
+
+static int stats_call(gc_cluster *c, uint32_t idx, bool reset, uint32_t L, uint32_t E,
+                      gc_stats *out, mr_err *e) {
   gc__unary u;
   Moerpc__V1__StatsReply *r = NULL;
   memset(out, 0, sizeof *out);
@@ -58,7 +106,7 @@ int gc_cluster_stats(gc_cluster *c, uint32_t idx, bool reset, gc_stats *out, mr_
     rc = mr_err_prefix(e, MR_EPROTO, GC__SRV_FMT ": Stats reply", GC__SRV_ARGS(sv));
     goto out_free;
   }
-  rc = gc__stats_reply_check(sv, r, c->L, c->E, out, e);
+  rc = gc__stats_reply_check(sv, r, L, E, out, e);
 out_free:
   if (r) moerpc__v1__stats_reply__free_unpacked(r, NULL);
   gc__unary_free(&u);
@@ -69,6 +117,7 @@ out_free:
 void gc_stats_close(gc_stats *s) {
   if (!s) return;
   mr_free(s->counts);
+  mr_free(s->clients);
   memset(s, 0, sizeof *s);
 }
 
@@ -149,6 +198,7 @@ int gc_control_hello(gc_cluster *c, uint32_t idx, gc_hello_info *out, mr_err *e)
     out->weight_bytes = sv.weight_bytes;
     out->expert_bytes = sv.expert_bytes;
     out->load_free_bytes = sv.load_free_bytes;
+    memcpy(out->instance_id, sv.instance_id, sizeof out->instance_id);
     out->n_owned = sv.announced;
     for (size_t i = 0; i < LE; i++) out->owned[i] = (uint8_t)(sv.announce[i >> 6] >> (i & 63) & 1u);
   }

@@ -1,6 +1,7 @@
 /*
  * gc_fanout.c - the pure parts of the client: the owner map, the split of one layer call
- * by owner, the gather and scatter-add of rows, the coverage check and format names.
+ * by owner, the gather and scatter-add of rows, the finite check of a reply's output, the
+ * coverage check and format names.
  * No gRPC, no threads, no I/O: everything here is unit-tested in test_gc_fanout.c.
  *
  * The split of one call, T = 4 tokens, k = 2, experts 0-3 on server 0, 4-7 on server 1,
@@ -215,6 +216,21 @@ void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, c
       MR_ASSERT(!"gc__scatter_add: dtype validated at submit");
     }
   }
+}
+
+int gc__reply_check_finite(const void *y, mr_dtype dt, const uint32_t *rows, uint32_t n,
+                           uint32_t H, mr_err *e) {
+  size_t total = (size_t)n * H;
+  size_t i = mr_nonfinite_find(y, dt, total);
+  if (i == total) return 0;
+  uint32_t bits;
+  const char *what = mr_nonfinite_name(y, dt, i, &bits);
+  size_t t = i / H;
+  return mr_err_set(e, MR_EPROTO,
+                    "reply output[row %zu (token %u of the call), index %zu] = %s (%s bits "
+                    "0x%0*x): an OK reply must hold finite values only",
+                    t, rows ? rows[t] : (unsigned)t, i % H, what, mr_dtype_name(dt),
+                    (int)(2 * mr_dtype_size(dt)), (unsigned)bits);
 }
 
 void gc__owner_build(int32_t *owner, uint32_t L, uint32_t E, uint32_t n_servers,

@@ -84,12 +84,13 @@ void gc__down_explain(gc_cluster *c, uint32_t layer, const uint8_t *missing, cha
   size_t pos = strlen(msg);
   const uint64_t now = mr_now_ns();
   bool first = true;
+  const gc__routes *rt = gc__routes_get(c);
   pthread_mutex_lock(&c->health_lock);
   for (uint32_t x = 0; x < c->E; x++) {
     if (!missing[x]) continue;
     size_t i = (size_t)layer * c->E + x;
-    for (uint32_t j = c->rep_off[i]; j < c->rep_off[i + 1]; j++) {
-      uint32_t s = c->rep[j];
+    for (uint32_t j = rt->rep_off[i]; j < rt->rep_off[i + 1]; j++) {
+      uint32_t s = rt->rep[j];
       if (seen[s] || pos + 1 >= len) continue;
       seen[s] = 1;
       const gc__stream *st = &c->streams[s];
@@ -158,13 +159,10 @@ static bool hello_matches(const gc_cluster *c, const gc__server *old, const gc__
              tmp->max_top_k, old->max_tokens, old->max_top_k);
     return false;
   }
-  size_t words = ((size_t)c->L * c->E + 63) / 64;
-  for (size_t w = 0; w < words; w++)
-    if (old->announce[w] & ~tmp->announce[w]) {
-      size_t b = w * 64 + (size_t)__builtin_ctzll(old->announce[w] & ~tmp->announce[w]);
-      snprintf(msg, len, "no longer announces layer %zu expert %zu", b / c->E, b % c->E);
-      return false;
-    }
+  /* Its owned set may differ from the one at open: `moerpc-place apply` moves experts
+   * while servers come and go. A pair it no longer serves is answered "not served", which
+   * makes the caller re-Hello and re-route (docs/DESIGN.md 3.7), so it is no reason to keep
+   * the server down (that would strand the pairs only it serves). */
   return true;
 }
 

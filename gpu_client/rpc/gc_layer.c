@@ -16,7 +16,8 @@
  * pending, so the arena is reset only after gRPC let go of them.
  *
  * Failover inside the wait (docs/DESIGN.md "Replicas and failover"): a request whose
- * stream broke (retry), or that is unanswered for failover_ms while its server has been
+ * stream broke (retry), whose OK reply held a NaN or an Inf (bad_reply: the I/O thread
+ * checks every reply), or that is unanswered for failover_ms while its server has been
  * silent as long, is re-planned: its slots (a disjoint set of (token, slot) of the call)
  * are split again over the live replicas without its server, with its own gathered rows
  * as the source, and the new requests are appended and sent; the old one is marked
@@ -24,6 +25,7 @@
  * added. The sum is the same set of (token, slot) products, so the call's result is too.
  */
 #include <errno.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -108,7 +110,8 @@ static int reqs_push(gc_pending *p, gc__req *r, uint32_t *n) {
  * over its server's max_tokens becomes several requests. fo_from marks resent requests.
  */
 static int reqs_from_plan(gc_cluster *c, gc_pending *p, const gc__plan *pl, const void *src_x,
-                          const uint32_t *src_rows, int32_t fo_from, uint32_t *n, mr_err *e) {
+                          const uint32_t *src_rows, int32_t fo_from, uint64_t rt_gen,
+                          uint32_t *n, mr_err *e) {
   const uint32_t k = pl->top_k;
   const size_t row_bytes = (size_t)c->H * mr_dtype_size(p->dtype);
   const uint64_t now = mr_now_ns();
@@ -140,6 +143,7 @@ static int reqs_from_plan(gc_cluster *c, gc_pending *p, const gc__plan *pl, cons
       r->id = atomic_fetch_add(&c->next_id, 1);
       r->t_submit_ns = now;
       r->fo_from = fo_from;
+      r->rt_gen = rt_gen;
       if (reqs_push(p, r, n)) goto out_nomem;
     }
   }
@@ -155,30 +159,52 @@ static void reqs_send(gc_pending *p, uint32_t from, uint32_t to) {
     gc__req *r = p->reqs[i];
     mr_err err;
     int erc = req_encode(p, r, &err);
-    if (erc) gc__req_complete(r, erc, &err, false);
+    if (erc) gc__req_complete(r, erc, &err, 0);
     else gc__stream_enqueue(r->s, r);
   }
 }
 
-/* The replica view of layer for a plan: live and load snapshots from the arena; skip is a
- * server to leave out (-1 none). */
+/* The replica view of layer for a plan: the current replica sets (their generation in
+ * *gen), live and load snapshots from the arena; skip is a server to leave out (-1 none),
+ * as are the servers that replied non-finite earlier in this call (p->excluded). */
 static int replicas_view(gc_cluster *c, gc_pending *p, uint32_t layer, int32_t skip,
-                         gc__replicas *rp) {
+                         gc__replicas *rp, uint64_t *gen) {
+  const gc__routes *rt = gc__routes_get(c);
+  *gen = rt->gen;
   uint8_t *live = mr_arena_alloc(&p->arena, c->n_servers, 8);
   uint64_t *load = mr_arena_alloc(&p->arena, c->n_servers * sizeof *load, 8);
   if (!live || !load) return MR_ENOMEM;
   for (uint32_t s = 0; s < c->n_servers; s++) {
-    live[s] = atomic_load(&c->streams[s].up) && (int32_t)s != skip;
+    live[s] = atomic_load(&c->streams[s].up) && (int32_t)s != skip &&
+              !(p->excluded && p->excluded[s]);
     load[s] = atomic_load(&c->streams[s].out_slots);
   }
-  rp->off = c->rep_off + (size_t)layer * c->E;
-  rp->srv = c->rep;
-  rp->pref = c->pref ? c->pref + (size_t)layer * c->E : NULL;
+  rp->off = rt->rep_off + (size_t)layer * c->E;
+  rp->srv = rt->rep;
+  rp->pref = rt->pref ? rt->pref + (size_t)layer * c->E : NULL;
   rp->live = live;
   rp->load = load;
   rp->rot = atomic_fetch_add(&c->rot, 1);
   return 0;
 }
+
+static void miss_explain(const gc_cluster *c, uint32_t layer, const uint8_t *missing, char *msg,
+                         size_t len);
+
+/* Whether an expert of missing[E] (a plan's, NULL = none) has no replica at all in the
+ * current replica sets: no server announced it at the last Hello (not merely down). */
+static bool missing_unannounced(const gc_cluster *c, uint32_t layer, const uint8_t *missing) {
+  const gc__routes *rt = gc__routes_get(c);
+  for (uint32_t x = 0; missing && x < c->E; x++) {
+    size_t i = (size_t)layer * c->E + x;
+    if (missing[x] && rt->rep_off[i] == rt->rep_off[i + 1]) return true;
+  }
+  return false;
+}
+
+/* A re-Hello for an expert no server announced is tried at most this often (a lost expert
+ * asked for every step would otherwise cost a Hello round each time). */
+#define GC__UNANNOUNCED_GAP_MS 200u
 
 int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, mr_err *e) {
   MR_ASSERT(c && pending);
@@ -196,11 +222,35 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
 
   const size_t row_bytes = (size_t)c->H * mr_dtype_size(q->dtype);
   gc__replicas rp;
-  if (replicas_view(c, p, q->layer, -1, &rp)) goto out_nomem;
+  uint64_t gen;
+  if (replicas_view(c, p, q->layer, -1, &rp, &gen)) goto out_nomem;
   rc = gc__plan_build(&p->plan, c->owner + (size_t)q->layer * c->E, &rp, c->E, c->n_servers,
                       q->layer, q->n_tokens, q->top_k, q->ids, q->weights, &p->arena, e);
-  if (rc == MR_EUNAVAIL && e)
-    gc__down_explain(c, q->layer, p->plan.missing, e->msg, sizeof e->msg);
+  bool unannounced = rc == MR_EUNAVAIL && missing_unannounced(c, q->layer, p->plan.missing);
+  if (unannounced) {
+    /* An expert that left every server may have come back (a LoadExperts since the last
+     * Hello): ask again, then plan again. */
+    char trigger[120];
+    snprintf(trigger, sizeof trigger, "a layer %u call for experts no server announced",
+             q->layer);
+    mr_err rerr;
+    if (gc__routes_refresh(c, gen, GC__UNANNOUNCED_GAP_MS, trigger, &rerr) == 0 &&
+        gc__routes_get(c)->gen != gen) {
+      if (replicas_view(c, p, q->layer, -1, &rp, &gen)) goto out_nomem;
+      rc = gc__plan_build(&p->plan, c->owner + (size_t)q->layer * c->E, &rp, c->E,
+                          c->n_servers, q->layer, q->n_tokens, q->top_k, q->ids, q->weights,
+                          &p->arena, e);
+      unannounced = rc == MR_EUNAVAIL && missing_unannounced(c, q->layer, p->plan.missing);
+    }
+  }
+  if (rc == MR_EUNAVAIL && e) {
+    if (unannounced) {
+      size_t len = strlen(e->msg);
+      miss_explain(c, q->layer, p->plan.missing, e->msg + len, sizeof e->msg - len);
+    } else {
+      gc__down_explain(c, q->layer, p->plan.missing, e->msg, sizeof e->msg);
+    }
+  }
   if (rc) goto out_unref;
   const uint32_t np = p->plan.n_parts;
   /* Every slot is valid now: count the routing decisions, caller-computed ones included
@@ -215,7 +265,7 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
   /* Describe every request before the first is queued: the I/O thread may complete one
    * while later ones are still being queued, and counts against n_reqs. */
   uint32_t n = 0;
-  rc = reqs_from_plan(c, p, &p->plan, q->x, NULL, -1, &n, e);
+  rc = reqs_from_plan(c, p, &p->plan, q->x, NULL, -1, gen, &n, e);
   if (rc) goto out_unref;
   p->n_reqs = n;
 
@@ -256,6 +306,76 @@ out_unref:
 
 /* ---- failover ---------------------------------------------------------------------------- */
 
+/* Marks the broken request r a plain failure (the wait reports it in request order), its
+ * message extended by the printf-style suffix. */
+static void req_give_up(gc_pending *p, gc__req *r, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void req_give_up(gc_pending *p, gc__req *r, const char *fmt, ...) {
+  char extra[600];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(extra, sizeof extra, fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&p->lock);
+  r->retry = false;
+  size_t len = strlen(r->err.msg);
+  snprintf(r->err.msg + len, sizeof r->err.msg - len, "%s", extra);
+  pthread_mutex_unlock(&p->lock);
+}
+
+/*
+ * The first half of the re-plan of a request answered "not served" (FAILED_PRECONDITION:
+ * its server no longer holds an expert of its slots, typically moved by `moerpc-place
+ * apply` to another server while this client was not told): re-Hellos the cluster
+ * (gc__routes_refresh; nothing is sent when another caller already refreshed since r was
+ * planned), so that the re-plan sees the servers' owned sets of now. Bounded: after
+ * GC__MISS_MAX such re-plans in one call r fails with its own message (no livelock when a
+ * server's Hello and its Forward disagree). Returns 0 to re-plan, 1 when r was given up,
+ * or an error (MR_ENOMEM).
+ */
+static int miss_refresh(gc_cluster *c, gc_pending *p, gc__req *r, mr_err *e) {
+  if (p->misses >= GC__MISS_MAX) {
+    req_give_up(p, r, " (still not served after %u re-Hellos of the cluster in this call)",
+                p->misses);
+    return 1;
+  }
+  p->misses++;
+  char trigger[600];
+  snprintf(trigger, sizeof trigger, "a \"not served\" reply (FAILED_PRECONDITION) of " GC__SRV_FMT
+           " to layer %u request %llu", GC__SRV_ARGS(r->s->srv), p->layer,
+           (unsigned long long)r->id);
+  int rc = gc__routes_refresh(c, r->rt_gen, 0, trigger, e);
+  return rc ? rc : 0;
+}
+
+/* The experts of missing[E] and the servers asked, for a request that no server serves
+ * after a re-Hello: " (layer 1: expert 6 is served by no server after a re-Hello of the
+ * cluster; asked s0 (...), s1 (...))". */
+static void miss_explain(const gc_cluster *c, uint32_t layer, const uint8_t *missing, char *msg,
+                         size_t len) {
+  char list[256];
+  uint32_t n_missing = 0;
+  mr_idlist w;
+  mr_idlist_init(&w, list, sizeof list);
+  for (uint32_t x = 0; missing && x < c->E; x++)
+    if (missing[x]) {
+      mr_idlist_add(&w, x);
+      n_missing++;
+    }
+  mr_idlist_end(&w, true);
+  int pos = snprintf(msg, len, " (layer %u: expert%s %s %s served by no live server after a "
+                     "re-Hello of the cluster; asked", layer, n_missing == 1 ? "" : "s", list,
+                     n_missing == 1 ? "is" : "are");
+  bool first = true;
+  for (uint32_t s = 0; s < c->n_servers && pos > 0 && (size_t)pos < len; s++) {
+    if (c->servers[s].alias_of >= 0) continue;
+    pos += snprintf(msg + pos, len - (size_t)pos, "%s " GC__SRV_FMT "%s", first ? "" : ",",
+                    GC__SRV_ARGS(&c->servers[s]), atomic_load(&c->streams[s].up) ? "" : " (down)");
+    first = false;
+  }
+  if (pos > 0 && (size_t)pos < len) snprintf(msg + pos, len - (size_t)pos, ")");
+}
+
 /* Whether the unanswered r has waited failover_ms and its server said nothing for as long
  * (a server that answers other requests is busy, not gone); else *wake gets when it would. */
 static bool req_stalled(const gc_cluster *c, const gc__req *r, uint64_t now, uint64_t *wake) {
@@ -271,8 +391,12 @@ static bool req_stalled(const gc_cluster *c, const gc__req *r, uint64_t now, uin
 /*
  * One failover round of the waiter (p->lock not held): every request that broke with
  * retry, or is unanswered on a server that is down or stalled, is re-planned over the live
- * replicas of its slots and resent. A stalled request with nowhere to go is left to its
- * deadline (no_failover). Returns 0, or the call's error: MR_EUNAVAIL when a broken
+ * replicas of its slots and resent. A request answered with a non-finite value, or refused
+ * by a draining server (avoid_server), is re-planned the same way with its server excluded
+ * from the rest of the call (so two faulty replicas cannot bounce it between them); with
+ * nowhere to go it becomes a plain
+ * failure, reported with its own message. A stalled request with nowhere to go is left to
+ * its deadline (no_failover). Returns 0, or the call's error: MR_EUNAVAIL when a broken
  * request's slots have no live replica, MR_ENOMEM.
  */
 static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
@@ -283,6 +407,7 @@ static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
     gc__req *r = p->reqs[i];
     pthread_mutex_lock(&p->lock);
     bool done = r->done, broke = r->done && r->rc && r->retry, replaced = r->replaced;
+    bool bad = broke && r->avoid_server, miss = broke && r->miss;
     pthread_mutex_unlock(&p->lock);
     /* no_failover holds only while r is unanswered: a broken stream must still be
      * re-planned (or reported) even if an earlier stall found nowhere to go. */
@@ -296,16 +421,52 @@ static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
       if (!down && !stalled) continue;
     }
 
+    if (bad) {
+      /* A server that sent a NaN or an Inf as OK gets nothing more of this call; it stays
+       * up for other calls (its stream and other layers may be fine, and a fresh Hello
+       * would not tell). */
+      if (!p->excluded) {
+        p->excluded = mr_arena_alloc(&p->arena, c->n_servers, 8);
+        if (!p->excluded)
+          return mr_err_set(e, MR_ENOMEM, "layer %u: failover: out of memory", p->layer);
+        memset(p->excluded, 0, c->n_servers);
+      }
+      p->excluded[idx] = 1;
+    }
+    if (miss) {
+      /* Not a fault of the server: it serves what its Hello says, and the re-Hello tells
+       * where the expert went; the server is not left out (it may serve the other slots). */
+      int mrc = miss_refresh(c, p, r, e);
+      if (mrc < 0 || mrc > 1) return mrc;
+      if (mrc == 1) continue;
+    }
     gc__plan sub;
     gc__replicas rp;
     mr_err perr;
-    if (replicas_view(c, p, p->layer, (int32_t)idx, &rp))
+    uint64_t gen;
+    if (replicas_view(c, p, p->layer, miss ? -1 : (int32_t)idx, &rp, &gen))
       return mr_err_set(e, MR_ENOMEM, "layer %u: failover: out of memory", p->layer);
     int rc = gc__plan_build(&sub, c->owner + (size_t)p->layer * c->E, &rp, c->E, c->n_servers,
                             p->layer, r->n_tokens, p->top_k, r->ids, r->weights, &p->arena,
                             &perr);
+    if (rc == MR_EUNAVAIL && miss) {
+      char why[600];
+      miss_explain(c, p->layer, sub.missing, why, sizeof why);
+      req_give_up(p, r, "%s", why);
+      continue;
+    }
     if (rc == MR_EUNAVAIL && !done) {
       r->no_failover = true; /* nowhere to go: its own server may still answer in time */
+      continue;
+    }
+    if (rc == MR_EUNAVAIL && bad) {
+      /* Nowhere else to ask: the call fails with the reply's own error, which names the
+       * server, the layer and the value (reported in request order by the wait). */
+      pthread_mutex_lock(&p->lock);
+      r->retry = false;
+      size_t len = strlen(r->err.msg);
+      snprintf(r->err.msg + len, sizeof r->err.msg - len, " (no other live replica to ask)");
+      pthread_mutex_unlock(&p->lock);
       continue;
     }
     if (rc == MR_EUNAVAIL) {
@@ -350,7 +511,9 @@ static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
     }
     gc__server_resent(c, idx, 1);
     uint32_t from = n;
-    rc = reqs_from_plan(c, p, &sub, r->x, r->rows, (int32_t)idx, &n, e);
+    /* fo_from times a failover of a down server; a bad reply or a miss is none (its server
+     * is up). */
+    rc = reqs_from_plan(c, p, &sub, r->x, r->rows, bad || miss ? -1 : (int32_t)idx, gen, &n, e);
     if (rc) return rc;
     pthread_mutex_lock(&p->lock);
     p->n_reqs = n;

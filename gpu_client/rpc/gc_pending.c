@@ -68,6 +68,8 @@ gc_pending *gc__pending_get(gc_cluster *c, mr_err *e) {
   p->n_reqs = p->n_done = p->cap_reqs = 0;
   p->failed = p->closed = false;
   p->reqs = NULL;
+  p->excluded = NULL;
+  p->misses = 0;
   p->part_out = NULL;
   p->local_rc = 0;
   p->t_last_reply_ns = p->local_ns = p->t_sent_ns = 0;
@@ -120,13 +122,15 @@ void gc__pool_close(gc_cluster *c) {
               "the last of them");
 }
 
-void gc__req_complete(gc__req *r, int rc, const mr_err *err, bool retry) {
+void gc__req_complete(gc__req *r, int rc, const mr_err *err, unsigned how) {
   gc_pending *p = r->p;
   pthread_mutex_lock(&p->lock);
   if (!p->closed && !r->done) {
     r->done = true;
     r->rc = rc;
-    r->retry = rc != 0 && retry;
+    r->retry = rc != 0 && how != 0;
+    r->avoid_server = rc != 0 && (how & (GC__DONE_BAD_REPLY | GC__DONE_REFUSED));
+    r->miss = rc != 0 && (how & GC__DONE_MISS);
     r->t_done_ns = mr_now_ns();
     if (rc && err) r->err = *err;
     else if (rc) mr_err_set(&r->err, rc, "layer %u request %llu: %s", p->layer,

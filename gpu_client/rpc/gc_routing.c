@@ -201,38 +201,27 @@ void gc_routing_counts_close(gc_routing_counts *c) {
   memset(c, 0, sizeof *c);
 }
 
-/* A JSON string, escaped as placement/pl_stats.c does (quote, backslash, control bytes). */
-static void put_str(mr_prom *p, const char *s) {
-  mr_prom_append(p, "\"", 1);
-  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-    if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
-    else mr_prom_append(p, (const char *)c, 1);
-  }
-  mr_prom_append(p, "\"", 1);
-}
-
 int gc_routing_json(gc_routing *r, gc_routing_span span, const char *fingerprint,
-                    mr_prom *out, mr_err *e) {
+                    mr_buf *out, mr_err *e) {
   gc_routing_counts rc;
   int err = gc_routing_get(r, span, &rc, e);
   if (err) return err;
   /* The layout of placement/pl_stats.c's writer, so that both read the same. */
-  mr_prom_printf(out, "{\"format\": \"moerpc-stats\", \"version\": 1,\n \"model_fingerprint\": ");
-  put_str(out, fingerprint ? fingerprint : "");
-  mr_prom_printf(out, ", \"num_layers\": %u, \"num_experts\": %u,\n \"window\": {\"kind\": \"%s\", "
+  mr_buf_printf(out, "{\"format\": \"moerpc-stats\", \"version\": 1,\n \"model_fingerprint\": ");
+  mr_buf_json_str(out, fingerprint ? fingerprint : "");
+  mr_buf_printf(out, ", \"num_layers\": %u, \"num_experts\": %u,\n \"window\": {\"kind\": \"%s\", "
                  "\"steps\": %llu, \"tokens\": %llu, \"seconds\": %.17g},\n \"sources\": "
                  "[\"client\"],\n \"counts\": [", rc.num_layers, rc.num_experts,
                  span == GC_ROUTING_TOTAL ? "since_reset" : "steps",
                  (unsigned long long)rc.steps, (unsigned long long)rc.tokens, rc.seconds);
   for (uint32_t l = 0; l < rc.num_layers; l++) {
-    mr_prom_append(out, l ? ",\n  [" : "\n  [", l ? 5 : 4);
+    mr_buf_append(out, l ? ",\n  [" : "\n  [", l ? 5 : 4);
     const uint64_t *row = rc.counts + (size_t)l * rc.num_experts;
     for (uint32_t x = 0; x < rc.num_experts; x++)
-      mr_prom_printf(out, x ? ",%llu" : "%llu", (unsigned long long)row[x]);
-    mr_prom_append(out, "]", 1);
+      mr_buf_printf(out, x ? ",%llu" : "%llu", (unsigned long long)row[x]);
+    mr_buf_append(out, "]", 1);
   }
-  mr_prom_append(out, "]}\n", 3);
+  mr_buf_append(out, "]}\n", 3);
   gc_routing_counts_close(&rc);
   if (out->oom)
     return mr_err_set(e, MR_ENOMEM, "routing counters as JSON: out of memory");
@@ -241,14 +230,14 @@ int gc_routing_json(gc_routing *r, gc_routing_span span, const char *fingerprint
 
 int gc_routing_save(gc_routing *r, gc_routing_span span, const char *fingerprint,
                     const char *path, mr_err *e) {
-  mr_prom p;
-  mr_prom_init(&p);
+  mr_buf p;
+  mr_buf_init(&p);
   int rc = gc_routing_json(r, span, fingerprint, &p, e);
   if (rc) {
-    mr_prom_close(&p);
+    mr_buf_close(&p);
     return rc;
   }
   rc = mr_file_write_atomic(path, p.buf, p.len, e);
-  mr_prom_close(&p);
+  mr_buf_close(&p);
   return rc;
 }

@@ -143,9 +143,10 @@ static int stream_open_locked(gc__stream *s, mr_err *e) {
   op.op = GRPC_OP_SEND_INITIAL_METADATA;
   op.flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY_EXPLICITLY_SET |
              (s->failfast ? 0 : GRPC_INITIAL_METADATA_WAIT_FOR_READY);
-  /* The bearer token, if any: the server checks it when it accepts the stream. */
-  op.data.send_initial_metadata.count = c->n_auth_md;
-  op.data.send_initial_metadata.metadata = c->n_auth_md ? (grpc_metadata *)&c->auth_md : NULL;
+  /* The bearer token, if any (the server checks it when it accepts the stream), and the
+   * client's name (protocol 1.4: the server reports its clients in Stats). */
+  op.data.send_initial_metadata.count = c->n_fwd_md;
+  op.data.send_initial_metadata.metadata = c->fwd_md;
   start_batch_locked(cl, &op, 1, &cl->t_start);
   arm_recv_locked(cl, true);
   memset(&op, 0, sizeof op);
@@ -246,7 +247,7 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
     pthread_mutex_unlock(&s->lock);
     grpc_byte_buffer_destroy(r->bb); /* drops the payload's pending reference */
     r->bb = NULL;
-    gc__req_complete(r, rc, &err, retry);
+    gc__req_complete(r, rc, &err, retry ? GC__DONE_RETRY : 0);
     return;
   }
   atomic_fetch_add(&r->p->refs, 1); /* the outstanding list's reference */
@@ -319,7 +320,8 @@ static void on_send(gc__stream *s, gc__call *cl, bool ok) {
   call_batch_done(s, cl);
 }
 
-/* A reply: match it to its request by id, check it, gather its output, complete it. */
+/* A reply: match it to its request by id, check it, gather its output, check that every
+ * value is finite, complete it. */
 static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
   gc_cluster *c = s->c;
   pr_seg *segs = NULL;
@@ -368,6 +370,7 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
   gc_pending *p = r->p;
   size_t want = (size_t)r->n_tokens * p->H * mr_dtype_size(p->dtype);
   mr_err_clear(&err);
+  unsigned how = 0;
   if (h->status != 0) {
     int code = h->status <= GRPC_STATUS_UNAUTHENTICATED
                    ? pr_mr_from_status((grpc_status_code)h->status)
@@ -379,6 +382,13 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
                     (unsigned long long)r->id, GC__SRV_ARGS(s->srv),
                     pr_status_name((grpc_status_code)h->status), h->status,
                     *msg ? msg : "(no message)");
+    /* A Forward's FAILED_PRECONDITION means "this server does not serve that layer or
+     * expert" (docs/DESIGN.md section 4): the owned sets moved; the waiter re-Hellos. */
+    if (h->status == GRPC_STATUS_FAILED_PRECONDITION) how = GC__DONE_MISS;
+    /* UNAVAILABLE on one request (the stream stays open) is a draining server refusing new
+     * work ("send it to another server"): a replica takes it, and this server gets nothing
+     * more of the call; its stream's end soon marks it down for the next calls. */
+    else if (h->status == GRPC_STATUS_UNAVAILABLE) how = GC__DONE_REFUSED;
   } else if ((mr_dtype)h->dtype != p->dtype) {
     rc = mr_err_set(&err, MR_EPROTO, "layer %u request %llu: " GC__SRV_FMT ": reply dtype %d, "
                     "the request's is %d (%s)", p->layer, (unsigned long long)r->id,
@@ -389,6 +399,24 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
                     (unsigned long long)r->id, GC__SRV_ARGS(s->srv), c->io_split.payload.len,
                     want, r->n_tokens, p->H, mr_dtype_name(p->dtype));
   }
+  pthread_mutex_unlock(&s->lock);
+
+  /* The output buffer belongs to r's pending, kept alive by the reference r held on the
+   * outstanding list, which is ours now. The finite check runs on the gathered bytes while
+   * they are in cache: a NaN or Inf in an OK reply would poison the sum and surface a layer
+   * later as someone else's fault ("weights[0] = nan"), so it fails this request here,
+   * naming the server, and the waiter re-plans it onto another replica (gc_layer.c). */
+  if (rc == 0) {
+    pr_payload_gather(&c->io_split.payload, r->out);
+    rc = gc__reply_check_finite(r->out, p->dtype, r->rows, r->n_tokens, p->H, &err);
+    if (rc) {
+      mr_err_prefix(&err, rc, "layer %u request %llu: " GC__SRV_FMT, p->layer,
+                    (unsigned long long)r->id, GC__SRV_ARGS(s->srv));
+      how = GC__DONE_BAD_REPLY;
+    }
+  }
+
+  pthread_mutex_lock(&s->lock);
   gc_server_counters *ct = &s->ctr;
   ct->bytes_received += wire;
   ct->last_reply_bytes = wire;
@@ -410,11 +438,9 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
   }
   pthread_mutex_unlock(&s->lock);
 
-  /* The output buffer belongs to r's pending, kept alive by the reference r held on the
-   * outstanding list, which is ours now. */
-  if (rc == 0) pr_payload_gather(&c->io_split.payload, r->out);
-  else mr_log_ratelimited(MR_LOG_WARN, 10, "%s", err.msg);
-  gc__req_complete(r, rc, &err, false);
+  /* A miss is logged by the re-Hello it triggers (one INFO line naming it). */
+  if (rc) mr_log_ratelimited(how == GC__DONE_MISS ? MR_LOG_DEBUG : MR_LOG_WARN, 10, "%s", err.msg);
+  gc__req_complete(r, rc, &err, how);
   gc__pending_unref(p);
 out_free:
   if (h) moerpc__v1__forward_reply__free_unpacked(h, NULL);
@@ -524,7 +550,7 @@ static void on_status(gc__stream *s, gc__call *cl) {
     mr_err err;
     mr_err_set(&err, rc, "layer %u request %llu: " GC__SRV_FMT ": %s", p->layer,
                (unsigned long long)r->id, GC__SRV_ARGS(s->srv), why);
-    gc__req_complete(r, rc, &err, down);
+    gc__req_complete(r, rc, &err, down ? GC__DONE_RETRY : 0);
     gc__pending_unref(p); /* last use of r */
   }
   call_batch_done(s, cl);
@@ -560,6 +586,14 @@ static void *io_main(void *arg) {
 
 int gc__streams_start(gc_cluster *c, mr_err *e) {
   int rc = 0;
+  if (c->n_auth_md) c->fwd_md[c->n_fwd_md++] = c->auth_md;
+  char name[PR_CLIENT_NAME_MAX + 1];
+  size_t n = 0;
+  for (const char *p = c->client_name; *p && n < PR_CLIENT_NAME_MAX; p++)
+    name[n++] = *p >= 0x20 && *p < 0x7f ? *p : '?'; /* a header value: printable ASCII */
+  name[n] = '\0';
+  c->fwd_md[c->n_fwd_md].key = grpc_slice_from_static_string(PR_MD_CLIENT_NAME);
+  c->fwd_md[c->n_fwd_md++].value = grpc_slice_from_copied_string(name);
   c->cq = grpc_completion_queue_create_for_next(NULL);
   for (uint32_t i = 0; i < c->n_servers; i++) {
     gc__stream *s = &c->streams[i];
@@ -585,6 +619,9 @@ int gc__streams_start(gc_cluster *c, mr_err *e) {
   c->io_started = true;
   for (uint32_t i = 0; i < c->n_servers && !rc; i++) {
     gc__stream *s = &c->streams[i];
+    /* An alias of another entry gets no traffic: no stream of its own to the same server
+     * (so its death is not seen twice either). */
+    if (c->servers[i].alias_of >= 0) continue;
     pthread_mutex_lock(&s->lock);
     rc = stream_open_locked(s, e);
     pthread_mutex_unlock(&s->lock);

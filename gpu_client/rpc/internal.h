@@ -134,6 +134,15 @@ size_t gc__replicas_build(uint32_t *off, uint16_t *srv, const int32_t *owner, ui
 /* Copies rows[0..n) of src ([*, row_bytes]) into dst ([n, row_bytes]) in order. */
 void gc__gather_rows(void *dst, const void *src, const uint32_t *rows, uint32_t n,
                      size_t row_bytes);
+/* The client's check of one OK reply's output y ([n, H] of wire dtype dt, as gathered from
+ * the reply): 0 if every element is finite, else MR_EPROTO for the first NaN / Inf in
+ * memory order, e.g. "reply output[row 1 (token 5 of the call), index 0] = NaN (bf16 bits
+ * 0x7fc0): an OK reply must hold finite values only" (rows[row] = the call's token; rows
+ * may be NULL). The caller prefixes layer, request and server. Pure; run by the I/O thread
+ * on every reply right after the gather (mr_nonfinite_find); fuzzed in
+ * fuzz_hidden_finite.c. */
+int gc__reply_check_finite(const void *y, mr_dtype dt, const uint32_t *rows, uint32_t n,
+                           uint32_t H, mr_err *e);
 /* out[rows[i], :] += src[i, :] (src of dtype dt, [n, H]) converted to fp32. */
 void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, const void *src,
                      mr_dtype dt);
@@ -224,7 +233,13 @@ struct gc__req {
   void *out;                /* [n_tokens, H] of the wire dtype (arena) */
   bool done;                /* result fields valid (under p->lock) */
   int rc;
-  bool retry;               /* failed because its stream broke: re-plan it (under p->lock) */
+  bool retry;               /* failed because its stream broke, or with a non-finite
+                             * reply: re-plan it (under p->lock) */
+  bool avoid_server;        /* failed so that its server gets nothing more of this call: a
+                             * non-finite value in an OK reply, or a drain refusal (p->lock) */
+  bool miss;                /* the server answered FAILED_PRECONDITION: it does not serve a
+                             * slot's expert (moved away): re-Hello, re-plan (p->lock) */
+  uint64_t rt_gen;          /* the routing generation (gc__routes.gen) it was planned with */
   bool replaced;            /* re-planned onto other replicas: result unused (waiter) */
   bool no_failover;         /* a stall with nowhere to go: wait for it (waiter) */
   int32_t fo_from;          /* resent from this server index after a failover, else -1 */
@@ -244,8 +259,13 @@ typedef struct gc__server {
   char fingerprint[64], weight_format[32];
   uint32_t hidden, inter, layers, experts;
   uint64_t owned_generation, weight_bytes, expert_bytes, load_free_bytes; /* 1.2; else 0 */
+  char instance_id[65];     /* 1.3: the server process's id, "" from older servers */
   uint64_t *announce;       /* bitset over layer * E + expert */
   uint64_t announced, assigned;
+  /* Set at open, read-only afterwards: the index of an earlier entry whose Hello had the
+   * same instance_id (one process under two addresses), else -1. An alias announces
+   * nothing to the owner map or the replica sets, gets no stream and no traffic. */
+  int32_t alias_of;
 } gc__server;
 
 struct gc__stream {
@@ -314,11 +334,37 @@ struct gc_pending {
   gc__plan plan;
   void **part_out;          /* [n_parts]: server parts in wire dtype, the local part f32 */
   gc__req **reqs;           /* [n_reqs]: the first ones in server order, resent ones after */
+  uint8_t *excluded;        /* [n_servers] 1 = replied non-finite in this call: no more of
+                             * its requests (waiter; arena, NULL until the first) */
+  uint32_t misses;          /* re-plans after "not served" replies in this call (waiter),
+                             * at most GC__MISS_MAX */
   int local_rc;
   mr_err local_err;
   mr_arena arena;
   gc_pending *next_free;
 };
+
+/*
+ * The replica sets a plan chooses from, as one immutable object (RCU-like, like the
+ * server's owned table): gc_cluster_open builds generation 1 from the Hellos of open;
+ * gc__routes_refresh (a re-Hello of the cluster after a server answered "not served")
+ * builds the next one from the fresh owned sets and swaps the pointer. Readers load
+ * c->routes once per plan and never see a table freed: the retired ones stay on the
+ * `older` list until gc_cluster_close (one per change of the servers' owned sets).
+ */
+typedef struct gc__routes {
+  uint64_t gen;             /* 1 at open, +1 per refresh that changed a replica set */
+  uint32_t *rep_off;        /* [L * E + 1] replica sets (gc__replicas_build) */
+  uint16_t *rep;
+  int32_t *pref;            /* [L * E] placement's server while it serves the pair, or NULL */
+  uint64_t **ann;           /* [n_servers] the owned sets (bitsets) this table was built from;
+                             * NULL for an alias */
+  struct gc__routes *older; /* retired tables (freed at close) */
+} gc__routes;
+
+/* Re-plans of one call after "not served" replies before it fails (no livelock when a
+ * server's Hello and its Forward disagree, or owned sets keep moving). */
+#define GC__MISS_MAX 3
 
 struct gc_cluster {
   mr_cluster_file file;
@@ -336,10 +382,15 @@ struct gc_cluster {
   uint32_t n_servers;
   gc__server *servers;      /* [n_servers] */
   gc__stream *streams;      /* [n_servers] */
-  int32_t *owner;           /* [L * E]: the primary (routed or first announcing) server */
-  uint32_t *rep_off;        /* [L * E + 1] replica sets (gc__replicas_build) */
-  uint16_t *rep;
-  int32_t *pref;            /* [L * E] gc_options.route, or NULL */
+  int32_t *owner;           /* [L * E]: the primary (routed or first announcing) server at
+                             * open; fixed: local, caller-computed and server-owned pairs stay
+                             * so (the server is chosen from c->routes) */
+  uint8_t *local;           /* [L * E] GC__LOCAL_LIB / GC__LOCAL_CALLER, else 0 (open) */
+  _Atomic(gc__routes *) routes; /* the current replica sets */
+  pthread_mutex_t refresh_lock; /* one re-Hello at a time; publishers of c->routes */
+  uint64_t t_refresh_ns;    /* the last re-Hello (refresh_lock) */
+  const int32_t *route;     /* route_own, or NULL without gc_options.route */
+  int32_t *route_own;       /* a copy of gc_options.route, aliases mapped to their original */
   atomic_uint rot;          /* replica tie-break rotation, one step per plan */
   uint32_t failover_ms;     /* a request unanswered this long moves to another replica */
   /* health (gc_health.c) */
@@ -371,6 +422,11 @@ struct gc_cluster {
   bool tls;
   grpc_metadata auth_md;    /* "authorization: Bearer <token>" */
   size_t n_auth_md;         /* 1 with a token, else 0: sent on every call */
+  /* A Forward stream's initial metadata: the token (if any), then PR_MD_CLIENT_NAME =
+   * client_name as printable ASCII (protocol 1.4; the server reports it in its Stats). Set
+   * by gc__streams_start; the name's value slice is released by gc_cluster_close. */
+  grpc_metadata fwd_md[2];
+  size_t n_fwd_md;
   /* Routing counters (gc_routing.c), created at open, counted in gc_layer_submit. */
   gc_routing *routing;
 };
@@ -428,12 +484,20 @@ void gc__pool_close(gc_cluster *c);
  * MR_ENOMEM in e when none can be made. */
 gc_pending *gc__pending_get(gc_cluster *c, mr_err *e);
 void gc__pending_unref(gc_pending *p);
+/* How a request failed, for gc__req_complete (flags). */
+#define GC__DONE_RETRY 1u      /* its stream broke or its server is down: re-plan it */
+#define GC__DONE_BAD_REPLY 2u  /* an OK reply with a NaN / Inf: re-plan it without that
+                                * server for the rest of the call; it stays up */
+#define GC__DONE_MISS 4u       /* FAILED_PRECONDITION: its server no longer serves a slot's
+                                * expert; re-Hello the cluster and re-plan it */
+#define GC__DONE_REFUSED 8u    /* UNAVAILABLE for this request alone (its server drains and
+                                * takes no new work): re-plan it without that server for the
+                                * rest of the call, as BAD_REPLY */
 /* Completes r with rc and err (copied; may be NULL when rc is 0): counts it in its pending
- * and wakes the waiter when all are done or rc != 0. retry marks a failure the waiter may
- * re-plan onto other replicas (the stream broke, or the server is down). Ignored once the
- * waiter has given up (the waiter then owns r's result fields). Any thread; takes
- * r->p->lock. */
-void gc__req_complete(gc__req *r, int rc, const mr_err *err, bool retry);
+ * and wakes the waiter when all are done or rc != 0. how (GC__DONE_*, 0 = a plain failure)
+ * marks a failure the waiter may re-plan onto other replicas. Ignored once the waiter has
+ * given up (the waiter then owns r's result fields). Any thread; takes r->p->lock. */
+void gc__req_complete(gc__req *r, int rc, const mr_err *err, unsigned how);
 /* Releases a payload slice's reference (gRPC threads). */
 void gc__payload_release(void *pending);
 
@@ -473,7 +537,8 @@ int gc__unary_result(const gc_cluster *c, const gc__unary *u, const gc__server *
                      const char *rpc, uint32_t timeout_ms, mr_err *e);
 /* The client's checks of one decoded HelloReply from sv (input from the network): protocol
  * major, fingerprint and weight_format lengths, every dimension in 1..its limit, at most
- * 2^22 (layer, expert) pairs, every owned pair inside the model. Fills sv's Hello fields and
+ * 2^22 (layer, expert) pairs, every owned pair inside the model, an instance_id of at most 64
+ * printable ASCII bytes ("" from a server older than 1.3). Fills sv's Hello fields and
  * allocates sv->announce (owned by sv, freed by gc_cluster_close; also after a failure,
  * which may leave it allocated). MR_EMISMATCH (protocol), MR_EPROTO naming the field and
  * the limit, MR_ENOMEM. Pure apart from that allocation; fuzzed (fuzz_hello_reply.c). */
@@ -491,6 +556,25 @@ void gc__hello_take(gc__server *dst, gc__server *src);
  * targets, the locks. */
 int gc__cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_options *opts,
                      mr_err *e);
+
+/*
+ * The re-Hello of the cluster after a "not served" reply (docs/DESIGN.md 3.7, "Moved
+ * experts"): Hellos every server that is up and no alias, and rebuilds the replica sets
+ * from the owned sets their replies announce (a server that does not answer, or answers
+ * for another model, keeps its previous set). A routed pair prefers its placement's server
+ * only while that server still announces it. Publishes a new c->routes when a set changed
+ * (one INFO line naming the trigger and the pairs that moved), else leaves it. seen_gen is
+ * the generation the failed request was planned with: when c->routes is newer already
+ * (another thread refreshed meanwhile), no Hello is sent; nor when the last re-Hello was
+ * less than min_gap_ms ago (0: always Hello). Returns 0, or MR_ENOMEM. Caller threads
+ * (submit, the waiter); takes refresh_lock.
+ */
+int gc__routes_refresh(gc_cluster *c, uint64_t seen_gen, uint32_t min_gap_ms,
+                       const char *trigger, mr_err *e);
+/* The current replica sets (acquire); valid until gc_cluster_close. Any thread. */
+static inline const gc__routes *gc__routes_get(const gc_cluster *c) {
+  return atomic_load_explicit(&((gc_cluster *)c)->routes, memory_order_acquire);
+}
 
 /* gc_control.c */
 /* Copies a decoded StatsReply from sv into out after checking each count's (layer, expert)

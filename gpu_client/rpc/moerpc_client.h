@@ -196,13 +196,15 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *req, gc_pending **pending
  * summed in a fixed order (servers in file order, then local) so results do not depend on
  * reply order. Errors name the server, request id and layer: MR_ETIMEDOUT (no reply in
  * time), MR_EUNAVAIL (its stream broke: failed at once, not at the deadline), the reply's
- * status mapped to MR_E* with the server's own message, MR_EPROTO (a malformed reply).
- * A broken stream or a request past the failover deadline is not an error while the
- * slots of its request have other live replicas: they are re-planned and resent inside
- * this wait (same deadline); MR_EUNAVAIL "layer 3: experts 4-7 have no live replica;
- * down: server s1 (...): stream ended (...)" when they do not. With failovers the parts
- * are summed in request order (the first requests in server order, resent ones after).
- * Replies that arrive after the call gave up are dropped. Frees pending in every case.
+ * status mapped to MR_E* with the server's own message, MR_EPROTO (a malformed reply, or
+ * an OK reply holding a NaN or an Inf: every reply is checked, so no server's NaN or Inf
+ * reaches out). A broken stream, a request past the failover deadline or a non-finite
+ * reply is not an error while the slots of its request have other live replicas: they
+ * are re-planned and resent inside this wait (same deadline); MR_EUNAVAIL "layer 3:
+ * experts 4-7 have no live replica; down: server s1 (...): stream ended (...)" when they
+ * do not (a non-finite reply: its own MR_EPROTO). With failovers the parts are summed in
+ * request order (the first requests in server order, resent ones after). Replies that
+ * arrive after the call gave up are dropped. Frees pending in every case.
  */
 int gc_layer_wait(gc_cluster *c, gc_pending *pending, float *out, mr_err *e);
 /* gc_layer_submit + gc_layer_wait. */
@@ -297,14 +299,21 @@ typedef struct gc_server_info {
   uint32_t max_tokens;
   uint64_t announced_pairs; /* (layer, expert) pairs in its Hello */
   uint64_t assigned_pairs;  /* pairs it is a replica of (not local, not caller-computed) */
+  char instance_id[65];     /* its Hello's instance_id (protocol 1.3), "" from older servers */
+  int32_t alias_of;         /* index of an earlier entry that is the same server process (same
+                             * instance_id under another address), else -1: an alias is
+                             * counted once, as that one, and gets no traffic */
 } gc_server_info;
 /* MR_ERANGE if idx >= n_servers. */
 int gc_server_info_get(const gc_cluster *c, uint32_t idx, gc_server_info *out, mr_err *e);
-/* The owner of (layer, expert): its primary server (the routed one, else the first in the
- * file that announces it; other announcing servers are replicas, gc_server_announces),
- * GC_OWNER_LOCAL, GC_OWNER_CALLER or GC_OWNER_NONE (also for out-of-range arguments). */
+/* The owner of (layer, expert) at open: its primary server (the routed one, else the first
+ * in the file that announces it; other announcing servers are replicas,
+ * gc_server_announces), GC_OWNER_LOCAL, GC_OWNER_CALLER or GC_OWNER_NONE (also for
+ * out-of-range arguments). Not updated by a re-Hello after a "not served" reply (docs/
+ * DESIGN.md 3.7), which re-routes a server-owned pair to whichever server announces it. */
 int gc_cluster_owner(const gc_cluster *c, uint32_t layer, uint32_t expert);
-/* Whether server idx announced (layer, expert) in its Hello (a replica of it). */
+/* Whether server idx announced (layer, expert) in its Hello at open (a replica of it); false
+ * for an alias (gc_server_info.alias_of), whose pairs are its original's. */
 bool gc_server_announces(const gc_cluster *c, uint32_t idx, uint32_t layer, uint32_t expert);
 /* Index of the server called name, or -1. */
 int gc_cluster_find_server(const gc_cluster *c, const char *name);
@@ -345,10 +354,24 @@ typedef struct gc_expert_count {
   uint32_t layer, expert;
   uint64_t tokens; /* tokens routed to it since the server started (or the last reset) */
 } gc_expert_count;
+/* A client with an open Forward stream on the server (protocol 1.4, StatsReply.clients). */
+#define GC_CLIENT_NAME_MAX 128
+#define GC_CLIENT_PEER_MAX 255
+#define GC_STATS_MAX_CLIENTS 4096
+typedef struct gc_client_info {
+  char name[GC_CLIENT_NAME_MAX + 1]; /* its name ("" = none sent: a client older than 1.4) */
+  char peer[GC_CLIENT_PEER_MAX + 1]; /* gRPC peer of its stream, "ipv4:127.0.0.1:53122" */
+  uint32_t streams;                  /* open Forward streams of that name from that peer */
+  uint64_t hello_generation;         /* owned_generation its latest Hello got, 0 = none seen */
+  uint64_t hello_age_ms;             /* since that Hello */
+} gc_client_info;
+
 typedef struct gc_stats {
   uint64_t requests, errors;
   size_t n_counts;
   gc_expert_count *counts; /* owned; free with gc_stats_close */
+  size_t n_clients;
+  gc_client_info *clients; /* owned (NULL when none); protocol 1.4, empty from older servers */
 } gc_stats;
 /* Calls Stats on server idx (deadline: the per-request deadline) and fills out, which the
  * caller releases with gc_stats_close (also after a failure). reset asks the server to
@@ -368,6 +391,10 @@ void gc_stats_close(gc_stats *s);
  * answers the gc_control_* calls, gc_cluster_find_server and gc_cluster_close only. Each
  * call waits up to the cluster file's deadline_ms. One thread at a time per handle. */
 int gc_control_open(gc_cluster **out, const mr_cluster_file *file, mr_err *e);
+/* Stats of server idx (no reset) checked against a model of L x E (the Hello's): counts and,
+ * from a 1.4 server, the clients with an open Forward stream. Release with gc_stats_close. */
+int gc_control_stats(gc_cluster *c, uint32_t idx, uint32_t L, uint32_t E, gc_stats *out,
+                     mr_err *e);
 
 /* One server's Hello. owned is [num_layers * num_experts] bytes, 1 where the server owns
  * (layer, expert), allocated by gc_control_hello; release with gc_hello_info_close. */
@@ -379,6 +406,7 @@ typedef struct gc_hello_info {
   uint64_t weight_bytes;       /* packed expert bytes it holds */
   uint64_t expert_bytes;       /* packed bytes of one expert */
   uint64_t load_free_bytes;    /* bytes it may still load */
+  char instance_id[65];        /* the server process's id (protocol 1.3), "" from older ones */
   uint64_t n_owned;            /* pairs owned */
   uint8_t *owned;
 } gc_hello_info;
@@ -461,7 +489,7 @@ int gc_routing_get(gc_routing *r, gc_routing_span span, gc_routing_counts *out, 
 void gc_routing_counts_close(gc_routing_counts *c);
 /* Appends a snapshot as a "moerpc-stats" version 1 JSON document (placement/README.md;
  * window kind "steps" for the window, "since_reset" for the total; sources ["client"]). */
-int gc_routing_json(gc_routing *r, gc_routing_span span, const char *fingerprint, mr_prom *out,
+int gc_routing_json(gc_routing *r, gc_routing_span span, const char *fingerprint, mr_buf *out,
                     mr_err *e);
 /* Writes gc_routing_json to path (path.tmp, then rename). Errors name the path. */
 int gc_routing_save(gc_routing *r, gc_routing_span span, const char *fingerprint,

@@ -24,6 +24,15 @@ int gc__cli_serve(int argc, char **argv);
 int gc__cli_tokenize(int argc, char **argv);
 int gc__cli_detokenize(int argc, char **argv);
 int gc__cli_chat_template(int argc, char **argv);
+/* One flag of a subcommand: 1 = taken, 0 = not this handler's, -1 = bad value (printed). */
+typedef int (*gc__cli_opt_fn)(void *ctx, int opt, const char *arg);
+/* getopt_long over argv[1..] (argv[0] is the subcommand): each flag goes to first, then to
+ * second when first does not take it. help_opt prints help (0 or 3 strings, NULL-free)
+ * and returns 1; a bad, incomplete or unknown flag or a stray argument prints one line
+ * naming it and returns 2; otherwise 0. */
+int gc__cli_getopt(int argc, char **argv, const struct option *lo, int help_opt,
+                   const char *const help[3], gc__cli_opt_fn first, void *first_ctx,
+                   gc__cli_opt_fn second, void *second_ctx);
 /* Parses flag's value s as a decimal integer in lo..hi into *out; otherwise prints
  * "moerpc-client: FLAG = \"S\", must be an integer in LO..HI" and returns false. */
 bool gc__cli_u64(const char *flag, const char *s, uint64_t lo, uint64_t hi, uint64_t *out);

@@ -82,13 +82,13 @@ const char gc__cli_model_help[] =
  * gc_model_metrics_render from its own thread while the command runs. */
 static mr_http_server *cli_metrics;
 
-static void metrics_render(void *ud, mr_prom *p) { gc_model_metrics_render(ud, p); }
+static void metrics_render(void *ud, mr_buf *p) { gc_model_metrics_render(ud, p); }
 /* GET /placement: the active placement (live apply). */
-static void placement_render(void *ud, mr_prom *p) { gc_model_placement_render(ud, p); }
+static void placement_render(void *ud, mr_buf *p) { gc_model_placement_render(ud, p); }
 
 /* GET /routing: the routing counters' window as moerpc-stats JSON (a 500 when out of
  * memory: the responder answers 500 for a text marked oom). */
-static void routing_render(void *ud, mr_prom *p) {
+static void routing_render(void *ud, mr_buf *p) {
   mr_err e;
   if (gc_model_routing_json(ud, GC_ROUTING_WINDOW, p, &e)) p->oom = true;
 }
@@ -167,7 +167,8 @@ bad:
 }
 
 /* Returns 1 taken, 0 not a model option, -1 bad value. */
-static int model_opt(gc__mcli *c, int opt, const char *arg) {
+static int model_opt(void *ctx, int opt, const char *arg) {
+  gc__mcli *c = ctx;
   gc_model_opts *o = &c->mo;
   uint32_t v;
   int lvl;
@@ -262,16 +263,16 @@ static int model_opt(gc__mcli *c, int opt, const char *arg) {
   }
 }
 
-/* getopt_long over argv; 0 = run, 1 = --help printed, 2 = usage error. */
-int gc__cli_parse(int argc, char **argv, const struct option *lo, const char *usage, const char *own_help,
-                  gc__mcli *c, int (*own)(void *ctx, int opt, const char *arg), void *ctx) {
+int gc__cli_getopt(int argc, char **argv, const struct option *lo, int help_opt,
+                   const char *const help[3], gc__cli_opt_fn first, void *first_ctx,
+                   gc__cli_opt_fn second, void *second_ctx) {
   optind = 1;
   opterr = 0;
   for (;;) {
     int oi = 0, opt = getopt_long(argc, argv, "", lo, &oi);
     if (opt == -1) break;
-    if (opt == MO_HELP) {
-      printf("%s%s%s", usage, own_help, gc__cli_model_help);
+    if (opt == help_opt) {
+      printf("%s%s%s", help[0], help[1], help[2]);
       return 1;
     }
     if (opt == '?' || opt == ':') {
@@ -279,8 +280,8 @@ int gc__cli_parse(int argc, char **argv, const struct option *lo, const char *us
               argv[optind - 1]);
       return 2;
     }
-    int r = model_opt(c, opt, optarg);
-    if (r == 0 && own) r = own(ctx, opt, optarg);
+    int r = first(first_ctx, opt, optarg);
+    if (r == 0 && second) r = second(second_ctx, opt, optarg);
     if (r == 0) {
       fprintf(stderr, PROG " %s: unexpected option (see --help)\n", argv[0]);
       return 2;
@@ -291,6 +292,15 @@ int gc__cli_parse(int argc, char **argv, const struct option *lo, const char *us
     fprintf(stderr, PROG " %s: unexpected argument \"%s\" (see --help)\n", argv[0], argv[optind]);
     return 2;
   }
+  return 0;
+}
+
+/* getopt_long over argv; 0 = run, 1 = --help printed, 2 = usage error. */
+int gc__cli_parse(int argc, char **argv, const struct option *lo, const char *usage, const char *own_help,
+                  gc__mcli *c, gc__cli_opt_fn own, void *ctx) {
+  const char *const help[3] = {usage, own_help, gc__cli_model_help};
+  int rc = gc__cli_getopt(argc, argv, lo, MO_HELP, help, model_opt, c, own, ctx);
+  if (rc) return rc;
   if (!c->mo.model_dir) {
     fprintf(stderr, PROG " %s: --model DIR is required (see --help)\n", argv[0]);
     return 2;

@@ -154,6 +154,8 @@ struct gc_model {
   uint64_t pl_gen;                /* 1 = the placement opened with, +1 per switch */
   uint64_t pl_hash;               /* FNV-1a 64 of the active file's bytes */
   double pl_switched_at;          /* Unix time of the last switch (or of open) */
+  char client_name[64];           /* its Hello's and Forward streams' name: "moerpc-client
+                                   * model pid=N", one per process (apply reports it) */
   uint64_t pl_rejected;           /* new files refused (the old placement stayed) */
   char pl_error[512];             /* why the last one was refused, "" = none */
   /* Routing counters without a cluster (with one, the cluster's count every slot). */
@@ -179,7 +181,7 @@ gc_routing *gc_model_routing(gc_model *m) {
 /* Both may run on the metrics responder's thread: cl_lock keeps a placement switch from
  * closing the cluster (and its counters) under them. A switch starts the counters afresh
  * (they belong to the cluster). */
-int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_prom *out, mr_err *e) {
+int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_buf *out, mr_err *e) {
   pthread_mutex_lock(&m->cl_lock);
   int rc = gc_routing_json(gc_model_routing(m), span, m->fingerprint, out, e);
   pthread_mutex_unlock(&m->cl_lock);
@@ -222,10 +224,14 @@ static void load_progress(loader *ld, bool final) {
   double s = (double)(now - ld->t0) / 1e9, gb = (double)ld->bytes_done / 1e9;
   double rate = s > 0 ? gb / s : 0;
   double eta = rate > 0 ? ((double)ld->bytes_total / 1e9 - gb) / rate : 0;
-  mr_log(MR_LOG_INFO, "model: %s %llu/%llu tensors, %.2f/%.2f GB, %.2f GB/s, %s %.0f s",
-         final ? "loaded" : "loading", (unsigned long long)ld->tensors_done,
-         (unsigned long long)ld->tensors_total, gb, (double)ld->bytes_total / 1e9, rate,
-         final ? "took" : "ETA", final ? s : eta);
+  if (final)
+    mr_log(MR_LOG_INFO, "model: loaded %llu/%llu tensors, %.2f/%.2f GB, %.2f GB/s, took %.3f s",
+           (unsigned long long)ld->tensors_done, (unsigned long long)ld->tensors_total, gb,
+           (double)ld->bytes_total / 1e9, rate, s);
+  else
+    mr_log(MR_LOG_INFO, "model: loading %llu/%llu tensors, %.2f/%.2f GB, %.2f GB/s, ETA %.0f s",
+           (unsigned long long)ld->tensors_done, (unsigned long long)ld->tensors_total, gb,
+           (double)ld->bytes_total / 1e9, rate, eta);
 }
 
 static void load_count(loader *ld, const mr_st_tensor *t) {
@@ -826,7 +832,10 @@ static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32
                              gc_cluster **out_cl, gc_moe **out_moe, mr_err *e) {
   gc_options co;
   gc_options_init(&co);
-  co.client_name = "moerpc-client model";
+  if (!m->client_name[0])
+    snprintf(m->client_name, sizeof m->client_name, "moerpc-client model pid=%ld",
+             (long)getpid());
+  co.client_name = m->client_name;
   co.model_dir = m->model_dir;
   co.no_local = true; /* the runner computes its hot experts itself */
   co.shared_engine = m->eng;
@@ -1374,29 +1383,19 @@ void gc_model_placement_get(gc_model *m, gc_model_placement *out) {
   pthread_mutex_unlock(&m->pl_lock);
 }
 
-/* Appends s as a JSON string body (quotes, backslashes and control bytes escaped). */
-static void json_str(mr_prom *p, const char *s) {
-  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-    if (*c == '"' || *c == '\\')
-      mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20 || *c >= 0x7f)
-      mr_prom_printf(p, "\\u%04x", *c);
-    else
-      mr_prom_append(p, (const char *)c, 1);
-  }
-}
-
-void gc_model_placement_render(gc_model *m, mr_prom *p) {
+void gc_model_placement_render(gc_model *m, mr_buf *p) {
   gc_model_placement pl;
   gc_model_placement_get(m, &pl);
-  mr_prom_append(p, "{\"file\": \"", 10);
-  json_str(p, m->o.placement_path ? m->o.placement_path : "");
-  mr_prom_printf(p, "\", \"watching\": %s, \"generation\": %llu, \"hash\": \"%016llx\", "
-                 "\"switched_at\": %.3f, \"rejected\": %llu, \"last_error\": \"",
+  mr_buf_append(p, "{\"file\": ", 9);
+  mr_buf_json_str(p, m->o.placement_path ? m->o.placement_path : "");
+  mr_buf_append(p, ", \"client_name\": ", 17);
+  mr_buf_json_str(p, m->client_name);
+  mr_buf_printf(p, ", \"watching\": %s, \"generation\": %llu, \"hash\": \"%016llx\", "
+                 "\"switched_at\": %.3f, \"rejected\": %llu, \"last_error\": ",
                  pl.watching ? "true" : "false", (unsigned long long)pl.generation,
                  (unsigned long long)pl.hash, pl.switched_at, (unsigned long long)pl.rejected);
-  json_str(p, pl.error);
-  mr_prom_append(p, "\"}\n", 3);
+  mr_buf_json_str(p, pl.error);
+  mr_buf_append(p, "}\n", 2);
 }
 
 void gc_model_seq_reset(gc_model *m, uint32_t seq) {
@@ -1982,8 +1981,8 @@ out:
 
 /* ---- metrics ----------------------------------------------------------------------------- */
 
-static void metrics_render_cluster(gc_model *m, mr_prom *p);
-void gc_model_metrics_render(gc_model *m, mr_prom *p) {
+static void metrics_render_cluster(gc_model *m, mr_buf *p);
+void gc_model_metrics_render(gc_model *m, mr_buf *p) {
   mr_prom_family(p, "moerpc_client_steps_total", MR_PROM_COUNTER, "Forward steps (gc_model_step).");
   mr_prom_u64(p, "moerpc_client_steps_total", NULL, __atomic_load_n(&m->mx_steps, __ATOMIC_RELAXED));
   mr_prom_family(p, "moerpc_client_step_tokens_total", MR_PROM_COUNTER,
@@ -2006,7 +2005,7 @@ void gc_model_metrics_render(gc_model *m, mr_prom *p) {
   pthread_mutex_unlock(&m->cl_lock);
 }
 
-static void metrics_render_cluster(gc_model *m, mr_prom *p) {
+static void metrics_render_cluster(gc_model *m, mr_buf *p) {
   if (!m->cluster) return;
   gc_cluster_info ci;
   gc_cluster_info_get(m->cluster, &ci);

@@ -426,6 +426,7 @@ int gc_sched_step(gc_sched *s, bool *busy) {
   int rc = gc_model_step(s->m, &st, &e);
   pthread_mutex_lock(&s->lock);
   s->st.steps++;
+  if (rc) s->st.failed_steps++;
   pthread_mutex_unlock(&s->lock);
   if (rc) { /* every sequence of the step ends with the error; the others go on */
     for (uint32_t i = 0; i < s->n_run;)

@@ -19,7 +19,7 @@
  * -> the call's lock -> the scheduler's lock. on_close runs under the call's lock and only
  * sets r->gone and calls gc_sched_cancel.
  *
- * JSON answers and chunks are written by hand into an mr_prom text buffer (one per
+ * JSON answers and chunks are written by hand into an mr_buf text buffer (one per
  * request, reused): a chunk is a fixed head per request, the escaped text and a fixed
  * tail, so each token costs one escape and one copy. Text is made valid UTF-8 on its way
  * into a JSON string (U+FFFD for what is not).
@@ -37,7 +37,7 @@
 enum { SV_LOADING, SV_READY, SV_DRAINING };
 
 /* Appends a string literal. */
-#define APP(p, lit) mr_prom_append((p), "" lit, sizeof(lit) - 1)
+#define APP(p, lit) mr_buf_append((p), "" lit, sizeof(lit) - 1)
 
 typedef struct sv_req sv_req;
 
@@ -69,11 +69,11 @@ struct sv_req {
   uint32_t top_logprobs;
   _Atomic bool gone;            /* the client left (on_close, a failed write, peer_gone) */
   gc_text_out *txt;
-  mr_prom text;                 /* the answer's text so far, JSON-escaped (not streamed) */
-  mr_prom lp;                   /* logprob entries not yet sent, JSON (see lp_add) */
+  mr_buf text;                 /* the answer's text so far, JSON-escaped (not streamed) */
+  mr_buf lp;                   /* logprob entries not yet sent, JSON (see lp_add) */
   uint32_t lp_n;                /* entries in lp */
   uint32_t text_off;            /* completions' text_offset: bytes of text emitted */
-  mr_prom out;                  /* the chunk / answer being built */
+  mr_buf out;                  /* the chunk / answer being built */
   gc_tok_text tokstr;           /* decode of one id (logprobs) */
   char id[48];
   long long created;
@@ -94,7 +94,7 @@ static void hist_ms(mr_hist *h, const double *ms, uint32_t n) {
 
 /* Appends s[0..n) as the inside of a JSON string: valid UTF-8 (U+FFFD otherwise), quotes,
  * backslashes and control characters escaped. */
-static void json_esc(mr_prom *p, const char *s, size_t n) {
+static void json_esc(mr_buf *p, const char *s, size_t n) {
   char *v = NULL;
   size_t vl = 0, vc = 0;
   if (!gc_oai_utf8_append(&v, &vl, &vc, s, n)) {
@@ -105,7 +105,7 @@ static void json_esc(mr_prom *p, const char *s, size_t n) {
   for (size_t i = 0; i < vl; i++) {
     const unsigned char c = (unsigned char)v[i];
     if (c >= 0x20 && c != '"' && c != '\\') continue;
-    mr_prom_append(p, v + run, i - run);
+    mr_buf_append(p, v + run, i - run);
     run = i + 1;
     switch (c) {
       case '"': APP(p, "\\\""); break;
@@ -113,14 +113,14 @@ static void json_esc(mr_prom *p, const char *s, size_t n) {
       case '\n': APP(p, "\\n"); break;
       case '\r': APP(p, "\\r"); break;
       case '\t': APP(p, "\\t"); break;
-      default: mr_prom_printf(p, "\\u%04x", c);
+      default: mr_buf_printf(p, "\\u%04x", c);
     }
   }
-  mr_prom_append(p, v + run, vl - run);
+  mr_buf_append(p, v + run, vl - run);
   mr_free(v);
 }
 
-static void json_str(mr_prom *p, const char *s, size_t n) {
+static void json_str(mr_buf *p, const char *s, size_t n) {
   APP(p, "\"");
   json_esc(p, s, n);
   APP(p, "\"");
@@ -128,16 +128,16 @@ static void json_str(mr_prom *p, const char *s, size_t n) {
 
 /* A float as JSON (logprobs can be -inf for a token of probability 0: JSON has no
  * infinity, OpenAI's servers send -9999.0). */
-static void json_float(mr_prom *p, float v) {
+static void json_float(mr_buf *p, float v) {
   if (!(v > -9999.0f)) v = -9999.0f;
-  mr_prom_printf(p, "%.6g", (double)v);
+  mr_buf_printf(p, "%.6g", (double)v);
 }
 
 /* {"error": {...}} in OpenAI's shape. */
-static void error_json(mr_prom *p, const char *msg, const char *type, const char *param, const char *code) {
+static void error_json(mr_buf *p, const char *msg, const char *type, const char *param, const char *code) {
   APP(p, "{\"error\":{\"message\":");
   json_str(p, msg, strlen(msg));
-  mr_prom_printf(p, ",\"type\":\"%s\",\"param\":", type);
+  mr_buf_printf(p, ",\"type\":\"%s\",\"param\":", type);
   if (param && *param) json_str(p, param, strlen(param));
   else APP(p, "null");
   APP(p, ",\"code\":");
@@ -150,22 +150,22 @@ static void reply_error(mr_http_call *c, int status, const char *msg, const char
   const char *type = status == 401 ? "authentication_error" : status == 404 ? "not_found_error"
                      : status == 429 ? "rate_limit_error" : status >= 500 ? "server_error"
                                                           : "invalid_request_error";
-  mr_prom p;
-  mr_prom_init(&p);
+  mr_buf p;
+  mr_buf_init(&p);
   error_json(&p, msg, type, param, code);
   static const char *const retry[] = {"Retry-After", "1", NULL};
   mr_http_reply(c, status, "application/json", p.buf ? p.buf : "", p.len,
                 status == 429 || status == 503 ? retry : NULL);
-  mr_prom_close(&p);
+  mr_buf_close(&p);
 }
 
 /* ---- requests -------------------------------------------------------------------------------- */
 
 static void req_free(sv_req *r) {
   gc_text_out_free(r->txt);
-  mr_prom_close(&r->text);
-  mr_prom_close(&r->lp);
-  mr_prom_close(&r->out);
+  mr_buf_close(&r->text);
+  mr_buf_close(&r->lp);
+  mr_buf_close(&r->out);
   gc_tok_text_close(&r->tokstr);
   pthread_mutex_destroy(&r->mu);
   mr_free(r);
@@ -190,8 +190,8 @@ static void sse_send(sv_req *r) {
 /* The head of every chunk of r, up to the choice's contents. */
 static void chunk_head(sv_req *r) {
   gc_serve *sv = r->sv;
-  mr_prom_reset(&r->out);
-  mr_prom_printf(&r->out, "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", r->id,
+  mr_buf_reset(&r->out);
+  mr_buf_printf(&r->out, "data: {\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", r->id,
                  r->kind == GC_OAI_CHAT ? "chat.completion.chunk" : "text_completion", r->created);
   json_str(&r->out, sv->model_name, strlen(sv->model_name));
   APP(&r->out, ",\"system_fingerprint\":\"moerpc\",\"choices\":[");
@@ -211,7 +211,7 @@ static void token_text(sv_req *r, int32_t id, const char **s, size_t *n) {
 }
 
 /* {"token": "...", "logprob": x, "bytes": [...]} (chat's shape). */
-static void lp_entry(sv_req *r, mr_prom *p, int32_t id, float lp) {
+static void lp_entry(sv_req *r, mr_buf *p, int32_t id, float lp) {
   const char *s;
   size_t n;
   token_text(r, id, &s, &n);
@@ -220,7 +220,7 @@ static void lp_entry(sv_req *r, mr_prom *p, int32_t id, float lp) {
   APP(p, ",\"logprob\":");
   json_float(p, lp);
   APP(p, ",\"bytes\":[");
-  for (size_t i = 0; i < n; i++) mr_prom_printf(p, i ? ",%u" : "%u", (unsigned char)s[i]);
+  for (size_t i = 0; i < n; i++) mr_buf_printf(p, i ? ",%u" : "%u", (unsigned char)s[i]);
   APP(p, "]");
 }
 
@@ -228,7 +228,7 @@ static void lp_entry(sv_req *r, mr_prom *p, int32_t id, float lp) {
  * Completions: four parallel arrays (tokens, token_logprobs, top_logprobs, text_offset),
  * kept here as one "\x1f"-separated record per token and laid out when sent. */
 static void lp_add(sv_req *r, const gc_sched_token *t) {
-  mr_prom *p = &r->lp;
+  mr_buf *p = &r->lp;
   if (r->kind == GC_OAI_CHAT) {
     if (r->lp_n) APP(p, ",");
     lp_entry(r, p, t->id, t->logprob);
@@ -254,26 +254,26 @@ static void lp_add(sv_req *r, const gc_sched_token *t) {
       APP(p, ":");
       json_float(p, t->top[i].logprob);
     }
-    mr_prom_printf(p, "}\x1f%u\x1e", r->text_off);
+    mr_buf_printf(p, "}\x1f%u\x1e", r->text_off);
   }
   r->lp_n++;
 }
 
 /* Moves r->lp into out as the choice's "logprobs" value, and empties it. */
-static void lp_take(sv_req *r, mr_prom *out) {
+static void lp_take(sv_req *r, mr_buf *out) {
   if (!r->logprobs) {
     APP(out, "null");
     return;
   }
   if (r->kind == GC_OAI_CHAT) {
     APP(out, "{\"content\":[");
-    if (r->lp.buf) mr_prom_append(out, r->lp.buf, r->lp.len);
+    if (r->lp.buf) mr_buf_append(out, r->lp.buf, r->lp.len);
     APP(out, "]}");
   } else {
     static const char *const names[4] = {"tokens", "token_logprobs", "top_logprobs", "text_offset"};
     APP(out, "{");
     for (int f = 0; f < 4; f++) {
-      mr_prom_printf(out, "%s\"%s\":[", f ? "," : "", names[f]);
+      mr_buf_printf(out, "%s\"%s\":[", f ? "," : "", names[f]);
       const char *s = r->lp.buf ? r->lp.buf : "", *end = s + r->lp.len;
       bool first = true;
       while (s < end) { /* records "a\x1fb\x1fc\x1fd\x1e" */
@@ -284,7 +284,7 @@ static void lp_take(sv_req *r, mr_prom *out) {
         const char *qe = memchr(q, '\x1f', (size_t)(rec_end - q));
         if (!qe) qe = rec_end;
         if (!first) APP(out, ",");
-        mr_prom_append(out, q, (size_t)(qe - q));
+        mr_buf_append(out, q, (size_t)(qe - q));
         first = false;
         s = rec_end + 1;
       }
@@ -292,7 +292,7 @@ static void lp_take(sv_req *r, mr_prom *out) {
     }
     APP(out, "}");
   }
-  mr_prom_reset(&r->lp);
+  mr_buf_reset(&r->lp);
   r->lp_n = 0;
 }
 
@@ -300,7 +300,7 @@ static void lp_take(sv_req *r, mr_prom *out) {
  * last. */
 static void send_chunk(sv_req *r, const char *s, size_t n, const char *finish) {
   chunk_head(r);
-  mr_prom *o = &r->out;
+  mr_buf *o = &r->out;
   if (r->kind == GC_OAI_CHAT) {
     APP(o, "{\"index\":0,\"delta\":");
     if (n || !finish) {
@@ -317,7 +317,7 @@ static void send_chunk(sv_req *r, const char *s, size_t n, const char *finish) {
   APP(o, ",\"logprobs\":");
   if (r->lp_n) lp_take(r, o);
   else APP(o, "null");
-  if (finish) mr_prom_printf(o, ",\"finish_reason\":\"%s\"}]", finish);
+  if (finish) mr_buf_printf(o, ",\"finish_reason\":\"%s\"}]", finish);
   else APP(o, ",\"finish_reason\":null}]");
   if (r->include_usage) APP(o, ",\"usage\":null");
   APP(o, "}");
@@ -354,33 +354,33 @@ static bool on_token(void *ud, const gc_sched_token *t) {
   return end;
 }
 
-static void usage_json(mr_prom *o, const gc_sched_usage *u) {
-  mr_prom_printf(o, "\"usage\":{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%u}",
+static void usage_json(mr_buf *o, const gc_sched_usage *u) {
+  mr_buf_printf(o, "\"usage\":{\"prompt_tokens\":%u,\"completion_tokens\":%u,\"total_tokens\":%u}",
                  u->prompt_tokens, u->completion_tokens, u->prompt_tokens + u->completion_tokens);
 }
 
 /* The one JSON answer of a request that was not streamed. */
 static void answer(sv_req *r, const char *finish, const gc_sched_usage *u) {
   gc_serve *sv = r->sv;
-  mr_prom *o = &r->out;
-  mr_prom_reset(o);
-  mr_prom_printf(o, "{\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", r->id,
+  mr_buf *o = &r->out;
+  mr_buf_reset(o);
+  mr_buf_printf(o, "{\"id\":\"%s\",\"object\":\"%s\",\"created\":%lld,\"model\":", r->id,
                  r->kind == GC_OAI_CHAT ? "chat.completion" : "text_completion", r->created);
   json_str(o, sv->model_name, strlen(sv->model_name));
   APP(o, ",\"system_fingerprint\":\"moerpc\",\"choices\":[{\"index\":0,");
   const char *text = r->text.buf ? r->text.buf : "";
   if (r->kind == GC_OAI_CHAT) {
     APP(o, "\"message\":{\"role\":\"assistant\",\"content\":\"");
-    mr_prom_append(o, text, r->text.len);
+    mr_buf_append(o, text, r->text.len);
     APP(o, "\"}");
   } else {
     APP(o, "\"text\":\"");
-    mr_prom_append(o, text, r->text.len);
+    mr_buf_append(o, text, r->text.len);
     APP(o, "\"");
   }
   APP(o, ",\"logprobs\":");
   lp_take(r, o);
-  mr_prom_printf(o, ",\"finish_reason\":\"%s\"}],", finish);
+  mr_buf_printf(o, ",\"finish_reason\":\"%s\"}],", finish);
   usage_json(o, u);
   APP(o, "}");
   if (o->oom) reply_error(r->call, 500, "out of memory building the answer", NULL, NULL);
@@ -394,7 +394,7 @@ static void fail(sv_req *r, int status, const char *msg, const char *code) {
     reply_error(r->call, status, msg, NULL, code);
     return;
   }
-  mr_prom_reset(&r->out);
+  mr_buf_reset(&r->out);
   APP(&r->out, "data: ");
   error_json(&r->out, msg, status >= 500 ? "server_error" : "invalid_request_error", NULL, code);
   sse_send(r);
@@ -450,7 +450,7 @@ static void on_done(void *ud, gc_finish why, const mr_err *err, const gc_sched_u
       APP(&r->out, "}");
       sse_send(r);
     }
-    mr_prom_reset(&r->out);
+    mr_buf_reset(&r->out);
     APP(&r->out, "data: [DONE]");
     sse_send(r);
     mr_http_stream_end(r->call);
@@ -580,9 +580,9 @@ static void handle_completion(gc_serve *sv, mr_http_call *c, gc_oai_kind kind) {
     goto refuse;
   }
   pthread_mutex_init(&r->mu, NULL);
-  mr_prom_init(&r->text);
-  mr_prom_init(&r->lp);
-  mr_prom_init(&r->out);
+  mr_buf_init(&r->text);
+  mr_buf_init(&r->lp);
+  mr_buf_init(&r->out);
   r->sv = sv;
   r->call = c;
   r->kind = kind;
@@ -658,17 +658,17 @@ static void handle_text(void *ud, mr_http_call *c) { handle_completion(ud, c, GC
 
 static void handle_models(void *ud, mr_http_call *c) {
   gc_serve *sv = ud;
-  mr_prom o;
-  mr_prom_init(&o);
+  mr_buf o;
+  mr_buf_init(&o);
   APP(&o, "{\"object\":\"list\",\"data\":[{\"id\":");
   json_str(&o, sv->model_name, strlen(sv->model_name));
-  mr_prom_printf(&o, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"moerpc\"", sv->created);
+  mr_buf_printf(&o, ",\"object\":\"model\",\"created\":%lld,\"owned_by\":\"moerpc\"", sv->created);
   if (atomic_load_explicit(&sv->attached, memory_order_acquire))
-    mr_prom_printf(&o, ",\"max_model_len\":%u", gc_model_max_seq(sv->m.model));
+    mr_buf_printf(&o, ",\"max_model_len\":%u", gc_model_max_seq(sv->m.model));
   APP(&o, "}]}");
   if (o.oom) reply_error(c, 500, "out of memory", NULL, NULL);
   else mr_http_reply(c, 200, "application/json", o.buf, o.len, NULL);
-  mr_prom_close(&o);
+  mr_buf_close(&o);
 }
 
 /* GET /health: 200 once the model and the cluster are up, 503 while loading or draining
@@ -686,7 +686,7 @@ static bool probe(void *ud, bool ready) {
   return !ready || atomic_load_explicit(&sv->state, memory_order_acquire) == SV_READY;
 }
 
-static void metrics_render(void *ud, mr_prom *p) {
+static void metrics_render(void *ud, mr_buf *p) {
   gc_serve *sv = ud;
   const int state = atomic_load_explicit(&sv->state, memory_order_acquire);
   mr_prom_family(p, "moerpc_serve_http_requests_total", MR_PROM_COUNTER, "HTTP answers of serve, by status code");
@@ -724,6 +724,9 @@ static void metrics_render(void *ud, mr_prom *p) {
   mr_prom_u64(p, "moerpc_serve_kv_slots", NULL, st.slots);
   mr_prom_family(p, "moerpc_serve_steps_total", MR_PROM_COUNTER, "Model steps run by the scheduler");
   mr_prom_u64(p, "moerpc_serve_steps_total", NULL, st.steps);
+  mr_prom_family(p, "moerpc_serve_failed_steps_total", MR_PROM_COUNTER,
+                 "Model steps that failed (every sequence in such a step ends with an error)");
+  mr_prom_u64(p, "moerpc_serve_failed_steps_total", NULL, st.failed_steps);
   mr_prom_family(p, "moerpc_serve_ready", MR_PROM_GAUGE, "1 while serving (model and cluster up, not draining)");
   mr_prom_u64(p, "moerpc_serve_ready", NULL, state == SV_READY);
   if (attached) gc_model_metrics_render(sv->m.model, p);

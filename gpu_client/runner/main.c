@@ -71,7 +71,8 @@ static void help_text(char *buf, size_t len, const char *own) {
 
 /* Handles the options every subcommand shares; returns 1 if taken, 0 if not one of them,
  * -1 on a bad value. */
-static int common_opt(cli *o, int opt, const char *arg) {
+static int common_opt(void *ctx, int opt, const char *arg) {
+  cli *o = ctx;
   int lvl;
   switch (opt) {
   case OPT_CLUSTER: o->cluster = arg; return 1;
@@ -109,38 +110,13 @@ static int open_cluster(const cli *o, gc_cluster **c) {
   return 0;
 }
 
-/* Parses argv of a subcommand with getopt_long. Returns 0 to run, 1 after --help, 2 on a
- * usage error. extra() handles the subcommand's own options (0 = unknown, -1 = bad). */
-typedef int (*opt_fn)(void *ctx, int opt, const char *arg);
+/* Parses argv of a subcommand: the cluster flags, then extra's (the subcommand's own).
+ * Returns 0 to run, 1 after --help, 2 on a usage error. */
 static int parse_args(int argc, char **argv, const struct option *lo, const char *help,
-                      cli *o, opt_fn extra, void *ctx) {
-  optind = 1;
-  opterr = 0;
-  for (;;) {
-    int oi = 0;
-    int opt = getopt_long(argc, argv, "", lo, &oi);
-    if (opt == -1) break;
-    if (opt == OPT_HELP) {
-      fputs(help, stdout);
-      return 1;
-    }
-    if (opt == '?' || opt == ':') {
-      fprintf(stderr, PROG " %s: bad or incomplete option \"%s\" (see --help)\n", argv[0],
-              argv[optind - 1]);
-      return 2;
-    }
-    int r = common_opt(o, opt, optarg);
-    if (r == 0 && extra) r = extra(ctx, opt, optarg);
-    if (r == 0) {
-      fprintf(stderr, PROG " %s: unexpected option (see --help)\n", argv[0]);
-      return 2;
-    }
-    if (r < 0) return 2;
-  }
-  if (optind < argc) {
-    fprintf(stderr, PROG " %s: unexpected argument \"%s\" (see --help)\n", argv[0], argv[optind]);
-    return 2;
-  }
+                      cli *o, gc__cli_opt_fn extra, void *ctx) {
+  const char *const h[3] = {help, "", ""};
+  int rc = gc__cli_getopt(argc, argv, lo, OPT_HELP, h, common_opt, o, extra, ctx);
+  if (rc) return rc;
   if (!o->cluster) {
     fprintf(stderr, PROG " %s: --cluster FILE is required (see --help)\n", argv[0]);
     return 2;
@@ -152,7 +128,7 @@ static int parse_args(int argc, char **argv, const struct option *lo, const char
  * common options). Returns -1 to go on, else the exit status (0 after --help, 2 on a usage
  * error). */
 static int parse_command(int argc, char **argv, const struct option *lo, const char *own_help,
-                         cli *o, opt_fn extra, void *ctx) {
+                         cli *o, gc__cli_opt_fn extra, void *ctx) {
   char help[HELP_BYTES];
   help_text(help, sizeof help, own_help);
   int pr = parse_args(argc, argv, lo, help, o, extra, ctx);
@@ -229,9 +205,18 @@ static int cmd_info(int argc, char **argv) {
   for (uint32_t i = 0; i < ci.n_servers; i++) {
     gc_server_info si;
     gc_server_info_get(c, i, &si, NULL);
+    if (si.alias_of >= 0) { /* one process under a second address: counted once */
+      gc_server_info orig;
+      gc_server_info_get(c, (uint32_t)si.alias_of, &orig, NULL);
+      printf("server %-12s %-22s the same server as %s (%s, instance %s): counted once, no "
+             "traffic, no replica\n", si.name, si.address, orig.name, orig.address,
+             si.instance_id);
+      continue;
+    }
     printf("server %-12s %-22s protocol %u.%u  max_tokens %-6u announced %llu pairs, assigned "
-           "%llu\n", si.name, si.address, si.protocol_major, si.protocol_minor, si.max_tokens,
-           (unsigned long long)si.announced_pairs, (unsigned long long)si.assigned_pairs);
+           "%llu%s%s\n", si.name, si.address, si.protocol_major, si.protocol_minor, si.max_tokens,
+           (unsigned long long)si.announced_pairs, (unsigned long long)si.assigned_pairs,
+           si.instance_id[0] ? ", instance " : "", si.instance_id);
   }
   /* Ownership, consecutive layers with the same owners on one line. */
   printf("ownership:\n");
@@ -331,6 +316,11 @@ static int cmd_stats(int argc, char **argv) {
     gc_stats st;
     mr_err e;
     gc_server_info_get(c, i, &si, NULL);
+    if (si.alias_of >= 0) { /* the same process as an earlier entry: its counts are those */
+      printf("server %s (%s): the same server as entry %d (instance %s), not asked twice\n",
+             si.name, si.address, si.alias_of, si.instance_id);
+      continue;
+    }
     int rc = gc_cluster_stats(c, i, sc.reset, &st, &e);
     if (rc) {
       fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
@@ -1174,12 +1164,7 @@ out:
 /* The subcommands, in the order `--help` lists them. run gets argv from the command's name
  * on. A group of subcommands in its own file (gpu_client/cli_<group>.c, linked into this
  * binary by the Makefile) adds its lines here and a declaration of its entry points. */
-typedef struct command {
-  const char *name;
-  int (*run)(int argc, char **argv);
-  const char *summary;
-} command;
-static const command commands[] = {
+static const mr_cli_command commands[] = {
     {"info", cmd_info, "Hello every server; print the cluster, model and ownership"},
     {"verify", cmd_verify, "every MoE layer through the cluster vs a local reference"},
     {"bench-rpc", cmd_bench_rpc, "per-request round trip to one server vs raw TCP"},
@@ -1192,32 +1177,16 @@ static const command commands[] = {
     {"detokenize", gc__cli_detokenize, "the model's tokenizer: ids -> text"},
     {"chat-template", gc__cli_chat_template, "the prompt the model's chat template renders for messages"},
 };
-#define N_COMMANDS (sizeof commands / sizeof commands[0])
-
-static void usage(FILE *f) {
-  fprintf(f, "usage: moerpc-client COMMAND [options]   (cluster commands take --cluster FILE,\n"
-             "       the model commands --model DIR [--cluster FILE])\n\ncommands:\n");
-  for (size_t i = 0; i < N_COMMANDS; i++)
-    fprintf(f, "  %-11s %s\n", commands[i].name, commands[i].summary);
-  fprintf(f, "\nmoerpc-client COMMAND --help describes each. Exit status: 0 ok, 1 failure, 2 "
-             "usage.\n");
-}
 
 int main(int argc, char **argv) {
-  mr_log_set_component("client");
-  signal(SIGPIPE, SIG_IGN);
-  if (argc < 2) {
-    usage(stderr);
-    return 2;
-  }
-  const char *cmd = argv[1];
-  if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
-    usage(stdout);
-    return 0;
-  }
-  for (size_t i = 0; i < N_COMMANDS; i++)
-    if (strcmp(cmd, commands[i].name) == 0) return commands[i].run(argc - 1, argv + 1);
-  fprintf(stderr, PROG ": unknown command \"%s\"\n\n", cmd);
-  usage(stderr);
-  return 2;
+  static const mr_cli_program prog = {
+      .name = PROG,
+      .component = "client",
+      .synopsis = "cluster commands take --cluster FILE,\n"
+                  "       the model commands --model DIR [--cluster FILE]",
+      .about = "commands:",
+      .commands = commands,
+      .n_commands = sizeof commands / sizeof commands[0],
+  };
+  return mr_cli_main(&prog, argc, argv);
 }

@@ -86,7 +86,7 @@ gc_cluster *gc_model_cluster(gc_model *m);
  * (every routed slot of every MoE layer, hot experts included; a step = one gc_model_step).
  * _json appends them as moerpc-stats JSON with the model's fingerprint; _save writes a file. */
 gc_routing *gc_model_routing(gc_model *m);
-int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_prom *out, mr_err *e);
+int gc_model_routing_json(gc_model *m, gc_routing_span span, mr_buf *out, mr_err *e);
 int gc_model_routing_save(gc_model *m, gc_routing_span span, const char *path, mr_err *e);
 /* Whether the client computes (layer, expert) itself. */
 bool gc_model_is_local(const gc_model *m, uint32_t layer, uint32_t expert);
@@ -142,7 +142,7 @@ void gc_model_stats_get(gc_model *m, gc_model_stats *out, bool reset);
  * (label server) requests, replies, errors, timeouts, bytes and mean RTT. Any thread while
  * m is open (what the stepping thread writes is read through atomics, the per-server
  * counters under their stream's lock); for the --metrics-listen responder. Never reset. */
-void gc_model_metrics_render(gc_model *m, mr_prom *p);
+void gc_model_metrics_render(gc_model *m, mr_buf *p);
 
 /* ---- live placement (docs/DESIGN.md section 15) -------------------------------------------
  *
@@ -166,7 +166,7 @@ typedef struct gc_model_placement {
 void gc_model_placement_get(gc_model *m, gc_model_placement *out);
 /* GET /placement of --metrics-listen: {"file", "watching", "generation", "hash" (16 hex
  * digits), "switched_at", "rejected", "last_error"} as one JSON object. Any thread. */
-void gc_model_placement_render(gc_model *m, mr_prom *p);
+void gc_model_placement_render(gc_model *m, mr_buf *p);
 
 /* ---- generation -------------------------------------------------------------------------- */
 

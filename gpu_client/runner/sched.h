@@ -108,6 +108,7 @@ typedef struct gc_sched_stats {
   uint32_t queued, running, slots, slots_in_use;
   uint64_t submitted, refused_full, finished[GC_FINISH_ERROR + 1];
   uint64_t prompt_tokens, completion_tokens, steps;
+  uint64_t failed_steps; /* steps whose gc_model_step failed (their sequences ended with ERROR) */
 } gc_sched_stats;
 
 /* A scheduler over m (it drives m from now on: nobody else may step it). o may be NULL. */

@@ -206,15 +206,7 @@ int gc__tmpl_replace(gc__tmpl_heap *h, gc__tmpl_str s, gc__tmpl_str old, gc__tmp
       done++;
     }
   }
-  if (!rc) {
-    char *p = gc__tmpl_memdup(h, b.p ? b.p : "", b.n);
-    if (!p)
-      rc = h->e->code;
-    else
-      *out = gc__tmpl_strv(p, b.n);
-  }
-  gc__tmpl_sb_free(&b);
-  return rc;
+  return gc__tmpl_sb_take(h, &b, rc, out);
 }
 
 /* Python's str.splitlines line boundaries: the length of the one at s[i], or 0. "\r\n"
@@ -863,14 +855,7 @@ static int f_tojson(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
   gc__tmpl_sb b;
   gc__tmpl_sb_init(&b, h->limit, "memory", h->e);
   rc = gc__tmpl_tojson_put(&b, h, v, &o);
-  if (!rc) {
-    char *p = gc__tmpl_memdup(h, b.p ? b.p : "", b.n);
-    if (!p)
-      rc = h->e->code;
-    else
-      *out = gc__tmpl_strv(p, b.n);
-  }
-  gc__tmpl_sb_free(&b);
+  rc = gc__tmpl_sb_take(h, &b, rc, out);
   return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
 }
 
@@ -1073,12 +1058,7 @@ static int f_indent(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val 
     }
     if (!rc) rc = gc__tmpl_sb_put(&b, line->p, line->n);
   }
-  if (!rc) {
-    char *p = gc__tmpl_memdup(h, b.p ? b.p : "", b.n);
-    if (!p) rc = h->e->code;
-    else *out = gc__tmpl_strv(p, b.n);
-  }
-  gc__tmpl_sb_free(&b);
+  rc = gc__tmpl_sb_take(h, &b, rc, out);
   return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
 }
 
@@ -1105,12 +1085,7 @@ static int f_join(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl_val *v
     if (!rc) rc = attr_get(rt, n, attr, &items[i], &x);
     if (!rc) rc = gc__tmpl_str_put(&b, &x);
   }
-  if (!rc) {
-    char *p = gc__tmpl_memdup(h, b.p ? b.p : "", b.n);
-    if (!p) rc = h->e->code;
-    else *out = gc__tmpl_strv(p, b.n);
-  }
-  gc__tmpl_sb_free(&b);
+  rc = gc__tmpl_sb_take(h, &b, rc, out);
   return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
 }
 
@@ -1596,12 +1571,7 @@ int gc__tmpl_call_method(gc__tmpl_rt *rt, const gc__tmpl_node *n, const gc__tmpl
       if (i) rc = gc__tmpl_sb_put(&sb, s.p, s.n);
       if (!rc) rc = gc__tmpl_sb_put(&sb, items[i].u.s.p, items[i].u.s.n);
     }
-    if (!rc) {
-      char *p = gc__tmpl_memdup(h, sb.p ? sb.p : "", sb.n);
-      if (!p) rc = h->e->code;
-      else *out = gc__tmpl_strv(p, sb.n);
-    }
-    gc__tmpl_sb_free(&sb);
+    rc = gc__tmpl_sb_take(h, &sb, rc, out);
     return rc ? gc__tmpl_rt_locate(rt, n, rc) : 0;
   }
   case GC__TM_SPLITLINES: { /* at \n, \r\n, \r, \v, \f, \x1c-\x1e, \x85, U+2028/9 */

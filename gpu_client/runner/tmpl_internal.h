@@ -186,6 +186,9 @@ static inline gc__tmpl_val gc__tmpl_float(double f) {
 static inline gc__tmpl_val gc__tmpl_strv(const char *p, size_t n) {
   return (gc__tmpl_val){.kind = GC__TV_STR, .u.s = {p, n}};
 }
+/* Ends a buffer built for a string value: when rc is 0 its bytes are copied to the heap as
+ * the string *out. The buffer is freed either way. Returns rc, or the heap's error code. */
+int gc__tmpl_sb_take(gc__tmpl_heap *h, gc__tmpl_sb *b, int rc, gc__tmpl_val *out);
 static inline gc__tmpl_val gc__tmpl_undef_hint(const char *msg) {
   return (gc__tmpl_val){.kind = GC__TV_UNDEF, .aux = GC__TU_HINT, .u.s = {msg, strlen(msg)}};
 }

@@ -753,6 +753,18 @@ int gc__tmpl_str_put(gc__tmpl_sb *b, const gc__tmpl_val *v) {
   }
 }
 
+int gc__tmpl_sb_take(gc__tmpl_heap *h, gc__tmpl_sb *b, int rc, gc__tmpl_val *out) {
+  if (!rc) {
+    char *p = gc__tmpl_memdup(h, b->p ? b->p : "", b->n);
+    if (!p)
+      rc = h->e->code;
+    else
+      *out = gc__tmpl_strv(p, b->n);
+  }
+  gc__tmpl_sb_free(b);
+  return rc;
+}
+
 int gc__tmpl_to_str(gc__tmpl_heap *h, const gc__tmpl_val *v, gc__tmpl_val *out) {
   if (v->kind == GC__TV_STR) {
     *out = gc__tmpl_strv(v->u.s.p, v->u.s.n);
@@ -764,16 +776,7 @@ int gc__tmpl_to_str(gc__tmpl_heap *h, const gc__tmpl_val *v, gc__tmpl_val *out) 
   }
   gc__tmpl_sb b;
   gc__tmpl_sb_init(&b, h->limit, "memory", h->e);
-  int rc = gc__tmpl_str_put(&b, v);
-  if (!rc) {
-    char *p = gc__tmpl_memdup(h, b.p ? b.p : "", b.n);
-    if (!p)
-      rc = h->e->code;
-    else
-      *out = gc__tmpl_strv(p, b.n);
-  }
-  gc__tmpl_sb_free(&b);
-  return rc;
+  return gc__tmpl_sb_take(h, &b, gc__tmpl_str_put(&b, v), out);
 }
 
 /* ---- tojson --------------------------------------------------------------------------- */

@@ -442,72 +442,53 @@ static int split_behavior(enc_ctx *c, const piece *src, const gc__tok_matches *m
   return 0;
 }
 
+/* Appends the span [s, e) of the piece to c->m, as a match or as the text between two. */
+static int match_push(enc_ctx *c, size_t s, size_t e, bool match) {
+  gc__tok_matches *m = &c->m;
+  if (m->n == m->cap) {
+    size_t cap = m->cap ? m->cap * 2 : 32;
+    gc__tok_match *x = mr_realloc(m->v, cap * sizeof *x);
+    if (!x) return nomem(c);
+    m->v = x;
+    m->cap = cap;
+  }
+  m->v[m->n++] = (gc__tok_match){.s = (uint32_t)s, .e = (uint32_t)e, .m = match};
+  return 0;
+}
+
+/* A match at [at, end) after the text since *last (pushed first when not empty). */
+static int match_after_gap(enc_ctx *c, size_t *last, size_t at, size_t end) {
+  int rc = *last < at ? match_push(c, *last, at, false) : 0;
+  if (!rc) rc = match_push(c, at, end, true);
+  *last = end;
+  return rc;
+}
+
 /* HF's Pattern for a char predicate: each char that satisfies it is a match of its own. */
 static int digit_matches(enc_ctx *c, const piece *src) {
-  gc__tok_matches *m = &c->m;
-  m->n = 0;
+  c->m.n = 0;
   size_t last = 0;
   for (size_t i = 0; i < src->n;) {
     size_t l;
     uint32_t cp = gc__tok_utf8_decode(src->p + i, src->n - i, &l);
-    if (gc__tok_is_numeric(cp)) {
-      if (m->cap < m->n + 2) {
-        size_t cap = m->cap ? m->cap * 2 : 32;
-        gc__tok_match *x = mr_realloc(m->v, cap * sizeof *x);
-        if (!x) return nomem(c);
-        m->v = x;
-        m->cap = cap;
-      }
-      if (last < i) m->v[m->n++] = (gc__tok_match){.s = (uint32_t)last, .e = (uint32_t)i};
-      m->v[m->n++] = (gc__tok_match){.s = (uint32_t)i, .e = (uint32_t)(i + l), .m = true};
-      last = i + l;
-    }
+    int rc = gc__tok_is_numeric(cp) ? match_after_gap(c, &last, i, i + l) : 0;
+    if (rc) return rc;
     i += l;
   }
-  if (last < src->n) {
-    if (m->n == m->cap) {
-      size_t cap = m->cap ? m->cap * 2 : 32;
-      gc__tok_match *x = mr_realloc(m->v, cap * sizeof *x);
-      if (!x) return nomem(c);
-      m->v = x;
-      m->cap = cap;
-    }
-    m->v[m->n++] = (gc__tok_match){.s = (uint32_t)last, .e = src->n};
-  }
-  return 0;
+  return last < src->n ? match_push(c, last, src->n, false) : 0;
 }
 
 /* The same for one given char (Metaspace's split on its replacement). */
 static int char_matches(enc_ctx *c, const piece *src, const char *ch, size_t chl) {
-  gc__tok_matches *m = &c->m;
-  m->n = 0;
-  size_t last = 0, i = 0;
-  while (i < src->n) {
-    const char *hit = chl <= src->n - i ? memmem(src->p + i, src->n - i, ch, chl) : NULL;
+  c->m.n = 0;
+  size_t last = 0;
+  while (last < src->n) {
+    const char *hit = chl <= src->n - last ? memmem(src->p + last, src->n - last, ch, chl) : NULL;
     if (!hit) break;
-    size_t at = (size_t)(hit - src->p);
-    if (m->cap < m->n + 2) {
-      size_t cap = m->cap ? m->cap * 2 : 32;
-      gc__tok_match *x = mr_realloc(m->v, cap * sizeof *x);
-      if (!x) return nomem(c);
-      m->v = x;
-      m->cap = cap;
-    }
-    if (last < at) m->v[m->n++] = (gc__tok_match){.s = (uint32_t)last, .e = (uint32_t)at};
-    m->v[m->n++] = (gc__tok_match){.s = (uint32_t)at, .e = (uint32_t)(at + chl), .m = true};
-    last = i = at + chl;
+    int rc = match_after_gap(c, &last, (size_t)(hit - src->p), (size_t)(hit - src->p) + chl);
+    if (rc) return rc;
   }
-  if (last < src->n) {
-    if (m->n == m->cap) {
-      size_t cap = m->cap ? m->cap * 2 : 32;
-      gc__tok_match *x = mr_realloc(m->v, cap * sizeof *x);
-      if (!x) return nomem(c);
-      m->v = x;
-      m->cap = cap;
-    }
-    m->v[m->n++] = (gc__tok_match){.s = (uint32_t)last, .e = src->n};
-  }
-  return 0;
+  return last < src->n ? match_push(c, last, src->n, false) : 0;
 }
 
 static char *arena_copy(enc_ctx *c, size_t n) { return mr_arena_alloc(&c->arena, n ? n : 1, 1); }

@@ -160,6 +160,36 @@ static int get_pattern(ld *L, const cJSON *obj, const char *path, regex_t **re) 
   return gc__tok_re_new(re, x->valuestring, strlen(x->valuestring), s != NULL, L->label, q, L->e);
 }
 
+/* Appends one zeroed element to the array *arr of *n elements of elem bytes; *slot points
+ * at it. The arrays are short (one per component of a tokenizer.json), so one realloc each. */
+static int append(ld *L, void **arr, uint32_t *n, size_t elem, void **slot) {
+  char *p = mr_realloc(*arr, (*n + 1) * elem);
+  if (!p) return nomem(L);
+  *arr = p;
+  *slot = p + (size_t)(*n)++ * elem;
+  memset(*slot, 0, elem);
+  return 0;
+}
+
+/* The "Sequence" component of a normalizer, pre-tokenizer, decoder or post-processor: the array under key,
+ * each element parsed by parse one level deeper. */
+static int parse_sequence(ld *L, const cJSON *o, const char *path, const char *key, int depth,
+                          int (*parse)(ld *, const cJSON *, const char *, int)) {
+  char p[PATH_LEN];
+  sub(p, path, key);
+  const cJSON *a = get(o, key);
+  if (!cJSON_IsArray(a)) return bad(L, MR_EFORMAT, p, a, "must be an array");
+  if (depth >= MAX_DEPTH) return bad(L, MR_ERANGE, p, a, "nested too deep");
+  size_t i = 0;
+  for (const cJSON *x = a->child; x; x = x->next, i++) {
+    char q[PATH_LEN];
+    idx(q, p, i);
+    int rc = parse(L, x, q, depth + 1);
+    if (rc) return rc;
+  }
+  return 0;
+}
+
 /* ---------------------------------------------------------------------------------------
  * Normalizers.
  */
@@ -167,13 +197,11 @@ static const char *const NORM_TYPES[] = {"Sequence", "NFC", "NFD", "NFKC", "NFKD
                                          "Strip", "Prepend", "Replace", NULL};
 
 static int norm_add(ld *L, gc__tok_norm **slot) {
-  gc_tok *t = L->tok;
-  gc__tok_norm *p = mr_realloc(t->norm, (t->n_norm + 1) * sizeof *p);
-  if (!p) return nomem(L);
-  t->norm = p;
-  *slot = &p[t->n_norm++];
-  memset(*slot, 0, sizeof **slot);
-  return 0;
+  void *arr = L->tok->norm, *v = NULL;
+  int rc = append(L, &arr, &L->tok->n_norm, sizeof **slot, &v);
+  L->tok->norm = arr;
+  *slot = v;
+  return rc;
 }
 
 static int parse_norm(ld *L, const cJSON *o, const char *path, int depth) {
@@ -183,18 +211,7 @@ static int parse_norm(ld *L, const cJSON *o, const char *path, int depth) {
   gc__tok_norm *n;
   switch (k) {
   case 0: { /* Sequence */
-    char p[PATH_LEN];
-    sub(p, path, "normalizers");
-    const cJSON *a = get(o, "normalizers");
-    if (!cJSON_IsArray(a)) return bad(L, MR_EFORMAT, p, a, "must be an array");
-    if (depth >= MAX_DEPTH) return bad(L, MR_ERANGE, p, a, "nested too deep");
-    size_t i = 0;
-    for (const cJSON *x = a->child; x; x = x->next, i++) {
-      char q[PATH_LEN];
-      idx(q, p, i);
-      if ((rc = parse_norm(L, x, q, depth + 1))) return rc;
-    }
-    return 0;
+    return parse_sequence(L, o, path, "normalizers", depth, parse_norm);
   }
   case 1: case 2: case 3: case 4: case 5:
     if (norm_add(L, &n)) return MR_ENOMEM;
@@ -246,13 +263,11 @@ static const char GPT2_PATTERN[] =
     "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
 
 static int pre_add(ld *L, gc__tok_pre **slot) {
-  gc_tok *t = L->tok;
-  gc__tok_pre *p = mr_realloc(t->pre, (t->n_pre + 1) * sizeof *p);
-  if (!p) return nomem(L);
-  t->pre = p;
-  *slot = &p[t->n_pre++];
-  memset(*slot, 0, sizeof **slot);
-  return 0;
+  void *arr = L->tok->pre, *v = NULL;
+  int rc = append(L, &arr, &L->tok->n_pre, sizeof **slot, &v);
+  L->tok->pre = arr;
+  *slot = v;
+  return rc;
 }
 
 static int get_prepend_scheme(ld *L, const cJSON *o, const char *path, int *out) {
@@ -304,18 +319,7 @@ static int parse_pre(ld *L, const cJSON *o, const char *path, int depth) {
   gc__tok_pre *n;
   switch (k) {
   case 0: { /* Sequence */
-    char p[PATH_LEN];
-    sub(p, path, "pretokenizers");
-    const cJSON *a = get(o, "pretokenizers");
-    if (!cJSON_IsArray(a)) return bad(L, MR_EFORMAT, p, a, "must be an array");
-    if (depth >= MAX_DEPTH) return bad(L, MR_ERANGE, p, a, "nested too deep");
-    size_t i = 0;
-    for (const cJSON *x = a->child; x; x = x->next, i++) {
-      char q[PATH_LEN];
-      idx(q, p, i);
-      if ((rc = parse_pre(L, x, q, depth + 1))) return rc;
-    }
-    return 0;
+    return parse_sequence(L, o, path, "pretokenizers", depth, parse_pre);
   }
   case 1: { /* Split */
     char p[PATH_LEN];
@@ -401,13 +405,11 @@ static const char *const DEC_TYPES[] = {"Sequence", "ByteLevel", "Metaspace", "B
                                         "Fuse", "Strip", "Replace", NULL};
 
 static int dec_add(ld *L, gc__tok_dec **slot) {
-  gc_tok *t = L->tok;
-  gc__tok_dec *p = mr_realloc(t->dec, (t->n_dec + 1) * sizeof *p);
-  if (!p) return nomem(L);
-  t->dec = p;
-  *slot = &p[t->n_dec++];
-  memset(*slot, 0, sizeof **slot);
-  return 0;
+  void *arr = L->tok->dec, *v = NULL;
+  int rc = append(L, &arr, &L->tok->n_dec, sizeof **slot, &v);
+  L->tok->dec = arr;
+  *slot = v;
+  return rc;
 }
 
 /* True once the list holds a ByteLevel or Fuse: what follows sees one whole string. */
@@ -423,18 +425,7 @@ static int parse_dec(ld *L, const cJSON *o, const char *path, int depth) {
   int rc;
   gc__tok_dec *n;
   if (k == 0) { /* Sequence */
-    char p[PATH_LEN];
-    sub(p, path, "decoders");
-    const cJSON *a = get(o, "decoders");
-    if (!cJSON_IsArray(a)) return bad(L, MR_EFORMAT, p, a, "must be an array");
-    if (depth >= MAX_DEPTH) return bad(L, MR_ERANGE, p, a, "nested too deep");
-    size_t i = 0;
-    for (const cJSON *x = a->child; x; x = x->next, i++) {
-      char q[PATH_LEN];
-      idx(q, p, i);
-      if ((rc = parse_dec(L, x, q, depth + 1))) return rc;
-    }
-    return 0;
+    return parse_sequence(L, o, path, "decoders", depth, parse_dec);
   }
   /* After a ByteLevel or Fuse the rest of a Sequence acts on the whole text; of those only
    * Strip and Fuse are streamed (tok_decode.c). */
@@ -572,19 +563,7 @@ static int parse_post(ld *L, const cJSON *o, const char *path, int depth) {
     bool aps, use_re;
     return bytelevel_fields(L, o, path, &aps, &use_re);
   }
-  char p[PATH_LEN];
-  sub(p, path, "processors");
-  const cJSON *a = get(o, "processors");
-  if (!cJSON_IsArray(a)) return bad(L, MR_EFORMAT, p, a, "must be an array");
-  if (depth >= MAX_DEPTH) return bad(L, MR_ERANGE, p, a, "nested too deep");
-  size_t i = 0;
-  for (const cJSON *x = a->child; x; x = x->next, i++) {
-    char q[PATH_LEN];
-    idx(q, p, i);
-    int rc = parse_post(L, x, q, depth + 1);
-    if (rc) return rc;
-  }
-  return 0;
+  return parse_sequence(L, o, path, "processors", depth, parse_post); /* Sequence */
 }
 
 /* ---------------------------------------------------------------------------------------

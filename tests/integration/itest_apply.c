@@ -2,10 +2,12 @@
  * itest_apply.c - the control RPCs against a real moerpc-server (docs/DESIGN.md section 15),
  * through the library's typed control calls (gc_control_*) and gc_layer_forward:
  *
- *   unloaded_expert_gets_a_per_request_error: a client opened before UnloadExperts still
- *     routes expert 5 to s0; the request gets FAILED_PRECONDITION naming the expert, the
- *     stream keeps serving (expert 0 on the same server still computes, same output as
- *     before), and a LoadExperts of it again serves it with the same output as before;
+ *   unloaded_expert_gets_a_per_request_error: a client opened before UnloadExperts (the
+ *     server runs with --unload-grace 0) still routes expert 5 to s0; the request gets
+ *     FAILED_PRECONDITION, the client re-Hellos, finds no server serving it and fails that
+ *     request naming the expert, the layer and the servers asked; the stream keeps serving
+ *     (expert 0 on the same server still computes, same output as before), and after a
+ *     LoadExperts of it again the client re-Hellos and it is served with the same output;
  *   load_refusals: LoadStatus of an unknown load_id is NOT_FOUND, a dense or out-of-range
  *     layer INVALID_ARGUMENT, over --max-expert-memory RESOURCE_EXHAUSTED naming the bytes,
  *     another model's fingerprint FAILED_PRECONDITION; nothing changes (Hello's owned
@@ -15,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include "gpu_client/rpc/moerpc_client.h"
@@ -38,9 +41,10 @@ static void setup(const char *extra_flags) {
   MT_TRUE(f != NULL);
   fputs("itest-apply-token-0123456789\n", f);
   MT_EQ_INT(fclose(f), 0);
+  MT_EQ_INT(chmod(tok, 0600), 0); /* a token file readable by others is refused */
   char extra[1200];
-  snprintf(extra, sizeof extra, "--experts 0-7 --threads 1 --auth-token-file %s %s", tok,
-           extra_flags);
+  snprintf(extra, sizeof extra, "--experts 0-7 --threads 1 --auth-token-file %s --unload-grace 0 %s",
+           tok, extra_flags);
   itu_client_security(NULL, NULL, NULL, NULL, "itest-apply-token-0123456789");
   MT_EQ_INT(itu_server_start(&s0, model, extra, tmp, 20000), 0);
   snprintf(cluster, sizeof cluster, "%s/cluster.json", tmp);
@@ -63,7 +67,7 @@ static uint64_t owned_generation(gc_cluster *c) {
   gc_hello_info h;
   mr_err e;
   MT_OK(gc_control_hello(c, 0, &h, &e), &e);
-  MT_EQ_INT(h.protocol_minor, 2);
+  MT_EQ_INT(h.protocol_minor, PR_PROTOCOL_MINOR);
   uint64_t g = h.owned_generation;
   gc_hello_info_close(&h);
   return g;
@@ -108,10 +112,13 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   MT_EQ_U64(ur.pairs, 1);
   MT_EQ_U64(ur.owned_generation, g0 + 1);
 
-  /* The old client still routes 5 to s0: a clear error for that request only. */
+  /* The old client still routes 5 to s0: it re-Hellos, finds that no server serves it any
+   * more, and fails that request only, naming the expert, the layer and the servers. */
   MT_EQ_INT(forward(cl, 5, out, &e), MR_EPRECOND);
   MT_CONTAINS(e.msg, "expert 5");
   MT_CONTAINS(e.msg, "not served");
+  MT_CONTAINS(e.msg, "layer 1: expert 5 is served by no live server after a re-Hello");
+  MT_CONTAINS(e.msg, "asked server s0 (");
   MT_OK(forward(cl, 0, out, &e), &e);
   MT_TRUE(memcmp(out, ref0, sizeof out) == 0);
 
@@ -130,6 +137,9 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   }
   MT_EQ_INT(state, GC_LOAD_DONE);
   MT_EQ_U64(owned_generation(ctl), g0 + 2);
+  /* The client re-Hellos for an expert no server announced at most every 200 ms
+   * (GC__UNANNOUNCED_GAP_MS), then finds it on s0 again. */
+  usleep(250000);
   MT_OK(forward(cl, 5, out, &e), &e);
   MT_TRUE(memcmp(out, ref5, sizeof out) == 0);
   gc_cluster_close(cl);

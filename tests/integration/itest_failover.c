@@ -13,7 +13,11 @@
  *   the CLI: `moerpc-client generate` with a server killed mid-way exits 0, prints the same
  *   tokens as the all-local run and a "failover:" summary line;
  *   without replicas (experts 0-3 on one server, 4-7 on another) a kill -9 fails the next
- *   step within the deadline, naming the server and the experts with no live replica.
+ *   step within the deadline, naming the server and the experts with no live replica;
+ *   one server listed twice (127.0.0.1:P and localhost:P) is one server, not two replicas:
+ *   the library marks the second entry an alias (same Hello instance_id, one WARN naming
+ *   both addresses), `moerpc-client info` says so and counts no pair as replicated, and
+ *   `moerpc-place stats` asks it once.
  */
 #include <grpc/grpc.h>
 #include <signal.h>
@@ -352,6 +356,104 @@ MT_TEST(kill9_without_replica_fails_naming_server_bounded) {
   MT_CONTAINS(e.msg, "no live replica");
   MT_TRUE(ms < 2000); /* within the deadline: a dead server fails at once */
   gc_model_close(d.m);
+  MT_EQ_INT(itu_server_stop(&s0, SIGTERM, 15000, &st), 0);
+  itu_rm_rf(tmp);
+  grpc_shutdown();
+}
+
+/* The sum of the "counts" rows of a moerpc-stats file's text equals want. */
+static void pl_total_check(const char *json, uint64_t want) {
+  const char *p = strstr(json, "\"counts\"");
+  MT_TRUE(p != NULL);
+  uint64_t sum = 0;
+  for (p = strchr(p, '['); p && *p; p++)
+    if (*p >= '0' && *p <= '9') {
+      char *end;
+      sum += strtoull(p, &end, 10);
+      p = end - 1;
+    }
+  fprintf(stderr, "  moerpc-place stats: %llu slots (the layer call had %llu)\n",
+          (unsigned long long)sum, (unsigned long long)want);
+  MT_EQ_U64(sum, want);
+}
+
+MT_TEST(one_server_under_two_addresses_counts_once) {
+  setup();
+  itu_server s0;
+  MT_EQ_INT(itu_server_start(&s0, model, "--experts all", tmp, 60000), 0);
+  char cluster[700], text[1024];
+  snprintf(cluster, sizeof cluster, "%s/alias.json", tmp);
+  snprintf(text, sizeof text, "{\"deadline_ms\": 5000, \"servers\": [{\"name\": \"s0\", "
+           "\"address\": \"127.0.0.1:%d\"}, {\"name\": \"s1\", \"address\": "
+           "\"localhost:%d\"}]}", s0.port, s0.port);
+  write_file(cluster, text);
+
+  /* The library: s1 is an alias of s0, announces nothing of its own, and a layer call goes
+   * through s0 alone. */
+  gc_cluster *c = NULL;
+  gc_options o;
+  gc_options_init(&o);
+  o.deadline_ms = 5000;
+  mr_err e = {0};
+  MT_OK(gc_cluster_open(&c, cluster, &o, &e), &e);
+  gc_server_info si0, si1;
+  MT_OK(gc_server_info_get(c, 0, &si0, &e), &e);
+  MT_OK(gc_server_info_get(c, 1, &si1, &e), &e);
+  fprintf(stderr, "  s0 instance %s, s1 instance %s, alias_of %d\n", si0.instance_id,
+          si1.instance_id, si1.alias_of);
+  MT_EQ_INT(si0.alias_of, -1);
+  MT_EQ_INT(si1.alias_of, 0);
+  MT_EQ_U64(strlen(si0.instance_id), 32);
+  MT_EQ_STR(si0.instance_id, si1.instance_id);
+  MT_TRUE(gc_server_announces(c, 0, 1, 3));
+  MT_FALSE(gc_server_announces(c, 1, 1, 3));
+  enum { T = 5, K = 4, H = 64 };
+  static float x[T * H], out[T * H];
+  int32_t ids[T * K];
+  float w[T * K];
+  for (int i = 0; i < T * H; i++) x[i] = (float)((i * 7) % 13) / 13.0f - 0.5f;
+  for (int i = 0; i < T * K; i++) {
+    ids[i] = i % 8;
+    w[i] = 0.25f;
+  }
+  gc_layer_req r = {.layer = 1, .n_tokens = T, .top_k = K, .ids = ids, .weights = w, .x = x,
+                    .dtype = MR_DTYPE_F32};
+  MT_OK(gc_layer_forward(c, &r, out, &e), &e);
+  gc_server_counters ct0, ct1;
+  MT_OK(gc_server_counters_get(c, 0, false, &ct0, &e), &e);
+  MT_OK(gc_server_counters_get(c, 1, false, &ct1, &e), &e);
+  MT_EQ_U64(ct0.replies, 1);
+  MT_EQ_U64(ct1.requests, 0);
+  gc_cluster_close(c);
+
+  /* The CLI: info names the alias and counts no pair on two servers. */
+  char log[700], cmd[2048];
+  static char got[1 << 16];
+  snprintf(log, sizeof log, "%s/info.log", tmp);
+  snprintf(cmd, sizeof cmd, "'%s' info --cluster '%s' >'%s' 2>&1", itu_bin("moerpc-client"),
+           cluster, log);
+  MT_EQ_INT(system(cmd), 0);
+  read_log(log, got, sizeof got);
+  fprintf(stderr, "%s", got);
+  char want[300];
+  snprintf(want, sizeof want, "server s1           localhost:%d", s0.port);
+  MT_CONTAINS(got, want);
+  MT_CONTAINS(got, "the same server as s0 (127.0.0.1:");
+  MT_CONTAINS(got, "pairs on 1 server;");
+  MT_TRUE(strstr(got, "pairs on 2 servers") == NULL);
+  /* The WARN names both addresses. */
+  snprintf(want, sizeof want, "server s0 (127.0.0.1:%d) and server s1 (localhost:%d) are one "
+           "server", s0.port, s0.port);
+  MT_CONTAINS(got, want);
+
+  /* moerpc-place stats: the server's counts once, not twice. */
+  snprintf(log, sizeof log, "%s/stats.json", tmp);
+  snprintf(cmd, sizeof cmd, "'%s' stats --cluster '%s' -o '%s' --log warn", itu_bin("moerpc-place"),
+           cluster, log);
+  MT_EQ_INT(system(cmd), 0);
+  read_log(log, got, sizeof got);
+  pl_total_check(got, T * K);
+  int st;
   MT_EQ_INT(itu_server_stop(&s0, SIGTERM, 15000, &st), 0);
   itu_rm_rf(tmp);
   grpc_shutdown();

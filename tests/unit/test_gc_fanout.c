@@ -1,7 +1,8 @@
 /*
  * test_gc_fanout.c - the pure parts of the client (gpu_client/gc_fanout.c): the split of a
- * layer call by owner, gather and scatter-add of rows, the owner map, the coverage check
- * and its messages, weight-format names. No servers needed.
+ * layer call by owner, gather and scatter-add of rows, the finite check of a reply's
+ * output, the owner map, the coverage check and its messages, weight-format names. No
+ * servers needed.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -252,6 +253,53 @@ MT_TEST(scatter_add_dtypes) {
 }
 
 /* ---- the owner map ------------------------------------------------------------------------- */
+
+/* Every OK reply is checked before it is summed: a NaN or an Inf in any wire dtype, at any
+ * position, is MR_EPROTO naming the reply row, the call's token and the index; the
+ * largest finite values, denormals and -0 pass. */
+MT_TEST(reply_check_finite_every_dtype_names_row_and_token) {
+  enum { N = 3, HH = 300 }; /* over one block of the scan (256) and not a multiple */
+  static uint8_t y[N * HH * 4];
+  const uint32_t rows[N] = {2, 5, 11};
+  static const struct {
+    mr_dtype dt;
+    uint32_t maxfin, denorm, nzero, qnan, pinf, ninf;
+  } k[] = {{MR_DTYPE_F32, 0x7f7fffffu, 1, 0x80000000u, 0x7fc00000u, 0x7f800000u, 0xff800000u},
+           {MR_DTYPE_F16, 0x7bffu, 1, 0x8000u, 0x7e00u, 0x7c00u, 0xfc00u},
+           {MR_DTYPE_BF16, 0x7f7fu, 1, 0x8000u, 0x7fc0u, 0x7f80u, 0xff80u}};
+  for (size_t q = 0; q < 3; q++) {
+    size_t es = mr_dtype_size(k[q].dt);
+    const uint32_t pat[] = {k[q].maxfin, k[q].denorm, k[q].nzero, 0};
+    struct { size_t at; uint32_t bits; const char *want; } bad[] = {
+        {0, k[q].qnan, "reply output[row 0 (token 2 of the call), index 0] = NaN"},
+        {HH + 299, k[q].pinf, "reply output[row 1 (token 5 of the call), index 299] = +Inf"},
+        {N * HH - 1, k[q].ninf, "reply output[row 2 (token 11 of the call), index 299] = -Inf"},
+        {SIZE_MAX, 0, NULL}};
+    for (size_t b = 0; b < 4; b++) {
+      for (size_t i = 0; i < (size_t)N * HH; i++) {
+        uint32_t v = i == bad[b].at ? bad[b].bits : pat[i % 4];
+        if (es == 4) memcpy(y + 4 * i, &v, 4);
+        else {
+          uint16_t h = (uint16_t)v;
+          memcpy(y + 2 * i, &h, 2);
+        }
+      }
+      mr_err e;
+      mr_err_clear(&e);
+      int rc = gc__reply_check_finite(y, k[q].dt, rows, N, HH, &e);
+      if (!bad[b].want) {
+        MT_OK(rc, &e);
+        continue;
+      }
+      MT_EQ_INT(rc, MR_EPROTO);
+      MT_CONTAINS(e.msg, bad[b].want);
+      MT_CONTAINS(e.msg, mr_dtype_name(k[q].dt));
+      MT_CONTAINS(e.msg, "finite values only");
+    }
+  }
+  mr_err e;
+  MT_OK(gc__reply_check_finite(NULL, MR_DTYPE_F32, NULL, 0, 64, &e), &e); /* nothing */
+}
 
 MT_TEST(owner_build_local_first_then_first_server) {
   enum { L = 2, E = 4 };

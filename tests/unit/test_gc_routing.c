@@ -5,6 +5,7 @@
  */
 #include <pthread.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -191,7 +192,11 @@ MT_TEST(cost_per_slot) {
     double ns = (double)(mr_now_ns() - t0) / ((double)iters * T * 8);
     fprintf(stderr, "  routing count: T=%u top-8: %.2f ns per slot (%.0f ns per call)\n", T, ns,
             ns * T * 8);
-    MT_TRUE(ns < 200);
+    /* A guard against a pathological count (an allocation or a lock per slot), not a
+     * speed figure: ~1-4 ns here; 200 ns leaves room for a loaded host, and a sanitizer
+     * build (5-50x slower) is not timed. */
+    const char *san = getenv("SANITIZER");
+    if (!san || !*san) MT_TRUE(ns < 200);
   }
   gc_routing_free(r);
 }
@@ -204,8 +209,8 @@ MT_TEST(json_is_a_moerpc_stats_file) {
   gc_routing_count(r, 0, ids, 2, 1, true);
   gc_routing_count(r, 2, ids, 2, 1, true);
   for (int span = 0; span < 2; span++) {
-    mr_prom p;
-    mr_prom_init(&p);
+    mr_buf p;
+    mr_buf_init(&p);
     MT_OK(gc_routing_json(r, (gc_routing_span)span, "f1ab", &p, &e), &e);
     pl_stats s;
     MT_OK(pl_stats_parse(&s, p.buf, p.len, "/routing", &e), &e);
@@ -229,7 +234,7 @@ MT_TEST(json_is_a_moerpc_stats_file) {
     MT_TRUE(strcmp(strstr(text, "\"sources\""), strstr(p.buf, "\"sources\"")) == 0);
     mr_free(text);
     pl_stats_close(&s);
-    mr_prom_close(&p);
+    mr_buf_close(&p);
   }
   char path[64];
   snprintf(path, sizeof path, "/tmp/test_gc_routing_%d.json", (int)getpid());
