@@ -18,6 +18,8 @@
  *   5. write each --client-placement file atomically (tmp + rename) with the plan's bytes and
  *      wait until each --client's GET /placement reports their hash (FNV-1a 64);
  *   6. UnloadExperts of the pairs to drop; a summary line per server.
+ *   7. Every client connected to a server (Stats, protocol 1.4), confirmed (a --client that
+ *      switched) or not (it re-Hellos on its first "not served" reply): one line each.
  * Any failure stops there with exit status 1: before 5 nothing is routed differently (extra
  * copies may stay loaded, which is harmless), after 5 nothing is unloaded unless every
  * client confirmed the switch (or, with no --client at all, --unload-without-clients says
@@ -76,6 +78,12 @@ static const char APPLY_HELP[] =
     "  --dry-run                print what would move, change nothing\n"
     "  --log LEVEL              error|warn|info|debug\n"
     "  --help                   this text\n"
+    "\n"
+    "After the unload, every client with an open Forward stream on a server (protocol 1.4\n"
+    "Stats) is listed: \"confirmed\" when a --client reported its name and the plan's hash,\n"
+    "else \"not confirmed; will re-Hello on first miss\" (it routes by its last Hello until a\n"
+    "server answers \"not served\", then Hellos again and re-routes; the servers keep the\n"
+    "moved copies for it until its stream closes or their --unload-grace ends).\n"
     "\n"
     "Local (hot) experts of a running client cannot change: a plan whose local sets differ\n"
     "from a --client-placement file's is refused. Exit status: 0 applied, 1 failed (the\n"
@@ -312,6 +320,8 @@ typedef struct apply_run {
   uint64_t *free_b;          /* [S] bytes each may still load */
   uint64_t *load_id;         /* [S] its load in flight, 0 = none (or done) */
   pl_apply_plan ap;          /* pairs to add and drop per server */
+  char cl_names[PL_APPLY_MAX_CLIENTS][GC_CLIENT_NAME_MAX + 1]; /* each --client's client_name
+                                                      * at GET /placement ("" = not given) */
   uint64_t tot_add, tot_drop;
   uint64_t t0;
 } apply_run;
@@ -367,6 +377,14 @@ static int step_hello(apply_run *r, mr_err *e) {
       return mr_err_set(e, MR_EMISMATCH, "servers %s and %s serve different models (fingerprints "
                         "%s and %s)", r->cf->servers[0].name, r->cf->servers[s].name,
                         r->hello[0].model_fingerprint, h->model_fingerprint);
+    /* One process under two addresses (protocol 1.3's instance_id) would be loaded and
+     * unloaded as two servers: refused before anything moves. */
+    for (uint32_t o = 0; o < s && h->instance_id[0]; o++)
+      if (strcmp(r->hello[o].instance_id, h->instance_id) == 0)
+        return mr_err_set(e, MR_EINVAL, "servers %s (%s) and %s (%s) are one server (both answer "
+                          "Hello with instance_id %s): list it once in the cluster file",
+                          r->cf->servers[o].name, r->cf->servers[o].address,
+                          r->cf->servers[s].name, r->cf->servers[s].address, h->instance_id);
   }
   if (r->plan.model_fingerprint[0] && strcmp(r->plan.model_fingerprint, r->hello[0].model_fingerprint) != 0)
     return mr_err_set(e, MR_EMISMATCH, "%s: model_fingerprint %s, but the servers serve model %s",
@@ -504,6 +522,7 @@ static int step_switch_clients(apply_run *r, mr_err *e) {
       if (grc == 0 && status == 200) {
         placement_field(body, blen, "hash", h, sizeof h);
         placement_field(body, blen, "last_error", err, sizeof err);
+        placement_field(body, blen, "client_name", r->cl_names[i], sizeof r->cl_names[i]);
       }
       mr_free(body);
       if (strcmp(h, want_hash) == 0) {
@@ -549,6 +568,108 @@ static int step_unload(apply_run *r, mr_err *e) {
   return rc;
 }
 
+/* One client as the servers report it (Stats, protocol 1.4), merged by name. */
+typedef struct seen_client {
+  char name[GC_CLIENT_NAME_MAX + 1];
+  char servers[256];         /* "s0, s1": the servers it has a Forward stream to */
+  uint64_t streams;
+  int32_t confirmed;         /* index of the --client that reported it, else -1 */
+  char hello[160];           /* its oldest Hello among the servers, vs their generation now */
+  uint64_t hello_lag;        /* generations its oldest Hello is behind (0 = up to date) */
+} seen_client;
+
+/*
+ * 7: every client connected to the servers, not only the --client ones: each server's
+ * Stats (protocol 1.4) lists the clients with an open Forward stream. A client is confirmed
+ * when a --client URL reported its name at GET /placement with the plan's hash; any other
+ * is reported as not confirmed: it routes by the owned sets of its last Hello and re-Hellos
+ * on its first "not served" reply (docs/DESIGN.md 3.7). Never fails the apply (it is done):
+ * a server that cannot say is named instead.
+ */
+static void step_report_clients(apply_run *r) {
+  seen_client *cl = NULL;
+  size_t n = 0, cap = 0;
+  for (uint32_t s = 0; s < r->S; s++) {
+    const char *sname = r->cf->servers[s].name;
+    gc_hello_info h;
+    mr_err e;
+    uint64_t gen_now = 0;
+    if (gc_control_hello(r->c, s, &h, &e) == 0) {
+      gen_now = h.owned_generation;
+      bool old = h.protocol_minor < 4;
+      gc_hello_info_close(&h);
+      if (old) {
+        printf("clients of %s: not known (protocol 1.%u reports none; 1.4 does): any client it "
+               "serves is not confirmed; it re-Hellos on its first miss\n", sname,
+               r->hello[s].protocol_minor);
+        continue;
+      }
+    }
+    gc_stats st;
+    if (gc_control_stats(r->c, s, r->L, r->E, &st, &e) != 0) {
+      printf("clients of %s: not known (%s)\n", sname, e.msg);
+      continue;
+    }
+    for (size_t i = 0; i < st.n_clients; i++) {
+      const gc_client_info *ci = &st.clients[i];
+      size_t k = 0;
+      while (k < n && strcmp(cl[k].name, ci->name) != 0) k++;
+      if (k == n) {
+        if (n == cap) {
+          size_t nc = cap ? 2 * cap : 8;
+          seen_client *g = mr_realloc(cl, nc * sizeof *g);
+          if (!g) break;
+          cl = g;
+          cap = nc;
+        }
+        memset(&cl[n], 0, sizeof cl[n]);
+        snprintf(cl[n].name, sizeof cl[n].name, "%s", ci->name);
+        cl[n].confirmed = -1;
+        for (uint32_t u = 0; u < r->a.n_urls; u++)
+          if (ci->name[0] && strcmp(r->cl_names[u], ci->name) == 0) cl[n].confirmed = (int32_t)u;
+        n++;
+      }
+      seen_client *c = &cl[k];
+      size_t len = strlen(c->servers);
+      if (!strstr(c->servers, sname))
+        snprintf(c->servers + len, sizeof c->servers - len, "%s%s", len ? ", " : "", sname);
+      c->streams += ci->streams;
+      uint64_t lag = gen_now > ci->hello_generation ? gen_now - ci->hello_generation : 0;
+      if (!c->hello[0] || lag > c->hello_lag) {
+        c->hello_lag = lag;
+        if (ci->hello_generation)
+          snprintf(c->hello, sizeof c->hello, "its last Hello to %s got owned generation %"
+                   PRIu64 " (%.1f s ago), %s is at %" PRIu64, sname, ci->hello_generation,
+                   ci->hello_age_ms / 1e3, sname, gen_now);
+        else
+          snprintf(c->hello, sizeof c->hello, "%s saw no Hello of that name", sname);
+      }
+    }
+    gc_stats_close(&st);
+  }
+  size_t n_conf = 0;
+  for (size_t k = 0; k < n; k++) {
+    const seen_client *c = &cl[k];
+    const char *name = c->name[0] ? c->name : "(unnamed: a client older than protocol 1.4)";
+    if (c->confirmed >= 0) {
+      n_conf++;
+      printf("client \"%s\" (streams to %s): confirmed: %s reports the plan's hash\n", name,
+             c->servers, r->a.cl_urls[c->confirmed]);
+    } else {
+      printf("client \"%s\" (streams to %s): not confirmed; will re-Hello on first miss (%s)\n",
+             name, c->servers, c->hello);
+    }
+  }
+  printf("clients: %zu connected, %zu confirmed, %zu not confirmed\n", n, n_conf, n - n_conf);
+  if (n > n_conf)
+    mr_log(MR_LOG_WARN, "apply: %zu client%s not confirmed: %s route%s by the owned sets of "
+           "%s last Hello until a \"not served\" reply makes %s re-Hello", n - n_conf,
+           n - n_conf == 1 ? "" : "s", n - n_conf == 1 ? "it" : "they",
+           n - n_conf == 1 ? "s" : "", n - n_conf == 1 ? "its" : "their",
+           n - n_conf == 1 ? "it" : "them");
+  mr_free(cl);
+}
+
 static void apply_run_close(apply_run *r) {
   pl_apply_plan_close(&r->ap);
   gc_cluster_close(r->c);
@@ -584,6 +705,7 @@ int pl_cmd_apply(int argc, char **argv) {
     if (!rc) rc = step_confirm_loaded(&r, &e);
     if (!rc) rc = step_switch_clients(&r, &e);
     if (!rc) rc = step_unload(&r, &e);
+    if (!rc) step_report_clients(&r);
   }
   if (rc) {
     fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);

@@ -26,6 +26,20 @@
  * Without --cluster the --from files are merged alone (the first sets the shape). Counts of
  * a peer are input, not our bug: a Stats count outside the model's shape is refused as a
  * protocol error naming the server, never an assertion.
+ *
+ * --reset never loses counts (docs/DESIGN.md section 13). Stats{reset: true} is one
+ * read-and-reset per server: each counter is swapped for 0 atomically, so every slot lands in
+ * exactly one reply (a read, then a reset by a second call, would lose the slots counted in
+ * between). What the replies held exists then only in this process, so:
+ *   - everything that can fail without touching a server comes first (the clients' GETs,
+ *     the --from files), the servers' Stats last;
+ *   - once a server has been reset, a failure that keeps the output from being written (a
+ *     later server's Stats, the output file on a full disk, a closed stdout) writes what
+ *     was collected to a recovery file (the output that could not be written, or the
+ *     counts of the servers reset so far), named in the error, in the moerpc-stats format:
+ *     `--from` merges it again. If even that cannot be written, the JSON goes to stderr.
+ * A reply lost on the wire after its server reset (a timeout at the deadline) is the one
+ * loss left; the error names the server.
  */
 #include "placement/internal.h"
 
@@ -33,6 +47,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "gpu_client/rpc/moerpc_client.h"
 
@@ -66,7 +82,10 @@ static const char STATS_HELP[] =
     "  --client URL             a client's metrics endpoint, http://HOST:PORT[/routing];\n"
     "                           repeatable, at most 32\n"
     "  --from FILE              a moerpc-stats file to add; repeatable, at most 32\n"
-    "  --reset                  ask each server to zero its counters after answering\n"
+    "  --reset                  ask each server to zero its counters as it answers (one\n"
+    "                           read-and-reset); if the output then cannot be written, the\n"
+    "                           stats go to a recovery file in $TMPDIR (else /tmp) that the\n"
+    "                           error names: merge it again with --from\n"
     "  -o, --output FILE        write the stats there (atomically); default stdout\n"
     "  --timeout-ms N           deadline of each server RPC and client GET, 1..600000\n"
     "                           (default: the cluster file's deadline; 5000 for GETs)\n"
@@ -171,19 +190,26 @@ static int open_cluster(const stats_args *a, gc_cluster **c, mr_err *e) {
 /* The servers' counts summed into srv (already L x E): each server reports only the pairs it
  * computed since its last reset (sparse, as (layer, expert, tokens) triples), and a
  * replicated pair's slots are split among its servers, so the sum is the cluster's remote
- * traffic. With reset, each server zeroes its counters after answering. */
+ * traffic. With reset, each server zeroes its counters as it answers; *n_reset counts the
+ * servers that did (their counts are then in srv and nowhere else). */
 static int collect_servers(gc_cluster *c, const gc_cluster_info *ci, bool reset, pl_stats *srv,
-                           mr_err *e) {
+                           uint32_t *n_reset, mr_err *e) {
   for (uint32_t i = 0; i < ci->n_servers; i++) {
     gc_server_info si;
     gc_stats st;
     int rc = gc_server_info_get(c, i, &si, e);
     if (rc) return rc;
+    if (si.alias_of >= 0) { /* one process under a second address: its counts once */
+      mr_log(MR_LOG_INFO, "stats: server %s (%s) is the same server as entry %d (instance %s): "
+             "not asked twice", si.name, si.address, si.alias_of, si.instance_id);
+      continue;
+    }
     rc = gc_cluster_stats(c, i, reset, &st, e);
     if (rc) {
       gc_stats_close(&st);
       return rc;
     }
+    if (reset) (*n_reset)++;
     uint64_t total = 0;
     for (size_t k = 0; k < st.n_counts; k++) {
       const gc_expert_count *x = &st.counts[k];
@@ -302,9 +328,10 @@ static int write_out(const pl_stats *out, const char *path, mr_err *e) {
 
 /* The cluster's sources merged into *out (srv or cli, per the merge rule above). The servers
  * are asked even when clients give the counts: their Stats are the cross-check in the log
- * line, and --reset must reach them. */
+ * line, and --reset must reach them. They are asked last (see the top): *n_reset gets the
+ * servers whose counters were reset. */
 static int collect_cluster(const stats_args *a, pl_stats *srv, pl_stats *cli, pl_stats **out,
-                           mr_err *e) {
+                           uint32_t *n_reset, mr_err *e) {
   gc_cluster *c = NULL;
   int rc = open_cluster(a, &c, e);
   if (rc) return rc;
@@ -315,13 +342,16 @@ static int collect_cluster(const stats_args *a, pl_stats *srv, pl_stats *cli, pl
   if (!rc) {
     snprintf(srv->model_fingerprint, sizeof srv->model_fingerprint, "%s", ci.model_fingerprint);
     snprintf(cli->model_fingerprint, sizeof cli->model_fingerprint, "%s", ci.model_fingerprint);
-    rc = collect_servers(c, &ci, a->reset, srv, e);
   }
   for (uint32_t i = 0; i < a->n_clients && !rc; i++)
     rc = collect_client(a->clients[i], a->timeout_ms, &ci, cli, e);
   for (uint32_t i = 0; i < a->n_files && !rc; i++) rc = collect_file(a->files[i], &ci, cli, e);
+  if (!rc) rc = collect_servers(c, &ci, a->reset, srv, n_reset, e); /* last: it may reset */
   gc_cluster_close(c);
-  if (rc) return rc;
+  if (rc) {
+    snprintf(srv->window_kind, sizeof srv->window_kind, "since_reset");
+    return rc;
+  }
 
   uint64_t srv_total = pl_stats_total(srv);
   if (a->n_clients || a->n_files) {
@@ -342,6 +372,56 @@ static int collect_cluster(const stats_args *a, pl_stats *srv, pl_stats *cli, pl
   return rc;
 }
 
+/* Saves what a failed run collected after resetting servers (see the top): to
+ * $TMPDIR (else /tmp)/moerpc-stats-recovery-<UTC time>-<pid>.json, whose path goes into
+ * path; if that fails too, path gets "" and the caller prints the JSON to stderr. */
+static void recovery_save(const pl_stats *st, char *path, size_t len) {
+  const char *dir = getenv("TMPDIR");
+  if (!dir || !dir[0]) dir = "/tmp";
+  char stamp[32];
+  time_t now = time(NULL);
+  struct tm tm;
+  gmtime_r(&now, &tm);
+  strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &tm);
+  snprintf(path, len, "%s/moerpc-stats-recovery-%s-%ld.json", dir, stamp, (long)getpid());
+  mr_err e;
+  mr_err_clear(&e);
+  if (pl_stats_save(st, path, &e) != 0) {
+    mr_log(MR_LOG_ERROR, "stats: cannot write the recovery file either: %s", e.msg);
+    path[0] = '\0';
+  }
+}
+
+/* The error line, and with a reset behind it, where the collected counts went. */
+static void report_failure(int rc, const mr_err *e, uint32_t n_reset, const pl_stats *saved) {
+  if (!n_reset || !saved || !saved->counts) {
+    fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e->msg);
+    return;
+  }
+  char path[4200];
+  recovery_save(saved, path, sizeof path);
+  if (path[0]) {
+    fprintf(stderr, PROG ": %s: %s; %u server%s reset %s counters (--reset): the statistics "
+            "collected (%llu slots) are saved in %s (merge them again: moerpc-place stats "
+            "--from %s -o FILE)\n", mr_err_name(rc), e->msg, n_reset, n_reset == 1 ? "" : "s",
+            n_reset == 1 ? "its" : "their", (unsigned long long)pl_stats_total(saved), path, path);
+    return;
+  }
+  fprintf(stderr, PROG ": %s: %s; %u server%s reset %s counters (--reset) and no recovery file "
+          "could be written: the statistics collected follow on stderr, between the lines "
+          "BEGIN and END moerpc-stats\n", mr_err_name(rc), e->msg, n_reset,
+          n_reset == 1 ? "" : "s", n_reset == 1 ? "its" : "their");
+  char *text = NULL;
+  size_t len = 0;
+  mr_err fe;
+  if (pl_stats_format(saved, &text, &len, &fe) == 0) {
+    fputs("BEGIN moerpc-stats\n", stderr);
+    fwrite(text, 1, len, stderr);
+    fputs("END moerpc-stats\n", stderr);
+  }
+  mr_free(text);
+}
+
 int pl_cmd_stats(int argc, char **argv) {
   stats_args a = {0};
   int pr = parse(argc, argv, &a);
@@ -349,9 +429,11 @@ int pl_cmd_stats(int argc, char **argv) {
   mr_err e;
   mr_err_clear(&e);
   pl_stats srv = {0}, cli = {0}, *out = &cli;
+  uint32_t n_reset = 0;
   int rc = 0;
   if (a.cluster) {
-    rc = collect_cluster(&a, &srv, &cli, &out, &e);
+    rc = collect_cluster(&a, &srv, &cli, &out, &n_reset, &e);
+    if (rc) out = &srv; /* a failure after a reset: the servers' counts so far are what is lost */
   } else { /* files only */
     for (uint32_t i = 0; i < a.n_files && !rc; i++) rc = collect_file(a.files[i], NULL, &cli, &e);
     if (!rc)
@@ -359,7 +441,7 @@ int pl_cmd_stats(int argc, char **argv) {
              a.n_files == 1 ? "" : "s", (unsigned long long)pl_stats_total(&cli));
   }
   if (!rc) rc = write_out(out, a.output, &e);
-  if (rc) fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
+  if (rc) report_failure(rc, &e, n_reset, out);
   pl_stats_close(&srv);
   pl_stats_close(&cli);
   return rc ? 1 : 0;

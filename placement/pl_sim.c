@@ -87,9 +87,6 @@ static const char *str_field(const cJSON *o, const char *field) {
   return cJSON_IsString(it) ? it->valuestring : NULL;
 }
 
-static int read_file(const char *path, char **text, size_t *len, mr_err *e) {
-  return mr_file_read(path, SIM_INPUT_MAX_BYTES, text, len, e);
-}
 
 /* ---- kernel rates --------------------------------------------------------------------- */
 
@@ -186,14 +183,15 @@ int pl_rates_parse(pl_rates *r, const char *text, size_t len, const char *format
   return 0;
 }
 
+static int rates_parse_cb(void *ctx, const char *text, size_t len, const char *path, mr_err *e) {
+  rates_ctx *c = ctx;
+  return pl_rates_parse(c->r, text, len, c->format, path, e);
+}
+
 int pl_rates_load(pl_rates *r, const char *path, const char *format, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(r, 0, sizeof *r);
-  int rc = read_file(path, &text, &len, e);
-  if (!rc) rc = pl_rates_parse(r, text, len, format, path, e);
-  mr_free(text);
-  return rc;
+  rates_ctx c = {r, format};
+  return mr_file_parse(path, SIM_INPUT_MAX_BYTES, rates_parse_cb, &c, e);
 }
 
 /* Log-linear (log GB/s against log u) between the two points around u: throughput grows
@@ -268,14 +266,13 @@ int pl_rpc_parse(pl_rpc_cost *cost, const char *text, size_t len, const char *la
   return 0;
 }
 
+static int rpc_parse_cb(void *ctx, const char *text, size_t len, const char *path, mr_err *e) {
+  return pl_rpc_parse(ctx, text, len, path, e);
+}
+
 int pl_rpc_load(pl_rpc_cost *c, const char *path, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(c, 0, sizeof *c);
-  int rc = read_file(path, &text, &len, e);
-  if (!rc) rc = pl_rpc_parse(c, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return mr_file_parse(path, SIM_INPUT_MAX_BYTES, rpc_parse_cb, c, e);
 }
 
 /* ---- client bench --------------------------------------------------------------------- */
@@ -349,14 +346,13 @@ int pl_client_bench_parse(pl_client_bench *b, const char *text, size_t len, cons
   return 0;
 }
 
+static int client_bench_parse_cb(void *ctx, const char *text, size_t len, const char *path, mr_err *e) {
+  return pl_client_bench_parse(ctx, text, len, path, e);
+}
+
 int pl_client_bench_load(pl_client_bench *b, const char *path, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(b, 0, sizeof *b);
-  int rc = read_file(path, &text, &len, e);
-  if (!rc) rc = pl_client_bench_parse(b, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return mr_file_parse(path, SIM_INPUT_MAX_BYTES, client_bench_parse_cb, b, e);
 }
 
 /* ---- formats -------------------------------------------------------------------------- */

@@ -281,63 +281,49 @@ out:
   return rc;
 }
 
+static int stats_parse_cb(void *ctx, const char *text, size_t len, const char *path, mr_err *e) {
+  return pl_stats_parse(ctx, text, len, path, e);
+}
+
 int pl_stats_load(pl_stats *s, const char *path, mr_err *e) {
-  char *text = NULL;
-  size_t len = 0;
   memset(s, 0, sizeof *s);
-  int rc = mr_file_read(path, MR_JSON_MAX_BYTES, &text, &len, e);
-  if (rc) return rc;
-  rc = pl_stats_parse(s, text, len, path, e);
-  mr_free(text);
-  return rc;
+  return mr_file_parse(path, MR_JSON_MAX_BYTES, stats_parse_cb, s, e);
 }
 
 /* ---- writer ------------------------------------------------------------------------------ */
 
-/* A JSON string: quote, backslash and control bytes escaped, other bytes as they are (what
- * the reader accepted, so that a file survives a round trip byte for byte). */
-static void put_str(mr_prom *p, const char *s) {
-  mr_prom_append(p, "\"", 1);
-  for (const unsigned char *c = (const unsigned char *)s; *c; c++) {
-    if (*c == '"' || *c == '\\') mr_prom_printf(p, "\\%c", *c);
-    else if (*c < 0x20) mr_prom_printf(p, "\\u%04x", *c);
-    else mr_prom_append(p, (const char *)c, 1);
-  }
-  mr_prom_append(p, "\"", 1);
-}
-
-/* The text is built in an mr_prom (common's growable text buffer, the one /metrics uses),
+/* The text is built in an mr_buf (common's growable text buffer, the one /metrics uses),
  * whose out-of-memory is sticky in p.oom instead of failing each append: checked once at
  * the end. */
 int pl_stats_format(const pl_stats *s, char **out, size_t *len, mr_err *e) {
   *out = NULL;
   *len = 0;
-  mr_prom p;
-  mr_prom_init(&p);
-  mr_prom_printf(&p, "{\"format\": \"%s\", \"version\": %u,\n \"model_fingerprint\": ",
+  mr_buf p;
+  mr_buf_init(&p);
+  mr_buf_printf(&p, "{\"format\": \"%s\", \"version\": %u,\n \"model_fingerprint\": ",
                  PL_STATS_FORMAT, PL_STATS_VERSION);
-  put_str(&p, s->model_fingerprint);
-  mr_prom_printf(&p, ", \"num_layers\": %u, \"num_experts\": %u,\n \"window\": {\"kind\": ",
+  mr_buf_json_str(&p, s->model_fingerprint);
+  mr_buf_printf(&p, ", \"num_layers\": %u, \"num_experts\": %u,\n \"window\": {\"kind\": ",
                  s->num_layers, s->num_experts);
-  put_str(&p, s->window_kind[0] ? s->window_kind : "since_reset");
-  mr_prom_printf(&p, ", \"steps\": %llu, \"tokens\": %llu, \"seconds\": %.17g},\n \"sources\": [",
+  mr_buf_json_str(&p, s->window_kind[0] ? s->window_kind : "since_reset");
+  mr_buf_printf(&p, ", \"steps\": %llu, \"tokens\": %llu, \"seconds\": %.17g},\n \"sources\": [",
                  (unsigned long long)s->steps, (unsigned long long)s->tokens,
                  isfinite(s->seconds) && s->seconds >= 0 ? s->seconds : 0.0);
   for (uint32_t i = 0; i < s->n_sources; i++) {
-    if (i) mr_prom_append(&p, ", ", 2);
-    put_str(&p, s->sources[i]);
+    if (i) mr_buf_append(&p, ", ", 2);
+    mr_buf_json_str(&p, s->sources[i]);
   }
-  mr_prom_append(&p, "],\n \"counts\": [", 15);
+  mr_buf_append(&p, "],\n \"counts\": [", 15);
   for (uint32_t l = 0; l < s->num_layers; l++) {
-    mr_prom_append(&p, l ? ",\n  [" : "\n  [", l ? 5 : 4);
+    mr_buf_append(&p, l ? ",\n  [" : "\n  [", l ? 5 : 4);
     const uint64_t *row = s->counts + (size_t)l * s->num_experts;
     for (uint32_t x = 0; x < s->num_experts; x++)
-      mr_prom_printf(&p, x ? ",%llu" : "%llu", (unsigned long long)row[x]);
-    mr_prom_append(&p, "]", 1);
+      mr_buf_printf(&p, x ? ",%llu" : "%llu", (unsigned long long)row[x]);
+    mr_buf_append(&p, "]", 1);
   }
-  mr_prom_append(&p, "]}\n", 3);
+  mr_buf_append(&p, "]}\n", 3);
   if (p.oom) {
-    mr_prom_close(&p);
+    mr_buf_close(&p);
     return mr_err_set(e, MR_ENOMEM, "stats: %u x %u counts as JSON: out of memory",
                       s->num_layers, s->num_experts);
   }

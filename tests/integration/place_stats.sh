@@ -21,24 +21,30 @@
 #                                servers'; generate counts the local slots
 #   bad_client_and_usage         an unreachable --client is a runtime error naming it; bad
 #                                flags exit 2
+#   reset_output_full_keeps_counts  --reset with -o on a full 16 KiB tmpfs (SKIP with the
+#                                reason where it cannot be mounted) and -o /dev/full: exit 1,
+#                                the error names a recovery file that holds the servers'
+#                                counts exactly (they were reset: a second read is all zero)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${MOERPC_BIN:-$PWD/build/bin}
-passed=0; failed=0
+passed=0; failed=0; skipped=0
 # shellcheck source=deploy/local-cluster.sh
 . deploy/local-cluster.sh   # first: it sets an EXIT trap of its own, which finish replaces
 tmp=$(mktemp -d /tmp/moerpc-pst.XXXXXX)
 finish() {
+  [ -n "${full:-}" ] && umount "$full" 2>/dev/null
   [ -n "${gen:-}" ] && kill "$gen" 2>/dev/null
   [ -n "${other:-}" ] && kill "$other" 2>/dev/null
   lc_stop >/dev/null 2>&1
   lc__cleanup
   rm -rf "$tmp"
-  echo "place_stats: $passed passed, $failed failed, 0 skipped"
+  echo "place_stats: $passed passed, $failed failed, $skipped skipped"
 }
 trap finish EXIT
 ok() { echo "ok   place_stats.$1"; passed=$((passed + 1)); }
 bad() { echo "FAIL place_stats.$1: $2"; failed=$((failed + 1)); }
+skip() { echo "skip place_stats.$1: $2"; skipped=$((skipped + 1)); }
 
 "$BIN/moerpc-mkmodel" --out "$tmp/m" --seed 1 >/dev/null 2>&1 &&
   "$BIN/moerpc-mkmodel" --out "$tmp/m2" --seed 2 >/dev/null 2>&1 || { bad setup "moerpc-mkmodel failed"; exit 1; }
@@ -218,5 +224,49 @@ done
 "$BIN/moerpc-place" --help | grep -q '^  stats' || why="${why:+$why; }--help does not list stats"
 "$BIN/moerpc-place" stats --help | grep -q -- '--client URL' || why="${why:+$why; }stats --help"
 if [ -z "$why" ]; then ok $c; else bad $c "$why"; fi
+
+# --reset whose output cannot be written: the counts the servers gave up go to a recovery
+# file named in the error. One run per way of failing: TARGET is the -o path.
+reset_fail_check() { # label target: "" or why it failed
+  local label=$1 target=$2
+  gen_run "g-$label" || { echo "generate failed: $(tail -n 2 "$tmp/g-$label.err")"; return; }
+  "$BIN/moerpc-place" stats --cluster "$cl" -o "$tmp/before-$label.json" 2>/dev/null ||
+    { echo "the read before failed"; return; }
+  TMPDIR=$tmp "$BIN/moerpc-place" stats --cluster "$cl" --reset -o "$target" 2>"$tmp/r-$label.err"
+  local rc=$? rec
+  [ $rc -eq 1 ] || { echo "exit $rc, want 1: $(tail -n 2 "$tmp/r-$label.err")"; return; }
+  rec=$(grep -o "saved in $tmp/moerpc-stats-recovery-[^ ]*\.json" "$tmp/r-$label.err" | head -n 1)
+  rec=${rec#saved in }
+  [ -n "$rec" ] && [ -f "$rec" ] || { echo "no recovery file named: $(tail -n 2 "$tmp/r-$label.err")"; return; }
+  python3 "$tmp/check.py" equal "$tmp/m" "$tmp/before-$label.json" "$rec" ||
+    { echo "the recovery file $rec does not hold the counts"; return; }
+  python3 "$tmp/check.py" servers "$tmp/m" "$rec" || { echo "recovery file header"; return; }
+  "$BIN/moerpc-place" stats --cluster "$cl" -o "$tmp/after-$label.json" 2>/dev/null &&
+    python3 "$tmp/check.py" zero "$tmp/m" "$tmp/after-$label.json" ||
+    { echo "the servers were not reset"; return; }
+  # It merges back: --from the recovery file gives the same counts.
+  "$BIN/moerpc-place" stats --from "$rec" -o "$tmp/back-$label.json" 2>/dev/null &&
+    python3 "$tmp/check.py" equal "$tmp/m" "$rec" "$tmp/back-$label.json" >/dev/null ||
+    { echo "--from the recovery file failed"; return; }
+  echo "  $label: $(grep -o 'reset [a-z]* counters.*' "$tmp/r-$label.err" | cut -c1-160)" >&2
+}
+
+c=reset_output_full_keeps_counts
+why=""
+full=$tmp/full
+mkdir -p "$full"
+if ! mount -t tmpfs -o size=16k tmpfs "$full" 2>"$tmp/mount.err"; then
+  full=""
+  skip ${c}_tmpfs "cannot mount a 16 KiB tmpfs here: $(head -c 200 "$tmp/mount.err") (needs root)"
+else
+  dd if=/dev/zero of="$full/fill" bs=4k >/dev/null 2>&1 # until the disk is full
+  why=$(reset_fail_check tmpfs "$full/out.json")
+  [ -z "$why" ] && [ -e "$full/out.json" ] && why="a partial output was left"
+  [ -z "$why" ] && ls "$full" | grep -q '\.tmp\.' && why="a temporary file was left: $(ls "$full")"
+  umount "$full"; full=""
+  if [ -z "$why" ]; then ok ${c}_tmpfs; else bad ${c}_tmpfs "$why"; fi
+fi
+why=$(reset_fail_check devfull /dev/full)
+if [ -z "$why" ]; then ok ${c}_dev_full; else bad ${c}_dev_full "$why"; fi
 
 [ $failed -eq 0 ]
