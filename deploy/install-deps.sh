@@ -22,8 +22,10 @@ PKGS=(
   build-essential pkg-config make
   clang libclang-rt-14-dev          # libFuzzer targets (make fuzz) and sanitizers
   libgrpc-dev                       # gRPC C core 1.51
+  libssl-dev                        # libcrypto: the server checks its certificate's dates
   libprotobuf-c-dev protobuf-c-compiler
   libuv1-dev libhwloc-dev libnuma-dev libcjson-dev
+  zlib1g-dev                        # zlib: CRC-32 of the packed-weight cache files (--weight-cache)
   libonig-dev                       # Oniguruma: the tokenizer's split regexes, the engine HF
                                     # tokenizers uses (same syntax, \p{..} and && classes)
   libutf8proc-dev                   # utf8proc: the tokenizer's NFC/NFKC normalizers

@@ -33,6 +33,37 @@ SERVE_PORT = 8000
 SERVE_DRAIN_S = 30
 METRICS_PORT = 9464
 GIB = 1 << 30
+# The pods run as 10001:10001. Secret files (TLS key, bearer token, API key) are owned by
+# root; the server and the client refuse a secret that group or others may read, unless root
+# owns it and the group may only read it (docs/DESIGN.md section 11). So the secret volumes
+# are 0440 and fsGroup makes their group the pods' own; OnRootMismatch keeps the kubelet
+# from re-owning the whole (large) model volume on every start.
+POD_SECURITY = {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                "fsGroupChangePolicy": "OnRootMismatch"}
+SECRET_MODE = 0o440
+
+# The read-only mounts of both containers: models, the cluster file, TLS files, the token.
+COMMON_MOUNTS = [{"name": n, "mountPath": m, "readOnly": True} for n, m in (
+    ("models", "/models"), ("config", "/etc/moerpc/config"), ("tls", "/etc/moerpc/tls"),
+    ("token", "/etc/moerpc/token"))]
+
+
+def probes_and_limits(port, ready_path, resources):
+    """Probes, resources and the security context of a container. Loading hundreds of GB
+    takes minutes: the startup probe allows an hour of it before liveness applies; readiness
+    (ready_path) is 503 while loading and from SIGTERM on, so the pod leaves the Service's
+    endpoints before its drain."""
+    return {
+        "startupProbe": {"httpGet": {"path": "/healthz", "port": port},
+                         "periodSeconds": 10, "failureThreshold": 360},
+        "livenessProbe": {"httpGet": {"path": "/healthz", "port": port},
+                          "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {"httpGet": {"path": ready_path, "port": port},
+                           "periodSeconds": 5, "failureThreshold": 1},
+        "resources": {"requests": resources, "limits": resources},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
 
 
 def fail(msg):
@@ -167,8 +198,7 @@ def main():
                                              "prometheus.io/port": str(METRICS_PORT)}},
                 "spec": {
                     "terminationGracePeriodSeconds": 30,
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001,
-                                        "runAsGroup": 10001},
+                    "securityContext": POD_SECURITY,
                     "containers": [{
                         "name": "moerpc-server",
                         "image": a.image,
@@ -181,21 +211,9 @@ def main():
                         # Probes on the plain-HTTP metrics port: kubelet's gRPC probe cannot
                         # speak TLS. Loading hundreds of GB takes minutes: the startup probe
                         # allows an hour before liveness applies.
-                        "startupProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
-                                         "periodSeconds": 10, "failureThreshold": 360},
-                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "metrics"},
-                                          "periodSeconds": 10, "failureThreshold": 3},
-                        "readinessProbe": {"httpGet": {"path": "/readyz", "port": "metrics"},
-                                           "periodSeconds": 5, "failureThreshold": 1},
-                        "resources": {"requests": resources, "limits": resources},
-                        "securityContext": {"allowPrivilegeEscalation": False,
-                                            "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}},
+                        **probes_and_limits("metrics", "/readyz", resources),
                         "volumeMounts": [
-                            {"name": "models", "mountPath": "/models", "readOnly": True},
-                            {"name": "config", "mountPath": "/etc/moerpc/config", "readOnly": True},
-                            {"name": "tls", "mountPath": "/etc/moerpc/tls", "readOnly": True},
-                            {"name": "token", "mountPath": "/etc/moerpc/token", "readOnly": True},
+                            *COMMON_MOUNTS,
                         ] + ([{"name": "metrics-token", "mountPath": "/etc/moerpc/metrics-token",
                                "readOnly": True}] if a.metrics_token else []),
                     }],
@@ -203,10 +221,12 @@ def main():
                         {"name": "models", "persistentVolumeClaim": {"claimName": a.models_pvc,
                                                                      "readOnly": True}},
                         {"name": "config", "configMap": {"name": "moerpc-config"}},
-                        {"name": "tls", "secret": {"secretName": "moerpc-server-tls"}},
-                        {"name": "token", "secret": {"secretName": "moerpc-token"}},
+                        {"name": "tls", "secret": {"secretName": "moerpc-server-tls",
+                                                   "defaultMode": SECRET_MODE}},
+                        {"name": "token", "secret": {"secretName": "moerpc-token",
+                                                     "defaultMode": SECRET_MODE}},
                     ] + ([{"name": "metrics-token", "secret": {"secretName": "moerpc-metrics-token",
-                                                               "defaultMode": 0o400}}]
+                                                               "defaultMode": SECRET_MODE}}]
                          if a.metrics_token else []),
                 },
             },
@@ -250,7 +270,7 @@ def serve_docs(a, ns):
                 "spec": {
                     # the drain (--drain-timeout) plus the time to send the last answers
                     "terminationGracePeriodSeconds": SERVE_DRAIN_S + 15,
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001},
+                    "securityContext": POD_SECURITY,
                     "containers": [{
                         "name": "moerpc-serve",
                         "image": a.image,
@@ -260,21 +280,9 @@ def serve_docs(a, ns):
                         # /health is 503 while the model loads and from SIGTERM on: the pod
                         # leaves the Service's endpoints before its drain, and joins them
                         # only once it can answer. The startup probe allows an hour of load.
-                        "startupProbe": {"httpGet": {"path": "/healthz", "port": "http"},
-                                         "periodSeconds": 10, "failureThreshold": 360},
-                        "livenessProbe": {"httpGet": {"path": "/healthz", "port": "http"},
-                                          "periodSeconds": 10, "failureThreshold": 3},
-                        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"},
-                                           "periodSeconds": 5, "failureThreshold": 1},
-                        "resources": {"requests": resources, "limits": resources},
-                        "securityContext": {"allowPrivilegeEscalation": False,
-                                            "readOnlyRootFilesystem": True,
-                                            "capabilities": {"drop": ["ALL"]}},
+                        **probes_and_limits("http", "/health", resources),
                         "volumeMounts": [
-                            {"name": "models", "mountPath": "/models", "readOnly": True},
-                            {"name": "config", "mountPath": "/etc/moerpc/config", "readOnly": True},
-                            {"name": "tls", "mountPath": "/etc/moerpc/tls", "readOnly": True},
-                            {"name": "token", "mountPath": "/etc/moerpc/token", "readOnly": True},
+                            *COMMON_MOUNTS,
                             {"name": "api-key", "mountPath": "/etc/moerpc/api-key", "readOnly": True},
                         ],
                     }],
@@ -284,8 +292,10 @@ def serve_docs(a, ns):
                         {"name": "config", "configMap": {"name": "moerpc-config"}},
                         {"name": "tls", "secret": {"secretName": "moerpc-server-tls",
                                                    "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
-                        {"name": "token", "secret": {"secretName": "moerpc-token"}},
-                        {"name": "api-key", "secret": {"secretName": "moerpc-api-key"}},
+                        {"name": "token", "secret": {"secretName": "moerpc-token",
+                                                     "defaultMode": SECRET_MODE}},
+                        {"name": "api-key", "secret": {"secretName": "moerpc-api-key",
+                                                       "defaultMode": SECRET_MODE}},
                     ],
                 },
             },

@@ -15,12 +15,19 @@
 #   mh_client CMD...          runs CMD in the client's namespace
 #   mh_server_kill J [SIG]    signals server J (default SIGKILL) and waits for its exit
 #   mh_server_start J         starts server J again, same flags, log appended; waits
+#   mh_link J RATE D L        server J's host link at RATE (tbf; - none), D us one-way
+#                             delay and loss L per direction (nn_link_set); where a relay
+#                             stands in for netem it is restarted with the path's new
+#                             delay and stall rate (its connections reset: a link drop)
+#   mh_link_profile J PROFILE the same with a named profile (back to normal after mh_link)
 #   mh_stop                   SIGTERM every server (they drain) and relay; fails unless
 #                             every server exited 0; then tears the hosts down
 #   MH_MECH                   what adds latency/loss: netem, relay or none (for figures)
 #   MH_FORCE_RELAY=1          a relay in front of every server even without delay (to
 #                             measure what the relay itself costs); MH_DEADLINE_MS the
-#                             cluster file's deadline_ms (default 10000)
+#                             cluster file's deadline_ms (default 10000); MH_TOKEN_FILE the
+#                             cluster file's token_file (the servers then need
+#                             --auth-token-file among the server flags)
 #
 # Everything lives in the run's namespaces, so nn_down (the EXIT trap of nn_up) also ends
 # whatever a failed step left running.
@@ -34,6 +41,8 @@ MH_MECH=none
 MH_SPEC=()
 MH_SPID=()
 MH_RPID=()
+MH_RDELAY=()
+MH_RLOSS=()
 MH_FLAGS=()
 
 mh__range() { # E N i: the i-th of N shares of E experts, as "lo-hi"
@@ -106,28 +115,76 @@ mh_start() {
     addr="$(nn_addr "$h"):$MH_PORT"
     echo "    s$j on host $h ($(nn_ns "$h")) $addr owns experts ${MH_SPEC[$j]}"
     mh_server_start "$j" || return 1
-    d=$(nn_path_delay_us 0 "$h")
-    loss=$(nn_path_loss 0 "$h")
-    if [ "$d" != 0 ] || [ "$loss" != 0 ] || [ "${MH_FORCE_RELAY:-0}" = 1 ]; then
-      ip netns exec "$(nn_ns "$h")" "$BIN/moerpc-relay" --listen "$(nn_addr "$h"):$MH_RELAY_PORT" \
-          --target "$addr" --delay-us "$d" --loss "$loss" --seed "$h" >"$dir/relay-s$j.log" 2>&1 &
-      MH_RPID[j]=$!
-      mh__wait_log "$dir/relay-s$j.log" listening "${MH_RPID[$j]}" 10 || return 1
-      echo "    relay in front of s$j: $(nn_addr "$h"):$MH_RELAY_PORT, +$d us each way, stall rate $loss"
-      addr="$(nn_addr "$h"):$MH_RELAY_PORT"
+    if ! mh__relay_start "$j" "$(nn_path_delay_us 0 "$h")" "$(nn_path_loss 0 "$h")"; then
+      return 1
     fi
+    [ -n "${MH_RPID[$j]:-}" ] && addr="$(nn_addr "$h"):$MH_RELAY_PORT"
     servers+="${servers:+,
     }{\"name\": \"s$j\", \"address\": \"$addr\"}"
   done
+  local tok=""
+  [ -n "${MH_TOKEN_FILE:-}" ] && tok="
+  \"token_file\": \"$MH_TOKEN_FILE\","
   cat >"$dir/cluster.json" <<JSON
 {
   "model": "$MH_MODEL",
-  "deadline_ms": ${MH_DEADLINE_MS:-10000},
+  "deadline_ms": ${MH_DEADLINE_MS:-10000},$tok
   "servers": [
     $servers
   ]
 }
 JSON
+}
+
+# mh__relay_start J DELAY_US LOSS: a relay in front of server J when the path needs one
+# (a delay or loss that netem does not make, or MH_FORCE_RELAY=1); sets MH_RPID[J] (empty
+# when none is needed). Its log is appended to DIR/relay-s<J>.log.
+mh__relay_start() {
+  local j=$1 d=$2 loss=$3 h=$(($1 + 1)) lines0
+  MH_RPID[j]=
+  MH_RDELAY[j]=$d; MH_RLOSS[j]=$loss
+  [ "$d" != 0 ] || [ "$loss" != 0 ] || [ "${MH_FORCE_RELAY:-0}" = 1 ] || return 0
+  : >>"$MH_DIR/relay-s$j.log"
+  lines0=$(wc -l <"$MH_DIR/relay-s$j.log")
+  ip netns exec "$(nn_ns "$h")" "$BIN/moerpc-relay" --listen "$(nn_addr "$h"):$MH_RELAY_PORT" \
+      --target "$(nn_addr "$h"):$MH_PORT" --delay-us "$d" --loss "$loss" --seed "$h" \
+      >>"$MH_DIR/relay-s$j.log" 2>&1 &
+  MH_RPID[j]=$!
+  local t
+  for ((t = 0; t < 100; t++)); do
+    tail -n +"$((lines0 + 1))" "$MH_DIR/relay-s$j.log" | grep -q listening && break
+    kill -0 "${MH_RPID[$j]}" 2>/dev/null || { echo "mh: relay of s$j died:"; tail -n 5 "$MH_DIR/relay-s$j.log"; return 1; }
+    sleep 0.1
+  done
+  [ "$t" -lt 100 ] || { echo "mh: relay of s$j not listening after 10 s"; return 1; }
+  echo "    relay in front of s$j: $(nn_addr "$h"):$MH_RELAY_PORT, +$d us each way, stall rate $loss"
+}
+
+# mh__relay_follow J: after a link change, the relay of server J (if it has one) restarted
+# when the path's delay or stall rate changed (the cluster file names the relay, so one
+# stays even when the path no longer needs a delay: it then adds none).
+mh__relay_follow() {
+  local j=$1 h=$(($1 + 1))
+  [ -n "${MH_RPID[$j]:-}" ] || return 0
+  [ "$(nn_path_delay_us 0 "$h")" = "${MH_RDELAY[$j]}" ] &&
+    [ "$(nn_path_loss 0 "$h")" = "${MH_RLOSS[$j]}" ] && return 0
+  kill -TERM "${MH_RPID[$j]}" 2>/dev/null || true
+  wait "${MH_RPID[$j]}" 2>/dev/null || true
+  local save=${MH_FORCE_RELAY:-0}
+  MH_FORCE_RELAY=1 mh__relay_start "$j" "$(nn_path_delay_us 0 "$h")" "$(nn_path_loss 0 "$h")" >/dev/null
+  local rc=$?
+  MH_FORCE_RELAY=$save
+  return $rc
+}
+
+mh_link() {
+  nn_link_set $(($1 + 1)) "$2" "$3" "$4" || return 1
+  mh__relay_follow "$1"
+}
+
+mh_link_profile() {
+  nn_link_profile $(($1 + 1)) "$2" || return 1
+  mh__relay_follow "$1"
 }
 
 mh_client() { nn_exec 0 "$@"; }

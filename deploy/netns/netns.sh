@@ -11,6 +11,8 @@
 #                            namespace "$(nn_ns i)" with eth0 = "$(nn_addr i)"/24; installs
 #                            an EXIT/INT/TERM trap that tears the run down (nn_down)
 #   nn_link_profile I NAME   applies profile NAME to host I's link, both directions
+#   nn_link_set I RATE D L   host I's link at RATE (tbf, e.g. 20mbit; - none), D us delay
+#                            and loss L per direction; again at any time (link flaps)
 #   nn_exec I CMD...         runs CMD in host I (ip netns exec)
 #   nn_path_delay_us A B     one-way delay from host A to host B that the relay must add
 #                            (0 when netem does it), and nn_path_loss A B its stall rate
@@ -146,6 +148,16 @@ nn_link_profile() {
   line=$(nn__profiles | awk -v n="$name" '$1 == n')
   [ -n "$line" ] || { nn__die "unknown profile '$name' (netns.sh profiles)"; return 1; }
   read -r _ rate d loss _ <<<"$line"
+  nn_link_set "$i" "$rate" "$d" "$loss" || return 1
+  NN_LINK_PROFILE[i]=$name
+}
+
+# Sets host i's link to RATE (tbf rate, e.g. 20mbit or 1gbit; - for none), a one-way delay
+# of D us and a loss probability L (0..1) per link direction, as a profile does; may be
+# called again at any time (the chaos soak flaps links with it). The profile name becomes
+# "custom" until nn_link_profile names one again.
+nn_link_set() {
+  local i=$1 rate=$2 d=$3 loss=$4
   local dev ns
   for side in host switch; do
     if [ $side = host ]; then ns=$(nn_ns "$i"); dev=eth0; else ns=$(nn_switch); dev="p$i"; fi
@@ -161,14 +173,15 @@ nn_link_profile() {
     fi
     if [ "$rate" != - ]; then
       # Burst: 100 us of line rate, at least 64 KiB (one GSO segment must fit).
-      burst=$(awk -v r="$rate" 'BEGIN{ sub(/gbit/, "", r); b = r * 1e9 / 8 * 100e-6;
+      burst=$(awk -v r="$rate" 'BEGIN{ m = 1e9; if (r ~ /mbit$/) m = 1e6; sub(/[gm]bit$/, "", r);
+                                       b = r * m / 8 * 100e-6;
                                        if (b < 65536) b = 65536; printf "%d", b }')
       # shellcheck disable=SC2086 # parent is two words or one
       ip netns exec "$ns" tc qdisc add dev "$dev" $parent handle 2: tbf rate "$rate" \
           burst "$burst" latency 20ms || return 1
     fi
   done
-  NN_LINK_PROFILE[i]=$name
+  NN_LINK_PROFILE[i]=custom
   NN_LINK_DELAY_US[i]=$d
   NN_LINK_LOSS[i]=$loss
 }

@@ -4,7 +4,8 @@
 #     `systemd-analyze verify` without a single warning;
 #   - deploy/k8s/render.py's manifests for a model made here pass `kubernetes-validate
 #     --strict` (offline schemas, PyPI), and the cluster.json they carry is accepted by the
-#     client's own cluster-file parser;
+#     client's own cluster-file parser, and its secret volumes are 0440 with the pods' group
+#     as fsGroup (a secret readable by others is refused);
 #   - each check is shown to fail on a broken copy, so that it cannot pass by accident.
 # A tool that is missing is a SKIP with the reason, never a pass.
 set -uo pipefail
@@ -89,6 +90,19 @@ assert " serve " in c["command"][2] and "--api-key-file" in c["command"][2], c["
 assert d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 30
 assert [x for x in docs if x["kind"]=="Service" and x["metadata"]["name"]=="moerpc-serve"]' "$tmp/k8s-1.yaml" \
     2>"$tmp/serve.err" || { bad k8s_manifests "serve's Deployment: $(tail -n 2 "$tmp/serve.err")"; all_ok=0; }
+  # Secrets: the server and the client refuse a key or token file that group or others
+  # may read unless root owns it and the group may only read it (DESIGN.md section 11):
+  # every secret volume 0440, the pods' own group as fsGroup.
+  python3 -c 'import json,sys
+docs=[json.loads(d) for d in open(sys.argv[1]).read().split("\n---\n")[1:]]
+for d in docs:
+  if d["kind"] not in ("StatefulSet", "Deployment"): continue
+  spec=d["spec"]["template"]["spec"]
+  assert spec["securityContext"]["fsGroup"]==spec["securityContext"]["runAsGroup"], spec["securityContext"]
+  for v in spec["volumes"]:
+    if "secret" in v and "items" not in v["secret"]:
+      assert v["secret"].get("defaultMode")==0o440, (d["metadata"]["name"], v)' "$tmp/k8s-1.yaml" \
+    2>"$tmp/secret.err" || { bad k8s_manifests "secret modes: $(tail -n 2 "$tmp/secret.err")"; all_ok=0; }
   [ $all_ok = 1 ] && ok k8s_manifests
   sed 's/"readOnlyRootFilesystem"/"readOnlyRootFilesystm"/' "$tmp/k8s-1.yaml" >"$tmp/broken.yaml"
   if "$kv" --strict --quiet "$tmp/broken.yaml" >/dev/null 2>&1; then
