@@ -90,7 +90,9 @@ ISA_AVX512 = -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512bf16 -mavx512vnn
 ISA_AMX    = $(ISA_AVX512) -mamx-tile -mamx-bf16 -mamx-int8
 
 GRPC_LIBS = -lgrpc -lgpr
-EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lmicrohttpd -lonig -lutf8proc -lm
+# libcrypto (OpenSSL, the one gRPC itself uses on Debian): the server reads its certificate's
+# validity dates and checks its key against it (expert_server/es_auth.c).
+EXT_LIBS  = $(GRPC_LIBS) -lprotobuf-c -luv -lcjson -lmicrohttpd -lonig -lutf8proc -lcrypto -lz -lm
 ifeq ($(HAVE_HWLOC),1)
 EXT_LIBS += -lhwloc
 endif
@@ -170,7 +172,8 @@ REPLAY_BINS = $(patsubst tests/fuzz/%.c,$(BUILD)/tests/replay_%,$(FUZZ_SRC))
 FUZZ_BINS  = $(patsubst tests/fuzz/%.c,$(BUILD)/fuzz/%,$(FUZZ_SRC))
 ITEST_SRC  = $(wildcard tests/integration/itest_*.c)
 ITEST_BINS = $(patsubst tests/integration/%.c,$(BUILD)/tests/%,$(ITEST_SRC))
-TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tok_cli $(BUILD)/tests/tmpl_cli
+TEST_HELPERS = $(ITEST_BINS) $(BUILD)/tests/kn_ref_cli $(BUILD)/tests/netns_gen $(BUILD)/tests/tok_cli $(BUILD)/tests/tmpl_cli \
+               $(BUILD)/tests/flood
 
 .SECONDARY:
 .PHONY: all test test-unit test-fuzz test-integration check-layers demo demo-multihost bench fuzz fuzz-check have-not clean help
@@ -285,7 +288,7 @@ $(BUILD)/bin/moerpc-relay: $(BUILD)/obj/deploy/netns/moerpc-relay.o $(LIB_MR)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
-$(BUILD)/bin/moerpc-bench-finite: $(BUILD)/obj/tests/bench/bench_finite.o $(LIB_ES) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+$(BUILD)/bin/moerpc-bench-finite: $(BUILD)/obj/tests/bench/bench_finite.o $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
@@ -309,6 +312,11 @@ $(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/te
 $(BUILD)/tests/netns_gen: $(BUILD)/obj/tests/integration/netns_gen.o $(LIBS_ALL)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+
+# Greedy Forward streams against a running server (tests/bench/flood.c, docs/BENCHMARKS.md).
+$(BUILD)/tests/flood: $(BUILD)/obj/tests/bench/flood.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
 
 # Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
 # libFuzzer binary (clang, make fuzz).

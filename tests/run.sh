@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# tests/run.sh - runs the moerpc test suite: unit tests, fuzz-corpus replay, integration.
-#   tests/run.sh [unit|fuzz|integration|conformance|all] [filter]
+# tests/run.sh - runs the moerpc test suite: unit tests, fuzz-corpus replay, integration,
+# the short chaos soak.
+#   tests/run.sh [unit|fuzz|integration|soak|conformance|all] [filter]
 # Each test binary runs its cases in forked processes with a timeout (tests/unit/mt.h);
 # each binary or script also runs under an outer timeout here. The last line is the total,
 # "N passed, N failed, N skipped" (a case that found nothing to test here, e.g. no fast
@@ -16,6 +17,8 @@ export MOERPC_SRC="$PWD"
 logs="$BUILD/test-logs"
 # gRPC and abseil are not TSan-instrumented: see tests/tsan.supp.
 export TSAN_OPTIONS="suppressions=$PWD/tests/tsan.supp second_deadlock_stack=1 ${TSAN_OPTIONS:-}"
+# A system library's own lifetime allocations: see tests/lsan.supp.
+export LSAN_OPTIONS="suppressions=$PWD/tests/lsan.supp print_suppressions=0 ${LSAN_OPTIONS:-}"
 mkdir -p "$logs"
 passed=0; failed=0; skipped=0; failed_names=()
 last_skipped=0
@@ -93,6 +96,12 @@ if [ "$what" = all ] || [ "$what" = integration ]; then
     [ -f "$s" ] || continue
     run_one "integration/$(basename "$s" .sh)" 900 bash "$s"
   done
+fi
+
+# The chaos soak, short (tests/soak/README.md): after integration, before conformance; not in
+# the integration group, so the TSan pass of CI (make test-integration) does not run it.
+if [ "$what" = all ] || [ "$what" = soak ]; then
+  run_one "soak/chaos_soak" 300 bash tests/soak/chaos.sh
 fi
 
 if [ "$what" = all ] || [ "$what" = conformance ]; then

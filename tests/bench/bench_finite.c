@@ -1,19 +1,22 @@
 /*
- * bench_finite.c - moerpc-bench-finite: the cost of the server's finite checks
- * (es_hidden_check_finite on the gathered payload, es_output_check_finite on each job's
- * fp32 output rows; docs/DESIGN.md section 5) next to the compute of a decode request of
- * the same shape, measured in the same run.
+ * bench_finite.c - moerpc-bench-finite: the cost of the finite checks on both sides of the
+ * wire (docs/DESIGN.md section 5): the server's es_hidden_check_finite on the gathered
+ * payload and es_output_check_finite on each job's output rows in the wire dtype, and the
+ * client's gc__reply_check_finite on every reply's gathered output, next to the compute of
+ * a decode request of the same shape, measured in the same run.
  *
  *   build/bin/moerpc-bench-finite [--repeats N] [--no-compute]
  *
  * For H = 2048 (qwen3-30b-a3b: I 768) and H = 7168 (deepseek-v3: I 2048), top-8:
- *   - each check on T = 1 and T = 64 tokens of finite values, the buffer warm in cache as
- *     it is right after the gather (the server's case); median over N calls (default 2001);
+ *   - each check (hidden, output, reply) in each wire dtype (f32, f16, bf16) on T = 1 and
+ *     T = 64 tokens of finite values, the buffer warm in cache as it is right after the
+ *     gather (the server's and the client's case); median over N calls (default 2001);
  *   - one decode request (T = 1, 8 experts, bf16 weights, best ISA, default threads):
  *     kn_moe_forward, median over 15 calls after a warm-up; the 8 experts are 75 MB /
  *     704 MB, far over the LLC, so every call streams its weights as a real decode does.
  * Prints one JSON line per case on stdout (the CPU's name from /proc/cpuinfo in each) and
- * a table on stderr; the fraction is (hidden bf16 + output f32 check at T = 1) / decode.
+ * a table on stderr; the fractions are, at T = 1 on the bf16 wire, (hidden + output check)
+ * / decode for the server and (reply check) / decode for the client.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +24,7 @@
 
 #include "common/mr.h"
 #include "expert_server/es.h"
+#include "gpu_client/rpc/internal.h"
 #include "kernels/kn.h"
 
 static char cpu[128] = "unknown";
@@ -54,14 +58,17 @@ static uint64_t median(uint64_t *v, int n) {
 
 static volatile int sink;
 
-/* Median ns of one check call on T x H finite elements of dt (dt UNSPECIFIED: the
- * output check on f32). */
-static double time_check(mr_dtype dt, bool output, uint32_t T, uint32_t H, int repeats) {
+enum check_kind { CHECK_HIDDEN, CHECK_OUTPUT, CHECK_REPLY };
+
+/* Median ns of one check call of kind on T x H finite elements of wire dtype dt. */
+static double time_check(mr_dtype dt, enum check_kind kind, uint32_t T, uint32_t H,
+                         int repeats) {
   size_t n = (size_t)T * H;
   float *f = malloc(n * sizeof *f);
   void *x = malloc(n * 4);
+  uint32_t *rows = malloc(T * sizeof *rows);
   uint64_t *ns = malloc((size_t)repeats * sizeof *ns);
-  if (!f || !x || !ns) {
+  if (!f || !x || !rows || !ns) {
     fprintf(stderr, "out of memory\n");
     exit(1);
   }
@@ -70,11 +77,14 @@ static double time_check(mr_dtype dt, bool output, uint32_t T, uint32_t H, int r
     s = s * 6364136223846793005ull + 1442695040888963407ull;
     f[i] = (float)((int)(s >> 40 & 0xffff) - 32768) / 3276.8f;
   }
-  mr_convert_from_f32(x, output ? MR_DTYPE_F32 : dt, f, n);
+  for (uint32_t t = 0; t < T; t++) rows[t] = 2 * t;
+  mr_convert_from_f32(x, dt, f, n);
   mr_err e;
   for (int r = -10; r < repeats; r++) { /* 10 warm-up calls */
     uint64_t t0 = mr_now_ns();
-    int rc = output ? es_output_check_finite(x, 0, T, H, &e) : es_hidden_check_finite(x, dt, T, H, &e);
+    int rc = kind == CHECK_HIDDEN   ? es_hidden_check_finite(x, dt, T, H, &e)
+             : kind == CHECK_OUTPUT ? es_output_check_finite(x, dt, f, 0, T, H, &e)
+                                    : gc__reply_check_finite(x, dt, rows, T, H, &e);
     uint64_t t1 = mr_now_ns();
     sink += rc;
     if (rc) {
@@ -86,6 +96,7 @@ static double time_check(mr_dtype dt, bool output, uint32_t T, uint32_t H, int r
   double m = (double)median(ns, repeats);
   free(f);
   free(x);
+  free(rows);
   free(ns);
   return m;
 }
@@ -168,20 +179,26 @@ int main(int argc, char **argv) {
   cpu_name();
   static const struct { uint32_t H, I; const char *shape; } shapes[] = {
       {2048, 768, "qwen3-30b-a3b"}, {7168, 2048, "deepseek-v3"}};
-  static const struct { const char *name; mr_dtype dt; bool output; } checks[] = {
-      {"hidden_f32", MR_DTYPE_F32, false}, {"hidden_f16", MR_DTYPE_F16, false},
-      {"hidden_bf16", MR_DTYPE_BF16, false}, {"output_f32", MR_DTYPE_F32, true}};
+  static const struct { const char *name; mr_dtype dt; enum check_kind kind; } checks[] = {
+      {"hidden_f32", MR_DTYPE_F32, CHECK_HIDDEN}, {"hidden_f16", MR_DTYPE_F16, CHECK_HIDDEN},
+      {"hidden_bf16", MR_DTYPE_BF16, CHECK_HIDDEN}, {"output_f32", MR_DTYPE_F32, CHECK_OUTPUT},
+      {"output_f16", MR_DTYPE_F16, CHECK_OUTPUT}, {"output_bf16", MR_DTYPE_BF16, CHECK_OUTPUT},
+      {"reply_f32", MR_DTYPE_F32, CHECK_REPLY}, {"reply_f16", MR_DTYPE_F16, CHECK_REPLY},
+      {"reply_bf16", MR_DTYPE_BF16, CHECK_REPLY}};
+  const size_t n_checks = sizeof checks / sizeof checks[0];
   fprintf(stderr, "# %s\n# %-14s %-12s %5s %12s\n", cpu, "shape", "check", "T", "ns/token");
   for (size_t q = 0; q < 2; q++) {
     uint32_t H = shapes[q].H;
-    double t1_bf16 = 0, t1_out = 0;
-    for (size_t c = 0; c < 4; c++) {
+    double t1_server = 0, t1_client = 0; /* T = 1, bf16 wire */
+    for (size_t c = 0; c < n_checks; c++) {
       static const uint32_t Ts[] = {1, 64};
       for (size_t ti = 0; ti < 2; ti++) {
         uint32_t T = Ts[ti];
-        double ns = time_check(checks[c].dt, checks[c].output, T, H, repeats) / T;
-        if (T == 1 && checks[c].dt == MR_DTYPE_BF16 && !checks[c].output) t1_bf16 = ns;
-        if (T == 1 && checks[c].output) t1_out = ns;
+        double ns = time_check(checks[c].dt, checks[c].kind, T, H, repeats) / T;
+        if (T == 1 && checks[c].dt == MR_DTYPE_BF16) {
+          if (checks[c].kind == CHECK_REPLY) t1_client = ns;
+          else t1_server += ns;
+        }
         fprintf(stderr, "  %-14s %-12s %5u %12.1f\n", shapes[q].shape, checks[c].name, T, ns);
         printf("{\"bench\":\"finite\",\"cpu\":\"%s\",\"shape\":\"%s\",\"H\":%u,\"check\":\"%s\","
                "\"tokens\":%u,\"repeats\":%d,\"ns_per_token\":%.1f}\n",
@@ -191,12 +208,14 @@ int main(int argc, char **argv) {
     if (!compute) continue;
     double dec = time_decode(H, shapes[q].I);
     if (dec <= 0) return 1;
-    double frac = (t1_bf16 + t1_out) / dec;
-    fprintf(stderr, "  %-14s decode T=1 top-8 bf16: %.1f us; checks (bf16 hidden + f32 output) "
-            "%.1f ns = %.2e of it\n", shapes[q].shape, dec / 1e3, t1_bf16 + t1_out, frac);
+    double frac = t1_server / dec, frac_c = t1_client / dec;
+    fprintf(stderr, "  %-14s decode T=1 top-8 bf16: %.1f us; server checks (bf16 hidden + "
+            "output) %.1f ns = %.2e of it; client reply check %.1f ns = %.2e\n",
+            shapes[q].shape, dec / 1e3, t1_server, frac, t1_client, frac_c);
     printf("{\"bench\":\"finite_vs_decode\",\"cpu\":\"%s\",\"shape\":\"%s\",\"H\":%u,\"I\":%u,"
-           "\"decode_us\":%.1f,\"checks_ns\":%.1f,\"fraction\":%.3g}\n",
-           cpu, shapes[q].shape, H, shapes[q].I, dec / 1e3, t1_bf16 + t1_out, frac);
+           "\"decode_us\":%.1f,\"checks_ns\":%.1f,\"fraction\":%.3g,\"reply_check_ns\":%.1f,"
+           "\"reply_fraction\":%.3g}\n",
+           cpu, shapes[q].shape, H, shapes[q].I, dec / 1e3, t1_server, frac, t1_client, frac_c);
   }
   return sink == 12345;
 }

@@ -16,6 +16,9 @@ for round in $(seq 1 "$rounds"); do
     (
       cd "$repo"
       BIN=$repo/build/bin
+      # local-cluster.sh keeps an EXIT trap it finds and runs it when this subshell ends:
+      # the parent's would delete the run's directory (the model) after the first server.
+      trap - EXIT
       . deploy/local-cluster.sh
       lc_start "$dir/$ver$round" "$dir/model" 1 >/dev/null 2>&1
       "$BIN/moerpc-client" bench-rpc --cluster "$dir/$ver$round/cluster.json" --iters 2000 \

@@ -129,7 +129,76 @@ def hp(cfg):
         tied=bool(cfg.get("tie_word_embeddings", False)))
 
 
-def convert(ckpt_dir, out_path, fmt):
+def placeholder_vocab(w, ckpt_dir, cfg, V):
+    """A minimal SentencePiece-style ("llama") vocabulary of the model's size: <unk> <s>
+    </s>, the 256 byte tokens llama.cpp looks up (e.g. <0x0A>), then placeholders. Enough
+    to load the model and feed it token ids; text does not tokenize as the checkpoint's."""
+    if V < 259:
+        raise SystemExit(f"vocab {V} < 259: too small for the byte tokens")
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    toks += [f"\u2581t{i}" for i in range(len(toks), V)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (V - 259)  # UNKNOWN, CONTROL, BYTE, NORMAL
+    w.add_tokenizer_model("llama")
+    w.add_token_list(toks)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(V - 259)])
+    w.add_token_types(types)
+    w.add_bos_token_id(cfg.get("bos_token_id") or 1)
+    w.add_eos_token_id(cfg.get("eos_token_id") or 2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(False)
+
+
+def stop_ids(ckpt_dir, cfg):
+    """The checkpoint's stop ids: generation_config.json's eos_token_id, else config's."""
+    eos = cfg.get("eos_token_id")
+    gpath = os.path.join(ckpt_dir, "generation_config.json")
+    if os.path.exists(gpath):
+        with open(gpath) as f:
+            eos = json.load(f).get("eos_token_id", eos)
+    if eos is None:
+        return []
+    return [int(x) for x in (eos if isinstance(eos, list) else [eos])]
+
+
+def hf_vocab(w, ckpt_dir, cfg, V):
+    """The checkpoint's own tokenizer (tokenizer.json: a byte-level BPE model with Qwen2's
+    pre-tokenizer, as moerpc-mkmodel writes and Qwen2/Qwen3 ship) as a GGUF "gpt2"
+    vocabulary with pre-tokenizer "qwen2": the same text gives llama.cpp the same ids as
+    moerpc (serve_vs_llamacpp.py checks that, prompt by prompt). Ids without a token
+    (padded embeddings) get "[PAD<i>]" of type UNUSED; added tokens are CONTROL when
+    special, else USER_DEFINED. No BOS is added; EOS is the first stop id."""
+    tpath = os.path.join(ckpt_dir, "tokenizer.json")
+    if not os.path.exists(tpath):
+        raise SystemExit(f"{ckpt_dir}: no tokenizer.json (needed for the text vocabulary)")
+    with open(tpath, encoding="utf-8") as f:
+        tj = json.load(f)
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE":
+        raise SystemExit(f"{tpath}: model type {model.get('type')}, only BPE is converted")
+    toks, types = [None] * V, [1] * V                 # NORMAL
+    for s, i in model["vocab"].items():
+        if i < V:
+            toks[i] = s
+    for a in tj.get("added_tokens") or []:
+        if a["id"] < V:
+            toks[a["id"]] = a["content"]
+            types[a["id"]] = 3 if a.get("special") else 4   # CONTROL, USER_DEFINED
+    for i in range(V):
+        if toks[i] is None:
+            toks[i], types[i] = f"[PAD{i}]", 5           # UNUSED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(toks)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    stops = stop_ids(ckpt_dir, cfg)
+    if stops:
+        w.add_eos_token_id(stops[0])
+    w.add_add_bos_token(False)
+
+
+def convert(ckpt_dir, out_path, fmt, vocab="placeholder"):
     import numpy as np
     import gguf
     from gguf import GGMLQuantizationType as QT
@@ -164,22 +233,8 @@ def convert(ckpt_dir, out_path, fmt):
     w.add_expert_count(h["E"])
     w.add_expert_used_count(h["k"])
     w.add_expert_feed_forward_length(h["I"])
-    # A minimal SentencePiece-style ("llama") vocabulary of the model's size: <unk> <s>
-    # </s>, the 256 byte tokens llama.cpp looks up (e.g. <0x0A>), then placeholders.
     V = h["V"]
-    if V < 259:
-        raise SystemExit(f"vocab {V} < 259: too small for the byte tokens")
-    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    toks += [f"\u2581t{i}" for i in range(len(toks), V)]
-    types = [2, 3, 3] + [6] * 256 + [1] * (V - 259)  # UNKNOWN, CONTROL, BYTE, NORMAL
-    w.add_tokenizer_model("llama")
-    w.add_token_list(toks)
-    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(V - 259)])
-    w.add_token_types(types)
-    w.add_bos_token_id(cfg.get("bos_token_id") or 1)
-    w.add_eos_token_id(cfg.get("eos_token_id") or 2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
+    (hf_vocab if vocab == "hf" else placeholder_vocab)(w, ckpt_dir, cfg, V)
 
     def nbytes(shape, qt):
         n = 1
@@ -307,18 +362,19 @@ def venv_python(d):
     return os.path.join(d, "bin", "python")
 
 
-def ensure_llama_venv(venv):
+def ensure_llama_venv(venv, pkgs=LLAMA_PKGS, imports="numpy, gguf, llama_cpp"):
+    """venv's python, after installing pkgs there unless `import <imports>` already works."""
     py = venv_python(venv)
     if os.path.exists(py) and subprocess.run(
-            [py, "-c", "import numpy, gguf, llama_cpp"], capture_output=True).returncode == 0:
+            [py, "-c", f"import {imports}"], capture_output=True).returncode == 0:
         return py
-    log(f"vs_llamacpp: creating {venv} with {' '.join(LLAMA_PKGS)} (llama.cpp is compiled "
+    log(f"vs_llamacpp: making {venv} with {' '.join(pkgs)} (llama.cpp is compiled "
         "from source with CMAKE_ARGS=-DGGML_NATIVE=ON: ~10 min on 2 cores)")
     subprocess.run([sys.executable, "-m", "venv", venv], check=True)
     env = dict(os.environ, CMAKE_ARGS=os.environ.get("CMAKE_ARGS", "-DGGML_NATIVE=ON"),
                CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 2))
     subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-                   + LLAMA_PKGS, check=True, env=env)
+                   + pkgs, check=True, env=env)
     return py
 
 
@@ -355,15 +411,17 @@ def mkmodel(args, out, mk_args):
     return out
 
 
-def gguf_for(args, py, model, fmt):
+def gguf_for(args, py, model, fmt, vocab="placeholder"):
+    """The GGUF of model in fmt under args.work, converted when missing or older than the
+    checkpoint; vocab "hf" carries the checkpoint's tokenizer (a separate file, .text.gguf)."""
     tag = os.path.basename(os.path.normpath(model))
-    out = os.path.join(args.work, f"{tag}.{fmt}.gguf")
+    out = os.path.join(args.work, f"{tag}.{fmt}{'.text' if vocab == 'hf' else ''}.gguf")
     src_m = max(os.path.getmtime(os.path.join(model, f)) for f in os.listdir(model))
     if os.path.exists(out) and os.path.getmtime(out) > src_m:
         return out
     log(f"vs_llamacpp: converting {model} -> {out}")
     t0 = time.time()
-    subprocess.run([py, __file__, "_convert", model, out, fmt], check=True)
+    subprocess.run([py, __file__, "_convert", model, out, fmt, vocab], check=True)
     log(f"vs_llamacpp: wrote {out} ({os.path.getsize(out) / 2**30:.2f} GiB, "
         f"{time.time() - t0:.0f} s)")
     return out

@@ -498,8 +498,8 @@ def killed_expert_server_ends_streams_with_an_error_naming_it():
 # ---- B: queue, key, drain ----------------------------------------------------------------------
 
 keyfile = os.path.join(TMP, "key")
-with open(keyfile, "w") as f:
-    f.write("sk-moerpc-test\n")
+with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+    f.write("sk-moerpc-test\n")  # 0600: a key file readable by others is refused
 B, BURL, BLOG = start_serve("serveB", "--model", model, "--max-batch", "1", "--max-queue", "2", "--api-key-file",
                             keyfile, "--drain-timeout", "2", "--quiet")
 wait_ready(B, BURL, BLOG)

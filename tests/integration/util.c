@@ -444,3 +444,48 @@ double itu_metric(const char *text, const char *sample) {
   }
   return -1;
 }
+
+double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms) {
+  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+  uint64_t t0 = mr_now_ns();
+  gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(deadline_ms, GPR_TIMESPAN));
+  grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                             grpc_slice_from_static_string(method), NULL, dl, NULL);
+  grpc_metadata_array mi, mt;
+  grpc_metadata_array_init(&mi);
+  grpc_metadata_array_init(&mt);
+  grpc_byte_buffer *resp = NULL;
+  grpc_status_code status = GRPC_STATUS_UNKNOWN;
+  grpc_slice details = grpc_empty_slice();
+  grpc_op ops[6];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+  ops[1].op = GRPC_OP_SEND_MESSAGE;
+  ops[1].data.send_message.send_message = req;
+  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+  ops[3].data.recv_initial_metadata.recv_initial_metadata = &mi;
+  ops[4].op = GRPC_OP_RECV_MESSAGE;
+  ops[4].data.recv_message.recv_message = &resp;
+  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+  ops[5].data.recv_status_on_client.trailing_metadata = &mt;
+  ops[5].data.recv_status_on_client.status = &status;
+  ops[5].data.recv_status_on_client.status_details = &details;
+  double us = -1;
+  if (grpc_call_start_batch(call, ops, 6, (void *)1, NULL) == GRPC_CALL_OK) {
+    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
+    if (ev.type == GRPC_OP_COMPLETE && status == GRPC_STATUS_OK && resp)
+      us = (double)(mr_now_ns() - t0) / 1e3;
+  }
+  if (resp) grpc_byte_buffer_destroy(resp);
+  grpc_byte_buffer_destroy(req);
+  grpc_slice_unref(details);
+  grpc_metadata_array_destroy(&mi);
+  grpc_metadata_array_destroy(&mt);
+  grpc_call_unref(call);
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  return us;
+}

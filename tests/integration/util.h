@@ -92,6 +92,10 @@ int itu_call_recv(itu_call *c, grpc_byte_buffer **bb, int timeout_ms);
 /* Half-closes, waits for the status (c->status, c->details). */
 int itu_call_finish(itu_call *c, int timeout_ms);
 void itu_call_close(itu_call *c);
+/* One unary call of method on an existing channel (so on its connection, beside whatever else
+ * it carries); takes req. Its latency in microseconds when answered OK with a message within
+ * deadline_ms, else -1. */
+double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms);
 
 /* Encodes a ForwardRequest with payload (copied into a malloc'ed buffer released by the
  * slice). */
