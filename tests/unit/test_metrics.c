@@ -16,8 +16,8 @@
 #include "tests/unit/mt.h"
 
 MT_TEST(escaping) {
-  mr_prom p;
-  mr_prom_init(&p);
+  mr_buf p;
+  mr_buf_init(&p);
   mr_prom_family(&p, "moerpc_x_total", MR_PROM_COUNTER, "a \\ back\nslash");
   const char *l[] = {"path", "a\"b\\c\nd", "9bad-name", "v", NULL};
   mr_prom_u64(&p, "moerpc_x_total", l, 7);
@@ -28,12 +28,12 @@ MT_TEST(escaping) {
                    "moerpc_x_total{path=\"a\\\"b\\\\c\\nd\",_9bad_name=\"v\"} 7\n"
                    "_1bad_name 1\n");
   MT_EQ_U64(p.len, strlen(p.buf));
-  mr_prom_close(&p);
+  mr_buf_close(&p);
 }
 
 MT_TEST(numbers) {
-  mr_prom p;
-  mr_prom_init(&p);
+  mr_buf p;
+  mr_buf_init(&p);
   mr_prom_double(&p, "a", NULL, 0.005);
   mr_prom_double(&p, "b", NULL, 1.0 / 0.0);
   mr_prom_double(&p, "c", NULL, -1.0 / 0.0);
@@ -41,11 +41,11 @@ MT_TEST(numbers) {
   mr_prom_double(&p, "e", NULL, 1754000000.25);
   mr_prom_double(&p, "f", NULL, 0);
   MT_EQ_STR(p.buf, "a 0.005\nb +Inf\nc -Inf\nd NaN\ne 1754000000.25\nf 0\n");
-  mr_prom_reset(&p);
+  mr_buf_reset(&p);
   MT_EQ_U64(p.len, 0);
-  for (int i = 0; i < 2000; i++) mr_prom_printf(&p, "%s", "0123456789"); /* growth */
+  for (int i = 0; i < 2000; i++) mr_buf_printf(&p, "%s", "0123456789"); /* growth */
   MT_EQ_U64(p.len, 20000);
-  mr_prom_close(&p);
+  mr_buf_close(&p);
 }
 
 MT_TEST(histogram) {
@@ -56,8 +56,8 @@ MT_TEST(histogram) {
   mr_hist_observe(&h, 10);   /* le is inclusive */
   mr_hist_observe(&h, 11);
   mr_hist_observe(&h, 5000); /* +Inf only */
-  mr_prom p;
-  mr_prom_init(&p);
+  mr_buf p;
+  mr_buf_init(&p);
   mr_prom_family(&p, "t_seconds", MR_PROM_HISTOGRAM, "h");
   const char *l[] = {"layer", "3", NULL};
   mr_prom_hist(&p, "t_seconds", l, &h);
@@ -68,16 +68,16 @@ MT_TEST(histogram) {
                    "t_seconds_bucket{layer=\"3\",le=\"+Inf\"} 4\n"
                    "t_seconds_sum{layer=\"3\"} 5.021\n"
                    "t_seconds_count{layer=\"3\"} 4\n");
-  mr_prom_reset(&p);
+  mr_buf_reset(&p);
   mr_hist_init_latency(&h);
   mr_prom_hist(&p, "x", NULL, &h);
   MT_CONTAINS(p.buf, "x_bucket{le=\"5e-05\"} 0\n");
   MT_CONTAINS(p.buf, "x_bucket{le=\"1\"} 0\n");
   MT_CONTAINS(p.buf, "x_count 0\n");
-  mr_prom_close(&p);
+  mr_buf_close(&p);
 }
 
-static void render(void *ud, mr_prom *out) {
+static void render(void *ud, mr_buf *out) {
   mr_prom_family(out, "t_up", MR_PROM_GAUGE, "up");
   mr_prom_u64(out, "t_up", NULL, (uint64_t)(uintptr_t)ud);
 }
@@ -147,9 +147,9 @@ MT_TEST(responder) {
   mr_http_server_free(NULL);
 }
 
-static void render_json(void *ud, mr_prom *out) { mr_prom_printf(out, "{\"n\": %d}\n", *(int *)ud); }
-static void render_big(void *ud, mr_prom *out) {
-  for (int i = 0; i < 1000; i++) mr_prom_append(out, "0123456789", 10);
+static void render_json(void *ud, mr_buf *out) { mr_buf_printf(out, "{\"n\": %d}\n", *(int *)ud); }
+static void render_big(void *ud, mr_buf *out) {
+  for (int i = 0; i < 1000; i++) mr_buf_append(out, "0123456789", 10);
 }
 
 /* Extra routes (mr_http_server_route) and the one-shot GET client (mr_http_get). */

@@ -1,6 +1,7 @@
 /*
  * test_secret.c - common/secret.c: token files (trim, limits, refusals that never quote the
- * token, FIFOs), the constant-time compare, and the log escaper.
+ * token, FIFOs, modes that let group or others read), the constant-time compare, and the
+ * log escaper.
  */
 #include <fcntl.h>
 #include <string.h>
@@ -33,6 +34,7 @@ static const char *write_file(const char *name, const void *data, size_t n) {
   MT_TRUE(f != NULL);
   MT_EQ_U64(fwrite(data, 1, n, f), n);
   fclose(f);
+  MT_EQ_INT(chmod(p, 0600), 0); /* a secret's file readable by others is refused */
   return p;
 }
 
@@ -109,6 +111,58 @@ MT_TEST(token_fifo_refused_without_blocking) {
   MT_EQ_INT(rc, MR_EINVAL);
   MT_CONTAINS(e.msg, "--auth-token-file");
   MT_CONTAINS(e.msg, "not a regular file (a FIFO)");
+}
+
+/* A secret's file that group or others may read is refused, naming the path and the mode;
+ * a root-owned file that its group may only read is the one exception (Debian's ssl-cert
+ * group, a Kubernetes secret with fsGroup). */
+MT_TEST(token_file_mode_refused_when_others_may_read) {
+  char buf[MR_SECRET_MAX_BYTES + 1];
+  size_t n;
+  mr_err e;
+  const char *p = write_file("mode", "s3cr3t\n", 7);
+  MT_OK(rd(p, buf, &n, &e), &e);
+  MT_EQ_INT(chmod(p, 0400), 0);
+  MT_OK(rd(p, buf, &n, &e), &e);
+  static const unsigned bad[] = {0644, 0604, 0602, 0601, 0660, 0620, 0610, 0444};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    MT_EQ_INT(chmod(p, bad[i]), 0);
+    bool root_group_read = geteuid() == 0 && (bad[i] & 070) == 040 && !(bad[i] & 07);
+    if (root_group_read) continue; /* the exception, checked below */
+    MT_EQ_INT(rd(p, buf, &n, &e), MR_EINVAL);
+    char want[64];
+    snprintf(want, sizeof want, ": mode %04o, must not be readable by group or others", bad[i]);
+    MT_CONTAINS(e.msg, "--auth-token-file");
+    MT_CONTAINS(e.msg, p);
+    MT_CONTAINS(e.msg, want);
+    MT_CONTAINS(e.msg, "chmod 600");
+    MT_TRUE(strstr(e.msg, "s3cr3t") == NULL);
+    MT_EQ_STR(buf, "");
+  }
+  /* Group-readable: accepted only when root owns the file and the group may only read. */
+  MT_EQ_INT(chmod(p, 0640), 0);
+  if (geteuid() != 0) {
+    MT_EQ_INT(rd(p, buf, &n, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "a group may read it only when root owns the file");
+    return;
+  }
+  MT_OK(rd(p, buf, &n, &e), &e);
+  MT_EQ_INT(chmod(p, 0440), 0);
+  MT_OK(rd(p, buf, &n, &e), &e);
+  MT_EQ_INT(chown(p, 65534, (gid_t)-1), 0); /* owned by nobody: no exception */
+  MT_EQ_INT(rd(p, buf, &n, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, ": mode 0440, must not be readable by group or others");
+  MT_EQ_INT(chmod(p, 0400), 0);
+  MT_OK(rd(p, buf, &n, &e), &e); /* root reads a 0400 file of another owner */
+  /* mr_file_read_private alone (the TLS key reader) says the same, without a flag name. */
+  char *t = NULL;
+  MT_EQ_INT(chmod(p, 0644), 0);
+  mr_err_clear(&e);
+  MT_EQ_INT(mr_file_read_private(p, 100, &t, NULL, &e), MR_EINVAL);
+  MT_TRUE(t == NULL);
+  MT_CONTAINS(e.msg, ": mode 0644, must not be readable by group or others (chmod 600)");
+  MT_OK(mr_file_read(p, 100, &t, NULL, &e), &e); /* a plain read does not care */
+  mr_free(t);
 }
 
 MT_TEST(secret_equal) {
