@@ -153,7 +153,11 @@ static int mt__run_one(const struct mt_case *c, int timeout_s) {
 }
 
 static int mt__main(int argc, char **argv) {
-  int timeout_s = getenv("MT_TIMEOUT") ? atoi(getenv("MT_TIMEOUT")) : 60;
+  /* 60 s a case; three times that under a sanitizer (the Makefile exports SANITIZER), where
+   * everything runs 5-50x slower and a slow CI host is not a hang. */
+  const char *mt_san_ = getenv("SANITIZER");
+  int timeout_s = getenv("MT_TIMEOUT") ? atoi(getenv("MT_TIMEOUT"))
+                  : (mt_san_ && mt_san_[0]) ? 180 : 60;
   const char *prog = strrchr(argv[0], '/') ? strrchr(argv[0], '/') + 1 : argv[0];
   if (mt__overflow) {
     fprintf(stderr, "%s: %d cases more than MT_MAX_CASES = %d would not run: raise MT_MAX_CASES "
