@@ -541,8 +541,9 @@ static inline float kn__silu(float g) {
  * five; moe_avx512.c: f32, f16, bf16, and int8/int4 when the CPU has AVX512_VNNI).
  * Their kernels follow the thread contract of section C and use tmp as scratch private
  * to the calling worker (down converts h into it); gate_up uses no tmp.
- * moe_amx.c: bf16, int8, int4 on AMX tiles from KN_AMX_MIN_TOKENS tokens per expert (the
- * AVX-512 kernels below), registered only on a CPU with AMX.
+ * moe_amx.c: bf16, int8, int4 on AMX tiles from each format's crossover in tokens per
+ * expert (measured at start-up, or MOERPC_AMX_MIN_TOKENS; the AVX-512 kernels below),
+ * registered only on a CPU with AMX.
  *
  * Every entry a registration fills is a candidate: before an engine uses it, the
  * start-up self-test of section F runs it once in a child process against the REF
@@ -565,13 +566,24 @@ const kn__kernel *kn__avx512_kernel(kn_format f);
  *        the number of loads that differed since the last take (the first one described
  *        in why), and resets the count; _cfg_audit_loads(): loads audited so far. The
  *        self-test runs with it on;
- *   _min_tokens(): the crossover; _usable(): this CPU can run the entries. */
+ *   _min_tokens(f): format f's crossover (tokens per expert from which the tiles run),
+ *        _set_min_tokens(f, n) sets it (1..4096): kn.c, once, from MOERPC_AMX_MIN_TOKENS
+ *        or _crossover's measurement; _usable(): this CPU can run the entries. */
 void kn__amx_kernels(kn_format f, kn__kernel *dispatched, kn__kernel *forced);
 void kn__amx_entries(kn__kernel_table *t);
 void kn__amx_cfg_audit(bool on);
 uint64_t kn__amx_cfg_audit_take(char *why, size_t n);
 uint64_t kn__amx_cfg_audit_loads(void);
-uint32_t kn__amx_min_tokens(void);
+uint32_t kn__amx_min_tokens(kn_format f);
+void kn__amx_set_min_tokens(kn_format f, uint32_t n);
+/* The crossover of format f measured on this CPU (moe_amx.c, "the crossover, measured"):
+ * *min_tokens the tokens per expert from which the tiles are faster, ratio[i] the tiles'
+ * time over AVX-512's at the i-th count of KN_XO_NS_INIT. MR_ENOTSUP for a format without
+ * AMX entries, MR_ENOMEM. Runs the kernels on the calling thread: only once the self-test
+ * has passed them. Sets nothing (kn__amx_set_min_tokens does). */
+#define KN_XO_NS 6
+#define KN_XO_NS_INIT {2, 4, 8, 16, 32, 64}
+int kn__amx_crossover(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]);
 bool kn__amx_usable(void);
 /* The tile peak loop (moe_amx.c, "the tile peak"): iters iterations of a 2 x 2 block of
  * full-tile dot products (bf16 for bf16 / fp8, int8 for int8 / int4) on the calling thread;
@@ -583,7 +595,9 @@ void kn__amx_emu_entries(kn__kernel_table *t);
 void kn__amx_emu_cfg_audit(bool on);
 uint64_t kn__amx_emu_cfg_audit_take(char *why, size_t n);
 uint64_t kn__amx_emu_cfg_audit_loads(void);
-uint32_t kn__amx_emu_min_tokens(void);
+uint32_t kn__amx_emu_min_tokens(kn_format f);
+void kn__amx_emu_set_min_tokens(kn_format f, uint32_t n);
+int kn__amx_emu_crossover(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]);
 bool kn__amx_emu_usable(void);
 /* kn__avx512_register for a given feature set (the bf16 variant and int8/int4 depend on
  * AVX512_BF16 / AVX512_VNNI): lets tests run the paths of CPUs they are not on, e.g. the

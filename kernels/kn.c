@@ -220,6 +220,97 @@ static pthread_once_t verified_once = PTHREAD_ONCE_INIT;
 static kn__kernel_table verified_tab;
 static kn__selftest_report verified_rep;
 
+/* MOERPC_AMX_MIN_TOKENS (kernels/README.md): unset, "" or "measure": each AMX format's
+ * crossover is measured at start-up; "N": every AMX format from N tokens per expert;
+ * "bf16=N,int8=M,int4=K" (any of them, in any order): those formats, the others measured.
+ * want[f] = 0: measure. N in 1..4096. */
+#define KN_AMX_MIN_TOKENS_ENV_MAX 4096u
+static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
+  memset(want, 0, KN_FMT_COUNT * sizeof want[0]);
+  const char *env = getenv("MOERPC_AMX_MIN_TOKENS");
+  if (!env || !*env || strcmp(env, "measure") == 0) return 0;
+  static const kn_format amx_fmts[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  const bool all = env[0] >= '0' && env[0] <= '9';
+  bool ok = true;
+  for (const char *p = env; ok;) {
+    kn_format f = KN_FMT_COUNT;
+    if (!all) { /* NAME=N */
+      const char *eq = strchr(p, '=');
+      for (int i = 0; i < 3 && eq; i++) {
+        const char *name = kn_format_name(amx_fmts[i]);
+        if ((size_t)(eq - p) == strlen(name) && strncmp(p, name, strlen(name)) == 0) f = amx_fmts[i];
+      }
+      if (f == KN_FMT_COUNT) {
+        ok = false;
+        break;
+      }
+      p = eq + 1;
+    }
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(p, &end, 10);
+    ok = end != p && !errno && *p != '-' && v >= 1 && v <= KN_AMX_MIN_TOKENS_ENV_MAX &&
+         (*end == '\0' || (*end == ',' && !all && end[1] != '\0'));
+    if (!ok) break;
+    for (int i = 0; i < 3; i++)
+      if (all || amx_fmts[i] == f) want[amx_fmts[i]] = (uint32_t)v;
+    if (*end == '\0') break;
+    p = end + 1;
+  }
+  if (ok) return 0;
+  memset(want, 0, KN_FMT_COUNT * sizeof want[0]);
+  return mr_err_set(e, MR_EINVAL,
+                    "MOERPC_AMX_MIN_TOKENS = \"%s\": must be measure, a count N, or bf16=N,int8=N,int4=N "
+                    "(any of them), each N in 1..%u tokens per expert", env, KN_AMX_MIN_TOKENS_ENV_MAX);
+}
+
+#if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AMX
+/* Each AMX format's crossover, once the self-test has passed its entry: from
+ * MOERPC_AMX_MIN_TOKENS, or measured here (moe_amx.c, "the crossover, measured"), one
+ * INFO line each. */
+static void amx_crossover_choose(const kn__kernel_table *t) {
+  if (kn__cpu_get()->best < KN_ISA_AMX) return;
+  uint32_t want[KN_FMT_COUNT];
+  mr_err e;
+  if (amx_min_env(want, &e)) return; /* kn_engine_new refuses the engine, naming it */
+  static const kn_format fmts[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  static const uint32_t ns[KN_XO_NS] = KN_XO_NS_INIT;
+  for (int i = 0; i < 3; i++) {
+    const kn_format f = fmts[i];
+    if (!t->k[f][KN_ISA_AMX].gate_up) continue; /* no AMX entry, or refused by the self-test */
+    if (want[f]) {
+      kn__amx_set_min_tokens(f, want[f]);
+      mr_log(MR_LOG_INFO, "kn: %s on AMX tiles from %u tokens per expert (MOERPC_AMX_MIN_TOKENS)",
+             kn_format_name(f), kn__amx_min_tokens(f));
+      continue;
+    }
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    /* Instrumented kernels' times say nothing about the CPU (and cost 10x): the default. */
+    mr_log(MR_LOG_INFO, "kn: %s on AMX tiles from %u tokens per expert (not measured in a sanitizer build)",
+           kn_format_name(f), kn__amx_min_tokens(f));
+    continue;
+#endif
+    uint32_t m = 0;
+    double r[KN_XO_NS];
+    const uint64_t t0 = mr_now_ns();
+    int rc = kn__amx_crossover(f, &m, r);
+    if (rc) {
+      mr_log(MR_LOG_WARN, "kn: the AMX crossover of %s could not be measured (%s): tiles from %u tokens "
+             "per expert", kn_format_name(f), mr_err_name(rc), kn__amx_min_tokens(f));
+      continue;
+    }
+    kn__amx_set_min_tokens(f, m);
+    char buf[160];
+    size_t o = 0;
+    for (int j = 0; j < KN_XO_NS && o < sizeof buf; j++)
+      o += (size_t)snprintf(buf + o, sizeof buf - o, "%s%u: %.2f", j ? ", " : "", ns[j], r[j]);
+    mr_log(MR_LOG_INFO, "kn: %s on AMX tiles from %u tokens per expert (measured in %.0f ms; tiles / "
+           "AVX-512 time by tokens per expert: %s)", kn_format_name(f), kn__amx_min_tokens(f),
+           (double)(mr_now_ns() - t0) / 1e6, buf);
+  }
+}
+#endif
+
 static void verified_build(void) {
   const kn__cpu *cpu = kn__cpu_get();
   for (size_t i = 0; i < sizeof registrations / sizeof registrations[0]; i++)
@@ -229,9 +320,12 @@ static void verified_build(void) {
   if (env && strcmp(env, "off") == 0) {
     mr_log(MR_LOG_WARN, "kn: MOERPC_SELFTEST=off: the fast kernels are used without their start-up self-test on "
            "\"%s\"; a kernel that faults on this CPU will kill the process", cpu->model);
-    return;
+  } else {
+    kn__selftest_table(&verified_tab, KN_ISA_COUNT - 1, 1.0, &verified_rep);
   }
-  kn__selftest_table(&verified_tab, KN_ISA_COUNT - 1, 1.0, &verified_rep);
+#if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AMX
+  amx_crossover_choose(&verified_tab);
+#endif
 }
 
 const kn__kernel_table *kn__verified_table(const kn__selftest_report **rep) {
@@ -297,6 +391,11 @@ int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e) {
   if (rc) goto out_free_eng;
   rc = selftest_env_check(e);
   if (rc) goto out_free_eng;
+  {
+    uint32_t amx_want[KN_FMT_COUNT];
+    rc = amx_min_env(amx_want, e);
+    if (rc) goto out_free_eng;
+  }
   /* Topology, then the plan (validates threads / numa / force_split), then the threads. */
   rc = kn__topo_host(&eng->topo, e);
   if (rc) goto out_free_eng;

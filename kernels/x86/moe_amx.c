@@ -61,7 +61,8 @@
  *
  * ---- dispatch, crossover ------------------------------------------------------------
  *
- * Below KN_AMX_MIN_TOKENS tokens per expert every entry (prep, prep_bytes, tmp_floats,
+ * Below the format's crossover (min_tok, measured at start-up by kn.c through
+ * kn__amx_crossover, or MOERPC_AMX_MIN_TOKENS) every entry (prep, prep_bytes, tmp_floats,
  * gate_up, down) forwards to the AVX-512 kernel of the same format (kn__avx512_kernel),
  * unchanged; from it on, the tiles. prep_bytes / tmp_floats answer for the n they are
  * given, so a task's buffers always match the path its n takes.
@@ -106,15 +107,16 @@
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
-/* Tokens per expert from which the tiles are used (below: AVX-512). A guess, NOT a
- * measurement here (an Emerald Rapids run measured ~16 for bf16 and ~4 for int8; the
- * per-format crossover is issue work for an AMX host). Conservative: a 16-token block is one full
- * B tile, below it the tiles multiply padding. Measure with tests/bench/amx_host.sh
- * (moerpc-bench-kernels --isa amx,avx512 over --tokens) and set it per format. */
+/* Tokens per expert from which the tiles are used (below: AVX-512), per format: measured
+ * at start-up by kn__amx_crossover ("the crossover" below) or set by MOERPC_AMX_MIN_TOKENS;
+ * KN_AMX_MIN_TOKENS until then (a 16-token block is one full B tile). Written only while
+ * the process table is built, before any engine runs a kernel. */
 #define KN_AMX_MIN_TOKENS 16u
+#define KN_AMX_MIN_TOKENS_MAX 4096u
 
 typedef enum av { A_BF16, A_I8, A_I4, A_COUNT } av;
 static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+static _Atomic uint32_t min_tok[A_COUNT] = {KN_AMX_MIN_TOKENS, KN_AMX_MIN_TOKENS, KN_AMX_MIN_TOKENS};
 static const char *const av_name[A_COUNT] = {AMX_LABEL "_bf16_bf16", AMX_LABEL "_int8_int8",
                                              AMX_LABEL "_int4_int8"};
 
@@ -527,9 +529,9 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
   KN_AMX_RELEASE();
 }
 
-/* ---- table entries: tiles from KN_AMX_MIN_TOKENS on (forced: always), AVX-512 below ---- */
+/* ---- table entries: tiles from the crossover on (forced: always), AVX-512 below ---- */
 
-#define SMALL(FORCED, n) (!(FORCED) && (n) < KN_AMX_MIN_TOKENS)
+#define SMALL(FORCED, V, n) (!(FORCED) && (n) < atomic_load_explicit(&min_tok[V], memory_order_relaxed))
 
 static kn__kernel fallback[A_COUNT]; /* the AVX-512 kernels, set before any entry is used */
 
@@ -545,15 +547,15 @@ static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t
 
 #define AMX_ENTRY(V, id, FORCED)                                                                     \
   static void gate_up_##id(const kn__task *t, uint32_t i0, uint32_t i1) {                          \
-    if (SMALL(FORCED, t->n)) fallback[V].gate_up(t, i0, i1);                                               \
+    if (SMALL(FORCED, V, t->n)) fallback[V].gate_up(t, i0, i1);                                               \
     else amx_gate_up(V, t, i0, i1);                                                                 \
   }                                                                                                 \
   static void down_##id(const kn__task *t, uint32_t j0, uint32_t j1) {                             \
-    if (SMALL(FORCED, t->n)) fallback[V].down(t, j0, j1);                                                  \
+    if (SMALL(FORCED, V, t->n)) fallback[V].down(t, j0, j1);                                                  \
     else amx_down(V, t, j0, j1);                                                                    \
   }                                                                                                 \
   static void prep_##id(const kn_layer *L, uint32_t n, const float *x, void *xq) {                 \
-    if (SMALL(FORCED, n)) {                                                                                \
+    if (SMALL(FORCED, V, n)) {                                                                                \
       if (fallback[V].prep) fallback[V].prep(L, n, x, xq);                                          \
       return;                                                                                       \
     }                                                                                               \
@@ -561,11 +563,11 @@ static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t
     acts_pack(V, &a, n, x, L->d.hidden, xq);                                                        \
   }                                                                                                 \
   static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) {                                   \
-    if (SMALL(FORCED, n)) return fallback[V].prep_bytes ? fallback[V].prep_bytes(L, n) : 0;               \
+    if (SMALL(FORCED, V, n)) return fallback[V].prep_bytes ? fallback[V].prep_bytes(L, n) : 0;               \
     return amx_prep_bytes(V, L, n);                                                                 \
   }                                                                                                 \
   static size_t tmp_##id(const kn_layer *L, uint32_t s, uint32_t n) {                              \
-    if (SMALL(FORCED, n)) return fallback[V].tmp_floats(L, s, n);                                          \
+    if (SMALL(FORCED, V, n)) return fallback[V].tmp_floats(L, s, n);                                          \
     return amx_tmp_floats(V, L, s, n);                                                              \
   }
 
@@ -627,7 +629,143 @@ void AMX_SYM(kernels)(kn_format f, kn__kernel *dispatched, kn__kernel *forced) {
     if (av_format[v] == f && fallback_ok[v]) kernels_of((av)v, dispatched, forced);
 }
 
-uint32_t AMX_SYM(min_tokens)(void) { return KN_AMX_MIN_TOKENS; }
+uint32_t AMX_SYM(min_tokens)(kn_format f) {
+  for (int v = 0; v < A_COUNT; v++)
+    if (av_format[v] == f) return atomic_load(&min_tok[v]);
+  return KN_AMX_MIN_TOKENS;
+}
+
+void AMX_SYM(set_min_tokens)(kn_format f, uint32_t n) {
+  if (n < 1) n = 1;
+  if (n > KN_AMX_MIN_TOKENS_MAX) n = KN_AMX_MIN_TOKENS_MAX;
+  for (int v = 0; v < A_COUNT; v++)
+    if (av_format[v] == f) atomic_store(&min_tok[v], n);
+}
+
+/* ---- the crossover, measured ----------------------------------------------------------
+ *
+ * Where the tiles start to pay depends on the CPU (tile throughput against AVX-512's, the
+ * caches) and on the format (int8 tiles pay from fewer tokens than bf16 ones: an Emerald
+ * Rapids run measured ~4 and ~16). So it is measured once per process, on the calling
+ * thread, after the self-test has shown the entries run: KN_XO_EXPERTS synthetic experts
+ * of hidden KN_XO_H x inter KN_XO_I (bf16 3 MiB: past the L2 of one core, as a real
+ * layer's weights are), the AVX-512 kernel and the tiles alternately at each token count
+ * of xo_ns, best of KN_XO_ROUNDS. The crossover is the smallest count from which the tiles
+ * are faster at every larger count measured (KN_AMX_MIN_TOKENS_MAX if never); ratio[i]
+ * gets tiles / AVX-512 time at xo_ns[i]. About 10-40 ms per format. */
+#define KN_XO_H 1024u
+#define KN_XO_I 512u
+#define KN_XO_EXPERTS 2u
+#define KN_XO_ROUNDS 2u
+static const uint32_t xo_ns[KN_XO_NS] = KN_XO_NS_INIT;
+
+/* One pass of kernel k over the experts at n tokens; seconds. */
+static double xo_pass(const kn__kernel *k, const kn_layer *L, const kn__slice_w *w, uint32_t n,
+                      const float *x, void *xq, float *h, float *y, float *tmp) {
+  const uint64_t t0 = mr_now_ns();
+  for (uint32_t e = 0; e < KN_XO_EXPERTS; e++) {
+    if (k->prep) k->prep(L, n, x, xq);
+    const kn__task t = {.L = L, .slice = 0, .w = &w[e], .n = n, .x = x, .xq = xq, .h = h, .y = y, .tmp = tmp};
+    k->gate_up(&t, 0, KN_XO_I);
+    k->down(&t, 0, KN_XO_H);
+  }
+  return (double)(mr_now_ns() - t0) / 1e9;
+}
+
+int AMX_SYM(crossover)(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]) {
+  pthread_once(&fallback_once, fallback_init);
+  int v = -1;
+  for (int i = 0; i < A_COUNT; i++)
+    if (av_format[i] == f && fallback_ok[i]) v = i;
+  if (v < 0) return MR_ENOTSUP;
+  kn__kernel dk, fk;
+  kernels_of((av)v, &dk, &fk);
+  const kn__kernel *avx = &fallback[v];
+  const uint32_t H = KN_XO_H, I = KN_XO_I, G = 128, nmax = xo_ns[KN_XO_NS - 1];
+  kn_layer L;
+  memset(&L, 0, sizeof L);
+  L.d = (kn_layer_desc){.hidden = H, .inter = I, .num_experts = KN_XO_EXPERTS, .format = f, .group = G};
+  L.n_slices = 1;
+  L.slice_len[0] = I;
+  L.max_slice_len = I;
+  const size_t rbg = kn__row_bytes(f, H, G), rbd = kn__row_bytes(f, I, G);
+  const size_t nsg = kn__row_scales(f, H, G), nsd = kn__row_scales(f, I, G);
+  const size_t wbytes = (2 * (size_t)I * rbg + (size_t)H * rbd) + 4 * 64;
+  const size_t sbytes = (2 * (size_t)I * nsg + (size_t)H * nsd) * sizeof(float) + 4 * 64;
+  size_t xq_bytes = 0, tmp_floats = 0;
+  for (uint32_t i = 0; i < KN_XO_NS; i++) {
+    const kn__kernel *ks[2] = {avx, &fk};
+    for (int j = 0; j < 2; j++) {
+      size_t pb = ks[j]->prep_bytes ? ks[j]->prep_bytes(&L, xo_ns[i]) : 0;
+      size_t tf = ks[j]->tmp_floats(&L, 0, xo_ns[i]);
+      if (pb > xq_bytes) xq_bytes = pb;
+      if (tf > tmp_floats) tmp_floats = tf;
+    }
+  }
+  kn__slice_w w[KN_XO_EXPERTS];
+  memset(w, 0, sizeof w);
+  uint8_t *mem[KN_XO_EXPERTS] = {NULL};
+  float *x = mr_malloc_aligned((size_t)nmax * H * sizeof(float) + 256, 64);
+  float *h = mr_malloc_aligned((size_t)(nmax + 2) * I * sizeof(float) + 256, 64);
+  float *y = mr_malloc_aligned((size_t)(nmax + 2) * H * sizeof(float) + 256, 64);
+  float *tmp = mr_malloc_aligned(tmp_floats * sizeof(float) + 256, 64);
+  void *xq = mr_malloc_aligned(xq_bytes + 256, 64);
+  int rc = x && h && y && tmp && xq ? 0 : MR_ENOMEM;
+  for (uint32_t e = 0; e < KN_XO_EXPERTS && !rc; e++) {
+    mem[e] = mr_malloc_aligned(wbytes + sbytes, 64);
+    if (!mem[e]) {
+      rc = MR_ENOMEM;
+      break;
+    }
+    /* Values do not change the time of either kernel; small finite ones keep every
+     * intermediate finite: bf16 0x3c00 = 2^-7, int8 / int4 bytes 0x11, scales 2^-10. */
+    uint8_t *p = mem[e];
+    if (f == KN_FMT_BF16) {
+      for (size_t i = 0; i < wbytes / 2; i++) ((uint16_t *)p)[i] = 0x3c00;
+    } else {
+      memset(p, 0x11, wbytes);
+    }
+    float *sc = (float *)(p + wbytes);
+    for (size_t i = 0; i < sbytes / sizeof(float); i++) sc[i] = 1.0f / 1024.0f;
+    w[e].gate = p;
+    w[e].up = p + (size_t)I * rbg;
+    w[e].down = p + 2 * (size_t)I * rbg;
+    if (nsg) {
+      w[e].gate_scale = sc;
+      w[e].up_scale = sc + (size_t)I * nsg;
+      w[e].down_scale = sc + 2 * (size_t)I * nsg;
+    }
+  }
+  if (!rc) {
+    for (size_t i = 0; i < (size_t)nmax * H; i++) x[i] = (float)((i * 2654435761u) % 1000) / 1000.0f - 0.5f;
+    double best[2][KN_XO_NS];
+    for (uint32_t i = 0; i < KN_XO_NS; i++) best[0][i] = best[1][i] = 1e30;
+    xo_pass(&fk, &L, w, 16, x, xq, h, y, tmp); /* first touches, tile state */
+    xo_pass(avx, &L, w, 16, x, xq, h, y, tmp);
+    for (uint32_t r = 0; r < KN_XO_ROUNDS; r++)
+      for (uint32_t i = 0; i < KN_XO_NS; i++) {
+        double ta = xo_pass(avx, &L, w, xo_ns[i], x, xq, h, y, tmp);
+        double tt = xo_pass(&fk, &L, w, xo_ns[i], x, xq, h, y, tmp);
+        if (ta < best[0][i]) best[0][i] = ta;
+        if (tt < best[1][i]) best[1][i] = tt;
+      }
+    uint32_t from = KN_AMX_MIN_TOKENS_MAX;
+    for (int i = KN_XO_NS - 1; i >= 0; i--) {
+      ratio[i] = best[1][i] / best[0][i];
+      if (ratio[i] >= 1.0) break;
+      from = xo_ns[i];
+    }
+    for (int i = 0; i < KN_XO_NS; i++) ratio[i] = best[1][i] / best[0][i];
+    *min_tokens = from;
+  }
+  for (uint32_t e = 0; e < KN_XO_EXPERTS; e++) mr_free_aligned(mem[e]);
+  mr_free_aligned(x);
+  mr_free_aligned(h);
+  mr_free_aligned(y);
+  mr_free_aligned(tmp);
+  mr_free_aligned(xq);
+  return rc;
+}
 
 /* The AMX column of t: the dispatched entry of every format whose AVX-512 fallback exists.
  * Candidates only: the self-test of kernels/selftest.c decides whether an engine uses them. */

@@ -9,9 +9,9 @@
 #      format and edge, row ranges, dispatch, layers, the self-test gate) must PASS here,
 #      not skip; then test_kn_fast (the AVX-512 kernels, unchanged);
 #   4. moerpc-bench-kernels --isa amx,avx512 --format bf16,int8,int4 --tokens 256,1024
-#      (qwen3-30b-a3b shape: 16 and 64 tokens per expert), then the crossover scans for
-#      KN_AMX_MIN_TOKENS (MoE T = 64..2048, ~4..128 tokens per expert; a dense 4096x2048
-#      layer at 8..64 tokens); prints avx512/amx time ratios per (format, T).
+#      (qwen3-30b-a3b shape: 16 and 64 tokens per expert), then the crossover scans (MoE
+#      T = 64..2048, ~4..128 tokens per expert; a dense 4096x2048 layer at 8..64 tokens);
+#      prints avx512/amx time ratios per (format, T).
 # Output: a log on stdout; with $OUT set, JSON lines in $OUT/amx_bench.jsonl (one per
 # case, moerpc-bench-kernels --json) and $OUT/amx_host.txt (the whole log), so that a
 # remote runner can bring them back.
@@ -86,7 +86,8 @@ for (sh, f, T), d in sorted(t.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], 
     if a and b:
         print('%-14s %-6s %6d %-20s %10.1f %-20s %10.1f %7.2f' % (sh, f, T, a['kernel'], a['us'], b['kernel'], b['us'], b['us'] / a['us']))
 EOF
-echo "(below KN_AMX_MIN_TOKENS tokens per expert the amx engine runs the AVX-512 kernels: ratio ~1;"
-echo " at T tokens and top-k 8 of 128 experts, tokens per expert ~ T * 8 / 128)"
+echo "(below a format's crossover, measured at start-up and logged as 'kn: F on AMX tiles from N"
+echo " tokens per expert', the amx engine runs the AVX-512 kernels: ratio ~1; at T tokens and"
+echo " top-k 8 of 128 experts, tokens per expert ~ T * 8 / 128)"
 step "done: rc $rc, $(( $(date +%s) - START )) s; JSON lines in $JSONL"
 exit $rc

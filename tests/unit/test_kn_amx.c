@@ -127,15 +127,17 @@ typedef struct impl {
   void (*audit_on)(bool on);
   uint64_t (*audit_take)(char *why, size_t n);
   uint64_t (*audit_loads)(void);
-  uint32_t (*min_tokens)(void);
+  uint32_t (*min_tokens)(kn_format f);
+  void (*set_min_tokens)(kn_format f, uint32_t n);
+  int (*crossover)(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]);
 } impl;
 
 #if MR_HAVE_AMX
 static impl impls[2] = {
     {"emulated", kn__amx_emu_kernels, kn__amx_emu_entries, kn__amx_emu_cfg_audit, kn__amx_emu_cfg_audit_take,
-     kn__amx_emu_cfg_audit_loads, kn__amx_emu_min_tokens},
+     kn__amx_emu_cfg_audit_loads, kn__amx_emu_min_tokens, kn__amx_emu_set_min_tokens, kn__amx_emu_crossover},
     {"real", kn__amx_kernels, kn__amx_entries, kn__amx_cfg_audit, kn__amx_cfg_audit_take, kn__amx_cfg_audit_loads,
-     kn__amx_min_tokens},
+     kn__amx_min_tokens, kn__amx_set_min_tokens, kn__amx_crossover},
 };
 #endif
 
@@ -339,6 +341,7 @@ static void forced_matches_ref(int which) {
 MT_TEST(emulated_tiles_match_ref_every_format_and_edge) { forced_matches_ref(0); }
 MT_TEST(real_tiles_match_ref_every_format_and_edge) { forced_matches_ref(1); }
 
+
 /* ---- row ranges from two threads: the bits of one call, only their own rows -------- */
 
 typedef struct range_job {
@@ -418,12 +421,17 @@ MT_TEST(real_row_ranges_compose_across_threads) { ranges_compose(1); }
 
 /* ---- dispatch by tokens per expert -------------------------------------------------- */
 
+/* At crossovers set per format (as kn.c sets the measured ones), the dispatched entry gives
+ * the AVX-512 kernel's bits below and the tiles' bits from the crossover on. */
 static void dispatch_by_tokens(int which) {
   const impl *im = impl_or_skip(which);
-  const uint32_t min = im->min_tokens();
-  MT_TRUE(min >= 1 && min <= 256);
   kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  im->set_min_tokens(KN_FMT_BF16, 16);
+  im->set_min_tokens(KN_FMT_INT8, 4);
+  im->set_min_tokens(KN_FMT_INT4, 9);
   for (int fi = 0; fi < 5; fi++) {
+    const uint32_t min = im->min_tokens(fmts[fi].f);
+    MT_TRUE(min == 16 || min == 4 || min == 9);
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     const kn__kernel *avx = kn__avx512_kernel(fmts[fi].f);
@@ -448,12 +456,87 @@ static void dispatch_by_tokens(int which) {
     }
     kn_layer_free(L);
   }
-  printf("  %s: below %u tokens the AVX-512 kernel's bits, from %u on the tiles' bits\n", im->what, min, min);
+  printf("  %s: below the crossover (bf16 16, int8 4, int4 9 tokens) the AVX-512 kernel's bits, from it on "
+         "the tiles' bits\n", im->what);
+  im->set_min_tokens(KN_FMT_INT8, 0); /* clamped to 1 */
+  MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 1);
+  im->set_min_tokens(KN_FMT_INT8, 1u << 30); /* clamped to 4096 */
+  MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 4096);
   kn_engine_free(eng);
   audit_clean(im);
 }
 MT_TEST(emulated_dispatch_by_tokens_per_expert) { dispatch_by_tokens(0); }
 MT_TEST(real_dispatch_by_tokens_per_expert) { dispatch_by_tokens(1); }
+
+/* The measured crossover on real tiles (the emulated ones are scalar: timing them would
+ * say nothing): one per format, within the counts measured or "never", with a finite
+ * positive time ratio at each count; the engine then logs it and dispatches by it. */
+MT_TEST(real_crossover_is_measured_per_format) {
+  const impl *im = impl_or_skip(1);
+  static const kn_format f3[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  static const uint32_t ns[KN_XO_NS] = KN_XO_NS_INIT;
+  for (int i = 0; i < 3; i++) {
+    uint32_t m = 0;
+    double r[KN_XO_NS];
+    const uint64_t t0 = mr_now_ns();
+    MT_EQ_INT(im->crossover(f3[i], &m, r), 0);
+    const double ms = (double)(mr_now_ns() - t0) / 1e6;
+    bool listed = m == 4096;
+    for (int j = 0; j < KN_XO_NS; j++) {
+      MT_TRUE(isfinite(r[j]) && r[j] > 0.0);
+      listed = listed || m == ns[j];
+    }
+    MT_TRUE(listed);
+    /* from m on, the tiles were faster at every count measured */
+    for (int j = 0; j < KN_XO_NS; j++)
+      if (ns[j] >= m) MT_TRUE(r[j] < 1.0);
+    printf("  %s: tiles from %u tokens per expert, measured in %.0f ms; tiles / AVX-512 time:", kn_format_name(f3[i]),
+           m, ms);
+    for (int j = 0; j < KN_XO_NS; j++) printf(" %u: %.2f", ns[j], r[j]);
+    printf("\n");
+  }
+  uint32_t m;
+  double r[KN_XO_NS];
+  MT_EQ_INT(im->crossover(KN_FMT_F32, &m, r), MR_ENOTSUP);
+}
+
+/* MOERPC_AMX_MIN_TOKENS: a count for every format, per format, or a clear refusal. */
+MT_TEST(amx_min_tokens_environment) {
+  mr_err e;
+  kn_engine *eng = NULL;
+  kn_engine_opts o = {.threads = 1};
+  static const char *const bad[] = {"0", "4097", "x", "bf16=", "bf16=4,", "fp8=4", "bf16=4;int8=2", "-3", "4,int8=2"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    setenv("MOERPC_AMX_MIN_TOKENS", bad[i], 1);
+    MT_EQ_INT(kn_engine_new(&eng, &o, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "MOERPC_AMX_MIN_TOKENS");
+    MT_CONTAINS(e.msg, "1..4096");
+  }
+  static const char *const good[] = {"measure", "", "8", "bf16=16", "int8=2,bf16=32,int4=4"};
+  for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+    setenv("MOERPC_AMX_MIN_TOKENS", good[i], 1);
+    MT_EQ_INT(kn_engine_new(&eng, &o, &e), 0);
+    kn_engine_free(eng);
+  }
+  printf("  refused: %s\n", "bad values name the variable and 1..4096");
+  unsetenv("MOERPC_AMX_MIN_TOKENS");
+}
+
+/* Set by MOERPC_AMX_MIN_TOKENS, the crossovers are the ones the engine dispatches by (and
+ * nothing is measured). */
+MT_TEST(amx_min_tokens_environment_sets_the_crossover) {
+  impl_or_skip(1);
+  setenv("MOERPC_AMX_MIN_TOKENS", "int8=2,bf16=32,int4=5", 1);
+  mr_err e;
+  kn_engine *eng = NULL;
+  kn_engine_opts o = {.isa = KN_ISA_AMX, .threads = 1};
+  MT_OK(kn_engine_new(&eng, &o, &e), &e); /* the first engine of this process builds the table */
+  MT_EQ_INT(kn__amx_min_tokens(KN_FMT_BF16), 32);
+  MT_EQ_INT(kn__amx_min_tokens(KN_FMT_INT8), 2);
+  MT_EQ_INT(kn__amx_min_tokens(KN_FMT_INT4), 5);
+  kn_engine_free(eng);
+  unsetenv("MOERPC_AMX_MIN_TOKENS");
+}
 
 /* ---- whole layers: kn_moe_forward with the AMX entry against kn_ref_moe_forward ----- */
 
