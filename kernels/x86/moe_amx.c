@@ -645,14 +645,15 @@ void AMX_SYM(set_min_tokens)(kn_format f, uint32_t n) {
 /* ---- the crossover, measured ----------------------------------------------------------
  *
  * Where the tiles start to pay depends on the CPU (tile throughput against AVX-512's, the
- * caches) and on the format (int8 tiles pay from fewer tokens than bf16 ones: an Emerald
- * Rapids run measured ~4 and ~16). So it is measured once per process, on the calling
- * thread, after the self-test has shown the entries run: KN_XO_EXPERTS synthetic experts
- * of hidden KN_XO_H x inter KN_XO_I (bf16 3 MiB: past the L2 of one core, as a real
- * layer's weights are), the AVX-512 kernel and the tiles alternately at each token count
- * of xo_ns, best of KN_XO_ROUNDS. The crossover is the smallest count from which the tiles
- * are faster at every larger count measured (KN_AMX_MIN_TOKENS_MAX if never); ratio[i]
- * gets tiles / AVX-512 time at xo_ns[i]. About 10-40 ms per format. */
+ * caches) and on the format (on Emerald Rapids Xeons: bf16 ~16 and int8 ~4 in the issue's
+ * run; bf16 8, int8 8-16 and int4 16 on 2026-12-04). So it is measured once per process,
+ * on the calling thread, after the self-test has shown the entries run: KN_XO_EXPERTS
+ * synthetic experts of hidden KN_XO_H x inter KN_XO_I (bf16 3 MiB each: together past the
+ * L2 of one core, as a real layer's weights are), the AVX-512 kernel and the tiles
+ * alternately at each token count of xo_ns, best of KN_XO_ROUNDS. The crossover is the
+ * smallest count from which the tiles are faster at every larger count measured
+ * (KN_AMX_MIN_TOKENS_MAX if never); ratio[i] gets tiles / AVX-512 time at xo_ns[i].
+ * About 10-25 ms per format. */
 #define KN_XO_H 1024u
 #define KN_XO_I 512u
 #define KN_XO_EXPERTS 2u
