@@ -738,49 +738,13 @@ MT_TEST(top_k_is_capped_at_a_factor_of_the_models_and_announced) {
 
 /* Health/Check on an existing channel; the serving status or -1. */
 static int health_on(grpc_channel *ch) {
-  grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
-  grpc_slice method = grpc_slice_from_static_string(PR_METHOD_HEALTH_CHECK);
-  gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(5000, GPR_TIMESPAN));
-  grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, method, NULL, dl, NULL);
-  grpc_metadata_array mi, mt;
-  grpc_metadata_array_init(&mi);
-  grpc_metadata_array_init(&mt);
-  grpc_byte_buffer *req = pr_health_request_encode(""), *resp = NULL;
-  grpc_status_code status = GRPC_STATUS_UNKNOWN;
-  grpc_slice details = grpc_empty_slice();
-  grpc_op ops[6];
-  memset(ops, 0, sizeof ops);
-  ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-  ops[1].op = GRPC_OP_SEND_MESSAGE;
-  ops[1].data.send_message.send_message = req;
-  ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-  ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-  ops[3].data.recv_initial_metadata.recv_initial_metadata = &mi;
-  ops[4].op = GRPC_OP_RECV_MESSAGE;
-  ops[4].data.recv_message.recv_message = &resp;
-  ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-  ops[5].data.recv_status_on_client.trailing_metadata = &mt;
-  ops[5].data.recv_status_on_client.status = &status;
-  ops[5].data.recv_status_on_client.status_details = &details;
-  int result = -1;
-  if (grpc_call_start_batch(call, ops, 6, (void *)1, NULL) == GRPC_CALL_OK) {
-    grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL);
-    int st = -1;
-    if (ev.type == GRPC_OP_COMPLETE && status == GRPC_STATUS_OK && resp &&
-        pr_health_response_decode(resp, &st, NULL) == 0)
-      result = st;
-  }
+  grpc_byte_buffer *resp = NULL;
+  int st = -1;
+  if (itu_unary_reply_on(ch, PR_METHOD_HEALTH_CHECK, pr_health_request_encode(""), 5000, &resp) < 0 ||
+      pr_health_response_decode(resp, &st, NULL) != 0)
+    st = -1;
   if (resp) grpc_byte_buffer_destroy(resp);
-  grpc_byte_buffer_destroy(req);
-  grpc_slice_unref(details);
-  grpc_metadata_array_destroy(&mi);
-  grpc_metadata_array_destroy(&mt);
-  grpc_call_unref(call);
-  grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_MONOTONIC), NULL).type != GRPC_QUEUE_SHUTDOWN) {
-  }
-  grpc_completion_queue_destroy(cq);
-  return result;
+  return st;
 }
 
 #define NDRAIN 60

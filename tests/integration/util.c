@@ -445,7 +445,9 @@ double itu_metric(const char *text, const char *sample) {
   return -1;
 }
 
-double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms) {
+double itu_unary_reply_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms,
+                          grpc_byte_buffer **reply) {
+  if (reply) *reply = NULL;
   grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
   uint64_t t0 = mr_now_ns();
   gpr_timespec dl = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(deadline_ms, GPR_TIMESPAN));
@@ -477,6 +479,10 @@ double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req,
     if (ev.type == GRPC_OP_COMPLETE && status == GRPC_STATUS_OK && resp)
       us = (double)(mr_now_ns() - t0) / 1e3;
   }
+  if (reply && us >= 0) {
+    *reply = resp; /* the caller's now */
+    resp = NULL;
+  }
   if (resp) grpc_byte_buffer_destroy(resp);
   grpc_byte_buffer_destroy(req);
   grpc_slice_unref(details);
@@ -488,4 +494,8 @@ double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req,
   }
   grpc_completion_queue_destroy(cq);
   return us;
+}
+
+double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms) {
+  return itu_unary_reply_on(ch, method, req, deadline_ms, NULL);
 }

@@ -96,6 +96,10 @@ void itu_call_close(itu_call *c);
  * it carries); takes req. Its latency in microseconds when answered OK with a message within
  * deadline_ms, else -1. */
 double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms);
+/* itu_unary_on that also hands over the OK reply's message in *reply (the caller destroys
+ * it; NULL when the call did not answer OK with one). */
+double itu_unary_reply_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms,
+                          grpc_byte_buffer **reply);
 
 /* Encodes a ForwardRequest with payload (copied into a malloc'ed buffer released by the
  * slice). */
