@@ -542,7 +542,7 @@ static inline float kn__silu(float g) {
  * Their kernels follow the thread contract of section C and use tmp as scratch private
  * to the calling worker (down converts h into it); gate_up uses no tmp.
  * moe_amx.c: bf16, int8, int4 on AMX tiles from each format's crossover in tokens per
- * expert (measured at start-up, or MOERPC_AMX_MIN_TOKENS; the AVX-512 kernels below),
+ * expert (measured defaults, or MOERPC_AMX_MIN_TOKENS; the AVX-512 kernels below),
  * registered only on a CPU with AMX.
  *
  * Every entry a registration fills is a candidate: before an engine uses it, the

@@ -220,15 +220,21 @@ static pthread_once_t verified_once = PTHREAD_ONCE_INIT;
 static kn__kernel_table verified_tab;
 static kn__selftest_report verified_rep;
 
-/* MOERPC_AMX_MIN_TOKENS (kernels/README.md): unset, "" or "measure": each AMX format's
- * crossover is measured at start-up; "N": every AMX format from N tokens per expert;
- * "bf16=N,int8=M,int4=K" (any of them, in any order): those formats, the others measured.
- * want[f] = 0: measure. N in 1..4096. */
+/* MOERPC_AMX_MIN_TOKENS (kernels/README.md): unset or "": each AMX format's default
+ * crossover (moe_amx.c); "measure": each measured on this CPU at start-up; "N": every AMX
+ * format from N tokens per expert; "bf16=N,int8=M,int4=K" (any of them, in any order):
+ * those formats, the others at their defaults. want[f] = 0: the default, AMX_MEASURE:
+ * measure. N in 1..4096. */
 #define KN_AMX_MIN_TOKENS_ENV_MAX 4096u
+#define AMX_MEASURE UINT32_MAX
 static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
   memset(want, 0, KN_FMT_COUNT * sizeof want[0]);
   const char *env = getenv("MOERPC_AMX_MIN_TOKENS");
-  if (!env || !*env || strcmp(env, "measure") == 0) return 0;
+  if (!env || !*env) return 0;
+  if (strcmp(env, "measure") == 0) {
+    want[KN_FMT_BF16] = want[KN_FMT_INT8] = want[KN_FMT_INT4] = AMX_MEASURE;
+    return 0;
+  }
   static const kn_format amx_fmts[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
   const bool all = env[0] >= '0' && env[0] <= '9';
   bool ok = true;
@@ -265,9 +271,9 @@ static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
 }
 
 #if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AMX
-/* Each AMX format's crossover, once the self-test has passed its entry: from
- * MOERPC_AMX_MIN_TOKENS, or measured here (moe_amx.c, "the crossover, measured"), one
- * INFO line each. */
+/* Each AMX format's crossover, once the self-test has passed its entry: the default, a count
+ * from MOERPC_AMX_MIN_TOKENS, or measured here when it says "measure" (moe_amx.c, "the
+ * crossover, measured"); one INFO line each. */
 static void amx_crossover_choose(const kn__kernel_table *t) {
   if (kn__cpu_get()->best < KN_ISA_AMX) return;
   uint32_t want[KN_FMT_COUNT];
@@ -278,7 +284,12 @@ static void amx_crossover_choose(const kn__kernel_table *t) {
   for (int i = 0; i < 3; i++) {
     const kn_format f = fmts[i];
     if (!t->k[f][KN_ISA_AMX].gate_up) continue; /* no AMX entry, or refused by the self-test */
-    if (want[f]) {
+    if (want[f] == 0) {
+      mr_log(MR_LOG_INFO, "kn: %s on AMX tiles from %u tokens per expert (the default; "
+             "MOERPC_AMX_MIN_TOKENS=measure measures it on this CPU)", kn_format_name(f), kn__amx_min_tokens(f));
+      continue;
+    }
+    if (want[f] != AMX_MEASURE) {
       kn__amx_set_min_tokens(f, want[f]);
       mr_log(MR_LOG_INFO, "kn: %s on AMX tiles from %u tokens per expert (MOERPC_AMX_MIN_TOKENS)",
              kn_format_name(f), kn__amx_min_tokens(f));

@@ -61,8 +61,8 @@
  *
  * ---- dispatch, crossover ------------------------------------------------------------
  *
- * Below the format's crossover (min_tok, measured at start-up by kn.c through
- * kn__amx_crossover, or MOERPC_AMX_MIN_TOKENS) every entry (prep, prep_bytes, tmp_floats,
+ * Below the format's crossover (min_tok: measured defaults, or MOERPC_AMX_MIN_TOKENS, which
+ * may ask kn.c to measure it through kn__amx_crossover) every entry (prep, prep_bytes, tmp_floats,
  * gate_up, down) forwards to the AVX-512 kernel of the same format (kn__avx512_kernel),
  * unchanged; from it on, the tiles. prep_bytes / tmp_floats answer for the n they are
  * given, so a task's buffers always match the path its n takes.
@@ -107,16 +107,23 @@
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 16")
 
-/* Tokens per expert from which the tiles are used (below: AVX-512), per format: measured
- * at start-up by kn__amx_crossover ("the crossover" below) or set by MOERPC_AMX_MIN_TOKENS;
- * KN_AMX_MIN_TOKENS until then (a 16-token block is one full B tile). Written only while
- * the process table is built, before any engine runs a kernel. */
+/* Tokens per expert from which the tiles are used (below: AVX-512), per format. Defaults:
+ * the crossovers kn__amx_crossover ("the crossover" below) measured on an Emerald Rapids
+ * Xeon (2026-12-04: bf16 8, int8 8, int4 16). Fixed, not measured at every start, so that
+ * a restarted process computes the same bits (which kernel serves a count decides the last
+ * bits, and a measurement on a busy host moves by a step); MOERPC_AMX_MIN_TOKENS sets them
+ * or asks for the measurement. Written only while the process table is built, before any
+ * engine runs a kernel. KN_AMX_MIN_TOKENS: the value a format without a default would get. */
 #define KN_AMX_MIN_TOKENS 16u
+#define KN_AMX_MIN_TOKENS_BF16 8u
+#define KN_AMX_MIN_TOKENS_INT8 8u
+#define KN_AMX_MIN_TOKENS_INT4 16u
 #define KN_AMX_MIN_TOKENS_MAX 4096u
 
 typedef enum av { A_BF16, A_I8, A_I4, A_COUNT } av;
 static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
-static _Atomic uint32_t min_tok[A_COUNT] = {KN_AMX_MIN_TOKENS, KN_AMX_MIN_TOKENS, KN_AMX_MIN_TOKENS};
+static _Atomic uint32_t min_tok[A_COUNT] = {KN_AMX_MIN_TOKENS_BF16, KN_AMX_MIN_TOKENS_INT8,
+                                             KN_AMX_MIN_TOKENS_INT4};
 static const char *const av_name[A_COUNT] = {AMX_LABEL "_bf16_bf16", AMX_LABEL "_int8_int8",
                                              AMX_LABEL "_int4_int8"};
 
@@ -646,8 +653,9 @@ void AMX_SYM(set_min_tokens)(kn_format f, uint32_t n) {
  *
  * Where the tiles start to pay depends on the CPU (tile throughput against AVX-512's, the
  * caches) and on the format (on Emerald Rapids Xeons: bf16 ~16 and int8 ~4 in the issue's
- * run; bf16 8, int8 8-16 and int4 16 on 2026-12-04). So it is measured once per process,
- * on the calling thread, after the self-test has shown the entries run: KN_XO_EXPERTS
+ * run; bf16 8, int8 8-16 and int4 16 on 2026-12-04). So it can be measured once per
+ * process (MOERPC_AMX_MIN_TOKENS=measure; the defaults above came from it), on the calling
+ * thread, after the self-test has shown the entries run: KN_XO_EXPERTS
  * synthetic experts of hidden KN_XO_H x inter KN_XO_I (bf16 3 MiB each: together past the
  * L2 of one core, as a real layer's weights are), the AVX-512 kernel and the tiles
  * alternately at each token count of xo_ns, best of KN_XO_ROUNDS. The crossover is the

@@ -86,7 +86,7 @@ for (sh, f, T), d in sorted(t.items(), key=lambda kv: (str(kv[0][0]), kv[0][1], 
     if a and b:
         print('%-14s %-6s %6d %-20s %10.1f %-20s %10.1f %7.2f' % (sh, f, T, a['kernel'], a['us'], b['kernel'], b['us'], b['us'] / a['us']))
 EOF
-echo "(below a format's crossover, measured at start-up and logged as 'kn: F on AMX tiles from N"
+echo "(below a format's crossover, logged at start-up as 'kn: F on AMX tiles from N"
 echo " tokens per expert', the amx engine runs the AVX-512 kernels: ratio ~1; at T tokens and"
 echo " top-k 8 of 128 experts, tokens per expert ~ T * 8 / 128)"
 step "done: rc $rc, $(( $(date +%s) - START )) s; JSON lines in $JSONL"

@@ -531,6 +531,21 @@ MT_TEST(amx_min_tokens_environment) {
   unsetenv("MOERPC_AMX_MIN_TOKENS");
 }
 
+/* Without MOERPC_AMX_MIN_TOKENS the crossovers are the fixed defaults (the same bits after
+ * every restart), not a measurement. */
+MT_TEST(amx_min_tokens_default_is_fixed) {
+  const impl *im = native_or_skip();
+  unsetenv("MOERPC_AMX_MIN_TOKENS");
+  mr_err e;
+  kn_engine *eng = NULL;
+  kn_engine_opts o = {.isa = KN_ISA_AMX, .threads = 1};
+  MT_OK(kn_engine_new(&eng, &o, &e), &e);
+  MT_EQ_INT(im->min_tokens(KN_FMT_BF16), 8);
+  MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 8);
+  MT_EQ_INT(im->min_tokens(KN_FMT_INT4), 16);
+  kn_engine_free(eng);
+}
+
 /* Set by MOERPC_AMX_MIN_TOKENS, the crossovers are the ones the engine dispatches by (and
  * nothing is measured). */
 MT_TEST(amx_min_tokens_environment_sets_the_crossover) {
