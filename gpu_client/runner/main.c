@@ -9,8 +9,10 @@
  * Every subcommand takes --help. Exit status: 0 success, 1 failure (an error, a check that
  * failed), 2 usage error. Lifecycle lines go to stderr through mr_log; results to stdout.
  */
+#define _GNU_SOURCE /* sched_setaffinity, CPU_SET */
 #include <errno.h>
 #include <getopt.h>
+#include <sched.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -45,7 +47,7 @@ typedef struct cli {
 
 enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, OPT_LOG,
        OPT_TOKENS, OPT_DTYPE, OPT_SEED, OPT_TOL, OPT_ITERS, OPT_WARMUP, OPT_JSON, OPT_RESET,
-       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_HELP };
+       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_PEER_CPU, OPT_HELP };
 
 #define COMMON_OPTIONS                                                                 \
   {"cluster", required_argument, NULL, OPT_CLUSTER},                                   \
@@ -723,6 +725,10 @@ static const char BENCH_HELP[] =
     "Prints p50 / p99 / mean in microseconds per T, the ratio of the p50s, the server's own\n"
     "compute time (p50 of the compute_us it reports) and the p50 of round trip minus compute\n"
     "per request (what transport, framing and queueing cost; compare it with tcp_p50).\n"
+    "tcp_held is the same ping-pong with the peer holding each reply (busy, on its CPU)\n"
+    "for the server's compute p50 of that T, minus the hold: on hosts whose idle CPUs wake\n"
+    "slowly (VMs) a round trip that waits costs more than an instant one, and this is the\n"
+    "raw TCP cost of a round trip that waits as long as the server computes.\n"
     "\n"
     "  --tokens LIST            comma list of T, each 1..server max_tokens (default 1,16,256)\n"
     "  --iters N                measured calls per T, 1..1000000 (default 200)\n"
@@ -731,6 +737,10 @@ static const char BENCH_HELP[] =
     "  --server NAME            the server to measure (default: the first with experts)\n"
     "  --top-k K                slots per token (default: the model's top_k, else 8; at\n"
     "                           most the experts the server owns in the layer)\n"
+    "  --peer-cpu N             pin the TCP peer to CPU N (give the server's CPU when the\n"
+    "                           server is pinned, and pin this client with taskset, so\n"
+    "                           that both round trips cross the same cores; default: not\n"
+    "                           pinned, where the kernel may put both ends on one core)\n"
     "  --json                   also print one JSON line per T\n";
 
 typedef struct bench_ctx {
@@ -740,6 +750,7 @@ typedef struct bench_ctx {
   mr_dtype dt;
   const char *server;
   bool json;
+  int peer_cpu; /* -1: the TCP peer is not pinned */
 } bench_ctx;
 
 static int bench_opt(void *ctx, int opt, const char *arg) {
@@ -750,6 +761,18 @@ static int bench_opt(void *ctx, int opt, const char *arg) {
   case OPT_TOPK: return gc__cli_u32("--top-k", arg, 1, GC_MAX_TOP_K, &b->top_k) ? 1 : -1;
   case OPT_SERVER: b->server = arg; return 1;
   case OPT_JSON: b->json = true; return 1;
+  case OPT_PEER_CPU: {
+    uint32_t cpu;
+    if (!gc__cli_u32("--peer-cpu", arg, 0, CPU_SETSIZE - 1, &cpu)) return -1;
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (online > 0 && cpu >= (uint32_t)online) {
+      fprintf(stderr, PROG ": --peer-cpu = %u: this machine has %ld CPUs online (0..%ld)\n", cpu,
+              online, online - 1);
+      return -1;
+    }
+    b->peer_cpu = (int)cpu;
+    return 1;
+  }
   case OPT_DTYPE:
     if (mr_dtype_parse(arg, &b->dt) != 0) {
       fprintf(stderr, PROG ": --dtype = \"%s\", must be bf16, f32 or f16\n", arg);
@@ -796,8 +819,9 @@ static double mean_u64(const uint64_t *v, size_t n) {
 }
 
 /* The TCP ping-pong peer, forked before gRPC starts any thread (so the child may allocate).
- * Per connection: an 8-byte header (request bytes, reply bytes, little-endian u32), then
- * for every request read in full, reply-size bytes back, until the peer closes. */
+ * Per connection: a 12-byte header (request bytes, reply bytes, hold µs: little-endian
+ * u32), then for every request read in full, reply-size bytes back after busy-waiting the
+ * hold, until the peer closes. */
 static int read_full(int fd, void *buf, size_t n) {
   uint8_t *p = buf;
   while (n) {
@@ -821,8 +845,18 @@ static int write_full(int fd, const void *buf, size_t n) {
   return 0;
 }
 
-static void tcp_peer_main(int lfd) {
+static void tcp_peer_main(int lfd, int cpu) {
   alarm(3600); /* bounded even if the parent vanished without closing */
+  if (cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0) { /* a CPU outside our cpuset */
+      fprintf(stderr, PROG " bench-rpc: the TCP peer cannot run on CPU %d (--peer-cpu): %s\n",
+              cpu, strerror(errno));
+      _exit(1);
+    }
+  }
   for (;;) {
     int fd = accept(lfd, NULL, NULL);
     if (fd < 0) {
@@ -831,12 +865,16 @@ static void tcp_peer_main(int lfd) {
     }
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    uint32_t hdr[2];
+    uint32_t hdr[3];
     if (read_full(fd, hdr, sizeof hdr) != 0 || hdr[0] == 0) _exit(0); /* done */
     uint8_t *req = malloc(hdr[0]), *rep = calloc(1, hdr[1] ? hdr[1] : 1);
     if (!req || !rep) _exit(1);
-    while (read_full(fd, req, hdr[0]) == 0)
+    const uint64_t hold_ns = (uint64_t)hdr[2] * 1000u;
+    while (read_full(fd, req, hdr[0]) == 0) {
+      for (uint64_t t0 = mr_now_ns(); hold_ns && mr_now_ns() - t0 < hold_ns;) {
+      }
       if (write_full(fd, rep, hdr[1]) != 0) break;
+    }
     free(req);
     free(rep);
     close(fd);
@@ -848,7 +886,7 @@ typedef struct tcp_peer {
   int port;
 } tcp_peer;
 
-static int tcp_peer_start(tcp_peer *tp) {
+static int tcp_peer_start(tcp_peer *tp, int cpu) {
   int lfd = socket(AF_INET, SOCK_STREAM, 0);
   if (lfd < 0) return -1;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
@@ -867,7 +905,7 @@ static int tcp_peer_start(tcp_peer *tp) {
   }
   if (tp->pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
-    tcp_peer_main(lfd);
+    tcp_peer_main(lfd, cpu);
     _exit(0);
   }
   close(lfd);
@@ -881,7 +919,7 @@ static void tcp_peer_stop(tcp_peer *tp) {
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)tp->port),
                           .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   if (fd >= 0 && connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
-    uint32_t hdr[2] = {0, 0};
+    uint32_t hdr[3] = {0, 0, 0};
     write_full(fd, hdr, sizeof hdr);
   }
   if (fd >= 0) close(fd);
@@ -898,9 +936,10 @@ static void tcp_peer_stop(tcp_peer *tp) {
   tp->pid = 0;
 }
 
-/* n round trips of req_bytes out, reply_bytes back; lat[i] in µs. */
+/* n round trips of req_bytes out, reply_bytes back, the peer holding each reply hold_us;
+ * lat[i] in µs, the round trip minus the hold. */
 static int tcp_pingpong(const tcp_peer *tp, uint32_t req_bytes, uint32_t reply_bytes,
-                        uint32_t warmup, uint32_t n, uint64_t *lat) {
+                        uint32_t hold_us, uint32_t warmup, uint32_t n, uint64_t *lat) {
   int rc = -1;
   uint8_t *req = calloc(1, req_bytes), *rep = malloc(reply_bytes ? reply_bytes : 1);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -913,12 +952,13 @@ static int tcp_pingpong(const tcp_peer *tp, uint32_t req_bytes, uint32_t reply_b
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) goto out;
-  uint32_t hdr[2] = {req_bytes, reply_bytes};
+  uint32_t hdr[3] = {req_bytes, reply_bytes, hold_us};
   if (write_full(fd, hdr, sizeof hdr) != 0) goto out;
   for (uint32_t i = 0; i < warmup + n; i++) {
     uint64_t t0 = mr_now_ns();
     if (write_full(fd, req, req_bytes) != 0 || read_full(fd, rep, reply_bytes) != 0) goto out;
-    if (i >= warmup) lat[i - warmup] = (mr_now_ns() - t0) / 1000u;
+    uint64_t us = (mr_now_ns() - t0) / 1000u;
+    if (i >= warmup) lat[i - warmup] = us > hold_us ? us - hold_us : 0;
   }
   rc = 0;
 out:
@@ -948,6 +988,8 @@ typedef struct bench_target {
 typedef struct bench_samples {
   uint64_t *grpc;            /* submit + wait */
   uint64_t *tcp;             /* the raw TCP round trip of the same byte counts */
+  uint64_t *tcp_held;        /* the same, the peer holding each reply hold_us, minus it */
+  uint32_t hold_us;          /* the compute p50 of the gRPC calls */
   uint64_t *compute;         /* the server's compute_us of the same call */
   uint64_t *net;             /* grpc - compute: transport, framing and queueing */
   uint32_t req_bytes, reply_bytes;
@@ -964,6 +1006,7 @@ static void bench_target_close(bench_target *t) {
 static void bench_samples_close(bench_samples *sm) {
   free(sm->grpc);
   free(sm->tcp);
+  free(sm->tcp_held);
   free(sm->compute);
   free(sm->net);
 }
@@ -1017,13 +1060,14 @@ static int bench_inputs(const gc_cluster_info *ci, const bench_ctx *b, bench_tar
   const size_t TH = (size_t)t->tmax * ci->hidden_size;
   sm->grpc = malloc(b->iters * sizeof *sm->grpc);
   sm->tcp = malloc(b->iters * sizeof *sm->tcp);
+  sm->tcp_held = malloc(b->iters * sizeof *sm->tcp_held);
   sm->compute = malloc(b->iters * sizeof *sm->compute);
   sm->net = malloc(b->iters * sizeof *sm->net);
   t->ids = malloc(Tk * sizeof *t->ids);
   t->w = malloc(Tk * sizeof *t->w);
   t->x = malloc(TH * xs);
   t->out = malloc(TH * sizeof *t->out);
-  if (!sm->grpc || !sm->tcp || !sm->compute || !sm->net || !t->ids || !t->w || !t->x || !t->out) {
+  if (!sm->grpc || !sm->tcp || !sm->tcp_held || !sm->compute || !sm->net || !t->ids || !t->w || !t->x || !t->out) {
     fprintf(stderr, PROG " bench-rpc: out of memory\n");
     return -1;
   }
@@ -1068,30 +1112,32 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
   const uint32_t n = b->iters;
   qsort(sm->grpc, n, sizeof *sm->grpc, cmp_u64);
   qsort(sm->tcp, n, sizeof *sm->tcp, cmp_u64);
-  qsort(sm->compute, n, sizeof *sm->compute, cmp_u64);
+  qsort(sm->tcp_held, n, sizeof *sm->tcp_held, cmp_u64);
   qsort(sm->net, n, sizeof *sm->net, cmp_u64);
   double gp50 = pct(sm->grpc, n, 50), gp99 = pct(sm->grpc, n, 99), gmean = mean_u64(sm->grpc, n);
-  double tp50 = pct(sm->tcp, n, 50), tp99 = pct(sm->tcp, n, 99);
+  double tp50 = pct(sm->tcp, n, 50), tp99 = pct(sm->tcp, n, 99), hp50 = pct(sm->tcp_held, n, 50);
   double ratio = tp50 > 0 ? gp50 / tp50 : 0;
   double cp50 = pct(sm->compute, n, 50), np50 = pct(sm->net, n, 50);
-  printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %.0f\n", T,
-         sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50);
+  printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %-16.0f %.0f\n",
+         T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50, hp50);
   if (b->json)
     printf("{\"bench\":\"rpc\",\"tokens\":%u,\"req_bytes\":%u,\"reply_bytes\":%u,"
            "\"grpc_p50_us\":%.1f,\"grpc_p99_us\":%.1f,\"grpc_mean_us\":%.1f,"
            "\"tcp_p50_us\":%.1f,\"tcp_p99_us\":%.1f,\"ratio_p50\":%.3f,"
            "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
-           "\"ratio_minus_compute_p50\":%.3f,\"server\":\"%s\",\"dtype\":\"%s\","
-           "\"top_k\":%u,\"iters\":%u}\n",
+           "\"ratio_minus_compute_p50\":%.3f,\"tcp_held_p50_us\":%.1f,\"hold_us\":%u,"
+           "\"ratio_minus_compute_held_p50\":%.3f,\"peer_cpu\":%d,\"server\":\"%s\","
+           "\"dtype\":\"%s\",\"top_k\":%u,\"iters\":%u}\n",
            T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50,
-           tp50 > 0 ? np50 / tp50 : 0, t->info.name, mr_dtype_name(b->dt), t->k, n);
+           tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, b->peer_cpu,
+           t->info.name, mr_dtype_name(b->dt), t->k, n);
   fflush(stdout);
 }
 
 static int cmd_bench_rpc(int argc, char **argv) {
   cli o = {0};
   bench_ctx b = {.tokens = {1, 16, 256}, .n_tokens = 3, .iters = 200, .warmup = 20,
-                 .dt = MR_DTYPE_BF16};
+                 .dt = MR_DTYPE_BF16, .peer_cpu = -1};
   static const struct option lo[] = {COMMON_OPTIONS,
                                       {"tokens", required_argument, NULL, OPT_TOKENS},
                                       {"iters", required_argument, NULL, OPT_ITERS},
@@ -1100,6 +1146,7 @@ static int cmd_bench_rpc(int argc, char **argv) {
                                       {"server", required_argument, NULL, OPT_SERVER},
                                       {"top-k", required_argument, NULL, OPT_TOPK},
                                       {"json", no_argument, NULL, OPT_JSON},
+                                      {"peer-cpu", required_argument, NULL, OPT_PEER_CPU},
                                       {0, 0, 0, 0}};
   int pr = parse_command(argc, argv, lo, BENCH_HELP, &o, bench_opt, &b);
   if (pr >= 0) return pr;
@@ -1107,7 +1154,7 @@ static int cmd_bench_rpc(int argc, char **argv) {
 
   /* The peer is forked before gRPC starts any thread. */
   tcp_peer tp = {0};
-  if (tcp_peer_start(&tp) != 0) {
+  if (tcp_peer_start(&tp, b.peer_cpu) != 0) {
     fprintf(stderr, PROG " bench-rpc: could not start the TCP peer on 127.0.0.1: %s\n",
             strerror(errno));
     return 1;
@@ -1125,9 +1172,9 @@ static int cmd_bench_rpc(int argc, char **argv) {
   mr_log(MR_LOG_INFO, "bench-rpc: server %s (%s), layer %u, k=%u, %s wire, %u iterations "
          "(+%u warm-up)", t.info.name, t.info.address, t.layer, t.k, mr_dtype_name(b.dt),
          b.iters, b.warmup);
-  printf("%-6s %-10s %-10s %-10s %-10s %-10s %-10s %-10s %-8s %-12s %s\n", "T", "req_B",
+  printf("%-6s %-10s %-10s %-10s %-10s %-10s %-10s %-10s %-8s %-12s %-16s %s\n", "T", "req_B",
          "reply_B", "grpc_p50", "grpc_p99", "grpc_mean", "tcp_p50", "tcp_p99", "ratio",
-         "compute_p50", "grpc-compute_p50");
+         "compute_p50", "grpc-compute_p50", "tcp_held_p50");
   status = 0;
   for (uint32_t ti = 0; ti < b.n_tokens; ti++) {
     uint32_t T = b.tokens[ti];
@@ -1142,7 +1189,12 @@ static int cmd_bench_rpc(int argc, char **argv) {
       status = 1;
       break;
     }
-    if (tcp_pingpong(&tp, sm.req_bytes, sm.reply_bytes, b.warmup, b.iters, sm.tcp) != 0) {
+    /* The hold: the compute p50 of the calls just made (sm.compute sorted here). */
+    qsort(sm.compute, b.iters, sizeof *sm.compute, cmp_u64);
+    sm.hold_us = (uint32_t)pct(sm.compute, b.iters, 50);
+    if (tcp_pingpong(&tp, sm.req_bytes, sm.reply_bytes, 0, b.warmup, b.iters, sm.tcp) != 0 ||
+        tcp_pingpong(&tp, sm.req_bytes, sm.reply_bytes, sm.hold_us, b.warmup, b.iters,
+                     sm.tcp_held) != 0) {
       fprintf(stderr, PROG " bench-rpc: T=%u: TCP ping-pong on 127.0.0.1:%d failed: %s\n", T,
               tp.port, strerror(errno));
       status = 1;
