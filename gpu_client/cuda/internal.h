@@ -32,6 +32,13 @@ int cu__comm_nccl_new(struct gc_comm **out, uint32_t n, const int *devs, mr_err 
 /* ---- elementwise (kernels.cu) ---------------------------------------------------------- */
 /* dst[0..n) = bf16(src), round to nearest even. dst holds uint16_t bf16 bit patterns. */
 cudaError_t cu__f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);
+/* The two-term split of the activations (MOERPC_CUDA_ACT=split, the default): dst[i] =
+ * bf16(src[i]) and dst[n + i] = bf16(src[i] - dst[i]), so that one bf16 GEMM over both row
+ * sets, folded by cu__fold, computes W x to about fp32 accuracy. */
+cudaError_t cu__split_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);
+/* y[i] = y2[i] + y2[n + i] (+ bias[i % N] when bias), i < n */
+cudaError_t cu__fold(float *y, const float *y2, size_t n, const float *bias, uint32_t N,
+                     cudaStream_t s);
 /* dst (dtype dt: f16 or bf16 bit patterns) = src converted, round to nearest even. */
 cudaError_t cu__f32_to_half(void *dst, mr_dtype dt, const float *src, size_t n, cudaStream_t s);
 /* y[0..n) += x[0..n) */
@@ -112,12 +119,20 @@ typedef struct cu__route_args {
 } cu__route_args;
 cudaError_t cu__route(const cu__route_args *a, cudaStream_t s);
 
-/* xs[i, :] = bf16(x[tok[i], :]), i < S, rows of H. */
-cudaError_t cu__gather_bf16(uint16_t *xs, const float *x, const int32_t *tok, uint32_t S,
-                            uint32_t H, cudaStream_t s);
+/* The hot experts' row maps: rows == NULL, slot s's bf16 row is row s; else (the split)
+ * its hi row is rows[s] and its lo row rows[S + s] (per expert, the hi rows of its slots
+ * then their lo rows, so that one GEMM per expert covers both), and a GEMM output row of
+ * slot s is the sum of its two rows.
+ * xs[s, :] = bf16(x[tok[s], :]) (or its split), s < S, rows of H. */
+cudaError_t cu__gather_bf16(uint16_t *xs, const float *x, const int32_t *tok,
+                            const int32_t *rows, uint32_t S, uint32_t H, cudaStream_t s);
+/* hb[s, :] = bf16(silu(g) * u) (or its split) of the gate_up rows gu[s] = g | u, [S, 2I] */
+cudaError_t cu__ex_silu_mul(uint16_t *hb, const float *gu, const int32_t *rows, uint32_t S,
+                            uint32_t I, cudaStream_t s);
 /* out[t, :] = sum_{j < k, idx[t, j] >= 0} w[t, j] * y[idx[t, j], :] in slot order (0 if none). */
 cudaError_t cu__moe_combine(float *out, const float *y, const int32_t *idx, const float *w,
-                            uint32_t T, uint32_t k, uint32_t H, cudaStream_t s);
+                            const int32_t *rows, uint32_t S, uint32_t T, uint32_t k,
+                            uint32_t H, cudaStream_t s);
 #endif /* __cplusplus */
 
 #endif /* CU_INTERNAL_H */

@@ -78,6 +78,40 @@ cudaError_t cu__f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStrea
   k_f32_to_bf16<<<grid_for(n), 256, 0, s>>>(dst, src, n);
   return cudaGetLastError();
 }
+/* Two-term bf16 split: hi = bf16(x), lo = bf16(x - hi) (x - hi is exact in fp32), so
+ * hi + lo carries x to 2^-17 relative; a bf16 GEMM with fp32 accumulation over the rows of
+ * both (the products of bf16 are exact in fp32) gives W x to about fp32 accuracy. hi goes to
+ * dst[i], lo to dst[n + i]. */
+static __device__ __forceinline__ void split_bf16(float x, uint16_t *hi, uint16_t *lo) {
+  const __nv_bfloat16 h = __float2bfloat16_rn(x);
+  *hi = __bfloat16_as_ushort(h);
+  *lo = __bfloat16_as_ushort(__float2bfloat16_rn(x - __bfloat162float(h)));
+}
+__global__ void k_split_bf16(uint16_t *dst, const float *src, size_t n) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    split_bf16(src[i], dst + i, dst + n + i);
+}
+cudaError_t cu__split_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s) {
+  if (!n) return cudaSuccess;
+  k_split_bf16<<<grid_for(n), 256, 0, s>>>(dst, src, n);
+  return cudaGetLastError();
+}
+/* y[i] = y2[i] + y2[n + i] (+ bias[i % N]): the two halves of a split GEMM's output. */
+__global__ void k_fold(float *y, const float *y2, size_t n, const float *bias, uint32_t N) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    float v = y2[i] + y2[n + i];
+    if (bias) v += bias[i % N];
+    y[i] = v;
+  }
+}
+cudaError_t cu__fold(float *y, const float *y2, size_t n, const float *bias, uint32_t N,
+                     cudaStream_t s) {
+  if (!n) return cudaSuccess;
+  k_fold<<<grid_for(n), 256, 0, s>>>(y, y2, n, bias, N);
+  return cudaGetLastError();
+}
 cudaError_t cu__f32_to_half(void *dst, mr_dtype dt, const float *src, size_t n, cudaStream_t s) {
   if (!n) return cudaSuccess;
   if (dt == MR_DTYPE_BF16) k_f32_to_bf16<<<grid_for(n), 256, 0, s>>>((uint16_t *)dst, src, n);
@@ -620,36 +654,70 @@ cudaError_t cu__route(const cu__route_args *a, cudaStream_t s) {
 
 /* ---- hot experts ----------------------------------------------------------------------- */
 
-/* grid (S), 256 threads over the row */
-__global__ void k_gather_bf16(uint16_t *xs, const float *x, const int32_t *tok, uint32_t H) {
-  const float *r = x + (size_t)tok[blockIdx.x] * H;
-  uint16_t *o = xs + (size_t)blockIdx.x * H;
-  for (uint32_t i = threadIdx.x; i < H; i += blockDim.x)
-    o[i] = __bfloat16_as_ushort(__float2bfloat16_rn(r[i]));
+/* The hot experts' rows. Slot s (grouped by expert) has its bf16 row at rows[s]; with the
+ * split, the lo row of slot s is at rows[S + s] (rows == NULL: row s, no split). */
+static __device__ __forceinline__ void put_row(uint16_t *dst, const int32_t *rows, uint32_t S,
+                                               uint32_t s, uint32_t dim, uint32_t i, float v) {
+  if (!rows) {
+    dst[(size_t)s * dim + i] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    return;
+  }
+  split_bf16(v, dst + (size_t)rows[s] * dim + i, dst + (size_t)rows[S + s] * dim + i);
 }
-cudaError_t cu__gather_bf16(uint16_t *xs, const float *x, const int32_t *tok, uint32_t S,
-                            uint32_t H, cudaStream_t s) {
+static __device__ __forceinline__ float get_row(const float *src, const int32_t *rows,
+                                                uint32_t S, uint32_t s, uint32_t dim,
+                                                uint32_t i) {
+  if (!rows) return src[(size_t)s * dim + i];
+  return src[(size_t)rows[s] * dim + i] + src[(size_t)rows[S + s] * dim + i];
+}
+
+/* grid (S), 256 threads over the row */
+__global__ void k_gather_bf16(uint16_t *xs, const float *x, const int32_t *tok,
+                              const int32_t *rows, uint32_t S, uint32_t H) {
+  const uint32_t s = blockIdx.x;
+  const float *r = x + (size_t)tok[s] * H;
+  for (uint32_t i = threadIdx.x; i < H; i += blockDim.x) put_row(xs, rows, S, s, H, i, r[i]);
+}
+cudaError_t cu__gather_bf16(uint16_t *xs, const float *x, const int32_t *tok,
+                            const int32_t *rows, uint32_t S, uint32_t H, cudaStream_t s) {
   if (!S) return cudaSuccess;
-  k_gather_bf16<<<S, 256, 0, s>>>(xs, x, tok, H);
+  k_gather_bf16<<<S, 256, 0, s>>>(xs, x, tok, rows, S, H);
+  return cudaGetLastError();
+}
+
+/* grid (S), 256 threads over I: hb = bf16 rows of silu(g) * u, gu = the gate_up GEMM's rows */
+__global__ void k_ex_silu_mul(uint16_t *hb, const float *gu, const int32_t *rows, uint32_t S,
+                              uint32_t I) {
+  const uint32_t s = blockIdx.x;
+  for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) {
+    const float g = get_row(gu, rows, S, s, 2 * I, c), u = get_row(gu, rows, S, s, 2 * I, I + c);
+    put_row(hb, rows, S, s, I, c, g / (1.0f + expf(-g)) * u);
+  }
+}
+cudaError_t cu__ex_silu_mul(uint16_t *hb, const float *gu, const int32_t *rows, uint32_t S,
+                            uint32_t I, cudaStream_t s) {
+  if (!S) return cudaSuccess;
+  k_ex_silu_mul<<<S, 256, 0, s>>>(hb, gu, rows, S, I);
   return cudaGetLastError();
 }
 
 /* grid (T), 256 threads over H; slot order j = 0..k-1 for every element (deterministic). */
 __global__ void k_moe_combine(float *out, const float *y, const int32_t *idx, const float *w,
-                              uint32_t k, uint32_t H) {
+                              const int32_t *rows, uint32_t S, uint32_t k, uint32_t H) {
   const uint32_t t = blockIdx.x;
   const int32_t *ix = idx + (size_t)t * k;
   const float *wt = w + (size_t)t * k;
   for (uint32_t d = threadIdx.x; d < H; d += blockDim.x) {
     float acc = 0.0f;
     for (uint32_t j = 0; j < k; j++)
-      if (ix[j] >= 0) acc += wt[j] * y[(size_t)ix[j] * H + d];
+      if (ix[j] >= 0) acc += wt[j] * get_row(y, rows, S, (uint32_t)ix[j], H, d);
     out[(size_t)t * H + d] = acc;
   }
 }
 cudaError_t cu__moe_combine(float *out, const float *y, const int32_t *idx, const float *w,
-                            uint32_t T, uint32_t k, uint32_t H, cudaStream_t s) {
+                            const int32_t *rows, uint32_t S, uint32_t T, uint32_t k,
+                            uint32_t H, cudaStream_t s) {
   if (!T) return cudaSuccess;
-  k_moe_combine<<<T, 256, 0, s>>>(out, y, idx, w, k, H);
+  k_moe_combine<<<T, 256, 0, s>>>(out, y, idx, w, rows, S, k, H);
   return cudaGetLastError();
 }

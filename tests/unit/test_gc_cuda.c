@@ -12,8 +12,11 @@
  * decode (T = 1..2) and prefill (T = 37, 300) shapes, GQA, a sliding window, MLA, grouped
  * noaux_tc routing and hot experts with empty slots. Tolerances (relative L2):
  *   fp32 ops 1e-5 (only the order of fp32 sums differs);
- *   bf16 weights 1e-2 against the CPU backend holding the same bf16 weights (the GPU also
- *   rounds the activations to bf16 for the tensor cores, about 2^-9 per element);
+ *   bf16 weights, activations split into two bf16 terms (MOERPC_CUDA_ACT=split, the
+ *   default) 3e-5 against the CPU reference holding the same bf16 weights (fp32
+ *   activations; hi + lo carry x to 2^-17);
+ *   bf16 weights, MOERPC_CUDA_ACT=bf16 1e-2 (the GPU rounds the activations to bf16 for
+ *   the tensor cores, about 2^-9 per element);
  *   route: the same ids (a swap is accepted only between weights within 1e-5: a near-tie).
  */
 #include <math.h>
@@ -27,6 +30,7 @@
 
 #define TOL_F32 1e-5
 #define TOL_BF16 1e-2
+#define TOL_SPLIT 3e-5
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static float frand(void) { /* uniform in [-1, 1) */
@@ -127,8 +131,9 @@ static void close_pair(void) {
   eng = NULL;
 }
 
-/* Both backends, or a skip without a device. */
-static void open_pair(uint32_t max_seq) {
+/* Both backends, or a skip without a device; act: MOERPC_CUDA_ACT for the GPU backend
+ * (NULL: unset, the default). */
+static void open_pair_act(uint32_t max_seq, const char *act) {
   mr_err e = {0};
   if (gc_cuda_lib_load(&lib, &e) != 0) MT_SKIP("no CUDA device (no CUDA backend: %s)", e.msg);
   int n = lib->device_count(&e);
@@ -137,9 +142,13 @@ static void open_pair(uint32_t max_seq) {
   kn_engine_opts o = {.isa = KN_ISA_REF, .threads = 2};
   MT_OK(kn_engine_new(&eng, &o, &e), &e);
   MT_OK(gc_bk_cpu_new(&cpu, eng, max_seq, &e), &e);
-  MT_OK(lib->backend_new(&gpu, 0, eng, max_seq, &e), &e);
+  if (act) setenv("MOERPC_CUDA_ACT", act, 1);
+  int rc = lib->backend_new(&gpu, 0, eng, max_seq, &e);
+  unsetenv("MOERPC_CUDA_ACT");
   mt_defer(close_pair);
+  MT_OK(rc, &e);
 }
+static void open_pair(uint32_t max_seq) { open_pair_act(max_seq, NULL); }
 
 /* A device copy of host[0..n) on b. */
 static float *up(gc_backend *b, const float *host, size_t n) {
@@ -255,10 +264,29 @@ static void check_matmul(kn_format fmt, uint32_t T, uint32_t N, uint32_t K, bool
   free(w), free(x), free(bv), free(wb);
 }
 
-MT_TEST(matmul_vs_cpu) {
-  open_pair(16);
+MT_TEST(matmul_bf16_activations_vs_cpu) {
+  open_pair_act(16, "bf16");
   check_matmul(KN_FMT_BF16, 1, 96, 200, false, TOL_BF16);
   check_matmul(KN_FMT_BF16, 37, 96, 200, true, TOL_BF16);
+}
+
+MT_TEST(cuda_act_value_checked) {
+  mr_err e = {0};
+  if (gc_cuda_lib_load(&lib, &e) != 0 || lib->device_count(&e) <= 0) MT_SKIP("no CUDA device");
+  gc_backend *b = NULL;
+  setenv("MOERPC_CUDA_ACT", "fp8", 1);
+  int rc = lib->backend_new(&b, 0, NULL, 16, &e);
+  unsetenv("MOERPC_CUDA_ACT");
+  MT_EQ_INT(rc, MR_EINVAL);
+  MT_CONTAINS(e.msg, "MOERPC_CUDA_ACT");
+  MT_TRUE(b == NULL);
+}
+
+MT_TEST(matmul_vs_cpu) {
+  open_pair(16);
+  check_matmul(KN_FMT_BF16, 1, 96, 200, false, TOL_SPLIT);
+  check_matmul(KN_FMT_BF16, 37, 96, 200, true, TOL_SPLIT);
+  check_matmul(KN_FMT_BF16, 300, 160, 512, true, TOL_SPLIT);
   check_matmul(KN_FMT_F32, 1, 70, 130, true, TOL_F32);
   check_matmul(KN_FMT_F32, 37, 70, 130, false, TOL_F32);
   mr_err e = {0};
@@ -478,8 +506,7 @@ MT_TEST(route_vs_cpu) {
   check_route("route noaux_tc 256/8/4 T=37", 37, 256, 8, MR_SCORE_SIGMOID, MR_TOPK_NOAUX_TC, true, 8, 4, 2.5f);
 }
 
-MT_TEST(experts_vs_cpu) {
-  open_pair(16);
+static void check_experts(double tol) {
   mr_err e = {0};
   const uint32_t E = 8, H = 64, I = 48, k = 4;
   kn_layer_desc d = {.hidden = H, .inter = I, .num_experts = E, .format = KN_FMT_BF16, .group = 64};
@@ -548,7 +575,7 @@ MT_TEST(experts_vs_cpu) {
       MT_OK(bk[i]->ops->experts(bk[i], xs[i], T, k, ids, w, in[i], out[i], &e), &e);
     }
     expect_close(call ? "experts T=37 (-1 slots, fp8 expert)" : "experts T=1", out[0], out[1],
-                 (size_t)T * H, TOL_BF16);
+                 (size_t)T * H, tol);
     free(ids), free(w), free(x);
   }
   int32_t bad[4] = {4, -1, -1, -1};
@@ -557,6 +584,16 @@ MT_TEST(experts_vs_cpu) {
   MT_EQ_INT(gpu->ops->experts(gpu, xg, 1, 4, bad, bw, dummy, dummy, &e), MR_EPRECOND);
   cpu->ops->experts_free(cpu, xc);
   gpu->ops->experts_free(gpu, xg);
+}
+
+MT_TEST(experts_vs_cpu) {
+  open_pair(16);
+  check_experts(TOL_SPLIT);
+}
+
+MT_TEST(experts_bf16_activations_vs_cpu) {
+  open_pair_act(16, "bf16");
+  check_experts(TOL_BF16);
 }
 
 MT_TEST(nccl_all_reduce_one_rank) {
