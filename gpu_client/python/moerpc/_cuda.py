@@ -7,8 +7,9 @@ captured a host node can replay it at any time. The driver runs host functions o
 stream in stream order on its own thread; the callable takes the GIL. A host function must
 not call CUDA: the callables here only call libmoerpc-client and touch pinned host memory.
 
-UNTESTED on the project host (no GPU): written against the CUDA driver API documentation
-(CUresult cuLaunchHostFunc(CUstream, CUhostFn, void *userData)).
+Written against the CUDA driver API documentation (CUresult cuLaunchHostFunc(CUstream,
+CUhostFn, void *userData)); run on an H200 by tests/gpu/test_wrapper_cuda.py (CI has no
+GPU).
 """
 from __future__ import annotations
 

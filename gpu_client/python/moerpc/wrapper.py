@@ -29,9 +29,10 @@ Calls and threads:
     queues a host function that waits and writes the fp32 sum into pinned memory, then the
     H2D copy. Nothing blocks the Python thread, and a CUDA graph can capture the whole
     sequence (buffers are kept per captured batch size, see set_capture_batch_sizes). The
-    host functions are Python (ctypes callbacks), so they take the GIL. THIS PATH IS
-    UNTESTED: the project host has no GPU. An error inside a host function cannot raise on
-    the stream; it is logged and raised by the next submit_forward / sync_forward.
+    host functions are Python (ctypes callbacks), so they take the GIL. Tested on an H200
+    by tests/gpu/test_wrapper_cuda.py (CI has no GPU). An error inside a host function
+    cannot raise on the stream; it is logged and raised by the next submit_forward /
+    sync_forward.
 """
 from __future__ import annotations
 
@@ -602,7 +603,7 @@ class MoeRpcWrapper:
             c.stages.clear()
             c.temp_stage = None
 
-    # ---- CUDA (untested here: no GPU on the project host) -------------------------------
+    # ---- CUDA (tests/gpu/test_wrapper_cuda.py, on a GPU machine) ------------------------
 
     def _raise_cuda_error(self) -> None:
         if self._cuda_error is not None:
