@@ -30,6 +30,9 @@
 #                               4. the SGLang adapter's CUDA-tensor path
 #                                  (tests/gpu/test_wrapper_cuda.py: stream order, deferral,
 #                                  graph capture) under the image's torch;
+#                               4b. serve (OpenAI API) on cuda vs cpu: six greedy completions
+#                                  at once into 4 KV slots, 16-token steps, and a streamed
+#                                  chat, the same texts on both (serve_check);
 #                               5. compute-sanitizer memcheck on a short generate (API errors
 #                                  reported too) and on test_gc_cuda (API errors not reported:
 #                                  NCCL's init probes kernels it has no image for and handles
@@ -37,7 +40,9 @@
 #                               6. with two GPUs or more: --tp 2 over NCCL vs --tp 1 (logits);
 #                             and writes JSON lines to $OUT/gpu.jsonl when OUT is set.
 #                             Budget: GPU_BUDGET_S seconds in all (default 450); a step that
-#                             would start past it is reported as skipped.
+#                             would start past it is reported as skipped. GPU_STEPS picks
+#                             steps (unit models bench wrapper serve memcheck tp; default
+#                             all), e.g. GPU_STEPS="unit serve" to re-check a fix.
 #
 # cuBLAS (libcublasLt alone is ~540 MB) and NCCL (~220 MB) are not bundled: the GPU image's
 # CUDA 13 libraries are used (found under /usr/local/cuda or the image's Python packages).
@@ -95,6 +100,8 @@ fail() { FAILS=$((FAILS + 1)); emit "{\"check\": \"$1\", \"ok\": false, \"why\":
 pass() { emit "{\"check\": \"$1\", \"ok\": true${2:+, $2}}"; }
 # budget: the seconds a step may take, at most what is left of GPU_BUDGET_S (0: skip it)
 tlimit() { local left=$((BUDGET - SECONDS)); [ "$left" -gt "$1" ] && left=$1; [ "$left" -lt 5 ] && left=0; echo "$left"; }
+# GPU_STEPS: the steps to run (unit models bench wrapper serve memcheck tp; default all)
+want() { case " ${GPU_STEPS:-all} " in *" all "*|*" $1 "*) return 0 ;; esac; return 1; }
 skipped() { emit "{\"check\": \"$1\", \"ok\": null, \"why\": \"skipped: the run's budget (GPU_BUDGET_S=$BUDGET) is spent\"}"; }
 
 # the directory of a CUDA library the GPU image carries, for LD_LIBRARY_PATH
@@ -129,6 +136,67 @@ start_servers() { # model name-prefix cpus0 cpus1 threads: starts two servers, h
       "$p0" "$p1" >"$W/$n.cluster.json"
 }
 stop_servers() { for p in "${pids[@]:-}"; do [ -n "$p" ] && kill "$p" 2>/dev/null; done; wait 2>/dev/null; pids=(); }
+
+# serve on each backend in turn (the CPU at its fp32-activation paths and the GPU's expert
+# format), six completions at once (prompts of 7..42 words, greedy, 24 tokens) into 4 KV
+# slots with 16-token steps (queueing, joining at step boundaries, chunked prefill) and one
+# streamed chat; the texts must be the same on both backends.
+serve_check() {
+  local tl=$1 bk port sp i n
+  for bk in cpu cuda; do
+    port=$((40000 + RANDOM % 20000))
+    local flags=(--backend "$bk")
+    [ "$bk" = cpu ] && flags+=(--isa avx2 --format bf16)
+    timeout "$tl" "$C" serve --model "$W/qwen" "${flags[@]}" --max-batch 4 --step-tokens 16 \
+        --listen "127.0.0.1:$port" --quiet >"$W/serve.$bk.log" 2>&1 &
+    sp=$!
+    for _ in $(seq 1 300); do
+      curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+      kill -0 "$sp" 2>/dev/null || break
+      sleep 0.1
+    done
+    local cp=()
+    for i in 1 2 3 4 5 6; do
+      n=$((i * 7))
+      curl -s -m 60 "http://127.0.0.1:$port/v1/completions" -H 'Content-Type: application/json' \
+          -d "{\"model\": \"qwen\", \"prompt\": \"$(printf 'word%d ' $(seq 1 $n))\", \"max_tokens\": 24, \"temperature\": 0}" \
+          >"$W/serve.$bk.$i.json" 2>/dev/null &
+      cp+=($!)
+    done
+    curl -sN -m 60 "http://127.0.0.1:$port/v1/chat/completions" -H 'Content-Type: application/json' \
+        -d '{"model": "qwen", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16, "temperature": 0, "stream": true}' \
+        >"$W/serve.$bk.stream" 2>/dev/null &
+    cp+=($!)
+    wait "${cp[@]}"
+    kill -TERM "$sp" 2>/dev/null
+    wait "$sp" 2>/dev/null
+  done
+  local out
+  if out=$(python3 - "$W" 2>&1 <<'PY'
+import json, sys
+w = sys.argv[1]
+def texts(bk):
+    t = []
+    for i in range(1, 7):
+        r = json.load(open(f"{w}/serve.{bk}.{i}.json"))
+        t.append(r["choices"][0]["text"])
+    s = open(f"{w}/serve.{bk}.stream").read()
+    if "data: [DONE]" not in s:
+        raise SystemExit(f"{bk}: the stream did not end with [DONE]")
+    parts = [json.loads(l[6:]) for l in s.splitlines() if l.startswith("data: {")]
+    t.append("".join(c["delta"].get("content") or "" for p in parts for c in p["choices"]))
+    return t
+a, b = texts("cpu"), texts("cuda")
+if not all(a):
+    raise SystemExit("an empty text on cpu")
+diff = [i for i in range(len(a)) if a[i] != b[i]]
+if diff:
+    raise SystemExit(f"texts differ for requests {diff}: cpu {a[diff[0]]!r} cuda {b[diff[0]]!r}")
+print(f"{len(a)} texts equal, {sum(len(x) for x in a)} chars")
+PY
+  ); then pass serve "\"what\": \"$out\""
+  else echo "$out"; tail -n 5 "$W/serve.cuda.log" "$W/serve.cpu.log"; fail serve "$(echo "$out" | tail -n 1 | tr -d '"' | cut -c1-200)"; fi
+}
 
 run() {
   local D
@@ -169,15 +237,17 @@ run() {
   ldd "$MOERPC_CUDA_LIB" | grep -E 'cublas|nccl|not found'
   emit "{\"check\": \"machine\", \"gpu\": \"$gpu\", \"cpu\": \"$cpu\", \"cores\": $ncpu, \"amx\": \"$(grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ')\", \"pin_client\": \"$PINC\", \"pin_servers\": \"$PIN0 / $PIN1\"}"
 
-  echo "== test_gc_cuda"
   local rc t0
-  t0=$SECONDS
-  (cd "$W" && timeout "$(tlimit 180)" "$D/tests/test_gc_cuda") >"$W/unit.log" 2>&1
-  rc=$?
-  cat "$W/unit.log"
-  if [ $rc -ne 0 ]; then fail test_gc_cuda "exit $rc"
-  elif grep -q 'skipped: no CUDA device' "$W/unit.log"; then fail test_gc_cuda "skipped: no CUDA device"
-  else pass test_gc_cuda "\"s\": $((SECONDS - t0))"; fi
+  if want unit; then
+    echo "== test_gc_cuda"
+    t0=$SECONDS
+    (cd "$W" && timeout "$(tlimit 180)" "$D/tests/test_gc_cuda") >"$W/unit.log" 2>&1
+    rc=$?
+    cat "$W/unit.log"
+    if [ $rc -ne 0 ]; then fail test_gc_cuda "exit $rc"
+    elif grep -q 'skipped: no CUDA device' "$W/unit.log"; then fail test_gc_cuda "skipped: no CUDA device"
+    else pass test_gc_cuda "\"s\": $((SECONDS - t0))"; fi
+  fi
 
   echo "== models"
   "$D/bin/moerpc-mkmodel" --out "$W/qwen" --layers 3 --experts 16 --topk 4 --hidden 256 \
@@ -190,6 +260,7 @@ run() {
   local ids="1,5,9,13,17,21,25,29,33,37,41,45,49,53,57,61,65,69,73,77,81,85,89,93,97,101,105,109,113,117,121,125,129,133,137,141,145"
   local gen=(generate --prompt-ids "1,2,3,4,5;7,8,9" --max-new 32 --json)
   local M m rel tl
+  want models || models=""
   for M in $models; do
     m=$(basename "$M")
     tl=$(tlimit 60); [ "$tl" -eq 0 ] && { skipped "model_$m"; continue; }
@@ -234,7 +305,8 @@ run() {
 
   echo "== decode: Qwen3-30B-A3B layer shapes, 4 layers"
   local B="$W/q30" line cfg
-  if [ "$(tlimit 200)" -lt 120 ]; then skipped bench
+  if ! want bench; then :
+  elif [ "$(tlimit 200)" -lt 120 ]; then skipped bench
   else
     t0=$SECONDS
     $PINC "$D/bin/moerpc-mkmodel" --out "$B" --layers 4 --hidden 2048 --inter 768 --experts 128 \
@@ -283,7 +355,8 @@ run() {
 
   echo "== the SGLang adapter's CUDA-tensor path"
   tl=$(tlimit 150)
-  if [ "$tl" -eq 0 ]; then skipped wrapper_cuda
+  if ! want wrapper; then :
+  elif [ "$tl" -eq 0 ]; then skipped wrapper_cuda
   else
     t0=$SECONDS
     PYTHONUNBUFFERED=1 MOERPC_BIN="$D/bin" PYTHONPATH="$ROOT/gpu_client/python${PYTHONPATH:+:$PYTHONPATH}" \
@@ -293,10 +366,19 @@ run() {
     if [ $rc -eq 0 ]; then pass wrapper_cuda "\"s\": $((SECONDS - t0))"; else fail wrapper_cuda "exit $rc"; fi
   fi
 
+  echo "== serve: the OpenAI-compatible server, cuda vs cpu (continuous batching)"
+  tl=$(tlimit 90)
+  if ! want serve; then :
+  elif [ "$tl" -eq 0 ]; then skipped serve
+  else
+    serve_check "$tl"
+  fi
+
   echo "== compute-sanitizer memcheck"
   local csan
   csan=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer /opt/nvidia/*/compute-sanitizer 2>/dev/null | head -n 1)
-  if [ -z "$csan" ]; then fail memcheck "compute-sanitizer not found"
+  if ! want memcheck; then :
+  elif [ -z "$csan" ]; then fail memcheck "compute-sanitizer not found"
   else
     tl=$(tlimit 90)
     if [ "$tl" -eq 0 ]; then skipped memcheck_generate
@@ -323,7 +405,7 @@ run() {
   local ngpu
   ngpu=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   echo "== NCCL: test_gc_cuda's one-rank all-reduce above; tensor parallelism on the $ngpu GPU(s) present"
-  if [ "$ngpu" -ge 2 ]; then
+  if want tp && [ "$ngpu" -ge 2 ]; then
     for m in qwen dsv3-fp8; do
       timeout "$(tlimit 90)" "$C" logits --model "$W/$m" --ids "$ids" --out "$W/$m.tp2.f32" --backend cuda \
           --tp 2 --compare "$W/$m.cuda.f32" >"$W/l.log" 2>&1 || { cat "$W/l.log"; fail "tp2_$m" "run failed"; continue; }
