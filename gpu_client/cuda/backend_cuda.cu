@@ -857,7 +857,7 @@ static int cu_silu_mul(gc_backend *b, uint32_t T, uint32_t n, const float *gu, f
   cu_backend *cb = cub(b);
   int rc = enter(cb, e);
   if (rc) return rc;
-  CU_TRY(cu__silu_mul(h, NULL, gu, T, n, cb->stream), "silu_mul");
+  CU_TRY(cu__silu_mul(h, gu, T, n, cb->stream), "silu_mul");
   return 0;
 }
 

@@ -58,9 +58,8 @@ cudaError_t cu__rmsnorm(float *y, size_t ldy, const float *x, size_t ldx, const 
 cudaError_t cu__rope(float *x, size_t ld, uint32_t T, uint32_t n_heads, uint32_t head_stride,
                      uint32_t offset, uint32_t dim, bool interleave, float scale,
                      const uint32_t *pos, const float *inv_freq, cudaStream_t s);
-/* h[t, i] = silu(gu[t, i]) * gu[t, n + i] (fp32 out, or bf16 bits when hb != NULL). */
-cudaError_t cu__silu_mul(float *h, uint16_t *hb, const float *gu, uint32_t T, uint32_t n,
-                         cudaStream_t s);
+/* h[t, i] = silu(gu[t, i]) * gu[t, n + i], fp32 (the hot experts use cu__ex_silu_mul). */
+cudaError_t cu__silu_mul(float *h, const float *gu, uint32_t T, uint32_t n, cudaStream_t s);
 
 /* ---- attention (kernels.cu) ------------------------------------------------------------ */
 /* cache rows (seq[t] * max_seq + pos[t]) of width w = src rows t of stride ld (T rows). */

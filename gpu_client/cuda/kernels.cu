@@ -220,21 +220,18 @@ cudaError_t cu__rope(float *x, size_t ld, uint32_t T, uint32_t n_heads, uint32_t
   return cudaGetLastError();
 }
 
-__global__ void k_silu_mul(float *h, uint16_t *hb, const float *gu, size_t total, uint32_t n) {
+__global__ void k_silu_mul(float *h, const float *gu, size_t total, uint32_t n) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < total;
        i += (size_t)gridDim.x * blockDim.x) {
     const size_t t = i / n, c = i % n;
     const float g = gu[t * 2 * n + c], u = gu[t * 2 * n + n + c];
-    const float r = g / (1.0f + expf(-g)) * u;
-    if (hb) hb[i] = __bfloat16_as_ushort(__float2bfloat16_rn(r));
-    else h[i] = r;
+    h[i] = g / (1.0f + expf(-g)) * u;
   }
 }
-cudaError_t cu__silu_mul(float *h, uint16_t *hb, const float *gu, uint32_t T, uint32_t n,
-                         cudaStream_t s) {
+cudaError_t cu__silu_mul(float *h, const float *gu, uint32_t T, uint32_t n, cudaStream_t s) {
   size_t total = (size_t)T * n;
   if (!total) return cudaSuccess;
-  k_silu_mul<<<grid_for(total), 256, 0, s>>>(h, hb, gu, total, n);
+  k_silu_mul<<<grid_for(total), 256, 0, s>>>(h, gu, total, n);
   return cudaGetLastError();
 }
 
