@@ -507,10 +507,25 @@ void es__compute_release(es_server *s) {
 
 /* ---- the compute thread -------------------------------------------------------------------- */
 
+bool es__compute_pin(es_server *s, const char *who) {
+  /* One thread: no pool thread to collide with, and several such servers on one host
+   * would all be pinned to the same first core. */
+  if (kn_engine_threads(s->eng) < 2) return false;
+  if (atomic_load_explicit(&s->pin_refused, memory_order_relaxed)) return false;
+  mr_err e;
+  if (kn_engine_pin_caller(s->eng, &e) == 0) return true;
+  if (!atomic_exchange(&s->pin_refused, true))
+    mr_log(MR_LOG_WARN, "%s: %s; no thread that runs the engine is pinned from now on", who, e.msg);
+  return false;
+}
+
 static void *es__compute_main(void *arg) {
   es_server *s = arg;
   es_job *batch[ES_MERGE_MAX];
   pthread_setname_np(pthread_self(), "es-compute");
+  /* This thread does worker 0's share of every batch it runs: on worker 0's core, not on
+   * a pool thread's (es_inline.c says what that costs). */
+  (void)es__compute_pin(s, "the compute thread");
   for (;;) {
     pthread_mutex_lock(&s->q_lock);
     /* Wait for work and for the engine (a CQ thread may be running a job inline); stop

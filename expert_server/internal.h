@@ -520,6 +520,7 @@ struct es_server {
   bool computing;               /* the engine and the arena are in use (see the top) */
   pthread_t compute_thread;
   bool compute_started;
+  atomic_bool pin_refused;      /* the OS refused kn_engine_pin_caller: run unpinned (logged once) */
   mr_arena arena;               /* engine owner only: merged inputs, fp32 output, scratch */
   size_t arena_recent_peak;     /* engine owner only: es__arena_done's shrink rule */
   uint32_t arena_small_runs;
@@ -791,6 +792,11 @@ bool es__compute_claim(es_server *s);
 void es__compute_run_one(es_server *s, es_job *job);
 /* Gives the engine back; wakes the compute thread if jobs were queued meanwhile. */
 void es__compute_release(es_server *s);
+/* Pins the calling thread to worker 0's core (kn_engine_pin_caller) for the engine runs it
+ * is about to make; true if pinned. Not with a one-thread engine (no pool thread to collide
+ * with). The first refusal is logged (naming who) and ends pinning for the server's life.
+ * Any thread that runs the engine. */
+bool es__compute_pin(es_server *s, const char *who);
 /* Stops the compute thread once its queue is empty and joins it. */
 void es__compute_stop(es_server *s);
 /* Encodes an error reply into job->reply (no payload). Returns 0 or MR_ENOMEM. */

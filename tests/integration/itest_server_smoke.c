@@ -10,11 +10,16 @@
  *   - health: "" and the service name SERVING, an unknown service NOT_FOUND;
  *   - drain with a client that never reads: the drain timeout ends it, exit 0; a second
  *     SIGTERM during a drain exits 1 at once;
- *   - flags: usage errors exit 2 naming the flag and the limit, a missing model exits 1.
+ *   - flags: usage errors exit 2 naming the flag and the limit, a missing model exits 1;
+ *   - the thread that runs the engine sits on worker 0's core: the compute thread always,
+ *     a gRPC thread during an inline run only (its mask restored), none with one thread.
  */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <grpc/byte_buffer.h>
 #include <grpc/support/time.h>
 #include <arpa/inet.h>
+#include <dirent.h>
+#include <sched.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -341,6 +346,86 @@ MT_TEST(clients_that_vanish_leave_the_server_serving) {
   }
   good_request(srv.address, 2);
   MT_EQ_INT(itu_health(srv.address, 5000), PR_HEALTH_SERVING);
+  stop(SIGTERM, 0, 20000);
+  expect_clean_log();
+  finish();
+}
+
+/* ---- where the engine's caller runs -------------------------------------------------------- */
+
+/* The Cpus_allowed_list line of a /proc status file, or "" if none. */
+static void status_cpus(const char *status, char *out, size_t len) {
+  FILE *fp = fopen(status, "r");
+  if (!fp) return;
+  char line[512];
+  while (fgets(line, sizeof line, fp))
+    if (strncmp(line, "Cpus_allowed_list:", 18) == 0) {
+      const char *v = line + 18;
+      while (*v == ' ' || *v == '\t') v++;
+      snprintf(out, len, "%.*s", (int)strcspn(v, "\n"), v);
+    }
+  fclose(fp);
+}
+
+/* Cpus_allowed_list of the server's first thread named `name` (prefix), or "" if none. */
+static void thread_cpus(pid_t pid, const char *name, char *out, size_t len) {
+  out[0] = 0;
+  char path[128];
+  snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(path);
+  if (!d) return;
+  struct dirent *de;
+  while ((de = readdir(d)) && !out[0]) {
+    if (de->d_name[0] == '.') continue;
+    char f[400], comm[64] = "";
+    snprintf(f, sizeof f, "%s/%s/comm", path, de->d_name);
+    FILE *fp = fopen(f, "r");
+    if (!fp) continue;
+    if (!fgets(comm, sizeof comm, fp)) comm[0] = 0;
+    fclose(fp);
+    if (strncmp(comm, name, strlen(name)) != 0) continue;
+    snprintf(f, sizeof f, "%s/%s/status", path, de->d_name);
+    status_cpus(f, out, len);
+  }
+  closedir(d);
+}
+
+/* The thread that calls the engine does worker 0's share and must not sit on a pool
+ * thread's core (es_inline.c): the compute thread is pinned to worker 0's core for good,
+ * a gRPC thread only for an inline run (its own mask back after, checked after requests
+ * that ran inline), and nothing is pinned with a one-thread engine. */
+MT_TEST(the_engine_caller_is_pinned_to_worker_0s_core) {
+  cpu_set_t mine;
+  MT_EQ_INT(sched_getaffinity(0, sizeof mine, &mine), 0);
+  if (CPU_COUNT(&mine) < 2) MT_SKIP("%d CPU allowed: a 2-thread engine is not pinned", CPU_COUNT(&mine));
+  char all[256] = "";
+  status_cpus("/proc/self/status", all, sizeof all); /* the server inherits it */
+  start("--layers 2 --experts 8 --topk 4 --hidden 64 --inter 32 --vocab 64 --heads 2 "
+        "--kv-heads 1 --head-dim 32 --seed 5",
+        "--experts all --max-tokens 16 --threads 2");
+  for (uint64_t i = 1; i <= 3; i++) good_request(srv.address, i); /* inline runs */
+  char compute[256], worker[256], grpc[256];
+  thread_cpus(srv.pid, "es-compute", compute, sizeof compute);
+  thread_cpus(srv.pid, "kn-w1", worker, sizeof worker);
+  thread_cpus(srv.pid, "es-grpc-0", grpc, sizeof grpc);
+  fprintf(stderr, "cpus: this process %s, es-compute %s, kn-w1 %s, es-grpc-0 %s\n", all, compute,
+          worker, grpc);
+  MT_TRUE(compute[0] && worker[0] && grpc[0]);
+  MT_TRUE(strcspn(compute, ",-") == strlen(compute)); /* one CPU */
+  MT_TRUE(strcmp(compute, worker) != 0);
+  MT_EQ_STR(grpc, all); /* restored after each inline run */
+  stop(SIGTERM, 0, 20000);
+  expect_clean_log();
+  finish();
+
+  start("--layers 2 --experts 8 --topk 4 --hidden 64 --inter 32 --vocab 64 --heads 2 "
+        "--kv-heads 1 --head-dim 32 --seed 5",
+        "--experts all --max-tokens 16 --threads 1");
+  good_request(srv.address, 1);
+  thread_cpus(srv.pid, "es-compute", compute, sizeof compute);
+  thread_cpus(srv.pid, "es-grpc-0", grpc, sizeof grpc);
+  MT_EQ_STR(compute, all);
+  MT_EQ_STR(grpc, all);
   stop(SIGTERM, 0, 20000);
   expect_clean_log();
   finish();

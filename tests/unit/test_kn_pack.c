@@ -172,6 +172,53 @@ MT_TEST(int4_groups_and_ragged_rows_are_bit_identical) {
       }
 }
 
+/* Values within a few ulps of (j + 1/2) * scale for scales that are not powers of two:
+ * quotients next to a rounding tie, where any shortcut to the division (a multiply by
+ * 1 / scale: tried, and slower here than vdivps) would round some the other way; for int8
+ * (the caller's scale) and int4 (the group's own scale, its amax placed first). */
+static float near_tie(float scale, int lim) {
+  float x = ((float)(int)(rng_u32() % (2u * (uint32_t)lim)) - (float)lim + 0.5f) * scale;
+  for (int step = (int)(rng_u32() % 7) - 3; step != 0; step += step > 0 ? -1 : 1)
+    x = nextafterf(x, step > 0 ? INFINITY : -INFINITY);
+  return x;
+}
+
+MT_TEST(near_ties_of_the_quotient_are_bit_identical) {
+  NEED_AVX2();
+  static float x[MAXN];
+  static int8_t qa[MAXN], qb[MAXN];
+  static uint8_t pa[MAXN], pb[MAXN];
+  static float sa[MAXN], sb[MAXN];
+  rng_seed(15);
+  uint64_t near = 0;
+  for (int round = 0; round < 200; round++) {
+    const float sc = fabsf(rand_weight()) + 0x1p-30f;
+    const uint32_t n = 2048, G = 32u << (round % 3);
+    for (uint32_t k = 0; k < n; k++) x[k] = rng_u32() % 4 ? near_tie(sc, 127) : rand_weight();
+    memset(qa, 0x55, sizeof qa);
+    memset(qb, 0x55, sizeof qb);
+    A->quant_int8(x, n, sc, qa);
+    S->quant_int8(x, n, sc, qb);
+    MT_EQ_INT(memcmp(qa, qb, sizeof qa), 0);
+    for (uint32_t k = 0; k < n; k++) {
+      const float q = x[k] / sc, f = q + 0.5f - floorf(q + 0.5f);
+      near += f < 0x1p-12f || f > 1.0f - 0x1p-12f;
+    }
+    for (uint32_t g = 0; g < n / G; g++) {
+      const float gs = fabsf(rand_weight()) + 0x1p-30f, amax = gs * 7.0f, s7 = amax / 7.0f;
+      x[g * G] = rng_u32() % 2 ? amax : -amax;
+      for (uint32_t k = 1; k < G; k++) x[g * G + k] = near_tie(s7, 7);
+    }
+    memset(pa, 0x55, sizeof pa);
+    memset(pb, 0x55, sizeof pb);
+    A->quant_int4(x, n, G, pa, sa);
+    S->quant_int4(x, n, G, pb, sb);
+    MT_EQ_INT(memcmp(pa, pb, sizeof pa), 0);
+    MT_EQ_INT(memcmp(sa, sb, (n / G) * sizeof(float)), 0);
+  }
+  MT_TRUE(near > 1000); /* the inputs do come within 2^-12 of a tie */
+}
+
 /* The set kn__pack() picks, in a fresh process (pthread_once: the env is read once). */
 static void expect_pick(const char *env, const char *want) {
   if (env) setenv("MOERPC_PACK", env, 1);
