@@ -38,12 +38,13 @@
  * pool threads are pinned to the other cores: a CQ thread left wherever the OS put it may
  * sit on a pool thread's core while worker 0's core idles, and the step then runs at about
  * half speed for as long as it stays there (measured on a 2-vCPU Xeon with the client on
- * the same cores: one server's decode 0.80 of all-local unpinned, 0.90 pinned). So a CQ
- * thread takes worker 0's core for the run (kn_engine_pin_caller) and gets its own mask
- * back after: two sched_setaffinity calls per inline run, 1.2 us together when the thread
- * already runs there. Moving it costs more (~40 us on a 2-vCPU VM), but a thread wakes
- * where it last ran: a 64-token decode moved the server's threads once in 3 s (67 times
- * unpinned). The compute thread pins itself once (es_compute.c).
+ * the same cores, 5 rounds: one server's decode 0.87 of all-local unpinned, 0.93 pinned;
+ * docs/BENCHMARKS.md). So a CQ thread takes worker 0's core for the run
+ * (kn_engine_pin_caller) and gets its own mask back after: two sched_setaffinity calls
+ * per inline run, 1.2 us together when the thread already runs there. Moving it costs
+ * more (~40 us on a 2-vCPU VM), but a thread wakes where it last ran: a 64-token decode
+ * moved the server's threads once in 3 s (67 times unpinned). The compute thread pins
+ * itself once (es_compute.c).
  *
  * Threads: the slot belongs to its CQ thread alone. The engine and the compute arena belong
  * to whoever set srv->computing (es__compute_claim): the compute thread or one CQ thread.
