@@ -7,6 +7,7 @@
 #                                             # experts: 2.4 GB bf16 (and an fp8 twin)
 #   RUNS=5 COLD=1 tests/bench/load_speed.sh   # also from a cold page cache (drop_caches,
 #                                             # root; one run each, slow on a slow disk)
+#   SCALAR=0 THREADS=16 tests/bench/load_speed.sh   # without the scalar-converter baselines
 #
 # What is timed:
 #   read            cat of the model's safetensors to /dev/null (the plain read);
@@ -34,6 +35,7 @@ LAYERS=${LAYERS:-2}
 RUNS=${RUNS:-3}
 THREADS=${THREADS:-2}
 COLD=${COLD:-0}
+SCALAR=${SCALAR:-1}
 MODEL=${MODEL:-$BUILD/bench/qwen3-30b-a3b-l$LAYERS}
 FP8=${FP8:-$BUILD/bench/qwen3-30b-a3b-l$LAYERS-fp8}
 DIR=$(mktemp -d)
@@ -114,6 +116,10 @@ cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|"
        "int8|auto|$MODEL|X=1|--quant int8" "int8|scalar|$MODEL|MOERPC_PACK=scalar|--quant int8"
        "int4|auto|$MODEL|X=1|--quant int4" "int4|scalar|$MODEL|MOERPC_PACK=scalar|--quant int4"
        "fp8|auto|$FP8|X=1|" "fp8|scalar|$FP8|MOERPC_PACK=scalar|")
+if [ "$SCALAR" = 0 ]; then
+  cases=("bf16|auto|$MODEL|X=1|" "int8|auto|$MODEL|X=1|--quant int8"
+         "int4|auto|$MODEL|X=1|--quant int4" "fp8|auto|$FP8|X=1|")
+fi
 # One untimed load of each kind first: the first process to touch that much memory pays
 # for it (on a VM, the host backing it) more than the ones after.
 echo "load_speed: warm-up loads" >&2
@@ -137,7 +143,9 @@ for i in $(seq 1 "$RUNS"); do
     T["$f/$p"]+="$1 "; R["$f/$p"]+="$2 "
   done
   client_s X=1 >/dev/null; T[client/auto]+="$(client_s X=1) "
-  client_s MOERPC_PACK=scalar >/dev/null; T[client/scalar]+="$(client_s MOERPC_PACK=scalar) "
+  if [ "$SCALAR" != 0 ]; then
+    client_s MOERPC_PACK=scalar >/dev/null; T[client/scalar]+="$(client_s MOERPC_PACK=scalar) "
+  fi
 done
 med() { tr ' ' '\n' <<<"$1" | grep . | median; }
 rd=$(med "${T[read]}"); rd8=$(med "${T[read8]}")
@@ -149,7 +157,7 @@ for c in "${cases[@]}"; do
   else emit server "$f" "$p" warm "$GB" "$(med "${T[$f/$p]}")" "$rd" "$(med "${R[$f/$p]}")"; fi
 done
 emit client bf16 auto warm "$GB" "$(med "${T[client/auto]}")" "$rd"
-emit client bf16 scalar warm "$GB" "$(med "${T[client/scalar]}")" "$rd"
+[ "$SCALAR" = 0 ] || emit client bf16 scalar warm "$GB" "$(med "${T[client/scalar]}")" "$rd"
 
 if [ "$COLD" = 1 ]; then
   if ! (sync; echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then

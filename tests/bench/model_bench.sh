@@ -7,6 +7,8 @@
 #   MODEL=DIR ROUNDS=3 THREADS=2 PROMPT=32 DECODE=32 tests/bench/model_bench.sh
 #   CONFIGS="all-local 2-servers" ...        a subset of the five configurations (only the
 #                                            server sets they use are started)
+#   PIN_CLIENT=0,1 PIN_SERVER=2,3 ...        taskset CPU lists for the client and the servers
+#                                            (default: unpinned, the same cores for all)
 #
 # Writes JSON lines (one per run: moerpc-client bench --json summary + "config" and
 # "round") to $OUT (default build/bench/model_bench.jsonl) and prints a table of medians:
@@ -26,6 +28,8 @@ THREADS=${THREADS:-2}
 PROMPT=${PROMPT:-32}
 DECODE=${DECODE:-32}
 OUT=${OUT:-$BUILD/bench/model_bench.jsonl}
+PIN_CLIENT=${PIN_CLIENT:-}
+PIN_SERVER=${PIN_SERVER:-}
 CONFIGS=${CONFIGS:-all-local 1-server 1-server-K2 2-servers 2-servers-K2}
 DIR=$(mktemp -d)
 mkdir -p "$(dirname "$OUT")"
@@ -45,7 +49,7 @@ trap cleanup EXIT
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 start_server() { # name experts threads; sets PORT (not in a $(...) subshell: pids+= must stick)
   PORT=$(free_port)
-  "$BIN/moerpc-server" --model "$MODEL" --listen "127.0.0.1:$PORT" --experts "$2" \
+  ${PIN_SERVER:+taskset -c "$PIN_SERVER"} "$BIN/moerpc-server" --model "$MODEL" --listen "127.0.0.1:$PORT" --experts "$2" \
       --threads "$3" >"$DIR/$1.log" 2>&1 &
   pids+=($!)
 }
@@ -85,7 +89,7 @@ fi
 [ ${#want[@]} -eq 0 ] || wait_serving "${want[@]}"
 
 CPU=$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')
-echo "model_bench: $MODEL, cpu $CPU, threads $THREADS, prompt $PROMPT, decode $DECODE, $ROUNDS rounds ($(date -u +%F))"
+echo "model_bench: $MODEL, cpu $CPU, threads $THREADS, prompt $PROMPT, decode $DECODE, $ROUNDS rounds ($(date -u +%F))${PIN_CLIENT:+, client on CPUs $PIN_CLIENT}${PIN_SERVER:+, servers on CPUs $PIN_SERVER}"
 configs=()
 for c in $CONFIGS; do
   case $c in
@@ -103,7 +107,7 @@ for r in $(seq 1 "$ROUNDS"); do
     args=(bench --model "$MODEL" --threads "$THREADS" --prompt-len "$PROMPT" --decode "$DECODE"
           --repeats 1 --max-deferred "$K" --json --quiet --log warn)
     [ -n "$cl" ] && args+=(--cluster "$cl" --local-experts 0)
-    line=$("$BIN/moerpc-client" "${args[@]}" | head -n 1)
+    line=$(${PIN_CLIENT:+taskset -c "$PIN_CLIENT"} "$BIN/moerpc-client" "${args[@]}" | head -n 1)
     python3 -c 'import json,sys; r=json.loads(sys.argv[1]); r["config"]=sys.argv[2]; r["round"]=int(sys.argv[3]); print(json.dumps(r))' \
         "$line" "$name" "$r" >>"$OUT"
     echo "  round $r $name: $(python3 -c 'import json,sys; r=json.loads(sys.argv[1]); print("decode %.2f tok/s, prefill %.1f tok/s, overlap %.2f, bw_ratio %.2f" % (r["decode_tok_s"], r["prefill_tok_s"], r["overlap"], r["decode_bw_ratio"]))' "$line")"
