@@ -109,7 +109,8 @@ typedef struct kn__slice_w {
   size_t mem_bytes;   /* its size, including alignment padding */
   size_t map_bytes;   /* > 0: mem is a mapping of this many bytes on the slice's node */
   bool borrowed;      /* mem belongs to someone else (kn_layer_adopt_expert: a mapped
-                       * cache file); never freed here */
+                       * cache file; kn_layer_borrow_expert: the model file itself, mem
+                       * NULL, gate / up / down pointing into it); never freed here */
   void *gate;         /* [I_s rows][H], format layout above */
   void *up;           /* [I_s rows][H] */
   void *down;         /* [H rows][I_s] */
@@ -196,6 +197,9 @@ typedef struct kn__pack_fns {
   uint32_t (*to_f32)(float *dst, const void *src, mr_dtype dt, uint32_t n);
   /* Copies n values of dt from src to dst as they are; returns as to_f32. */
   uint32_t (*copy)(void *dst, const void *src, mr_dtype dt, uint32_t n);
+  /* Reads n values of dt at src (F32, F16, BF16) without writing anything; returns as
+   * to_f32 (the finite check of weights served in place: kn_layer_borrow_expert). */
+  uint32_t (*check)(const void *src, mr_dtype dt, uint32_t n);
   /* Copies n e4m3fn codes; returns the index of the first NaN code (0x7f, 0xff), or n. */
   uint32_t (*copy_fp8)(uint8_t *dst, const uint8_t *src, uint32_t n);
   float (*amax)(const float *src, uint32_t n);

@@ -611,8 +611,14 @@ static uint32_t pack_to_f32(float *dst, const void *src, mr_dtype dt, uint32_t n
   return n;
 }
 
+static uint32_t pack_check(const void *src, mr_dtype dt, uint32_t n);
+
 static uint32_t pack_copy(void *dst, const void *src, mr_dtype dt, uint32_t n) {
   memcpy(dst, src, (size_t)n * mr_dtype_size(dt));
+  return pack_check(src, dt, n);
+}
+
+static uint32_t pack_check(const void *src, mr_dtype dt, uint32_t n) {
   if (dt == MR_DTYPE_F32) {
     const float *v = src;
     for (uint32_t k = 0; k < n; k++)
@@ -639,6 +645,7 @@ static void pack_from_f32(void *dst, mr_dtype dt, const float *src, uint32_t n) 
 const kn__pack_fns kn__pack_scalar = {
     .to_f32 = pack_to_f32,
     .copy = pack_copy,
+    .check = pack_check,
     .copy_fp8 = pack_copy_fp8,
     .amax = pack_amax,
     .quant_int8 = pack_quant_int8,
@@ -904,6 +911,7 @@ typedef struct load_job {
   mr_dtype dt;                       /* MR_DTYPE_UNSPECIFIED when src_fp8 */
   bool src_fp8;                      /* src are e4m3 codes with block scales bscale */
   bool same;                         /* dt is what the format stores: rows are copied */
+  bool check_only;                   /* kn_layer_borrow_expert: same, rows only checked */
   const kn__pack_fns *P;             /* kn__pack() */
   const float *bscale[3];            /* [ceil(N/128)][ceil(K/128)] of each matrix (src_fp8) */
   float *rows;                       /* [n_workers][row_floats]: one fp32 row per worker */
@@ -956,7 +964,7 @@ static void load_row_same(load_job *j, void *dst, kn__proj p, size_t elem_off, u
                           uint32_t row, uint32_t col0) {
   const size_t esz = mr_dtype_size(j->dt);
   const char *src = (const char *)j->src[p] + elem_off * esz;
-  const uint32_t k = j->P->copy(dst, src, j->dt, K);
+  const uint32_t k = j->check_only ? j->P->check(src, j->dt, K) : j->P->copy(dst, src, j->dt, K);
   if (k < K) {
     float v;
     mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
@@ -1147,7 +1155,13 @@ static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
   for (uint32_t s = 0; s < L->n_slices; s++) {
     counts[s] = j.gu_items[s] = 0;
     if (L->slice_len[s] == 0) continue;
-    if ((rc = slice_alloc(L, expert, s, &j.w[s], e))) goto out_free;
+    if (j.check_only) { /* one slice, the whole expert: the source arrays themselves */
+      j.w[s] = (kn__slice_w){.borrowed = true, .mem_bytes = slice_layout_of(L, s).total,
+                             .gate = (void *)j.src[0], .up = (void *)j.src[1],
+                             .down = (void *)j.src[2]};
+    } else if ((rc = slice_alloc(L, expert, s, &j.w[s], e))) {
+      goto out_free;
+    }
     bytes += j.w[s].mem_bytes;
     j.gu_items[s] = (L->slice_len[s] + LOAD_BLOCK - 1) / LOAD_BLOCK;
     counts[s] = j.gu_items[s] + (H + LOAD_BLOCK - 1) / LOAD_BLOCK;
@@ -1225,6 +1239,32 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
 }
 
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert) { return kn__layer_owns(L, expert); }
+
+bool kn_layer_can_borrow(const kn_layer *L, mr_dtype src) {
+  return L && src != MR_DTYPE_UNSPECIFIED && src == kn__format_dtype(L->d.format) &&
+         L->n_slices == 1 && !L->numa_place && L->slice_len[0] == L->d.inter;
+}
+
+int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
+                           const void *down, mr_dtype src, mr_err *e) {
+  if (!L || !gate || !up || !down)
+    return mr_err_set(e, MR_EINVAL, "kn_layer_borrow_expert: layer, gate, up and down are required");
+  if (expert >= L->d.num_experts)
+    return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
+                      L->d.num_experts);
+  if (!kn_layer_can_borrow(L, src))
+    return mr_err_set(e, MR_ENOTSUP, "expert %u: a %s layer on %u slice(s) cannot serve %s "
+                      "weights in place (the format must store them as they are, on one slice)",
+                      expert, kn_format_name(L->d.format), L->n_slices, mr_dtype_name(src));
+  const void *srcs[3] = {gate, up, down};
+  for (int p = 0; p < 3; p++)
+    if ((uintptr_t)srcs[p] % mr_dtype_size(src))
+      return mr_err_set(e, MR_ENOTSUP, "expert %u %s at %p is not %zu-byte aligned: cannot be "
+                        "served in place", expert, proj_names[p], srcs[p], mr_dtype_size(src));
+  load_job j = {.L = L, .src = {gate, up, down}, .dt = src, .check_only = true,
+                .bad = {.set = false}};
+  return load_run(&j, expert, e);
+}
 
 /* ---- packed-weight cache (kn.h) ---------------------------------------------------- */
 

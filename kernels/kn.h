@@ -162,6 +162,20 @@ int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
  * server, the client's local experts and the tests. */
 int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
                             const mr_st_tensor *const scales[3], mr_err *e);
+/* Serves one expert in place, without a copy (the server's --map-weights): the layer reads
+ * gate / up / down ([I, H], [I, H], [H, I], dtype src, row-major as kn_layer_load_expert
+ * takes them) where they are, for as long as it or a layer kn_layer_rebuild shares the
+ * expert with lives, so the caller keeps them valid and unchanged until then (a model
+ * file's read-only mapping kept open; pages of a file can be evicted and re-read, and a
+ * file rewritten in place changes the weights or faults with SIGBUS). Every weight is
+ * checked finite first, on the engine's workers (MR_EINVAL naming it, as
+ * kn_layer_load_expert). Only where kn_layer_can_borrow: the format stores src as it is
+ * (bf16 / f16 / f32) and the layer has one slice (one NUMA node); else, or for an array
+ * not aligned to its element, MR_ENOTSUP, and the caller packs the expert instead. The
+ * layer's kernels and results are those of the packed copy (bit-identical). */
+bool kn_layer_can_borrow(const kn_layer *L, mr_dtype src);
+int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
+                           const void *down, mr_dtype src, mr_err *e);
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert);
 const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
 /* Bytes of packed weights held (for load progress and metrics). */

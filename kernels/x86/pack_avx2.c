@@ -95,7 +95,11 @@ static uint32_t to_f32_avx2(float *dst, const void *src, mr_dtype dt, uint32_t n
   return first_bad_f32(dst, n);
 }
 
-static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
+/* The finite check of n values of dt at src, copying them to dst when store (a constant
+ * in each caller, so that the check-only loop has no store). */
+static inline __attribute__((always_inline)) uint32_t scan_avx2(void *dst, const void *src,
+                                                                mr_dtype dt, uint32_t n,
+                                                                const bool store) {
   const size_t bytes = (size_t)n * mr_dtype_size(dt);
   uint8_t *d = dst;
   const uint8_t *s = src;
@@ -106,17 +110,17 @@ static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
     for (; b + 32 <= bytes; b += 32) {
       __m256i v = _mm256_loadu_si256((const __m256i *)(s + b));
       bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(_mm256_and_si256(v, m), m));
-      _mm256_storeu_si256((__m256i *)(d + b), v);
+      if (store) _mm256_storeu_si256((__m256i *)(d + b), v);
     }
   } else {
     const __m256i m = _mm256_set1_epi16((short)(dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00));
     for (; b + 32 <= bytes; b += 32) {
       __m256i v = _mm256_loadu_si256((const __m256i *)(s + b));
       bad = _mm256_or_si256(bad, _mm256_cmpeq_epi16(_mm256_and_si256(v, m), m));
-      _mm256_storeu_si256((__m256i *)(d + b), v);
+      if (store) _mm256_storeu_si256((__m256i *)(d + b), v);
     }
   }
-  memcpy(d + b, s + b, bytes - b);
+  if (store) memcpy(d + b, s + b, bytes - b);
   const bool tail_bad =
       dt == MR_DTYPE_F32 ? first_bad_f32((const float *)(s + b), (uint32_t)((bytes - b) / 4)) < (bytes - b) / 4
                          : first_bad_u16((const uint16_t *)(s + b), (uint32_t)((bytes - b) / 2),
@@ -124,6 +128,14 @@ static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
   if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
   if (dt == MR_DTYPE_F32) return first_bad_f32(src, n);
   return first_bad_u16(src, n, dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00);
+}
+
+static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
+  return scan_avx2(dst, src, dt, n, true);
+}
+
+static uint32_t check_avx2(const void *src, mr_dtype dt, uint32_t n) {
+  return scan_avx2(NULL, src, dt, n, false);
 }
 
 static uint32_t copy_fp8_avx2(uint8_t *dst, const uint8_t *src, uint32_t n) {
@@ -249,6 +261,7 @@ static void from_f32_avx2(void *dst, mr_dtype dt, const float *src, uint32_t n) 
 const kn__pack_fns kn__pack_avx2 = {
     .to_f32 = to_f32_avx2,
     .copy = copy_avx2,
+    .check = check_avx2,
     .copy_fp8 = copy_fp8_avx2,
     .amax = amax_avx2,
     .quant_int8 = quant_int8_avx2,

@@ -2,6 +2,8 @@
  * test_kn_pack.c - the loader's row converters (kn__pack_fns, kernels/internal.h section
  * B): the AVX2 set gives the bits of the scalar set (the definition) for every input.
  *
+ * check (the same finite test without a copy) returns what copy returns.
+ *
  * Inputs are random bit patterns (every exponent, subnormals, values that round to inf
  * in f16, exact rounding ties) plus the cases that matter to the loader: a value that is
  * not finite at the first, a middle and the last position of rows whose lengths are and
@@ -90,6 +92,9 @@ MT_TEST(to_f32_and_copy_match_the_scalar_set_with_bad_values_anywhere) {
         MT_EQ_INT(memcmp(ca, cb, (size_t)n * mr_dtype_size(dt)), 0);
         MT_EQ_INT(memcmp(ca, src, (size_t)n * mr_dtype_size(dt)), 0);
         MT_EQ_INT(ca[(size_t)n * mr_dtype_size(dt)], 0xa5); /* nothing written past the row */
+        /* check (the finite check of weights served in place) finds what copy finds. */
+        MT_EQ_INT(A->check(src, dt, n), rb);
+        MT_EQ_INT(S->check(src, dt, n), rb);
       }
 }
 

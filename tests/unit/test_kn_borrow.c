@@ -1,0 +1,169 @@
+/*
+ * test_kn_borrow.c - experts served in place (kn_layer_borrow_expert, the server's
+ * --map-weights; docs/DESIGN.md section 6.6):
+ *   - a borrowed expert gives the bits of the same expert packed by kn_layer_load_expert, for
+ *     bf16 / f16 / f32 on every ISA this CPU has (AMX included, at T = 16 where its tiles
+ *     run), one token and sixteen;
+ *   - the layer reads the caller's arrays and never frees them (ASan would flag a free of a
+ *     static array), also after kn_layer_rebuild shared the expert on;
+ *   - refusals: a format that does not store the source dtype as it is, two slices (NUMA),
+ *     an array not aligned to its element (MR_ENOTSUP: the caller packs instead), and a
+ *     weight that is not finite (MR_EINVAL naming matrix, row and column), each leaving the
+ *     expert unloaded.
+ */
+#include "kernels/kn.h"
+#include "tests/unit/kn_test.h"
+#include "tests/unit/mt.h"
+
+#include <math.h>
+#include <string.h>
+
+#define H 256
+#define I 128
+#define NE 4
+#define T_MAX 16
+
+static uint16_t w16[NE][3][H * I + 8]; /* bf16 / f16 bits (+8: room for a misaligned copy) */
+static float w32[NE][3][H * I];
+
+static void fill(mr_dtype dt) {
+  for (int x = 0; x < NE; x++)
+    for (int p = 0; p < 3; p++)
+      for (int i = 0; i < H * I; i++) {
+        float v = rng_normal() * 0.05f;
+        w32[x][p][i] = v;
+        if (dt == MR_DTYPE_BF16) mr_convert_from_f32(&w16[x][p][i], MR_DTYPE_BF16, &v, 1);
+        if (dt == MR_DTYPE_F16) mr_convert_from_f32(&w16[x][p][i], MR_DTYPE_F16, &v, 1);
+      }
+}
+
+static const void *arr(mr_dtype dt, int x, int p) {
+  return dt == MR_DTYPE_F32 ? (const void *)w32[x][p] : (const void *)w16[x][p];
+}
+
+static kn_format fmt_of(mr_dtype dt) {
+  return dt == MR_DTYPE_F32 ? KN_FMT_F32 : dt == MR_DTYPE_F16 ? KN_FMT_F16 : KN_FMT_BF16;
+}
+
+/* T tokens, two experts each (ids cycle over the layer's experts), into out[T * H]. */
+static void fwd(kn_engine *eng, const kn_layer *L, uint32_t T, float *out) {
+  static float x[T_MAX * H], wts[T_MAX * 2];
+  static int32_t ids[T_MAX * 2];
+  for (uint32_t t = 0; t < T; t++) {
+    for (int h = 0; h < H; h++) x[t * H + h] = (float)((t * 7 + (uint32_t)h) % 11) * 0.1f - 0.5f;
+    ids[2 * t] = (int32_t)(t % NE);
+    ids[2 * t + 1] = (int32_t)((t + 1) % NE);
+    wts[2 * t] = 0.75f;
+    wts[2 * t + 1] = 0.25f;
+  }
+  kn_moe_args a = {.n_tokens = T, .top_k = 2, .ids = ids, .weights = wts, .x = x,
+                   .x_dtype = MR_DTYPE_F32, .out = out};
+  mr_err e;
+  MT_OK(kn_moe_forward(eng, L, &a, NULL, &e), &e);
+}
+
+MT_TEST(borrowed_experts_compute_like_packed_ones_on_every_isa) {
+  const mr_dtype dts[] = {MR_DTYPE_BF16, MR_DTYPE_F16, MR_DTYPE_F32};
+  const kn_isa top = kn_isa_detect();
+  int runs = 0;
+  rng_seed(5);
+  for (int d = 0; d < 3; d++) {
+    fill(dts[d]);
+    for (int isa = KN_ISA_REF; isa <= (int)top; isa++) {
+      kn_engine *eng = NULL;
+      mr_err e;
+      kn_engine_opts eo = {.isa = (kn_isa)isa, .threads = 2};
+      MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+      kn_layer_desc desc = {.hidden = H, .inter = I, .num_experts = NE, .format = fmt_of(dts[d])};
+      kn_layer *packed = NULL, *inplace = NULL;
+      MT_OK(kn_layer_new(&packed, eng, &desc, &e), &e);
+      MT_OK(kn_layer_new(&inplace, eng, &desc, &e), &e);
+      MT_TRUE(kn_layer_can_borrow(inplace, dts[d]));
+      for (uint32_t x = 0; x < NE; x++) {
+        MT_OK(kn_layer_load_expert(packed, x, arr(dts[d], x, 0), arr(dts[d], x, 1), arr(dts[d], x, 2),
+                                   dts[d], &e), &e);
+        MT_OK(kn_layer_borrow_expert(inplace, x, arr(dts[d], x, 0), arr(dts[d], x, 1),
+                                     arr(dts[d], x, 2), dts[d], &e), &e);
+      }
+      MT_EQ_U64(kn_layer_bytes(inplace), kn_layer_bytes(packed));
+      MT_TRUE(kn_layer_expert_slice(inplace, 0, 0) == NULL); /* no packed block to copy out */
+      static float ref[T_MAX * H], got[T_MAX * H];
+      for (uint32_t T = 1; T <= T_MAX; T += T_MAX - 1) {
+        memset(got, 0xff, sizeof got);
+        fwd(eng, packed, T, ref);
+        fwd(eng, inplace, T, got);
+        MT_TRUE(isfinite(ref[0]) && ref[0] != 0.0f);
+        if (memcmp(ref, got, (size_t)T * H * sizeof(float)) != 0)
+          MT__FAIL("%s %s T=%u: in place differs from packed", kn_isa_name(kn_engine_isa(eng, desc.format)),
+                  kn_format_name(desc.format), T);
+        runs++;
+      }
+      /* Shared on by a rebuild, both layers freed: the static arrays are still ours. */
+      kn_layer *nw = NULL;
+      uint8_t all[NE] = {1, 1, 1, 1};
+      MT_OK(kn_layer_rebuild(&nw, inplace, all, NULL, &e), &e);
+      kn_layer_free(inplace);
+      fwd(eng, nw, T_MAX, got);
+      fwd(eng, packed, T_MAX, ref);
+      MT_TRUE(memcmp(ref, got, sizeof got) == 0);
+      kn_layer_free(nw);
+      kn_layer_free(packed);
+      kn_engine_free(eng);
+    }
+  }
+  MT_TRUE(runs >= 6);
+}
+
+MT_TEST(what_cannot_be_served_in_place_is_refused_and_left_unloaded) {
+  rng_seed(9);
+  fill(MR_DTYPE_BF16);
+  kn_engine *eng = NULL, *two = NULL;
+  mr_err e;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 2};
+  MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+  kn_layer_desc desc = {.hidden = H, .inter = I, .num_experts = NE, .format = KN_FMT_INT8};
+  kn_layer *L = NULL;
+  /* A quantized format: the weights must be converted. */
+  MT_OK(kn_layer_new(&L, eng, &desc, &e), &e);
+  MT_FALSE(kn_layer_can_borrow(L, MR_DTYPE_BF16));
+  MT_EQ_INT(kn_layer_borrow_expert(L, 0, w16[0][0], w16[0][1], w16[0][2], MR_DTYPE_BF16, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "a int8 layer on 1 slice(s) cannot serve bf16 weights in place");
+  MT_FALSE(kn_layer_has_expert(L, 0));
+  kn_layer_free(L);
+  /* Another float dtype than the one stored. */
+  desc.format = KN_FMT_BF16;
+  MT_OK(kn_layer_new(&L, eng, &desc, &e), &e);
+  MT_EQ_INT(kn_layer_borrow_expert(L, 0, w32[0][0], w32[0][1], w32[0][2], MR_DTYPE_F32, &e), MR_ENOTSUP);
+  /* Misaligned: a bf16 array at an odd address. */
+  static uint8_t odd[H * I * 2 + 2];
+  memcpy(odd + 1, w16[0][2], (size_t)H * I * 2);
+  MT_EQ_INT(kn_layer_borrow_expert(L, 0, w16[0][0], w16[0][1], odd + 1, MR_DTYPE_BF16, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "down at");
+  MT_CONTAINS(e.msg, "not 2-byte aligned");
+  /* A weight that is not finite: named, nothing loaded. */
+  const uint16_t keep = w16[1][2][5 * I + 7];
+  w16[1][2][5 * I + 7] = 0x7fc0; /* bf16 NaN */
+  MT_EQ_INT(kn_layer_borrow_expert(L, 1, w16[1][0], w16[1][1], w16[1][2], MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "expert 1 down[5, 7]");
+  MT_CONTAINS(e.msg, "weights must be finite");
+  w16[1][2][5 * I + 7] = keep;
+  MT_FALSE(kn_layer_has_expert(L, 0));
+  MT_FALSE(kn_layer_has_expert(L, 1));
+  MT_EQ_U64(kn_layer_bytes(L), 0);
+  MT_EQ_INT(kn_layer_borrow_expert(L, NE, w16[0][0], w16[0][1], w16[0][2], MR_DTYPE_BF16, &e), MR_ERANGE);
+  MT_OK(kn_layer_borrow_expert(L, 1, w16[1][0], w16[1][1], w16[1][2], MR_DTYPE_BF16, &e), &e);
+  MT_TRUE(kn_layer_has_expert(L, 1));
+  kn_layer_free(L);
+  /* Two slices (two NUMA nodes, forced): each slice needs its own block on its node. */
+  kn_engine_opts e2 = {.isa = KN_ISA_REF, .threads = 2, .force_split = 2};
+  MT_OK(kn_engine_new(&two, &e2, &e), &e);
+  MT_OK(kn_layer_new(&L, two, &desc, &e), &e);
+  MT_FALSE(kn_layer_can_borrow(L, MR_DTYPE_BF16));
+  MT_EQ_INT(kn_layer_borrow_expert(L, 0, w16[0][0], w16[0][1], w16[0][2], MR_DTYPE_BF16, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "on 2 slice(s)");
+  kn_layer_free(L);
+  kn_engine_free(two);
+  kn_engine_free(eng);
+}
+
+MT_MAIN()
