@@ -320,6 +320,16 @@ void mr_st_close(mr_st *st); /* NULL is a no-op */
 /* Asks the kernel to start reading t's bytes from disk now (madvise WILLNEED on its pages),
  * so that a loader reads one tensor while it converts the one before. Never fails. */
 void mr_st_prefetch(const mr_st_tensor *t);
+/* Reads t's bytes into the page cache and maps them, waiting for the disk
+ * (MADV_POPULATE_READ; MADV_WILLNEED where the kernel lacks it). Through a mapping advised
+ * by mr_st_advise_hugepage the reads come in 2 MiB folios, which a WILLNEED readahead does
+ * not give. Never fails. */
+void mr_st_populate(const mr_st_tensor *t);
+/* Advises huge pages (MADV_HUGEPAGE) on every file mapping of st, before its pages are
+ * touched: weights read in place from the mapping (the server's --map-weights) are then
+ * mapped 2 MiB at a time where the kernel and file system give large folios, as packed
+ * weights are, instead of one TLB entry per 4 KiB. Advice only. */
+void mr_st_advise_hugepage(const mr_st *st);
 /* Returns the tensor called name, or NULL. */
 const mr_st_tensor *mr_st_find(const mr_st *st, const char *name);
 size_t mr_st_count(const mr_st *st);

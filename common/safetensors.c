@@ -657,6 +657,25 @@ void mr_st_prefetch(const mr_st_tensor *t) {
   (void)madvise((void *)a, end - a, MADV_WILLNEED);
 }
 
+void mr_st_populate(const mr_st_tensor *t) {
+  if (!t || !t->nbytes) return;
+  const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+  const uintptr_t a = (uintptr_t)t->data & ~(pg - 1), end = (uintptr_t)t->data + t->nbytes;
+#ifdef MADV_POPULATE_READ
+  if (madvise((void *)a, end - a, MADV_POPULATE_READ) == 0) return;
+#endif
+  (void)madvise((void *)a, end - a, MADV_WILLNEED);
+}
+
+void mr_st_advise_hugepage(const mr_st *st) {
+#ifdef MADV_HUGEPAGE
+  for (size_t i = 0; st && i < st->n_shards; i++)
+    if (st->shards[i].map) (void)madvise(st->shards[i].map, st->shards[i].map_len, MADV_HUGEPAGE);
+#else
+  (void)st;
+#endif
+}
+
 size_t mr_st_count(const mr_st *st) { return st->n_tensors; }
 
 const mr_st_tensor *mr_st_at(const mr_st *st, size_t i) {

@@ -98,6 +98,9 @@ typedef struct es_server_opts {
   const char *weight_cache;  /* --weight-cache DIR: packed-weight cache (docs/DESIGN.md section
                               * 23), NULL = none */
   bool verify_cache;         /* check the cache's checksums before readiness, not after */
+  bool map_weights;          /* --map-weights: serve experts stored as served (bf16 / f16 /
+                              * f32, one NUMA node) in place from the model's files, no copy
+                              * (docs/DESIGN.md section 6.6); others are packed as usual */
   const char *metrics_token_file; /* bearer token /metrics requires (the probes /healthz and
                                    * /readyz stay open, for kubelet); NULL = none */
 } es_server_opts;

@@ -177,6 +177,8 @@ typedef struct es_load_req {
   uint8_t *want;             /* [num_layers * num_experts]: the pairs to load */
   uint64_t n_pairs;          /* pairs set in want */
   mr_st *st;                 /* the model's safetensors, open from the check to the end */
+  bool borrowed;             /* some pair is served in place from st (--map-weights): st
+                              * stays open for the server's life once the load is published */
   uint64_t tensors_total, bytes_total; /* what the load reads (headers) */
   uint64_t need, free_b;     /* packed bytes it adds, and the room there was */
   uint64_t id, t0_ns;        /* set when it becomes the latest load (es__load_record) */
@@ -306,6 +308,7 @@ static int es__load_check_tensors(es_server *s, es_load_req *lr, mr_err *e) {
     mr_err_prefix(e, rc, "model %s", s->model_dir);
     return rc;
   }
+  if (s->map_in_place) mr_st_advise_hugepage(lr->st); /* as at start-up (es_load.c) */
   char fp[17];
   if ((rc = mr_model_fingerprint(s->model_dir, lr->st, fp, e))) return rc;
   if (strcmp(fp, s->fingerprint) != 0)
@@ -368,7 +371,7 @@ static void es__load_reply(es_load_req *lr) {
 /* es-ctl-load, no lock: packs every pair of lr into staging layers (nobody else sees them),
  * counting the tensors and bytes read in *tensors, *bytes and the progress atomics. Stops
  * with MR_ECANCELED after the expert it is packing once a drain or the teardown begins. */
-static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging,
+static int es__load_pack(es_server *s, es_load_req *lr, kn_layer **staging,
                          uint64_t *tensors, uint64_t *bytes, bool use_cache, uint64_t *mapped,
                          mr_err *e) {
   const uint32_t L = s->cfg.num_layers, E = s->cfg.num_experts;
@@ -389,8 +392,16 @@ static int es__load_pack(es_server *s, const es_load_req *lr, kn_layer **staging
       }
       const mr_st_tensor *t[3];
       rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
-      if (!rc) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                         t[0]->dtype, e);
+      if (!rc && s->map_in_place) { /* in place, as at start-up (es_load.c) */
+        rc = kn_layer_borrow_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                    t[0]->dtype, e);
+        if (!rc) lr->borrowed = true;
+        else if (rc == MR_ENOTSUP) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data,
+                                                             t[2]->data, t[0]->dtype, e);
+      } else if (!rc) {
+        rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                  t[0]->dtype, e);
+      }
       if (rc) {
         mr_err_prefix(e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
         return rc;
@@ -473,6 +484,8 @@ static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e,
   s->ld_state = rc ? MOERPC__V1__LOAD_STATE__LOAD_STATE_FAILED : MOERPC__V1__LOAD_STATE__LOAD_STATE_DONE;
   s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
   snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e->msg : "");
+  /* Published experts served in place read lr->st's mapping from now on. */
+  if (!rc && lr->borrowed && es__keep_st(s, lr->st)) lr->st = NULL;
   pthread_mutex_unlock(&s->ctl_lock);
   mr_st_close(lr->st);
   lr->st = NULL;
@@ -529,6 +542,11 @@ int es__control_repack_all(es_server *s, mr_err *e) {
   rc = es__load_check_tensors(s, lr, e);
   if (!rc) rc = es__load_pack(s, lr, staging, &tensors, &bytes, false, &mapped, e);
   if (!rc) rc = es__load_publish(s, 0, staging, true, e);
+  if (!rc && lr->borrowed) { /* not with a weight cache (main.c), but kept as es__load_end does */
+    pthread_mutex_lock(&s->ctl_lock);
+    if (es__keep_st(s, lr->st)) lr->st = NULL;
+    pthread_mutex_unlock(&s->ctl_lock);
+  }
 out:
   for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
   mr_free(staging);

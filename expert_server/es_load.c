@@ -7,8 +7,12 @@
  *   2. open the safetensors (mmap), fingerprint the model;
  *   3. check every owned tensor's presence, dtype and shape (headers only, milliseconds);
  *   4. create the kn_engine (threads, NUMA) and one kn_layer per owned layer;
- *   5. pack each owned expert into its layer, logging progress at most once a second;
- *   6. unmap the files: the layers hold their own (packed, NUMA-placed) copies.
+ *   5. pack each owned expert into its layer, logging progress at most once a second
+ *      (with --map-weights, where the format stores the weights as they are and there is
+ *      one NUMA node: check each expert's weights in place instead and serve them from
+ *      the mapping, which es-map-read streams in ahead of the check, in 2 MiB folios);
+ *   6. unmap the files: the layers hold their own (packed, NUMA-placed) copies (with
+ *      --map-weights: keep the mapping until es__unload, after the layers).
  * Steps 1-4 are es__load_prepare, in es_server_new, before the port is bound; steps 5-6 are
  * es__load_weights, on the loader thread of es_server_run while the port already answers
  * health (docs/DESIGN.md 3.6).
@@ -17,6 +21,8 @@
  * MOERPC_TEST_LOAD_DELAY_MS (tests only, see tests/README.md): sleeps that long after each
  * expert is packed, so that a test can watch a tiny model load.
  */
+#define _GNU_SOURCE /* pthread_setname_np */
+#include <pthread.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <inttypes.h>
@@ -202,6 +208,9 @@ int es__load_prepare(es_server *s, mr_err *e) {
                                 : es__format_of_dtype(stored);
   s->group = s->format == KN_FMT_INT4 ? s->opts.group : 0;
   kn_format_wire_name(s->format, s->group, s->weight_format, sizeof s->weight_format);
+  if (s->opts.map_weights && (stored_fp8 || s->format != es__format_of_dtype(stored)))
+    mr_log(MR_LOG_WARN, "--map-weights: the experts are served as %s, not as stored (%s): "
+           "they are packed as usual", s->weight_format, stored_fp8 ? "fp8" : mr_dtype_name(stored));
 
   /* Step 4. */
   kn_engine_opts eo = {.isa = KN_ISA_COUNT, .threads = s->opts.threads, .numa = s->numa};
@@ -237,6 +246,12 @@ int es__load_prepare(es_server *s, mr_err *e) {
       goto out_close_st;
     }
     s->owned[l] = &s->owned_experts;
+    if (s->opts.map_weights && !stored_fp8 && !s->map_in_place) {
+      s->map_in_place = kn_layer_can_borrow(s->layers[l], stored);
+      if (!s->map_in_place && s->format == es__format_of_dtype(stored))
+        mr_log(MR_LOG_WARN, "--map-weights: the experts are split over %" PRIu32 " NUMA nodes "
+               "(each slice on its node): they are packed as usual", kn_engine_nodes(s->eng));
+    }
   }
 
   s->limits = (es_limits){.num_layers = c->num_layers, .num_experts = c->num_experts,
@@ -280,6 +295,32 @@ static void es__prefetch_next(es_server *s, const mr_st *st, uint32_t l, uint32_
   }
 }
 
+/* es-map-read (--map-weights): reads the owned experts' tensors in load order through the
+ * huge-page-advised mapping, ahead of the finite check that follows it on the engine's
+ * workers, so that a cold start streams the disk in 2 MiB folios (mapped 2 MiB at a time
+ * for decode) where a WILLNEED readahead would bring 4 KiB pages. Stops with the load. */
+typedef struct es_map_reader {
+  es_server *s;
+  atomic_bool stop; /* the load ended early */
+} es_map_reader;
+
+static void *es__map_read_main(void *arg) {
+  es_map_reader *r = arg;
+  es_server *s = r->s;
+  const mr_model_config *c = &s->cfg;
+  pthread_setname_np(pthread_self(), "es-map-read");
+  for (uint32_t l = 0; l < c->num_layers; l++) {
+    if (!s->layers[l]) continue;
+    for (uint32_t x = 0; x < c->num_experts && !atomic_load(&r->stop) && !atomic_load(&s->load_abort); x++) {
+      if (!mr_idset_has(&s->owned_experts, x)) continue;
+      const mr_st_tensor *t[3], *sc[3];
+      if (mr_config_expert_tensors_q(c, s->st, l, x, t, sc, NULL) != 0) return NULL;
+      for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
+    }
+  }
+  return NULL;
+}
+
 int es__load_weights(es_server *s, bool cached, mr_err *e) {
   mr_model_config *c = &s->cfg;
   mr_st *st = s->st;
@@ -289,6 +330,16 @@ int es__load_weights(es_server *s, bool cached, mr_err *e) {
   uint32_t n_experts = mr_idset_count(&s->owned_experts);
   es_progress prog = {.tensors_total = s->load_tensors_total, .bytes_total = s->load_bytes_total};
 
+  /* Experts read in place: 2 MiB mappings of the file's pages where the kernel gives them
+   * (decode streams the weights: 4 KiB entries cost 10-25 % of a T = 16 call here). */
+  pthread_t reader;
+  es_map_reader mr = {.s = s};
+  atomic_init(&mr.stop, false);
+  bool reader_started = false;
+  if (s->map_in_place && !cached) {
+    mr_st_advise_hugepage(st);
+    reader_started = pthread_create(&reader, NULL, es__map_read_main, &mr) == 0;
+  }
   /* Step 5, unless the loader mapped every owned expert from the weight cache (cached). */
   prog.t0_ns = prog.last_ns = mr_now_ns();
   for (uint32_t l = 0; l < c->num_layers && !cached; l++) {
@@ -297,8 +348,16 @@ int es__load_weights(es_server *s, bool cached, mr_err *e) {
       if (!mr_idset_has(&s->owned_experts, x)) continue;
       const mr_st_tensor *t[3], *sc[3];
       if ((rc = es__expect_expert(s, st, l, x, t, sc, e))) goto out_close_st;
-      es__prefetch_next(s, st, l, x);
-      rc = kn_layer_load_expert_st(s->layers[l], x, t, sc, e);
+      if (!s->map_in_place) es__prefetch_next(s, st, l, x);
+      rc = MR_ENOTSUP;
+      if (s->map_in_place && !sc[0]) {
+        /* In place: one read (the finite check), no copy. MR_ENOTSUP (a tensor of another
+         * dtype, or misaligned in its file): packed like the rest. */
+        rc = kn_layer_borrow_expert(s->layers[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                    t[0]->dtype, e);
+        if (!rc) s->n_mapped++;
+      }
+      if (rc == MR_ENOTSUP) rc = kn_layer_load_expert_st(s->layers[l], x, t, sc, e);
       if (rc) {
         rc = es__file_err(e, rc, "loading layer %" PRIu32 " expert %" PRIu32 " from %s", l, x,
                           t[0]->file);
@@ -325,18 +384,41 @@ int es__load_weights(es_server *s, bool cached, mr_err *e) {
   char isa[64];
   snprintf(isa, sizeof isa, "%s for %s", kn_isa_name(kn_engine_isa(s->eng, s->format)),
            kn_format_name(s->format));
+  char how[96] = "";
+  if (cached) snprintf(how, sizeof how, " (mapped from the weight cache)");
+  else if (s->n_mapped)
+    snprintf(how, sizeof how, " (%" PRIu64 " of %" PRIu32 " served in place from the model's files)",
+             s->n_mapped, s->n_experts_loaded);
   mr_log(MR_LOG_INFO,
-         "loaded: %" PRIu32 " experts (%" PRIu32 " per layer) in %" PRIu32 " layers, %.2f GB packed "
+         "loaded: %" PRIu32 " experts (%" PRIu32 " per layer) in %" PRIu32 " layers, %.2f GB %s "
          "in %.2f s%s, format %s, isa %s, %" PRIu32 " threads on %" PRIu32 " NUMA node(s), model %s",
          s->n_experts_loaded, n_experts, n_layers, (double)s->weight_bytes / 1e9,
-         (double)(mr_now_ns() - t0) / 1e9, cached ? " (mapped from the weight cache)" : "",
-         s->weight_format, isa, kn_engine_threads(s->eng),
+         s->n_mapped == s->n_experts_loaded && s->n_mapped ? "mapped" : "packed",
+         (double)(mr_now_ns() - t0) / 1e9, how, s->weight_format, isa, kn_engine_threads(s->eng),
          kn_engine_nodes(s->eng), s->fingerprint);
   rc = 0;
 out_close_st:
+  if (reader_started) {
+    atomic_store(&mr.stop, true); /* done, or failed: it stops after its expert */
+    pthread_join(reader, NULL);
+  }
+  /* Experts served in place read this mapping until the layers go (es__unload). */
+  if (s->n_mapped && es__keep_st(s, st)) st = NULL;
   mr_st_close(st);
   s->st = NULL;
   return rc;
+}
+
+bool es__keep_st(es_server *s, mr_st *st) {
+  mr_st **k = mr_realloc(s->st_kept, (s->n_st_kept + 1) * sizeof *k);
+  if (!k) {
+    /* Out of memory for one pointer: the mapping then stays until exit, unclosed. */
+    mr_log(MR_LOG_WARN, "out of memory keeping a model mapping's handle: it stays mapped until exit");
+    return true;
+  }
+  k[s->n_st_kept++] = st;
+  s->st_kept = k;
+  return true;
 }
 
 void es__unload(es_server *s) {
@@ -347,6 +429,11 @@ void es__unload(es_server *s) {
     mr_free(s->layers);
     s->layers = NULL;
   }
+  /* After the layers: their in-place experts read these. */
+  for (uint32_t i = 0; i < s->n_st_kept; i++) mr_st_close(s->st_kept[i]);
+  mr_free(s->st_kept);
+  s->st_kept = NULL;
+  s->n_st_kept = 0;
   mr_free(s->owned);
   s->owned = NULL;
   kn_engine_free(s->eng);

@@ -149,6 +149,11 @@ int es_server_new(es_server **out, const es_server_opts *opts, mr_err *e) {
 
   if ((rc = es__auth_init(s, e))) goto out_free_server;
   if ((rc = es__admin_init(s, e))) goto out_free_server;
+  if (opts->map_weights && opts->weight_cache) {
+    rc = mr_err_set(e, MR_EINVAL, "--map-weights with --weight-cache %s: experts served in place "
+                    "leave nothing to cache; give one of the two", opts->weight_cache);
+    goto out_free_server;
+  }
   if ((rc = es__cache_new(s, opts->weight_cache, e))) goto out_free_server;
   s->cache_repack = es__control_repack_all;
   if ((rc = es__load_prepare(s, e))) goto out_free_server;

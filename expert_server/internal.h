@@ -383,6 +383,13 @@ struct es_server {
   /* Loading (es_load.c; the loader thread, es_admin.c). The totals are set by es_server_new;
    * the progress counters are written by the loader and read by anyone. */
   mr_st *st;                 /* the open safetensors, until the weights are packed */
+  bool map_in_place;         /* --map-weights took effect (es__load_prepare): owned experts
+                              * borrow the model's mapping (kn_layer_borrow_expert) */
+  uint64_t n_mapped;         /* experts served in place at start-up (the rest were packed) */
+  mr_st **st_kept;           /* the mappings in-place experts read: start-up's, then one per
+                              * live load that mapped experts (appended under ctl_lock);
+                              * closed by es__unload after the layers */
+  uint32_t n_st_kept;
   uint64_t load_tensors_total, load_bytes_total;
   atomic_ullong load_tensors_done, load_bytes_done;
   atomic_bool load_abort;    /* the drain began during the load: stop after this expert */
@@ -578,6 +585,9 @@ struct es_server {
  * MR_ECANCELED once load_abort is seen; closes st. */
 int es__load_prepare(es_server *s, mr_err *e);
 int es__load_weights(es_server *s, bool cached, mr_err *e);
+/* Keeps a model mapping that in-place experts read until es__unload (ctl_lock held, or
+ * the loader before serving); true: the server owns st now. */
+bool es__keep_st(es_server *s, mr_st *st);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);

@@ -44,6 +44,14 @@ static void usage(FILE *f) {
           "                           there once serving (docs/DESIGN.md section 23)\n"
           "  --verify-cache           check the cache's checksums before readiness (default:\n"
           "                           in the background once serving)\n"
+          "  --map-weights            serve the experts in place from the model's files (read-\n"
+          "                           only mapping, no copy) when they are stored as served\n"
+          "                           (bf16/f16/f32, no --quant, one NUMA node): ready after one\n"
+          "                           finite-check read, and the page cache is the only copy.\n"
+          "                           The files must not change while serving (a rewrite in\n"
+          "                           place is SIGBUS or wrong weights) and their pages can be\n"
+          "                           evicted under memory pressure. Not with --weight-cache\n"
+          "                           (nothing to cache); otherwise packed as usual\n"
           "  --numa auto|N|LIST       NUMA nodes: auto, a node count, or a list like 0,1 (default auto)\n"
           "  --max-tokens N           most tokens in one request, 1..%u (default %u)\n"
           "  --quant FMT              weight format: bf16|f16|f32|int8|int4|fp8 (default: as\n"
@@ -207,7 +215,7 @@ enum {
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT, OPT_MAX_EXPERT_MEMORY,
   OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN, OPT_METRICS_TOKEN, OPT_UNLOAD_GRACE,
-  OPT_WEIGHT_CACHE, OPT_VERIFY_CACHE
+  OPT_WEIGHT_CACHE, OPT_VERIFY_CACHE, OPT_MAP_WEIGHTS
 };
 
 int main(int argc, char **argv) {
@@ -233,6 +241,7 @@ int main(int argc, char **argv) {
       {"metrics-token-file", required_argument, NULL, OPT_METRICS_TOKEN},
       {"weight-cache", required_argument, NULL, OPT_WEIGHT_CACHE},
       {"verify-cache", no_argument, NULL, OPT_VERIFY_CACHE},
+      {"map-weights", no_argument, NULL, OPT_MAP_WEIGHTS},
       {"tls-cert", required_argument, NULL, OPT_TLS_CERT},
       {"tls-key", required_argument, NULL, OPT_TLS_KEY},
       {"tls-client-ca", required_argument, NULL, OPT_TLS_CLIENT_CA},
@@ -326,6 +335,7 @@ int main(int argc, char **argv) {
     case OPT_METRICS_TOKEN: o.metrics_token_file = optarg; break;
     case OPT_WEIGHT_CACHE: o.weight_cache = optarg; break;
     case OPT_VERIFY_CACHE: o.verify_cache = true; break;
+    case OPT_MAP_WEIGHTS: o.map_weights = true; break;
     case OPT_INSECURE: o.insecure = true; break;
     case OPT_HELP: usage(stdout); return 0;
     case ':': return usage_error("%s needs a value", argv[optind - 1]);
@@ -336,6 +346,9 @@ int main(int argc, char **argv) {
   if (!o.model_dir) return usage_error("--model DIR is required");
   if (!o.experts) return usage_error("--experts SPEC is required (\"all\" or ids like 0-7,12)");
   if (o.verify_cache && !o.weight_cache) return usage_error("--verify-cache needs --weight-cache DIR");
+  if (o.map_weights && o.weight_cache)
+    return usage_error("--map-weights serves the model's files in place: there is nothing for "
+                       "--weight-cache DIR to hold; give one of the two");
   if (group_set && !(o.quant_set && o.quant == KN_FMT_INT4))
     return usage_error("--group applies to --quant int4 only");
 
