@@ -1091,6 +1091,7 @@ static const gc_bk_ops cuda_ops = {
     cu_experts_new,
     cu_experts_load,
     cu_experts_load_st,
+    nullptr, /* experts_borrow_st: experts are copied to the device */
     cu_experts_free,
     cu_experts_expert_bytes,
     cu_matmul,

@@ -50,7 +50,8 @@ enum {
   MO_THREADS, MO_ISA, MO_NUMA, MO_FORMAT, MO_DENSE, MO_WIRE, MO_DEADLINE, MO_CONNECT, MO_LOG,
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
   MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH,
-  MO_BACKEND, MO_DEVICE, MO_TP, MO_TEXT, MO_CHAT, MO_SYSTEM, MO_STOP, MO_TEMPLATE, MO_TOPK
+  MO_BACKEND, MO_DEVICE, MO_TP, MO_TEXT, MO_CHAT, MO_SYSTEM, MO_STOP, MO_TEMPLATE, MO_TOPK,
+  MO_MAP
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -68,6 +69,7 @@ enum {
       {"isa", required_argument, NULL, MO_ISA},                                          \
       {"numa", required_argument, NULL, MO_NUMA},                                        \
       {"format", required_argument, NULL, MO_FORMAT},                                    \
+      {"map-weights", no_argument, NULL, MO_MAP},                                        \
       {"dense-format", required_argument, NULL, MO_DENSE},                               \
       {"wire", required_argument, NULL, MO_WIRE},                                        \
       {"deadline-ms", required_argument, NULL, MO_DEADLINE},                             \

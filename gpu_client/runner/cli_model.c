@@ -62,6 +62,9 @@ const char gc__cli_model_help[] =
     "  --format FMT             hot experts: f32|f16|bf16|int8|int4 (default: the servers'\n"
     "                           weight format, or as stored without --cluster)\n"
     "  --dense-format FMT       projections and lm_head (default: as stored)\n"
+    "  --map-weights            cpu: serve the hot experts in place from the model's files\n"
+    "                           (no copy) where they are stored as served (bf16/f16/f32, one\n"
+    "                           NUMA node); the files must not change while it runs\n"
     "  --wire f32|f16|bf16      hidden states to the servers (default bf16)\n"
     "  --deadline-ms N          per-request deadline, 1..600000 (default: the cluster file's)\n"
     "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
@@ -219,6 +222,7 @@ static int model_opt(void *ctx, int opt, const char *arg) {
     mr_log_set_level(lvl);
     return 1;
   case MO_QUIET: o->quiet = true; return 1;
+  case MO_MAP: o->map_weights = true; return 1;
   case MO_METRICS: c->metrics_listen = arg; return 1;
   case MO_RWINDOW:
     return gc__cli_u32("--routing-window", arg, 1, GC_ROUTING_MAX_WINDOW, &o->routing_window) ? 1 : -1;

@@ -154,6 +154,13 @@ static int cpu_experts_load_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
   (void)b;
   return kn_layer_load_expert_st(x->L, expert, t, scales, e);
 }
+static int cpu_experts_borrow_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
+                                 const mr_st_tensor *const t[3], mr_err *e) {
+  (void)b;
+  if (!kn_layer_can_borrow(x->L, t[0]->dtype) || t[1]->dtype != t[0]->dtype || t[2]->dtype != t[0]->dtype)
+    return mr_err_set(e, MR_ENOTSUP, "expert %u: not servable in place", expert);
+  return kn_layer_borrow_expert(x->L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+}
 static void cpu_experts_free(gc_backend *b, gc_bk_experts *x) {
   (void)b;
   if (!x) return;
@@ -631,6 +638,7 @@ static const gc_bk_ops cpu_ops = {
     .experts_new = cpu_experts_new,
     .experts_load = cpu_experts_load,
     .experts_load_st = cpu_experts_load_st,
+    .experts_borrow_st = cpu_experts_borrow_st,
     .experts_free = cpu_experts_free,
     .experts_expert_bytes = cpu_experts_expert_bytes,
     .matmul = cpu_matmul,

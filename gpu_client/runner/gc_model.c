@@ -135,6 +135,8 @@ struct gc_model {
   uint8_t *local;                 /* [L * E] the client computes it */
   uint32_t *seq_len;              /* [max_batch] */
   uint64_t dense_bytes, expert_bytes_one, hot_bytes;
+  uint64_t n_mapped;              /* hot experts served in place (o.map_weights) */
+  mr_st *st_kept;                 /* the mapping they read: closed after the ranks */
   uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
   gc_model_stats st;
   gc_layer_stats *lst;
@@ -603,7 +605,15 @@ static int load_moe(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
     const mr_st_tensor *t[3], *sc[3];
     rc = mr_config_expert_tensors_q(&m->cfg, ld->st, l, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
-    rc = bk->ops->experts_load_st(bk, ly->hot, x, t, sc, e);
+    rc = MR_ENOTSUP;
+    if (m->o.map_weights && bk->ops->experts_borrow_st && !sc[0]) {
+      /* In place (as the server's --map-weights): read through the huge-page-advised
+       * mapping first, so that the pages come in 2 MiB folios, then checked and kept. */
+      for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
+      rc = bk->ops->experts_borrow_st(bk, ly->hot, x, t, e);
+      if (!rc) m->n_mapped++;
+    }
+    if (rc == MR_ENOTSUP) rc = bk->ops->experts_load_st(bk, ly->hot, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "layer %u expert %u", l, x);
     for (int p = 0; p < 3; p++) {
       load_count(ld, t[p]);
@@ -1180,6 +1190,7 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     const mr_st_tensor *t = mr_st_find(st, key);
     if (t) m->expert_fmt = mr_st_is_f8e4m3(t) ? KN_FMT_FP8 : dense_format_of_dtype(t->dtype);
   }
+  if (o->map_weights) mr_st_advise_hugepage(st);
   for (uint32_t r = 0; r < m->tp; r++) {
     if ((rc = load_weights(m, &m->rk[r], st, e))) goto out;
     if ((rc = alloc_caches(m, &m->rk[r], e))) goto out;
@@ -1194,17 +1205,27 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
   }
   uint64_t n_local = 0;
   for (size_t i = 0; i < (size_t)m->L * m->E; i++) n_local += m->local[i];
+  if (o->map_weights && n_local && !m->n_mapped)
+    mr_log(MR_LOG_WARN, "--map-weights: no hot expert is served in place (backend %s, format "
+           "%s; only the cpu backend serves experts stored as served, on one NUMA node): all "
+           "packed", m->rk[0].bk->ops->name, kn_format_name(m->expert_fmt));
+  char mapped[64] = "";
+  if (m->n_mapped) snprintf(mapped, sizeof mapped, ", %llu in place", (unsigned long long)m->n_mapped);
   mr_log(MR_LOG_INFO, "model open: %s %s, %u layers (%u MoE), H=%u E=%u k=%u, dense %.2f GB, "
-         "%llu hot experts (%.2f GB, %s), %s, backend %s, tp %u, %u threads, max_seq %u, "
+         "%llu hot experts (%.2f GB, %s%s), %s, backend %s, tp %u, %u threads, max_seq %u, "
          "batch %u, max_deferred %u", c->arch_name, m->model_dir, m->L,
          mr_config_num_moe_layers(c), m->H, m->E, m->k, (double)m->dense_bytes / 1e9,
-         (unsigned long long)n_local, (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt),
+         (unsigned long long)n_local, (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt), mapped,
          m->cluster ? "cold experts on the cluster" : "all experts local",
          m->rk[0].bk->ops->name, m->tp, kn_engine_threads(m->eng), m->max_seq, m->max_batch,
          m->moe ? o->max_deferred : 0);
   if (o->watch_placement) {
     m->cf = cf; /* kept to reopen the cluster on a switch */
     cf = NULL;
+  }
+  if (m->n_mapped) { /* experts served in place read it until gc_model_close */
+    m->st_kept = st;
+    st = NULL;
   }
   *out = m;
   m = NULL;
@@ -1261,6 +1282,8 @@ static void rank_free(gc_model *m, model_rank *r) {
 
 static void ranks_stop(gc_model *m);
 
+uint64_t gc_model_mapped_experts(const gc_model *m) { return m ? m->n_mapped : 0; }
+
 void gc_model_close(gc_model *m) {
   if (!m) return;
   ranks_stop(m);
@@ -1278,6 +1301,7 @@ void gc_model_close(gc_model *m) {
   mr_free(m->lst_snap);
   mr_free(m->seen);
   mr_free(m->cf);
+  mr_st_close(m->st_kept); /* after the ranks: their in-place experts read it */
   if (m->locks_inited) {
     pthread_mutex_destroy(&m->cl_lock);
     pthread_mutex_destroy(&m->pl_lock);

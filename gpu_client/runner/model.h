@@ -60,6 +60,9 @@ typedef struct gc_model_opts {
   mr_dtype wire;              /* hidden states to the servers; 0 = bf16 */
   uint32_t deadline_ms, connect_timeout_ms; /* 0 = the cluster file's / the library's */
   bool quiet;                 /* no loading progress lines */
+  bool map_weights;           /* hot experts served in place from the model's mapping where
+                               * the backend can (cpu: kn_layer_borrow_expert; the files must
+                               * stay unchanged while the model is open); others packed */
   bool watch_placement;       /* with placement_path and cluster_path: at each step boundary
                                * re-read placement_path if it changed (inode, size, mtime)
                                * and switch to it (see gc_model_placement_get) */
@@ -74,6 +77,8 @@ void gc_model_opts_init(gc_model_opts *o);
 /* Opens the model (see the top of the file). On failure *out is NULL and e says why. */
 int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e);
 void gc_model_close(gc_model *m); /* NULL is a no-op */
+/* Hot experts (all ranks) served in place from the model's files (map_weights). */
+uint64_t gc_model_mapped_experts(const gc_model *m);
 
 const mr_model_config *gc_model_config(const gc_model *m);
 uint32_t gc_model_max_seq(const gc_model *m);
