@@ -15,12 +15,14 @@
 #                   that owns a private copy cannot go below, on hosts (VMs) where first
 #                   touch of memory is slower than the read itself;
 #   server FORMAT   moerpc-server's packing phase ("loading: done ... in S s") for the
-#                   stored format (bf16 / fp8: copied) and online int8 / int4, with the
+#                   stored format (bf16 / fp8: copied; bf16 with pack = map: --map-weights,
+#                   served in place from the files after a finite check) and online int8 / int4, with the
 #                   row converters kn__pack picks for this CPU (pack = auto: AVX2 where present) and the scalar ones
 #                   (MOERPC_PACK=scalar, the converters before this change, as a baseline);
 #                   ready_s is exec to readiness;
 #   client          moerpc-client bench's load of everything (dense layers and every expert
-#                   local, bf16), its "model: loaded ..." line.
+#                   local, bf16), its "model: loaded ..." line; pack = map: --map-weights
+#                   (the experts served in place, the dense layers packed).
 # ratio = load GB/s / read GB/s of the same files in the same run.
 #
 # Reused memory: each timed load runs right after an untimed load of the same size, so that
@@ -88,10 +90,11 @@ server_s() { # model env extra...: prints "load_s ready_s"
   echo "$load $(echo "$t0 $t1" | awk '{printf "%.3f", $2 - $1}')"
 }
 
-client_s() { # env: seconds of the client's model load
-  local log="$DIR/client.log"
-  env $1 "$BIN/moerpc-client" bench --model "$MODEL" --threads "$THREADS" --decode 1 \
-      --prompt-len 2 --repeats 1 >"$log" 2>&1 || { tail -5 "$log" >&2; exit 1; }
+client_s() { # env [flags...]: seconds of the client's model load
+  local log="$DIR/client.log" env=$1
+  shift
+  env $env "$BIN/moerpc-client" bench --model "$MODEL" --threads "$THREADS" --decode 1 \
+      --prompt-len 2 --repeats 1 "$@" >"$log" 2>&1 || { tail -5 "$log" >&2; exit 1; }
   # "model: loaded N/N tensors, A/B GB, R GB/s, took S s"
   sed -n 's/.*model: loaded .* took \([0-9.]*\) s.*/\1/p' "$log" | tail -1
 }
@@ -112,12 +115,12 @@ echo "load_speed: $MODEL ($GB GB), $FP8 ($GB8 GB), $RUNS runs, $THREADS threads,
 # Warm: every file read once first, then the runs alternate so that drift hits all alike.
 cat "$MODEL"/*.safetensors "$FP8"/*.safetensors >/dev/null
 declare -A T R
-cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|"
+cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|" "bf16|map|$MODEL|X=1|--map-weights"
        "int8|auto|$MODEL|X=1|--quant int8" "int8|scalar|$MODEL|MOERPC_PACK=scalar|--quant int8"
        "int4|auto|$MODEL|X=1|--quant int4" "int4|scalar|$MODEL|MOERPC_PACK=scalar|--quant int4"
        "fp8|auto|$FP8|X=1|" "fp8|scalar|$FP8|MOERPC_PACK=scalar|")
 if [ "$SCALAR" = 0 ]; then
-  cases=("bf16|auto|$MODEL|X=1|" "int8|auto|$MODEL|X=1|--quant int8"
+  cases=("bf16|auto|$MODEL|X=1|" "bf16|map|$MODEL|X=1|--map-weights" "int8|auto|$MODEL|X=1|--quant int8"
          "int4|auto|$MODEL|X=1|--quant int4" "fp8|auto|$FP8|X=1|")
 fi
 # One untimed load of each kind first: the first process to touch that much memory pays
@@ -143,6 +146,7 @@ for i in $(seq 1 "$RUNS"); do
     T["$f/$p"]+="$1 "; R["$f/$p"]+="$2 "
   done
   client_s X=1 >/dev/null; T[client/auto]+="$(client_s X=1) "
+  client_s X=1 --map-weights >/dev/null; T[client/map]+="$(client_s X=1 --map-weights) "
   if [ "$SCALAR" != 0 ]; then
     client_s MOERPC_PACK=scalar >/dev/null; T[client/scalar]+="$(client_s MOERPC_PACK=scalar) "
   fi
@@ -157,6 +161,7 @@ for c in "${cases[@]}"; do
   else emit server "$f" "$p" warm "$GB" "$(med "${T[$f/$p]}")" "$rd" "$(med "${R[$f/$p]}")"; fi
 done
 emit client bf16 auto warm "$GB" "$(med "${T[client/auto]}")" "$rd"
+emit client bf16 map warm "$GB" "$(med "${T[client/map]}")" "$rd"
 [ "$SCALAR" = 0 ] || emit client bf16 scalar warm "$GB" "$(med "${T[client/scalar]}")" "$rd"
 
 if [ "$COLD" = 1 ]; then
@@ -167,12 +172,14 @@ if [ "$COLD" = 1 ]; then
   echo "load_speed: cold runs (page cache dropped before each)" >&2
   drop; crd=$(read_s "$MODEL")
   emit read bf16 - cold "$GB" "$crd" "$crd"
-  for f in bf16 int8; do
+  for f in bf16 bf16-map int8; do
     extra=""; [ "$f" = int8 ] && extra="--quant int8"
+    [ "$f" = bf16-map ] && extra="--map-weights"
     drop
     # shellcheck disable=SC2086
     set -- $(server_s "$MODEL" X=1 $extra)
-    emit server "$f" auto cold "$GB" "$1" "$crd" "$2"
+    if [ "$f" = bf16-map ]; then emit server bf16 map cold "$GB" "$1" "$crd" "$2"
+    else emit server "$f" auto cold "$GB" "$1" "$crd" "$2"; fi
   done
   drop; crd8=$(read_s "$FP8")
   emit read fp8 - cold "$GB8" "$crd8" "$crd8"

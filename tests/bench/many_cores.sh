@@ -6,14 +6,15 @@
 #
 #   tests/bench/many_cores.sh                                  # build/bin
 #   BIN=build/gpu-bundle/bin OUT=$OUT tests/bench/many_cores.sh   # a bundle (tests/gpu/run.sh)
-#   STEPS="load rpc" ...                                       # a subset of: load cache rpc model
+#   STEPS="load rpc" ...                                       # a subset of: load cache rpc map model
 #
 # Steps (each under its own time limit; JSON lines of every step in $OUT/many_cores.jsonl):
 #   load   tests/bench/load_speed.sh, --threads = every CPU, warm (RUNS=3, no scalar
 #          baselines) and cold (page cache dropped, where root may);
 #   cache  tests/bench/cache_restart.sh, --threads = every CPU, 3 runs each way;
 #   rpc    tests/bench/rpc_pinned.sh 3 (T = 1, 16): server pinned to the last CPU, client to
-#          the first, each a physical core of its own here;
+#          the first, each a physical core of its own here; rpc_wide: each on half the CPUs;
+#   map    tests/bench/map_ab.sh 3: --map-weights against packed (ready, compute at T = 1, 16);
 #   model  tests/bench/model_bench.sh, all-local vs one server, 5 rounds, 64 decode steps:
 #          (a) client and server on the same CPUs 0,1 (the 2-core target of issue 24),
 #          (b) the client on CPUs 0,1 and the server on CPUs 2,3 (cores of its own).
@@ -23,7 +24,7 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 BIN=$(cd "${BIN:-$ROOT/build/bin}" && pwd)
 OUT=${OUT:-$ROOT/build/bench/many_cores}
-STEPS=${STEPS:-load cache rpc model}
+STEPS=${STEPS:-load cache rpc map model}
 W=${WORK:-$(mktemp -d /tmp/moerpc-many.XXXXXX)}
 mkdir -p "$OUT" "$W/b/bench"
 ln -sfn "$BIN" "$W/b/bin"
@@ -53,7 +54,7 @@ mk() { # out layers dtype
       --dtype "$3" >"$W/mk.$(basename "$1").log" 2>&1
 }
 t0=$SECONDS
-{ want load || want cache; } && { mk "$M2" 2 bf16 & mk "$M8" 2 fp8 & }
+{ want load || want cache || want map; } && { mk "$M2" 2 bf16 & mk "$M8" 2 fp8 & }
 want model && mk "$M4" 4 bf16 &
 wait
 echo "(models made in $((SECONDS - t0)) s: $(du -sh "$W/b/bench" | cut -f1))"
@@ -63,6 +64,11 @@ want load && step load 150 env BUILD="$W/b" MODEL="$M2" FP8="$M8" THREADS="$ncpu
 want cache && step cache 60 env BUILD="$W/b" MODEL="$M2" THREADS="$ncpu" RUNS=3 \
     bash "$ROOT/tests/bench/cache_restart.sh"
 want rpc && step rpc 60 env BIN="$BIN" TOKENS=1,16 ITERS=2000 bash "$ROOT/tests/bench/rpc_pinned.sh" 3
+# the same with each side on half the CPUs (its gRPC threads on cores of their own)
+want rpc && step rpc_wide 60 env BIN="$BIN" TOKENS=1,16 ITERS=2000 CLIENT_CPUS=0-$((ncpu / 2 - 1)) \
+    SERVER_CPUS=$((ncpu / 2))-$((ncpu - 1)) bash "$ROOT/tests/bench/rpc_pinned.sh" 3
+want map && step map 120 env BUILD="$W/b" MODEL="$M2" THREADS="$ncpu" TOKENS=1,16 ITERS=300 \
+    bash "$ROOT/tests/bench/map_ab.sh" 3
 if want model; then
   step model_same_2cpus 80 env BUILD="$W/b" MODEL="$M4" OUT="$W/mb1.jsonl" THREADS=2 ROUNDS=5 DECODE=64 \
       PIN_CLIENT=0,1 PIN_SERVER=0,1 CONFIGS="all-local 1-server" bash "$ROOT/tests/bench/model_bench.sh"

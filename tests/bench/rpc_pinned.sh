@@ -8,7 +8,8 @@
 # TCP one cross the same two cores. Prints every round's JSON lines, then per T the median
 # over rounds of grpc - compute, tcp (instant reply) and tcp_held (the peer holding each
 # reply for the server's compute p50, minus the hold) and the two ratios. Needs 2 CPUs.
-# Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS.
+# Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS,
+# SERVER_CPUS / CLIENT_CPUS (below).
 set -euo pipefail
 BIN=${BIN:-build/bin}
 rounds=${1:-3}
@@ -20,20 +21,23 @@ if [ "${#cpus[@]}" -lt 2 ]; then
   exit 1
 fi
 ccpu=${cpus[0]} scpu=${cpus[${#cpus[@]} - 1]}
+# SERVER_CPUS / CLIENT_CPUS (taskset lists, e.g. 8-15 / 0-7): give each side several CPUs
+# (its gRPC threads then need not share one); the TCP peer stays on the server's last CPU.
+scpus=${SERVER_CPUS:-$scpu} ccpus=${CLIENT_CPUS:-$ccpu}
 dir=$(mktemp -d /tmp/moerpc-rpc-pinned.XXXXXX)
 spid=
 cleanup() { [ -n "$spid" ] && kill -9 "$spid" 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
 "$BIN/moerpc-mkmodel" --out "$dir/model" --seed 1 >/dev/null 2>&1
 CPU=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
-echo "rpc_pinned: server on CPU $scpu (--threads 1), client on CPU $ccpu, $rounds rounds, $CPU" >&2
+echo "rpc_pinned: server on CPU(s) $scpus (--threads 1), client on CPU(s) $ccpus, $rounds rounds, $CPU" >&2
 for round in $(seq 1 "$rounds"); do
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
   cat >"$dir/cluster.json" <<JSON
 {"model": "$dir/model", "deadline_ms": 10000,
  "servers": [{"name": "s0", "address": "127.0.0.1:$port"}]}
 JSON
-  taskset -c "$scpu" "$BIN/moerpc-server" --model "$dir/model" --listen "127.0.0.1:$port" \
+  taskset -c "$scpus" "$BIN/moerpc-server" --model "$dir/model" --listen "127.0.0.1:$port" \
       --experts all --threads 1 >"$dir/server.log" 2>&1 &
   spid=$!
   for _ in $(seq 1 600); do
@@ -41,7 +45,7 @@ JSON
     kill -0 "$spid" 2>/dev/null || { tail -5 "$dir/server.log" >&2; exit 1; }
     sleep 0.05
   done
-  taskset -c "$ccpu" "$BIN/moerpc-client" bench-rpc --cluster "$dir/cluster.json" \
+  taskset -c "$ccpus" "$BIN/moerpc-client" bench-rpc --cluster "$dir/cluster.json" \
       --iters "$ITERS" --tokens "$TOKENS" --peer-cpu "$scpu" --json 2>"$dir/client.log" |
       grep '^{' | sed "s/^{/{\"round\":$round,/" | tee -a "$dir/out.jsonl"
   kill -TERM "$spid"
