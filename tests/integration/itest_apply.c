@@ -127,15 +127,7 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   MT_OK(gc_control_load(ctl, 0, pairs_mask(2, 1, five, 1), 2, 8, "", &ls, &e), &e);
   MT_EQ_U64(ls.pairs, 1);
   MT_EQ_U64(ls.tensors_total, 3);
-  gc_load_state state = GC_LOAD_NONE;
-  for (int i = 0; i < 500 && state != GC_LOAD_DONE; i++) {
-    gc_load_progress p;
-    MT_OK(gc_control_load_status(ctl, 0, ls.load_id, &p, &e), &e);
-    state = p.state;
-    MT_TRUE(state != GC_LOAD_FAILED);
-    if (state != GC_LOAD_DONE) usleep(10000);
-  }
-  MT_EQ_INT(state, GC_LOAD_DONE);
+  MT_OK(itu_load_wait(ctl, ls.load_id, 5000, &e), &e);
   MT_EQ_U64(owned_generation(ctl), g0 + 2);
   /* The client re-Hellos for an expert no server announced at most every 200 ms
    * (GC__UNANNOUNCED_GAP_MS), then finds it on s0 again. */

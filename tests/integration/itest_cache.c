@@ -72,25 +72,14 @@ static void teardown(void) {
   grpc_shutdown();
 }
 
-/* The whole log of s (static buffer). */
-static const char *log_text(const itu_server *s) {
-  static char buf[1 << 20];
-  buf[0] = '\0';
-  FILE *f = fopen(s->log, "r");
-  if (!f) return buf;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  buf[n] = '\0';
-  fclose(f);
-  return buf;
-}
 
 /* Waits up to ms for needle in s's log; true when it appeared. */
 static bool wait_log(const itu_server *s, const char *needle, int ms) {
   for (int t = 0; t <= ms; t += 10) {
-    if (strstr(log_text(s), needle)) return true;
+    if (strstr(itu_log_text(s), needle)) return true;
     usleep(10000);
   }
-  fprintf(stderr, "itest_cache: \"%s\" not in %s after %d ms; log:\n%s\n", needle, s->log, ms, log_text(s));
+  fprintf(stderr, "itest_cache: \"%s\" not in %s after %d ms; log:\n%s\n", needle, s->log, ms, itu_log_text(s));
   return false;
 }
 
@@ -212,15 +201,15 @@ MT_TEST(hit_is_bit_identical_to_packing) {
     stop(&s);
     itu_rm_rf(cache);
     start(&s, model, quants[q]);
-    MT_CONTAINS(log_text(&s), "weight cache: miss");
+    MT_CONTAINS(itu_log_text(&s), "weight cache: miss");
     MT_TRUE(wait_log(&s, "weight cache: written", 10000));
     forward2(&s, out);
     MT_TRUE(memcmp(out, ref, sizeof out) == 0);
     stop(&s);
     MT_TRUE(exists("manifest.json"));
     start(&s, model, quants[q]);
-    MT_CONTAINS(log_text(&s), "weight cache: hit");
-    MT_CONTAINS(log_text(&s), "mapped from the weight cache");
+    MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
+    MT_CONTAINS(itu_log_text(&s), "mapped from the weight cache");
     MT_TRUE(wait_log(&s, "all checksums match", 10000));
     forward2(&s, out);
     MT_TRUE(memcmp(out, ref, sizeof out) == 0); /* bit-identical */
@@ -233,7 +222,7 @@ MT_TEST(hit_is_bit_identical_to_packing) {
 static void baseline(void) {
   itu_server s;
   start(&s, model, "--experts 0-3");
-  if (!strstr(log_text(&s), "weight cache: hit")) MT_TRUE(wait_log(&s, "weight cache: written", 10000));
+  if (!strstr(itu_log_text(&s), "weight cache: hit")) MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   stop(&s);
 }
 
@@ -242,12 +231,12 @@ static void baseline(void) {
 static void expect_refused(const char *m, const char *extra, const char *why) {
   itu_server s;
   start(&s, m, extra);
-  MT_CONTAINS(log_text(&s), "weight cache: refused (made for another server)");
-  MT_CONTAINS(log_text(&s), why);
+  MT_CONTAINS(itu_log_text(&s), "weight cache: refused (made for another server)");
+  MT_CONTAINS(itu_log_text(&s), why);
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   stop(&s);
   start(&s, m, extra);
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   stop(&s);
 }
 
@@ -261,7 +250,7 @@ MT_TEST(every_mismatch_is_refused_and_rebuilt) {
   baseline();
   /* The ISA: forcing the reference kernels (where this CPU has a fast bf16 path). */
   start(&s, model, "--experts 0-3");
-  bool fast = strstr(log_text(&s), "isa ref for bf16") == NULL;
+  bool fast = strstr(itu_log_text(&s), "isa ref for bf16") == NULL;
   stop(&s);
   if (fast) {
     itu_server_isa("ref");
@@ -273,7 +262,7 @@ MT_TEST(every_mismatch_is_refused_and_rebuilt) {
   expect_refused(model, "--experts 0-5", "owned set: layer 0 expert 4 is not in the cache");
   /* A subset of the cached pairs is covered: served from the cache. */
   start(&s, model, "--experts 1-2");
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   stop(&s);
   baseline();
   /* The same bytes, rewritten (mtime): the fingerprint samples only the shards' ends. */
@@ -303,18 +292,18 @@ MT_TEST(numa_split_mismatch_is_refused) {
   stop(&s);
   setenv("MOERPC_TEST_FORCE_SPLIT", "2", 1);
   start(&s, model, "");
-  MT_CONTAINS(log_text(&s), "weight cache: refused (made for another server)");
-  MT_CONTAINS(log_text(&s), "slices: 1 NUMA slice(s) per expert, this server splits into 2");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: refused (made for another server)");
+  MT_CONTAINS(itu_log_text(&s), "slices: 1 NUMA slice(s) per expert, this server splits into 2");
   MT_TRUE(wait_log(&s, "(2 file(s), manifest last)", 10000));
   stop(&s);
   start(&s, model, "");
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   forward2(&s, out);
   MT_TRUE(memcmp(out, ref2, sizeof out) == 0);
   stop(&s);
   unsetenv("MOERPC_TEST_FORCE_SPLIT");
   start(&s, model, "");
-  MT_CONTAINS(log_text(&s), "slices: 2 NUMA slice(s) per expert, this server splits into 1");
+  MT_CONTAINS(itu_log_text(&s), "slices: 2 NUMA slice(s) per expert, this server splits into 1");
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   stop(&s);
   teardown();
@@ -335,8 +324,8 @@ MT_TEST(truncated_and_flipped_are_detected) {
   MT_EQ_INT(stat(path, &st), 0);
   MT_EQ_INT(truncate(path, st.st_size - 64), 0);
   start(&s, model, "");
-  MT_CONTAINS(log_text(&s), "weight cache: corrupt");
-  MT_CONTAINS(log_text(&s), "(truncated or replaced)");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: corrupt");
+  MT_CONTAINS(itu_log_text(&s), "(truncated or replaced)");
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   forward2(&s, out);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
@@ -345,10 +334,10 @@ MT_TEST(truncated_and_flipped_are_detected) {
   MT_TRUE(cache_file(".n0.bin", path, sizeof path));
   flip_byte(path, 1000);
   start(&s, model, "--verify-cache");
-  MT_CONTAINS(log_text(&s), "weight cache: corrupt");
-  MT_CONTAINS(log_text(&s), "(corrupt)");
-  MT_CONTAINS(log_text(&s), "crc32");
-  MT_TRUE(strstr(log_text(&s), "mapped from the weight cache") == NULL);
+  MT_CONTAINS(itu_log_text(&s), "weight cache: corrupt");
+  MT_CONTAINS(itu_log_text(&s), "(corrupt)");
+  MT_CONTAINS(itu_log_text(&s), "crc32");
+  MT_TRUE(strstr(itu_log_text(&s), "mapped from the weight cache") == NULL);
   forward2(&s, out);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
@@ -362,7 +351,7 @@ MT_TEST(truncated_and_flipped_are_detected) {
   snprintf(args, sizeof args, "--threads 2 --experts 0-7 --weight-cache %s", cache);
   MT_EQ_INT(itu_server_spawn(&s, model, args, tmp), 0);
   MT_TRUE(wait_log(&s, "the weights mapped from it are not served from now on", 10000));
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   MT_EQ_INT(itu_health(s.address, 2000), 2); /* NOT_SERVING */
   mr_err e;
   MT_TRUE(forward_at(s.address, 0, ids_a, out, &e) != 0);
@@ -375,7 +364,7 @@ MT_TEST(truncated_and_flipped_are_detected) {
   stop(&s);
   unsetenv("MOERPC_TEST_LOAD_DELAY_MS");
   start(&s, model, "--verify-cache");
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   forward2(&s, out);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
   stop(&s);
@@ -406,8 +395,8 @@ MT_TEST(kill9_during_write_leaves_no_usable_cache) {
   MT_FALSE(exists("manifest.json"));
   unsetenv("MOERPC_TEST_CACHE_WRITE_DELAY_MS");
   start(&s, model, "");
-  MT_CONTAINS(log_text(&s), "weight cache: miss");
-  MT_CONTAINS(log_text(&s), "no manifest");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: miss");
+  MT_CONTAINS(itu_log_text(&s), "no manifest");
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   forward2(&s, ref);
   stop(&s);
@@ -416,13 +405,13 @@ MT_TEST(kill9_during_write_leaves_no_usable_cache) {
   /* A new cache replacing a valid one, killed: the old one stays, whole and usable. */
   setenv("MOERPC_TEST_CACHE_WRITE_DELAY_MS", "200", 1);
   start(&s, model, "--quant int8");
-  MT_CONTAINS(log_text(&s), "weight cache: refused");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: refused");
   MT_TRUE(wait_tmp_file(10000));
   kill(s.pid, SIGKILL);
   MT_EQ_INT(waitpid(s.pid, &st, 0), s.pid);
   unsetenv("MOERPC_TEST_CACHE_WRITE_DELAY_MS");
   start(&s, model, "--verify-cache");
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
   forward2(&s, out);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
   stop(&s);
@@ -431,34 +420,13 @@ MT_TEST(kill9_during_write_leaves_no_usable_cache) {
 
 /* Loads experts 4-7 of both layers through the control calls and waits for DONE. */
 static void load_47(const itu_server *s) {
-  char cluster[700];
-  snprintf(cluster, sizeof cluster, "%s/ctl.json", tmp);
-  FILE *f = fopen(cluster, "w");
-  MT_TRUE(f != NULL);
-  fprintf(f, "{\"token_file\": \"%s\", \"servers\": [{\"name\": \"s0\", \"address\": \"%s\"}]}\n",
-          tok, s->address);
-  MT_EQ_INT(fclose(f), 0);
-  mr_err e;
-  mr_cluster_file cf;
-  MT_OK(mr_cluster_load(&cf, cluster, &e), &e);
-  gc_cluster *ctl = NULL;
-  MT_OK(gc_control_open(&ctl, &cf, &e), &e);
   static uint8_t m[2 * 8];
   memset(m, 0, sizeof m);
   for (int x = 4; x < 8; x++) m[x] = m[8 + x] = 1;
-  gc_load_started ls;
-  MT_OK(gc_control_load(ctl, 0, m, 2, 8, "", &ls, &e), &e);
-  MT_EQ_U64(ls.pairs, 8);
-  gc_load_state state = GC_LOAD_NONE;
-  for (int i = 0; i < 500 && state != GC_LOAD_DONE; i++) {
-    gc_load_progress p;
-    MT_OK(gc_control_load_status(ctl, 0, ls.load_id, &p, &e), &e);
-    state = p.state;
-    MT_TRUE(state != GC_LOAD_FAILED);
-    if (state != GC_LOAD_DONE) usleep(10000);
-  }
-  MT_EQ_INT(state, GC_LOAD_DONE);
-  gc_cluster_close(ctl);
+  uint64_t pairs = 0;
+  mr_err e;
+  MT_OK(itu_load_pairs(s->address, tok, tmp, m, 2, 8, 5000, &pairs, &e), &e);
+  MT_EQ_U64(pairs, 8);
 }
 
 MT_TEST(load_experts_uses_and_extends_the_cache) {
@@ -472,17 +440,17 @@ MT_TEST(load_experts_uses_and_extends_the_cache) {
   start(&s, model, extra);
   MT_TRUE(wait_log(&s, "weight cache: written", 10000));
   load_47(&s);
-  MT_CONTAINS(log_text(&s), "placement: load 1 done");
+  MT_CONTAINS(itu_log_text(&s), "placement: load 1 done");
   MT_TRUE(wait_log(&s, "8 pairs, 0.000 GB", 10000)); /* the segment of the loaded pairs */
-  MT_TRUE(strstr(log_text(&s), "mapped from the weight cache, the rest") == NULL);
+  MT_TRUE(strstr(itu_log_text(&s), "mapped from the weight cache, the rest") == NULL);
   MT_OK(forward_at(s.address, 1, ids_b, ref, &e), &e);
   stop(&s);
   start(&s, model, extra);
-  MT_CONTAINS(log_text(&s), "weight cache: hit");
-  MT_CONTAINS(log_text(&s), "from 2 segment(s)");
+  MT_CONTAINS(itu_log_text(&s), "weight cache: hit");
+  MT_CONTAINS(itu_log_text(&s), "from 2 segment(s)");
   MT_TRUE(wait_log(&s, "all checksums match", 10000));
   load_47(&s);
-  MT_CONTAINS(log_text(&s), "placement: load 1: 8 of 8 pairs mapped from the weight cache");
+  MT_CONTAINS(itu_log_text(&s), "placement: load 1: 8 of 8 pairs mapped from the weight cache");
   MT_OK(forward_at(s.address, 1, ids_b, out, &e), &e);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
   stop(&s);

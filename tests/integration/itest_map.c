@@ -53,16 +53,6 @@ static void teardown(void) {
   grpc_shutdown();
 }
 
-static const char *log_text(const itu_server *s) {
-  static char buf[1 << 20];
-  buf[0] = '\0';
-  FILE *f = fopen(s->log, "r");
-  if (!f) return buf;
-  size_t n = fread(buf, 1, sizeof buf - 1, f);
-  buf[n] = '\0';
-  fclose(f);
-  return buf;
-}
 
 static void start(itu_server *s, const char *experts, const char *extra) {
   char args[2000];
@@ -87,13 +77,7 @@ static gc_cluster *open_at(const itu_server *s, const char *name) {
   MT_EQ_INT(fclose(f), 0);
   gc_cluster *c = NULL;
   mr_err e;
-  if (strcmp(name, "ctl") == 0) {
-    mr_cluster_file cf;
-    MT_OK(mr_cluster_load(&cf, cluster, &e), &e);
-    MT_OK(gc_control_open(&c, &cf, &e), &e);
-  } else {
-    MT_OK(gc_cluster_open(&c, cluster, NULL, &e), &e);
-  }
+  MT_OK(gc_cluster_open(&c, cluster, NULL, &e), &e);
   return c;
 }
 
@@ -125,24 +109,13 @@ static void forward2(const itu_server *s, const int32_t *ids, float *out) {
 
 /* LoadExperts of experts 4-7 in both layers, waited for until DONE. */
 static void load_47(const itu_server *s) {
-  gc_cluster *ctl = open_at(s, "ctl");
   static uint8_t m[2 * 8];
   memset(m, 0, sizeof m);
   for (int x = 4; x < 8; x++) m[x] = m[8 + x] = 1;
-  gc_load_started ls;
+  uint64_t pairs = 0;
   mr_err e;
-  MT_OK(gc_control_load(ctl, 0, m, 2, 8, "", &ls, &e), &e);
-  MT_EQ_U64(ls.pairs, 8);
-  gc_load_state state = GC_LOAD_NONE;
-  for (int i = 0; i < 500 && state != GC_LOAD_DONE; i++) {
-    gc_load_progress p;
-    MT_OK(gc_control_load_status(ctl, 0, ls.load_id, &p, &e), &e);
-    state = p.state;
-    MT_TRUE(state != GC_LOAD_FAILED);
-    if (state != GC_LOAD_DONE) usleep(10000);
-  }
-  MT_EQ_INT(state, GC_LOAD_DONE);
-  gc_cluster_close(ctl);
+  MT_OK(itu_load_pairs(s->address, tok, tmp, m, 2, 8, 5000, &pairs, &e), &e);
+  MT_EQ_U64(pairs, 8);
 }
 
 MT_TEST(in_place_is_bit_identical_to_packing) {
@@ -152,11 +125,11 @@ MT_TEST(in_place_is_bit_identical_to_packing) {
   start(&s, "0-7", "");
   forward2(&s, ids_a, ref_a);
   forward2(&s, ids_b, ref_b);
-  MT_TRUE(strstr(log_text(&s), "served in place") == NULL);
+  MT_TRUE(strstr(itu_log_text(&s), "served in place") == NULL);
   stop(&s);
 
   start(&s, "0-7", "--map-weights");
-  MT_CONTAINS(log_text(&s), "(16 of 16 served in place from the model's files)");
+  MT_CONTAINS(itu_log_text(&s), "(16 of 16 served in place from the model's files)");
   forward2(&s, ids_a, out);
   MT_TRUE(memcmp(out, ref_a, sizeof out) == 0);
   forward2(&s, ids_b, out);
@@ -165,9 +138,9 @@ MT_TEST(in_place_is_bit_identical_to_packing) {
 
   /* Live apply: experts 4-7 added in place to a server that started with 0-3. */
   start(&s, "0-3", "--map-weights");
-  MT_CONTAINS(log_text(&s), "(8 of 8 served in place");
+  MT_CONTAINS(itu_log_text(&s), "(8 of 8 served in place");
   load_47(&s); /* (a cluster file must cover every expert: Forward after the load) */
-  MT_CONTAINS(log_text(&s), "placement: load 1 done");
+  MT_CONTAINS(itu_log_text(&s), "placement: load 1 done");
   forward2(&s, ids_a, out);
   MT_TRUE(memcmp(out, ref_a, sizeof out) == 0);
   forward2(&s, ids_b, out);
@@ -176,32 +149,32 @@ MT_TEST(in_place_is_bit_identical_to_packing) {
   teardown();
 }
 
-MT_TEST(where_it_cannot_it_packs) {
-  setup();
+/* A server with flags and one with flags --map-weights: the second says warn, serves
+ * nothing in place and gives the first one's outputs. */
+static void expect_packed(const char *flags, const char *warn) {
   itu_server s;
   static float ref[2 * T * H], out[2 * T * H];
-  /* int8: converted at load, so packed. */
-  start(&s, "0-7", "--quant int8");
+  char with[300];
+  snprintf(with, sizeof with, "%s --map-weights", flags);
+  start(&s, "0-7", flags);
   forward2(&s, ids_a, ref);
   stop(&s);
-  start(&s, "0-7", "--quant int8 --map-weights");
-  MT_CONTAINS(log_text(&s), "--map-weights: the experts are served as int8, not as stored (bf16): "
-                            "they are packed as usual");
-  MT_TRUE(strstr(log_text(&s), "served in place") == NULL);
+  start(&s, "0-7", with);
+  MT_CONTAINS(itu_log_text(&s), warn);
+  MT_TRUE(strstr(itu_log_text(&s), "served in place") == NULL);
   forward2(&s, ids_a, out);
   MT_TRUE(memcmp(out, ref, sizeof out) == 0);
   stop(&s);
+}
+
+MT_TEST(where_it_cannot_it_packs) {
+  setup();
+  /* int8: converted at load, so packed. */
+  expect_packed("--quant int8", "--map-weights: the experts are served as int8, not as stored "
+                                "(bf16): they are packed as usual");
   /* Two NUMA slices per expert (forced): each slice belongs on its node, so packed. */
   setenv("MOERPC_TEST_FORCE_SPLIT", "2", 1);
-  start(&s, "0-7", "");
-  forward2(&s, ids_a, ref);
-  stop(&s);
-  start(&s, "0-7", "--map-weights");
-  MT_CONTAINS(log_text(&s), "--map-weights: the experts are split over 2 NUMA nodes");
-  MT_TRUE(strstr(log_text(&s), "served in place") == NULL);
-  forward2(&s, ids_a, out);
-  MT_TRUE(memcmp(out, ref, sizeof out) == 0);
-  stop(&s);
+  expect_packed("", "--map-weights: the experts are split over 2 NUMA nodes");
   teardown();
 }
 
@@ -214,7 +187,7 @@ MT_TEST(with_weight_cache_it_is_refused) {
   int st = 0;
   for (int i = 0; i < 1000 && waitpid(s.pid, &st, WNOHANG) == 0; i++) usleep(10000);
   MT_TRUE(WIFEXITED(st) && WEXITSTATUS(st) != 0);
-  MT_CONTAINS(log_text(&s), "--map-weights serves the model's files in place: there is nothing "
+  MT_CONTAINS(itu_log_text(&s), "--map-weights serves the model's files in place: there is nothing "
                             "for --weight-cache DIR to hold");
   teardown();
 }

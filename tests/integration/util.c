@@ -499,3 +499,49 @@ double itu_unary_reply_on(grpc_channel *ch, const char *method, grpc_byte_buffer
 double itu_unary_on(grpc_channel *ch, const char *method, grpc_byte_buffer *req, int deadline_ms) {
   return itu_unary_reply_on(ch, method, req, deadline_ms, NULL);
 }
+
+int itu_load_wait(gc_cluster *ctl, uint64_t load_id, int timeout_ms, mr_err *e) {
+  for (int t = 0; t <= timeout_ms; t += 10) {
+    gc_load_progress p;
+    if (gc_control_load_status(ctl, 0, load_id, &p, e)) return -1;
+    if (p.state == GC_LOAD_DONE) return 0;
+    if (p.state == GC_LOAD_FAILED) {
+      mr_err_set(e, MR_EINTERNAL, "load %llu failed", (unsigned long long)load_id);
+      return -1;
+    }
+    usleep(10000);
+  }
+  mr_err_set(e, MR_EINTERNAL, "load %llu not done after %d ms", (unsigned long long)load_id, timeout_ms);
+  return -1;
+}
+
+const char *itu_log_text(const itu_server *s) {
+  static char buf[1 << 20];
+  buf[0] = '\0';
+  FILE *f = fopen(s->log, "r");
+  if (!f) return buf;
+  size_t n = fread(buf, 1, sizeof buf - 1, f);
+  buf[n] = '\0';
+  fclose(f);
+  return buf;
+}
+
+int itu_load_pairs(const char *address, const char *token_file, const char *dir,
+                   const uint8_t *want, uint32_t L, uint32_t E, int timeout_ms, uint64_t *pairs,
+                   mr_err *e) {
+  char path[1024];
+  snprintf(path, sizeof path, "%s/ctl-load.json", dir);
+  FILE *f = fopen(path, "w");
+  if (!f) return mr_err_set(e, MR_EIO, "%s: %s", path, strerror(errno)), -1;
+  fprintf(f, "{\"token_file\": \"%s\", \"servers\": [{\"name\": \"s0\", \"address\": \"%s\"}]}\n",
+          token_file, address);
+  if (fclose(f) != 0) return mr_err_set(e, MR_EIO, "%s: %s", path, strerror(errno)), -1;
+  mr_cluster_file cf;
+  gc_cluster *ctl = NULL;
+  if (mr_cluster_load(&cf, path, e) || gc_control_open(&ctl, &cf, e)) return -1;
+  gc_load_started ls;
+  int rc = gc_control_load(ctl, 0, want, L, E, "", &ls, e) ? -1 : itu_load_wait(ctl, ls.load_id, timeout_ms, e);
+  if (!rc) *pairs = ls.pairs;
+  gc_cluster_close(ctl);
+  return rc;
+}

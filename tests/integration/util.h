@@ -13,6 +13,7 @@
 #include <sys/types.h>
 
 #include "common/mr.h"
+#include "gpu_client/rpc/moerpc_client.h"
 #include "proto/pr.h"
 
 /* Path of a built binary: $MOERPC_BIN/name (MOERPC_BIN is set by tests/run.sh). */
@@ -116,6 +117,19 @@ grpc_byte_buffer *itu_forward_request_budget(uint64_t id, uint32_t layer, uint32
 /* Decodes a ForwardReply; *out (malloc'ed, caller frees) gets the payload. */
 int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void **out,
                       size_t *out_len);
+
+/* The first MiB of s's log (a static buffer, overwritten by the next call). */
+const char *itu_log_text(const itu_server *s);
+/* LoadExperts of the pairs want[l * E + x] != 0 (L layers, E experts) on the server at
+ * address (bearer token from token_file; a cluster file written into dir), waited for
+ * until DONE (itu_load_wait, timeout_ms); *pairs gets the distinct pairs the server counted.
+ * 0, or -1 with e saying why. */
+int itu_load_pairs(const char *address, const char *token_file, const char *dir,
+                   const uint8_t *want, uint32_t L, uint32_t E, int timeout_ms, uint64_t *pairs,
+                   mr_err *e);
+/* Polls LoadStatus of load load_id on server 0 of the control cluster ctl every 10 ms until
+ * it is DONE: 0; -1 when it FAILED, a status call failed or timeout_ms passed (e says). */
+int itu_load_wait(gc_cluster *ctl, uint64_t load_id, int timeout_ms, mr_err *e);
 
 #endif
 
