@@ -233,6 +233,7 @@ int es__load_prepare(es_server *s, mr_err *e) {
   }
   kn_layer_desc d = {.hidden = c->hidden_size, .inter = c->moe_intermediate,
                      .num_experts = c->num_experts, .format = s->format, .group = s->group};
+  bool map_decided = false;
   for (uint32_t l = 0; l < c->num_layers; l++) {
     if (!mr_idset_has(&s->owned_layers, l)) continue;
     rc = kn_layer_new(&s->layers[l], s->eng, &d, e);
@@ -246,7 +247,9 @@ int es__load_prepare(es_server *s, mr_err *e) {
       goto out_close_st;
     }
     s->owned[l] = &s->owned_experts;
-    if (s->opts.map_weights && !stored_fp8 && !s->map_in_place) {
+    /* Every layer has the same shape, format and engine: the first one decides. */
+    if (s->opts.map_weights && !stored_fp8 && !map_decided) {
+      map_decided = true;
       s->map_in_place = kn_layer_can_borrow(s->layers[l], stored);
       if (!s->map_in_place && s->format == es__format_of_dtype(stored))
         mr_log(MR_LOG_WARN, "--map-weights: the experts are split over %" PRIu32 " NUMA nodes "
