@@ -58,7 +58,13 @@ endif
 
 STD   = -std=gnu11
 WARN  = -Wall -Wextra -Wno-unused-parameter -Wshadow -Wstrict-prototypes -Wvla -Werror=implicit-function-declaration
-OPT  ?= -O2 -g
+# Debug info is kept and compressed (-gz: zlib sections that gdb and addr2line read): about
+# a fifth of the size, which is what lets the four builds of CI (plain, have-not, ASan, TSan;
+# over 100 statically linked test binaries each) fit a small disk.
+ifeq ($(origin GZ),undefined)
+GZ := $(shell $(CC) -gz -x c -c /dev/null -o /dev/null 2>/dev/null && echo -gz)
+endif
+OPT  ?= -O2 -g $(GZ)
 DEFS  = -DMR_HAVE_HWLOC=$(HAVE_HWLOC) -DMR_HAVE_NUMA=$(HAVE_NUMA) -DMR_HAVE_AVX2=$(HAVE_AVX2) \
         -DMR_HAVE_AVX512=$(HAVE_AVX512) -DMR_HAVE_AMX=$(HAVE_AMX) -DMR_HAVE_CUDA=$(HAVE_CUDA)
 INC   = -I. -I$(BUILD)/gen -I$(BUILD)/gen/proto
@@ -74,7 +80,7 @@ SAN =
 endif
 
 CFLAGS  = $(STD) $(WARN) $(OPT) $(DEFS) $(INC) $(SAN) -fPIC -pthread -MMD -MP $(EXTRA_CFLAGS)
-LDFLAGS = $(SAN) -pthread $(EXTRA_LDFLAGS)
+LDFLAGS = $(SAN) $(GZ) -pthread $(EXTRA_LDFLAGS)
 
 # nvcc compiles the .cu files as C++ (mr.h, kn.h and backend.h have extern "C" guards).
 # sm_90 (H100/H200) code plus its PTX, so that newer GPUs JIT it. Everything is hidden but
@@ -158,7 +164,14 @@ SO_GC  = $(BUILD)/lib/libmoerpc-client.so
 LIB_RUN = $(BUILD)/lib/libmoerpc-runner.a
 SO_CUDA = $(BUILD)/lib/libmoerpc-cuda.so
 LIB_PL = $(BUILD)/lib/libpl.a
-LIBS_ALL = $(LIB_PL) $(LIB_ES) $(LIB_RUN) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)
+# The tests link every room as one shared library, found next to them ($ORIGIN/../lib),
+# not the static archives the binaries use: statically, each of the 100-odd test binaries
+# carried its own copy of the kernels (40-60 MB apiece under ASan + UBSan, 3 GB per
+# sanitizer build), which filled a CI machine's disk; now the build is a tenth of that and
+# links in seconds. A test may still define a function the library has: the executable's
+# definition wins (no -Bsymbolic), as it did with the archives.
+SO_TEST   = $(BUILD)/lib/libmoerpc-test.so
+TEST_LIBS = -L$(BUILD)/lib -l:libmoerpc-test.so -Wl,-rpath,'$$ORIGIN/../lib'
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
        $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay \
@@ -293,36 +306,40 @@ $(BUILD)/bin/moerpc-bench-finite: $(BUILD)/obj/tests/bench/bench_finite.o $(LIB_
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 
 # ---- tests ------------------------------------------------------------------------------
-$(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(LIBS_ALL)
+$(SO_TEST): $(PL_OBJ) $(ES_OBJ) $(RUN_OBJ) $(GC_OBJ) $(KN_OBJ) $(PR_OBJ) $(MR_OBJ)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -shared -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+
+$(BUILD)/tests/test_%: $(BUILD)/obj/tests/unit/test_%.o $(SO_TEST)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 
 ifeq ($(HAVE_AMX),1)
 AMX_EMU_OBJ = $(BUILD)/obj/kernels/x86/moe_amx_emu.o
 endif
-$(BUILD)/tests/test_kn_amx: $(BUILD)/obj/tests/unit/test_kn_amx.o $(AMX_EMU_OBJ) $(LIBS_ALL)
+$(BUILD)/tests/test_kn_amx: $(BUILD)/obj/tests/unit/test_kn_amx.o $(AMX_EMU_OBJ) $(SO_TEST)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 
-$(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
+$(BUILD)/tests/itest_%: $(BUILD)/obj/tests/integration/itest_%.o $(BUILD)/obj/tests/integration/util.o $(SO_TEST)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 
 # The long-lived client of the multi-host tests (tests/integration/netns_*.sh).
-$(BUILD)/tests/netns_gen: $(BUILD)/obj/tests/integration/netns_gen.o $(LIBS_ALL)
+$(BUILD)/tests/netns_gen: $(BUILD)/obj/tests/integration/netns_gen.o $(SO_TEST)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $< $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 
 # Greedy Forward streams against a running server (tests/bench/flood.c, docs/BENCHMARKS.md).
-$(BUILD)/tests/flood: $(BUILD)/obj/tests/bench/flood.o $(BUILD)/obj/tests/integration/util.o $(LIBS_ALL)
+$(BUILD)/tests/flood: $(BUILD)/obj/tests/bench/flood.o $(BUILD)/obj/tests/integration/util.o $(SO_TEST)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 
 # Fuzz targets built twice: as a corpus replayer (any compiler, run by make test) and as a
 # libFuzzer binary (clang, make fuzz).
-$(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/replay_main.o $(LIBS_ALL)
+$(BUILD)/tests/replay_%: $(BUILD)/obj/tests/fuzz/%.o $(BUILD)/obj/tests/fuzz/replay_main.o $(SO_TEST)
 	@mkdir -p $(dir $@)
-	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(LIBS_ALL) $(LDFLAGS) $(EXT_LIBS)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $(filter %.o,$^) $(TEST_LIBS) $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 	@mkdir -p $(dir $@)
 	$(call say,CC,$<)$(Q)$(CC) $(CFLAGS) -c $< -o $@
@@ -330,7 +347,7 @@ $(BUILD)/obj/tests/fuzz/replay_main.o: tests/fuzz/replay_main.c
 # The libraries' sources are compiled once for every target (fuzzer-no-link coverage
 # instrumentation, ASan + UBSan), without the per-ISA kernel files (MR_FUZZ_NO_ISA).
 FUZZ_SAN    = -fsanitize=address,undefined -fno-omit-frame-pointer
-FUZZ_CFLAGS = $(STD) -O1 -g $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
+FUZZ_CFLAGS = $(STD) -O1 -g $(GZ) $(DEFS) -DMR_FUZZ_NO_ISA=1 $(INC) $(FUZZ_SAN)
 FUZZ_LIB_SRC = $(MR_SRC) $(PR_SRC) $(filter-out %_avx2.c %_avx512.c %_amx.c,$(KN_SRC)) $(ES_SRC) $(GC_SRC) \
                $(RUN_SRC) $(PL_SRC)
 FUZZ_LIB_OBJ = $(patsubst %.c,$(BUILD)/fuzz/obj/%.o,$(FUZZ_LIB_SRC)) $(BUILD)/fuzz/obj/gen/moe.pb-c.o

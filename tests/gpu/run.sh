@@ -55,14 +55,14 @@ bundle() {
   local B=${BUILD:-$ROOT/build} D
   D=$B/gpu-bundle
   for f in bin/moerpc-client bin/moerpc-server bin/moerpc-mkmodel tests/test_gc_cuda \
-           lib/libmoerpc-cuda.so lib/libmoerpc-client.so; do
+           lib/libmoerpc-cuda.so lib/libmoerpc-client.so lib/libmoerpc-test.so; do
     [ -x "$B/$f" ] || [ -f "$B/$f" ] || { echo "gpu bundle: $B/$f is missing: run make -j2 all (with nvcc)"; exit 1; }
   done
   rm -rf "$D"
   mkdir -p "$D/bin" "$D/lib" "$D/tests" "$D/models"
   cp "$B/bin/moerpc-client" "$B/bin/moerpc-server" "$B/bin/moerpc-mkmodel" "$D/bin/"
   cp "$B/tests/test_gc_cuda" "$D/tests/"
-  cp "$B/lib/libmoerpc-cuda.so" "$B/lib/libmoerpc-client.so" "$D/lib/"
+  cp "$B/lib/libmoerpc-cuda.so" "$B/lib/libmoerpc-client.so" "$B/lib/libmoerpc-test.so" "$D/lib/"
   # non-system libraries: everything ldd resolves outside the C runtime and the CUDA
   # toolkit (grpc, protobuf-c, libuv, cjson, hwloc, numa and what they pull in)
   ldd "$D"/bin/* "$D"/tests/* "$D"/lib/*.so 2>/dev/null |
