@@ -485,7 +485,10 @@ static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e,
   s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
   snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e->msg : "");
   /* Published experts served in place read lr->st's mapping from now on. */
-  if (!rc && lr->borrowed && es__keep_st(s, lr->st)) lr->st = NULL;
+  if (!rc && lr->borrowed) {
+    es__keep_st(s, lr->st);
+    lr->st = NULL;
+  }
   pthread_mutex_unlock(&s->ctl_lock);
   mr_st_close(lr->st);
   lr->st = NULL;
@@ -542,11 +545,9 @@ int es__control_repack_all(es_server *s, mr_err *e) {
   rc = es__load_check_tensors(s, lr, e);
   if (!rc) rc = es__load_pack(s, lr, staging, &tensors, &bytes, false, &mapped, e);
   if (!rc) rc = es__load_publish(s, 0, staging, true, e);
-  if (!rc && lr->borrowed) { /* not with a weight cache (main.c), but kept as es__load_end does */
-    pthread_mutex_lock(&s->ctl_lock);
-    if (es__keep_st(s, lr->st)) lr->st = NULL;
-    pthread_mutex_unlock(&s->ctl_lock);
-  }
+  /* A repair happens only with a weight cache, which --map-weights refuses (main.c,
+   * es_server_new): nothing here reads the model's mapping after it is closed. */
+  MR_ASSERT(!lr->borrowed);
 out:
   for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
   mr_free(staging);

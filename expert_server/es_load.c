@@ -406,22 +406,25 @@ out_close_st:
     pthread_join(reader, NULL);
   }
   /* Experts served in place read this mapping until the layers go (es__unload). */
-  if (s->n_mapped && es__keep_st(s, st)) st = NULL;
+  if (s->n_mapped) {
+    es__keep_st(s, st);
+    st = NULL;
+  }
   mr_st_close(st);
   s->st = NULL;
   return rc;
 }
 
-bool es__keep_st(es_server *s, mr_st *st) {
+void es__keep_st(es_server *s, mr_st *st) {
   mr_st **k = mr_realloc(s->st_kept, (s->n_st_kept + 1) * sizeof *k);
   if (!k) {
-    /* Out of memory for one pointer: the mapping then stays until exit, unclosed. */
+    /* Out of memory for one pointer: the mapping then stays until exit, unclosed (closing
+     * it would pull the weights from under the experts that read them). */
     mr_log(MR_LOG_WARN, "out of memory keeping a model mapping's handle: it stays mapped until exit");
-    return true;
+    return;
   }
   k[s->n_st_kept++] = st;
   s->st_kept = k;
-  return true;
 }
 
 void es__unload(es_server *s) {

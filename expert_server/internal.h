@@ -586,8 +586,8 @@ struct es_server {
 int es__load_prepare(es_server *s, mr_err *e);
 int es__load_weights(es_server *s, bool cached, mr_err *e);
 /* Keeps a model mapping that in-place experts read until es__unload (ctl_lock held, or
- * the loader before serving); true: the server owns st now. */
-bool es__keep_st(es_server *s, mr_st *st);
+ * the loader before serving): the server owns st from now on, whatever happens. */
+void es__keep_st(es_server *s, mr_st *st);
 void es__unload(es_server *s);
 /* The "loading: N of M tensors" status message of calls refused while loading. */
 void es__loading_msg(es_server *s, char *buf, size_t len);
