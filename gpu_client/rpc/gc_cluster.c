@@ -622,6 +622,7 @@ void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out) {
   out->deadline_ms = c->deadline_ms;
   out->failover_ms = c->failover_ms;
   out->local_pairs = c->local_pairs;
+  out->local_mapped = c->local_mapped;
   out->caller_pairs = c->caller_pairs;
   snprintf(out->model_dir, sizeof out->model_dir, "%s", c->model_dir);
 }

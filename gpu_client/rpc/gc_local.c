@@ -33,6 +33,10 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
 
   rc = mr_st_open(&st, c->model_dir, e);
   if (rc) goto out;
+  /* In place needs the stored dtype to be the served format and one NUMA node
+   * (kn_layer_borrow_expert answers MR_ENOTSUP otherwise, and the expert is packed). */
+  const bool map = c->opts.local_map_weights;
+  if (map) mr_st_advise_hugepage(st); /* the reads below then come in 2 MiB folios */
   if (c->opts.shared_engine) {
     c->local_eng = c->opts.shared_engine;
   } else {
@@ -60,7 +64,19 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
       if (!mr_idset_has(&experts, x)) continue;
       const mr_st_tensor *t[3], *sc[3];
       rc = mr_config_expert_tensors_q(&cfg, st, l, x, t, sc, e);
-      if (!rc) rc = kn_layer_load_expert_st(c->local_layers[l], x, t, sc, e); /* fp8 too */
+      if (rc) {
+        mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
+        goto out;
+      }
+      rc = MR_ENOTSUP;
+      if (map && !sc[0] && t[1]->dtype == t[0]->dtype && t[2]->dtype == t[0]->dtype &&
+          kn_layer_can_borrow(c->local_layers[l], t[0]->dtype)) {
+        for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
+        rc = kn_layer_borrow_expert(c->local_layers[l], x, t[0]->data, t[1]->data, t[2]->data,
+                                    t[0]->dtype, e);
+        if (!rc) c->local_mapped++;
+      }
+      if (rc == MR_ENOTSUP) rc = kn_layer_load_expert_st(c->local_layers[l], x, t, sc, e); /* fp8 too */
       if (rc) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;
@@ -69,11 +85,19 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
       c->local_pairs++;
     }
   }
-  mr_log(MR_LOG_INFO, "local experts: %llu (layer, expert) pairs as %s loaded in %.1f s "
-         "(layers %s, experts %s)", (unsigned long long)c->local_pairs,
-         kn_format_name(d.format), (double)(mr_now_ns() - t0) / 1e9, c->file.local_layers,
-         c->file.local_experts);
+  if (map && c->local_pairs && !c->local_mapped)
+    mr_log(MR_LOG_WARN, "local experts: local_map_weights: none served in place (format %s, "
+           "%u NUMA node(s); only a format the files store as is, on one node): all packed",
+           kn_format_name(d.format), kn_engine_nodes(c->local_eng));
+  mr_log(MR_LOG_INFO, "local experts: %llu (layer, expert) pairs as %s loaded in %.1f s, "
+         "%llu in place (layers %s, experts %s)", (unsigned long long)c->local_pairs,
+         kn_format_name(d.format), (double)(mr_now_ns() - t0) / 1e9,
+         (unsigned long long)c->local_mapped, c->file.local_layers, c->file.local_experts);
 out:
+  if (c->local_mapped) { /* in-place experts read it until gc__local_free, even on failure */
+    c->local_st = st;
+    st = NULL;
+  }
   mr_st_close(st);
   mr_idset_close(&layers);
   mr_idset_close(&experts);
@@ -105,6 +129,9 @@ void gc__local_free(gc_cluster *c) {
     for (uint32_t l = 0; l < c->L; l++) kn_layer_free(c->local_layers[l]);
   mr_free(c->local_layers);
   c->local_layers = NULL;
+  mr_st_close(c->local_st); /* after the layers: in-place experts read it */
+  c->local_st = NULL;
+  c->local_mapped = 0;
   if (c->own_local_eng) kn_engine_free(c->local_eng);
   c->local_eng = NULL;
   c->own_local_eng = false;

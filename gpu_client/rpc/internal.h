@@ -403,6 +403,8 @@ struct gc_cluster {
   bool own_local_eng;
   kn_layer **local_layers;  /* [L], NULL where no local expert */
   uint64_t local_pairs;
+  uint64_t local_mapped;    /* of them, served in place from local_st (local_map_weights) */
+  mr_st *local_st;          /* the model's mapping, kept while experts read it in place */
   uint64_t caller_pairs;    /* pairs of opts.caller_local */
   pthread_mutex_t local_lock;
   /* I/O */

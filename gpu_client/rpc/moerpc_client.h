@@ -102,6 +102,13 @@ typedef struct gc_options {
    * remote experts compute the same numbers). local_group: INT4 group, 0 = the servers'. */
   kn_format local_format;
   uint32_t local_group;
+  /* Serve local experts in place from the model's safetensors mapping, as the server's
+   * --map-weights does: where the file stores what is served (bf16, f16 or f32 with the
+   * servers' format; no int8/int4/fp8 conversion) and the engine has one NUMA node, each
+   * expert reads the three tensors where the file has them, after a finite check; the
+   * others are packed as usual. The mapping stays open until gc_cluster_close: the model's
+   * files must not be rewritten in place meanwhile (a replaced file is fine). */
+  bool local_map_weights;
   /* Kernel engine of the local experts (ISA, threads, NUMA); see kernels/kn.h. */
   kn_engine_opts local_engine;
   /* An engine to compute local experts on instead of a new one (not owned; must outlive
@@ -288,6 +295,7 @@ typedef struct gc_cluster_info {
   uint32_t failover_ms;    /* failover deadline in effect (gc_options.failover_ms) */
   uint64_t local_pairs;    /* (layer, expert) pairs computed locally by the library */
   uint64_t caller_pairs;   /* pairs the caller computes (gc_options.caller_local) */
+  uint64_t local_mapped;   /* of local_pairs, those served in place (local_map_weights) */
   char model_dir[1024];    /* "" when no model is known */
 } gc_cluster_info;
 void gc_cluster_info_get(const gc_cluster *c, gc_cluster_info *out);

@@ -43,11 +43,12 @@ typedef struct cli {
   const char *model;
   uint32_t deadline_ms, connect_ms;
   bool no_local;
+  bool map_weights; /* local experts served in place (gc_options.local_map_weights) */
 } cli;
 
 enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, OPT_LOG,
        OPT_TOKENS, OPT_DTYPE, OPT_SEED, OPT_TOL, OPT_ITERS, OPT_WARMUP, OPT_JSON, OPT_RESET,
-       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_PEER_CPU, OPT_HELP };
+       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_PEER_CPU, OPT_MAP_WEIGHTS, OPT_HELP };
 
 #define COMMON_OPTIONS                                                                 \
   {"cluster", required_argument, NULL, OPT_CLUSTER},                                   \
@@ -104,6 +105,7 @@ static int open_cluster(const cli *o, gc_cluster **c) {
   opts.connect_timeout_ms = o->connect_ms;
   opts.model_dir = o->model;
   opts.no_local = o->no_local;
+  opts.local_map_weights = o->map_weights;
   int rc = gc_cluster_open(c, o->cluster, &opts, &e);
   if (rc) {
     fprintf(stderr, PROG ": %s: %s\n", mr_err_name(rc), e.msg);
@@ -148,12 +150,16 @@ static const char INFO_HELP[] =
     "\n"
     "  --model DIR              model directory (default: the file's \"model\"); when known,\n"
     "                           its config and fingerprint are checked too\n"
-    "  --no-local               ignore the file's \"local\" section\n";
+    "  --no-local               ignore the file's \"local\" section\n"
+    "  --map-weights            serve the local experts in place from the model's files\n"
+    "                           where they are stored as served (as moerpc-server\n"
+    "                           --map-weights)\n";
 
 static int info_opt(void *ctx, int opt, const char *arg) {
   cli *o = ctx;
   if (opt == OPT_MODEL) o->model = arg;
   else if (opt == OPT_NO_LOCAL) o->no_local = true;
+  else if (opt == OPT_MAP_WEIGHTS) o->map_weights = true;
   else return 0;
   return 1;
 }
@@ -190,6 +196,7 @@ static int cmd_info(int argc, char **argv) {
   static const struct option lo[] = {COMMON_OPTIONS,
                                       {"model", required_argument, NULL, OPT_MODEL},
                                       {"no-local", no_argument, NULL, OPT_NO_LOCAL},
+                                      {"map-weights", no_argument, NULL, OPT_MAP_WEIGHTS},
                                       {0, 0, 0, 0}};
   int pr = parse_command(argc, argv, lo, INFO_HELP, &o, info_opt, &o);
   if (pr >= 0) return pr;
@@ -203,7 +210,8 @@ static int cmd_info(int argc, char **argv) {
          ci.num_experts, ci.weight_format);
   printf("model dir: %s\n", ci.model_dir[0] ? ci.model_dir : "(none: not checked locally)");
   printf("max_tokens per request: %u (smallest of all servers); deadline %u ms; local pairs "
-         "%llu\n", ci.max_tokens, ci.deadline_ms, (unsigned long long)ci.local_pairs);
+         "%llu (%llu in place)\n", ci.max_tokens, ci.deadline_ms,
+         (unsigned long long)ci.local_pairs, (unsigned long long)ci.local_mapped);
   for (uint32_t i = 0; i < ci.n_servers; i++) {
     gc_server_info si;
     gc_server_info_get(c, i, &si, NULL);
@@ -407,6 +415,9 @@ static const char VERIFY_HELP[] =
     "  --seed S                 seed of the hidden states (default 1)\n"
     "  --tol X                  fail above this relative L2 error (default: above)\n"
     "  --no-local               ignore the file's \"local\" section\n"
+    "  --map-weights            serve the local experts in place from the model's files\n"
+    "                           where they are stored as served (as moerpc-server\n"
+    "                           --map-weights)\n"
     "Exit status 1 if any layer is above the tolerance or any call fails.\n";
 
 typedef struct verify_ctx {
@@ -424,6 +435,7 @@ static int verify_opt(void *ctx, int opt, const char *arg) {
   switch (opt) {
   case OPT_MODEL: v->o->model = arg; return 1;
   case OPT_NO_LOCAL: v->o->no_local = true; return 1;
+  case OPT_MAP_WEIGHTS: v->o->map_weights = true; return 1;
   case OPT_TOKENS: return gc__cli_u32("--tokens", arg, 1, 4096, &v->T) ? 1 : -1;
   case OPT_SEED: return gc__cli_u64("--seed", arg, 0, UINT64_MAX, &v->seed) ? 1 : -1;
   case OPT_DTYPE:
@@ -651,6 +663,7 @@ static int cmd_verify(int argc, char **argv) {
   static const struct option lo[] = {COMMON_OPTIONS,
                                       {"model", required_argument, NULL, OPT_MODEL},
                                       {"no-local", no_argument, NULL, OPT_NO_LOCAL},
+                                      {"map-weights", no_argument, NULL, OPT_MAP_WEIGHTS},
                                       {"tokens", required_argument, NULL, OPT_TOKENS},
                                       {"dtype", required_argument, NULL, OPT_DTYPE},
                                       {"seed", required_argument, NULL, OPT_SEED},

@@ -7,7 +7,8 @@
  * and the local kn_ref; fp32 wire results agree to 1e-5 (summation order only), bf16 wire
  * within bf16 rounding. Cases: T = 1, a few tokens, T = max_tokens and T > max_tokens
  * (split by the client), tokens that touch one server only, empty slots, a token with
- * every slot empty. Then: mismatched fingerprints and uncovered experts refuse to open,
+ * every slot empty. The local experts served in place from the model's files
+ * (local_map_weights) give the packed copy's sums bit for bit. Then: mismatched fingerprints and uncovered experts refuse to open,
  * SIGSTOP (slow) gives MR_ETIMEDOUT and SIGKILL (dead) MR_EUNAVAIL, each naming the server.
  */
 #include <grpc/grpc.h>
@@ -56,16 +57,22 @@ static void cluster_file(mr_cluster_file *f, const itu_server **s, int n, const 
   }
 }
 
-static gc_cluster *open_cluster(const itu_server **s, int n, const char *local, mr_err *e) {
+static gc_cluster *open_cluster_map(const itu_server **s, int n, const char *local, bool map,
+                                    mr_err *e) {
   mr_cluster_file f;
   cluster_file(&f, s, n, local);
   gc_options o;
   gc_options_init(&o);
   o.client_name = "itest_placement";
   o.local_engine.isa = KN_ISA_REF; /* the local part is the reference too */
+  o.local_map_weights = map;
   gc_cluster *c = NULL;
   int rc = gc_cluster_open_parsed(&c, &f, &o, e);
   return rc == 0 ? c : NULL;
+}
+
+static gc_cluster *open_cluster(const itu_server **s, int n, const char *local, mr_err *e) {
+  return open_cluster_map(s, n, local, false, e);
 }
 
 /* Routing for case `kind`: 0 mixed, 1 only experts 0-7 (server A alone), 2 empty slots. */
@@ -88,6 +95,31 @@ static void make_call(uint32_t T, int kind, uint64_t seed, int32_t *ids, float *
     if (kind == 2 && t == T / 2)
       for (uint32_t j = 0; j < K; j++) ids[t * K + j] = -1; /* a token with no slot */
   }
+}
+
+/* Local experts served in place from the model's files (local_map_weights) against the
+ * packed copy of cl: every pair in place, the same sums bit for bit. */
+static void check_local_map(gc_cluster *cl, gc_cluster *cm) {
+  static int32_t ids[MAXTOK * K];
+  static float w[MAXTOK * K], x[MAXTOK * H], ol[MAXTOK * H], om[MAXTOK * H];
+  static const uint32_t Ts[] = {1, 5, MAXTOK};
+  gc_cluster_info il, im;
+  gc_cluster_info_get(cl, &il);
+  gc_cluster_info_get(cm, &im);
+  MT_EQ_INT(il.local_mapped, 0);
+  MT_EQ_INT(im.local_pairs, LAYERS * 8);
+  MT_EQ_INT(im.local_mapped, LAYERS * 8); /* bf16 files served as bf16: all in place */
+  mr_err e = {0};
+  for (uint32_t layer = 0; layer < LAYERS; layer++)
+    for (size_t ti = 0; ti < sizeof Ts / sizeof Ts[0]; ti++) {
+      uint32_t T = Ts[ti];
+      make_call(T, 0, 500 + layer * 10 + ti, ids, w, x);
+      gc_layer_req r = {.layer = layer, .n_tokens = T, .top_k = K, .ids = ids, .weights = w,
+                        .x = x, .dtype = MR_DTYPE_F32};
+      MT_OK(gc_layer_forward(cl, &r, ol, &e), &e);
+      MT_OK(gc_layer_forward(cm, &r, om, &e), &e);
+      MT_EQ_INT(memcmp(ol, om, (size_t)T * H * sizeof *ol), 0);
+    }
 }
 
 static void check_equal_everywhere(gc_cluster *c2, gc_cluster *c1, gc_cluster *cl) {
@@ -174,6 +206,11 @@ MT_TEST(placement_does_not_change_results_and_failures_name_the_server) {
   MT_EQ_INT(gc_cluster_owner(cl, 2, 9), GC_OWNER_LOCAL);
 
   check_equal_everywhere(c2, c1, cl);
+  gc_cluster *cm = open_cluster_map(a_only, 1, "8-15", true, &e);
+  if (!cm) fprintf(stderr, "  open {A + local in place}: %s\n", e.msg);
+  MT_TRUE(cm != NULL);
+  check_local_map(cl, cm);
+  gc_cluster_close(cm);
 
   /* A layer whose experts nobody covers refuses to open, naming layer and experts. */
   mr_err e2 = {0};
