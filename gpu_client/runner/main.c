@@ -742,6 +742,9 @@ static const char BENCH_HELP[] =
     "for the server's compute p50 of that T, minus the hold: on hosts whose idle CPUs wake\n"
     "slowly (VMs) a round trip that waits costs more than an instant one, and this is the\n"
     "raw TCP cost of a round trip that waits as long as the server computes.\n"
+    "The JSON line also splits the client's side: client_submit (gather, encode, queue)\n"
+    "and client_wake (the reply seen by the client's I/O thread -> the sum in the\n"
+    "caller's hands: the thread hop and the scatter).\n"
     "\n"
     "  --tokens LIST            comma list of T, each 1..server max_tokens (default 1,16,256)\n"
     "  --iters N                measured calls per T, 1..1000000 (default 200)\n"
@@ -1005,6 +1008,9 @@ typedef struct bench_samples {
   uint32_t hold_us;          /* the compute p50 of the gRPC calls */
   uint64_t *compute;         /* the server's compute_us of the same call */
   uint64_t *net;             /* grpc - compute: transport, framing and queueing */
+  uint64_t *submit;          /* the caller's own time in submit (gather, encode, queue) */
+  uint64_t *wake;            /* the reply seen by the client's I/O thread -> the sum in the
+                              * caller's hands: the hop to the caller and the scatter */
   uint32_t req_bytes, reply_bytes;
 } bench_samples;
 
@@ -1022,6 +1028,8 @@ static void bench_samples_close(bench_samples *sm) {
   free(sm->tcp_held);
   free(sm->compute);
   free(sm->net);
+  free(sm->submit);
+  free(sm->wake);
 }
 
 /* Step 1: the server (--server, else the first with experts) and the first layer where the
@@ -1076,11 +1084,14 @@ static int bench_inputs(const gc_cluster_info *ci, const bench_ctx *b, bench_tar
   sm->tcp_held = malloc(b->iters * sizeof *sm->tcp_held);
   sm->compute = malloc(b->iters * sizeof *sm->compute);
   sm->net = malloc(b->iters * sizeof *sm->net);
+  sm->submit = malloc(b->iters * sizeof *sm->submit);
+  sm->wake = malloc(b->iters * sizeof *sm->wake);
   t->ids = malloc(Tk * sizeof *t->ids);
   t->w = malloc(Tk * sizeof *t->w);
   t->x = malloc(TH * xs);
   t->out = malloc(TH * sizeof *t->out);
-  if (!sm->grpc || !sm->tcp || !sm->tcp_held || !sm->compute || !sm->net || !t->ids || !t->w || !t->x || !t->out) {
+  if (!sm->grpc || !sm->tcp || !sm->tcp_held || !sm->compute || !sm->net || !sm->submit ||
+      !sm->wake || !t->ids || !t->w || !t->x || !t->out) {
     fprintf(stderr, PROG " bench-rpc: out of memory\n");
     return -1;
   }
@@ -1105,10 +1116,16 @@ static int bench_grpc(gc_cluster *c, const bench_ctx *b, const bench_target *t, 
   gc_server_counters ct;
   for (uint32_t i = 0; i < b->warmup + b->iters; i++) {
     uint64_t t0 = mr_now_ns();
-    int rc = gc_layer_forward(c, &q, t->out, e);
+    gc_pending *p = NULL;
+    gc_call_timing tm = {0};
+    int rc = gc_layer_submit(c, &q, &p, e);
+    if (!rc) rc = gc_layer_wait_timed(c, p, t->out, 0, &tm, e);
     uint64_t dt_us = (mr_now_ns() - t0) / 1000u;
     if (rc) return rc;
     if (i < b->warmup) continue;
+    const uint64_t io_us = tm.submit_us + tm.rpc_us;
+    sm->submit[i - b->warmup] = tm.submit_us;
+    sm->wake[i - b->warmup] = dt_us > io_us ? dt_us - io_us : 0;
     gc_server_counters_get(c, (uint32_t)t->server, false, &ct, NULL);
     sm->grpc[i - b->warmup] = dt_us;
     sm->compute[i - b->warmup] = ct.last_compute_us;
@@ -1127,10 +1144,13 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
   qsort(sm->tcp, n, sizeof *sm->tcp, cmp_u64);
   qsort(sm->tcp_held, n, sizeof *sm->tcp_held, cmp_u64);
   qsort(sm->net, n, sizeof *sm->net, cmp_u64);
+  qsort(sm->submit, n, sizeof *sm->submit, cmp_u64);
+  qsort(sm->wake, n, sizeof *sm->wake, cmp_u64);
   double gp50 = pct(sm->grpc, n, 50), gp99 = pct(sm->grpc, n, 99), gmean = mean_u64(sm->grpc, n);
   double tp50 = pct(sm->tcp, n, 50), tp99 = pct(sm->tcp, n, 99), hp50 = pct(sm->tcp_held, n, 50);
   double ratio = tp50 > 0 ? gp50 / tp50 : 0;
   double cp50 = pct(sm->compute, n, 50), np50 = pct(sm->net, n, 50);
+  double sp50 = pct(sm->submit, n, 50), wp50 = pct(sm->wake, n, 50);
   printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %-16.0f %.0f\n",
          T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50, hp50);
   if (b->json)
@@ -1139,10 +1159,11 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
            "\"tcp_p50_us\":%.1f,\"tcp_p99_us\":%.1f,\"ratio_p50\":%.3f,"
            "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
            "\"ratio_minus_compute_p50\":%.3f,\"tcp_held_p50_us\":%.1f,\"hold_us\":%u,"
-           "\"ratio_minus_compute_held_p50\":%.3f,\"peer_cpu\":%d,\"server\":\"%s\","
+           "\"ratio_minus_compute_held_p50\":%.3f,\"client_submit_p50_us\":%.1f,"
+           "\"client_wake_p50_us\":%.1f,\"peer_cpu\":%d,\"server\":\"%s\","
            "\"dtype\":\"%s\",\"top_k\":%u,\"iters\":%u}\n",
            T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50,
-           tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, b->peer_cpu,
+           tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, sp50, wp50, b->peer_cpu,
            t->info.name, mr_dtype_name(b->dt), t->k, n);
   fflush(stdout);
 }

@@ -7,7 +7,9 @@
 # peer pinned to the server's CPU (--peer-cpu), so that the gRPC round trip and the raw
 # TCP one cross the same two cores. Prints every round's JSON lines, then per T the median
 # over rounds of grpc - compute, tcp (instant reply) and tcp_held (the peer holding each
-# reply for the server's compute p50, minus the hold) and the two ratios. Needs 2 CPUs.
+# reply for the server's compute p50, minus the hold), the two ratios, and the client's own
+# share (client_submit: gather, encode, queue; client_wake: the reply at the I/O thread ->
+# the sum in the caller's hands). Needs 2 CPUs.
 # Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS,
 # SERVER_CPUS / CLIENT_CPUS (below).
 set -euo pipefail
@@ -65,5 +67,7 @@ for T, v in sorted(rows.items()):
                       "grpc_p50_us": m("grpc_p50_us"), "compute_p50_us": m("server_compute_us_p50"),
                       "grpc_minus_compute_p50_us": net, "tcp_p50_us": tcp,
                       "tcp_held_p50_us": held, "ratio_vs_tcp": round(net / tcp, 3),
-                      "ratio_vs_tcp_held": round(net / held, 3), "cpu": sys.argv[2]}))
+                      "ratio_vs_tcp_held": round(net / held, 3),
+                      "client_submit_p50_us": m("client_submit_p50_us"),
+                      "client_wake_p50_us": m("client_wake_p50_us"), "cpu": sys.argv[2]}))
 PY
