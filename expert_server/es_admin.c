@@ -163,6 +163,7 @@ static void es__drain_step(es_server *s) {
       if (now >= s->calls_deadline_ms && !s->cancelled_all) {
         mr_log(MR_LOG_WARN, "drain: %lld calls still open after their streams were finished; "
                "cancelling them", calls);
+        atomic_store(&s->drain_cut, true); /* their unsent replies are lost (es_stream.c) */
         grpc_server_cancel_all_calls(s->gs);
         s->cancelled_all = true;
       }

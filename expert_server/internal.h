@@ -483,7 +483,10 @@ struct es_server {
   atomic_bool stop_requested;    /* es_server_stop was called */
   atomic_llong inflight;     /* Forward requests accepted before the drain, not yet sent */
   atomic_llong live_calls;   /* accepted calls (unary + streams) not yet freed */
-  atomic_llong lost_in_drain; /* accepted requests whose reply was never sent, drain on */
+  atomic_llong lost_in_drain; /* accepted requests whose reply was never sent because the
+                               * drain cut their call (drain_cut); not those whose client
+                               * cancelled or went away first */
+  atomic_bool drain_cut;      /* the drain is cancelling the calls that outlived it */
 
   /* Admission (es_stream.c). held_bytes: request and reply buffers and decoded headers of
    * every request taken and not yet answered-and-sent; a stream arms its next RECV only

@@ -569,6 +569,34 @@ MT_TEST(drain_timeout_ends_a_drain_stuck_on_a_client_that_does_not_read) {
   finish();
 }
 
+MT_TEST(a_client_that_cancels_during_the_drain_is_not_counted_unanswered) {
+  /* The drain waits for the replies of a client that does not read; the client then gives
+   * up (cancels its stream). Nobody is left to answer: exit 0 and "0 accepted unanswered"
+   * (it was exit 3: every unsent reply released while draining counted as lost, which also
+   * made itest_overload's greedy streams, closed just before its SIGTERM, fail under TSan). */
+  start(big_model, "--experts all --max-tokens 64 --drain-timeout-ms 60000");
+  itu_call c;
+  flood(&c, 100);
+  usleep(300 * 1000); /* let the server take them all */
+  MT_EQ_INT(kill(srv.pid, SIGTERM), 0);
+  char line[512] = "";
+  for (int i = 0; i < 250 && !line[0]; i++) { /* the drain has begun */
+    usleep(20 * 1000);
+    log_line("draining (SIGTERM)", line, sizeof line);
+  }
+  MT_TRUE(line[0] != '\0');
+  usleep(200 * 1000);
+  uint64_t t0 = mr_now_ns();
+  itu_call_close(&c); /* the client gives up on its requests */
+  stop(0, 0, 20000);  /* no second signal: waits for the drain to end by itself */
+  fprintf(stderr, "  exited %.2f s after the client cancelled\n", (double)(mr_now_ns() - t0) / 1e9);
+  log_line("stopped:", line, sizeof line);
+  fprintf(stderr, "  server: %s", line);
+  MT_CONTAINS(line, " 0 accepted unanswered");
+  expect_clean_log();
+  finish();
+}
+
 MT_TEST(second_signal_during_drain_exits_1_at_once) {
   start(big_model, "--experts all --max-tokens 64 --drain-timeout-ms 60000");
   itu_call c;
