@@ -392,16 +392,9 @@ static int es__load_pack(es_server *s, es_load_req *lr, kn_layer **staging,
       }
       const mr_st_tensor *t[3];
       rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
-      if (!rc && s->map_in_place) { /* in place, as at start-up (es_load.c) */
-        rc = kn_layer_borrow_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                    t[0]->dtype, e);
-        if (!rc) lr->borrowed = true;
-        else if (rc == MR_ENOTSUP) rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data,
-                                                             t[2]->data, t[0]->dtype, e);
-      } else if (!rc) {
-        rc = kn_layer_load_expert(staging[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                  t[0]->dtype, e);
-      }
+      bool borrowed = false; /* in place where it can, as at start-up (es_load.c) */
+      if (!rc) rc = kn_layer_take_expert_st(staging[l], x, t, NULL, s->map_in_place, &borrowed, e);
+      lr->borrowed |= borrowed;
       if (rc) {
         mr_err_prefix(e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
         return rc;

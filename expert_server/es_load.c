@@ -352,15 +352,11 @@ int es__load_weights(es_server *s, bool cached, mr_err *e) {
       const mr_st_tensor *t[3], *sc[3];
       if ((rc = es__expect_expert(s, st, l, x, t, sc, e))) goto out_close_st;
       if (!s->map_in_place) es__prefetch_next(s, st, l, x);
-      rc = MR_ENOTSUP;
-      if (s->map_in_place && !sc[0]) {
-        /* In place: one read (the finite check), no copy. MR_ENOTSUP (a tensor of another
-         * dtype, or misaligned in its file): packed like the rest. */
-        rc = kn_layer_borrow_expert(s->layers[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                    t[0]->dtype, e);
-        if (!rc) s->n_mapped++;
-      }
-      if (rc == MR_ENOTSUP) rc = kn_layer_load_expert_st(s->layers[l], x, t, sc, e);
+      /* In place: one read (the finite check), no copy; an expert that cannot be (another
+       * dtype, block scales, misaligned in its file) is packed like the rest. */
+      bool borrowed;
+      rc = kn_layer_take_expert_st(s->layers[l], x, t, sc, s->map_in_place, &borrowed, e);
+      s->n_mapped += borrowed;
       if (rc) {
         rc = es__file_err(e, rc, "loading layer %" PRIu32 " expert %" PRIu32 " from %s", l, x,
                           t[0]->file);

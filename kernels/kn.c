@@ -1266,6 +1266,36 @@ int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const
   return load_run(&j, expert, e);
 }
 
+int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                              const mr_st_tensor *const scales[3], mr_err *e) {
+  if (!t || !t[0] || !t[1] || !t[2])
+    return mr_err_set(e, MR_EINVAL, "kn_layer_borrow_expert_st: three tensors are required");
+  if (scales && scales[0])
+    return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" has block scales: fp8 weights are "
+                      "packed, not served in place", expert, t[0]->name);
+  for (int p = 1; p < 3; p++)
+    if (t[p]->dtype != t[0]->dtype)
+      return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" is %s and \"%.200s\" %s: not "
+                        "served in place", expert, t[0]->name, t[0]->dtype_name, t[p]->name,
+                        t[p]->dtype_name);
+  return kn_layer_borrow_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+}
+
+int kn_layer_take_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], bool in_place, bool *borrowed,
+                            mr_err *e) {
+  *borrowed = false;
+  if (in_place) {
+    int rc = kn_layer_borrow_expert_st(L, expert, t, scales, e);
+    if (rc != MR_ENOTSUP) {
+      *borrowed = rc == 0;
+      return rc;
+    }
+    mr_err_clear(e); /* the reason it cannot is no error: packed instead */
+  }
+  return kn_layer_load_expert_st(L, expert, t, scales, e);
+}
+
 /* ---- packed-weight cache (kn.h) ---------------------------------------------------- */
 
 uint32_t kn_layer_slices(const kn_layer *L) { return L->n_slices; }

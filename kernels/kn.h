@@ -176,6 +176,19 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
 bool kn_layer_can_borrow(const kn_layer *L, mr_dtype src);
 int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
                            const void *down, mr_dtype src, mr_err *e);
+/* The same from an expert's safetensors (t: gate, up, down; scales: their fp8 block scales,
+ * or NULL / {NULL, ...}): MR_ENOTSUP also where there are scales or the three differ in
+ * dtype. The runner's CPU backend op (experts_borrow_st). */
+int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                              const mr_st_tensor *const scales[3], mr_err *e);
+/* One expert served in place where in_place and kn_layer_borrow_expert_st can (then
+ * *borrowed = true, and the caller keeps the tensors' file mapped as long as the layer),
+ * else packed (kn_layer_load_expert_st; *borrowed = false). The one "in place or packed"
+ * rule of the server's start-up and live apply and the client's local experts. Errors as
+ * those two; never MR_ENOTSUP from the in-place attempt. */
+int kn_layer_take_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], bool in_place, bool *borrowed,
+                            mr_err *e);
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert);
 const kn_layer_desc *kn_layer_get_desc(const kn_layer *L);
 /* Bytes of packed weights held (for load progress and metrics). */

@@ -33,8 +33,8 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
 
   rc = mr_st_open(&st, c->model_dir, e);
   if (rc) goto out;
-  /* In place needs the stored dtype to be the served format and one NUMA node
-   * (kn_layer_borrow_expert answers MR_ENOTSUP otherwise, and the expert is packed). */
+  /* In place needs the stored dtype to be the served format and one NUMA node; other
+   * experts are packed (kn_layer_take_expert_st). */
   const bool map = c->opts.local_map_weights;
   if (map) mr_st_advise_hugepage(st); /* the reads below then come in 2 MiB folios */
   if (c->opts.shared_engine) {
@@ -68,15 +68,11 @@ int gc__local_load(gc_cluster *c, uint8_t *local, mr_err *e) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;
       }
-      rc = MR_ENOTSUP;
-      if (map && !sc[0] && t[1]->dtype == t[0]->dtype && t[2]->dtype == t[0]->dtype &&
-          kn_layer_can_borrow(c->local_layers[l], t[0]->dtype)) {
+      if (map) /* one read of the file's pages, in 2 MiB folios, whether mapped or packed */
         for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
-        rc = kn_layer_borrow_expert(c->local_layers[l], x, t[0]->data, t[1]->data, t[2]->data,
-                                    t[0]->dtype, e);
-        if (!rc) c->local_mapped++;
-      }
-      if (rc == MR_ENOTSUP) rc = kn_layer_load_expert_st(c->local_layers[l], x, t, sc, e); /* fp8 too */
+      bool borrowed;
+      rc = kn_layer_take_expert_st(c->local_layers[l], x, t, sc, map, &borrowed, e); /* fp8 too */
+      c->local_mapped += borrowed;
       if (rc) {
         mr_err_prefix(e, rc, "local experts: model %s", c->model_dir);
         goto out;

@@ -157,9 +157,7 @@ static int cpu_experts_load_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
 static int cpu_experts_borrow_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
                                  const mr_st_tensor *const t[3], mr_err *e) {
   (void)b;
-  if (!kn_layer_can_borrow(x->L, t[0]->dtype) || t[1]->dtype != t[0]->dtype || t[2]->dtype != t[0]->dtype)
-    return mr_err_set(e, MR_ENOTSUP, "expert %u: not servable in place", expert);
-  return kn_layer_borrow_expert(x->L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+  return kn_layer_borrow_expert_st(x->L, expert, t, NULL, e);
 }
 static void cpu_experts_free(gc_backend *b, gc_bk_experts *x) {
   (void)b;

@@ -9,7 +9,10 @@
  *   - refusals: a format that does not store the source dtype as it is, two slices (NUMA),
  *     an array not aligned to its element (MR_ENOTSUP: the caller packs instead), and a
  *     weight that is not finite (MR_EINVAL naming matrix, row and column), each leaving the
- *     expert unloaded.
+ *     expert unloaded;
+ *   - kn_layer_take_expert_st, the loaders' one "in place or packed" rule: in place where
+ *     asked and possible, packed where not asked, misaligned, block-scaled or of mixed
+ *     dtypes (kn_layer_borrow_expert_st's refusals), and the same numbers either way.
  */
 #include "kernels/kn.h"
 #include "tests/unit/kn_test.h"
@@ -163,6 +166,74 @@ MT_TEST(what_cannot_be_served_in_place_is_refused_and_left_unloaded) {
   MT_CONTAINS(e.msg, "on 2 slice(s)");
   kn_layer_free(L);
   kn_engine_free(two);
+  kn_engine_free(eng);
+}
+
+/* Tensors of expert x as a loader sees them (gate, up, down). */
+static void st_of(mr_st_tensor t[3], int x, const void *down) {
+  static const char *const nm[3] = {"gate_proj.weight", "up_proj.weight", "down_proj.weight"};
+  for (int p = 0; p < 3; p++)
+    t[p] = (mr_st_tensor){.name = nm[p], .dtype = MR_DTYPE_BF16, .dtype_name = "BF16", .ndim = 2,
+                          .nbytes = (uint64_t)H * I * 2, .data = p == 2 && down ? down : w16[x][p]};
+}
+
+MT_TEST(take_serves_in_place_where_it_can_and_packs_the_rest) {
+  rng_seed(11);
+  fill(MR_DTYPE_BF16);
+  kn_engine *eng = NULL;
+  mr_err e;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 2};
+  MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+  kn_layer_desc desc = {.hidden = H, .inter = I, .num_experts = NE, .format = KN_FMT_BF16};
+  kn_layer *L = NULL, *packed = NULL;
+  MT_OK(kn_layer_new(&L, eng, &desc, &e), &e);
+  MT_OK(kn_layer_new(&packed, eng, &desc, &e), &e);
+  mr_st_tensor t[3];
+  const mr_st_tensor *tp[3] = {&t[0], &t[1], &t[2]}, *none[3] = {NULL, NULL, NULL};
+  bool b = true;
+  for (int x = 0; x < NE; x++) {
+    st_of(t, x, NULL);
+    MT_OK(kn_layer_take_expert_st(packed, (uint32_t)x, tp, NULL, false, &b, &e), &e);
+    MT_FALSE(b);
+  }
+  /* Expert 0 in place; expert 1 not asked: packed. */
+  st_of(t, 0, NULL);
+  MT_OK(kn_layer_take_expert_st(L, 0, tp, none, true, &b, &e), &e);
+  MT_TRUE(b);
+  MT_TRUE(kn_layer_expert_slice(L, 0, 0) == NULL);
+  st_of(t, 1, NULL);
+  MT_OK(kn_layer_take_expert_st(L, 1, tp, NULL, false, &b, &e), &e);
+  MT_FALSE(b);
+  MT_TRUE(kn_layer_expert_slice(L, 1, 0) != NULL);
+  /* Expert 2's down misaligned in its "file": packed, and no error left behind. */
+  static uint8_t odd[H * I * 2 + 2];
+  memcpy(odd + 1, w16[2][2], (size_t)H * I * 2);
+  st_of(t, 2, odd + 1);
+  MT_OK(kn_layer_take_expert_st(L, 2, tp, NULL, true, &b, &e), &e);
+  MT_FALSE(b);
+  MT_EQ_INT(e.code, 0);
+  MT_TRUE(kn_layer_expert_slice(L, 2, 0) != NULL);
+  /* What kn_layer_borrow_expert_st refuses before it looks at the layer. */
+  st_of(t, 3, NULL);
+  const mr_st_tensor *scaled[3] = {&t[0], &t[1], &t[2]};
+  MT_EQ_INT(kn_layer_borrow_expert_st(L, 3, tp, scaled, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "block scales");
+  t[1].dtype = MR_DTYPE_F16;
+  t[1].dtype_name = "F16";
+  MT_EQ_INT(kn_layer_borrow_expert_st(L, 3, tp, NULL, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "\"gate_proj.weight\" is BF16 and \"up_proj.weight\" F16");
+  MT_EQ_INT(kn_layer_borrow_expert_st(L, 3, NULL, NULL, &e), MR_EINVAL);
+  MT_FALSE(kn_layer_has_expert(L, 3));
+  st_of(t, 3, NULL);
+  MT_OK(kn_layer_borrow_expert_st(L, 3, tp, none, &e), &e);
+  /* Same bytes held, same numbers as all packed. */
+  MT_EQ_U64(kn_layer_bytes(L), kn_layer_bytes(packed));
+  static float ref[T_MAX * H], got[T_MAX * H];
+  fwd(eng, packed, T_MAX, ref);
+  fwd(eng, L, T_MAX, got);
+  MT_TRUE(memcmp(ref, got, sizeof got) == 0);
+  kn_layer_free(L);
+  kn_layer_free(packed);
   kn_engine_free(eng);
 }
 
