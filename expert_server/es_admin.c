@@ -157,15 +157,15 @@ static void es__drain_step(es_server *s) {
     if (calls > 0) {
       /* A batch computing now holds accepted requests: its replies get their time to go
        * out (see ES_DRAIN_BATCH_MAX_MS). */
-      if (now >= s->calls_deadline_ms && !s->cancelled_all &&
+      const bool cut = atomic_load(&s->cancelled_all);
+      if (now >= s->calls_deadline_ms && !cut &&
           now < s->drain_deadline_ms + ES_DRAIN_BATCH_MAX_MS && es__compute_busy(s))
         s->calls_deadline_ms = now + ES_DRAIN_CALLS_MIN_MS;
-      if (now >= s->calls_deadline_ms && !s->cancelled_all) {
+      if (now >= s->calls_deadline_ms && !cut) {
         mr_log(MR_LOG_WARN, "drain: %lld calls still open after their streams were finished; "
                "cancelling them", calls);
-        atomic_store(&s->drain_cut, true); /* their unsent replies are lost (es_stream.c) */
+        atomic_store(&s->cancelled_all, true); /* first: their unsent replies are lost */
         grpc_server_cancel_all_calls(s->gs);
-        s->cancelled_all = true;
       }
       return;
     }
@@ -179,9 +179,9 @@ static void es__drain_step(es_server *s) {
   case ES_PHASE_DRAIN_SHUTDOWN:
     if (!atomic_load(&s->shutdown_notified)) {
       /* Every call has ended; the notification follows once the transports close. */
-      if (now >= s->calls_deadline_ms + ES_DRAIN_SHUTDOWN_GRACE_MS && !s->cancelled_all) {
+      if (now >= s->calls_deadline_ms + ES_DRAIN_SHUTDOWN_GRACE_MS && !atomic_load(&s->cancelled_all)) {
+        atomic_store(&s->cancelled_all, true);
         grpc_server_cancel_all_calls(s->gs);
-        s->cancelled_all = true;
       }
       return;
     }

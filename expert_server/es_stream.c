@@ -130,7 +130,7 @@ static void es__job_release(es_server *s, es_job *job) {
   if (job->counted) {
     /* Lost by the server only when its drain cut the call: a reply that a client cancelled
      * or disconnected from (greedy_close in itest_overload) has nobody to go to. */
-    if (!job->sent && atomic_load(&s->drain_cut)) atomic_fetch_add(&s->lost_in_drain, 1);
+    if (!job->sent && atomic_load(&s->cancelled_all)) atomic_fetch_add(&s->lost_in_drain, 1);
     es__counter_dec(s, &s->inflight);
   }
   if (job->held) es__held_sub(s, job->held);

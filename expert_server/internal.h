@@ -484,9 +484,10 @@ struct es_server {
   atomic_llong inflight;     /* Forward requests accepted before the drain, not yet sent */
   atomic_llong live_calls;   /* accepted calls (unary + streams) not yet freed */
   atomic_llong lost_in_drain; /* accepted requests whose reply was never sent because the
-                               * drain cut their call (drain_cut); not those whose client
+                               * drain cut their call (cancelled_all); not those whose client
                                * cancelled or went away first */
-  atomic_bool drain_cut;      /* the drain is cancelling the calls that outlived it */
+  atomic_bool cancelled_all;  /* the drain cancelled every call left: set by the loop before
+                               * it cancels, read by es_stream.c for lost_in_drain */
 
   /* Admission (es_stream.c). held_bytes: request and reply buffers and decoded headers of
    * every request taken and not yet answered-and-sent; a stream arms its next RECV only
@@ -570,7 +571,6 @@ struct es_server {
   es_phase phase;
   int run_rc;
   uint64_t drain_t0_ms, drain_deadline_ms, calls_deadline_ms;
-  bool cancelled_all;
   int64_t house_trim_peak;     /* held_bytes high-water mark since the last malloc_trim */
   uint64_t house_last_requests, house_quiet_ms;
   long long house_last_calls;
