@@ -54,6 +54,16 @@
 #define ES_MERGE_SCAN 256
 #define ES_ARENA_SHRINK_AFTER 64u
 
+static uint32_t es__us(uint64_t ns) {
+  uint64_t us = ns / 1000u;
+  return us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
+}
+
+/* ForwardReply.server_us (protocol 1.5): arrival to now, the reply's encoding. */
+static uint32_t es__server_us(const es_job *job) {
+  return job->t_recv_ns ? es__us(mr_now_ns() - job->t_recv_ns) : 0;
+}
+
 int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
   Moerpc__V1__ForwardReply r = MOERPC__V1__FORWARD_REPLY__INIT;
   r.id = job->id;
@@ -61,6 +71,7 @@ int es__reply_encode_error(es_job *job, uint32_t status, const char *msg) {
   r.error = (char *)msg;
   r.queue_us = job->queue_us;
   r.compute_us = job->compute_us;
+  r.server_us = es__server_us(job);
   job->status = status;
   job->reply = pr_encode(&r.base);
   return job->reply ? 0 : MR_ENOMEM;
@@ -231,11 +242,6 @@ static uint32_t es__batch_take(es_server *s, es_job **batch, es_job **skipped) {
   return n;
 }
 
-static uint32_t es__us(uint64_t ns) {
-  uint64_t us = ns / 1000u;
-  return us > UINT32_MAX ? UINT32_MAX : (uint32_t)us;
-}
-
 static void es__reply_fail(es_server *s, es_job *job, uint32_t status, const char *msg);
 
 /* Answers skipped jobs (a list from es__batch_take) without computing them. No lock held. */
@@ -299,6 +305,7 @@ static void es__reply_ok(es_server *s, es_job *job) {
   r.id = job->id;
   r.queue_us = job->queue_us;
   r.compute_us = job->compute_us;
+  r.server_us = es__server_us(job);
   r.dtype = (Moerpc__V1__DType)job->dtype;
   job->reply = pr_encode_with_payload(&r.base, job->buf->data, job->nbytes, es__buf_release, job->buf);
   if (job->reply) {

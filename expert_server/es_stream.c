@@ -490,6 +490,7 @@ static void es__stream_reply_error(es_stream *st, uint64_t id, uint32_t status, 
 /* Handles one received ForwardRequest (CQ thread; st->busy is set, so the stream cannot be
  * finished underneath). The payload is gathered from bb's slices once, into a pool buffer. */
 static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
+  const uint64_t t_recv = mr_now_ns(); /* ForwardReply.server_us counts from here */
   es_server *s = st->srv;
   mr_err e;
   char msg[700];
@@ -572,6 +573,7 @@ static bool es__stream_on_request(es_stream *st, grpc_byte_buffer *bb) {
     goto out_free_input;
   }
   es__stream_job_init(st, job);
+  job->t_recv_ns = t_recv;
   job->tab = tab;
   job->req = req;
   req = NULL;

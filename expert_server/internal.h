@@ -282,6 +282,7 @@ struct es_job {
   uint32_t budget_us;              /* ForwardRequest.budget_us, for the error message */
   uint64_t vstart;                 /* virtual start time (fair queueing, es_compute.c) */
   uint32_t status;                 /* gRPC status of the reply */
+  uint64_t t_recv_ns;               /* its ForwardRequest seen by the CQ thread (0: none) */
   uint64_t t_enqueue_ns;
   uint32_t queue_us, compute_us;
   grpc_byte_buffer *reply;         /* encoded reply, owned until its send completes */

@@ -35,7 +35,7 @@ extern "C" {
 #endif
 
 #define PR_PROTOCOL_MAJOR 1
-#define PR_PROTOCOL_MINOR 4
+#define PR_PROTOCOL_MINOR 5
 #define PR_PAYLOAD_FIELD 15
 #define PR_METHOD_HELLO "/moerpc.v1.ExpertService/Hello"
 #define PR_METHOD_FORWARD "/moerpc.v1.ExpertService/Forward"

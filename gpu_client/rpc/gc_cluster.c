@@ -671,7 +671,7 @@ int gc_server_counters_get(gc_cluster *c, uint32_t idx, bool reset, gc_server_co
   *out = s->ctr;
   if (reset) {
     memset(&s->ctr, 0, sizeof s->ctr);
-    s->sum_rtt_us = s->sum_queue_us = s->sum_compute_us = 0;
+    s->sum_rtt_us = s->sum_queue_us = s->sum_compute_us = s->sum_server_us = 0;
   }
   pthread_mutex_unlock(&s->lock);
   gc__health_counters(c, idx, reset, out);

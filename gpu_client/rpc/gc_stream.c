@@ -426,12 +426,15 @@ static void on_reply(gc__stream *s, gc__call *cl, grpc_byte_buffer *bb) {
     ct->last_rtt_us = rtt;
     ct->last_queue_us = h->queue_us;
     ct->last_compute_us = h->compute_us;
+    ct->last_server_us = h->server_us;
     s->sum_rtt_us += (double)rtt;
     s->sum_queue_us += h->queue_us;
     s->sum_compute_us += h->compute_us;
+    s->sum_server_us += h->server_us;
     ct->mean_rtt_us = s->sum_rtt_us / (double)ct->replies;
     ct->mean_queue_us = s->sum_queue_us / (double)ct->replies;
     ct->mean_compute_us = s->sum_compute_us / (double)ct->replies;
+    ct->mean_server_us = s->sum_server_us / (double)ct->replies;
     atomic_store(&s->t_last_ok_ns, now);
   } else {
     ct->errors++;

@@ -286,7 +286,7 @@ struct gc__stream {
   gc__req *q_head, *q_tail; /* send queue */
   gc__req *o_head;          /* outstanding: queued or sent, not answered */
   gc_server_counters ctr;    /* the health fields (failovers ... down) live in health below */
-  double sum_rtt_us, sum_queue_us, sum_compute_us;
+  double sum_rtt_us, sum_queue_us, sum_compute_us, sum_server_us;
   atomic_uint_fast64_t t_last_ok_ns; /* latest OK reply, 0 = none */
   /* Read without a lock by the plan (gc_layer.c): */
   atomic_uint_fast64_t out_slots;    /* slots of its outstanding requests */

@@ -340,6 +340,11 @@ typedef struct gc_server_counters {
   double mean_rtt_us;
   uint32_t last_queue_us, last_compute_us; /* as the server reported them */
   double mean_queue_us, mean_compute_us;
+  /* ForwardReply.server_us (protocol 1.5; 0 from older servers): arrival -> reply encoded
+   * on the server; last_rtt_us - last_server_us is the wire and gRPC both ways plus this
+   * client's own work (bench-rpc splits it). */
+  uint32_t last_server_us;
+  double mean_server_us;
   /* Replicas and failover (not zeroed by reset while it is down: down_us keeps counting). */
   uint64_t failovers;        /* times it was marked down (stream broke, failover deadline) */
   uint64_t resent;           /* its requests re-planned onto other replicas and resent */

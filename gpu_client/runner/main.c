@@ -742,9 +742,13 @@ static const char BENCH_HELP[] =
     "for the server's compute p50 of that T, minus the hold: on hosts whose idle CPUs wake\n"
     "slowly (VMs) a round trip that waits costs more than an instant one, and this is the\n"
     "raw TCP cost of a round trip that waits as long as the server computes.\n"
-    "The JSON line also splits the client's side: client_submit (gather, encode, queue)\n"
-    "and client_wake (the reply seen by the client's I/O thread -> the sum in the\n"
-    "caller's hands: the thread hop and the scatter).\n"
+    "The JSON line also splits the round trip: client_submit (gather, encode, queue),\n"
+    "client_wake (the reply seen by the client's I/O thread -> the sum in the caller's\n"
+    "hands: the thread hop and the scatter), server_own (the server's time with the\n"
+    "request, ForwardReply.server_us, less its queue and compute: decode, checks, copies)\n"
+    "and transport (requests queued -> reply seen, less server_us: the kernel and gRPC\n"
+    "both ways, moerpc's code on neither side; transport_over_tcp = its p50 / tcp_p50).\n"
+    "server_own and transport need a protocol 1.5 server (0 from older ones).\n"
     "\n"
     "  --tokens LIST            comma list of T, each 1..server max_tokens (default 1,16,256)\n"
     "  --iters N                measured calls per T, 1..1000000 (default 200)\n"
@@ -1011,6 +1015,9 @@ typedef struct bench_samples {
   uint64_t *submit;          /* the caller's own time in submit (gather, encode, queue) */
   uint64_t *wake;            /* the reply seen by the client's I/O thread -> the sum in the
                               * caller's hands: the hop to the caller and the scatter */
+  uint64_t *server_own;      /* the server's own work: server_us - queue_us - compute_us */
+  uint64_t *transport;       /* requests queued -> reply seen, minus server_us: both ways
+                              * through the kernel and gRPC, moerpc's code on neither side */
   uint32_t req_bytes, reply_bytes;
 } bench_samples;
 
@@ -1030,6 +1037,8 @@ static void bench_samples_close(bench_samples *sm) {
   free(sm->net);
   free(sm->submit);
   free(sm->wake);
+  free(sm->server_own);
+  free(sm->transport);
 }
 
 /* Step 1: the server (--server, else the first with experts) and the first layer where the
@@ -1086,12 +1095,14 @@ static int bench_inputs(const gc_cluster_info *ci, const bench_ctx *b, bench_tar
   sm->net = malloc(b->iters * sizeof *sm->net);
   sm->submit = malloc(b->iters * sizeof *sm->submit);
   sm->wake = malloc(b->iters * sizeof *sm->wake);
+  sm->server_own = malloc(b->iters * sizeof *sm->server_own);
+  sm->transport = malloc(b->iters * sizeof *sm->transport);
   t->ids = malloc(Tk * sizeof *t->ids);
   t->w = malloc(Tk * sizeof *t->w);
   t->x = malloc(TH * xs);
   t->out = malloc(TH * sizeof *t->out);
   if (!sm->grpc || !sm->tcp || !sm->tcp_held || !sm->compute || !sm->net || !sm->submit ||
-      !sm->wake || !t->ids || !t->w || !t->x || !t->out) {
+      !sm->wake || !sm->server_own || !sm->transport || !t->ids || !t->w || !t->x || !t->out) {
     fprintf(stderr, PROG " bench-rpc: out of memory\n");
     return -1;
   }
@@ -1130,6 +1141,11 @@ static int bench_grpc(gc_cluster *c, const bench_ctx *b, const bench_target *t, 
     sm->grpc[i - b->warmup] = dt_us;
     sm->compute[i - b->warmup] = ct.last_compute_us;
     sm->net[i - b->warmup] = dt_us > ct.last_compute_us ? dt_us - ct.last_compute_us : 0;
+    /* From a protocol 1.5 server (server_us 0 from older ones: both read 0). */
+    const uint64_t busy = (uint64_t)ct.last_queue_us + ct.last_compute_us;
+    sm->server_own[i - b->warmup] = ct.last_server_us > busy ? ct.last_server_us - busy : 0;
+    sm->transport[i - b->warmup] =
+        ct.last_server_us && tm.rpc_us > ct.last_server_us ? tm.rpc_us - ct.last_server_us : 0;
   }
   gc_server_counters_get(c, (uint32_t)t->server, false, &ct, NULL);
   sm->req_bytes = (uint32_t)ct.last_req_bytes;
@@ -1146,11 +1162,14 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
   qsort(sm->net, n, sizeof *sm->net, cmp_u64);
   qsort(sm->submit, n, sizeof *sm->submit, cmp_u64);
   qsort(sm->wake, n, sizeof *sm->wake, cmp_u64);
+  qsort(sm->server_own, n, sizeof *sm->server_own, cmp_u64);
+  qsort(sm->transport, n, sizeof *sm->transport, cmp_u64);
   double gp50 = pct(sm->grpc, n, 50), gp99 = pct(sm->grpc, n, 99), gmean = mean_u64(sm->grpc, n);
   double tp50 = pct(sm->tcp, n, 50), tp99 = pct(sm->tcp, n, 99), hp50 = pct(sm->tcp_held, n, 50);
   double ratio = tp50 > 0 ? gp50 / tp50 : 0;
   double cp50 = pct(sm->compute, n, 50), np50 = pct(sm->net, n, 50);
   double sp50 = pct(sm->submit, n, 50), wp50 = pct(sm->wake, n, 50);
+  double op50 = pct(sm->server_own, n, 50), xp50 = pct(sm->transport, n, 50);
   printf("%-6u %-10u %-10u %-10.0f %-10.0f %-10.1f %-10.0f %-10.0f %-8.2f %-12.0f %-16.0f %.0f\n",
          T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50, hp50);
   if (b->json)
@@ -1160,10 +1179,12 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
            "\"server_compute_us_p50\":%.1f,\"grpc_minus_compute_p50_us\":%.1f,"
            "\"ratio_minus_compute_p50\":%.3f,\"tcp_held_p50_us\":%.1f,\"hold_us\":%u,"
            "\"ratio_minus_compute_held_p50\":%.3f,\"client_submit_p50_us\":%.1f,"
-           "\"client_wake_p50_us\":%.1f,\"peer_cpu\":%d,\"server\":\"%s\","
+           "\"client_wake_p50_us\":%.1f,\"server_own_p50_us\":%.1f,\"transport_p50_us\":%.1f,"
+           "\"transport_over_tcp_p50\":%.3f,\"peer_cpu\":%d,\"server\":\"%s\","
            "\"dtype\":\"%s\",\"top_k\":%u,\"iters\":%u}\n",
            T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50,
-           tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, sp50, wp50, b->peer_cpu,
+           tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, sp50, wp50, op50, xp50,
+           tp50 > 0 ? xp50 / tp50 : 0, b->peer_cpu,
            t->info.name, mr_dtype_name(b->dt), t->k, n);
   fflush(stdout);
 }

@@ -9,8 +9,11 @@
 # over rounds of grpc - compute, tcp (instant reply) and tcp_held (the peer holding each
 # reply for the server's compute p50, minus the hold), the two ratios, and the client's own
 # share (client_submit: gather, encode, queue; client_wake: the reply at the I/O thread ->
-# the sum in the caller's hands). Needs 2 CPUs.
-# Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS,
+# the sum in the caller's hands), the server's own share (server_own: its time with the
+# request, ForwardReply.server_us, less queue and compute) and what is left, transport
+# (the kernel and gRPC both ways, moerpc's code on neither side), over tcp and tcp_held.
+# Needs 2 CPUs.
+# Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS, MODEL,
 # SERVER_CPUS / CLIENT_CPUS (below).
 set -euo pipefail
 BIN=${BIN:-build/bin}
@@ -30,16 +33,18 @@ dir=$(mktemp -d /tmp/moerpc-rpc-pinned.XXXXXX)
 spid=
 cleanup() { [ -n "$spid" ] && kill -9 "$spid" 2>/dev/null; rm -rf "$dir"; }
 trap cleanup EXIT
-"$BIN/moerpc-mkmodel" --out "$dir/model" --seed 1 >/dev/null 2>&1
+# MODEL: another model directory (e.g. build/bench/qwen3-30b-a3b-l2 of load_speed.sh, H = 2048)
+MODEL=${MODEL:-$dir/model}
+[ -f "$MODEL/config.json" ] || "$BIN/moerpc-mkmodel" --out "$MODEL" --seed 1 >/dev/null 2>&1
 CPU=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
 echo "rpc_pinned: server on CPU(s) $scpus (--threads 1), client on CPU(s) $ccpus, $rounds rounds, $CPU" >&2
 for round in $(seq 1 "$rounds"); do
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
   cat >"$dir/cluster.json" <<JSON
-{"model": "$dir/model", "deadline_ms": 10000,
+{"model": "$MODEL", "deadline_ms": 10000,
  "servers": [{"name": "s0", "address": "127.0.0.1:$port"}]}
 JSON
-  taskset -c "$scpus" "$BIN/moerpc-server" --model "$dir/model" --listen "127.0.0.1:$port" \
+  taskset -c "$scpus" "$BIN/moerpc-server" --model "$MODEL" --listen "127.0.0.1:$port" \
       --experts all --threads 1 >"$dir/server.log" 2>&1 &
   spid=$!
   for _ in $(seq 1 600); do
@@ -69,5 +74,10 @@ for T, v in sorted(rows.items()):
                       "tcp_held_p50_us": held, "ratio_vs_tcp": round(net / tcp, 3),
                       "ratio_vs_tcp_held": round(net / held, 3),
                       "client_submit_p50_us": m("client_submit_p50_us"),
-                      "client_wake_p50_us": m("client_wake_p50_us"), "cpu": sys.argv[2]}))
+                      "client_wake_p50_us": m("client_wake_p50_us"),
+                      "server_own_p50_us": m("server_own_p50_us"),
+                      "transport_p50_us": m("transport_p50_us"),
+                      "transport_over_tcp": round(m("transport_p50_us") / tcp, 3),
+                      "transport_over_tcp_held": round(m("transport_p50_us") / held, 3),
+                      "cpu": sys.argv[2]}))
 PY

@@ -3,7 +3,8 @@
  * integration tests do not reach:
  *   - several streams at once (2 gRPC threads): requests of one layer from different streams
  *     are merged into one kernel call, and every reply still equals the reference for its own
- *     rows; Stats counts exactly the tokens sent per (layer, expert), and reset zeroes them;
+ *     rows; each reply's server_us (protocol 1.5) holds its queue_us and compute_us; Stats
+ *     counts exactly the tokens sent per (layer, expert), and reset zeroes them;
  *   - a client process SIGKILLed mid-stream, and a client cancelling its stream, leave the
  *     server serving (and, under ASan, leak nothing: the exit status says so);
  *   - half-close with replies still queued: every reply arrives, then status OK;
@@ -180,6 +181,7 @@ MT_TEST(streams_merge_and_stats_count_tokens) {
         if (ids[s][v][q] >= 0) expect_tokens[c->layer][ids[s][v][q]]++;
     }
   double worst = 0;
+  uint64_t server_us = 0;
   for (int s = 0; s < NSTREAM; s++) {
     static uint8_t seen[NREQ];
     memset(seen, 0, sizeof seen);
@@ -196,13 +198,18 @@ MT_TEST(streams_merge_and_stats_count_tokens) {
       if (err > worst) worst = err;
       /* bf16 on the wire rounds the output (~4e-3); the kernels' own bound is 1e-2. */
       MT_LE(err, cfg[s].dtype == 3 ? 2e-2 : 1e-2);
+      /* 1.5: the server's whole time with the request holds its queue and compute. */
+      MT_TRUE(r->server_us >= (uint64_t)r->queue_us + r->compute_us);
+      server_us += r->server_us;
       moerpc__v1__forward_reply__free_unpacked(r, NULL);
     }
     MT_EQ_INT(itu_call_finish(&calls[s], 10000), 0);
     MT_EQ_INT(calls[s].status, GRPC_STATUS_OK);
     itu_call_close(&calls[s]);
   }
-  fprintf(stderr, "  %d replies, worst rel L2 %.3g\n", NSTREAM * NREQ, worst);
+  fprintf(stderr, "  %d replies, worst rel L2 %.3g, server_us %.1f on average\n", NSTREAM * NREQ,
+          worst, (double)server_us / (NSTREAM * NREQ));
+  MT_TRUE(server_us > 0);
 
   /* Stats: exact token counts per (layer, expert); reset reads then zeroes. */
   for (int round = 0; round < 3; round++) {

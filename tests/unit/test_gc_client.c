@@ -212,6 +212,7 @@ static grpc_byte_buffer *fs_compute(fake_server *f, const Moerpc__V1__ForwardReq
   r.dtype = q->dtype;
   r.compute_us = 7;
   r.queue_us = 3;
+  r.server_us = 12;
   grpc_byte_buffer *bb =
       pr_encode_with_payload(&r.base, out, half ? sp->payload.len / 2 : sp->payload.len, free, out);
   free(raw);
@@ -517,6 +518,8 @@ MT_TEST(two_servers_sum_every_dtype) {
   MT_EQ_INT(ct.errors, 0);
   MT_EQ_INT(ct.last_compute_us, 7);
   MT_EQ_INT(ct.last_queue_us, 3);
+  MT_EQ_INT(ct.last_server_us, 12);
+  MT_TRUE(ct.mean_server_us == 12.0);
   MT_TRUE(ct.bytes_sent > 0 && ct.bytes_received > 0 && ct.mean_rtt_us > 0);
   MT_OK(gc_server_counters_get(c, 1, true, &ct, e), e);
   MT_EQ_INT(ct.requests, 3);
@@ -801,7 +804,7 @@ MT_TEST(open_refuses_mismatch_and_gaps) {
   o1.proto_major = 2;
   fs_start(&f1, o1);
   MT_EQ_INT(open_two(&f0, &f1, 5000, &c, e), MR_EMISMATCH);
-  MT_CONTAINS(e->msg, "speaks protocol 2.0, this client speaks 1.4");
+  MT_CONTAINS(e->msg, "speaks protocol 2.0, this client speaks 1.5");
   fs_stop(&f1);
 
   o1 = fs_defaults(4, 5);
