@@ -229,10 +229,16 @@ uint8_t mr_f32_to_f8e4m3(float v);
  * q = e4m3(w / scale_inv), so that w ~ e4m3(q) * scale_inv (DeepSeek-V3 weight_scale_inv). */
 void mr_f8e4m3_quantize_rows(const float *w, uint32_t rows, uint32_t K, uint8_t *q,
                              float *scale_inv);
-/* Converts n elements of src (dtype dt, little-endian) to f32. */
+/* Bulk conversions of the wire dtypes (convert.c): the bits of the per-element rules
+ * above for every input, eight lanes at a time where the CPU has AVX2 and F16C.
+ * n elements of src (dtype dt, little-endian) to f32 at dst: */
 void mr_convert_to_f32(float *dst, const void *src, mr_dtype dt, size_t n);
-/* Converts n f32 elements to dtype dt at dst. */
+/* ... added into dst (dst[i] += src[i] as f32): a reply summed into a hidden state: */
+void mr_convert_add_f32(float *dst, const void *src, mr_dtype dt, size_t n);
+/* n f32 elements to dtype dt at dst: */
 void mr_convert_from_f32(void *dst, mr_dtype dt, const float *src, size_t n);
+/* "avx2" or "scalar" (MOERPC_CONVERT=scalar, or a CPU without AVX2 and F16C). */
+const char *mr_convert_impl(void);
 
 /* The finite scan (finite.c) of n elements at x (dt F32, F16 or BF16, little-endian, any
  * alignment; another dt is our bug and asserts): the index of the first element, in memory

@@ -194,28 +194,9 @@ void gc__gather_rows(void *dst, const void *src, const uint32_t *rows, uint32_t 
 
 void gc__scatter_add(float *out, uint32_t H, const uint32_t *rows, uint32_t n, const void *src,
                      mr_dtype dt) {
-  for (uint32_t i = 0; i < n; i++) {
-    float *o = out + (size_t)rows[i] * H;
-    switch (dt) {
-    case MR_DTYPE_F32: {
-      const float *s = (const float *)src + (size_t)i * H;
-      for (uint32_t h = 0; h < H; h++) o[h] += s[h];
-      break;
-    }
-    case MR_DTYPE_BF16: {
-      const uint16_t *s = (const uint16_t *)src + (size_t)i * H;
-      for (uint32_t h = 0; h < H; h++) o[h] += mr_bf16_to_f32(s[h]);
-      break;
-    }
-    case MR_DTYPE_F16: {
-      const uint16_t *s = (const uint16_t *)src + (size_t)i * H;
-      for (uint32_t h = 0; h < H; h++) o[h] += mr_f16_to_f32(s[h]);
-      break;
-    }
-    default:
-      MR_ASSERT(!"gc__scatter_add: dtype validated at submit");
-    }
-  }
+  const size_t row = (size_t)H * mr_dtype_size(dt);
+  for (uint32_t i = 0; i < n; i++)
+    mr_convert_add_f32(out + (size_t)rows[i] * H, (const uint8_t *)src + i * row, dt, H);
 }
 
 int gc__reply_check_finite(const void *y, mr_dtype dt, const uint32_t *rows, uint32_t n,
