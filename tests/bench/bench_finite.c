@@ -1,6 +1,6 @@
 /*
- * bench_finite.c - moerpc-bench-finite: the cost of the finite checks on both sides of the
- * wire (docs/DESIGN.md section 5): the server's es_hidden_check_finite on the gathered
+ * bench_finite.c - moerpc-bench-finite: the cost of the finite checks (and the dtype
+ * conversions) on both sides of the wire (docs/DESIGN.md section 5): the server's es_hidden_check_finite on the gathered
  * payload and es_output_check_finite on each job's output rows in the wire dtype, and the
  * client's gc__reply_check_finite on every reply's gathered output, next to the compute of
  * a decode request of the same shape, measured in the same run.
@@ -14,6 +14,9 @@
  *   - one decode request (T = 1, 8 experts, bf16 weights, best ISA, default threads):
  *     kn_moe_forward, median over 15 calls after a warm-up; the 8 experts are 75 MB /
  *     704 MB, far over the LLC, so every call streams its weights as a real decode does.
+ *   - the wire conversions of both sides (common/convert.c: f32 -> f16 / bf16, back, and
+ *     summed into f32) on T = 1, 16 and 256 tokens, next to the per-element loops they
+ *     replaced, in the same run ("speedup"; "impl" names the path this CPU takes);
  * Prints one JSON line per case on stdout (the CPU's name from /proc/cpuinfo in each) and
  * a table on stderr; the fractions are, at T = 1 on the bf16 wire, (hidden + output check)
  * / decode for the server and (reply check) / decode for the client.
@@ -97,6 +100,56 @@ static double time_check(mr_dtype dt, enum check_kind kind, uint32_t T, uint32_t
   free(f);
   free(x);
   free(rows);
+  free(ns);
+  return m;
+}
+
+/* The wire conversions (common/convert.c) next to the per-element loops they replace
+ * (the rules of mr.h, as the bulk functions were before 2026-12-05), in the same run. */
+enum conv_op { CONV_FROM, CONV_TO, CONV_ADD };
+static const char *const conv_names[3] = {"from_f32", "to_f32", "add_f32"};
+
+static void conv_loop(enum conv_op op, mr_dtype dt, float *f, uint16_t *w, size_t n) {
+  const bool bf = dt == MR_DTYPE_BF16;
+  if (op == CONV_FROM)
+    for (size_t i = 0; i < n; i++) w[i] = bf ? mr_f32_to_bf16(f[i]) : mr_f32_to_f16(f[i]);
+  else if (op == CONV_TO)
+    for (size_t i = 0; i < n; i++) f[i] = bf ? mr_bf16_to_f32(w[i]) : mr_f16_to_f32(w[i]);
+  else
+    for (size_t i = 0; i < n; i++) f[i] += bf ? mr_bf16_to_f32(w[i]) : mr_f16_to_f32(w[i]);
+}
+
+/* Median ns of one conversion of T x H values (bulk, or the loop), the buffers warm. */
+static double time_conv(enum conv_op op, mr_dtype dt, uint32_t T, uint32_t H, bool loop,
+                        int repeats) {
+  size_t n = (size_t)T * H;
+  float *f = calloc(n, sizeof *f);
+  uint16_t *w = malloc(n * sizeof *w);
+  uint64_t *ns = malloc((size_t)repeats * sizeof *ns);
+  if (!f || !w || !ns) {
+    fprintf(stderr, "out of memory\n");
+    exit(1);
+  }
+  uint64_t s = 11;
+  for (size_t i = 0; i < n; i++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    f[i] = (float)((int)(s >> 40 & 0xffff) - 32768) / 3276.8f;
+  }
+  mr_convert_from_f32(w, dt, f, n);
+  for (int r = -10; r < repeats; r++) {
+    uint64_t t0 = mr_now_ns();
+    if (loop) conv_loop(op, dt, f, w, n);
+    else if (op == CONV_FROM) mr_convert_from_f32(w, dt, f, n);
+    else if (op == CONV_TO) mr_convert_to_f32(f, w, dt, n);
+    else mr_convert_add_f32(f, w, dt, n);
+    uint64_t t1 = mr_now_ns();
+    if (op == CONV_ADD && (r & 63) == 0) mr_convert_to_f32(f, w, dt, n); /* keep sums bounded */
+    sink += w[n / 2] + (int)f[n / 3];
+    if (r >= 0) ns[r] = t1 - t0;
+  }
+  double m = (double)median(ns, repeats);
+  free(f);
+  free(w);
   free(ns);
   return m;
 }
@@ -205,6 +258,25 @@ int main(int argc, char **argv) {
                cpu, shapes[q].shape, H, checks[c].name, T, repeats, ns);
       }
     }
+    for (int d = 0; d < 2; d++)
+      for (int op = 0; op < 3; op++) {
+        static const uint32_t Ts[] = {1, 16, 256};
+        const mr_dtype dt = d ? MR_DTYPE_F16 : MR_DTYPE_BF16;
+        for (size_t ti = 0; ti < 3; ti++) {
+          uint32_t T = Ts[ti];
+          int reps = T == 256 ? (repeats + 9) / 10 : repeats;
+          double bulk = time_conv((enum conv_op)op, dt, T, H, false, reps) / T;
+          double loop = time_conv((enum conv_op)op, dt, T, H, true, reps) / T;
+          fprintf(stderr, "  %-14s %-6s%-9s %5u %12.1f  (loop %.1f, %.1fx, %s)\n", shapes[q].shape,
+                  mr_dtype_name(dt), conv_names[op], T, bulk, loop, loop / bulk, mr_convert_impl());
+          printf("{\"bench\":\"convert\",\"cpu\":\"%s\",\"shape\":\"%s\",\"H\":%u,"
+                 "\"dtype\":\"%s\",\"op\":\"%s\",\"tokens\":%u,\"repeats\":%d,"
+                 "\"impl\":\"%s\",\"ns_per_token\":%.1f,\"loop_ns_per_token\":%.1f,"
+                 "\"speedup\":%.2f}\n",
+                 cpu, shapes[q].shape, H, mr_dtype_name(dt), conv_names[op], T, reps,
+                 mr_convert_impl(), bulk, loop, loop / bulk);
+        }
+      }
     if (!compute) continue;
     double dec = time_decode(H, shapes[q].I);
     if (dec <= 0) return 1;
