@@ -177,7 +177,7 @@ typedef struct es_load_req {
   uint8_t *want;             /* [num_layers * num_experts]: the pairs to load */
   uint64_t n_pairs;          /* pairs set in want */
   mr_st *st;                 /* the model's safetensors, open from the check to the end */
-  bool borrowed;             /* some pair is served in place from st (--map-weights): st
+  uint64_t n_in_place;       /* pairs served in place from st (--map-weights): with any, st
                               * stays open for the server's life once the load is published */
   uint64_t tensors_total, bytes_total; /* what the load reads (headers) */
   uint64_t need, free_b;     /* packed bytes it adds, and the room there was */
@@ -317,8 +317,8 @@ static int es__load_check_tensors(es_server *s, es_load_req *lr, mr_err *e) {
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t x = 0; x < E; x++) {
       if (!lr->want[(size_t)l * E + x]) continue;
-      const mr_st_tensor *t[3];
-      if (mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e)) {
+      const mr_st_tensor *t[3], *sc[3];
+      if (mr_config_expert_tensors_q(&s->cfg, lr->st, l, x, t, sc, e)) {
         mr_err_prefix(e, MR_EFORMAT, "model %s", s->model_dir);
         return MR_EFORMAT;
       }
@@ -390,11 +390,11 @@ static int es__load_pack(es_server *s, es_load_req *lr, kn_layer **staging,
         atomic_store(&s->ld_tensors_done, *tensors);
         continue;
       }
-      const mr_st_tensor *t[3];
-      rc = mr_config_expert_tensors(&s->cfg, lr->st, l, x, t, e);
+      const mr_st_tensor *t[3], *sc[3]; /* sc: an FP8 checkpoint's block scales */
+      rc = mr_config_expert_tensors_q(&s->cfg, lr->st, l, x, t, sc, e);
       bool borrowed = false; /* in place where it can, as at start-up (es_load.c) */
-      if (!rc) rc = kn_layer_take_expert_st(staging[l], x, t, NULL, s->map_in_place, &borrowed, e);
-      lr->borrowed |= borrowed;
+      if (!rc) rc = kn_layer_take_expert_st(staging[l], x, t, sc, s->map_in_place, &borrowed, e);
+      lr->n_in_place += borrowed;
       if (rc) {
         mr_err_prefix(e, rc, "layer %" PRIu32 " expert %" PRIu32, l, x);
         return rc;
@@ -478,7 +478,7 @@ static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e,
   s->ld_status = rc ? (uint32_t)pr_status_from_mr(rc) : 0;
   snprintf(s->ld_error, sizeof s->ld_error, "%s", rc ? e->msg : "");
   /* Published experts served in place read lr->st's mapping from now on. */
-  if (!rc && lr->borrowed) {
+  if (!rc && lr->n_in_place) {
     es__keep_st(s, lr->st);
     lr->st = NULL;
   }
@@ -491,7 +491,8 @@ static void es__load_end(es_server *s, es_load_req *lr, int rc, const mr_err *e,
            lr->id, sec, e->msg);
   else
     mr_log(MR_LOG_INFO, "placement: load %" PRIu64 " done: %" PRIu64 " tensors, %.3f GB in %.1f s "
-           "(%.2f GB/s)", lr->id, tensors, bytes / 1e9, sec, sec > 0 ? bytes / sec / 1e9 : 0);
+           "(%.2f GB/s), %" PRIu64 " pairs in place", lr->id, tensors, bytes / 1e9, sec,
+           sec > 0 ? bytes / sec / 1e9 : 0, lr->n_in_place);
 }
 
 /* es-ctl-load: packs, publishes and ends the load recorded for lr. */
@@ -540,7 +541,7 @@ int es__control_repack_all(es_server *s, mr_err *e) {
   if (!rc) rc = es__load_publish(s, 0, staging, true, e);
   /* A repair happens only with a weight cache, which --map-weights refuses (main.c,
    * es_server_new): nothing here reads the model's mapping after it is closed. */
-  MR_ASSERT(!lr->borrowed);
+  MR_ASSERT(!lr->n_in_place);
 out:
   for (uint32_t l = 0; staging && l < L; l++) kn_layer_free(staging[l]);
   mr_free(staging);

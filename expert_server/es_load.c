@@ -208,7 +208,8 @@ int es__load_prepare(es_server *s, mr_err *e) {
                                 : es__format_of_dtype(stored);
   s->group = s->format == KN_FMT_INT4 ? s->opts.group : 0;
   kn_format_wire_name(s->format, s->group, s->weight_format, sizeof s->weight_format);
-  if (s->opts.map_weights && (stored_fp8 || s->format != es__format_of_dtype(stored)))
+  const bool as_stored = stored_fp8 ? s->format == KN_FMT_FP8 : s->format == es__format_of_dtype(stored);
+  if (s->opts.map_weights && !as_stored)
     mr_log(MR_LOG_WARN, "--map-weights: the experts are served as %s, not as stored (%s): "
            "they are packed as usual", s->weight_format, stored_fp8 ? "fp8" : mr_dtype_name(stored));
 
@@ -248,10 +249,11 @@ int es__load_prepare(es_server *s, mr_err *e) {
     }
     s->owned[l] = &s->owned_experts;
     /* Every layer has the same shape, format and engine: the first one decides. */
-    if (s->opts.map_weights && !stored_fp8 && !map_decided) {
+    if (s->opts.map_weights && !map_decided) {
       map_decided = true;
-      s->map_in_place = kn_layer_can_borrow(s->layers[l], stored);
-      if (!s->map_in_place && s->format == es__format_of_dtype(stored))
+      s->map_in_place = stored_fp8 ? kn_layer_can_borrow_fp8(s->layers[l])
+                                   : kn_layer_can_borrow(s->layers[l], stored);
+      if (!s->map_in_place && as_stored)
         mr_log(MR_LOG_WARN, "--map-weights: the experts are split over %" PRIu32 " NUMA nodes "
                "(each slice on its node): they are packed as usual", kn_engine_nodes(s->eng));
     }

@@ -111,6 +111,10 @@ typedef struct kn__slice_w {
   bool borrowed;      /* mem belongs to someone else (kn_layer_adopt_expert: a mapped
                        * cache file; kn_layer_borrow_expert: the model file itself, mem
                        * NULL, gate / up / down pointing into it); never freed here */
+  bool in_place;      /* gate / up / down point into the caller's arrays (a model file's
+                       * mapping: kn_layer_borrow_expert, _fp8), not into mem, which then
+                       * holds at most the scales (FP8: mem is ours, the codes are not);
+                       * such a slice has no packed block to copy out */
   void *gate;         /* [I_s rows][H], format layout above */
   void *up;           /* [I_s rows][H] */
   void *down;         /* [H rows][I_s] */
@@ -202,6 +206,8 @@ typedef struct kn__pack_fns {
   uint32_t (*check)(const void *src, mr_dtype dt, uint32_t n);
   /* Copies n e4m3fn codes; returns the index of the first NaN code (0x7f, 0xff), or n. */
   uint32_t (*copy_fp8)(uint8_t *dst, const uint8_t *src, uint32_t n);
+  /* The same without writing (FP8 codes served in place: kn_layer_borrow_expert_fp8). */
+  uint32_t (*check_fp8)(const uint8_t *src, uint32_t n);
   float (*amax)(const float *src, uint32_t n);
   void (*quant_int8)(const float *src, uint32_t n, float scale, int8_t *dst);
   void (*quant_int4)(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale);

@@ -638,6 +638,12 @@ static uint32_t pack_copy_fp8(uint8_t *dst, const uint8_t *src, uint32_t n) {
   return n;
 }
 
+static uint32_t pack_check_fp8(const uint8_t *src, uint32_t n) {
+  for (uint32_t k = 0; k < n; k++)
+    if ((src[k] & 0x7f) == 0x7f) return k;
+  return n;
+}
+
 static void pack_from_f32(void *dst, mr_dtype dt, const float *src, uint32_t n) {
   mr_convert_from_f32(dst, dt, src, n);
 }
@@ -647,6 +653,7 @@ const kn__pack_fns kn__pack_scalar = {
     .copy = pack_copy,
     .check = pack_check,
     .copy_fp8 = pack_copy_fp8,
+    .check_fp8 = pack_check_fp8,
     .amax = pack_amax,
     .quant_int8 = pack_quant_int8,
     .quant_int4 = pack_quant_int4,
@@ -911,7 +918,8 @@ typedef struct load_job {
   mr_dtype dt;                       /* MR_DTYPE_UNSPECIFIED when src_fp8 */
   bool src_fp8;                      /* src are e4m3 codes with block scales bscale */
   bool same;                         /* dt is what the format stores: rows are copied */
-  bool check_only;                   /* kn_layer_borrow_expert: same, rows only checked */
+  bool check_only;                   /* kn_layer_borrow_expert: same (or src_fp8 into an FP8
+                                      * layer), rows only checked, FP8 scales still written */
   const kn__pack_fns *P;             /* kn__pack() */
   const float *bscale[3];            /* [ceil(N/128)][ceil(K/128)] of each matrix (src_fp8) */
   float *rows;                       /* [n_workers][row_floats]: one fp32 row per worker */
@@ -978,7 +986,7 @@ static void load_row_fp8(load_job *j, kn__proj p, uint32_t row, uint32_t col0, u
                          uint8_t *dst, float *scale) {
   const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
   const uint8_t *q = (const uint8_t *)j->src[p] + (size_t)row * Kf + col0;
-  const uint32_t k = j->P->copy_fp8(dst, q, K);
+  const uint32_t k = j->check_only ? j->P->check_fp8(q, K) : j->P->copy_fp8(dst, q, K);
   if (k < K) {
     note_bad(j, p, row, col0 + k, NAN);
     return;
@@ -1156,9 +1164,21 @@ static int load_run(load_job *jp, uint32_t expert, mr_err *e) {
     counts[s] = j.gu_items[s] = 0;
     if (L->slice_len[s] == 0) continue;
     if (j.check_only) { /* one slice, the whole expert: the source arrays themselves */
-      j.w[s] = (kn__slice_w){.borrowed = true, .mem_bytes = slice_layout_of(L, s).total,
+      const slice_layout lay = slice_layout_of(L, s);
+      j.w[s] = (kn__slice_w){.borrowed = !j.src_fp8, .in_place = true, .mem_bytes = lay.total,
                              .gate = (void *)j.src[0], .up = (void *)j.src[1],
                              .down = (void *)j.src[2]};
+      if (j.src_fp8) { /* the codes in place; their per-row scales are ours */
+        char *m = mr_malloc_aligned(lay.total - lay.gate_scale, KN_PACK_ALIGN);
+        if (!m) {
+          rc = mr_err_set(e, MR_ENOMEM, "expert %u: out of memory for its scales", expert);
+          goto out_free;
+        }
+        j.w[s].mem = m;
+        j.w[s].gate_scale = (float *)m;
+        j.w[s].up_scale = (float *)(m + (lay.up_scale - lay.gate_scale));
+        j.w[s].down_scale = (float *)(m + (lay.down_scale - lay.gate_scale));
+      }
     } else if ((rc = slice_alloc(L, expert, s, &j.w[s], e))) {
       goto out_free;
     }
@@ -1203,15 +1223,12 @@ out_free:
   return rc;
 }
 
-int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
-                            const mr_st_tensor *const scales[3], mr_err *e) {
-  if (!t || !t[0] || !t[1] || !t[2])
-    return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: three tensors are required");
-  if (!scales || !scales[0])
-    return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
-  if (!L) return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: layer is required");
-  float *sc[3] = {NULL, NULL, NULL};
+/* The fp32 block scales of an F8_E4M3 expert's tensors (t, scales as
+ * mr_config_expert_tensors_q finds them), checked; the caller frees sc[0..2]. */
+static int st_fp8_scales(const kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                         const mr_st_tensor *const scales[3], float *sc[3], mr_err *e) {
   int rc = 0;
+  sc[0] = sc[1] = sc[2] = NULL;
   for (int p = 0; p < 3 && !rc; p++) {
     const mr_st_tensor *s = scales[p];
     const uint32_t N = p == 2 ? L->d.hidden : L->d.inter, K = p == 2 ? L->d.inter : L->d.hidden;
@@ -1232,6 +1249,18 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
     snprintf(what, sizeof what, "tensor \"%.200s\"", s->name);
     rc = kn_fp8_check_scales(sc[p], N, K, what, e);
   }
+  return rc;
+}
+
+int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                            const mr_st_tensor *const scales[3], mr_err *e) {
+  if (!t || !t[0] || !t[1] || !t[2])
+    return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: three tensors are required");
+  if (!scales || !scales[0])
+    return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
+  if (!L) return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: layer is required");
+  float *sc[3];
+  int rc = st_fp8_scales(L, expert, t, scales, sc, e);
   if (!rc)
     rc = kn_layer_load_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1], t[2]->data, sc[2], e);
   for (int p = 0; p < 3; p++) mr_free(sc[p]);
@@ -1266,13 +1295,54 @@ int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const
   return load_run(&j, expert, e);
 }
 
+bool kn_layer_can_borrow_fp8(const kn_layer *L) {
+  return L && L->d.format == KN_FMT_FP8 && L->n_slices == 1 && !L->numa_place &&
+         L->slice_len[0] == L->d.inter;
+}
+
+int kn_layer_borrow_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
+                               const float *gate_scale, const uint8_t *up, const float *up_scale,
+                               const uint8_t *down, const float *down_scale, mr_err *e) {
+  if (!L || !gate || !up || !down || !gate_scale || !up_scale || !down_scale)
+    return mr_err_set(e, MR_EINVAL, "kn_layer_borrow_expert_fp8: layer, gate, up, down and "
+                      "their scales are required");
+  if (expert >= L->d.num_experts)
+    return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
+                      L->d.num_experts);
+  if (!kn_layer_can_borrow_fp8(L))
+    return mr_err_set(e, MR_ENOTSUP, "expert %u: a %s layer on %u slice(s) cannot serve fp8 "
+                      "weights in place (it must be fp8-b128, on one slice)", expert,
+                      kn_format_name(L->d.format), L->n_slices);
+  const uint32_t H = L->d.hidden, I = L->d.inter;
+  const float *scs[3] = {gate_scale, up_scale, down_scale};
+  for (int p = 0; p < 3; p++) {
+    char what[64];
+    snprintf(what, sizeof what, "expert %u %s", expert, proj_names[p]);
+    int rc = kn_fp8_check_scales(scs[p], p == 2 ? H : I, p == 2 ? I : H, what, e);
+    if (rc) return rc;
+  }
+  load_job j = {.L = L, .src = {gate, up, down}, .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
+                .check_only = true, .bscale = {gate_scale, up_scale, down_scale},
+                .bad = {.set = false}};
+  return load_run(&j, expert, e);
+}
+
 int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
                               const mr_st_tensor *const scales[3], mr_err *e) {
   if (!t || !t[0] || !t[1] || !t[2])
     return mr_err_set(e, MR_EINVAL, "kn_layer_borrow_expert_st: three tensors are required");
-  if (scales && scales[0])
-    return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" has block scales: fp8 weights are "
-                      "packed, not served in place", expert, t[0]->name);
+  if (scales && scales[0]) { /* F8_E4M3 with block scales: the codes in place */
+    if (!kn_layer_can_borrow_fp8(L))
+      return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" is fp8: served in place only by "
+                        "an fp8-b128 layer on one slice", expert, t[0]->name);
+    float *sc[3];
+    int rc = st_fp8_scales(L, expert, t, scales, sc, e);
+    if (!rc)
+      rc = kn_layer_borrow_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1],
+                                      t[2]->data, sc[2], e);
+    for (int p = 0; p < 3; p++) mr_free(sc[p]);
+    return rc;
+  }
   for (int p = 1; p < 3; p++)
     if (t[p]->dtype != t[0]->dtype)
       return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" is %s and \"%.200s\" %s: not "
@@ -1306,7 +1376,7 @@ uint64_t kn_layer_slice_bytes(const kn_layer *L, uint32_t s) {
 }
 
 const void *kn_layer_expert_slice(const kn_layer *L, uint32_t expert, uint32_t s) {
-  if (!kn__layer_owns(L, expert) || s >= L->n_slices) return NULL;
+  if (!kn__layer_owns(L, expert) || s >= L->n_slices || L->w[expert][s].in_place) return NULL;
   return L->w[expert][s].mem;
 }
 

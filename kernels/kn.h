@@ -176,9 +176,21 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
 bool kn_layer_can_borrow(const kn_layer *L, mr_dtype src);
 int kn_layer_borrow_expert(kn_layer *L, uint32_t expert, const void *gate, const void *up,
                            const void *down, mr_dtype src, mr_err *e);
-/* The same from an expert's safetensors (t: gate, up, down; scales: their fp8 block scales,
- * or NULL / {NULL, ...}): MR_ENOTSUP also where there are scales or the three differ in
- * dtype. The runner's CPU backend op (experts_borrow_st). */
+/* The same for FP8 block-scaled matrices (kn_layer_load_expert_fp8's arguments) into an
+ * fp8-b128 layer: the codes are served where they are (checked: a NaN code is MR_EINVAL
+ * naming it), the per-row scales the kernels read are made from the block scales (checked
+ * finite and > 0) and held by the layer, about 1/32 of the codes' bytes. Only where
+ * kn_layer_can_borrow_fp8 (an FP8 layer on one slice), else MR_ENOTSUP. Bit-identical to
+ * kn_layer_load_expert_fp8. */
+bool kn_layer_can_borrow_fp8(const kn_layer *L);
+int kn_layer_borrow_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
+                               const float *gate_scale, const uint8_t *up, const float *up_scale,
+                               const uint8_t *down, const float *down_scale, mr_err *e);
+/* Either of the two from an expert's safetensors (t: gate, up, down; scales: their fp8
+ * block scales, or NULL / {NULL, ...}, as mr_config_expert_tensors_q finds them): F8_E4M3
+ * tensors with scales through kn_layer_borrow_expert_fp8 (scales converted and checked as
+ * kn_layer_load_expert_st does), float ones through kn_layer_borrow_expert; MR_ENOTSUP also
+ * where the three differ in dtype. The runner's CPU backend op (experts_borrow_st). */
 int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
                               const mr_st_tensor *const scales[3], mr_err *e);
 /* One expert served in place where in_place and kn_layer_borrow_expert_st can (then

@@ -176,11 +176,13 @@ typedef struct gc_bk_ops {
   int (*experts_load_st)(gc_backend *b, gc_bk_experts *x, uint32_t expert,
                          const mr_st_tensor *const t[3], const mr_st_tensor *const scales[3],
                          mr_err *e);
-  /* Optional (NULL: the backend cannot): serves expert in place from float checkpoint
-   * tensors t[gate, up, down] that stay mapped and unchanged while x lives
-   * (kn_layer_borrow_expert); MR_ENOTSUP where the format or layout does not allow it. */
+  /* Optional (NULL: the backend cannot): serves expert in place from checkpoint tensors
+   * t[gate, up, down] (and an FP8 checkpoint's block scales, as experts_load_st) that stay
+   * mapped and unchanged while x lives (kn_layer_borrow_expert_st); MR_ENOTSUP where the
+   * format or layout does not allow it. */
   int (*experts_borrow_st)(gc_backend *b, gc_bk_experts *x, uint32_t expert,
-                           const mr_st_tensor *const t[3], mr_err *e);
+                           const mr_st_tensor *const t[3], const mr_st_tensor *const scales[3],
+                           mr_err *e);
   void (*experts_free)(gc_backend *b, gc_bk_experts *x);
   uint64_t (*experts_expert_bytes)(const gc_bk_experts *x);
 

@@ -155,9 +155,10 @@ static int cpu_experts_load_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
   return kn_layer_load_expert_st(x->L, expert, t, scales, e);
 }
 static int cpu_experts_borrow_st(gc_backend *b, gc_bk_experts *x, uint32_t expert,
-                                 const mr_st_tensor *const t[3], mr_err *e) {
+                                 const mr_st_tensor *const t[3],
+                                 const mr_st_tensor *const scales[3], mr_err *e) {
   (void)b;
-  return kn_layer_borrow_expert_st(x->L, expert, t, NULL, e);
+  return kn_layer_borrow_expert_st(x->L, expert, t, scales, e);
 }
 static void cpu_experts_free(gc_backend *b, gc_bk_experts *x) {
   (void)b;

@@ -606,11 +606,11 @@ static int load_moe(loader *ld, uint32_t l, model_layer *ly, mr_err *e) {
     rc = mr_config_expert_tensors_q(&m->cfg, ld->st, l, x, t, sc, e);
     if (rc) return mr_err_prefix(e, rc, "model %s", m->model_dir);
     rc = MR_ENOTSUP;
-    if (m->o.map_weights && bk->ops->experts_borrow_st && !sc[0]) {
+    if (m->o.map_weights && bk->ops->experts_borrow_st) {
       /* In place (as the server's --map-weights): read through the huge-page-advised
        * mapping first, so that the pages come in 2 MiB folios, then checked and kept. */
       for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
-      rc = bk->ops->experts_borrow_st(bk, ly->hot, x, t, e);
+      rc = bk->ops->experts_borrow_st(bk, ly->hot, x, t, sc, e);
       if (!rc) m->n_mapped++;
     }
     if (rc == MR_ENOTSUP) rc = bk->ops->experts_load_st(bk, ly->hot, x, t, sc, e);

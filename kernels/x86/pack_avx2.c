@@ -156,6 +156,22 @@ static uint32_t copy_fp8_avx2(uint8_t *dst, const uint8_t *src, uint32_t n) {
   return n;
 }
 
+static uint32_t check_fp8_avx2(const uint8_t *src, uint32_t n) {
+  uint32_t k = 0;
+  const __m256i m = _mm256_set1_epi8(0x7f);
+  __m256i bad = _mm256_setzero_si256();
+  for (; k + 32 <= n; k += 32) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(src + k));
+    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m));
+  }
+  bool tail_bad = false;
+  for (uint32_t i = k; i < n; i++) tail_bad |= (src[i] & 0x7f) == 0x7f;
+  if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
+  for (k = 0; k < n; k++)
+    if ((src[k] & 0x7f) == 0x7f) return k;
+  return n;
+}
+
 static float amax_avx2(const float *src, uint32_t n) {
   const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 m0 = _mm256_setzero_ps(), m1 = _mm256_setzero_ps();
@@ -263,6 +279,7 @@ const kn__pack_fns kn__pack_avx2 = {
     .copy = copy_avx2,
     .check = check_avx2,
     .copy_fp8 = copy_fp8_avx2,
+    .check_fp8 = check_fp8_avx2,
     .amax = amax_avx2,
     .quant_int8 = quant_int8_avx2,
     .quant_int4 = quant_int4_avx2,

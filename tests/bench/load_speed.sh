@@ -15,7 +15,7 @@
 #                   that owns a private copy cannot go below, on hosts (VMs) where first
 #                   touch of memory is slower than the read itself;
 #   server FORMAT   moerpc-server's packing phase ("loading: done ... in S s") for the
-#                   stored format (bf16 / fp8: copied; bf16 with pack = map: --map-weights,
+#                   stored format (bf16 / fp8: copied; bf16 or fp8 with pack = map: --map-weights,
 #                   served in place from the files after a finite check) and online int8 / int4, with the
 #                   row converters kn__pack picks for this CPU (pack = auto: AVX2 where present) and the scalar ones
 #                   (MOERPC_PACK=scalar, the converters before this change, as a baseline);
@@ -118,10 +118,10 @@ declare -A T R
 cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|" "bf16|map|$MODEL|X=1|--map-weights"
        "int8|auto|$MODEL|X=1|--quant int8" "int8|scalar|$MODEL|MOERPC_PACK=scalar|--quant int8"
        "int4|auto|$MODEL|X=1|--quant int4" "int4|scalar|$MODEL|MOERPC_PACK=scalar|--quant int4"
-       "fp8|auto|$FP8|X=1|" "fp8|scalar|$FP8|MOERPC_PACK=scalar|")
+       "fp8|auto|$FP8|X=1|" "fp8|scalar|$FP8|MOERPC_PACK=scalar|" "fp8|map|$FP8|X=1|--map-weights")
 if [ "$SCALAR" = 0 ]; then
   cases=("bf16|auto|$MODEL|X=1|" "bf16|map|$MODEL|X=1|--map-weights" "int8|auto|$MODEL|X=1|--quant int8"
-         "int4|auto|$MODEL|X=1|--quant int4" "fp8|auto|$FP8|X=1|")
+         "int4|auto|$MODEL|X=1|--quant int4" "fp8|auto|$FP8|X=1|" "fp8|map|$FP8|X=1|--map-weights")
 fi
 # One untimed load of each kind first: the first process to touch that much memory pays
 # for it (on a VM, the host backing it) more than the ones after.
@@ -186,4 +186,7 @@ if [ "$COLD" = 1 ]; then
   drop
   set -- $(server_s "$FP8" X=1)
   emit server fp8 auto cold "$GB8" "$1" "$crd8" "$2"
+  drop
+  set -- $(server_s "$FP8" X=1 --map-weights)
+  emit server fp8 map cold "$GB8" "$1" "$crd8" "$2"
 fi

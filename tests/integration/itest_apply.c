@@ -8,6 +8,8 @@
  *     request naming the expert, the layer and the servers asked; the stream keeps serving
  *     (expert 0 on the same server still computes, same output as before), and after a
  *     LoadExperts of it again the client re-Hellos and it is served with the same output;
+ *   an_fp8_model_reloads_the_same_numbers_packed_and_in_place: the same unload and load of
+ *     an expert of an FP8 checkpoint, packed and with --map-weights (in place);
  *   load_refusals: LoadStatus of an unknown load_id is NOT_FOUND, a dense or out-of-range
  *     layer INVALID_ARGUMENT, over --max-expert-memory RESOURCE_EXHAUSTED naming the bytes,
  *     another model's fingerprint FAILED_PRECONDITION; nothing changes (Hello's owned
@@ -30,12 +32,15 @@ static char *tmp;
 static char model[600], cluster[700], tok[700];
 static itu_server s0;
 
-static void setup(const char *extra_flags) {
+/* model_flags: more moerpc-mkmodel flags (--dtype fp8). */
+static void setup_model(const char *model_flags, const char *extra_flags) {
   grpc_init();
   tmp = itu_tmpdir();
   snprintf(model, sizeof model, "%s/m", tmp);
-  MT_EQ_INT(itu_make_model(model, "--layers 2 --experts 8 --topk 2 --hidden 64 --inter 32 "
-                                  "--vocab 64 --heads 2 --kv-heads 1 --head-dim 32"), 0);
+  char mflags[400];
+  snprintf(mflags, sizeof mflags, "--layers 2 --experts 8 --topk 2 --hidden 64 --inter 32 "
+           "--vocab 64 --heads 2 --kv-heads 1 --head-dim 32 %s", model_flags);
+  MT_EQ_INT(itu_make_model(model, mflags), 0);
   snprintf(tok, sizeof tok, "%s/tok", tmp);
   FILE *f = fopen(tok, "w");
   MT_TRUE(f != NULL);
@@ -54,6 +59,8 @@ static void setup(const char *extra_flags) {
           tok, s0.address);
   MT_EQ_INT(fclose(f), 0);
 }
+
+static void setup(const char *extra_flags) { setup_model("", extra_flags); }
 
 static void teardown(void) {
   int st = 0;
@@ -137,6 +144,42 @@ MT_TEST(unloaded_expert_gets_a_per_request_error) {
   gc_cluster_close(cl);
   gc_cluster_close(ctl);
   teardown();
+}
+
+/* An FP8 checkpoint (fp8-b128 served as stored): an expert unloaded and loaded again by
+ * LoadExperts computes what it did, packed and, with --map-weights, served in place from
+ * the file (the codes; the layer holds their per-row scales). */
+MT_TEST(an_fp8_model_reloads_the_same_numbers_packed_and_in_place) {
+  for (int map = 0; map < 2; map++) {
+    setup_model("--dtype fp8", map ? "--map-weights" : "");
+    mr_err e;
+    mr_cluster_file cf;
+    MT_OK(mr_cluster_load(&cf, cluster, &e), &e);
+    gc_cluster *ctl = NULL, *cl = NULL;
+    MT_OK(gc_control_open(&ctl, &cf, &e), &e);
+    MT_OK(gc_cluster_open(&cl, cluster, NULL, &e), &e);
+    gc_hello_info h;
+    MT_OK(gc_control_hello(ctl, 0, &h, &e), &e);
+    MT_EQ_STR(h.weight_format, "fp8-b128");
+    gc_hello_info_close(&h);
+    float ref5[H], out[H];
+    MT_OK(forward(cl, 5, ref5, &e), &e);
+    uint32_t five[] = {5};
+    gc_unload_result ur;
+    MT_OK(gc_control_unload(ctl, 0, pairs_mask(2, 1, five, 1), 2, 8, "", &ur, &e), &e);
+    MT_EQ_U64(ur.pairs, 1);
+    gc_load_started ls;
+    MT_OK(gc_control_load(ctl, 0, pairs_mask(2, 1, five, 1), 2, 8, "", &ls, &e), &e);
+    MT_OK(itu_load_wait(ctl, ls.load_id, 5000, &e), &e);
+    usleep(250000); /* the client's next re-Hello for an unannounced expert (see above) */
+    MT_OK(forward(cl, 5, out, &e), &e);
+    MT_TRUE(memcmp(out, ref5, sizeof out) == 0);
+    MT_CONTAINS(itu_log_text(&s0), map ? "1 pairs in place" : "0 pairs in place");
+    if (map) MT_CONTAINS(itu_log_text(&s0), "(16 of 16 served in place from the model's files)");
+    gc_cluster_close(cl);
+    gc_cluster_close(ctl);
+    teardown();
+  }
 }
 
 MT_TEST(load_refusals) {

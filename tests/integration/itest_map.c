@@ -7,8 +7,11 @@
  *     LoadExperts of more pairs serves them in place too (the same outputs as a server that
  *     packed them at start); it stops cleanly (the mappings closed after the layers: ASan and
  *     TSan runs of this test check that order);
- *   where_it_cannot_it_packs: --quant int8 and a forced 2-node split are packed as usual with
- *     a WARN naming why, and serve what the same server without --map-weights serves;
+ *   fp8_in_place_is_bit_identical_to_packing: the same for an FP8 checkpoint (fp8-b128: the
+ *     codes in place, the layer's own per-row scales);
+ *   where_it_cannot_it_packs: --quant int8, a forced 2-node split and an FP8 checkpoint
+ *     served as bf16 are packed as usual with a WARN naming why, and serve what the same
+ *     server without --map-weights serves;
  *   with_weight_cache_it_is_refused: --map-weights --weight-cache exits non-zero naming both.
  */
 #include <signal.h>
@@ -32,11 +35,14 @@
 static char *tmp;
 static char model[600], tok[700];
 
-static void setup(void) {
+/* dtype_flags: "" (bf16) or "--dtype fp8" (F8_E4M3 experts with block scales). */
+static void setup_dtype(const char *dtype_flags) {
   grpc_init();
   tmp = itu_tmpdir();
   snprintf(model, sizeof model, "%s/m", tmp);
-  MT_EQ_INT(itu_make_model(model, MODEL_FLAGS), 0);
+  char flags[400];
+  snprintf(flags, sizeof flags, MODEL_FLAGS " %s", dtype_flags);
+  MT_EQ_INT(itu_make_model(model, flags), 0);
   snprintf(tok, sizeof tok, "%s/tok", tmp);
   FILE *f = fopen(tok, "w");
   MT_TRUE(f != NULL);
@@ -45,6 +51,8 @@ static void setup(void) {
   MT_EQ_INT(chmod(tok, 0600), 0);
   itu_client_security(NULL, NULL, NULL, NULL, TOKEN);
 }
+
+static void setup(void) { setup_dtype(""); }
 
 static void teardown(void) {
   unsetenv("MOERPC_TEST_FORCE_SPLIT");
@@ -118,8 +126,8 @@ static void load_47(const itu_server *s) {
   MT_EQ_U64(pairs, 8);
 }
 
-MT_TEST(in_place_is_bit_identical_to_packing) {
-  setup();
+static void in_place_case(const char *dtype_flags) {
+  setup_dtype(dtype_flags);
   itu_server s;
   static float ref_a[2 * T * H], ref_b[2 * T * H], out[2 * T * H];
   start(&s, "0-7", "");
@@ -149,6 +157,11 @@ MT_TEST(in_place_is_bit_identical_to_packing) {
   teardown();
 }
 
+MT_TEST(in_place_is_bit_identical_to_packing) { in_place_case(""); }
+
+/* The codes of an FP8 checkpoint served in place, their per-row scales made at load. */
+MT_TEST(fp8_in_place_is_bit_identical_to_packing) { in_place_case("--dtype fp8"); }
+
 /* A server with flags and one with flags --map-weights: the second says warn, serves
  * nothing in place and gives the first one's outputs. */
 static void expect_packed(const char *flags, const char *warn) {
@@ -175,6 +188,11 @@ MT_TEST(where_it_cannot_it_packs) {
   /* Two NUMA slices per expert (forced): each slice belongs on its node, so packed. */
   setenv("MOERPC_TEST_FORCE_SPLIT", "2", 1);
   expect_packed("", "--map-weights: the experts are split over 2 NUMA nodes");
+  teardown();
+  /* An FP8 checkpoint served as bf16: dequantized at load, so packed. */
+  setup_dtype("--dtype fp8");
+  expect_packed("--quant bf16", "--map-weights: the experts are served as bf16, not as stored "
+                                "(fp8): they are packed as usual");
   teardown();
 }
 

@@ -249,42 +249,45 @@ MT_TEST(stats_reset_clears_the_layers) {
   rm_model();
 }
 
-/* --map-weights: every hot expert of a bf16 model served in place from the file, logits
- * bit-identical to the packed model (the fast path and the reference alike); with int8 hot
- * experts nothing can be, and the logits are those of the packed int8 model. */
+/* --map-weights: every hot expert of a bf16 model, and of an FP8 one (the codes; the layer
+ * makes their per-row scales), served in place from the file, logits bit-identical to the
+ * packed model (the fast path and the reference alike); with int8 hot experts nothing can
+ * be, and the logits are those of the packed int8 model. */
 MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
-  make_model(NULL);
   static float a[12 * 128], b[12 * 128];
   uint32_t seq[12] = {0}, pos[12];
   for (uint32_t i = 0; i < 12; i++) pos[i] = i;
   mr_err e = {0};
-  for (int isa = 0; isa < 2; isa++)
-    for (int fmt = 0; fmt < 2; fmt++) {
-      gc_model *m[2];
-      for (int map = 0; map < 2; map++) {
-        gc_model_opts o;
-        gc_model_opts_init(&o);
-        o.model_dir = dir;
-        o.engine.isa = isa ? KN_ISA_COUNT : KN_ISA_REF;
-        o.engine.threads = 2;
-        o.max_seq = 16;
-        o.quiet = true;
-        o.map_weights = map;
-        if (fmt) o.expert_format = KN_FMT_INT8;
-        MT_OK(gc_model_open(&m[map], &o, &e), &e);
+  for (int fp8 = 0; fp8 < 2; fp8++) {
+    make_model(fp8 ? "--dtype fp8" : NULL);
+    for (int isa = 0; isa < 2; isa++)
+      for (int fmt = 0; fmt < 2; fmt++) {
+        gc_model *m[2];
+        for (int map = 0; map < 2; map++) {
+          gc_model_opts o;
+          gc_model_opts_init(&o);
+          o.model_dir = dir;
+          o.engine.isa = isa ? KN_ISA_COUNT : KN_ISA_REF;
+          o.engine.threads = 2;
+          o.max_seq = 16;
+          o.quiet = true;
+          o.map_weights = map;
+          if (fmt) o.expert_format = KN_FMT_INT8;
+          MT_OK(gc_model_open(&m[map], &o, &e), &e);
+        }
+        MT_EQ_U64(gc_model_mapped_experts(m[0]), 0);
+        MT_EQ_U64(gc_model_mapped_experts(m[1]), fmt ? 0 : 3 * 8); /* 3 layers x 8 experts */
+        gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = a};
+        MT_OK(gc_model_step(m[0], &s, &e), &e);
+        s.logits = b;
+        MT_OK(gc_model_step(m[1], &s, &e), &e);
+        MT_TRUE(isfinite(a[0]));
+        MT_TRUE(memcmp(a, b, sizeof a) == 0);
+        gc_model_close(m[0]);
+        gc_model_close(m[1]);
       }
-      MT_EQ_U64(gc_model_mapped_experts(m[0]), 0);
-      MT_EQ_U64(gc_model_mapped_experts(m[1]), fmt ? 0 : 3 * 8); /* 3 layers x 8 experts */
-      gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = a};
-      MT_OK(gc_model_step(m[0], &s, &e), &e);
-      s.logits = b;
-      MT_OK(gc_model_step(m[1], &s, &e), &e);
-      MT_TRUE(isfinite(a[0]));
-      MT_TRUE(memcmp(a, b, sizeof a) == 0);
-      gc_model_close(m[0]);
-      gc_model_close(m[1]);
-    }
-  rm_model();
+    rm_model();
+  }
 }
 
 MT_TEST(open_refuses_bad_options) {

@@ -10,8 +10,13 @@
  *     an array not aligned to its element (MR_ENOTSUP: the caller packs instead), and a
  *     weight that is not finite (MR_EINVAL naming matrix, row and column), each leaving the
  *     expert unloaded;
+ *   - FP8 (fp8-b128) codes served in place with the layer's own per-row scales: the bits of
+ *     the packed layer on every ISA, from arrays and from safetensors-like tensors (F32 and
+ *     BF16 scales); a NaN code and a bad scale refused and named, two slices MR_ENOTSUP;
+ *     freeing the layer frees the scales and leaves the codes (ASan);
  *   - kn_layer_take_expert_st, the loaders' one "in place or packed" rule: in place where
- *     asked and possible, packed where not asked, misaligned, block-scaled or of mixed
+ *     asked and possible, packed where not asked, misaligned, block-scaled (into a float
+ *     layer) or of mixed
  *     dtypes (kn_layer_borrow_expert_st's refusals), and the same numbers either way.
  */
 #include "kernels/kn.h"
@@ -217,7 +222,7 @@ MT_TEST(take_serves_in_place_where_it_can_and_packs_the_rest) {
   st_of(t, 3, NULL);
   const mr_st_tensor *scaled[3] = {&t[0], &t[1], &t[2]};
   MT_EQ_INT(kn_layer_borrow_expert_st(L, 3, tp, scaled, &e), MR_ENOTSUP);
-  MT_CONTAINS(e.msg, "block scales");
+  MT_CONTAINS(e.msg, "is fp8: served in place only by an fp8-b128 layer"); /* a bf16 layer */
   t[1].dtype = MR_DTYPE_F16;
   t[1].dtype_name = "F16";
   MT_EQ_INT(kn_layer_borrow_expert_st(L, 3, tp, NULL, &e), MR_ENOTSUP);
@@ -234,6 +239,149 @@ MT_TEST(take_serves_in_place_where_it_can_and_packs_the_rest) {
   MT_TRUE(memcmp(ref, got, sizeof got) == 0);
   kn_layer_free(L);
   kn_layer_free(packed);
+  kn_engine_free(eng);
+}
+
+/* FP8 codes and block scales of NE experts, quantized from w32 (fill(MR_DTYPE_F32) first). */
+#define NB_GU ((I + 127) / 128 * ((H + 127) / 128))
+#define NB_DN ((H + 127) / 128 * ((I + 127) / 128))
+static uint8_t q8[NE][3][H * I];
+static float s8[NE][3][NB_GU > NB_DN ? NB_GU : NB_DN];
+
+static void fill_fp8(void) {
+  mr_err e;
+  for (int x = 0; x < NE; x++)
+    for (int p = 0; p < 3; p++)
+      MT_OK(kn_fp8_quantize_b128(w32[x][p], MR_DTYPE_F32, p == 2 ? H : I, p == 2 ? I : H, q8[x][p],
+                                 s8[x][p], &e), &e);
+}
+
+MT_TEST(fp8_codes_served_in_place_compute_like_packed_ones_on_every_isa) {
+  rng_seed(13);
+  fill(MR_DTYPE_F32);
+  fill_fp8();
+  const kn_isa top = kn_isa_detect();
+  int runs = 0;
+  for (int isa = KN_ISA_REF; isa <= (int)top; isa++) {
+    kn_engine *eng = NULL;
+    mr_err e;
+    kn_engine_opts eo = {.isa = (kn_isa)isa, .threads = 2};
+    MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+    kn_layer_desc desc = {.hidden = H, .inter = I, .num_experts = NE, .format = KN_FMT_FP8};
+    kn_layer *packed = NULL, *inplace = NULL;
+    MT_OK(kn_layer_new(&packed, eng, &desc, &e), &e);
+    MT_OK(kn_layer_new(&inplace, eng, &desc, &e), &e);
+    MT_TRUE(kn_layer_can_borrow_fp8(inplace));
+    MT_FALSE(kn_layer_can_borrow(inplace, MR_DTYPE_BF16));
+    for (uint32_t x = 0; x < NE; x++) {
+      MT_OK(kn_layer_load_expert_fp8(packed, x, q8[x][0], s8[x][0], q8[x][1], s8[x][1], q8[x][2],
+                                     s8[x][2], &e), &e);
+      MT_OK(kn_layer_borrow_expert_fp8(inplace, x, q8[x][0], s8[x][0], q8[x][1], s8[x][1],
+                                       q8[x][2], s8[x][2], &e), &e);
+    }
+    MT_EQ_U64(kn_layer_bytes(inplace), kn_layer_bytes(packed));
+    MT_TRUE(kn_layer_expert_slice(inplace, 0, 0) == NULL); /* no packed block to copy out */
+    MT_TRUE(kn_layer_expert_slice(packed, 0, 0) != NULL);
+    static float ref[T_MAX * H], got[T_MAX * H];
+    for (uint32_t T = 1; T <= T_MAX; T += T_MAX - 1) {
+      memset(got, 0xff, sizeof got);
+      fwd(eng, packed, T, ref);
+      fwd(eng, inplace, T, got);
+      MT_TRUE(isfinite(ref[0]) && ref[0] != 0.0f);
+      if (memcmp(ref, got, (size_t)T * H * sizeof(float)) != 0)
+        MT__FAIL("%s fp8 T=%u: in place differs from packed",
+                 kn_isa_name(kn_engine_isa(eng, desc.format)), T);
+      runs++;
+    }
+    /* Shared on by a rebuild, then both freed: the codes stay ours, the scales are freed. */
+    kn_layer *nw = NULL;
+    uint8_t all[NE] = {1, 1, 1, 1};
+    MT_OK(kn_layer_rebuild(&nw, inplace, all, NULL, &e), &e);
+    kn_layer_free(inplace);
+    fwd(eng, nw, T_MAX, got);
+    fwd(eng, packed, T_MAX, ref);
+    MT_TRUE(memcmp(ref, got, sizeof got) == 0);
+    kn_layer_free(nw);
+    kn_layer_free(packed);
+    kn_engine_free(eng);
+  }
+  MT_TRUE(runs >= 2);
+}
+
+MT_TEST(fp8_in_place_refusals_and_tensors) {
+  rng_seed(17);
+  fill(MR_DTYPE_F32);
+  fill_fp8();
+  kn_engine *eng = NULL, *two = NULL;
+  mr_err e;
+  kn_engine_opts eo = {.isa = KN_ISA_REF, .threads = 2};
+  MT_OK(kn_engine_new(&eng, &eo, &e), &e);
+  kn_layer_desc desc = {.hidden = H, .inter = I, .num_experts = NE, .format = KN_FMT_FP8};
+  kn_layer *L = NULL, *packed = NULL;
+  MT_OK(kn_layer_new(&L, eng, &desc, &e), &e);
+  /* A NaN code (0x7f), named; a scale that is not > 0, named; nothing loaded. */
+  const uint8_t keep = q8[1][1][3 * H + 9];
+  q8[1][1][3 * H + 9] = 0x7f;
+  MT_EQ_INT(kn_layer_borrow_expert_fp8(L, 1, q8[1][0], s8[1][0], q8[1][1], s8[1][1], q8[1][2],
+                                       s8[1][2], &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "expert 1 up[3, 9]");
+  q8[1][1][3 * H + 9] = keep;
+  const float ks = s8[1][2][1];
+  s8[1][2][1] = 0.0f;
+  MT_EQ_INT(kn_layer_borrow_expert_fp8(L, 1, q8[1][0], s8[1][0], q8[1][1], s8[1][1], q8[1][2],
+                                       s8[1][2], &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "expert 1 down");
+  s8[1][2][1] = ks;
+  MT_FALSE(kn_layer_has_expert(L, 1));
+  MT_EQ_U64(kn_layer_bytes(L), 0);
+  MT_EQ_INT(kn_layer_borrow_expert_fp8(L, NE, q8[0][0], s8[0][0], q8[0][1], s8[0][1], q8[0][2],
+                                       s8[0][2], &e), MR_ERANGE);
+  /* From tensors as mr_config_expert_tensors_q finds them: F8 codes, F32 / BF16 scales. */
+  static uint16_t s16[NB_GU > NB_DN ? NB_GU : NB_DN];
+  mr_st_tensor t[3], sc[3];
+  const mr_st_tensor *tp[3] = {&t[0], &t[1], &t[2]}, *sp[3] = {&sc[0], &sc[1], &sc[2]};
+  MT_OK(kn_layer_new(&packed, eng, &desc, &e), &e);
+  for (int x = 0; x < NE; x++) {
+    for (int p = 0; p < 3; p++) {
+      const uint32_t N = p == 2 ? H : I, K = p == 2 ? I : H, nb = (N + 127) / 128 * ((K + 127) / 128);
+      t[p] = (mr_st_tensor){.name = "w", .dtype = MR_DTYPE_UNSPECIFIED, .dtype_name = "F8_E4M3",
+                            .ndim = 2, .shape = {N, K}, .nbytes = (uint64_t)N * K, .data = q8[x][p]};
+      const bool b16 = x % 2 && p == 0; /* some scales as BF16: exactly representable ones */
+      if (b16) {
+        for (uint32_t i = 0; i < nb; i++) s8[x][p][i] = mr_bf16_to_f32(mr_f32_to_bf16(s8[x][p][i]));
+        mr_convert_from_f32(s16, MR_DTYPE_BF16, s8[x][p], nb);
+      }
+      sc[p] = (mr_st_tensor){.name = "w_scale_inv", .dtype = b16 ? MR_DTYPE_BF16 : MR_DTYPE_F32,
+                             .dtype_name = b16 ? "BF16" : "F32", .ndim = 2,
+                             .shape = {(N + 127) / 128, (K + 127) / 128},
+                             .nbytes = (uint64_t)nb * (b16 ? 2 : 4),
+                             .data = b16 ? (const void *)s16 : (const void *)s8[x][p]};
+    }
+    bool b = false;
+    MT_OK(kn_layer_take_expert_st(L, (uint32_t)x, tp, sp, true, &b, &e), &e);
+    MT_TRUE(b);
+    MT_OK(kn_layer_take_expert_st(packed, (uint32_t)x, tp, sp, false, &b, &e), &e);
+    MT_FALSE(b);
+  }
+  static float ref[T_MAX * H], got[T_MAX * H];
+  fwd(eng, packed, T_MAX, ref);
+  fwd(eng, L, T_MAX, got);
+  MT_TRUE(memcmp(ref, got, sizeof got) == 0);
+  kn_layer_free(L);
+  kn_layer_free(packed);
+  /* Two slices: packed instead (take), refused by the borrow itself. */
+  kn_engine_opts e2 = {.isa = KN_ISA_REF, .threads = 2, .force_split = 2};
+  MT_OK(kn_engine_new(&two, &e2, &e), &e);
+  MT_OK(kn_layer_new(&L, two, &desc, &e), &e);
+  MT_FALSE(kn_layer_can_borrow_fp8(L));
+  MT_EQ_INT(kn_layer_borrow_expert_st(L, 0, tp, sp, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "served in place only by an fp8-b128 layer on one slice");
+  bool b = true;
+  MT_OK(kn_layer_take_expert_st(L, 0, tp, sp, true, &b, &e), &e);
+  MT_FALSE(b);
+  MT_TRUE(kn_layer_has_expert(L, 0));
+  kn_layer_free(L);
+  kn_engine_free(two);
   kn_engine_free(eng);
 }
 

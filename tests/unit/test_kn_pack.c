@@ -98,7 +98,7 @@ MT_TEST(to_f32_and_copy_match_the_scalar_set_with_bad_values_anywhere) {
       }
 }
 
-MT_TEST(fp8_copy_finds_the_first_nan_code) {
+MT_TEST(fp8_copy_and_check_find_the_first_nan_code) {
   NEED_AVX2();
   static uint8_t q[MAXN], a[MAXN + 1], b[MAXN + 1];
   rng_seed(12);
@@ -112,9 +112,14 @@ MT_TEST(fp8_copy_finds_the_first_nan_code) {
       if (round >= 10 && n) q[round % 3 == 0 ? 0 : round % 3 == 1 ? n / 2 : n - 1] = round & 1 ? 0xff : 0x7f;
       memset(a, 0xa5, sizeof a);
       memset(b, 0xa5, sizeof b);
-      MT_EQ_INT(A->copy_fp8(a, q, n), S->copy_fp8(b, q, n));
+      const uint32_t first = S->copy_fp8(b, q, n);
+      MT_EQ_INT(A->copy_fp8(a, q, n), first);
       MT_EQ_INT(memcmp(a, b, n + 1), 0);
       MT_EQ_INT(memcmp(a, q, n), 0);
+      /* The check of codes served in place finds the same one, writing nothing. */
+      MT_EQ_INT(A->check_fp8(q, n), first);
+      MT_EQ_INT(S->check_fp8(q, n), first);
+      MT_TRUE(round < 10 || n == 0 || first < n);
     }
 }
 
