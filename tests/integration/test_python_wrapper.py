@@ -26,6 +26,9 @@ Cases (each prints ok / FAIL / skip; the last line is "python_wrapper: N passed,
                        dry run
   sglang_kt            (MOERPC_TEST_SGLANG=1, own venv) sglang-kt's kt_ep_wrapper imports
                        with the hook and its KTMoEWrapper constructs ours
+  local_in_place       the cluster file's "local" experts (the library's own, on this CPU)
+                       served in place with MOERPC_LOCAL_MAP_WEIGHTS=1: the packed numbers,
+                       every pair counted as mapped; another value refused naming it
   server_killed        a server killed: sync_forward raises MoeRpcError naming it
 """
 import glob
@@ -99,6 +102,7 @@ class Cluster:
                                   "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
             self.procs.append(p)
             servers.append(f'{{"name": "s{i}", "address": "127.0.0.1:{port}"}}')
+        self.servers = servers
         self.path = os.path.join(work, "cluster.json")
         with open(self.path, "w") as f:
             f.write('{"deadline_ms": 10000, "servers": [' + ", ".join(servers) + "]}\n")
@@ -519,6 +523,54 @@ print(json.dumps({"available": ep.KTRANSFORMERS_AVAILABLE, "hooked": getattr(F, 
     return f"kt_ep_wrapper.KTMoEWrapper(method=MOERPC) -> {d['type']}"
 
 
+def local_in_place():
+    """The cluster file's "local" experts (computed by the library on this host's CPU, as
+    kt-kernel's are), served in place from the model's files with MOERPC_LOCAL_MAP_WEIGHTS=1
+    (gc_options.local_map_weights): the same numbers as packed, and the library says how many
+    pairs it mapped. A value other than 0 / 1 is refused naming it."""
+    import moerpc
+    from moerpc import wrapper as W
+    outs = []
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(5, H, generator=g).to(torch.bfloat16)
+    ids, w = routing(g, 5, special=False)
+    for v in ("0", "1"):
+        path = os.path.join(CL.work, f"local{v}.json")
+        with open(path, "w") as f:
+            f.write('{"model": "%s", "deadline_ms": 10000, "servers": [%s], '
+                    '"local": {"layers": "all", "experts": "4-7"}}\n' % (CL.model, CL.servers[0]))
+        os.environ["MOERPC_LOCAL_MAP_WEIGHTS"] = v
+        try:
+            wr = moerpc.MoeRpcWrapper(0, E, K_TOP, H, I, None, 1, 1, path, 64)
+            wr.load_weights(torch.arange(E))
+            outs.append(wr.forward(x, ids, w, 0))
+        finally:
+            del os.environ["MOERPC_LOCAL_MAP_WEIGHTS"]
+        info = W._Cluster.get(path).info
+        if info["local_pairs"] != LAYERS * 4 or info["local_mapped"] != (LAYERS * 4 if v == "1" else 0):
+            raise AssertionError(f"MOERPC_LOCAL_MAP_WEIGHTS={v}: local_pairs "
+                                 f"{info['local_pairs']}, local_mapped {info['local_mapped']}")
+    if not torch.equal(outs[0], outs[1]):
+        raise AssertionError("local experts in place differ from packed ones")
+    want = CL.ref(0, x, ids, w, kept(ids, torch.zeros(E, dtype=torch.bool)))
+    err = check_close(outs[1], want, "local in place")
+    path = os.path.join(CL.work, "local2.json")
+    with open(path, "w") as f:
+        f.write(open(os.path.join(CL.work, "local1.json")).read())
+    os.environ["MOERPC_LOCAL_MAP_WEIGHTS"] = "yes"
+    try:
+        wr = moerpc.MoeRpcWrapper(0, E, K_TOP, H, I, None, 1, 1, path, 64)
+        wr.load_weights(torch.arange(E))
+        wr.forward(x, ids, w, 0)
+        raise AssertionError("MOERPC_LOCAL_MAP_WEIGHTS=yes was accepted")
+    except ValueError as e:
+        if "MOERPC_LOCAL_MAP_WEIGHTS='yes'" not in str(e):
+            raise
+    finally:
+        del os.environ["MOERPC_LOCAL_MAP_WEIGHTS"]
+    return f"{LAYERS * 4} pairs in place, rel L2 {err:.2e}"
+
+
 def server_killed():
     import moerpc
     ws = wrappers(CL, layers=1)
@@ -544,7 +596,7 @@ def main():
     CL = Cluster(work)
     try:
         for fn in (sglang_sequence, mask_live, routing_stats, deferral, capture_sizes, bad_input, vs_ktkernel,
-                   hook, sglang_kt, server_killed):
+                   hook, sglang_kt, local_in_place, server_killed):
             case(fn)
     finally:
         import moerpc

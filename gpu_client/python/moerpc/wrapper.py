@@ -143,6 +143,14 @@ class _Cluster:
                     o.set(field, ctypes.c_uint32, int(v))
                 except ValueError:
                     raise ValueError(f"{env}={v!r}: not a number of milliseconds") from None
+        v = os.environ.get("MOERPC_LOCAL_MAP_WEIGHTS")
+        if v:
+            if v not in ("0", "1"):
+                raise ValueError(f"MOERPC_LOCAL_MAP_WEIGHTS={v!r}: must be 0 or 1")
+            if lib.layout("gc_options.local_map_weights", strict=False) < 0:
+                raise ImportError(f"{lib.path}: MOERPC_LOCAL_MAP_WEIGHTS needs a library that "
+                                  "knows gc_options.local_map_weights (rebuild it)")
+            o.set("local_map_weights", ctypes.c_bool, v == "1")
         if caller_local is not None:
             buf = ctypes.create_string_buffer(caller_local, len(caller_local))
             self._keep.append(buf)
@@ -211,13 +219,17 @@ class _Cluster:
                                                    "n_servers")}
         self.info["weight_format"] = info.get_str("weight_format", 32)
         self.caller_pairs = info.get("caller_pairs", ctypes.c_uint64)
+        for f in ("local_pairs", "local_mapped"):  # the cluster file's "local" experts
+            self.info[f] = (info.get(f, ctypes.c_uint64)
+                            if self.lib.layout(f"gc_cluster_info.{f}", strict=False) >= 0 else 0)
         nl, ne = self.info["num_layers"], self.info["num_experts"]
         owner = torch.tensor([[self.lib.so.gc_cluster_owner(self.handle, l, x) for x in range(ne)]
                               for l in range(nl)], dtype=torch.int32)
         self.servable = (owner >= 0) | (owner == L.GC_OWNER_LOCAL)
         log.info("moerpc: cluster %s open: %d server(s), %d layers x %d experts, hidden %d, "
-                 "weights %s", self.path, self.info["n_servers"], nl, ne,
-                 self.info["hidden_size"], self.info["weight_format"])
+                 "weights %s, %d local pairs (%d in place)", self.path, self.info["n_servers"],
+                 nl, ne, self.info["hidden_size"], self.info["weight_format"],
+                 self.info["local_pairs"], self.info["local_mapped"])
 
     def close(self) -> None:
         if self.handle is None or self.pid != os.getpid():
