@@ -631,17 +631,15 @@ static uint32_t pack_check(const void *src, mr_dtype dt, uint32_t n) {
   return n;
 }
 
-static uint32_t pack_copy_fp8(uint8_t *dst, const uint8_t *src, uint32_t n) {
-  memcpy(dst, src, n);
+static uint32_t pack_check_fp8(const uint8_t *src, uint32_t n) {
   for (uint32_t k = 0; k < n; k++)
     if ((src[k] & 0x7f) == 0x7f) return k;
   return n;
 }
 
-static uint32_t pack_check_fp8(const uint8_t *src, uint32_t n) {
-  for (uint32_t k = 0; k < n; k++)
-    if ((src[k] & 0x7f) == 0x7f) return k;
-  return n;
+static uint32_t pack_copy_fp8(uint8_t *dst, const uint8_t *src, uint32_t n) {
+  memcpy(dst, src, n);
+  return pack_check_fp8(src, n);
 }
 
 static void pack_from_f32(void *dst, mr_dtype dt, const float *src, uint32_t n) {
@@ -1118,12 +1116,11 @@ int kn_layer_load_expert(kn_layer *L, uint32_t expert, const void *gate, const v
   return load_run(&j, expert, e);
 }
 
-int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
-                             const float *gate_scale, const uint8_t *up, const float *up_scale,
-                             const uint8_t *down, const float *down_scale, mr_err *e) {
-  if (!L || !gate || !up || !down || !gate_scale || !up_scale || !down_scale)
-    return mr_err_set(e, MR_EINVAL,
-                      "kn_layer_load_expert_fp8: layer, gate, up, down and their scales are required");
+/* FP8 codes and block scales of one expert, the scales checked: packed, or (check_only)
+ * served in place with per-row scales of the layer's own. */
+static int fp8_run(kn_layer *L, uint32_t expert, const uint8_t *gate, const float *gate_scale,
+                   const uint8_t *up, const float *up_scale, const uint8_t *down,
+                   const float *down_scale, bool check_only, mr_err *e) {
   if (expert >= L->d.num_experts)
     return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
                       L->d.num_experts);
@@ -1136,8 +1133,18 @@ int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
     if (rc) return rc;
   }
   load_job j = {.L = L, .src = {gate, up, down}, .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
-                .bscale = {gate_scale, up_scale, down_scale}, .bad = {.set = false}};
+                .check_only = check_only, .bscale = {gate_scale, up_scale, down_scale},
+                .bad = {.set = false}};
   return load_run(&j, expert, e);
+}
+
+int kn_layer_load_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate,
+                             const float *gate_scale, const uint8_t *up, const float *up_scale,
+                             const uint8_t *down, const float *down_scale, mr_err *e) {
+  if (!L || !gate || !up || !down || !gate_scale || !up_scale || !down_scale)
+    return mr_err_set(e, MR_EINVAL,
+                      "kn_layer_load_expert_fp8: layer, gate, up, down and their scales are required");
+  return fp8_run(L, expert, gate, gate_scale, up, up_scale, down, down_scale, false, e);
 }
 
 /* Runs a prepared load job (src, dt / src_fp8 set) for one expert. */
@@ -1306,25 +1313,11 @@ int kn_layer_borrow_expert_fp8(kn_layer *L, uint32_t expert, const uint8_t *gate
   if (!L || !gate || !up || !down || !gate_scale || !up_scale || !down_scale)
     return mr_err_set(e, MR_EINVAL, "kn_layer_borrow_expert_fp8: layer, gate, up, down and "
                       "their scales are required");
-  if (expert >= L->d.num_experts)
-    return mr_err_set(e, MR_ERANGE, "expert = %u, must be below num_experts = %u", expert,
-                      L->d.num_experts);
-  if (!kn_layer_can_borrow_fp8(L))
+  if (expert < L->d.num_experts && !kn_layer_can_borrow_fp8(L))
     return mr_err_set(e, MR_ENOTSUP, "expert %u: a %s layer on %u slice(s) cannot serve fp8 "
                       "weights in place (it must be fp8-b128, on one slice)", expert,
                       kn_format_name(L->d.format), L->n_slices);
-  const uint32_t H = L->d.hidden, I = L->d.inter;
-  const float *scs[3] = {gate_scale, up_scale, down_scale};
-  for (int p = 0; p < 3; p++) {
-    char what[64];
-    snprintf(what, sizeof what, "expert %u %s", expert, proj_names[p]);
-    int rc = kn_fp8_check_scales(scs[p], p == 2 ? H : I, p == 2 ? I : H, what, e);
-    if (rc) return rc;
-  }
-  load_job j = {.L = L, .src = {gate, up, down}, .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
-                .check_only = true, .bscale = {gate_scale, up_scale, down_scale},
-                .bad = {.set = false}};
-  return load_run(&j, expert, e);
+  return fp8_run(L, expert, gate, gate_scale, up, up_scale, down, down_scale, true, e);
 }
 
 int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],

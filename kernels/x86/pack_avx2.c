@@ -138,24 +138,6 @@ static uint32_t check_avx2(const void *src, mr_dtype dt, uint32_t n) {
   return scan_avx2(NULL, src, dt, n, false);
 }
 
-static uint32_t copy_fp8_avx2(uint8_t *dst, const uint8_t *src, uint32_t n) {
-  uint32_t k = 0;
-  const __m256i m = _mm256_set1_epi8(0x7f);
-  __m256i bad = _mm256_setzero_si256();
-  for (; k + 32 <= n; k += 32) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)(src + k));
-    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi8(_mm256_and_si256(v, m), m));
-    _mm256_storeu_si256((__m256i *)(dst + k), v);
-  }
-  memcpy(dst + k, src + k, n - k);
-  bool tail_bad = false;
-  for (uint32_t i = k; i < n; i++) tail_bad |= (src[i] & 0x7f) == 0x7f;
-  if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
-  for (k = 0; k < n; k++)
-    if ((src[k] & 0x7f) == 0x7f) return k;
-  return n;
-}
-
 static uint32_t check_fp8_avx2(const uint8_t *src, uint32_t n) {
   uint32_t k = 0;
   const __m256i m = _mm256_set1_epi8(0x7f);
@@ -170,6 +152,12 @@ static uint32_t check_fp8_avx2(const uint8_t *src, uint32_t n) {
   for (k = 0; k < n; k++)
     if ((src[k] & 0x7f) == 0x7f) return k;
   return n;
+}
+
+/* The copy, then the check of the source while its row is still in cache. */
+static uint32_t copy_fp8_avx2(uint8_t *dst, const uint8_t *src, uint32_t n) {
+  memcpy(dst, src, n);
+  return check_fp8_avx2(src, n);
 }
 
 static float amax_avx2(const float *src, uint32_t n) {
