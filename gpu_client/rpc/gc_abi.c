@@ -37,6 +37,7 @@ static const abi_entry abi_table[] = {
     ABI_FIELD(gc_options, caller_local),
     ABI_FIELD(gc_options, caller_local_len),
     ABI_FIELD(gc_options, routing_window),
+    ABI_FIELD(gc_options, wait_spin_us),
     ABI_FIELD(gc_options, local_map_weights),
     ABI_SIZE(gc_layer_req),
     ABI_FIELD(gc_layer_req, layer),

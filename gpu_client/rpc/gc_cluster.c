@@ -338,6 +338,9 @@ int gc__cluster_init(gc_cluster *c, const mr_cluster_file *file, const gc_option
   if (c->failover_ms > MR_CLUSTER_MAX_DEADLINE_MS)
     return mr_err_set(e, MR_EINVAL, "failover_ms = %u, must be 1..%u", c->failover_ms,
                       MR_CLUSTER_MAX_DEADLINE_MS);
+  if (c->opts.wait_spin_us > GC_WAIT_SPIN_MAX_US)
+    return mr_err_set(e, MR_EINVAL, "wait_spin_us = %u, must be 0..%u", c->opts.wait_spin_us,
+                      GC_WAIT_SPIN_MAX_US);
   atomic_init(&c->next_id, 1);
   atomic_init(&c->rot, 0);
   pthread_mutex_init(&c->health_lock, NULL);

@@ -25,6 +25,7 @@
  * added. The sum is the same set of (token, slot) products, so the call's result is too.
  */
 #include <errno.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
@@ -564,6 +565,7 @@ int gc_layer_wait_timed(gc_cluster *c, gc_pending *p, float *out, uint32_t flags
                      gc_call_timing *t, mr_err *e) {
   MR_ASSERT(c && p && p->c == c && (out || p->plan.n_parts == 0));
   const uint64_t t_wait0 = mr_now_ns();
+  uint64_t spin_ns = (uint64_t)c->opts.wait_spin_us * 1000u;
   int rc = 0;
   pthread_mutex_lock(&p->lock);
   for (;;) {
@@ -581,6 +583,15 @@ int gc_layer_wait_timed(gc_cluster *c, gc_pending *p, float *out, uint32_t flags
       continue;
     }
     if (p->n_done == p->n_reqs) break;
+    if (spin_ns) { /* once per wait: watch for the replies before sleeping on them */
+      const uint64_t until = now + spin_ns < wake ? now + spin_ns : wake;
+      spin_ns = 0;
+      pthread_mutex_unlock(&p->lock);
+      while (!atomic_load_explicit(&p->settled, memory_order_acquire) && mr_now_ns() < until)
+        sched_yield(); /* lets the I/O thread run if it shares this CPU */
+      pthread_mutex_lock(&p->lock);
+      continue;
+    }
     struct timespec ts;
     abs_from_ns(&ts, wake);
     pthread_cond_timedwait(&p->cond, &p->lock, &ts);

@@ -67,6 +67,7 @@ gc_pending *gc__pending_get(gc_cluster *c, mr_err *e) {
   p->next_free = NULL;
   p->n_reqs = p->n_done = p->cap_reqs = 0;
   p->failed = p->closed = false;
+  atomic_store(&p->settled, false);
   p->reqs = NULL;
   p->excluded = NULL;
   p->misses = 0;
@@ -138,7 +139,10 @@ void gc__req_complete(gc__req *r, int rc, const mr_err *err, unsigned how) {
     p->n_done++;
     if (rc) p->failed = true;
     else p->t_last_reply_ns = r->t_done_ns;
-    if (rc || p->n_done == p->n_reqs) pthread_cond_broadcast(&p->cond);
+    if (rc || p->n_done == p->n_reqs) {
+      atomic_store_explicit(&p->settled, true, memory_order_release);
+      pthread_cond_broadcast(&p->cond);
+    }
   }
   pthread_mutex_unlock(&p->lock);
 }

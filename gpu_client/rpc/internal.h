@@ -324,6 +324,9 @@ struct gc_pending {
   uint32_t cap_reqs;        /* room in reqs */
   uint32_t top_k;
   bool failed;              /* a request failed (wake the waiter early) */
+  atomic_bool settled;      /* every request done, or one failed: a hint for the waiter's
+                             * spin (gc_options.wait_spin_us), set with the broadcast; the
+                             * waiter decides under lock */
   bool closed;              /* the waiter gave up or finished; late results are ignored */
   uint64_t t_submit_ns, deadline_ns;
   uint64_t t_sent_ns;       /* submit handed the last request to the transport */

@@ -136,7 +136,15 @@ typedef struct gc_options {
   /* Sliding window of the routing counters, in steps (see "routing statistics"), 1..
    * GC_ROUTING_MAX_WINDOW; 0 = GC_ROUTING_DEFAULT_WINDOW. */
   uint32_t routing_window;
+  /* Microseconds the waiter (gc_layer_wait) watches for its replies before it sleeps on
+   * them, 0..GC_WAIT_SPIN_MAX_US (0 = it sleeps at once, the default). A reply then reaches
+   * the caller without a wake-up of its thread (about 5 us a round trip on a 2-vCPU VM,
+   * docs/DESIGN.md section 6), at the price of that much CPU per wait: for a caller with a
+   * core of its own, not for one that shares its cores with the servers. The watch yields
+   * the CPU to any other runnable thread (the library's I/O thread, on a one-CPU client). */
+  uint32_t wait_spin_us;
 } gc_options;
+#define GC_WAIT_SPIN_MAX_US 10000u
 /* Fills o with the defaults above. */
 void gc_options_init(gc_options *o);
 

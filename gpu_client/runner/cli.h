@@ -51,7 +51,7 @@ enum {
   MO_QUIET, MO_HELP, MO_PROMPT, MO_MAXNEW, MO_TEMP, MO_TOPP, MO_SEED, MO_IDS, MO_OUT, MO_JSON,
   MO_PLEN, MO_DECODE, MO_REPEATS, MO_COMPARE, MO_METRICS, MO_RWINDOW, MO_RSTATS, MO_WATCH,
   MO_BACKEND, MO_DEVICE, MO_TP, MO_TEXT, MO_CHAT, MO_SYSTEM, MO_STOP, MO_TEMPLATE, MO_TOPK,
-  MO_MAP
+  MO_MAP, MO_SPIN
 };
 
 #define MODEL_OPTIONS                                                                    \
@@ -74,6 +74,7 @@ enum {
       {"wire", required_argument, NULL, MO_WIRE},                                        \
       {"deadline-ms", required_argument, NULL, MO_DEADLINE},                             \
       {"connect-timeout-ms", required_argument, NULL, MO_CONNECT},                       \
+      {"wait-spin-us", required_argument, NULL, MO_SPIN},                                \
       {"log", required_argument, NULL, MO_LOG}, {"quiet", no_argument, NULL, MO_QUIET},  \
       {"metrics-listen", required_argument, NULL, MO_METRICS},                           \
       {"routing-window", required_argument, NULL, MO_RWINDOW},                           \

@@ -68,6 +68,10 @@ const char gc__cli_model_help[] =
     "  --wire f32|f16|bf16      hidden states to the servers (default bf16)\n"
     "  --deadline-ms N          per-request deadline, 1..600000 (default: the cluster file's)\n"
     "  --connect-timeout-ms N   deadline of the Hello round, 1..600000 (default 10000)\n"
+    "  --wait-spin-us N         watch for the servers' replies N us before sleeping on them,\n"
+    "                           0..10000 (default 0): saves a thread wake-up per round trip,\n"
+    "                           costs that much CPU per wait; for a client with cores of its\n"
+    "                           own, not one that shares them with servers\n"
     "  --log LEVEL              error|warn|info|debug      --quiet  no loading progress\n"
     "  --metrics-listen HOST:PORT  serve Prometheus metrics at http://HOST:PORT/metrics while\n"
     "                           the command runs (port 0 = any free port, logged); also\n"
@@ -214,6 +218,8 @@ static int model_opt(void *ctx, int opt, const char *arg) {
   case MO_DEADLINE: return gc__cli_u32("--deadline-ms", arg, 1, 600000, &o->deadline_ms) ? 1 : -1;
   case MO_CONNECT:
     return gc__cli_u32("--connect-timeout-ms", arg, 1, 600000, &o->connect_timeout_ms) ? 1 : -1;
+  case MO_SPIN:
+    return gc__cli_u32("--wait-spin-us", arg, 0, GC_WAIT_SPIN_MAX_US, &o->wait_spin_us) ? 1 : -1;
   case MO_LOG:
     if (mr_log_parse_level(arg, &lvl) != 0) {
       fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);

@@ -851,6 +851,7 @@ static int cluster_open_into(gc_model *m, const mr_cluster_file *cf, const int32
   co.shared_engine = m->eng;
   co.deadline_ms = m->o.deadline_ms;
   co.connect_timeout_ms = m->o.connect_timeout_ms;
+  co.wait_spin_us = m->o.wait_spin_us;
   co.caller_local = m->local;
   co.caller_local_len = (size_t)m->L * m->E;
   co.route = route;

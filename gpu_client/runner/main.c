@@ -41,19 +41,20 @@
 typedef struct cli {
   const char *cluster;
   const char *model;
-  uint32_t deadline_ms, connect_ms;
+  uint32_t deadline_ms, connect_ms, wait_spin_us;
   bool no_local;
   bool map_weights; /* local experts served in place (gc_options.local_map_weights) */
 } cli;
 
 enum { OPT_CLUSTER = 1000, OPT_MODEL, OPT_DEADLINE, OPT_CONNECT, OPT_NO_LOCAL, OPT_LOG,
        OPT_TOKENS, OPT_DTYPE, OPT_SEED, OPT_TOL, OPT_ITERS, OPT_WARMUP, OPT_JSON, OPT_RESET,
-       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_PEER_CPU, OPT_MAP_WEIGHTS, OPT_HELP };
+       OPT_SERVER, OPT_TOPK, OPT_ALL, OPT_PEER_CPU, OPT_MAP_WEIGHTS, OPT_SPIN, OPT_HELP };
 
 #define COMMON_OPTIONS                                                                 \
   {"cluster", required_argument, NULL, OPT_CLUSTER},                                   \
       {"deadline-ms", required_argument, NULL, OPT_DEADLINE},                          \
       {"connect-timeout-ms", required_argument, NULL, OPT_CONNECT},                    \
+      {"wait-spin-us", required_argument, NULL, OPT_SPIN},                             \
       {"log", required_argument, NULL, OPT_LOG}, {"help", no_argument, NULL, OPT_HELP}
 
 /* Writes a subcommand's help: its own text, then the common options. */
@@ -66,10 +67,12 @@ static void help_text(char *buf, size_t len, const char *own) {
            "                           see gpu_client/README.md)\n"
            "  --deadline-ms N          per-request deadline, 1..%u (default: the file's)\n"
            "  --connect-timeout-ms N   deadline of the Hello round at start, 1..%u (default %u)\n"
+           "  --wait-spin-us N         watch for replies N us before sleeping on them, 0..%u\n"
+           "                           (default 0; gc_options.wait_spin_us)\n"
            "  --log LEVEL              error|warn|info|debug (default: $MOERPC_LOG, else info)\n"
            "  --help                   this text\n",
            own, MR_CLUSTER_MAX_DEADLINE_MS, MR_CLUSTER_MAX_DEADLINE_MS,
-           GC_DEFAULT_CONNECT_TIMEOUT_MS);
+           GC_DEFAULT_CONNECT_TIMEOUT_MS, GC_WAIT_SPIN_MAX_US);
 }
 
 /* Handles the options every subcommand shares; returns 1 if taken, 0 if not one of them,
@@ -84,6 +87,8 @@ static int common_opt(void *ctx, int opt, const char *arg) {
   case OPT_CONNECT:
     return gc__cli_u32("--connect-timeout-ms", arg, 1, MR_CLUSTER_MAX_DEADLINE_MS, &o->connect_ms)
                ? 1 : -1;
+  case OPT_SPIN:
+    return gc__cli_u32("--wait-spin-us", arg, 0, GC_WAIT_SPIN_MAX_US, &o->wait_spin_us) ? 1 : -1;
   case OPT_LOG:
     if (mr_log_parse_level(arg, &lvl) != 0) {
       fprintf(stderr, PROG ": --log = \"%s\", must be error, warn, info or debug\n", arg);
@@ -103,6 +108,7 @@ static int open_cluster(const cli *o, gc_cluster **c) {
   opts.client_name = PROG;
   opts.deadline_ms = o->deadline_ms;
   opts.connect_timeout_ms = o->connect_ms;
+  opts.wait_spin_us = o->wait_spin_us;
   opts.model_dir = o->model;
   opts.no_local = o->no_local;
   opts.local_map_weights = o->map_weights;

@@ -59,6 +59,7 @@ typedef struct gc_model_opts {
   kn_format dense_format;     /* projections and lm_head; KN_FMT_COUNT = as stored */
   mr_dtype wire;              /* hidden states to the servers; 0 = bf16 */
   uint32_t deadline_ms, connect_timeout_ms; /* 0 = the cluster file's / the library's */
+  uint32_t wait_spin_us;      /* gc_options.wait_spin_us: watch for replies before sleeping */
   bool quiet;                 /* no loading progress lines */
   bool map_weights;           /* hot experts served in place from the model's mapping where
                                * the backend can (cpu: kn_layer_borrow_expert; the files must

@@ -6,7 +6,9 @@
 #   tests/bench/model_bench.sh                   makes build/bench/qwen3-30b-a3b-4l if missing
 #   MODEL=DIR ROUNDS=3 THREADS=2 PROMPT=32 DECODE=32 tests/bench/model_bench.sh
 #   CONFIGS="all-local 2-servers" ...        a subset of the five configurations (only the
-#                                            server sets they use are started)
+#                                            server sets they use are started); also
+#                                            1-server-spin: 1-server with the client's
+#                                            --wait-spin-us $SPIN_US (default 100)
 #   PIN_CLIENT=0,1 PIN_SERVER=2,3 ...        taskset CPU lists for the client and the servers
 #                                            (default: unpinned, the same cores for all)
 #
@@ -96,6 +98,7 @@ for c in $CONFIGS; do
     all-local) configs+=("all-local||0") ;;
     1-server) configs+=("1-server|$DIR/one.json|0") ;;
     1-server-K2) configs+=("1-server-K2|$DIR/one.json|2") ;;
+    1-server-spin) configs+=("1-server-spin|$DIR/one.json|0|--wait-spin-us ${SPIN_US:-100}") ;;
     2-servers) configs+=("2-servers|$DIR/two.json|0") ;;
     2-servers-K2) configs+=("2-servers-K2|$DIR/two.json|2") ;;
     *) echo "model_bench: CONFIGS: unknown configuration $c" >&2; exit 2 ;;
@@ -103,9 +106,11 @@ for c in $CONFIGS; do
 done
 for r in $(seq 1 "$ROUNDS"); do
   for c in "${configs[@]}"; do
-    IFS='|' read -r name cl K <<<"$c"
+    IFS='|' read -r name cl K more <<<"$c"
     args=(bench --model "$MODEL" --threads "$THREADS" --prompt-len "$PROMPT" --decode "$DECODE"
           --repeats 1 --max-deferred "$K" --json --quiet --log warn)
+    # shellcheck disable=SC2206
+    [ -n "$more" ] && args+=($more)
     [ -n "$cl" ] && args+=(--cluster "$cl" --local-experts 0)
     line=$(${PIN_CLIENT:+taskset -c "$PIN_CLIENT"} "$BIN/moerpc-client" "${args[@]}" | head -n 1)
     python3 -c 'import json,sys; r=json.loads(sys.argv[1]); r["config"]=sys.argv[2]; r["round"]=int(sys.argv[3]); print(json.dumps(r))' \

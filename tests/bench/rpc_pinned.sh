@@ -14,12 +14,14 @@
 # (the kernel and gRPC both ways, moerpc's code on neither side), over tcp and tcp_held.
 # Needs 2 CPUs.
 # Env: BIN (default build/bin), ITERS (bench-rpc calls per T, default 2000), TOKENS, MODEL,
+# CLIENT_FLAGS (more bench-rpc flags, e.g. --wait-spin-us 100),
 # SERVER_CPUS / CLIENT_CPUS (below).
 set -euo pipefail
 BIN=${BIN:-build/bin}
 rounds=${1:-3}
 ITERS=${ITERS:-2000}
 TOKENS=${TOKENS:-1,16,256}
+CLIENT_FLAGS=${CLIENT_FLAGS:-}
 mapfile -t cpus < <(python3 -c 'import os; print(*sorted(os.sched_getaffinity(0)), sep="\n")')
 if [ "${#cpus[@]}" -lt 2 ]; then
   echo "rpc_pinned: needs 2 CPUs, this process may use ${#cpus[@]}" >&2
@@ -53,7 +55,7 @@ JSON
     sleep 0.05
   done
   taskset -c "$ccpus" "$BIN/moerpc-client" bench-rpc --cluster "$dir/cluster.json" \
-      --iters "$ITERS" --tokens "$TOKENS" --peer-cpu "$scpu" --json 2>"$dir/client.log" |
+      --iters "$ITERS" --tokens "$TOKENS" --peer-cpu "$scpu" --json $CLIENT_FLAGS 2>"$dir/client.log" |
       grep '^{' | sed "s/^{/{\"round\":$round,/" | tee -a "$dir/out.jsonl"
   kill -TERM "$spid"
   wait "$spid" || true

@@ -394,6 +394,8 @@ static mr_cluster_file *cluster_of(fake_server *const *fs, const char *const *na
   return cf;
 }
 
+static uint32_t wait_spin_us; /* gc_options.wait_spin_us of the next open_two* */
+
 static int open_two_fo(fake_server *f0, fake_server *f1, uint32_t deadline_ms,
                        uint32_t failover_ms, gc_cluster **c, mr_err *e) {
   fake_server *fs[2] = {f0, f1};
@@ -403,6 +405,7 @@ static int open_two_fo(fake_server *f0, fake_server *f1, uint32_t deadline_ms,
   gc_options_init(&o);
   o.connect_timeout_ms = 5000;
   o.failover_ms = failover_ms;
+  o.wait_spin_us = wait_spin_us;
   int rc = gc_cluster_open_parsed(c, cf, &o, e);
   free(cf);
   return rc;
@@ -903,7 +906,7 @@ MT_TEST(submit_validates_before_sending) {
   grpc_shutdown();
 }
 
-MT_TEST(many_in_flight_matched_by_id) {
+static void many_in_flight(void) {
   grpc_init();
   fake_server f0, f1;
   fs_start(&f0, fs_defaults(0, 3));
@@ -935,6 +938,31 @@ MT_TEST(many_in_flight_matched_by_id) {
     check_result(T, MR_DTYPE_F32, outs[i]);
   }
   gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(many_in_flight_matched_by_id) { many_in_flight(); }
+
+/* gc_options.wait_spin_us: the waiter watches for its replies first, then sleeps on them as
+ * before: the same results with a short watch (replies mostly come after it, so the sleep
+ * follows) and the longest (they come during it); a value over the limit is refused. */
+MT_TEST(a_waiter_that_watches_first_gets_the_same_results) {
+  wait_spin_us = 1;
+  many_in_flight();
+  wait_spin_us = GC_WAIT_SPIN_MAX_US;
+  many_in_flight();
+  wait_spin_us = GC_WAIT_SPIN_MAX_US + 1;
+  grpc_init();
+  fake_server f0, f1;
+  fs_start(&f0, fs_defaults(0, 3));
+  fs_start(&f1, fs_defaults(4, 7));
+  gc_cluster *c = NULL;
+  mr_err err;
+  MT_EQ_INT(open_two(&f0, &f1, 10000, &c, &err), MR_EINVAL);
+  MT_CONTAINS(err.msg, "wait_spin_us = 10001, must be 0..10000");
+  wait_spin_us = 0;
   fs_stop(&f0);
   fs_stop(&f1);
   grpc_shutdown();

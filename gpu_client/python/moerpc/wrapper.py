@@ -143,6 +143,15 @@ class _Cluster:
                     o.set(field, ctypes.c_uint32, int(v))
                 except ValueError:
                     raise ValueError(f"{env}={v!r}: not a number of milliseconds") from None
+        v = os.environ.get("MOERPC_WAIT_SPIN_US")
+        if v:
+            try:
+                us = int(v)
+            except ValueError:
+                raise ValueError(f"MOERPC_WAIT_SPIN_US={v!r}: not a number of microseconds") from None
+            if us < 0:
+                raise ValueError(f"MOERPC_WAIT_SPIN_US={v!r}: must be 0 or more microseconds")
+            o.set("wait_spin_us", ctypes.c_uint32, us)  # the library checks the range at open
         v = os.environ.get("MOERPC_LOCAL_MAP_WEIGHTS")
         if v:
             if v not in ("0", "1"):
