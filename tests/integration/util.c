@@ -157,7 +157,17 @@ static int server_start_on(itu_server *s, int port, const char *model, const cha
 
 int itu_server_start(itu_server *s, const char *model, const char *extra, const char *logdir,
                      int timeout_ms) {
-  return server_start_on(s, itu_free_port(), model, extra, logdir, timeout_ms);
+  /* The free port is free when itu_free_port looks, not always when the server binds it
+   * (another process's ephemeral port can take it meanwhile): that one failure is retried
+   * on a fresh port, twice. */
+  for (int attempt = 0;; attempt++) {
+    int rc = server_start_on(s, itu_free_port(), model, extra, logdir, timeout_ms);
+    if (rc == 0 || attempt == 2) return rc;
+    char taken[160];
+    snprintf(taken, sizeof taken, "--listen %s: cannot listen there", s->address);
+    if (!strstr(itu_log_text(s), taken)) return rc;
+    fprintf(stderr, "itu: port %d was taken before the server bound it: another port\n", s->port);
+  }
 }
 
 int itu_server_restart(itu_server *s, const char *model, const char *extra, const char *logdir,
