@@ -29,6 +29,8 @@ Cases (each prints ok / FAIL / skip; the last line is "python_wrapper: N passed,
   local_in_place       the cluster file's "local" experts (the library's own, on this CPU)
                        served in place with MOERPC_LOCAL_MAP_WEIGHTS=1: the packed numbers,
                        every pair counted as mapped; another value refused naming it
+  wait_spin            MOERPC_WAIT_SPIN_US=200 gives the same results; -1, x and 10001
+                       refused naming it
   server_killed        a server killed: sync_forward raises MoeRpcError naming it
 """
 import glob
@@ -571,6 +573,37 @@ def local_in_place():
     return f"{LAYERS * 4} pairs in place, rel L2 {err:.2e}"
 
 
+def wait_spin():
+    """MOERPC_WAIT_SPIN_US (gc_options.wait_spin_us): the waiter watches for the replies
+    before sleeping: the same numbers; a negative or non-numeric value is refused naming it,
+    one over the library's limit by the library."""
+    import moerpc
+    g = torch.Generator().manual_seed(29)
+    x = torch.randn(3, H, generator=g).to(torch.bfloat16)
+    ids, w = routing(g, 3, special=False)
+    mask = torch.zeros(E, dtype=torch.bool)
+    outs = []
+    for i, v in enumerate(("0", "200", "-1", "x", "10001")):
+        path = os.path.join(CL.work, f"spin{i}.json")
+        with open(path, "w") as f:
+            f.write(open(CL.path).read())
+        os.environ["MOERPC_WAIT_SPIN_US"] = v
+        try:
+            wr = moerpc.MoeRpcWrapper(0, E, K_TOP, H, I, mask, 1, 1, path, 64)
+            wr.load_weights(torch.arange(E))
+            outs.append(wr.forward(x, ids, w, 0))
+            if i >= 2:
+                raise AssertionError(f"MOERPC_WAIT_SPIN_US={v} was accepted")
+        except (ValueError, moerpc.MoeRpcError) as e:
+            if i < 2 or ("MOERPC_WAIT_SPIN_US" not in str(e) and "wait_spin_us" not in str(e)):
+                raise
+        finally:
+            del os.environ["MOERPC_WAIT_SPIN_US"]
+    if not torch.equal(outs[0], outs[1]):
+        raise AssertionError("results differ with MOERPC_WAIT_SPIN_US=200")
+    return "same results; -1, x and 10001 refused"
+
+
 def server_killed():
     import moerpc
     ws = wrappers(CL, layers=1)
@@ -596,7 +629,7 @@ def main():
     CL = Cluster(work)
     try:
         for fn in (sglang_sequence, mask_live, routing_stats, deferral, capture_sizes, bad_input, vs_ktkernel,
-                   hook, sglang_kt, local_in_place, server_killed):
+                   hook, sglang_kt, local_in_place, wait_spin, server_killed):
             case(fn)
     finally:
         import moerpc
