@@ -54,11 +54,12 @@ static void start(const char *mk, const char *extra, bool wait_ready) {
   MT_TRUE(tmp != NULL);
   snprintf(model, sizeof model, "%s/model", tmp);
   MT_EQ_INT(itu_make_model(model, mk), 0);
-  mport = itu_free_port();
   char args[512];
-  snprintf(args, sizeof args, "%s --metrics-listen 127.0.0.1:%d", extra, mport);
+  snprintf(args, sizeof args, "%s --metrics-listen 127.0.0.1:0", extra);
   if (wait_ready) MT_EQ_INT(itu_server_start(&srv, model, args, tmp, 60000), 0);
   else MT_EQ_INT(itu_server_spawn(&srv, model, args, tmp), 0);
+  mport = itu_metrics_port(&srv, 30000); /* port 0: the server picks one and logs it */
+  MT_TRUE(mport > 0);
 }
 
 static void dump_log(void) {
@@ -413,10 +414,11 @@ MT_TEST(probes_are_not_starved_and_metrics_can_require_a_token) {
   fputs("m3trics-s3cret\n", f);
   fclose(f);
   chmod(tokf, 0600);
-  mport = itu_free_port();
   char args[1024];
-  snprintf(args, sizeof args, "--experts all --metrics-listen %d --metrics-token-file %s", mport, tokf);
+  snprintf(args, sizeof args, "--experts all --metrics-listen 0 --metrics-token-file %s", tokf);
   MT_EQ_INT(itu_server_start(&srv, model, args, tmp, 60000), 0);
+  mport = itu_metrics_port(&srv, 30000);
+  MT_TRUE(mport > 0);
 
   char ans[8192];
   const char *anon = "GET /metrics HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n";

@@ -536,6 +536,23 @@ const char *itu_log_text(const itu_server *s) {
   return buf;
 }
 
+int itu_metrics_port(const itu_server *s, int timeout_ms) {
+  const uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0);
+  for (;;) {
+    const char *t = itu_log_text(s), *m = strstr(t, "metrics: http://");
+    const char *end = m ? strstr(m, "/metrics\n") : NULL;
+    if (!end && m) end = strstr(m + 16, "/metrics");
+    if (end) {
+      const char *colon = end;
+      while (colon > m && *colon != ':') colon--;
+      int port = atoi(colon + 1);
+      if (*colon == ':' && port > 0) return port;
+    }
+    if (mr_now_ns() / 1000000u >= t_end) return -1;
+    usleep(10 * 1000);
+  }
+}
+
 int itu_load_pairs(const char *address, const char *token_file, const char *dir,
                    const uint8_t *want, uint32_t L, uint32_t E, int timeout_ms, uint64_t *pairs,
                    mr_err *e) {

@@ -120,6 +120,10 @@ int itu_forward_reply(grpc_byte_buffer *bb, Moerpc__V1__ForwardReply **hdr, void
 
 /* The first MiB of s's log (a static buffer, overwritten by the next call). */
 const char *itu_log_text(const itu_server *s);
+/* The port of a server started with --metrics-listen HOST:0 (or 0): read from its
+ * "metrics: http://HOST:PORT/metrics" log line, waited for up to timeout_ms; -1 if none.
+ * (A port picked free by the test can be taken before the server binds it; 0 cannot.) */
+int itu_metrics_port(const itu_server *s, int timeout_ms);
 /* LoadExperts of the pairs want[l * E + x] != 0 (L layers, E experts) on the server at
  * address (bearer token from token_file; a cluster file written into dir), waited for
  * until DONE (itu_load_wait, timeout_ms); *pairs gets the distinct pairs the server counted.
