@@ -1259,6 +1259,17 @@ static int st_fp8_scales(const kn_layer *L, uint32_t expert, const mr_st_tensor 
   return rc;
 }
 
+/* fp8_run on tensors: their block scales converted and checked first. */
+static int st_fp8_run(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
+                      const mr_st_tensor *const scales[3], bool check_only, mr_err *e) {
+  float *sc[3];
+  int rc = st_fp8_scales(L, expert, t, scales, sc, e);
+  if (!rc)
+    rc = fp8_run(L, expert, t[0]->data, sc[0], t[1]->data, sc[1], t[2]->data, sc[2], check_only, e);
+  for (int p = 0; p < 3; p++) mr_free(sc[p]);
+  return rc;
+}
+
 int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *const t[3],
                             const mr_st_tensor *const scales[3], mr_err *e) {
   if (!t || !t[0] || !t[1] || !t[2])
@@ -1266,12 +1277,7 @@ int kn_layer_load_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *co
   if (!scales || !scales[0])
     return kn_layer_load_expert(L, expert, t[0]->data, t[1]->data, t[2]->data, t[0]->dtype, e);
   if (!L) return mr_err_set(e, MR_EINVAL, "kn_layer_load_expert_st: layer is required");
-  float *sc[3];
-  int rc = st_fp8_scales(L, expert, t, scales, sc, e);
-  if (!rc)
-    rc = kn_layer_load_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1], t[2]->data, sc[2], e);
-  for (int p = 0; p < 3; p++) mr_free(sc[p]);
-  return rc;
+  return st_fp8_run(L, expert, t, scales, false, e);
 }
 
 bool kn_layer_has_expert(const kn_layer *L, uint32_t expert) { return kn__layer_owns(L, expert); }
@@ -1328,13 +1334,7 @@ int kn_layer_borrow_expert_st(kn_layer *L, uint32_t expert, const mr_st_tensor *
     if (!kn_layer_can_borrow_fp8(L))
       return mr_err_set(e, MR_ENOTSUP, "expert %u: \"%.200s\" is fp8: served in place only by "
                         "an fp8-b128 layer on one slice", expert, t[0]->name);
-    float *sc[3];
-    int rc = st_fp8_scales(L, expert, t, scales, sc, e);
-    if (!rc)
-      rc = kn_layer_borrow_expert_fp8(L, expert, t[0]->data, sc[0], t[1]->data, sc[1],
-                                      t[2]->data, sc[2], e);
-    for (int p = 0; p < 3; p++) mr_free(sc[p]);
-    return rc;
+    return st_fp8_run(L, expert, t, scales, true, e);
   }
   for (int p = 1; p < 3; p++)
     if (t[p]->dtype != t[0]->dtype)

@@ -70,6 +70,39 @@ static void fwd(kn_engine *eng, const kn_layer *L, uint32_t T, float *out) {
   MT_OK(kn_moe_forward(eng, L, &a, NULL, &e), &e);
 }
 
+/* packed and inplace hold the same experts: the same bytes counted, no packed block to copy
+ * out of inplace, the same outputs at T = 1 and T_MAX; then inplace shared on by a rebuild
+ * and every layer freed (the caller's arrays are still its own; ASan checks). Returns the
+ * forward pairs compared. */
+static int expect_in_place_like_packed(kn_engine *eng, kn_layer *packed, kn_layer *inplace) {
+  const kn_format f = kn_layer_get_desc(packed)->format;
+  int runs = 0;
+  mr_err e;
+  MT_EQ_U64(kn_layer_bytes(inplace), kn_layer_bytes(packed));
+  MT_TRUE(kn_layer_expert_slice(inplace, 0, 0) == NULL); /* no packed block to copy out */
+  static float ref[T_MAX * H], got[T_MAX * H];
+  for (uint32_t T = 1; T <= T_MAX; T += T_MAX - 1) {
+    memset(got, 0xff, sizeof got);
+    fwd(eng, packed, T, ref);
+    fwd(eng, inplace, T, got);
+    MT_TRUE(isfinite(ref[0]) && ref[0] != 0.0f);
+    if (memcmp(ref, got, (size_t)T * H * sizeof(float)) != 0)
+      MT__FAIL("%s %s T=%u: in place differs from packed", kn_isa_name(kn_engine_isa(eng, f)),
+               kn_format_name(f), T);
+    runs++;
+  }
+  kn_layer *nw = NULL;
+  uint8_t all[NE] = {1, 1, 1, 1};
+  MT_OK(kn_layer_rebuild(&nw, inplace, all, NULL, &e), &e);
+  kn_layer_free(inplace);
+  fwd(eng, nw, T_MAX, got);
+  fwd(eng, packed, T_MAX, ref);
+  MT_TRUE(memcmp(ref, got, sizeof got) == 0);
+  kn_layer_free(nw);
+  kn_layer_free(packed);
+  return runs;
+}
+
 MT_TEST(borrowed_experts_compute_like_packed_ones_on_every_isa) {
   const mr_dtype dts[] = {MR_DTYPE_BF16, MR_DTYPE_F16, MR_DTYPE_F32};
   const kn_isa top = kn_isa_detect();
@@ -93,29 +126,7 @@ MT_TEST(borrowed_experts_compute_like_packed_ones_on_every_isa) {
         MT_OK(kn_layer_borrow_expert(inplace, x, arr(dts[d], x, 0), arr(dts[d], x, 1),
                                      arr(dts[d], x, 2), dts[d], &e), &e);
       }
-      MT_EQ_U64(kn_layer_bytes(inplace), kn_layer_bytes(packed));
-      MT_TRUE(kn_layer_expert_slice(inplace, 0, 0) == NULL); /* no packed block to copy out */
-      static float ref[T_MAX * H], got[T_MAX * H];
-      for (uint32_t T = 1; T <= T_MAX; T += T_MAX - 1) {
-        memset(got, 0xff, sizeof got);
-        fwd(eng, packed, T, ref);
-        fwd(eng, inplace, T, got);
-        MT_TRUE(isfinite(ref[0]) && ref[0] != 0.0f);
-        if (memcmp(ref, got, (size_t)T * H * sizeof(float)) != 0)
-          MT__FAIL("%s %s T=%u: in place differs from packed", kn_isa_name(kn_engine_isa(eng, desc.format)),
-                  kn_format_name(desc.format), T);
-        runs++;
-      }
-      /* Shared on by a rebuild, both layers freed: the static arrays are still ours. */
-      kn_layer *nw = NULL;
-      uint8_t all[NE] = {1, 1, 1, 1};
-      MT_OK(kn_layer_rebuild(&nw, inplace, all, NULL, &e), &e);
-      kn_layer_free(inplace);
-      fwd(eng, nw, T_MAX, got);
-      fwd(eng, packed, T_MAX, ref);
-      MT_TRUE(memcmp(ref, got, sizeof got) == 0);
-      kn_layer_free(nw);
-      kn_layer_free(packed);
+      runs += expect_in_place_like_packed(eng, packed, inplace);
       kn_engine_free(eng);
     }
   }
@@ -279,30 +290,9 @@ MT_TEST(fp8_codes_served_in_place_compute_like_packed_ones_on_every_isa) {
       MT_OK(kn_layer_borrow_expert_fp8(inplace, x, q8[x][0], s8[x][0], q8[x][1], s8[x][1],
                                        q8[x][2], s8[x][2], &e), &e);
     }
-    MT_EQ_U64(kn_layer_bytes(inplace), kn_layer_bytes(packed));
-    MT_TRUE(kn_layer_expert_slice(inplace, 0, 0) == NULL); /* no packed block to copy out */
     MT_TRUE(kn_layer_expert_slice(packed, 0, 0) != NULL);
-    static float ref[T_MAX * H], got[T_MAX * H];
-    for (uint32_t T = 1; T <= T_MAX; T += T_MAX - 1) {
-      memset(got, 0xff, sizeof got);
-      fwd(eng, packed, T, ref);
-      fwd(eng, inplace, T, got);
-      MT_TRUE(isfinite(ref[0]) && ref[0] != 0.0f);
-      if (memcmp(ref, got, (size_t)T * H * sizeof(float)) != 0)
-        MT__FAIL("%s fp8 T=%u: in place differs from packed",
-                 kn_isa_name(kn_engine_isa(eng, desc.format)), T);
-      runs++;
-    }
-    /* Shared on by a rebuild, then both freed: the codes stay ours, the scales are freed. */
-    kn_layer *nw = NULL;
-    uint8_t all[NE] = {1, 1, 1, 1};
-    MT_OK(kn_layer_rebuild(&nw, inplace, all, NULL, &e), &e);
-    kn_layer_free(inplace);
-    fwd(eng, nw, T_MAX, got);
-    fwd(eng, packed, T_MAX, ref);
-    MT_TRUE(memcmp(ref, got, sizeof got) == 0);
-    kn_layer_free(nw);
-    kn_layer_free(packed);
+    /* The rebuild and frees: the codes stay ours, the scales are freed. */
+    runs += expect_in_place_like_packed(eng, packed, inplace);
     kn_engine_free(eng);
   }
   MT_TRUE(runs >= 2);
