@@ -324,7 +324,8 @@ typedef struct mr_st mr_st;
 int mr_st_open(mr_st **out, const char *path, mr_err *e);
 void mr_st_close(mr_st *st); /* NULL is a no-op */
 /* Asks the kernel to start reading t's bytes from disk now (madvise WILLNEED on its pages),
- * so that a loader reads one tensor while it converts the one before. Never fails. */
+ * so that a loader reads one tensor while it converts the one before; nothing where a
+ * sample of its pages is already in the page cache. Never fails. */
 void mr_st_prefetch(const mr_st_tensor *t);
 /* Reads t's bytes into the page cache and maps them, waiting for the disk
  * (MADV_POPULATE_READ; MADV_WILLNEED where the kernel lacks it). Through a mapping advised
