@@ -20,6 +20,7 @@
 #include "kernels/kn.h"
 
 #include <math.h>
+#include <string.h>
 
 /* Limits of a kn_layer_desc (kn.h), checked by kn_layer_new. */
 #define KN_MAX_DIM 65536u     /* hidden and inter */
@@ -189,12 +190,58 @@ void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, 
  * packer of section A: the expert loader and the dense-layer loader (linear.c) use it. */
 void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
                   void *dst, float *scale);
+/* The same from K values of dt (F32, F16, BF16) as stored: INT8 (the row's own scale,
+ * amax / 127 of these K) and INT4 quantize straight from src; the other formats go through
+ * buf (K floats). Returns the index of the first value that is not finite (nothing
+ * usable written then), or K. The loaders' packer for rows that are not copied. */
+uint32_t kn__pack_row_src(kn_format f, uint32_t G, const void *src, mr_dtype dt, uint32_t K,
+                          float *buf, void *dst, float *scale);
+
+/* The scalar rules of the packers, shared by kn.c's scalar set (the definition) and the
+ * tails of x86/pack_*.c. Packing runs over every byte of a model, so these avoid libm calls
+ * (fmaxf / nearbyintf are not inlined at -O2 without SSE4.1): the weights are finite
+ * (checked at load), so plain comparisons give fmaxf's result. */
+static inline float kn__max_f(float a, float b) { return a > b ? a : b; }
+static inline float kn__min_f(float a, float b) { return a < b ? a : b; }
+/* Round to nearest, ties to even, for |x| < 2^22 in the default rounding mode: adding and
+ * subtracting 1.5 * 2^23 drops the fraction bits with the FPU's own rounding (the same
+ * result as nearbyintf). The quotients rounded here are within +-128. */
+static inline float kn__round_even(float x) {
+  volatile float m = 12582912.0f; /* volatile: the compiler must not fold (x + m) - m */
+  float mm = m;
+  return (x + mm) - mm;
+}
+/* Element k of values of dt (F32, F16, BF16) at src, as fp32. */
+static inline float kn__src_f32(const void *src, mr_dtype dt, uint32_t k) {
+  switch (dt) {
+    case MR_DTYPE_BF16: return mr_bf16_to_f32(((const uint16_t *)src)[k]);
+    case MR_DTYPE_F16: return mr_f16_to_f32(((const uint16_t *)src)[k]);
+    default: return ((const float *)src)[k];
+  }
+}
+/* The exponent field of dt's bits: a value's bits with the sign cleared are at or above it
+ * exactly when it is a NaN or an inf; below it, finite values order as their bits do. */
+static inline uint32_t kn__expo_bits(mr_dtype dt) {
+  return dt == MR_DTYPE_F32 ? 0x7f800000u : dt == MR_DTYPE_BF16 ? 0x7f80u : 0x7c00u;
+}
+/* The value of such bits (a finite magnitude) of dt. */
+static inline float kn__bits_f32(uint32_t b, mr_dtype dt) {
+  if (dt == MR_DTYPE_BF16) return mr_bf16_to_f32((uint16_t)b);
+  if (dt == MR_DTYPE_F16) return mr_f16_to_f32((uint16_t)b);
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+/* The index of the first of n values of dt at src that is not finite, or n. */
+uint32_t kn__first_bad(const void *src, mr_dtype dt, uint32_t n);
 
 /* The loader's row converters, behind kn__pack_row and the loaders' copies: the scalar
  * set in kn.c is the definition; x86/pack_avx2.c has an AVX2 set that gives the same bits
  * for every input (tests/unit/test_kn_pack.c). kn__pack() picks once per process: AVX2
  * where the CPU and the OS have it (cpuid and XCR0, as KN_ISA_AVX2), unless the
- * environment says MOERPC_PACK=scalar (for A/B benchmarks, tests/bench/load_speed.sh). */
+ * environment says MOERPC_PACK=scalar (for A/B benchmarks, tests/bench/load_speed.sh); with
+ * the AVX-512 quantizers (kn__pack_avx512) where the CPU has AVX-512, unless
+ * MOERPC_PACK=avx2. */
 typedef struct kn__pack_fns {
   /* n values of dt (F32, F16, BF16) at src to fp32 at dst, all n of them; returns the index
    * of the first value that is not finite, or n. */
@@ -208,15 +255,31 @@ typedef struct kn__pack_fns {
   uint32_t (*copy_fp8)(uint8_t *dst, const uint8_t *src, uint32_t n);
   /* The same without writing (FP8 codes served in place: kn_layer_borrow_expert_fp8). */
   uint32_t (*check_fp8)(const uint8_t *src, uint32_t n);
-  float (*amax)(const float *src, uint32_t n);
-  void (*quant_int8)(const float *src, uint32_t n, float scale, int8_t *dst);
-  void (*quant_int4)(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale);
+  /* The quantizers read the source as it is stored (dt F32, F16 or BF16: no fp32 copy of
+   * the row in between). amax: the largest |value| of n values, *bad the index of the
+   * first that is not finite (the amax of those before it is returned then), or n. */
+  float (*amax)(const void *src, mr_dtype dt, uint32_t n, uint32_t *bad);
+  /* n finite values, INT8 with the given scale (section A). */
+  void (*quant_int8)(const void *src, mr_dtype dt, uint32_t n, float scale, int8_t *dst);
+  /* A row of K values, INT4 in groups of G (section A): ng * G / 2 bytes at dst, ng scales;
+   * returns the index of the first value that is not finite (dst, scale partly written
+   * then), or K. */
+  uint32_t (*quant_int4)(const void *src, mr_dtype dt, uint32_t K, uint32_t G, uint8_t *dst,
+                         float *scale);
   /* n finite fp32 values to dt (F16 or BF16), rounded to nearest even. */
   void (*from_f32)(void *dst, mr_dtype dt, const float *src, uint32_t n);
-  const char *name; /* "scalar", "avx2" */
+  const char *name; /* "scalar", "avx2", "avx512" */
 } kn__pack_fns;
 extern const kn__pack_fns kn__pack_scalar;
 extern const kn__pack_fns kn__pack_avx2; /* only in builds with MR_HAVE_AVX2 (x86) */
+/* The AVX2 set with the quantizers of x86/pack_avx512.c (amax, quant_int8, quant_int4),
+ * where the build and the CPU have AVX-512 (KN_ISA_AVX512 and AVX2); else NULL. kn__pack()
+ * picks it first. */
+const kn__pack_fns *kn__pack_avx512(void);
+float kn__amax_avx512(const void *src, mr_dtype dt, uint32_t n, uint32_t *bad);
+void kn__quant_int8_avx512(const void *src, mr_dtype dt, uint32_t n, float scale, int8_t *dst);
+uint32_t kn__quant_int4_avx512(const void *src, mr_dtype dt, uint32_t K, uint32_t G, uint8_t *dst,
+                               float *scale);
 const kn__pack_fns *kn__pack(void);
 /* The mr_dtype whose values format f stores as they are (F32, F16, BF16), else
  * MR_DTYPE_UNSPECIFIED: a source of that dtype is copied, not converted. */

@@ -558,50 +558,52 @@ void kn__split_inter(uint32_t I, uint32_t n, uint32_t unit, uint32_t *off, uint3
   MR_ASSERT(off[n - 1] + len[n - 1] == I);
 }
 
-/* Packing runs once per weight at load, over every byte of a model, so these helpers avoid
- * libm calls (fmaxf / nearbyintf are not inlined at -O2 without SSE4.1): the weights are
- * finite (checked at load), so plain comparisons give fmaxf's result. */
-static inline float kn__maxf(float a, float b) { return a > b ? a : b; }
-static inline float kn__minf(float a, float b) { return a < b ? a : b; }
-/* Round to nearest, ties to even, for |x| < 2^22 in the default rounding mode: adding and
- * subtracting 1.5 * 2^23 drops the fraction bits with the FPU's own rounding (the same
- * result as nearbyintf). The quotients rounded here are within +-128. */
-static inline float kn__round_even(float x) {
-  volatile float m = 12582912.0f; /* volatile: the compiler must not fold (x + m) - m */
-  float mm = m;
-  return (x + mm) - mm;
+uint32_t kn__first_bad(const void *src, mr_dtype dt, uint32_t n) {
+  for (uint32_t k = 0; k < n; k++)
+    if (!isfinite(kn__src_f32(src, dt, k))) return k;
+  return n;
 }
 
-static float pack_amax(const float *src, uint32_t n) {
+static float pack_amax(const void *src, mr_dtype dt, uint32_t n, uint32_t *bad) {
   float amax = 0.0f;
-  for (uint32_t i = 0; i < n; i++) amax = kn__maxf(amax, fabsf(src[i]));
+  for (uint32_t i = 0; i < n; i++) {
+    const float v = kn__src_f32(src, dt, i);
+    if (!isfinite(v)) {
+      *bad = i;
+      return amax;
+    }
+    amax = kn__max_f(amax, fabsf(v));
+  }
+  *bad = n;
   return amax;
 }
 
-static void pack_quant_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
+static void pack_quant_int8(const void *src, mr_dtype dt, uint32_t n, float scale, int8_t *dst) {
   for (uint32_t i = 0; i < n; i++) {
     /* scale == 0 also covers amax so small that amax / 127 underflows: those rows are 0. */
-    float q = scale > 0.0f ? kn__round_even(src[i] / scale) : 0.0f;
-    dst[i] = (int8_t)kn__minf(kn__maxf(q, -127.0f), 127.0f);
+    float q = scale > 0.0f ? kn__round_even(kn__src_f32(src, dt, i) / scale) : 0.0f;
+    dst[i] = (int8_t)kn__min_f(kn__max_f(q, -127.0f), 127.0f);
   }
 }
 
-static void pack_quant_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
+static uint32_t pack_quant_int4(const void *src, mr_dtype dt, uint32_t K, uint32_t G, uint8_t *dst,
+                                float *scale) {
   uint32_t ng = kn__ngroups(K, G);
   memset(dst, 0, (size_t)ng * G / 2);
   for (uint32_t g = 0; g < ng; g++) {
-    uint32_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K;
-    float amax = 0.0f;
-    for (uint32_t k = k0; k < k1; k++) amax = kn__maxf(amax, fabsf(src[k]));
+    uint32_t k0 = g * G, k1 = k0 + G < K ? k0 + G : K, bad;
+    const float amax = pack_amax((const char *)src + (size_t)k0 * mr_dtype_size(dt), dt, k1 - k0, &bad);
+    if (bad < k1 - k0) return k0 + bad;
     float sc = amax / 7.0f;
     scale[g] = sc;
     for (uint32_t k = k0; k < k1; k++) {
-      float q = sc > 0.0f ? kn__round_even(src[k] / sc) : 0.0f;
-      int v = (int)kn__minf(kn__maxf(q, -7.0f), 7.0f);
+      float q = sc > 0.0f ? kn__round_even(kn__src_f32(src, dt, k) / sc) : 0.0f;
+      int v = (int)kn__min_f(kn__max_f(q, -7.0f), 7.0f);
       uint8_t nib = (uint8_t)(v & 0xf);
       dst[k / 2] |= (k & 1) ? (uint8_t)(nib << 4) : nib;
     }
   }
+  return K;
 }
 
 static uint32_t pack_to_f32(float *dst, const void *src, mr_dtype dt, uint32_t n) {
@@ -671,8 +673,39 @@ static void pack_pick(void) {
 #if KN__X86 && !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX2
   const kn__cpu *c = kn__cpu_get();
   if (c->avx2 && c->fma && c->f16c && c->os_avx) pack_fns = &kn__pack_avx2;
+  if (env && strcmp(env, "avx2") == 0) {
+    mr_log(MR_LOG_INFO, "kn: MOERPC_PACK=avx2: weights are converted by the AVX2 packer");
+    return;
+  }
+  if (kn__pack_avx512()) pack_fns = kn__pack_avx512();
 #endif
 }
+
+#if KN__X86 && !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AVX2 && MR_HAVE_AVX512
+static kn__pack_fns pack_avx512_set;
+static const kn__pack_fns *pack_avx512_ptr;
+static pthread_once_t pack_avx512_once = PTHREAD_ONCE_INIT;
+
+static void pack_avx512_make(void) {
+  const kn__cpu *c = kn__cpu_get();
+  if (!(c->avx2 && c->fma && c->f16c && c->os_avx && c->avx512f && c->avx512bw && c->avx512vl &&
+        c->avx512dq && c->os_avx512))
+    return;
+  pack_avx512_set = kn__pack_avx2;
+  pack_avx512_set.amax = kn__amax_avx512;
+  pack_avx512_set.quant_int8 = kn__quant_int8_avx512;
+  pack_avx512_set.quant_int4 = kn__quant_int4_avx512;
+  pack_avx512_set.name = "avx512";
+  pack_avx512_ptr = &pack_avx512_set;
+}
+
+const kn__pack_fns *kn__pack_avx512(void) {
+  pthread_once(&pack_avx512_once, pack_avx512_make);
+  return pack_avx512_ptr;
+}
+#else
+const kn__pack_fns *kn__pack_avx512(void) { return NULL; }
+#endif
 
 const kn__pack_fns *kn__pack(void) {
   pthread_once(&pack_once, pack_pick);
@@ -684,14 +717,17 @@ mr_dtype kn__format_dtype(kn_format f) {
          : f == KN_FMT_BF16 ? MR_DTYPE_BF16 : MR_DTYPE_UNSPECIFIED;
 }
 
-float kn__amax(const float *src, uint32_t n) { return kn__pack()->amax(src, n); }
+float kn__amax(const float *src, uint32_t n) {
+  uint32_t bad;
+  return kn__pack()->amax(src, MR_DTYPE_F32, n, &bad);
+}
 
 void kn__quant_row_int8(const float *src, uint32_t n, float scale, int8_t *dst) {
-  kn__pack()->quant_int8(src, n, scale, dst);
+  kn__pack()->quant_int8(src, MR_DTYPE_F32, n, scale, dst);
 }
 
 void kn__quant_row_int4(const float *src, uint32_t K, uint32_t G, uint8_t *dst, float *scale) {
-  kn__pack()->quant_int4(src, K, G, dst, scale);
+  kn__pack()->quant_int4(src, MR_DTYPE_F32, K, G, dst, scale);
 }
 
 void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float int8_scale,
@@ -703,10 +739,30 @@ void kn__pack_row(kn_format f, uint32_t G, const float *src, uint32_t K, float i
     case KN_FMT_BF16: P->from_f32(dst, MR_DTYPE_BF16, src, K); break;
     case KN_FMT_INT8:
       *scale = int8_scale;
-      P->quant_int8(src, K, int8_scale, dst);
+      P->quant_int8(src, MR_DTYPE_F32, K, int8_scale, dst);
       break;
-    case KN_FMT_INT4: P->quant_int4(src, K, G, dst, scale); break;
+    case KN_FMT_INT4: P->quant_int4(src, MR_DTYPE_F32, K, G, dst, scale); break;
     default: MR_ASSERT(!"kn__pack_row: bad format");
+  }
+}
+
+uint32_t kn__pack_row_src(kn_format f, uint32_t G, const void *src, mr_dtype dt, uint32_t K,
+                          float *buf, void *dst, float *scale) {
+  const kn__pack_fns *P = kn__pack();
+  uint32_t bad;
+  switch (f) {
+    case KN_FMT_INT8: {
+      const float amax = P->amax(src, dt, K, &bad);
+      if (bad < K) return bad;
+      *scale = amax / 127.0f;
+      P->quant_int8(src, dt, K, *scale, dst);
+      return K;
+    }
+    case KN_FMT_INT4: return P->quant_int4(src, dt, K, G, dst, scale);
+    default:
+      bad = P->to_f32(buf, src, dt, K);
+      if (bad == K) kn__pack_row(f, G, buf, K, 0.0f, dst, scale);
+      return bad;
   }
 }
 
@@ -993,6 +1049,51 @@ static void load_row_fp8(load_job *j, kn__proj p, uint32_t row, uint32_t col0, u
   for (uint32_t g = 0; g < kn__ngroups(K, KN_FP8_BLOCK); g++) scale[g] = sr[col0 / KN_FP8_BLOCK + g];
 }
 
+/* Packs K source elements of matrix p from element elem_off (HF row `row`, from column
+ * col0) into dst and its scales at scale, straight from the source where it is not FP8
+ * (kn__pack_row_src); notes the first weight that is not finite. buf: the worker's row. */
+static void pack_row(load_job *j, float *buf, kn__proj p, size_t elem_off, uint32_t K, uint32_t row,
+                     uint32_t col0, void *dst, float *scale) {
+  const kn_format f = j->L->d.format;
+  if (j->src_fp8) {
+    if (load_row(j, buf, p, elem_off, K, row, col0))
+      kn__pack_row(f, j->L->d.group, buf, K, f == KN_FMT_INT8 ? kn__amax(buf, K) / 127.0f : 0.0f, dst,
+                   scale);
+    return;
+  }
+  const size_t esz = mr_dtype_size(j->dt);
+  const char *src = (const char *)j->src[p] + elem_off * esz;
+  const uint32_t k = kn__pack_row_src(f, j->L->d.group, src, j->dt, K, buf, dst, scale);
+  if (k < K) {
+    float v;
+    mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
+    note_bad(j, p, row, col0 + k, v);
+  }
+}
+
+/* The INT8 scale of HF down row r, amax / 127 over all I columns; false (noted) when one
+ * of them is not finite. buf: the worker's row. */
+static bool down_int8_scale(load_job *j, float *buf, uint32_t r, float *s8) {
+  const uint32_t I = j->L->d.inter;
+  if (j->src_fp8) {
+    if (!load_row(j, buf, KN__DOWN, (size_t)r * I, I, r, 0)) return false;
+    *s8 = kn__amax(buf, I) / 127.0f;
+    return true;
+  }
+  const size_t esz = mr_dtype_size(j->dt);
+  const char *src = (const char *)j->src[KN__DOWN] + (size_t)r * I * esz;
+  uint32_t bad;
+  const float amax = j->P->amax(src, j->dt, I, &bad);
+  if (bad < I) {
+    float v;
+    mr_convert_to_f32(&v, src + (size_t)bad * esz, j->dt, 1);
+    note_bad(j, KN__DOWN, r, bad, v);
+    return false;
+  }
+  *s8 = amax / 127.0f;
+  return true;
+}
+
 static void load_fn(void *arg, const kn__pool_ctx *c) {
   load_job *j = arg;
   if (c->worker == 0 && j->skip_caller) return;
@@ -1015,10 +1116,9 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
             load_row_same(j, (char *)dsts[p] + i * rb, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0);
           else if (f == KN_FMT_FP8)
             load_row_fp8(j, (kn__proj)p, off + i, 0, H, (uint8_t *)dsts[p] + i * rb, scs[p] + i * sc);
-          else if (load_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0))
-            kn__pack_row(f, G, row, H, f == KN_FMT_INT8 ? j->P->amax(row, H) / 127.0f : 0.0f,
-                         (char *)dsts[p] + i * rb,
-                         scs[p] ? scs[p] + i * sc : NULL);
+          else
+            pack_row(j, row, (kn__proj)p, (size_t)(off + i) * H, H, off + i, 0, (char *)dsts[p] + i * rb,
+                     scs[p] ? scs[p] + i * sc : NULL);
     } else {
       const size_t rb = kn__row_bytes(f, Is, G), sc = kn__row_scales(f, Is, G);
       const uint32_t j0 = (item - j->gu_items[s]) * LOAD_BLOCK;
@@ -1028,22 +1128,22 @@ static void load_fn(void *arg, const kn__pool_ctx *c) {
       for (uint32_t r = j0; r < j1 && f == KN_FMT_FP8; r++)
         load_row_fp8(j, KN__DOWN, r, off, Is, (uint8_t *)ws->down + r * rb, ws->down_scale + r * sc);
       for (uint32_t r = j0; r < j1 && f != KN_FMT_FP8 && !j->same; r++) {
+        void *d = (char *)ws->down + r * rb;
+        float *dsc = ws->down_scale ? ws->down_scale + r * sc : NULL;
         /* The INT8 scale of a down row is that of the whole HF row (all I columns), not of
          * the slice's band, so that the packed values do not depend on the slice count and
          * a layer gives the same result on any number of nodes (docs/DESIGN.md section 5).
-         * With one slice the band is the whole row, converted once. */
-        float s8 = 0.0f;
-        if (f == KN_FMT_INT8) {
-          if (!load_row(j, row, KN__DOWN, (size_t)r * I, I, r, 0)) continue;
-          s8 = j->P->amax(row, I) / 127.0f;
-          if (Is == I) {
-            kn__pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb, ws->down_scale + r * sc);
-            continue;
-          }
+         * With one slice the band is the whole row. */
+        float s8;
+        if (f != KN_FMT_INT8 || Is == I) pack_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off, d, dsc);
+        else if (down_int8_scale(j, row, r, &s8)) {
+          *dsc = s8;
+          if (!j->src_fp8)
+            j->P->quant_int8((const char *)j->src[KN__DOWN] + ((size_t)r * I + off) * mr_dtype_size(j->dt),
+                             j->dt, Is, s8, d);
+          else if (load_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off))
+            kn__pack_row(f, G, row, Is, s8, d, dsc);
         }
-        if (load_row(j, row, KN__DOWN, (size_t)r * I + off, Is, r, off))
-          kn__pack_row(f, G, row, Is, s8, (char *)ws->down + r * rb,
-                   ws->down_scale ? ws->down_scale + r * sc : NULL);
       }
     }
   }

@@ -178,13 +178,13 @@ static void lin_load_fn(void *arg, const kn__pool_ctx *c) {
         }
         continue;
       }
-      const uint32_t k = P->to_f32(row, src, j->dt, K);
+      const uint32_t k = kn__pack_row_src(f, G, src, j->dt, K, row, (char *)lin->w.down + at * rb,
+                                          sc ? lin->w.down_scale + at * sc : NULL);
       if (k < K) {
-        lin_note_bad(j, r, k, row[k]);
-        continue;
+        float v;
+        mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
+        lin_note_bad(j, r, k, v);
       }
-      kn__pack_row(f, G, row, K, f == KN_FMT_INT8 ? P->amax(row, K) / 127.0f : 0.0f,
-                   (char *)lin->w.down + at * rb, sc ? lin->w.down_scale + at * sc : NULL);
     }
   }
 }
