@@ -17,7 +17,9 @@
 #   server FORMAT   moerpc-server's packing phase ("loading: done ... in S s") for the
 #                   stored format (bf16 / fp8: copied; bf16 or fp8 with pack = map: --map-weights,
 #                   served in place from the files after a finite check) and online int8 / int4, with the
-#                   row converters kn__pack picks for this CPU (pack = auto: AVX2 where present) and the scalar ones
+#                   row converters kn__pack picks for this CPU (pack = auto: AVX2 where present, with
+#                   the AVX-512 quantizers where that is too; pack = avx2: MOERPC_PACK=avx2, the AVX2
+#                   quantizers, on a CPU with AVX-512) and the scalar ones
 #                   (MOERPC_PACK=scalar, the converters before this change, as a baseline);
 #                   ready_s is exec to readiness;
 #   client          moerpc-client bench's load of everything (dense layers and every expert
@@ -113,6 +115,11 @@ BYTES=$(du -cb "$MODEL"/*.safetensors | tail -1 | cut -f1)
 echo "load_speed: $MODEL ($GB GB), $FP8 ($GB8 GB), $RUNS runs, $THREADS threads, $CPU" >&2
 
 # Warm: every file read once first, then the runs alternate so that drift hits all alike.
+# The files' pages are dropped before that read (dd iflag=nocache count=0 drops one file's
+# page cache; no root needed), so that the cache holds them as a read from disk leaves
+# them, in large folios that map 2 MiB at a time, and not as moerpc-mkmodel's writes left
+# them (4 KiB pages, a fault per 64 KiB): a served model reaches the page cache by a read.
+for f in "$MODEL"/*.safetensors "$FP8"/*.safetensors; do dd if="$f" iflag=nocache count=0 status=none; done
 cat "$MODEL"/*.safetensors "$FP8"/*.safetensors >/dev/null
 declare -A T R
 cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|" "bf16|map|$MODEL|X=1|--map-weights"
@@ -122,6 +129,10 @@ cases=("bf16|auto|$MODEL|X=1|" "bf16|scalar|$MODEL|MOERPC_PACK=scalar|" "bf16|ma
 if [ "$SCALAR" = 0 ]; then
   cases=("bf16|auto|$MODEL|X=1|" "bf16|map|$MODEL|X=1|--map-weights" "int8|auto|$MODEL|X=1|--quant int8"
          "int4|auto|$MODEL|X=1|--quant int4" "fp8|auto|$FP8|X=1|" "fp8|map|$FP8|X=1|--map-weights")
+fi
+# The AVX2 quantizers where the CPU also has AVX-512 (auto then uses the AVX-512 ones).
+if grep -q avx512bw /proc/cpuinfo; then
+  cases+=("int8|avx2|$MODEL|MOERPC_PACK=avx2|--quant int8" "int4|avx2|$MODEL|MOERPC_PACK=avx2|--quant int4")
 fi
 # One untimed load of each kind first: the first process to touch that much memory pays
 # for it (on a VM, the host backing it) more than the ones after.
