@@ -339,6 +339,12 @@ MT_TEST(the_best_set_is_picked_where_the_cpu_has_it) {
 
 MT_TEST(moerpc_pack_scalar_picks_the_scalar_set) { expect_pick("scalar", "scalar"); }
 
+MT_TEST(moerpc_pack_avx2_keeps_the_avx2_quantizers) {
+  NEED_AVX2();
+  expect_pick("avx2", "avx2");
+  MT_TRUE(kn__pack()->quant_int4 == kn__pack_avx2.quant_int4);
+}
+
 /* A whole expert packed through the public loader in every format, on one slice and on
  * three: the same bytes with the set kn__pack() picks as with the scalar one, from bf16,
  * f16 and f32 sources (copied where the format stores the source's dtype, converted or
