@@ -24,22 +24,6 @@
 #include <math.h>
 #include <string.h>
 
-/* ---- the finite checks' scalar scans -------------------------------------------- */
-
-/* The index of the first non-finite value of n fp32 values, or n. */
-static uint32_t first_bad_f32(const float *v, uint32_t n) {
-  for (uint32_t k = 0; k < n; k++)
-    if (!isfinite(v[k])) return k;
-  return n;
-}
-
-/* The same over raw 16-bit values whose exponent field is mask (bf16 0x7f80, f16 0x7c00). */
-static uint32_t first_bad_u16(const uint16_t *v, uint32_t n, uint16_t mask) {
-  for (uint32_t k = 0; k < n; k++)
-    if ((v[k] & mask) == mask) return k;
-  return n;
-}
-
 /* ---- conversions -------------------------------------------------------------------- */
 
 static uint32_t to_f32_avx2(float *dst, const void *src, mr_dtype dt, uint32_t n) {
@@ -83,8 +67,8 @@ static uint32_t to_f32_avx2(float *dst, const void *src, mr_dtype dt, uint32_t n
   }
   /* The vector loop covered n - n % 8 values; the tail is checked on its own. */
   const uint32_t kv = n - n % 8;
-  if (_mm256_testz_si256(bad, bad) && first_bad_f32(dst + kv, n - kv) == n - kv) return n;
-  return first_bad_f32(dst, n);
+  if (_mm256_testz_si256(bad, bad) && kn__first_bad(dst + kv, MR_DTYPE_F32, n - kv) == n - kv) return n;
+  return kn__first_bad(dst, MR_DTYPE_F32, n);
 }
 
 /* The finite check of n values of dt at src, copying them to dst when store (a constant
@@ -113,13 +97,9 @@ static inline __attribute__((always_inline)) uint32_t scan_avx2(void *dst, const
     }
   }
   if (store) memcpy(d + b, s + b, bytes - b);
-  const bool tail_bad =
-      dt == MR_DTYPE_F32 ? first_bad_f32((const float *)(s + b), (uint32_t)((bytes - b) / 4)) < (bytes - b) / 4
-                         : first_bad_u16((const uint16_t *)(s + b), (uint32_t)((bytes - b) / 2),
-                                         dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00) < (bytes - b) / 2;
-  if (_mm256_testz_si256(bad, bad) && !tail_bad) return n;
-  if (dt == MR_DTYPE_F32) return first_bad_f32(src, n);
-  return first_bad_u16(src, n, dt == MR_DTYPE_BF16 ? 0x7f80 : 0x7c00);
+  const uint32_t tail = (uint32_t)((bytes - b) / mr_dtype_size(dt));
+  if (_mm256_testz_si256(bad, bad) && kn__first_bad(s + b, dt, tail) == tail) return n;
+  return kn__first_bad(src, dt, n);
 }
 
 static uint32_t copy_avx2(void *dst, const void *src, mr_dtype dt, uint32_t n) {
