@@ -692,6 +692,13 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
  *            .n = tokens of the tile, .tmp = the worker's scratch (tmp_floats(L, 0, n))
  *   kern->down(&task, j0, j1):  y[r, j] = W[j, :] . x[r, :]   for j in [j0, j1), r < n
  *
+ * Served in place (kn_linear_borrow): the float formats' packed layout is the checkpoint's,
+ * so W stays in the caller's memory as up to KN_LINEAR_MAX_BANDS row bands (q | k | v:
+ * three tensors), each a slice of its own (band[b].down, in_place); a row block never
+ * crosses a band edge, and its task reads band b's rows from band b's base and writes y
+ * at the band's first row (task.y = y + t0 * N + band_row0[b], rows [j0, j1) shifted by
+ * band_row0[b]; the stride stays N), so the kernels run unchanged and give the same bits.
+ *
  * kn_linear_forward cuts [0, T) into tiles of at most KN__LINEAR_TILE_MAX tokens (fewer
  * when the activations of a tile would exceed KN__LINEAR_TILE_BYTES) and [0, N) into blocks
  * of KN__LINEAR_ROW_UNIT multiples, guided (large first, one unit at the end); items
@@ -724,12 +731,19 @@ void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu);
 
 struct kn_linear {
   kn_layer L;           /* the one-expert, one-slice view the kernels read (see above) */
-  kn__slice_w w;        /* the slice; w.mem holds W and its scales */
+  kn__slice_w w;        /* the slice; w.mem holds W and its scales (packed), or nothing
+                         * (in place: w.down = band[0].down, w.in_place) */
   kn__slice_w *wp;      /* = &w: L.w points here */
   uint64_t owned;       /* L.owned: expert 0 */
   uint64_t *loaded;     /* bitmap of N bits: row packed (owned) */
   uint32_t n_loaded;    /* rows with their bit set */
   uint64_t weight_bytes;/* N * (row bytes + scale bytes): what one forward reads */
+  /* Served in place (kn_linear_borrow): W is n_bands row bands, each in the caller's
+   * memory. Band b is rows band_row0[b] .. band_row0[b + 1] - 1 at band[b].down. A packed
+   * linear is one band: band_row0 = {0, N}, band[0] = w. */
+  uint32_t n_bands;
+  uint32_t band_row0[KN_LINEAR_MAX_BANDS + 1];
+  kn__slice_w band[KN_LINEAR_MAX_BANDS];
 };
 
 /* Checks a forward (lin, T, x, y) before anything is computed; shared by

@@ -307,6 +307,26 @@ typedef struct kn_linear kn_linear;
  * field and its limit; MR_ENOMEM when the weights (kn_linear_bytes) cannot be allocated. */
 int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in,
                   kn_format fmt, uint32_t group, mr_err *e);
+/* Most row bands of a linear served in place (q | k | v and the like: one per tensor). */
+#define KN_LINEAR_MAX_BANDS 4u
+/* Serves W in place, without a copy (llama.cpp's way; the runner's --map-weights): W is
+ * the n_parts (1..KN_LINEAR_MAX_BANDS) bands w[i] stacked in order, band i being rows[i]
+ * rows of n_in elements of dtype src, row-major and contiguous (a checkpoint tensor, or a
+ * row range of one, in a file mapping). The caller keeps that memory mapped and unchanged
+ * until kn_linear_free; kn_linear_free does not free it. The format is src's (f32, f16 or
+ * bf16, whose packed layout is the checkpoint's: row-major, unpadded; the kernels load
+ * weights unaligned), so every forward gives the bits of a linear packed from the same
+ * weights. Every weight is checked finite first, on eng's workers (the caller taking
+ * part). Errors: MR_EINVAL (a NULL or empty argument, n_out or n_in out of kn_linear_new's
+ * range, a non-finite weight named by row, column and part), MR_ENOTSUP (src not f32,
+ * f16 or bf16; a part not aligned to its element; an engine that places memory on NUMA
+ * nodes, whose weights must be first-touched there, as kn_layer_can_borrow): then the
+ * caller packs instead (kn_linear_new, kn_linear_load_rows), MR_ENOMEM. Such a linear is
+ * read-only: kn_linear_load_rows refuses it (MR_EPRECOND). */
+int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const void *const *w,
+                     const uint32_t *rows, uint32_t n_in, mr_dtype src, mr_err *e);
+/* True for a linear made by kn_linear_borrow (its weights are the caller's). */
+bool kn_linear_in_place(const kn_linear *lin);
 /* Frees lin and its packed weights (no load or forward may be using it). */
 void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
 /* Packs rows [row0, row0 + n_rows) of W from w ([n_rows, n_in] of dtype src), so that
@@ -316,7 +336,7 @@ void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
  * n_rows = 0 is a no-op. Errors: MR_EINVAL (NULL lin or w, src not f32/f16/bf16, a
  * non-finite weight, named by row and column: then rows of the band may have been
  * overwritten, and the whole band counts as not loaded), MR_ERANGE (the band goes past
- * n_out). */
+ * n_out), MR_EPRECOND (lin is served in place: kn_linear_borrow). */
 int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w,
                         mr_dtype src, mr_err *e);
 uint32_t kn_linear_n_out(const kn_linear *lin);

@@ -164,9 +164,12 @@ int kn_ref_linear_forward(const kn_linear *lin, uint32_t T, const float *x, floa
   const kn_layer *L = &lin->L;
   float *buf = mr_malloc((size_t)L->d.inter * sizeof(float)); /* one decoded row */
   if (!buf) return mr_err_set(e, MR_ENOMEM, "kn_ref_linear_forward: out of memory");
-  const kn__task t = {.L = L, .slice = 0, .w = L->w[0], .n = T, .x = x, .xq = NULL,
-                      .h = (float *)x /* read only */, .y = y, .tmp = buf};
-  ref_down(&t, 0, L->d.hidden);
+  for (uint32_t b = 0; b < lin->n_bands; b++) { /* one band unless served in place */
+    const uint32_t r0 = lin->band_row0[b], r1 = lin->band_row0[b + 1];
+    const kn__task t = {.L = L, .slice = 0, .w = lin->w.in_place ? &lin->band[b] : L->w[0], .n = T,
+                        .x = x, .xq = NULL, .h = (float *)x /* read only */, .y = y + r0, .tmp = buf};
+    ref_down(&t, 0, r1 - r0);
+  }
   mr_free(buf);
   return 0;
 }

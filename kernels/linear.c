@@ -94,10 +94,14 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
   lin->w.down = mem;
   lin->w.down_scale = sc ? (float *)(mem + s_off) : NULL;
   lin->weight_bytes = w_bytes + s_bytes;
+  lin->n_bands = 1;
+  lin->band_row0[1] = n_out;
   L->bytes = L->expert_bytes = total;
   *out = lin;
   return 0;
 }
+
+bool kn_linear_in_place(const kn_linear *lin) { return lin && lin->w.in_place; }
 
 void kn_linear_free(kn_linear *lin) {
   if (!lin) return;
@@ -121,11 +125,13 @@ uint64_t kn_linear_bytes(const kn_linear *lin) { return lin->weight_bytes; }
 /* Rows per load work item. */
 #define LIN_LOAD_BLOCK 32u
 
-/* One kn_linear_load_rows on the engine's workers. */
+/* One kn_linear_load_rows (or kn_linear_borrow's finite check of one band) on the
+ * engine's workers. */
 typedef struct lin_load_job {
   kn_linear *lin;
   const char *src;      /* [n_rows, K] of dt */
   mr_dtype dt;
+  bool check_only;      /* kn_linear_borrow: the finite check, nothing written */
   uint32_t row0;        /* first row of W the band fills */
   uint32_t n_rows;
   float *rows;          /* [n_workers][row_floats]: one fp32 row per worker */
@@ -169,6 +175,15 @@ static void lin_load_fn(void *arg, const kn__pool_ctx *c) {
       const char *src = j->src + (size_t)r * K * esz;
       const size_t at = (size_t)j->row0 + r;
       /* A NaN or inf weight would poison every token's output: refused either way. */
+      if (j->check_only) {
+        const uint32_t k = P->check(src, j->dt, K);
+        if (k < K) {
+          float v;
+          mr_convert_to_f32(&v, src + (size_t)k * esz, j->dt, 1);
+          lin_note_bad(j, r, k, v);
+        }
+        continue;
+      }
       if (same) {
         const uint32_t k = P->copy((char *)lin->w.down + at * rb, src, j->dt, K);
         if (k < K) {
@@ -215,6 +230,9 @@ int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const vo
   if (!w) return mr_err_set(e, MR_EINVAL, "kn_linear_load_rows: w is required");
   if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
     return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
+  if (lin->w.in_place)
+    return mr_err_set(e, MR_EPRECOND, "kn_linear_load_rows: this %u x %u linear is served in "
+                      "place (kn_linear_borrow): its rows are the caller's, read-only", N, K);
 
   kn_engine *eng = lin->L.eng;
   const uint32_t nw = eng->plan.n_workers;
@@ -245,6 +263,104 @@ int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const vo
   return rc;
 }
 
+/* The finite check of one band of a linear served in place, on the engine's workers
+ * (all of them: nothing is written, so nothing is placed). Returns true when every weight
+ * is finite, else fills *j's bad record. */
+static bool lin_check_band(kn_linear *lin, const void *w, uint32_t n_rows, mr_dtype src,
+                           lin_load_job *j) {
+  *j = (lin_load_job){.lin = lin, .src = w, .dt = src, .n_rows = n_rows, .check_only = true};
+  const uint32_t items = (n_rows + LIN_LOAD_BLOCK - 1) / LIN_LOAD_BLOCK;
+  kn__work_init(&j->work, 1, &items);
+  pthread_mutex_init(&j->lock, NULL);
+  kn__pool_run(lin->L.eng->pool, lin_load_fn, j);
+  pthread_mutex_destroy(&j->lock);
+  return !j->bad;
+}
+
+int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const void *const *w,
+                     const uint32_t *rows, uint32_t n_in, mr_dtype src, mr_err *e) {
+  *out = NULL;
+  if (!eng || !w || !rows)
+    return mr_err_set(e, MR_EINVAL, "kn_linear_borrow: engine, w and rows are required");
+  if (n_parts < 1 || n_parts > KN_LINEAR_MAX_BANDS)
+    return mr_err_set(e, MR_EINVAL, "n_parts = %u, must be in 1..%u", n_parts, KN_LINEAR_MAX_BANDS);
+  uint64_t n_out = 0;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    if (!w[i] || rows[i] == 0)
+      return mr_err_set(e, MR_EINVAL, "part %u: %s", i, !w[i] ? "w is required" : "rows = 0, must be >= 1");
+    n_out += rows[i];
+  }
+  if (n_out > KN_LINEAR_MAX_OUT)
+    return mr_err_set(e, MR_EINVAL, "n_out = %llu (the parts' rows), must be in 1..%u",
+                      (unsigned long long)n_out, KN_LINEAR_MAX_OUT);
+  kn_format fmt;
+  switch (src) {
+    case MR_DTYPE_F32: fmt = KN_FMT_F32; break;
+    case MR_DTYPE_F16: fmt = KN_FMT_F16; break;
+    case MR_DTYPE_BF16: fmt = KN_FMT_BF16; break;
+    default:
+      return mr_err_set(e, MR_ENOTSUP, "src dtype = %s: only f32, f16 and bf16 weights can be "
+                        "served in place (their packed layout is the stored one)", mr_dtype_name(src));
+  }
+  if (eng->numa_place)
+    return mr_err_set(e, MR_ENOTSUP, "the engine places weights on %u NUMA nodes: a linear "
+                      "served in place would stay where the page cache put it", eng->plan.n_groups);
+  const size_t esz = mr_dtype_size(src);
+  for (uint32_t i = 0; i < n_parts; i++)
+    if ((uintptr_t)w[i] % esz)
+      return mr_err_set(e, MR_ENOTSUP, "part %u at %p is not %zu-byte aligned: cannot be served in "
+                        "place", i, w[i], esz);
+  /* The view of kn_linear_new, without its memory. */
+  kn_linear *lin = mr_calloc(1, sizeof *lin);
+  if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow: out of memory");
+  lin->loaded = mr_calloc(((size_t)n_out + 63) / 64, sizeof *lin->loaded);
+  if (!lin->loaded) {
+    mr_free(lin);
+    return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow: out of memory");
+  }
+  int rc = 0;
+  if (n_in < 1 || n_in > KN_LINEAR_MAX_IN) {
+    rc = mr_err_set(e, MR_EINVAL, "n_in = %u, must be in 1..%u", n_in, KN_LINEAR_MAX_IN);
+    goto fail;
+  }
+  kn_layer *L = &lin->L;
+  L->d = (kn_layer_desc){.hidden = (uint32_t)n_out, .inter = n_in, .num_experts = 1, .format = fmt};
+  L->n_slices = 1;
+  L->slice_len[0] = n_in;
+  L->max_slice_len = n_in;
+  L->node[0] = eng->node[0];
+  L->eng = eng;
+  lin->wp = &lin->w;
+  L->w = &lin->wp;
+  lin->owned = 1;
+  L->owned = &lin->owned;
+  L->n_owned = 1;
+  lin->n_bands = n_parts;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    lin->band[i] = (kn__slice_w){.borrowed = true, .in_place = true, .down = (void *)w[i]};
+    lin->band_row0[i + 1] = lin->band_row0[i] + rows[i];
+  }
+  lin->w = lin->band[0];
+  lin->weight_bytes = n_out * n_in * esz;
+  L->bytes = L->expert_bytes = lin->weight_bytes;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    lin_load_job j;
+    if (!lin_check_band(lin, w[i], rows[i], src, &j)) {
+      rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] = %g (part %u, its row %u of %u): weights "
+                      "must be finite", lin->band_row0[i] + j.bad_row, j.bad_col, (double)j.bad_v, i,
+                      j.bad_row, rows[i]);
+      goto fail;
+    }
+  }
+  lin_mark(lin, 0, (uint32_t)n_out, true);
+  *out = lin;
+  return 0;
+fail:
+  mr_free(lin->loaded);
+  mr_free(lin);
+  return rc;
+}
+
 /* ---- forward ----------------------------------------------------------------------- */
 
 int kn__linear_validate(const kn_linear *lin, uint32_t T, const float *x, const float *y,
@@ -269,6 +385,7 @@ int kn__linear_validate(const kn_linear *lin, uint32_t T, const float *x, const 
  * weights in the LLC when there are several tiles). Read-only during the run except the
  * work list and the y rows each item owns. */
 typedef struct lin_job {
+  const kn_linear *lin;
   const kn_layer *L;
   const kn__kernel *kern;
   const float *x;          /* [T, K] */
@@ -291,10 +408,17 @@ static void lin_fwd_fn(void *arg, const kn__pool_ctx *c) {
     const uint32_t j0 = j->bounds[b], j1 = j->bounds[b + 1];
     const uint32_t t0 = tl * j->tile, n = t0 + j->tile < j->T ? j->tile : j->T - t0;
     const float *xt = j->x + (size_t)t0 * K;
+    /* The block's band (blocks never cross one): its rows from its own base, written at
+     * the band's offset in y, whose row stride stays N. */
+    const kn_linear *lin = j->lin;
+    uint32_t band = 0;
+    while (j0 >= lin->band_row0[band + 1]) band++;
+    const uint32_t r0 = lin->band_row0[band];
     /* The down kernels only read h: x stands in for it (internal.h section E). */
-    const kn__task task = {.L = j->L, .slice = 0, .w = j->L->w[0], .n = n, .x = xt, .xq = NULL,
-                           .h = (float *)xt, .y = j->y + (size_t)t0 * N, .tmp = tmp};
-    j->kern->down(&task, j0, j1);
+    const kn__task task = {.L = j->L, .slice = 0, .w = lin->w.in_place ? &lin->band[band] : &lin->w,
+                           .n = n, .x = xt, .xq = NULL, .h = (float *)xt,
+                           .y = j->y + (size_t)t0 * N + r0, .tmp = tmp};
+    j->kern->down(&task, j0 - r0, j1 - r0);
   }
 }
 
@@ -346,6 +470,21 @@ static uint32_t lin_blocks(uint32_t N, uint32_t workers, uint32_t tile, uint32_t
   return nb;
 }
 
+/* Cuts the nb blocks of bounds (room for nb + lin->n_bands) at the bands' edges, so that
+ * no block crosses one; returns the new count. One band: nothing to cut. */
+static uint32_t lin_cut_bands(const kn_linear *lin, uint32_t *bounds, uint32_t nb) {
+  for (uint32_t b = 1; b < lin->n_bands; b++) {
+    const uint32_t edge = lin->band_row0[b];
+    uint32_t i = 0;
+    while (bounds[i] < edge) i++; /* bounds[nb] = N > edge */
+    if (bounds[i] == edge) continue;
+    memmove(&bounds[i + 1], &bounds[i], (size_t)(nb + 1 - i) * sizeof *bounds);
+    bounds[i] = edge;
+    nb++;
+  }
+  return nb;
+}
+
 int kn_linear_forward(kn_engine *eng, const kn_linear *lin, uint32_t T, const float *x, float *y,
                       mr_arena *scratch, mr_err *e) {
   if (!eng) return mr_err_set(e, MR_EINVAL, "kn_linear_forward: engine is required");
@@ -353,17 +492,19 @@ int kn_linear_forward(kn_engine *eng, const kn_linear *lin, uint32_t T, const fl
   if (rc || T == 0) return rc;
   const kn_layer *L = &lin->L;
   const uint32_t N = L->d.hidden, nw = eng->plan.n_workers;
-  lin_job j = {.L = L, .kern = eng->kern[L->d.format], .x = x, .y = y, .T = T};
+  lin_job j = {.lin = lin, .L = L, .kern = eng->kern[L->d.format], .x = x, .y = y, .T = T};
   j.tile = lin_tile_tokens(j.kern, L, T);
   j.n_tiles = (T + j.tile - 1) / j.tile;
   j.n_blocks = lin_blocks(N, nw, j.tile, j.n_tiles, NULL);
   mr_arena *ar = scratch ? scratch : &eng->scratch;
-  uint32_t *bounds = mr_arena_alloc(ar, ((size_t)j.n_blocks + 1) * sizeof *bounds, KN_PACK_ALIGN);
+  uint32_t *bounds = mr_arena_alloc(ar, ((size_t)j.n_blocks + lin->n_bands) * sizeof *bounds,
+                                    KN_PACK_ALIGN);
   if (!bounds) {
     rc = mr_err_set(e, MR_ENOMEM, "kn_linear_forward: out of scratch memory (%u row blocks)", j.n_blocks);
     goto out_reset;
   }
   lin_blocks(N, nw, j.tile, j.n_tiles, bounds);
+  j.n_blocks = lin_cut_bands(lin, bounds, j.n_blocks);
   j.bounds = bounds;
   j.tmp_stride = (j.kern->tmp_floats(L, 0, j.tile) + 15) & ~(size_t)15; /* whole cache lines */
   const size_t tmp_bytes = j.tmp_stride * nw * sizeof(float);

@@ -1084,9 +1084,11 @@ static const gc_bk_ops cuda_ops = {
     cu_sync,
     cu_linear_new,
     cu_linear_load,
+    nullptr, /* linear_borrow: weights are copied to the device */
     cu_linear_free,
     cu_linear_bytes,
     cu_table_new,
+    nullptr, /* table_borrow: the same */
     cu_table_free,
     cu_experts_new,
     cu_experts_load,

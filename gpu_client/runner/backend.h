@@ -163,10 +163,22 @@ typedef struct gc_bk_ops {
   /* Rows [row0, row0 + n_rows) of W from src ([n_rows, n_in]); concatenates tensors. */
   int (*linear_load)(gc_backend *b, gc_bk_linear *w, uint32_t row0, uint32_t n_rows,
                      const void *src, mr_dtype dt, mr_err *e);
+  /* Optional (NULL: the backend cannot): W served in place, without a copy: the n_parts
+   * row bands w[i] (rows[i] rows of n_in elements of dtype dt) stacked in order, which
+   * stay mapped and unchanged while the linear lives (cpu: kn_linear_borrow); MR_ENOTSUP
+   * where the dtype, an alignment or the placement does not allow it (then linear_new and
+   * linear_load). The linear's format is dt's. */
+  int (*linear_borrow)(gc_backend *b, gc_bk_linear **out, uint32_t n_parts, const void *const *w,
+                       const uint32_t *rows, uint32_t n_in, mr_dtype dt, mr_err *e);
   void (*linear_free)(gc_backend *b, gc_bk_linear *w);
   uint64_t (*linear_bytes)(const gc_bk_linear *w);
   int (*table_new)(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32_t dim,
                    const void *src, mr_dtype dt, mr_err *e);
+  /* Optional (NULL: the backend cannot): the table served in place from src, which stays
+   * mapped and unchanged while the table lives; MR_ENOTSUP where dt is not what the
+   * backend keeps (cpu: bf16 and f32; then table_new). */
+  int (*table_borrow)(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32_t dim,
+                      const void *src, mr_dtype dt, mr_err *e);
   void (*table_free)(gc_backend *b, gc_bk_table *t);
   int (*experts_new)(gc_backend *b, gc_bk_experts **out, const kn_layer_desc *d, mr_err *e);
   int (*experts_load)(gc_backend *b, gc_bk_experts *x, uint32_t expert, const void *gate,

@@ -36,6 +36,7 @@ struct gc_bk_table {
   uint32_t rows, dim;
   mr_dtype dt; /* f32 or bf16 (f16 tables are widened to f32) */
   void *data;
+  bool borrowed; /* data is the caller's (table_borrow): not freed here */
 };
 struct gc_bk_experts {
   kn_layer *L;
@@ -97,6 +98,19 @@ static int cpu_linear_load(gc_backend *b, gc_bk_linear *w, uint32_t row0, uint32
   (void)b;
   return kn_linear_load_rows(w->lin, row0, n_rows, src, dt, e);
 }
+static int cpu_linear_borrow(gc_backend *b, gc_bk_linear **out, uint32_t n_parts,
+                             const void *const *w, const uint32_t *rows, uint32_t n_in, mr_dtype dt,
+                             mr_err *e) {
+  gc_bk_linear *x = mr_calloc(1, sizeof *x);
+  if (!x) return mr_err_set(e, MR_ENOMEM, "linear in place: out of memory");
+  int rc = kn_linear_borrow(&x->lin, b->eng, n_parts, w, rows, n_in, dt, e);
+  if (rc) {
+    mr_free(x);
+    return rc;
+  }
+  *out = x;
+  return 0;
+}
 static void cpu_linear_free(gc_backend *b, gc_bk_linear *w) {
   (void)b;
   if (!w) return;
@@ -124,10 +138,25 @@ static int cpu_table_new(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32
   *out = t;
   return 0;
 }
+static int cpu_table_borrow(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32_t dim,
+                            const void *src, mr_dtype dt, mr_err *e) {
+  (void)b;
+  if (dt != MR_DTYPE_BF16 && dt != MR_DTYPE_F32)
+    return mr_err_set(e, MR_ENOTSUP, "embedding table of %s: kept as f32 (widened), not in place",
+                      mr_dtype_name(dt));
+  if ((uintptr_t)src % mr_dtype_size(dt))
+    return mr_err_set(e, MR_ENOTSUP, "embedding table at %p is not %zu-byte aligned: not in place",
+                      src, mr_dtype_size(dt));
+  gc_bk_table *t = mr_calloc(1, sizeof *t);
+  if (!t) return mr_err_set(e, MR_ENOMEM, "embedding table: out of memory");
+  *t = (gc_bk_table){.rows = rows, .dim = dim, .dt = dt, .data = (void *)src, .borrowed = true};
+  *out = t;
+  return 0;
+}
 static void cpu_table_free(gc_backend *b, gc_bk_table *t) {
   (void)b;
   if (!t) return;
-  mr_free_aligned(t->data);
+  if (!t->borrowed) mr_free_aligned(t->data);
   mr_free(t);
 }
 
@@ -630,9 +659,11 @@ static const gc_bk_ops cpu_ops = {
     .sync = cpu_sync,
     .linear_new = cpu_linear_new,
     .linear_load = cpu_linear_load,
+    .linear_borrow = cpu_linear_borrow,
     .linear_free = cpu_linear_free,
     .linear_bytes = cpu_linear_bytes,
     .table_new = cpu_table_new,
+    .table_borrow = cpu_table_borrow,
     .table_free = cpu_table_free,
     .experts_new = cpu_experts_new,
     .experts_load = cpu_experts_load,

@@ -136,6 +136,12 @@ struct gc_model {
   uint32_t *seq_len;              /* [max_batch] */
   uint64_t dense_bytes, expert_bytes_one, hot_bytes;
   uint64_t n_mapped;              /* hot experts served in place (o.map_weights) */
+  uint64_t dense_mapped_bytes;    /* dense linears and embedding tables served in place,
+                                   * summed over ranks (o.map_weights) */
+  uint64_t embed_mapped_bytes;    /* the embedding tables' part of it */
+  uint64_t n_dense_packed;        /* dense linears packed under o.map_weights, and why the
+                                   * first was (the model-open line) */
+  char dense_packed_why[256];
   mr_st *st_kept;                 /* the mapping they read: closed after the ranks */
   uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
   gc_model_stats st;
@@ -377,6 +383,62 @@ typedef struct lin_part {
   uint32_t rows, row0, n;
 } lin_part;
 
+/* Notes why a dense weight is packed under --map-weights (the first reason is logged). */
+static void dense_packed(gc_model *m, const char *name, const char *why) {
+  if (m->n_dense_packed++ == 0)
+    snprintf(m->dense_packed_why, sizeof m->dense_packed_why, "%.60s: %.180s", name, why);
+}
+
+/* A linear served in place from the mapping (--map-weights, as the hot experts): where the
+ * parts are whole rows of tensors stored in the format served (no column slice, no
+ * conversion, no --dense-format of another format) and the backend can. Each part is read
+ * through the huge-page-advised mapping first (MADV_POPULATE_READ: 2 MiB folios, mapped
+ * 2 MiB at a time), then checked finite and kept. Returns MR_ENOTSUP (nothing made,
+ * nothing said) where it is packed instead; another error fails the load. */
+static int borrow_linear(loader *ld, const lin_part *p, const mr_st_tensor *const *t,
+                         uint32_t n_parts, uint32_t n_in, uint32_t n_cols, bool mixed, kn_format fmt,
+                         gc_bk_linear **out, mr_err *e) {
+  gc_model *m = ld->m;
+  gc_backend *bk = ld->r->bk;
+  const mr_dtype dt = t[0]->dtype;
+  const char *why = NULL;
+  if (!bk->ops->linear_borrow) why = "the backend copies weights";
+  else if (mr_st_is_f8e4m3(t[0]) || mixed) why = "dequantized or widened at load";
+  else if (dt != MR_DTYPE_F32 && dt != MR_DTYPE_F16 && dt != MR_DTYPE_BF16) why = "not a float dtype";
+  else if (fmt != dense_format_of_dtype(dt)) why = "--dense-format converts it";
+  else if (n_cols != n_in) why = "a column slice (tensor parallel)";
+  if (why) {
+    dense_packed(m, p[0].name, why);
+    return MR_ENOTSUP;
+  }
+  const void *w[KN_LINEAR_MAX_BANDS];
+  uint32_t rows[KN_LINEAR_MAX_BANDS];
+  MR_ASSERT(n_parts <= KN_LINEAR_MAX_BANDS);
+  for (uint32_t i = 0; i < n_parts; i++) {
+    mr_st_populate(t[i]);
+    w[i] = (const uint8_t *)t[i]->data + (size_t)p[i].row0 * n_in * mr_dtype_size(dt);
+    rows[i] = p[i].n;
+  }
+  mr_err e2 = {0};
+  int rc = bk->ops->linear_borrow(bk, out, n_parts, w, rows, n_in, dt, &e2);
+  if (rc == MR_ENOTSUP) {
+    dense_packed(m, p[0].name, e2.msg);
+    return rc;
+  }
+  if (rc) { /* named by its parts (the message's "part i" is the i-th) */
+    char names[4 * 128 + 16];
+    size_t at = 0;
+    for (uint32_t i = 0; i < n_parts && at < sizeof names; i++)
+      at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", i ? " | " : "", p[i].name);
+    return mr_err_set(e, rc, "%s: %s", names, e2.msg);
+  }
+  for (uint32_t i = 0; i < n_parts; i++) load_count(ld, t[i]);
+  const uint64_t bytes = bk->ops->linear_bytes(*out);
+  m->dense_bytes += bytes;
+  m->dense_mapped_bytes += bytes;
+  return 0;
+}
+
 /* One linear of the parts' row ranges stacked, over input columns [col0, col0 + n_cols) of
  * the tensors' n_in (a tensor-parallel slice; everything: 0, rows / 0, n_in). */
 static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, uint32_t n_in,
@@ -403,6 +465,10 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
   kn_format fmt = dense_format_of(m, t[0]->dtype);
   if (m->dense_fmt == KN_FMT_COUNT && (mixed || mr_st_is_f8e4m3(t[0])))
     fmt = any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
+  if (m->o.map_weights) {
+    int rc = borrow_linear(ld, p, t, n_parts, n_in, n_cols, mixed, fmt, out, e);
+    if (rc != MR_ENOTSUP) return rc;
+  }
   int rc = bk->ops->linear_new(bk, out, n_out, n_cols, fmt, 64, e);
   if (rc) return mr_err_prefix(e, rc, "%s", p[0].name);
   uint32_t row0 = 0;
@@ -669,7 +735,20 @@ static int load_weights(gc_model *m, model_rank *r, const mr_st *st, mr_err *e) 
   const mr_st_tensor *t;
   int rc = get_tensor(&ld, "model.embed_tokens.weight", 2, m->V, m->H, &t, e);
   if (rc) return rc;
-  if ((rc = r->bk->ops->table_new(r->bk, &r->embed, m->V, m->H, t->data, t->dtype, e)))
+  rc = MR_ENOTSUP;
+  if (m->o.map_weights && r->bk->ops->table_borrow) {
+    mr_err e2 = {0};
+    mr_st_populate(t); /* read now, in 2 MiB folios, not at the first steps' lookups */
+    if ((rc = r->bk->ops->table_borrow(r->bk, &r->embed, m->V, m->H, t->data, t->dtype, &e2)) == 0) {
+      m->dense_mapped_bytes += t->nbytes;
+      m->embed_mapped_bytes += t->nbytes;
+    } else if (rc == MR_ENOTSUP) {
+      dense_packed(m, t->name, e2.msg);
+    } else {
+      return mr_err_set(e, rc, "%s: %s", t->name, e2.msg);
+    }
+  }
+  if (rc && (rc = r->bk->ops->table_new(r->bk, &r->embed, m->V, m->H, t->data, t->dtype, e)))
     return rc;
   load_count(&ld, t);
   for (uint32_t l = 0; l < m->L; l++) {
@@ -1210,12 +1289,19 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     mr_log(MR_LOG_WARN, "--map-weights: no hot expert is served in place (backend %s, format "
            "%s; only the cpu backend serves experts stored as served, on one NUMA node): all "
            "packed", m->rk[0].bk->ops->name, kn_format_name(m->expert_fmt));
-  char mapped[64] = "";
+  char mapped[64] = "", dmapped[96] = "";
   if (m->n_mapped) snprintf(mapped, sizeof mapped, ", %llu in place", (unsigned long long)m->n_mapped);
-  mr_log(MR_LOG_INFO, "model open: %s %s, %u layers (%u MoE), H=%u E=%u k=%u, dense %.2f GB, "
+  if (o->map_weights)
+    snprintf(dmapped, sizeof dmapped, " (%.2f GB in place, %llu packed; embeddings %.2f GB in place)",
+             (double)(m->dense_mapped_bytes - m->embed_mapped_bytes) / 1e9,
+             (unsigned long long)m->n_dense_packed, (double)m->embed_mapped_bytes / 1e9);
+  if (o->map_weights && m->n_dense_packed)
+    mr_log(MR_LOG_INFO, "--map-weights: %llu dense weight(s) packed, the first %s",
+           (unsigned long long)m->n_dense_packed, m->dense_packed_why);
+  mr_log(MR_LOG_INFO, "model open: %s %s, %u layers (%u MoE), H=%u E=%u k=%u, dense %.2f GB%s, "
          "%llu hot experts (%.2f GB, %s%s), %s, backend %s, tp %u, %u threads, max_seq %u, "
          "batch %u, max_deferred %u", c->arch_name, m->model_dir, m->L,
-         mr_config_num_moe_layers(c), m->H, m->E, m->k, (double)m->dense_bytes / 1e9,
+         mr_config_num_moe_layers(c), m->H, m->E, m->k, (double)m->dense_bytes / 1e9, dmapped,
          (unsigned long long)n_local, (double)m->hot_bytes / 1e9, kn_format_name(m->expert_fmt), mapped,
          m->cluster ? "cold experts on the cluster" : "all experts local",
          m->rk[0].bk->ops->name, m->tp, kn_engine_threads(m->eng), m->max_seq, m->max_batch,
@@ -1224,7 +1310,7 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     m->cf = cf; /* kept to reopen the cluster on a switch */
     cf = NULL;
   }
-  if (m->n_mapped) { /* experts served in place read it until gc_model_close */
+  if (m->n_mapped || m->dense_mapped_bytes) { /* weights in place read it until gc_model_close */
     m->st_kept = st;
     st = NULL;
   }
@@ -1284,6 +1370,7 @@ static void rank_free(gc_model *m, model_rank *r) {
 static void ranks_stop(gc_model *m);
 
 uint64_t gc_model_mapped_experts(const gc_model *m) { return m ? m->n_mapped : 0; }
+uint64_t gc_model_mapped_dense_bytes(const gc_model *m) { return m ? m->dense_mapped_bytes : 0; }
 
 void gc_model_close(gc_model *m) {
   if (!m) return;

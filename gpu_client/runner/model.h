@@ -61,9 +61,10 @@ typedef struct gc_model_opts {
   uint32_t deadline_ms, connect_timeout_ms; /* 0 = the cluster file's / the library's */
   uint32_t wait_spin_us;      /* gc_options.wait_spin_us: watch for replies before sleeping */
   bool quiet;                 /* no loading progress lines */
-  bool map_weights;           /* hot experts served in place from the model's mapping where
-                               * the backend can (cpu: kn_layer_borrow_expert; the files must
-                               * stay unchanged while the model is open); others packed */
+  bool map_weights;           /* hot experts, dense linears and the embedding table served
+                               * in place from the model's mapping where the backend can
+                               * (cpu: kn_layer_borrow_expert, kn_linear_borrow; the files
+                               * must stay unchanged while the model is open); others packed */
   bool watch_placement;       /* with placement_path and cluster_path: at each step boundary
                                * re-read placement_path if it changed (inode, size, mtime)
                                * and switch to it (see gc_model_placement_get) */
@@ -80,6 +81,8 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e);
 void gc_model_close(gc_model *m); /* NULL is a no-op */
 /* Hot experts (all ranks) served in place from the model's files (map_weights). */
 uint64_t gc_model_mapped_experts(const gc_model *m);
+/* Bytes of dense linears and embedding tables (all ranks) served in place (map_weights). */
+uint64_t gc_model_mapped_dense_bytes(const gc_model *m);
 
 const mr_model_config *gc_model_config(const gc_model *m);
 uint32_t gc_model_max_seq(const gc_model *m);

@@ -24,7 +24,7 @@
 #                   ready_s is exec to readiness;
 #   client          moerpc-client bench's load of everything (dense layers and every expert
 #                   local, bf16), its "model: loaded ..." line; pack = map: --map-weights
-#                   (the experts served in place, the dense layers packed).
+#                   (the experts, dense weights and embeddings served in place).
 # ratio = load GB/s / read GB/s of the same files in the same run.
 #
 # Reused memory: each timed load runs right after an untimed load of the same size, so that

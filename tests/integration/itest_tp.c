@@ -9,7 +9,9 @@
  *   expert servers; the KV cache continues: decode after prefill equals G = 1's;
  *   a server killed mid-run fails the step naming it on every rank (no rank hangs);
  *   what cannot be split is refused naming the field: --tp 3 with 4 heads, --tp 0/17;
- *   --backend cuda without a GPU (or without libmoerpc-cuda.so) fails naming the reason.
+ *   --backend cuda without a GPU (or without libmoerpc-cuda.so) fails naming the reason;
+ *   --map-weights (row slices of dense weights and the experts served in place, column
+ *   slices packed) gives the packed model's logits and tokens bit for bit at G = 1, 2, 4.
  */
 #include <grpc/grpc.h>
 #include <signal.h>
@@ -33,8 +35,8 @@ static char *tmp;
 static char qwen[600], dsv3[600], dsv3_q[600];
 static const int32_t prompt[T_PROMPT] = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38};
 
-static int open_tp(gc_model **m, const char *dir, uint32_t tp, const char *cl, int32_t local,
-                   mr_err *e) {
+static int open_tp_map(gc_model **m, const char *dir, uint32_t tp, const char *cl, int32_t local,
+                       bool map, mr_err *e) {
   gc_model_opts o;
   gc_model_opts_init(&o);
   o.model_dir = dir;
@@ -46,7 +48,12 @@ static int open_tp(gc_model **m, const char *dir, uint32_t tp, const char *cl, i
   o.wire = MR_DTYPE_F32;
   o.quiet = true;
   o.tp = tp;
+  o.map_weights = map;
   return gc_model_open(m, &o, e);
+}
+static int open_tp(gc_model **m, const char *dir, uint32_t tp, const char *cl, int32_t local,
+                   mr_err *e) {
+  return open_tp_map(m, dir, tp, cl, local, false, e);
 }
 
 /* Prefill logits [T_PROMPT, V], one decode step's [V] after it, and N_GEN greedy tokens. */
@@ -111,6 +118,39 @@ static void setup(void) {
 }
 
 static void cleanup(void) { itu_rm_rf(tmp); }
+
+/* --map-weights with G ranks: bit-identical to the packed model with G ranks. */
+static void check_map(const char *dir) {
+  static float pre0[T_PROMPT * V], dec0[V], pre[T_PROMPT * V], dec[V];
+  int32_t gen0[N_GEN], gen[N_GEN];
+  mr_err e = {0};
+  for (uint32_t tp = 1; tp <= 4; tp *= 2) {
+    gc_model *m = NULL;
+    MT_OK(open_tp_map(&m, dir, tp, NULL, -1, false, &e), &e);
+    MT_EQ_U64(gc_model_mapped_dense_bytes(m), 0);
+    run(m, pre0, dec0, gen0);
+    gc_model_close(m);
+    MT_OK(open_tp_map(&m, dir, tp, NULL, -1, true, &e), &e);
+    const uint64_t mapped = gc_model_mapped_dense_bytes(m), experts = gc_model_mapped_experts(m);
+    run(m, pre, dec, gen);
+    gc_model_close(m);
+    fprintf(stderr, "  %s tp %u --map-weights: %llu dense bytes, %llu experts in place\n",
+            strrchr(dir, '/') + 1, tp, (unsigned long long)mapped, (unsigned long long)experts);
+    MT_TRUE(mapped > 0);
+    MT_TRUE(experts > 0);
+    MT_TRUE(memcmp(pre, pre0, sizeof pre) == 0);
+    MT_TRUE(memcmp(dec, dec0, sizeof dec) == 0);
+    MT_TRUE(memcmp(gen, gen0, sizeof gen) == 0);
+  }
+}
+
+MT_TEST(tp_with_map_weights_equals_packed) {
+  setup();
+  check_map(qwen);
+  check_map(dsv3);
+  check_map(dsv3_q);
+  cleanup();
+}
 
 MT_TEST(tp_equals_one_rank_all_local) {
   setup();

@@ -249,10 +249,29 @@ MT_TEST(stats_reset_clears_the_layers) {
   rm_model();
 }
 
+/* Bytes of the model's dense 2-D float weights (projections, router, lm_head, embeddings;
+ * not experts, norms or block scales): what --map-weights serves in place. */
+static uint64_t dense_2d_bytes(void) {
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, dir, &e), &e);
+  uint64_t n = 0;
+  for (size_t i = 0; i < mr_st_count(st); i++) {
+    const mr_st_tensor *t = mr_st_at(st, i);
+    if (t->ndim == 2 && !strstr(t->name, ".experts.") && !strstr(t->name, "_scale_inv") &&
+        (t->dtype == MR_DTYPE_BF16 || t->dtype == MR_DTYPE_F16 || t->dtype == MR_DTYPE_F32))
+      n += t->nbytes;
+  }
+  mr_st_close(st);
+  return n;
+}
+
 /* --map-weights: every hot expert of a bf16 model, and of an FP8 one (the codes; the layer
- * makes their per-row scales), served in place from the file, logits bit-identical to the
- * packed model (the fast path and the reference alike); with int8 hot experts nothing can
- * be, and the logits are those of the packed int8 model. */
+ * makes their per-row scales), served in place from the file, and every dense weight
+ * (q | k | v as three bands, o, the routers, lm_head, the embedding table), logits
+ * bit-identical to the packed model (the fast path and the reference alike); with int8
+ * hot experts no expert can be, with int8 dense weights only the embeddings, and the
+ * logits are those of the packed model of those formats. */
 MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
   static float a[12 * 128], b[12 * 128];
   uint32_t seq[12] = {0}, pos[12];
@@ -261,7 +280,7 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
   for (int fp8 = 0; fp8 < 2; fp8++) {
     make_model(fp8 ? "--dtype fp8" : NULL);
     for (int isa = 0; isa < 2; isa++)
-      for (int fmt = 0; fmt < 2; fmt++) {
+      for (int fmt = 0; fmt < 3; fmt++) {
         gc_model *m[2];
         for (int map = 0; map < 2; map++) {
           gc_model_opts o;
@@ -272,11 +291,14 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
           o.max_seq = 16;
           o.quiet = true;
           o.map_weights = map;
-          if (fmt) o.expert_format = KN_FMT_INT8;
+          if (fmt == 1) o.expert_format = KN_FMT_INT8;
+          if (fmt == 2) o.dense_format = KN_FMT_INT8;
           MT_OK(gc_model_open(&m[map], &o, &e), &e);
         }
         MT_EQ_U64(gc_model_mapped_experts(m[0]), 0);
-        MT_EQ_U64(gc_model_mapped_experts(m[1]), fmt ? 0 : 3 * 8); /* 3 layers x 8 experts */
+        MT_EQ_U64(gc_model_mapped_experts(m[1]), fmt == 1 ? 0 : 3 * 8); /* 3 layers x 8 experts */
+        MT_EQ_U64(gc_model_mapped_dense_bytes(m[0]), 0);
+        MT_EQ_U64(gc_model_mapped_dense_bytes(m[1]), fmt == 2 ? 128 * 64 * 2 : dense_2d_bytes());
         gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = a};
         MT_OK(gc_model_step(m[0], &s, &e), &e);
         s.logits = b;
@@ -286,6 +308,62 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
         gc_model_close(m[0]);
         gc_model_close(m[1]);
       }
+    rm_model();
+  }
+}
+
+/* Writes a bf16 NaN over element k of tensor name in the test model's one file (the
+ * header's data_offsets, found after the name). */
+static void poke_nan(const char *name, uint64_t k) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  FILE *f = fopen(path, "r+b");
+  MT_TRUE(f != NULL);
+  uint64_t n = 0;
+  MT_EQ_INT(fread(&n, 8, 1, f), 1);
+  char *h = calloc(1, n + 1);
+  MT_EQ_INT(fread(h, 1, n, f), n);
+  char key[200];
+  snprintf(key, sizeof key, "\"%s\"", name);
+  const char *at = strstr(h, key), *off = at ? strstr(at, "\"data_offsets\"") : NULL;
+  MT_TRUE(off != NULL);
+  unsigned long long b0 = 0;
+  MT_EQ_INT(sscanf(strchr(off, '[') + 1, "%llu", &b0), 1);
+  const uint16_t nan = 0x7fc0;
+  MT_EQ_INT(fseek(f, (long)(8 + n + b0 + 2 * k), SEEK_SET), 0);
+  MT_EQ_INT(fwrite(&nan, 2, 1, f), 1);
+  MT_EQ_INT(fclose(f), 0);
+  free(h);
+}
+
+/* A NaN in a dense weight fails the open, named, in place as packed: a weight served from
+ * the file is checked as one copied out of it. */
+MT_TEST(map_weights_refuses_a_nan_dense_weight) {
+  static const char *const names[2] = {"model.layers.1.self_attn.o_proj.weight",
+                                       "model.layers.2.self_attn.v_proj.weight"};
+  for (int w = 0; w < 2; w++) {
+    make_model(NULL);
+    poke_nan(names[w], 70);
+    for (int map = 0; map < 2; map++) {
+      gc_model_opts o;
+      gc_model_opts_init(&o);
+      o.model_dir = dir;
+      o.engine.threads = 2;
+      o.max_seq = 16;
+      o.quiet = true;
+      o.map_weights = map;
+      gc_model *m = (gc_model *)&m;
+      mr_err e = {0};
+      MT_EQ_INT(gc_model_open(&m, &o, &e), MR_EINVAL);
+      MT_TRUE(m == NULL);
+      fprintf(stderr, "  map %d: %s\n", map, e.msg);
+      MT_CONTAINS(e.msg, "must be finite");
+      /* packed, each part is loaded on its own; in place, q | k | v is one linear */
+      MT_CONTAINS(e.msg, names[w]);
+      MT_CONTAINS(e.msg, "column 6");
+      if (map && w == 1) MT_CONTAINS(e.msg, "q_proj.weight | model.layers.2.self_attn.k_proj.weight | ");
+      if (map && w == 1) MT_CONTAINS(e.msg, "(part 2, its row 1 of 32)");
+    }
     rm_model();
   }
 }

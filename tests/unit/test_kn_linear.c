@@ -394,6 +394,171 @@ MT_TEST(linear_bands_equal_one_load) {
   free(y2);
 }
 
+/* ---- served in place (kn_linear_borrow) --------------------------------------------- */
+
+/* Band b of W (rows cut[b] .. cut[b + 1] - 1) in dtype dt, in its own allocation of exactly
+ * its size (separate checkpoint tensors; a read past a band's end is an ASan error). */
+static void **bands_of(const float *w, uint32_t K, const uint32_t *cut, uint32_t nb, mr_dtype dt) {
+  void **p = calloc(nb, sizeof *p);
+  MT_TRUE(p != NULL);
+  for (uint32_t b = 0; b < nb; b++) {
+    const size_t n = (size_t)(cut[b + 1] - cut[b]) * K;
+    p[b] = malloc(n * mr_dtype_size(dt));
+    MT_TRUE(p[b] != NULL);
+    mr_convert_from_f32(p[b], dt, w + (size_t)cut[b] * K, n);
+  }
+  return p;
+}
+
+/* Every float format on every ISA, one to four bands (one of a single row), odd shapes,
+ * T from 1 to a few token tiles: a linear served in place gives the bits of the same
+ * weights packed, through the engine and through the reference, on 2 and 3 threads. */
+MT_TEST(linear_in_place_is_bitwise_packed) {
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  const mr_dtype dts[3] = {MR_DTYPE_F32, MR_DTYPE_F16, MR_DTYPE_BF16};
+  const kn_format fmts[3] = {KN_FMT_F32, KN_FMT_F16, KN_FMT_BF16};
+  const struct { uint32_t N, K, nb, cut[KN_LINEAR_MAX_BANDS + 1]; } shp[4] = {
+      {37, 29, 1, {0, 37}},
+      {300, 515, 3, {0, 192, 257, 300}},         /* q | k | v-like, edges off the row units */
+      {130, 2048, 4, {0, 64, 65, 129, 130}},     /* a band of one row, a last row alone */
+      {1029, 96, 2, {0, 1000, 1029}}};
+  const uint32_t Ts[4] = {1, 3, 17, 300};
+  for (int ii = 0; ii < n_isa; ii++) {
+    for (uint32_t th = 2; th <= 3; th++) {
+      kn_engine *eng = engine_make(isas[ii], th);
+      for (int fi = 0; fi < 3; fi++) {
+        for (int si = 0; si < 4; si++) {
+          const uint32_t N = shp[si].N, K = shp[si].K, nb = shp[si].nb;
+          const uint32_t *cut = shp[si].cut;
+          float *w = randn((size_t)N * K, 0.05f, 70 + si), *x = randn((size_t)300 * K, 1.0f, 80 + si);
+          void **band = bands_of(w, K, cut, nb, dts[fi]);
+          uint32_t rows[KN_LINEAR_MAX_BANDS];
+          for (uint32_t b = 0; b < nb; b++) rows[b] = cut[b + 1] - cut[b];
+          kn_linear *packed = NULL, *mapped = NULL;
+          mr_err e = {0};
+          MT_OK(kn_linear_new(&packed, eng, N, K, fmts[fi], 0, &e), ep(&e));
+          for (uint32_t b = 0; b < nb; b++)
+            MT_OK(kn_linear_load_rows(packed, cut[b], rows[b], band[b], dts[fi], &e), ep(&e));
+          MT_OK(kn_linear_borrow(&mapped, eng, nb, (const void *const *)band, rows, K, dts[fi], &e), ep(&e));
+          MT_TRUE(kn_linear_in_place(mapped));
+          MT_FALSE(kn_linear_in_place(packed));
+          MT_EQ_INT(kn_linear_n_out(mapped), N);
+          MT_EQ_INT(kn_linear_n_in(mapped), K);
+          MT_EQ_INT(kn_linear_format(mapped), fmts[fi]);
+          MT_EQ_INT(kn_linear_rows_loaded(mapped), N);
+          MT_EQ_U64(kn_linear_bytes(mapped), kn_linear_bytes(packed));
+          float *y1 = malloc((size_t)300 * N * 4), *y2 = malloc((size_t)300 * N * 4);
+          for (int ti = 0; ti < 4; ti++) {
+            const uint32_t T = Ts[ti];
+            memset(y2, 0xff, (size_t)T * N * 4);
+            MT_OK(kn_linear_forward(eng, packed, T, x, y1, NULL, &e), ep(&e));
+            MT_OK(kn_linear_forward(eng, mapped, T, x, y2, NULL, &e), ep(&e));
+            if (memcmp(y1, y2, (size_t)T * N * 4))
+              printf("  FAIL isa %s threads %u %s %ux%u in %u bands, T = %u\n", kn_isa_name(isas[ii]), th,
+                     kn_format_name(fmts[fi]), N, K, nb, T);
+            MT_EQ_INT(memcmp(y1, y2, (size_t)T * N * 4), 0);
+          }
+          if (ii == 0 && th == 2) { /* the reference: once per format and shape */
+            MT_OK(kn_ref_linear_forward(packed, 17, x, y1, &e), ep(&e));
+            MT_OK(kn_ref_linear_forward(mapped, 17, x, y2, &e), ep(&e));
+            MT_EQ_INT(memcmp(y1, y2, (size_t)17 * N * 4), 0);
+          }
+          /* read-only: a load is refused and leaves it as it was */
+          MT_EQ_INT(kn_linear_load_rows(mapped, 0, 1, band[0], dts[fi], &e), MR_EPRECOND);
+          MT_CONTAINS(e.msg, "served in place");
+          MT_EQ_INT(kn_linear_rows_loaded(mapped), N);
+          kn_linear_free(packed);
+          kn_linear_free(mapped); /* the bands are the caller's: freed below, once */
+          for (uint32_t b = 0; b < nb; b++) free(band[b]);
+          free(band);
+          free(w);
+          free(x);
+          free(y1);
+          free(y2);
+        }
+      }
+      kn_engine_free(eng);
+    }
+  }
+}
+
+/* What cannot be served in place is refused, with the field and the limit named, and
+ * nothing is made: non-finite weights (named by row, column and part), another dtype, a
+ * misaligned part, bad counts. An engine that pretends to have two NUMA nodes (forced:
+ * it places nothing) still serves in place. */
+MT_TEST(linear_in_place_refusals) {
+  const uint32_t N = 96, K = 40;
+  const uint32_t cut[4] = {0, 64, 80, 96}, rows[3] = {64, 16, 16};
+  float *w = randn((size_t)N * K, 0.05f, 90), *x = randn((size_t)3 * K, 1.0f, 91);
+  void **band = bands_of(w, K, cut, 3, MR_DTYPE_BF16);
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  kn_linear *lin = (kn_linear *)&lin; /* not NULL: every failure must clear it */
+  mr_err e = {0};
+  uint16_t *b2 = band[2];
+  const uint16_t keep = b2[5 * K + 7];
+  b2[5 * K + 7] = 0x7fc0; /* NaN */
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_TRUE(lin == NULL);
+  MT_CONTAINS(e.msg, "W[row 85, column 7]");
+  MT_CONTAINS(e.msg, "part 2, its row 5 of 16");
+  MT_CONTAINS(e.msg, "must be finite");
+  b2[5 * K + 7] = 0xff80; /* -inf */
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "= -inf");
+  b2[5 * K + 7] = keep;
+  /* a bad value in the last column of the last row of the first band */
+  uint16_t *b0 = band[0];
+  const uint16_t keep0 = b0[64 * K - 1];
+  b0[64 * K - 1] = 0x7f80;
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "W[row 63, column 39]");
+  b0[64 * K - 1] = keep0;
+
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, K, MR_DTYPE_UNSPECIFIED, &e),
+            MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "only f32, f16 and bf16");
+  const void *odd[1] = {(const char *)band[0] + 1};
+  const uint32_t one[1] = {1};
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 1, odd, one, K - 1, MR_DTYPE_BF16, &e), MR_ENOTSUP);
+  MT_CONTAINS(e.msg, "not 2-byte aligned");
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 0, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "n_parts = 0, must be in 1..4");
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 5, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  const uint32_t zero[3] = {64, 0, 16};
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, zero, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "part 1: rows = 0");
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, 0, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "n_in = 0");
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 3, (const void *const *)band, rows, KN_LINEAR_MAX_IN + 1,
+                             MR_DTYPE_BF16, &e), MR_EINVAL);
+  const void *nul[1] = {NULL};
+  MT_EQ_INT(kn_linear_borrow(&lin, eng, 1, nul, one, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_EQ_INT(kn_linear_borrow(&lin, NULL, 3, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), MR_EINVAL);
+  MT_FALSE(kn_linear_in_place(NULL));
+
+  /* a forced two-node engine places nothing: served in place, as packed */
+  kn_engine *two = NULL;
+  kn_engine_opts o2 = {.isa = KN_ISA_COUNT, .threads = 2, .force_split = 2};
+  MT_OK(kn_engine_new(&two, &o2, &e), ep(&e));
+  kn_linear *packed = NULL;
+  float y1[3 * 96], y2[3 * 96];
+  MT_OK(kn_linear_new(&packed, two, N, K, KN_FMT_BF16, 0, &e), ep(&e));
+  for (int b = 0; b < 3; b++) MT_OK(kn_linear_load_rows(packed, cut[b], rows[b], band[b], MR_DTYPE_BF16, &e), ep(&e));
+  MT_OK(kn_linear_borrow(&lin, two, 3, (const void *const *)band, rows, K, MR_DTYPE_BF16, &e), ep(&e));
+  MT_OK(kn_linear_forward(two, packed, 3, x, y1, NULL, &e), ep(&e));
+  MT_OK(kn_linear_forward(two, lin, 3, x, y2, NULL, &e), ep(&e));
+  MT_EQ_INT(memcmp(y1, y2, sizeof y1), 0);
+  kn_linear_free(lin);
+  kn_linear_free(packed);
+  kn_engine_free(two);
+  kn_engine_free(eng);
+  for (int b = 0; b < 3; b++) free(band[b]);
+  free(band);
+  free(w);
+  free(x);
+}
+
 /* A NaN in one token's x makes that token's row non-finite and leaves the others as the
  * reference computes them (per-token activation scales must not leak); zero x gives 0. */
 MT_TEST(linear_nan_token_stays_in_its_row) {
