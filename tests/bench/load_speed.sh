@@ -23,8 +23,9 @@
 #                   (MOERPC_PACK=scalar, the converters before this change, as a baseline);
 #                   ready_s is exec to readiness;
 #   client          moerpc-client bench's load of everything (dense layers and every expert
-#                   local, bf16), its "model: loaded ..." line; pack = map: --map-weights
-#                   (the experts, dense weights and embeddings served in place).
+#                   local; bf16, and the fp8 twin: FP8 experts, bf16 dense weights), its
+#                   "model: loaded ..." line; pack = map: --map-weights (the experts, dense
+#                   weights and embeddings served in place; cold too).
 # ratio = load GB/s / read GB/s of the same files in the same run.
 #
 # Reused memory: each timed load runs right after an untimed load of the same size, so that
@@ -92,10 +93,10 @@ server_s() { # model env extra...: prints "load_s ready_s"
   echo "$load $(echo "$t0 $t1" | awk '{printf "%.3f", $2 - $1}')"
 }
 
-client_s() { # env [flags...]: seconds of the client's model load
-  local log="$DIR/client.log" env=$1
-  shift
-  env $env "$BIN/moerpc-client" bench --model "$MODEL" --threads "$THREADS" --decode 1 \
+client_s() { # model env [flags...]: seconds of the client's model load
+  local log="$DIR/client.log" model=$1 env=$2
+  shift 2
+  env $env "$BIN/moerpc-client" bench --model "$model" --threads "$THREADS" --decode 1 \
       --prompt-len 2 --repeats 1 "$@" >"$log" 2>&1 || { tail -5 "$log" >&2; exit 1; }
   # "model: loaded N/N tensors, A/B GB, R GB/s, took S s"
   sed -n 's/.*model: loaded .* took \([0-9.]*\) s.*/\1/p' "$log" | tail -1
@@ -142,7 +143,7 @@ for c in "bf16|auto|$MODEL|X=1|" "int8|auto|$MODEL|X=1|--quant int8" "fp8|auto|$
   # shellcheck disable=SC2086
   server_s "$m" "$env" $extra >/dev/null
 done
-client_s X=1 >/dev/null
+client_s "$MODEL" X=1 >/dev/null
 for i in $(seq 1 "$RUNS"); do
   echo "load_speed: warm run $i/$RUNS" >&2
   T[read]+="$(read_s "$MODEL") "; T[read8]+="$(read_s "$FP8") "
@@ -156,10 +157,13 @@ for i in $(seq 1 "$RUNS"); do
     set -- $(server_s "$m" "$env" $extra)
     T["$f/$p"]+="$1 "; R["$f/$p"]+="$2 "
   done
-  client_s X=1 >/dev/null; T[client/auto]+="$(client_s X=1) "
-  client_s X=1 --map-weights >/dev/null; T[client/map]+="$(client_s X=1 --map-weights) "
+  client_s "$MODEL" X=1 >/dev/null; T[client/auto]+="$(client_s "$MODEL" X=1) "
+  client_s "$MODEL" X=1 --map-weights >/dev/null; T[client/map]+="$(client_s "$MODEL" X=1 --map-weights) "
+  client_s "$FP8" X=1 >/dev/null; T[client8/auto]+="$(client_s "$FP8" X=1) "
+  client_s "$FP8" X=1 --map-weights >/dev/null; T[client8/map]+="$(client_s "$FP8" X=1 --map-weights) "
   if [ "$SCALAR" != 0 ]; then
-    client_s MOERPC_PACK=scalar >/dev/null; T[client/scalar]+="$(client_s MOERPC_PACK=scalar) "
+    client_s "$MODEL" MOERPC_PACK=scalar >/dev/null
+    T[client/scalar]+="$(client_s "$MODEL" MOERPC_PACK=scalar) "
   fi
 done
 med() { tr ' ' '\n' <<<"$1" | grep . | median; }
@@ -173,6 +177,8 @@ for c in "${cases[@]}"; do
 done
 emit client bf16 auto warm "$GB" "$(med "${T[client/auto]}")" "$rd"
 emit client bf16 map warm "$GB" "$(med "${T[client/map]}")" "$rd"
+emit client fp8 auto warm "$GB8" "$(med "${T[client8/auto]}")" "$rd8"
+emit client fp8 map warm "$GB8" "$(med "${T[client8/map]}")" "$rd8"
 [ "$SCALAR" = 0 ] || emit client bf16 scalar warm "$GB" "$(med "${T[client/scalar]}")" "$rd"
 
 if [ "$COLD" = 1 ]; then
@@ -200,4 +206,6 @@ if [ "$COLD" = 1 ]; then
   drop
   set -- $(server_s "$FP8" X=1 --map-weights)
   emit server fp8 map cold "$GB8" "$1" "$crd8" "$2"
+  drop; emit client bf16 map cold "$GB" "$(client_s "$MODEL" X=1 --map-weights)" "$crd"
+  drop; emit client fp8 map cold "$GB8" "$(client_s "$FP8" X=1 --map-weights)" "$crd8"
 fi
