@@ -244,7 +244,7 @@ MT_TEST(placement_does_not_change_results_and_failures_name_the_server) {
                     .dtype = MR_DTYPE_F32};
   char name_b[64];
   snprintf(name_b, sizeof name_b, "s1-%d", sb.port);
-  kill(sb.pid, SIGSTOP);
+  MT_EQ_INT(itu_server_pause(&sb, 5000), 0); /* every thread of B stopped */
   uint64_t t0 = mr_now_ns();
   mr_err e4 = {0};
   MT_EQ_INT(gc_layer_forward(c2, &r, out, &e4), MR_ETIMEDOUT);
@@ -252,7 +252,7 @@ MT_TEST(placement_does_not_change_results_and_failures_name_the_server) {
   fprintf(stderr, "  slow: %s (after %.0f ms)\n", e4.msg, waited_ms);
   MT_CONTAINS(e4.msg, name_b);
   MT_TRUE(waited_ms >= 2500 && waited_ms < 6000);
-  kill(sb.pid, SIGCONT);
+  itu_server_resume(&sb);
   /* It recovers once the server runs again (the late reply is dropped). */
   MT_OK(gc_layer_forward(c2, &r, out, &e), &e);
 

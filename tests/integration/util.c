@@ -201,6 +201,24 @@ int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status) {
   return -1;
 }
 
+int itu_server_pause(itu_server *s, int timeout_ms) {
+  if (s->pid <= 0) return -1;
+  kill(s->pid, SIGSTOP);
+  uint64_t t_end = mr_now_ns() / 1000000u + (uint64_t)timeout_ms;
+  while (mr_now_ns() / 1000000u < t_end) {
+    int st = 0;
+    pid_t w = waitpid(s->pid, &st, WNOHANG | WUNTRACED);
+    if (w == s->pid && WIFSTOPPED(st)) return 0;
+    if (w == s->pid) return -1; /* it exited */
+    usleep(1000);
+  }
+  return -1;
+}
+
+void itu_server_resume(itu_server *s) {
+  if (s->pid > 0) kill(s->pid, SIGCONT);
+}
+
 static gpr_timespec deadline_in(int ms) {
   return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(ms, GPR_TIMESPAN));
 }

@@ -58,6 +58,12 @@ void itu_client_security(const char *ca_pem, const char *cert_pem, const char *k
 /* Sends sig and waits up to timeout_ms for the exit; *status gets the wait status.
  * Kills with SIGKILL after the timeout and returns -1. */
 int itu_server_stop(itu_server *s, int sig, int timeout_ms, int *status);
+/* Stops the server (SIGSTOP) and returns once every one of its threads has stopped (the
+ * wait status says so), or -1 after timeout_ms. kill() alone does not wait: it wakes one
+ * thread to start the group stop, and on a busy host the others (the gRPC thread with a
+ * request) can run on for milliseconds first. itu_server_resume sends SIGCONT. */
+int itu_server_pause(itu_server *s, int timeout_ms);
+void itu_server_resume(itu_server *s);
 
 /* Like itu_server_start, without waiting: returns once the process is forked (0, or -1). */
 int itu_server_spawn(itu_server *s, const char *model, const char *extra, const char *logdir);
