@@ -32,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sys/stat.h>
 #include <sys/time.h>
 #include <unistd.h>
@@ -779,6 +780,33 @@ static int load_weights(gc_model *m, model_rank *r, const mr_st *st, mr_err *e) 
   return 0;
 }
 
+/* gc-map-read (--map-weights, as the server's es-map-read): reads the local experts'
+ * tensors in load order through the huge-page-advised mapping, ahead of the loader, which
+ * checks each expert on the engine's workers once it is read (its own mr_st_populate then
+ * finds the pages there): from a cold page cache the disk reads overlap the checks and
+ * come in 2 MiB folios. Stops at the end of the load, or early when it fails. */
+typedef struct map_reader {
+  const gc_model *m;
+  const mr_st *st;
+  atomic_bool stop;
+} map_reader;
+
+static void *map_read_main(void *arg) {
+  map_reader *r = arg;
+  const gc_model *m = r->m;
+  pthread_setname_np(pthread_self(), "gc-map-read");
+  for (uint32_t l = 0; l < m->L; l++) {
+    if (!m->cfg.is_moe[l]) continue;
+    for (uint32_t x = 0; x < m->E && !atomic_load(&r->stop); x++) {
+      if (!m->local[(size_t)l * m->E + x]) continue;
+      const mr_st_tensor *t[3], *sc[3];
+      if (mr_config_expert_tensors_q(&m->cfg, r->st, l, x, t, sc, NULL) != 0) return NULL;
+      for (int p = 0; p < 3; p++) mr_st_populate(t[p]);
+    }
+  }
+  return NULL;
+}
+
 /* ---- placement --------------------------------------------------------------------------- */
 
 /* Largest placement file read (a 61 x 256 model's file is ~200 KB). */
@@ -1271,9 +1299,21 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     if (t) m->expert_fmt = mr_st_is_f8e4m3(t) ? KN_FMT_FP8 : dense_format_of_dtype(t->dtype);
   }
   if (o->map_weights) mr_st_advise_hugepage(st);
-  for (uint32_t r = 0; r < m->tp; r++) {
-    if ((rc = load_weights(m, &m->rk[r], st, e))) goto out;
-    if ((rc = alloc_caches(m, &m->rk[r], e))) goto out;
+  {
+    pthread_t reader;
+    map_reader mr = {.m = m, .st = st};
+    atomic_init(&mr.stop, false);
+    const bool read_ahead = o->map_weights && m->rk[0].bk->ops->experts_borrow_st &&
+                            pthread_create(&reader, NULL, map_read_main, &mr) == 0;
+    for (uint32_t r = 0; r < m->tp && !rc; r++) {
+      if ((rc = load_weights(m, &m->rk[r], st, e))) break;
+      rc = alloc_caches(m, &m->rk[r], e);
+    }
+    if (read_ahead) {
+      atomic_store(&mr.stop, true); /* done, or failed: it stops after its expert */
+      pthread_join(reader, NULL);
+    }
+    if (rc) goto out;
   }
   if ((rc = ranks_start(m, e))) goto out;
   if (!m->expert_bytes_one) { /* no hot expert: size one from its shape and format */
