@@ -29,6 +29,37 @@ static size_t align_up(size_t n) { return (n + KN_PACK_ALIGN - 1) & ~(size_t)(KN
 
 /* ---- create, free, accessors ------------------------------------------------------- */
 
+/* A linear without weights: the one-expert, one-slice layer view the kernels read
+ * (internal.h section E) and an empty loaded bitmap; NULL when out of memory. The caller
+ * sets w (kn_linear_new: its memory; kn_linear_borrow: the bands). */
+static kn_linear *lin_view_new(kn_engine *eng, uint32_t n_out, uint32_t n_in, kn_format fmt,
+                               uint32_t G) {
+  kn_linear *lin = mr_calloc(1, sizeof *lin);
+  if (!lin) return NULL;
+  lin->loaded = mr_calloc(((size_t)n_out + 63) / 64, sizeof *lin->loaded);
+  if (!lin->loaded) {
+    mr_free(lin);
+    return NULL;
+  }
+  kn_layer *L = &lin->L;
+  L->d = (kn_layer_desc){.hidden = n_out, .inter = n_in, .num_experts = 1, .format = fmt, .group = G};
+  L->n_slices = 1;
+  L->slice_off[0] = 0;
+  L->slice_len[0] = n_in;
+  L->max_slice_len = n_in;
+  L->node[0] = eng->node[0]; /* one slice: on the engine's first node */
+  L->eng = eng;
+  L->numa_place = eng->numa_place;
+  lin->wp = &lin->w;
+  L->w = &lin->wp;
+  lin->owned = 1;
+  L->owned = &lin->owned;
+  L->n_owned = 1;
+  lin->n_bands = 1;
+  lin->band_row0[1] = n_out;
+  return lin;
+}
+
 int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in, kn_format fmt,
                   uint32_t group, mr_err *e) {
   *out = NULL;
@@ -45,28 +76,10 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
     return mr_err_set(e, MR_ENOTSUP,
                       "format = fp8-b128 is for expert weights only (kn_layer), not dense layers");
 
-  kn_linear *lin = mr_calloc(1, sizeof *lin);
-  if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_new: out of memory");
-  lin->loaded = mr_calloc((n_out + 63) / 64, sizeof *lin->loaded);
-  if (!lin->loaded) {
-    mr_free(lin);
-    return mr_err_set(e, MR_ENOMEM, "kn_linear_new: out of memory");
-  }
   const uint32_t G = fmt == KN_FMT_INT4 ? group : 0;
+  kn_linear *lin = lin_view_new(eng, n_out, n_in, fmt, G);
+  if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_new: out of memory");
   kn_layer *L = &lin->L;
-  L->d = (kn_layer_desc){.hidden = n_out, .inter = n_in, .num_experts = 1, .format = fmt, .group = G};
-  L->n_slices = 1;
-  L->slice_off[0] = 0;
-  L->slice_len[0] = n_in;
-  L->max_slice_len = n_in;
-  L->node[0] = eng->node[0]; /* one slice: on the engine's first node */
-  L->eng = eng;
-  L->numa_place = eng->numa_place;
-  lin->wp = &lin->w;
-  L->w = &lin->wp;
-  lin->owned = 1;
-  L->owned = &lin->owned;
-  L->n_owned = 1;
 
   /* mem: [ W: N rows of row-bytes | pad | scales: N x kn__row_scales floats | pad ] */
   const size_t rb = kn__row_bytes(fmt, n_in, G), sc = kn__row_scales(fmt, n_in, G);
@@ -94,8 +107,6 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
   lin->w.down = mem;
   lin->w.down_scale = sc ? (float *)(mem + s_off) : NULL;
   lin->weight_bytes = w_bytes + s_bytes;
-  lin->n_bands = 1;
-  lin->band_row0[1] = n_out;
   L->bytes = L->expert_bytes = total;
   *out = lin;
   return 0;
@@ -293,6 +304,8 @@ int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const vo
   if (n_out > KN_LINEAR_MAX_OUT)
     return mr_err_set(e, MR_EINVAL, "n_out = %llu (the parts' rows), must be in 1..%u",
                       (unsigned long long)n_out, KN_LINEAR_MAX_OUT);
+  if (n_in < 1 || n_in > KN_LINEAR_MAX_IN)
+    return mr_err_set(e, MR_EINVAL, "n_in = %u, must be in 1..%u", n_in, KN_LINEAR_MAX_IN);
   kn_format fmt;
   switch (src) {
     case MR_DTYPE_F32: fmt = KN_FMT_F32; break;
@@ -310,31 +323,9 @@ int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const vo
     if ((uintptr_t)w[i] % esz)
       return mr_err_set(e, MR_ENOTSUP, "part %u at %p is not %zu-byte aligned: cannot be served in "
                         "place", i, w[i], esz);
-  /* The view of kn_linear_new, without its memory. */
-  kn_linear *lin = mr_calloc(1, sizeof *lin);
+  kn_linear *lin = lin_view_new(eng, (uint32_t)n_out, n_in, fmt, 0);
   if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow: out of memory");
-  lin->loaded = mr_calloc(((size_t)n_out + 63) / 64, sizeof *lin->loaded);
-  if (!lin->loaded) {
-    mr_free(lin);
-    return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow: out of memory");
-  }
-  int rc = 0;
-  if (n_in < 1 || n_in > KN_LINEAR_MAX_IN) {
-    rc = mr_err_set(e, MR_EINVAL, "n_in = %u, must be in 1..%u", n_in, KN_LINEAR_MAX_IN);
-    goto fail;
-  }
   kn_layer *L = &lin->L;
-  L->d = (kn_layer_desc){.hidden = (uint32_t)n_out, .inter = n_in, .num_experts = 1, .format = fmt};
-  L->n_slices = 1;
-  L->slice_len[0] = n_in;
-  L->max_slice_len = n_in;
-  L->node[0] = eng->node[0];
-  L->eng = eng;
-  lin->wp = &lin->w;
-  L->w = &lin->wp;
-  lin->owned = 1;
-  L->owned = &lin->owned;
-  L->n_owned = 1;
   lin->n_bands = n_parts;
   for (uint32_t i = 0; i < n_parts; i++) {
     lin->band[i] = (kn__slice_w){.borrowed = true, .in_place = true, .down = (void *)w[i]};
@@ -346,19 +337,16 @@ int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const vo
   for (uint32_t i = 0; i < n_parts; i++) {
     lin_load_job j;
     if (!lin_check_band(lin, w[i], rows[i], src, &j)) {
-      rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] = %g (part %u, its row %u of %u): weights "
-                      "must be finite", lin->band_row0[i] + j.bad_row, j.bad_col, (double)j.bad_v, i,
-                      j.bad_row, rows[i]);
-      goto fail;
+      int rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] = %g (part %u, its row %u of %u): "
+                          "weights must be finite", lin->band_row0[i] + j.bad_row, j.bad_col,
+                          (double)j.bad_v, i, j.bad_row, rows[i]);
+      kn_linear_free(lin); /* the bands are the caller's: nothing of theirs is freed */
+      return rc;
     }
   }
   lin_mark(lin, 0, (uint32_t)n_out, true);
   *out = lin;
   return 0;
-fail:
-  mr_free(lin->loaded);
-  mr_free(lin);
-  return rc;
 }
 
 /* ---- forward ----------------------------------------------------------------------- */

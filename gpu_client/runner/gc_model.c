@@ -405,7 +405,6 @@ static int borrow_linear(loader *ld, const lin_part *p, const mr_st_tensor *cons
   const char *why = NULL;
   if (!bk->ops->linear_borrow) why = "the backend copies weights";
   else if (mr_st_is_f8e4m3(t[0]) || mixed) why = "dequantized or widened at load";
-  else if (dt != MR_DTYPE_F32 && dt != MR_DTYPE_F16 && dt != MR_DTYPE_BF16) why = "not a float dtype";
   else if (fmt != dense_format_of_dtype(dt)) why = "--dense-format converts it";
   else if (n_cols != n_in) why = "a column slice (tensor parallel)";
   if (why) {
