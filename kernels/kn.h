@@ -52,7 +52,7 @@ typedef enum kn_format {
   KN_FMT_INT8,    /* symmetric, one fp32 scale per output row */
   KN_FMT_INT4,    /* symmetric, group-wise along K (group 32, 64 or 128) */
   KN_FMT_FP8,     /* "fp8-b128": float8_e4m3fn, one fp32 scale per 128x128 block (DeepSeek-V3,
-                   * Qwen3-FP8 checkpoints); expert weights only (kn_linear refuses it) */
+                   * Qwen3-FP8 checkpoints); experts and dense layers (kn_linear) */
   KN_FMT_COUNT
 } kn_format;
 /* "f32", "f16", "bf16", "int8", "int4", "fp8-b128" */
@@ -281,12 +281,13 @@ double kn_rel_l2(const float *y, const float *ref, size_t n);
 
 /* ---- dense layers ---------------------------------------------------------------------
  * y[T, N] = x[T, K] W^T (nn.Linear without bias), W [N, K] row-major as in HF checkpoints.
- * Stored in a kn_format (f32/f16/bf16 as given, int8/int4 quantized per row/group at load),
- * packed like the "down" matrix of an expert (row-major over output rows, K contiguous).
+ * Stored in a kn_format (f32/f16/bf16 as given, int8/int4 quantized per row/group at load,
+ * fp8-b128 as an FP8 checkpoint's codes and block scales or quantized so at load), packed
+ * like the "down" matrix of an expert (row-major over output rows, K contiguous).
  *
  * A kn_linear is computed by the down kernels of the engine's kernel table (the same fast
  * paths as kn_moe_forward, with the same activation handling: bf16 rounding of x on the
- * AVX-512 bf16 path, per-token int8 quantization of x on the VNNI int8/int4 paths), its
+ * AVX-512 bf16 and fp8 paths, per-token int8 quantization of x on the VNNI int8/int4 paths), its
  * output rows cut into blocks that all of the engine's workers claim from one list, and
  * its tokens into tiles of at most 256 (so that per-call scratch stays bounded and each
  * weight row is reused across the tokens of a tile). One weight slice, on the engine's
@@ -325,7 +326,21 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
  * read-only: kn_linear_load_rows refuses it (MR_EPRECOND). */
 int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const void *const *w,
                      const uint32_t *rows, uint32_t n_in, mr_dtype src, mr_err *e);
-/* True for a linear made by kn_linear_borrow (its weights are the caller's). */
+/* kn_linear_borrow for FP8 codes (DeepSeek-V3 / Kimi-K2 checkpoints): an fp8-b128 linear
+ * over the n_parts bands q[i] of rows[i] x n_in e4m3fn codes in the caller's memory (kept
+ * mapped and unchanged until kn_linear_free). Band i's codes are rows first_row[i] ..
+ * first_row[i] + rows[i] - 1 of a checkpoint tensor whose block scales are scale_inv[i]
+ * ([ceil(tensor rows / 128), ceil(n_in / 128)] fp32, kn_fp8_check_scales' rules): the
+ * linear keeps its own copy of the scale of each (row, 128-column block) (4 bytes per 128
+ * weights, internal.h section A) and none of scale_inv. Every forward gives the bits of
+ * the same codes packed (kn_linear_load_rows_fp8). Errors: kn_linear_borrow's, MR_EINVAL
+ * for a missing scale_inv or first_row, a scale that is not finite and > 0 (named by part
+ * and block) or a NaN code (named by row, column and part); MR_ENOTSUP for an engine that
+ * places memory on NUMA nodes. */
+int kn_linear_borrow_fp8(kn_linear **out, kn_engine *eng, uint32_t n_parts, const uint8_t *const *q,
+                         const uint32_t *rows, uint32_t n_in, const float *const *scale_inv,
+                         const uint32_t *first_row, mr_err *e);
+/* True for a linear made by kn_linear_borrow or _fp8 (its weights are the caller's). */
 bool kn_linear_in_place(const kn_linear *lin);
 /* Frees lin and its packed weights (no load or forward may be using it). */
 void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
@@ -339,10 +354,27 @@ void kn_linear_free(kn_linear *lin);               /* NULL is a no-op */
  * n_out), MR_EPRECOND (lin is served in place: kn_linear_borrow). */
 int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w,
                         mr_dtype src, mr_err *e);
+/* FP8 (fp8-b128) dense weights, kept as the checkpoint stores them: packs rows [row0,
+ * row0 + n_rows) of an fp8-b128 linear from e4m3fn codes q ([n_rows, n_in]), the codes
+ * copied as they are and each row's block scales spread out per row (internal.h section A).
+ * q's row i is row first_row + i of a checkpoint tensor whose block scales are scale_inv
+ * ([ceil(tensor rows / 128), ceil(n_in / 128)] fp32): its scale of column block g is
+ * scale_inv[((first_row + i) / 128) * ceil(n_in / 128) + g]. A column slice of a tensor
+ * is such a tensor when it starts at a multiple of 128 (the caller then passes the block
+ * columns of the slice). On the engine's workers; q and scale_inv are not kept. Errors:
+ * kn_linear_load_rows' (NULL arguments, MR_ERANGE, MR_EPRECOND), MR_EINVAL for a linear
+ * of another format, a scale that is not finite and > 0 (named by its block) or a NaN
+ * code (0x7f, 0xff: named by row and column; the band then counts as not loaded).
+ * kn_linear_load_rows into an fp8-b128 linear quantizes its f32 / f16 / bf16 rows here
+ * first (kn_fp8_quantize_b128, in 128 x 128 blocks from the band's first row, on the
+ * calling thread), then packs them so. */
+int kn_linear_load_rows_fp8(kn_linear *lin, uint32_t row0, uint32_t n_rows, const uint8_t *q,
+                            const float *scale_inv, uint32_t first_row, mr_err *e);
 uint32_t kn_linear_n_out(const kn_linear *lin);
 uint32_t kn_linear_n_in(const kn_linear *lin);
 kn_format kn_linear_format(const kn_linear *lin);
-uint32_t kn_linear_group(const kn_linear *lin);      /* INT4 group size; 0 for other formats */
+uint32_t kn_linear_group(const kn_linear *lin);      /* INT4 group size; 128 (the block) for
+                                                      * fp8-b128; 0 for other formats */
 uint32_t kn_linear_rows_loaded(const kn_linear *lin); /* distinct rows loaded so far */
 uint64_t kn_linear_bytes(const kn_linear *lin);    /* packed weight bytes (what one call reads) */
 /* y (fp32 [T, n_out], overwritten) = x (fp32 [T, n_in]) W^T, on the engine's workers

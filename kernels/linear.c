@@ -22,6 +22,7 @@
 #include "kernels/internal.h"
 
 #include <errno.h>
+#include <math.h>
 #include <pthread.h>
 #include <string.h>
 
@@ -72,11 +73,8 @@ int kn_linear_new(kn_linear **out, kn_engine *eng, uint32_t n_out, uint32_t n_in
     return mr_err_set(e, MR_EINVAL, "format = %d, must be below %d", (int)fmt, KN_FMT_COUNT);
   if (fmt == KN_FMT_INT4 && group != 32 && group != 64 && group != 128)
     return mr_err_set(e, MR_EINVAL, "group = %u, must be 32, 64 or 128 for int4", group);
-  if (fmt == KN_FMT_FP8)
-    return mr_err_set(e, MR_ENOTSUP,
-                      "format = fp8-b128 is for expert weights only (kn_layer), not dense layers");
 
-  const uint32_t G = fmt == KN_FMT_INT4 ? group : 0;
+  const uint32_t G = fmt == KN_FMT_INT4 ? group : fmt == KN_FMT_FP8 ? KN_FP8_BLOCK : 0;
   kn_linear *lin = lin_view_new(eng, n_out, n_in, fmt, G);
   if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_new: out of memory");
   kn_layer *L = &lin->L;
@@ -142,7 +140,11 @@ typedef struct lin_load_job {
   kn_linear *lin;
   const char *src;      /* [n_rows, K] of dt */
   mr_dtype dt;
-  bool check_only;      /* kn_linear_borrow: the finite check, nothing written */
+  bool check_only;      /* kn_linear_borrow(_fp8): the finite check, no weight written */
+  bool src_fp8;         /* src: e4m3fn codes, their scales from bscale */
+  const float *bscale;  /* src_fp8: the source tensor's block scales [.., ceil(K / 128)] */
+  uint32_t first_row;   /* src_fp8: the tensor row of src's row 0 */
+  float *scales;        /* src_fp8: where row row0 + r's scales go (row stride ceil(K / 128)) */
   uint32_t row0;        /* first row of W the band fills */
   uint32_t n_rows;
   float *rows;          /* [n_workers][row_floats]: one fp32 row per worker */
@@ -174,7 +176,8 @@ static void lin_load_fn(void *arg, const kn__pool_ctx *c) {
   kn_linear *lin = j->lin;
   const kn_format f = lin->L.d.format;
   const uint32_t K = lin->L.d.inter, G = lin->L.d.group;
-  const size_t rb = kn__row_bytes(f, K, G), sc = kn__row_scales(f, K, G), esz = mr_dtype_size(j->dt);
+  const size_t rb = kn__row_bytes(f, K, G), sc = kn__row_scales(f, K, G);
+  const size_t esz = j->src_fp8 ? 1 : mr_dtype_size(j->dt);
   float *row = j->rows + (size_t)c->worker * j->row_floats;
   const kn__pack_fns *P = kn__pack();
   const bool same = j->dt == kn__format_dtype(f); /* stored as served: copied, not converted */
@@ -185,6 +188,17 @@ static void lin_load_fn(void *arg, const kn__pool_ctx *c) {
     for (uint32_t r = r0; r < r1; r++) {
       const char *src = j->src + (size_t)r * K * esz;
       const size_t at = (size_t)j->row0 + r;
+      if (j->src_fp8) { /* codes kept as they are (or only checked), scales spread per row */
+        const uint8_t *q = (const uint8_t *)src;
+        const uint32_t k = j->check_only ? P->check_fp8(q, K) : P->copy_fp8((uint8_t *)lin->w.down + at * rb, q, K);
+        if (k < K) {
+          lin_note_bad(j, r, k, NAN);
+          continue;
+        }
+        memcpy(j->scales + at * sc, j->bscale + (size_t)((j->first_row + r) / KN_FP8_BLOCK) * sc,
+               sc * sizeof(float));
+        continue;
+      }
       /* A NaN or inf weight would poison every token's output: refused either way. */
       if (j->check_only) {
         const uint32_t k = P->check(src, j->dt, K);
@@ -229,83 +243,188 @@ static void lin_mark(kn_linear *lin, uint32_t r0, uint32_t r1, bool set) {
   }
 }
 
-int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w, mr_dtype src,
-                        mr_err *e) {
-  int rc = 0;
-  if (!lin) return mr_err_set(e, MR_EINVAL, "kn_linear_load_rows: lin is required");
+/* The checks every load of rows [row0, row0 + n_rows) makes; 1 (no error) when there is
+ * nothing to load. */
+static int lin_load_args(const kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w,
+                         const char *who, mr_err *e) {
+  if (!lin) return mr_err_set(e, MR_EINVAL, "%s: lin is required", who);
   const uint32_t N = lin->L.d.hidden, K = lin->L.d.inter;
   if ((uint64_t)row0 + n_rows > N)
     return mr_err_set(e, MR_ERANGE, "rows [%u, %llu) (row0 = %u, n_rows = %u) must lie within n_out = %u",
                       row0, (unsigned long long)row0 + n_rows, row0, n_rows, N);
-  if (n_rows == 0) return 0;
-  if (!w) return mr_err_set(e, MR_EINVAL, "kn_linear_load_rows: w is required");
-  if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
-    return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
+  if (n_rows == 0) return 1;
+  if (!w) return mr_err_set(e, MR_EINVAL, "%s: w is required", who);
   if (lin->w.in_place)
-    return mr_err_set(e, MR_EPRECOND, "kn_linear_load_rows: this %u x %u linear is served in "
-                      "place (kn_linear_borrow): its rows are the caller's, read-only", N, K);
+    return mr_err_set(e, MR_EPRECOND, "%s: this %u x %u linear is served in place "
+                      "(kn_linear_borrow): its rows are the caller's, read-only", who, N, K);
+  return 0;
+}
 
+/* Runs load job j (src and dt, or src_fp8 and its scales, set) over rows [j->row0,
+ * j->row0 + j->n_rows) of j->lin on the engine's workers. */
+static int lin_load_run(lin_load_job *j, mr_err *e) {
+  kn_linear *lin = j->lin;
   kn_engine *eng = lin->L.eng;
-  const uint32_t nw = eng->plan.n_workers;
-  lin_load_job j = {.lin = lin, .src = w, .dt = src, .row0 = row0, .n_rows = n_rows};
-  j.row_floats = ((size_t)K + 15) & ~(size_t)15; /* one row per worker, own cache lines */
-  j.rows = mr_malloc_aligned(j.row_floats * nw * sizeof(float), KN_PACK_ALIGN);
-  if (!j.rows) return mr_err_set(e, MR_ENOMEM, "kn_linear_load_rows: out of memory");
+  const uint32_t nw = eng->plan.n_workers, K = lin->L.d.inter, row0 = j->row0, n_rows = j->n_rows;
+  j->row_floats = ((size_t)K + 15) & ~(size_t)15; /* one row per worker, own cache lines */
+  j->rows = mr_malloc_aligned(j->row_floats * nw * sizeof(float), KN_PACK_ALIGN);
+  if (!j->rows) return mr_err_set(e, MR_ENOMEM, "kn_linear_load_rows: out of memory");
   /* With placement, node 0's pinned workers do the first touch of every page (the slice's
    * node), the unpinned caller sitting out when group 0 has other workers (as in
    * kn_layer_load_expert). */
-  j.only_group0 = lin->L.numa_place;
-  j.skip_caller = lin->L.numa_place && eng->plan.group_first[1] > 1;
-  const uint32_t items = (n_rows + LIN_LOAD_BLOCK - 1) / LIN_LOAD_BLOCK;
-  kn__work_init(&j.work, 1, &items);
-  pthread_mutex_init(&j.lock, NULL);
-  /* The band is not loaded while it is rewritten (a failed load leaves it so). */
-  lin_mark(lin, row0, row0 + n_rows, false);
-  kn__pool_run(eng->pool, lin_load_fn, &j);
-  pthread_mutex_destroy(&j.lock);
-  if (j.bad) {
-    rc = mr_err_set(e, MR_EINVAL,
-                    "W[row %u, column %u] = %g (row %u of this band of %u rows): weights must be finite",
-                    row0 + j.bad_row, j.bad_col, (double)j.bad_v, j.bad_row, n_rows);
-  } else {
-    lin_mark(lin, row0, row0 + n_rows, true);
-  }
-  mr_free_aligned(j.rows);
-  return rc;
-}
-
-/* The finite check of one band of a linear served in place, on the engine's workers
- * (all of them: nothing is written, so nothing is placed). Returns true when every weight
- * is finite, else fills *j's bad record. */
-static bool lin_check_band(kn_linear *lin, const void *w, uint32_t n_rows, mr_dtype src,
-                           lin_load_job *j) {
-  *j = (lin_load_job){.lin = lin, .src = w, .dt = src, .n_rows = n_rows, .check_only = true};
+  j->only_group0 = lin->L.numa_place;
+  j->skip_caller = lin->L.numa_place && eng->plan.group_first[1] > 1;
+  j->scales = lin->w.down_scale;
   const uint32_t items = (n_rows + LIN_LOAD_BLOCK - 1) / LIN_LOAD_BLOCK;
   kn__work_init(&j->work, 1, &items);
   pthread_mutex_init(&j->lock, NULL);
-  kn__pool_run(lin->L.eng->pool, lin_load_fn, j);
+  /* The band is not loaded while it is rewritten (a failed load leaves it so). */
+  lin_mark(lin, row0, row0 + n_rows, false);
+  kn__pool_run(eng->pool, lin_load_fn, j);
+  pthread_mutex_destroy(&j->lock);
+  int rc = 0;
+  if (j->bad && j->src_fp8) {
+    rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] is a NaN code (row %u of this band of %u "
+                    "rows): weights must be finite", row0 + j->bad_row, j->bad_col, j->bad_row, n_rows);
+  } else if (j->bad) {
+    rc = mr_err_set(e, MR_EINVAL,
+                    "W[row %u, column %u] = %g (row %u of this band of %u rows): weights must be finite",
+                    row0 + j->bad_row, j->bad_col, (double)j->bad_v, j->bad_row, n_rows);
+  } else {
+    lin_mark(lin, row0, row0 + n_rows, true);
+  }
+  mr_free_aligned(j->rows);
+  return rc;
+}
+
+/* The block scales of tensor rows [first_row, first_row + n_rows) (block rows of
+ * scale_inv, each ceil(K / 128) wide): each finite and > 0. part: "" or "part i: ". */
+static int lin_check_block_scales(const float *scale_inv, uint32_t first_row, uint32_t n_rows,
+                                  uint32_t K, const char *part, mr_err *e) {
+  const uint32_t C = kn__ngroups(K, KN_FP8_BLOCK);
+  const uint32_t r1 = (uint32_t)(((uint64_t)first_row + n_rows - 1) / KN_FP8_BLOCK);
+  for (uint32_t r = first_row / KN_FP8_BLOCK; r <= r1; r++)
+    for (uint32_t c = 0; c < C; c++) {
+      const float v = scale_inv[(size_t)r * C + c];
+      if (!(isfinite(v) && v > 0.0f))
+        return mr_err_set(e, MR_EINVAL, "%sscale_inv[%u, %u] = %g: block scales must be finite and > 0",
+                          part, r, c, (double)v);
+    }
+  return 0;
+}
+
+static int lin_load_fp8(kn_linear *lin, uint32_t row0, uint32_t n_rows, const uint8_t *q,
+                        const float *scale_inv, uint32_t first_row, mr_err *e) {
+  int rc = lin_check_block_scales(scale_inv, first_row, n_rows, lin->L.d.inter, "", e);
+  if (rc) return rc;
+  lin_load_job j = {.lin = lin, .src = (const char *)q, .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
+                    .bscale = scale_inv, .first_row = first_row, .row0 = row0, .n_rows = n_rows};
+  return lin_load_run(&j, e);
+}
+
+int kn_linear_load_rows(kn_linear *lin, uint32_t row0, uint32_t n_rows, const void *w, mr_dtype src,
+                        mr_err *e) {
+  int rc = lin_load_args(lin, row0, n_rows, w, "kn_linear_load_rows", e);
+  if (rc) return rc > 0 ? 0 : rc;
+  if (src != MR_DTYPE_F32 && src != MR_DTYPE_F16 && src != MR_DTYPE_BF16)
+    return mr_err_set(e, MR_EINVAL, "src dtype = %d, must be f32, f16 or bf16", (int)src);
+  const uint32_t K = lin->L.d.inter;
+  if (lin->L.d.format == KN_FMT_FP8) {
+    /* Quantized here in 128 x 128 blocks from the band's first row (block scales need
+     * whole block rows, which a row-by-row packer does not see), then packed as codes. */
+    const size_t ns = (size_t)kn__ngroups(n_rows, KN_FP8_BLOCK) * kn__ngroups(K, KN_FP8_BLOCK);
+    uint8_t *q = mr_malloc((size_t)n_rows * K);
+    float *sc = mr_malloc(ns * sizeof *sc);
+    if (!q || !sc) {
+      rc = mr_err_set(e, MR_ENOMEM, "kn_linear_load_rows: out of memory quantizing %u x %u "
+                      "weights to fp8", n_rows, K);
+    } else if ((rc = kn_fp8_quantize_b128(w, src, n_rows, K, q, sc, e))) {
+      lin_mark(lin, row0, row0 + n_rows, false);
+      mr_err_prefix(e, rc, "the band from W row %u", row0);
+    } else {
+      rc = lin_load_fp8(lin, row0, n_rows, q, sc, 0, e);
+    }
+    mr_free(q);
+    mr_free(sc);
+    return rc;
+  }
+  lin_load_job j = {.lin = lin, .src = w, .dt = src, .row0 = row0, .n_rows = n_rows};
+  return lin_load_run(&j, e);
+}
+
+int kn_linear_load_rows_fp8(kn_linear *lin, uint32_t row0, uint32_t n_rows, const uint8_t *q,
+                            const float *scale_inv, uint32_t first_row, mr_err *e) {
+  int rc = lin_load_args(lin, row0, n_rows, q, "kn_linear_load_rows_fp8", e);
+  if (rc) return rc > 0 ? 0 : rc;
+  if (!scale_inv) return mr_err_set(e, MR_EINVAL, "kn_linear_load_rows_fp8: scale_inv is required");
+  if (lin->L.d.format != KN_FMT_FP8)
+    return mr_err_set(e, MR_EINVAL, "kn_linear_load_rows_fp8: the linear's format is %s, not "
+                      "fp8-b128 (kn_linear_load_rows loads it)", kn_format_name(lin->L.d.format));
+  if ((uint64_t)first_row + n_rows > UINT32_MAX)
+    return mr_err_set(e, MR_ERANGE, "first_row = %u + n_rows = %u overflows", first_row, n_rows);
+  return lin_load_fp8(lin, row0, n_rows, q, scale_inv, first_row, e);
+}
+
+/* The finite check of one band of a linear served in place, on the engine's workers
+ * (all of them: no weight is written, so nothing is placed); j: src and dt, or src_fp8,
+ * its scales and where they go, set. Returns true when every weight is finite, else
+ * fills j's bad record. */
+static bool lin_check_band(lin_load_job *j) {
+  j->check_only = true;
+  const uint32_t items = (j->n_rows + LIN_LOAD_BLOCK - 1) / LIN_LOAD_BLOCK;
+  kn__work_init(&j->work, 1, &items);
+  pthread_mutex_init(&j->lock, NULL);
+  kn__pool_run(j->lin->L.eng->pool, lin_load_fn, j);
   pthread_mutex_destroy(&j->lock);
   return !j->bad;
+}
+
+/* The checks kn_linear_borrow and kn_linear_borrow_fp8 share; *n_out: the parts' rows. */
+static int lin_borrow_args(const kn_engine *eng, uint32_t n_parts, const void *const *w,
+                           const uint32_t *rows, uint32_t n_in, const char *who, uint32_t *n_out,
+                           mr_err *e) {
+  if (!eng || !w || !rows)
+    return mr_err_set(e, MR_EINVAL, "%s: engine, w and rows are required", who);
+  if (n_parts < 1 || n_parts > KN_LINEAR_MAX_BANDS)
+    return mr_err_set(e, MR_EINVAL, "n_parts = %u, must be in 1..%u", n_parts, KN_LINEAR_MAX_BANDS);
+  uint64_t n = 0;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    if (!w[i] || rows[i] == 0)
+      return mr_err_set(e, MR_EINVAL, "part %u: %s", i, !w[i] ? "w is required" : "rows = 0, must be >= 1");
+    n += rows[i];
+  }
+  if (n > KN_LINEAR_MAX_OUT)
+    return mr_err_set(e, MR_EINVAL, "n_out = %llu (the parts' rows), must be in 1..%u",
+                      (unsigned long long)n, KN_LINEAR_MAX_OUT);
+  if (n_in < 1 || n_in > KN_LINEAR_MAX_IN)
+    return mr_err_set(e, MR_EINVAL, "n_in = %u, must be in 1..%u", n_in, KN_LINEAR_MAX_IN);
+  if (eng->numa_place)
+    return mr_err_set(e, MR_ENOTSUP, "the engine places weights on %u NUMA nodes: a linear "
+                      "served in place would stay where the page cache put it", eng->plan.n_groups);
+  *n_out = (uint32_t)n;
+  return 0;
+}
+
+/* A linear over the caller's bands w[0 .. n_parts) (rows[i] rows each), not yet checked. */
+static kn_linear *lin_bands_new(kn_engine *eng, uint32_t n_parts, const void *const *w,
+                                const uint32_t *rows, uint32_t n_out, uint32_t n_in, kn_format fmt) {
+  kn_linear *lin = lin_view_new(eng, n_out, n_in, fmt, fmt == KN_FMT_FP8 ? KN_FP8_BLOCK : 0);
+  if (!lin) return NULL;
+  lin->n_bands = n_parts;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    lin->band[i] = (kn__slice_w){.borrowed = true, .in_place = true, .down = (void *)w[i]};
+    lin->band_row0[i + 1] = lin->band_row0[i] + rows[i];
+  }
+  lin->w = lin->band[0];
+  return lin;
 }
 
 int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const void *const *w,
                      const uint32_t *rows, uint32_t n_in, mr_dtype src, mr_err *e) {
   *out = NULL;
-  if (!eng || !w || !rows)
-    return mr_err_set(e, MR_EINVAL, "kn_linear_borrow: engine, w and rows are required");
-  if (n_parts < 1 || n_parts > KN_LINEAR_MAX_BANDS)
-    return mr_err_set(e, MR_EINVAL, "n_parts = %u, must be in 1..%u", n_parts, KN_LINEAR_MAX_BANDS);
-  uint64_t n_out = 0;
-  for (uint32_t i = 0; i < n_parts; i++) {
-    if (!w[i] || rows[i] == 0)
-      return mr_err_set(e, MR_EINVAL, "part %u: %s", i, !w[i] ? "w is required" : "rows = 0, must be >= 1");
-    n_out += rows[i];
-  }
-  if (n_out > KN_LINEAR_MAX_OUT)
-    return mr_err_set(e, MR_EINVAL, "n_out = %llu (the parts' rows), must be in 1..%u",
-                      (unsigned long long)n_out, KN_LINEAR_MAX_OUT);
-  if (n_in < 1 || n_in > KN_LINEAR_MAX_IN)
-    return mr_err_set(e, MR_EINVAL, "n_in = %u, must be in 1..%u", n_in, KN_LINEAR_MAX_IN);
+  uint32_t n_out;
+  int rc = lin_borrow_args(eng, n_parts, w, rows, n_in, "kn_linear_borrow", &n_out, e);
+  if (rc) return rc;
   kn_format fmt;
   switch (src) {
     case MR_DTYPE_F32: fmt = KN_FMT_F32; break;
@@ -313,38 +432,81 @@ int kn_linear_borrow(kn_linear **out, kn_engine *eng, uint32_t n_parts, const vo
     case MR_DTYPE_BF16: fmt = KN_FMT_BF16; break;
     default:
       return mr_err_set(e, MR_ENOTSUP, "src dtype = %s: only f32, f16 and bf16 weights can be "
-                        "served in place (their packed layout is the stored one)", mr_dtype_name(src));
+                        "served in place (their packed layout is the stored one; fp8 codes: "
+                        "kn_linear_borrow_fp8)", mr_dtype_name(src));
   }
-  if (eng->numa_place)
-    return mr_err_set(e, MR_ENOTSUP, "the engine places weights on %u NUMA nodes: a linear "
-                      "served in place would stay where the page cache put it", eng->plan.n_groups);
   const size_t esz = mr_dtype_size(src);
   for (uint32_t i = 0; i < n_parts; i++)
     if ((uintptr_t)w[i] % esz)
       return mr_err_set(e, MR_ENOTSUP, "part %u at %p is not %zu-byte aligned: cannot be served in "
                         "place", i, w[i], esz);
-  kn_linear *lin = lin_view_new(eng, (uint32_t)n_out, n_in, fmt, 0);
+  kn_linear *lin = lin_bands_new(eng, n_parts, w, rows, n_out, n_in, fmt);
   if (!lin) return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow: out of memory");
   kn_layer *L = &lin->L;
-  lin->n_bands = n_parts;
-  for (uint32_t i = 0; i < n_parts; i++) {
-    lin->band[i] = (kn__slice_w){.borrowed = true, .in_place = true, .down = (void *)w[i]};
-    lin->band_row0[i + 1] = lin->band_row0[i] + rows[i];
-  }
-  lin->w = lin->band[0];
-  lin->weight_bytes = n_out * n_in * esz;
+  lin->weight_bytes = (uint64_t)n_out * n_in * esz;
   L->bytes = L->expert_bytes = lin->weight_bytes;
   for (uint32_t i = 0; i < n_parts; i++) {
-    lin_load_job j;
-    if (!lin_check_band(lin, w[i], rows[i], src, &j)) {
-      int rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] = %g (part %u, its row %u of %u): "
-                          "weights must be finite", lin->band_row0[i] + j.bad_row, j.bad_col,
-                          (double)j.bad_v, i, j.bad_row, rows[i]);
+    lin_load_job j = {.lin = lin, .src = w[i], .dt = src, .n_rows = rows[i]};
+    if (!lin_check_band(&j)) {
+      rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] = %g (part %u, its row %u of %u): "
+                      "weights must be finite", lin->band_row0[i] + j.bad_row, j.bad_col,
+                      (double)j.bad_v, i, j.bad_row, rows[i]);
       kn_linear_free(lin); /* the bands are the caller's: nothing of theirs is freed */
       return rc;
     }
   }
-  lin_mark(lin, 0, (uint32_t)n_out, true);
+  lin_mark(lin, 0, n_out, true);
+  *out = lin;
+  return 0;
+}
+
+int kn_linear_borrow_fp8(kn_linear **out, kn_engine *eng, uint32_t n_parts, const uint8_t *const *q,
+                         const uint32_t *rows, uint32_t n_in, const float *const *scale_inv,
+                         const uint32_t *first_row, mr_err *e) {
+  *out = NULL;
+  uint32_t n_out;
+  int rc = lin_borrow_args(eng, n_parts, (const void *const *)q, rows, n_in, "kn_linear_borrow_fp8",
+                           &n_out, e);
+  if (rc) return rc;
+  if (!scale_inv || !first_row)
+    return mr_err_set(e, MR_EINVAL, "kn_linear_borrow_fp8: scale_inv and first_row are required");
+  for (uint32_t i = 0; i < n_parts; i++) {
+    char part[32];
+    snprintf(part, sizeof part, "part %u: ", i);
+    if (!scale_inv[i]) return mr_err_set(e, MR_EINVAL, "part %u: scale_inv is required", i);
+    if ((uint64_t)first_row[i] + rows[i] > UINT32_MAX)
+      return mr_err_set(e, MR_ERANGE, "part %u: first_row = %u + rows = %u overflows", i, first_row[i], rows[i]);
+    if ((rc = lin_check_block_scales(scale_inv[i], first_row[i], rows[i], n_in, part, e))) return rc;
+  }
+  kn_linear *lin = lin_bands_new(eng, n_parts, (const void *const *)q, rows, n_out, n_in, KN_FMT_FP8);
+  /* the codes are the caller's; the scales, one per (row, 128-column block), are ours */
+  const size_t sc = kn__row_scales(KN_FMT_FP8, n_in, KN_FP8_BLOCK);
+  const size_t s_bytes = align_up((size_t)n_out * sc * sizeof(float));
+  float *scales = lin ? mr_malloc_aligned(s_bytes, KN_PACK_ALIGN) : NULL;
+  if (!scales) {
+    kn_linear_free(lin);
+    return mr_err_set(e, MR_ENOMEM, "kn_linear_borrow_fp8: out of memory (%u x %u)", n_out, n_in);
+  }
+  lin->w.mem = scales; /* freed with the linear */
+  lin->w.mem_bytes = s_bytes;
+  lin->w.down_scale = scales;
+  for (uint32_t i = 0; i < n_parts; i++) lin->band[i].down_scale = scales + lin->band_row0[i] * sc;
+  kn_layer *L = &lin->L;
+  lin->weight_bytes = (uint64_t)n_out * (n_in + sc * sizeof(float));
+  L->bytes = L->expert_bytes = lin->weight_bytes;
+  for (uint32_t i = 0; i < n_parts; i++) {
+    lin_load_job j = {.lin = lin, .src = (const char *)q[i], .dt = MR_DTYPE_UNSPECIFIED, .src_fp8 = true,
+                      .bscale = scale_inv[i], .first_row = first_row[i], .n_rows = rows[i],
+                      .scales = lin->band[i].down_scale};
+    if (!lin_check_band(&j)) {
+      rc = mr_err_set(e, MR_EINVAL, "W[row %u, column %u] is a NaN code (part %u, its row %u of %u): "
+                      "weights must be finite", lin->band_row0[i] + j.bad_row, j.bad_col, i, j.bad_row,
+                      rows[i]);
+      kn_linear_free(lin);
+      return rc;
+    }
+  }
+  lin_mark(lin, 0, n_out, true);
   *out = lin;
   return 0;
 }

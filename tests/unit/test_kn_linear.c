@@ -79,6 +79,8 @@ static int test_isas(kn_isa *out) {
 static kn_isa expected_isa(kn_isa isa, kn_format f) {
   if (isa == KN_ISA_AVX512 && (f == KN_FMT_INT8 || f == KN_FMT_INT4) && !kn__cpu_get()->avx512_vnni)
     return KN_ISA_AVX2;
+  /* fp8 has AVX-512 kernels only, and only with AVX512-BF16: elsewhere the reference */
+  if (f == KN_FMT_FP8 && !(isa >= KN_ISA_AVX512 && kn__cpu_get()->avx512_bf16)) return KN_ISA_REF;
   return isa;
 }
 /* The tolerance of the kernel the engine picked, from its activation rounding (fp8 x
@@ -111,6 +113,20 @@ static kn_linear *linear_make(kn_engine *eng, uint32_t N, uint32_t K, kn_format 
 static float *dequant(const float *w, uint32_t N, uint32_t K, kn_format f, uint32_t G) {
   float *d = malloc((size_t)N * K * sizeof(float));
   MT_TRUE(d != NULL);
+  if (f == KN_FMT_FP8) { /* 128 x 128 blocks from row 0: scale amax / 448 (1 if 0), e4m3(w / s) * s */
+    for (uint32_t r0 = 0; r0 < N; r0 += 128)
+      for (uint32_t k0 = 0; k0 < K; k0 += 128) {
+        const uint32_t r1 = r0 + 128 < N ? r0 + 128 : N, k1 = k0 + 128 < K ? k0 + 128 : K;
+        float amax = 0.0f;
+        for (uint32_t r = r0; r < r1; r++)
+          for (uint32_t k = k0; k < k1; k++) amax = fabsf(w[(size_t)r * K + k]) > amax ? fabsf(w[(size_t)r * K + k]) : amax;
+        const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+        for (uint32_t r = r0; r < r1; r++)
+          for (uint32_t k = k0; k < k1; k++)
+            d[(size_t)r * K + k] = kn_fp8_e4m3_to_f32(kn_fp8_e4m3_from_f32(w[(size_t)r * K + k] / s)) * s;
+      }
+    return d;
+  }
   for (uint32_t j = 0; j < N; j++) {
     const float *r = w + (size_t)j * K;
     float *o = d + (size_t)j * K;
@@ -199,7 +215,7 @@ static void check_format(kn_format f, uint32_t G) {
     float *wd = dequant(w, N, K, f, G);
     kn_linear *lin = linear_make(eng[0], N, K, f, G, w);
     MT_EQ_INT(kn_linear_format(lin), f);
-    MT_EQ_INT(kn_linear_group(lin), f == KN_FMT_INT4 ? G : 0);
+    MT_EQ_INT(kn_linear_group(lin), f == KN_FMT_INT4 ? G : f == KN_FMT_FP8 ? 128 : 0);
     MT_EQ_U64(kn_linear_bytes(lin), (uint64_t)N * (kn__row_bytes(f, K, G) + 4 * kn__row_scales(f, K, G)));
     check_stored(lin, wd);
     for (int ti = 0; ti < 5; ti++) {
@@ -253,6 +269,7 @@ MT_TEST(linear_matches_ref_and_f64_int8) { check_format(KN_FMT_INT8, 0); }
 MT_TEST(linear_matches_ref_and_f64_int4_g32) { check_format(KN_FMT_INT4, 32); }
 MT_TEST(linear_matches_ref_and_f64_int4_g64) { check_format(KN_FMT_INT4, 64); }
 MT_TEST(linear_matches_ref_and_f64_int4_g128) { check_format(KN_FMT_INT4, 128); }
+MT_TEST(linear_matches_ref_and_f64_fp8) { check_format(KN_FMT_FP8, 0); }
 
 /* ---- n_out above the MoE limit (an lm_head-like matrix) ----------------------------- */
 
@@ -670,6 +687,260 @@ MT_TEST(linear_bad_arguments) {
   kn_linear_free(lin);
   free(w);
   kn_engine_free(eng);
+}
+
+/* ---- FP8 codes (kn_linear_load_rows_fp8, kn_linear_borrow_fp8) --------------------- */
+
+/* An FP8 checkpoint tensor: N x K codes and its block scales, quantized from seed's w. */
+typedef struct fp8_tensor {
+  uint32_t N, K;
+  uint8_t *q;
+  float *s; /* [ceil(N / 128), ceil(K / 128)] */
+} fp8_tensor;
+
+static fp8_tensor fp8_tensor_make(uint32_t N, uint32_t K, uint64_t seed) {
+  fp8_tensor t = {.N = N, .K = K};
+  float *w = randn((size_t)N * K, 0.05f, seed);
+  t.q = malloc((size_t)N * K);
+  t.s = malloc((size_t)((N + 127) / 128) * ((K + 127) / 128) * sizeof(float));
+  MT_TRUE(t.q && t.s);
+  mr_err e = {0};
+  MT_OK(kn_fp8_quantize_b128(w, MR_DTYPE_F32, N, K, t.q, t.s, &e), ep(&e));
+  free(w);
+  return t;
+}
+
+/* Rows [r0, r0 + n) of t dequantized by the checkpoint's rule, into d (row-major, K wide). */
+static void fp8_rows(const fp8_tensor *t, uint32_t r0, uint32_t n, float *d) {
+  const uint32_t C = (t->K + 127) / 128;
+  for (uint32_t i = 0; i < n; i++)
+    for (uint32_t k = 0; k < t->K; k++)
+      d[(size_t)i * t->K + k] =
+          kn_fp8_e4m3_to_f32(t->q[(size_t)(r0 + i) * t->K + k]) * t->s[(size_t)((r0 + i) / 128) * C + k / 128];
+}
+
+/* A linear of row ranges of FP8 tensors (as q_a_proj | kv_a_proj_with_mqa, and a tensor
+ * parallel rank's rows, whose first row is off the 128-row blocks), packed from the codes
+ * in bands and served in place, on every ISA, 2 and 3 threads, T = 1 .. 300:
+ *   - the stored weights are the checkpoint's dequantization, bit for bit;
+ *   - the reference matches fp64 over them, the fast kernels the reference within their
+ *     tolerance;
+ *   - in place gives the packed linear's bits (engine and reference);
+ *   - f32 rows loaded into an fp8 linear pack as kn_fp8_quantize_b128 + load_rows_fp8. */
+MT_TEST(linear_fp8_codes_packed_and_in_place) {
+  kn_isa isas[KN_ISA_COUNT];
+  const int n_isa = test_isas(isas);
+  const uint32_t K = 515; /* 5 column blocks, the last of 3 columns */
+  fp8_tensor A = fp8_tensor_make(192, K, 300), B = fp8_tensor_make(300, K, 301), C1 = fp8_tensor_make(1, K, 302);
+  /* shapes: parts (tensor, first row, rows) */
+  const struct { uint32_t nb; const fp8_tensor *t[3]; uint32_t first[3], rows[3]; } shp[3] = {
+      {1, {&B}, {0}, {300}},
+      {2, {&A, &B}, {0, 37}, {192, 108}},       /* B's rows 37 .. 144: blocks 0 and 1 */
+      {3, {&B, &C1, &A}, {129, 0, 5}, {171, 1, 100}}};
+  const uint32_t Ts[4] = {1, 3, 17, 300};
+  for (int si = 0; si < 3; si++) {
+    const uint32_t nb = shp[si].nb;
+    uint32_t N = 0;
+    for (uint32_t b = 0; b < nb; b++) N += shp[si].rows[b];
+    float *wd = malloc((size_t)N * K * sizeof(float)), *x = randn((size_t)300 * K, 1.0f, 310 + si);
+    const uint8_t *q[3];
+    const float *sc[3];
+    for (uint32_t b = 0, at = 0; b < nb; at += shp[si].rows[b], b++) {
+      fp8_rows(shp[si].t[b], shp[si].first[b], shp[si].rows[b], wd + (size_t)at * K);
+      q[b] = shp[si].t[b]->q + (size_t)shp[si].first[b] * K;
+      sc[b] = shp[si].t[b]->s;
+    }
+    const size_t TN = (size_t)300 * N;
+    float *y64 = malloc(TN * 4), *ref = malloc(TN * 4), *ref2 = malloc(TN * 4), *y1 = malloc(TN * 4),
+          *y2 = malloc(TN * 4);
+    matmul_f64(wd, N, K, 300, x, y64);
+    for (int ii = 0; ii < n_isa; ii++) {
+      for (uint32_t th = 2; th <= 3; th++) {
+        kn_engine *eng = engine_make(isas[ii], th);
+        MT_EQ_INT(kn_engine_isa(eng, KN_FMT_FP8), expected_isa(isas[ii], KN_FMT_FP8));
+        kn_linear *packed = NULL, *mapped = NULL;
+        mr_err e = {0};
+        MT_OK(kn_linear_new(&packed, eng, N, K, KN_FMT_FP8, 0, &e), ep(&e));
+        for (uint32_t b = nb, at = N; b-- > 0;) { /* bands out of order */
+          at -= shp[si].rows[b];
+          MT_OK(kn_linear_load_rows_fp8(packed, at, shp[si].rows[b], q[b], sc[b], shp[si].first[b], &e), ep(&e));
+        }
+        MT_EQ_INT(kn_linear_rows_loaded(packed), N);
+        MT_OK(kn_linear_borrow_fp8(&mapped, eng, nb, q, shp[si].rows, K, sc, shp[si].first, &e), ep(&e));
+        MT_TRUE(kn_linear_in_place(mapped));
+        MT_EQ_INT(kn_linear_format(mapped), KN_FMT_FP8);
+        MT_EQ_INT(kn_linear_group(mapped), 128);
+        MT_EQ_INT(kn_linear_rows_loaded(mapped), N);
+        MT_EQ_U64(kn_linear_bytes(packed), (uint64_t)N * (K + 4 * 5));
+        MT_EQ_U64(kn_linear_bytes(mapped), kn_linear_bytes(packed));
+        if (ii == 0 && th == 2) {
+          check_stored(packed, wd);
+          MT_OK(kn_ref_linear_forward(packed, 300, x, ref, &e), ep(&e));
+          MT_OK(kn_ref_linear_forward(mapped, 300, x, ref2, &e), ep(&e));
+          MT_EQ_INT(memcmp(ref, ref2, TN * 4), 0);
+          MT_LE(kn_rel_l2(ref, y64, TN), TOL_REF_F64);
+        }
+        for (int ti = 0; ti < 4; ti++) {
+          const uint32_t T = Ts[ti];
+          const size_t n = (size_t)T * N;
+          memset(y2, 0xff, n * 4);
+          MT_OK(kn_linear_forward(eng, packed, T, x, y1, NULL, &e), ep(&e));
+          MT_OK(kn_linear_forward(eng, mapped, T, x, y2, NULL, &e), ep(&e));
+          MT_EQ_INT(memcmp(y1, y2, n * 4), 0);
+          const double tol = tolerance(eng, KN_FMT_FP8), er = kn_rel_l2(y1, ref, n);
+          if (er > tol)
+            printf("  %s %ux%u in %u bands T=%u: rel L2 %.3g vs ref (tol %.0e)\n", eng->kern[KN_FMT_FP8]->name, N,
+                   K, nb, T, er, tol);
+          MT_LE(er, tol);
+          if (isas[ii] == KN_ISA_REF) MT_EQ_INT(memcmp(y1, ref, n * 4), 0);
+        }
+        /* in place is read-only */
+        MT_EQ_INT(kn_linear_load_rows_fp8(mapped, 0, 1, q[0], sc[0], 0, &e), MR_EPRECOND);
+        MT_CONTAINS(e.msg, "served in place");
+        kn_linear_free(packed);
+        kn_linear_free(mapped);
+        kn_engine_free(eng);
+      }
+    }
+    free(wd);
+    free(x);
+    free(y64);
+    free(ref);
+    free(ref2);
+    free(y1);
+    free(y2);
+  }
+  /* f32 rows into an fp8 linear: quantized in blocks from the band's first row */
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  float *w = randn((size_t)300 * K, 0.05f, 320);
+  uint8_t *qw = malloc((size_t)300 * K);
+  float *sw = malloc((size_t)3 * 5 * sizeof(float));
+  mr_err e = {0};
+  kn_linear *viaf = NULL, *viaq = NULL;
+  MT_OK(kn_linear_new(&viaf, eng, 300, K, KN_FMT_FP8, 0, &e), ep(&e));
+  MT_OK(kn_linear_new(&viaq, eng, 300, K, KN_FMT_FP8, 0, &e), ep(&e));
+  MT_OK(kn_linear_load_rows(viaf, 0, 100, w, MR_DTYPE_F32, &e), ep(&e));
+  MT_OK(kn_linear_load_rows(viaf, 100, 200, w + (size_t)100 * K, MR_DTYPE_F32, &e), ep(&e));
+  MT_OK(kn_fp8_quantize_b128(w, MR_DTYPE_F32, 100, K, qw, sw, &e), ep(&e));
+  MT_OK(kn_linear_load_rows_fp8(viaq, 0, 100, qw, sw, 0, &e), ep(&e));
+  MT_OK(kn_fp8_quantize_b128(w + (size_t)100 * K, MR_DTYPE_F32, 200, K, qw, sw, &e), ep(&e));
+  MT_OK(kn_linear_load_rows_fp8(viaq, 100, 200, qw, sw, 0, &e), ep(&e));
+  MT_EQ_INT(memcmp(viaf->w.down, viaq->w.down, (size_t)300 * K), 0);
+  MT_EQ_INT(memcmp(viaf->w.down_scale, viaq->w.down_scale, (size_t)300 * 5 * 4), 0);
+  kn_linear_free(viaf);
+  kn_linear_free(viaq);
+  kn_engine_free(eng);
+  free(w);
+  free(qw);
+  free(sw);
+  free(A.q), free(A.s), free(B.q), free(B.s), free(C1.q), free(C1.s);
+}
+
+/* What an fp8 load or an fp8 linear in place refuses, naming the field and the limit:
+ * a NaN code (row, column, part), a block scale that is not finite and > 0 (its block;
+ * only the blocks of the rows loaded count), another format, NULL and out-of-range
+ * arguments. A refused load leaves its band not loaded; nothing is made by a refused
+ * borrow; out of memory is MR_ENOMEM with nothing leaked. */
+MT_TEST(linear_fp8_refusals) {
+  const uint32_t K = 200;
+  fp8_tensor t = fp8_tensor_make(260, K, 330); /* 3 x 2 blocks */
+  kn_engine *eng = engine_make(KN_ISA_COUNT, 2);
+  kn_linear *lin = NULL;
+  mr_err err = {0};
+  MT_OK(kn_linear_new(&lin, eng, 260, K, KN_FMT_FP8, 0, &err), ep(&err));
+  /* a NaN code, either sign: the band is then not loaded */
+  MT_OK(kn_linear_load_rows_fp8(lin, 0, 260, t.q, t.s, 0, &err), ep(&err));
+  const uint8_t keep = t.q[(size_t)140 * K + 199];
+  t.q[(size_t)140 * K + 199] = 0x7f;
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 100, 160, t.q + (size_t)100 * K, t.s, 100, e), MR_EINVAL,
+             "W[row 140, column 199] is a NaN code (row 40 of this band of 160 rows)");
+  MT_EQ_INT(kn_linear_rows_loaded(lin), 100);
+  t.q[(size_t)140 * K + 199] = 0xff;
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 0, 260, t.q, t.s, 0, e), MR_EINVAL, "W[row 140, column 199] is a NaN code");
+  /* in place: named by part */
+  const uint8_t *parts[2] = {t.q, t.q + (size_t)128 * K};
+  const uint32_t rows[2] = {128, 132}, first[2] = {0, 128};
+  const float *scs[2] = {t.s, t.s};
+  kn_linear *m = (kn_linear *)&m;
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, scs, first, e), MR_EINVAL,
+             "W[row 140, column 199] is a NaN code (part 1, its row 12 of 132)");
+  MT_TRUE(m == NULL);
+  t.q[(size_t)140 * K + 199] = keep;
+  MT_OK(kn_linear_load_rows_fp8(lin, 0, 260, t.q, t.s, 0, &err), ep(&err));
+  /* block scales: zero, negative, NaN, inf; only the block rows of the band's rows count */
+  const float bad[4] = {0.0f, -1.0f, NAN, INFINITY};
+  const char *shown[4] = {"= 0:", "= -1:", "= nan:", "= inf:"};
+  for (int i = 0; i < 4; i++) {
+    const float ks = t.s[2 * 2 + 1];
+    t.s[2 * 2 + 1] = bad[i]; /* block [2, 1]: rows 256 .. 259 */
+    EXPECT_ERR(kn_linear_load_rows_fp8(lin, 200, 60, t.q + (size_t)200 * K, t.s, 200, e), MR_EINVAL,
+               "scale_inv[2, 1]");
+    EXPECT_ERR(kn_linear_load_rows_fp8(lin, 200, 60, t.q + (size_t)200 * K, t.s, 200, e), MR_EINVAL, shown[i]);
+    EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, scs, first, e), MR_EINVAL,
+               "part 1: scale_inv[2, 1]");
+    MT_OK(kn_linear_load_rows_fp8(lin, 0, 256, t.q, t.s, 0, &err), ep(&err)); /* not its rows */
+    t.s[2 * 2 + 1] = ks;
+  }
+  MT_OK(kn_linear_load_rows_fp8(lin, 0, 260, t.q, t.s, 0, &err), ep(&err));
+  /* arguments */
+  EXPECT_ERR(kn_linear_load_rows_fp8(NULL, 0, 1, t.q, t.s, 0, e), MR_EINVAL, "lin is required");
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 0, 1, NULL, t.s, 0, e), MR_EINVAL, "w is required");
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 0, 1, t.q, NULL, 0, e), MR_EINVAL, "scale_inv is required");
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 250, 11, t.q, t.s, 0, e), MR_ERANGE, "n_out = 260");
+  EXPECT_ERR(kn_linear_load_rows_fp8(lin, 0, 2, t.q, t.s, UINT32_MAX, e), MR_ERANGE, "overflows");
+  MT_OK(kn_linear_load_rows_fp8(lin, 260, 0, NULL, NULL, 0, &err), ep(&err)); /* empty band */
+  kn_linear *bf = NULL;
+  MT_OK(kn_linear_new(&bf, eng, 260, K, KN_FMT_BF16, 0, &err), ep(&err));
+  EXPECT_ERR(kn_linear_load_rows_fp8(bf, 0, 1, t.q, t.s, 0, e), MR_EINVAL, "format is bf16, not fp8-b128");
+  kn_linear_free(bf);
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, NULL, first, e), MR_EINVAL, "scale_inv and first_row");
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, scs, NULL, e), MR_EINVAL, "scale_inv and first_row");
+  const float *nos[2] = {t.s, NULL};
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, nos, first, e), MR_EINVAL, "part 1: scale_inv is required");
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, eng, 0, parts, rows, K, scs, first, e), MR_EINVAL, "n_parts = 0");
+  EXPECT_ERR(kn_linear_borrow_fp8(&m, NULL, 2, parts, rows, K, scs, first, e), MR_EINVAL, "engine");
+  EXPECT_ERR(kn_linear_borrow(&m, eng, 2, (const void *const *)parts, rows, K, MR_DTYPE_UNSPECIFIED, e),
+             MR_ENOTSUP, "kn_linear_borrow_fp8");
+  MT_TRUE(m == NULL);
+  /* a non-finite f32 weight quantized into an fp8 linear: named, the band not loaded */
+  float *w = randn((size_t)50 * K, 0.05f, 331);
+  w[3 * K + 4] = -INFINITY;
+  EXPECT_ERR(kn_linear_load_rows(lin, 10, 50, w, MR_DTYPE_F32, e), MR_EINVAL, "w[3, 4] = -inf");
+  MT_EQ_INT(kn_linear_rows_loaded(lin), 210);
+  free(w);
+  /* out of memory: borrow_fp8 (the struct, the row bitmap, the scales) and a load */
+  int failures = 0;
+  for (long n = 1; n < 10; n++) {
+    mr_alloc_fail_after(n);
+    int rc = kn_linear_borrow_fp8(&m, eng, 2, parts, rows, K, scs, first, &err);
+    mr_alloc_fail_after(0);
+    if (rc == 0) break;
+    MT_EQ_INT(rc, MR_ENOMEM);
+    MT_TRUE(m == NULL);
+    failures++;
+  }
+  MT_EQ_INT(failures, 3);
+  kn_linear_free(m);
+  /* a forced two-node engine places nothing: an fp8 linear in place as packed */
+  kn_engine *two = NULL;
+  kn_engine_opts o2 = {.isa = KN_ISA_COUNT, .threads = 2, .force_split = 2};
+  MT_OK(kn_engine_new(&two, &o2, &err), ep(&err));
+  kn_linear *p2 = NULL, *m2 = NULL;
+  float *xx = randn((size_t)3 * K, 1.0f, 333), y1[3 * 260], y2[3 * 260];
+  MT_OK(kn_linear_new(&p2, two, 260, K, KN_FMT_FP8, 0, &err), ep(&err));
+  MT_OK(kn_linear_load_rows_fp8(p2, 0, 260, t.q, t.s, 0, &err), ep(&err));
+  MT_OK(kn_linear_borrow_fp8(&m2, two, 2, parts, rows, K, scs, first, &err), ep(&err));
+  MT_OK(kn_linear_forward(two, p2, 3, xx, y1, NULL, &err), ep(&err));
+  MT_OK(kn_linear_forward(two, m2, 3, xx, y2, NULL, &err), ep(&err));
+  MT_EQ_INT(memcmp(y1, y2, sizeof y1), 0);
+  kn_linear_free(p2);
+  kn_linear_free(m2);
+  kn_engine_free(two);
+  free(xx);
+  kn_linear_free(lin);
+  kn_engine_free(eng);
+  free(t.q);
+  free(t.s);
 }
 
 /* Out of memory at every allocation of new, load and forward: MR_ENOMEM, nothing leaked
