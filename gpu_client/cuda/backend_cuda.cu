@@ -1085,6 +1085,8 @@ static const gc_bk_ops cuda_ops = {
     cu_linear_new,
     cu_linear_load,
     nullptr, /* linear_borrow: weights are copied to the device */
+    nullptr, /* linear_load_fp8: dense weights are kept in bf16 or f32 (FP8 ones dequantized) */
+    nullptr, /* linear_borrow_fp8: the same */
     cu_linear_free,
     cu_linear_bytes,
     cu_table_new,

@@ -170,6 +170,18 @@ typedef struct gc_bk_ops {
    * linear_load). The linear's format is dt's. */
   int (*linear_borrow)(gc_backend *b, gc_bk_linear **out, uint32_t n_parts, const void *const *w,
                        const uint32_t *rows, uint32_t n_in, mr_dtype dt, mr_err *e);
+  /* Optional (NULL: the backend keeps no FP8 dense weights; the runner then dequantizes
+   * an FP8 checkpoint's): rows [row0, row0 + n_rows) of an fp8-b128 linear (linear_new with
+   * KN_FMT_FP8) from e4m3fn codes q ([n_rows, n_in]), rows first_row .. of a tensor whose
+   * fp32 block scales are scale_inv ([ceil(rows / 128), ceil(n_in / 128)]); cpu:
+   * kn_linear_load_rows_fp8. */
+  int (*linear_load_fp8)(gc_backend *b, gc_bk_linear *w, uint32_t row0, uint32_t n_rows,
+                         const uint8_t *q, const float *scale_inv, uint32_t first_row, mr_err *e);
+  /* Optional: linear_borrow for FP8 codes (cpu: kn_linear_borrow_fp8): the bands q[i] stay
+   * mapped; scale_inv[i] is read during the call only. */
+  int (*linear_borrow_fp8)(gc_backend *b, gc_bk_linear **out, uint32_t n_parts, const uint8_t *const *q,
+                           const uint32_t *rows, uint32_t n_in, const float *const *scale_inv,
+                           const uint32_t *first_row, mr_err *e);
   void (*linear_free)(gc_backend *b, gc_bk_linear *w);
   uint64_t (*linear_bytes)(const gc_bk_linear *w);
   int (*table_new)(gc_backend *b, gc_bk_table **out, uint32_t rows, uint32_t dim,

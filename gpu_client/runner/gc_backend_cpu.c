@@ -111,6 +111,24 @@ static int cpu_linear_borrow(gc_backend *b, gc_bk_linear **out, uint32_t n_parts
   *out = x;
   return 0;
 }
+static int cpu_linear_load_fp8(gc_backend *b, gc_bk_linear *w, uint32_t row0, uint32_t n_rows,
+                               const uint8_t *q, const float *scale_inv, uint32_t first_row, mr_err *e) {
+  (void)b;
+  return kn_linear_load_rows_fp8(w->lin, row0, n_rows, q, scale_inv, first_row, e);
+}
+static int cpu_linear_borrow_fp8(gc_backend *b, gc_bk_linear **out, uint32_t n_parts,
+                                 const uint8_t *const *q, const uint32_t *rows, uint32_t n_in,
+                                 const float *const *scale_inv, const uint32_t *first_row, mr_err *e) {
+  gc_bk_linear *x = mr_calloc(1, sizeof *x);
+  if (!x) return mr_err_set(e, MR_ENOMEM, "linear in place: out of memory");
+  int rc = kn_linear_borrow_fp8(&x->lin, b->eng, n_parts, q, rows, n_in, scale_inv, first_row, e);
+  if (rc) {
+    mr_free(x);
+    return rc;
+  }
+  *out = x;
+  return 0;
+}
 static void cpu_linear_free(gc_backend *b, gc_bk_linear *w) {
   (void)b;
   if (!w) return;
@@ -660,6 +678,8 @@ static const gc_bk_ops cpu_ops = {
     .linear_new = cpu_linear_new,
     .linear_load = cpu_linear_load,
     .linear_borrow = cpu_linear_borrow,
+    .linear_load_fp8 = cpu_linear_load_fp8,
+    .linear_borrow_fp8 = cpu_linear_borrow_fp8,
     .linear_free = cpu_linear_free,
     .linear_bytes = cpu_linear_bytes,
     .table_new = cpu_table_new,

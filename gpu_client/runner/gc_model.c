@@ -143,6 +143,7 @@ struct gc_model {
   uint64_t n_dense_packed;        /* dense linears packed under o.map_weights, and why the
                                    * first was (the model-open line) */
   char dense_packed_why[256];
+  uint64_t n_dense_fp8;           /* dense linears kept in fp8-b128 (an FP8 checkpoint's codes) */
   mr_st *st_kept;                 /* the mapping they read: closed after the ranks */
   uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
   gc_model_stats st;
@@ -318,11 +319,12 @@ static kn_format dense_format_of(const gc_model *m, mr_dtype dt) {
   return dense_format_of_dtype(dt);
 }
 
-/* Dequantizes an F8_E4M3 [N, K] tensor (FP8 checkpoints: every linear of DeepSeek-V3's
- * decoder layers) with its "<name>_scale_inv" block scales into a new fp32 host array:
- * w = e4m3(q) * scale_inv[n / 128, k / 128], exactly (docs/DESIGN.md section 17). */
-static int fp8_dequant(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
-                       uint32_t K, float **out, mr_err *e) {
+/* The block scales of F8_E4M3 tensor name ([N, K]: FP8 checkpoints, every linear of
+ * DeepSeek-V3's decoder layers), its "<name>_scale_inv" [ceil(N/128), ceil(K/128)] (F32 or
+ * BF16), as a new fp32 array (the caller frees it), checked finite and > 0; *scale_t: that
+ * tensor, for the caller's load_count once the weight is kept. */
+static int fp8_scales(loader *ld, const char *name, uint32_t N, uint32_t K, float **out,
+                      const mr_st_tensor **scale_t, mr_err *e) {
   gc_model *m = ld->m;
   *out = NULL;
   if (!m->cfg.fp8)
@@ -335,14 +337,33 @@ static int fp8_dequant(loader *ld, const char *name, const mr_st_tensor *t, uint
   int rc = get_tensor(ld, sn, 2, R, C, &st, e);
   if (rc) return rc;
   float *sc = mr_malloc((size_t)R * C * sizeof *sc);
-  float *w = mr_malloc((size_t)N * K * sizeof *w);
-  if (!sc || !w) {
-    mr_free(sc);
-    mr_free(w);
-    return mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", name, N, K);
-  }
+  if (!sc) return mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", sn, R, C);
   mr_convert_to_f32(sc, st->data, st->dtype, (size_t)R * C);
-  if ((rc = kn_fp8_check_scales(sc, N, K, sn, e))) goto out;
+  if ((rc = kn_fp8_check_scales(sc, N, K, sn, e))) {
+    mr_free(sc);
+    return mr_err_prefix(e, rc, "model %s", m->model_dir);
+  }
+  *scale_t = st;
+  *out = sc;
+  return 0;
+}
+
+/* Dequantizes an F8_E4M3 [N, K] tensor with its block scales into a new fp32 host array:
+ * w = e4m3(q) * scale_inv[n / 128, k / 128], exactly (docs/DESIGN.md section 17). */
+static int fp8_dequant(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
+                       uint32_t K, float **out, mr_err *e) {
+  gc_model *m = ld->m;
+  *out = NULL;
+  float *sc, *w = NULL;
+  const mr_st_tensor *st;
+  int rc = fp8_scales(ld, name, N, K, &sc, &st, e);
+  if (rc) return rc;
+  const uint32_t C = (K + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK;
+  w = mr_malloc((size_t)N * K * sizeof *w);
+  if (!w) {
+    rc = mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", name, N, K);
+    goto out;
+  }
   const uint8_t *q = t->data;
   for (uint32_t n = 0; n < N; n++)
     for (uint32_t k = 0; k < K; k++) {
@@ -390,37 +411,57 @@ static void dense_packed(gc_model *m, const char *name, const char *why) {
     snprintf(m->dense_packed_why, sizeof m->dense_packed_why, "%.60s: %.180s", name, why);
 }
 
+/* Frees the n fp32 block-scale arrays of an FP8 linear's parts. */
+static void free_scales(float **sc, uint32_t n) {
+  for (uint32_t i = 0; i < n; i++) mr_free(sc[i]);
+}
+
 /* A linear served in place from the mapping (--map-weights, as the hot experts): where the
  * parts are whole rows of tensors stored in the format served (no column slice, no
- * conversion, no --dense-format of another format) and the backend can. Each part is read
- * through the huge-page-advised mapping first (MADV_POPULATE_READ: 2 MiB folios, mapped
- * 2 MiB at a time), then checked finite and kept. Returns MR_ENOTSUP (nothing made,
- * nothing said) where it is packed instead; another error fails the load. */
+ * conversion, no --dense-format of another format; FP8 codes served as fp8-b128) and the
+ * backend can. Each part is read through the huge-page-advised mapping first
+ * (MADV_POPULATE_READ: 2 MiB folios, mapped 2 MiB at a time), then checked finite and
+ * kept. Returns MR_ENOTSUP (nothing made, nothing said) where it is packed instead;
+ * another error fails the load. */
 static int borrow_linear(loader *ld, const lin_part *p, const mr_st_tensor *const *t,
                          uint32_t n_parts, uint32_t n_in, uint32_t n_cols, bool mixed, kn_format fmt,
                          gc_bk_linear **out, mr_err *e) {
   gc_model *m = ld->m;
   gc_backend *bk = ld->r->bk;
   const mr_dtype dt = t[0]->dtype;
+  const bool f8 = fmt == KN_FMT_FP8 && mr_st_is_f8e4m3(t[0]) && !mixed;
   const char *why = NULL;
-  if (!bk->ops->linear_borrow) why = "the backend copies weights";
-  else if (mr_st_is_f8e4m3(t[0]) || mixed) why = "dequantized or widened at load";
-  else if (fmt != dense_format_of_dtype(dt)) why = "--dense-format converts it";
+  if (f8 ? !bk->ops->linear_borrow_fp8 : !bk->ops->linear_borrow) why = "the backend copies weights";
+  else if (!f8 && (mr_st_is_f8e4m3(t[0]) || mixed)) why = "dequantized or widened at load";
+  else if (!f8 && fmt != dense_format_of_dtype(dt)) why = "--dense-format converts it";
   else if (n_cols != n_in) why = "a column slice (tensor parallel)";
   if (why) {
     dense_packed(m, p[0].name, why);
     return MR_ENOTSUP;
   }
   const void *w[KN_LINEAR_MAX_BANDS];
-  uint32_t rows[KN_LINEAR_MAX_BANDS];
+  uint32_t rows[KN_LINEAR_MAX_BANDS], first[KN_LINEAR_MAX_BANDS];
+  float *sc[KN_LINEAR_MAX_BANDS] = {0};
+  const mr_st_tensor *sct[KN_LINEAR_MAX_BANDS] = {0};
   MR_ASSERT(n_parts <= KN_LINEAR_MAX_BANDS);
-  for (uint32_t i = 0; i < n_parts; i++) {
+  const size_t esz = f8 ? 1 : mr_dtype_size(dt);
+  int rc = 0;
+  for (uint32_t i = 0; i < n_parts && !rc; i++) {
     mr_st_populate(t[i]);
-    w[i] = (const uint8_t *)t[i]->data + (size_t)p[i].row0 * n_in * mr_dtype_size(dt);
+    w[i] = (const uint8_t *)t[i]->data + (size_t)p[i].row0 * n_in * esz;
     rows[i] = p[i].n;
+    first[i] = p[i].row0;
+    if (f8) rc = fp8_scales(ld, p[i].name, p[i].rows, n_in, &sc[i], &sct[i], e);
+  }
+  if (rc) {
+    free_scales(sc, n_parts);
+    return rc;
   }
   mr_err e2 = {0};
-  int rc = bk->ops->linear_borrow(bk, out, n_parts, w, rows, n_in, dt, &e2);
+  rc = f8 ? bk->ops->linear_borrow_fp8(bk, out, n_parts, (const uint8_t *const *)w, rows, n_in,
+                                       (const float *const *)sc, first, &e2)
+          : bk->ops->linear_borrow(bk, out, n_parts, w, rows, n_in, dt, &e2);
+  free_scales(sc, n_parts);
   if (rc == MR_ENOTSUP) {
     dense_packed(m, p[0].name, e2.msg);
     return rc;
@@ -432,11 +473,52 @@ static int borrow_linear(loader *ld, const lin_part *p, const mr_st_tensor *cons
       at += (size_t)snprintf(names + at, sizeof names - at, "%s%s", i ? " | " : "", p[i].name);
     return mr_err_set(e, rc, "%s: %s", names, e2.msg);
   }
-  for (uint32_t i = 0; i < n_parts; i++) load_count(ld, t[i]);
+  for (uint32_t i = 0; i < n_parts; i++) {
+    load_count(ld, t[i]);
+    if (sct[i]) load_count(ld, sct[i]);
+  }
   const uint64_t bytes = bk->ops->linear_bytes(*out);
   m->dense_bytes += bytes;
   m->dense_mapped_bytes += bytes;
+  if (f8) m->n_dense_fp8++;
   return 0;
+}
+
+/* Part p of an FP8 linear from its codes, kept as they are (fp8-b128): rows [p->row0,
+ * p->row0 + p->n) of tensor t, over columns [col0, col0 + n_cols) (col0 a multiple of 128:
+ * the slice's blocks are whole blocks of the tensor), into rows row0.. of w. */
+static int load_fp8_part(loader *ld, const lin_part *p, const mr_st_tensor *t, uint32_t n_in,
+                         uint32_t col0, uint32_t n_cols, gc_bk_linear *w, uint32_t row0, mr_err *e) {
+  gc_backend *bk = ld->r->bk;
+  float *sc = NULL, *ssl = NULL;
+  uint8_t *qsl = NULL;
+  const mr_st_tensor *st;
+  int rc = fp8_scales(ld, p->name, p->rows, n_in, &sc, &st, e);
+  if (rc) return rc;
+  const uint8_t *q = (const uint8_t *)t->data + (size_t)p->row0 * n_in;
+  const float *s = sc;
+  if (n_cols != n_in) { /* a column slice: its codes gathered, its block columns cut out */
+    MR_ASSERT(col0 % KN_FP8_BLOCK == 0);
+    const uint32_t R = (p->rows + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK, C = (n_in + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK;
+    const uint32_t Cs = (n_cols + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK, c0 = col0 / KN_FP8_BLOCK;
+    qsl = mr_malloc((size_t)p->n * n_cols);
+    ssl = mr_malloc((size_t)R * Cs * sizeof *ssl);
+    if (!qsl || !ssl) {
+      rc = mr_err_set(e, MR_ENOMEM, "%s: out of memory", p->name);
+      goto out;
+    }
+    for (uint32_t r = 0; r < p->n; r++) memcpy(qsl + (size_t)r * n_cols, q + (size_t)r * n_in + col0, n_cols);
+    for (uint32_t r = 0; r < R; r++) memcpy(ssl + (size_t)r * Cs, sc + (size_t)r * C + c0, Cs * sizeof *ssl);
+    q = qsl;
+    s = ssl;
+  }
+  rc = bk->ops->linear_load_fp8(bk, w, row0, p->n, q, s, p->row0, e);
+  if (!rc) load_count(ld, st);
+out:
+  mr_free(sc);
+  mr_free(ssl);
+  mr_free(qsl);
+  return rc;
 }
 
 /* One linear of the parts' row ranges stacked, over input columns [col0, col0 + n_cols) of
@@ -454,17 +536,23 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
     MR_ASSERT(p[i].row0 + p[i].n <= p[i].rows);
     n_out += p[i].n;
   }
-  /* As stored; parts of different dtypes (an FP8 checkpoint's q_a_proj beside a bf16
-   * kv_a_proj_with_mqa) in the widest; FP8 weights are dequantized at load and kept in bf16
-   * (the client's kernels take no fp8 GEMM). --dense-format overrides all of it. */
+  /* As stored: FP8 codes as fp8-b128 where the backend keeps them (cuda: dequantized at
+   * load and kept in bf16); a tensor-parallel column slice that cuts a 128-column block
+   * (toy shapes only: DeepSeek-V3's slices are whole blocks) has no block scales of its
+   * own, so it is dequantized exactly into f32, the weights fp8-b128 holds; parts of
+   * different dtypes (an FP8 checkpoint's q_a_proj beside a bf16 kv_a_proj_with_mqa) in
+   * the widest. --dense-format overrides all of it (fp8: other weights quantized at load). */
   bool mixed = false, any_f32 = false;
   for (uint32_t i = 0; i < n_parts; i++) {
     mixed |= t[i]->dtype != t[0]->dtype || mr_st_is_f8e4m3(t[i]) != mr_st_is_f8e4m3(t[0]);
     any_f32 |= t[i]->dtype == MR_DTYPE_F32;
   }
+  /* whole blocks on every rank (their slices are n_cols wide at multiples of n_cols) */
+  const bool f8_cols = n_cols == n_in || (n_cols % KN_FP8_BLOCK == 0 && col0 % KN_FP8_BLOCK == 0);
   kn_format fmt = dense_format_of(m, t[0]->dtype);
   if (m->dense_fmt == KN_FMT_COUNT && (mixed || mr_st_is_f8e4m3(t[0])))
-    fmt = any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
+    fmt = !mixed && bk->ops->linear_load_fp8 ? (f8_cols ? KN_FMT_FP8 : KN_FMT_F32)
+                                             : any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
   if (m->o.map_weights) {
     int rc = borrow_linear(ld, p, t, n_parts, n_in, n_cols, mixed, fmt, out, e);
     if (rc != MR_ENOTSUP) return rc;
@@ -473,6 +561,13 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
   if (rc) return mr_err_prefix(e, rc, "%s", p[0].name);
   uint32_t row0 = 0;
   for (uint32_t i = 0; i < n_parts; i++) {
+    if (fmt == KN_FMT_FP8 && mr_st_is_f8e4m3(t[i]) && f8_cols && bk->ops->linear_load_fp8) {
+      rc = load_fp8_part(ld, &p[i], t[i], n_in, col0, n_cols, *out, row0, e);
+      if (rc) return mr_err_prefix(e, rc, "%s", p[i].name);
+      row0 += p[i].n;
+      load_count(ld, t[i]);
+      continue;
+    }
     const void *data;
     mr_dtype dt;
     float *owned;
@@ -498,6 +593,7 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
     load_count(ld, t[i]);
   }
   m->dense_bytes += bk->ops->linear_bytes(*out);
+  if (fmt == KN_FMT_FP8) m->n_dense_fp8++;
   return 0;
 }
 
@@ -1328,10 +1424,14 @@ int gc_model_open(gc_model **out, const gc_model_opts *o, mr_err *e) {
     mr_log(MR_LOG_WARN, "--map-weights: no hot expert is served in place (backend %s, format "
            "%s; only the cpu backend serves experts stored as served, on one NUMA node): all "
            "packed", m->rk[0].bk->ops->name, kn_format_name(m->expert_fmt));
-  char mapped[64] = "", dmapped[96] = "";
+  char mapped[64] = "", dmapped[160] = "";
   if (m->n_mapped) snprintf(mapped, sizeof mapped, ", %llu in place", (unsigned long long)m->n_mapped);
+  size_t at = 0;
+  if (m->n_dense_fp8)
+    at = (size_t)snprintf(dmapped, sizeof dmapped, ", %llu linears in fp8-b128",
+                          (unsigned long long)m->n_dense_fp8);
   if (o->map_weights)
-    snprintf(dmapped, sizeof dmapped, " (%.2f GB in place, %llu packed; embeddings %.2f GB in place)",
+    snprintf(dmapped + at, sizeof dmapped - at, " (%.2f GB in place, %llu packed; embeddings %.2f GB in place)",
              (double)(m->dense_mapped_bytes - m->embed_mapped_bytes) / 1e9,
              (unsigned long long)m->n_dense_packed, (double)m->embed_mapped_bytes / 1e9);
   if (o->map_weights && m->n_dense_packed)
@@ -1410,6 +1510,7 @@ static void ranks_stop(gc_model *m);
 
 uint64_t gc_model_mapped_experts(const gc_model *m) { return m ? m->n_mapped : 0; }
 uint64_t gc_model_mapped_dense_bytes(const gc_model *m) { return m ? m->dense_mapped_bytes : 0; }
+uint64_t gc_model_fp8_linears(const gc_model *m) { return m ? m->n_dense_fp8 : 0; }
 
 void gc_model_close(gc_model *m) {
   if (!m) return;

@@ -83,6 +83,9 @@ void gc_model_close(gc_model *m); /* NULL is a no-op */
 uint64_t gc_model_mapped_experts(const gc_model *m);
 /* Bytes of dense linears and embedding tables (all ranks) served in place (map_weights). */
 uint64_t gc_model_mapped_dense_bytes(const gc_model *m);
+/* Dense linears (all ranks) kept in fp8-b128: an FP8 checkpoint's codes and block scales
+ * as stored, or others quantized so by dense_format fp8. */
+uint64_t gc_model_fp8_linears(const gc_model *m);
 
 const mr_model_config *gc_model_config(const gc_model *m);
 uint32_t gc_model_max_seq(const gc_model *m);

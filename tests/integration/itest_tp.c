@@ -3,7 +3,9 @@
  * CPU communicator, against the same runner with one rank:
  *
  *   Qwen3-MoE (GQA, q/k norms) and DeepSeek-V3 (MLA with q_lora and with q_proj, a dense
- *   layer, a shared expert, grouped routing): G = 2 and 4 ranks give the logits of G = 1
+ *   layer, a shared expert, grouped routing; and in FP8, its dense linears fp8-b128, their
+ *   column slices cut at whole 128-column blocks or, below that, dequantized into f32):
+ *   G = 2 and 4 ranks give the logits of G = 1
  *   within 1e-5 (the partial sums of the heads and MLP columns are added in another order)
  *   and 32 greedy tokens identical; with hot experts spread over the ranks and two real
  *   expert servers; the KV cache continues: decode after prefill equals G = 1's;
@@ -32,7 +34,7 @@
 #define N_GEN 32u
 
 static char *tmp;
-static char qwen[600], dsv3[600], dsv3_q[600];
+static char qwen[600], dsv3[600], dsv3_q[600], dsv3_8[600];
 static const int32_t prompt[T_PROMPT] = {3, 14, 15, 92, 65, 35, 89, 79, 32, 38};
 
 static int open_tp_map(gc_model **m, const char *dir, uint32_t tp, const char *cl, int32_t local,
@@ -103,6 +105,46 @@ static void write_cluster(const char *path, const itu_server *a, const itu_serve
   MT_EQ_INT(fclose(f), 0);
 }
 
+/* Scales column block c of every F32 "_scale_inv" tensor of the one-file checkpoint in dir
+ * by 1 + c / 2: moerpc-mkmodel draws every block to the same amax, so that a column slice
+ * given another block's scales would go unnoticed; the weights stay valid, just others. */
+static void vary_block_scales(const char *dir) {
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, dir, &e), &e);
+  char path[700];
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  FILE *f = fopen(path, "r+b");
+  MT_TRUE(f != NULL);
+  uint64_t n = 0;
+  MT_EQ_INT(fread(&n, 8, 1, f), 1);
+  char *h = calloc(1, n + 1);
+  MT_EQ_INT(fread(h, 1, n, f), n);
+  int changed = 0;
+  for (size_t i = 0; i < mr_st_count(st); i++) {
+    const mr_st_tensor *t = mr_st_at(st, i);
+    if (!strstr(t->name, "_scale_inv") || t->dtype != MR_DTYPE_F32 || t->ndim != 2 || t->shape[1] < 2) continue;
+    char key[300];
+    snprintf(key, sizeof key, "\"%s\"", t->name);
+    const char *at = strstr(h, key), *off = at ? strstr(at, "\"data_offsets\"") : NULL;
+    MT_TRUE(off != NULL);
+    unsigned long long b0 = 0;
+    MT_EQ_INT(sscanf(strchr(off, '[') + 1, "%llu", &b0), 1);
+    const size_t cnt = t->shape[0] * t->shape[1];
+    float *v = malloc(cnt * sizeof *v);
+    memcpy(v, t->data, cnt * sizeof *v);
+    for (size_t j = 0; j < cnt; j++) v[j] *= 1.0f + (float)(j % t->shape[1]) / 2;
+    MT_EQ_INT(fseek(f, (long)(8 + n + b0), SEEK_SET), 0);
+    MT_EQ_INT(fwrite(v, sizeof *v, cnt, f), cnt);
+    free(v);
+    changed++;
+  }
+  MT_TRUE(changed > 0);
+  MT_EQ_INT(fclose(f), 0);
+  free(h);
+  mr_st_close(st);
+}
+
 /* Each test is a forked process of its own (mt.h): it makes the models it needs and
  * removes them at its end. */
 static void setup(void) {
@@ -115,12 +157,19 @@ static void setup(void) {
   MT_EQ_INT(itu_make_model(qwen, QWEN " --seed 31"), 0);
   MT_EQ_INT(itu_make_model(dsv3, DSV3 " --seed 32"), 0);
   MT_EQ_INT(itu_make_model(dsv3_q, DSV3 " --q-lora-rank 0 --seed 33"), 0);
+  /* FP8 (dense linears kept as fp8-b128): the shared experts' 256 columns (--inter) cut at
+   * 128 for 2 ranks (whole blocks: codes and block scales sliced) and at 64 for 4 (a cut
+   * block: f32); the dense MLP's 512 at 256 and 128; o_proj's 64 at 32 and 16 (f32) */
+  snprintf(dsv3_8, sizeof dsv3_8, "%s/dsv3-fp8", tmp);
+  MT_EQ_INT(itu_make_model(dsv3_8, DSV3 " --inter 256 --dtype fp8 --seed 34"), 0);
+  vary_block_scales(dsv3_8);
 }
 
 static void cleanup(void) { itu_rm_rf(tmp); }
 
-/* --map-weights with G ranks: bit-identical to the packed model with G ranks. */
-static void check_map(const char *dir) {
+/* --map-weights with G ranks: bit-identical to the packed model with G ranks. fp8: the
+ * dense linears kept in fp8-b128 at G = 1, 2, 4 (all ranks), or NULL. */
+static void check_map(const char *dir, const uint64_t *fp8) {
   static float pre0[T_PROMPT * V], dec0[V], pre[T_PROMPT * V], dec[V];
   int32_t gen0[N_GEN], gen[N_GEN];
   mr_err e = {0};
@@ -128,6 +177,7 @@ static void check_map(const char *dir) {
     gc_model *m = NULL;
     MT_OK(open_tp_map(&m, dir, tp, NULL, -1, false, &e), &e);
     MT_EQ_U64(gc_model_mapped_dense_bytes(m), 0);
+    MT_EQ_U64(gc_model_fp8_linears(m), fp8 ? fp8[tp / 2] : 0);
     run(m, pre0, dec0, gen0);
     gc_model_close(m);
     MT_OK(open_tp_map(&m, dir, tp, NULL, -1, true, &e), &e);
@@ -146,9 +196,14 @@ static void check_map(const char *dir) {
 
 MT_TEST(tp_with_map_weights_equals_packed) {
   setup();
-  check_map(qwen);
-  check_map(dsv3);
-  check_map(dsv3_q);
+  check_map(qwen, NULL);
+  check_map(dsv3, NULL);
+  check_map(dsv3_q, NULL);
+  /* per rank: q_a | kv_a and q_b in 3 layers (row slices), gate | up and down of the dense
+   * MLP and of the 2 shared experts; o_proj at G = 1 only; the shared down_proj not at
+   * G = 4 */
+  const uint64_t fp8[3] = {15, 2 * 12, 4 * 10};
+  check_map(dsv3_8, fp8);
   cleanup();
 }
 
@@ -157,6 +212,7 @@ MT_TEST(tp_equals_one_rank_all_local) {
   check_tp(qwen, NULL, -1);
   check_tp(dsv3, NULL, -1);
   check_tp(dsv3_q, NULL, -1);
+  check_tp(dsv3_8, NULL, -1);
   cleanup();
 }
 

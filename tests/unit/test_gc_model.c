@@ -17,14 +17,17 @@
 static char dir[256];
 static const uint32_t V = 128;
 
+/* A 3-layer model in dir: Qwen3-MoE (seed 5) with extra's flags, or (extra starting with
+ * "--arch", and naming its seed) that architecture, whose attention shape is its own. */
 static void make_model(const char *extra) {
   snprintf(dir, sizeof dir, "/tmp/moerpc-test-model-%d", (int)getpid());
   char cmd[1024];
   const char *bin = getenv("MOERPC_BIN");
+  const bool arch = extra && strncmp(extra, "--arch", 6) == 0;
   snprintf(cmd, sizeof cmd, "rm -rf '%s' && '%s/moerpc-mkmodel' --out '%s' --layers 3 "
-           "--experts 8 --topk 2 --hidden 64 --inter 32 --vocab 128 --heads 4 --kv-heads 2 "
-           "--head-dim 16 --seed 5 %s >/dev/null 2>&1", dir, bin ? bin : "build/bin", dir,
-           extra ? extra : "");
+           "--experts 8 --topk 2 --hidden 64 --inter 32 --vocab 128 --heads 4 %s "
+           "%s >/dev/null 2>&1", dir, bin ? bin : "build/bin", dir,
+           arch ? "" : "--kv-heads 2 --head-dim 16 --seed 5", extra ? extra : "");
   MT_EQ_INT(system(cmd), 0);
 }
 static void rm_model(void) {
@@ -310,6 +313,98 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
       }
     rm_model();
   }
+}
+
+/* DeepSeek-V3's FP8 layout (every decoder linear F8_E4M3 with 128x128 block scales): the
+ * dense linears are kept as fp8-b128, their codes as stored (about half the bytes of the
+ * bf16 copy they used to be dequantized into). On the reference kernels that is the exact
+ * dequantization, so the logits are those of --dense-format f32 bit for bit; served in
+ * place (--map-weights) they are the packed model's bit for bit, on the reference and the
+ * fast path; the fast path stays near the reference. --dense-format bf16 still gives the
+ * old dequantized copy. */
+MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
+  /* seed 6: with seed 5 one token's routing is a near-tie that the bf16 rounding of the
+   * fast path's activations flips (bf16 dense weights flip it too), which then spreads
+   * through attention; the bound below is for the kernels, not for such ties */
+  make_model("--arch deepseek-v3 --groups 4 --topk-groups 2 --dense-layers 1 "
+             "--shared-experts 1 --yarn 4 --dtype fp8 --seed 6");
+  static float l[5][12 * 128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  /* ref fp8, ref --dense-format f32, ref fp8 in place, fast fp8, fast fp8 in place */
+  const struct { bool fast, map; kn_format dense; } cfg[5] = {
+      {false, false, KN_FMT_COUNT}, {false, false, KN_FMT_F32}, {false, true, KN_FMT_COUNT},
+      {true, false, KN_FMT_COUNT}, {true, true, KN_FMT_COUNT}};
+  uint64_t dense_fp8 = 0, dense_f32 = 0;
+  for (int c = 0; c < 5; c++) {
+    gc_model_opts o;
+    gc_model_opts_init(&o);
+    o.model_dir = dir;
+    o.engine.isa = cfg[c].fast ? KN_ISA_COUNT : KN_ISA_REF;
+    o.engine.threads = 2;
+    o.max_seq = 16;
+    o.quiet = true;
+    o.map_weights = cfg[c].map;
+    o.dense_format = cfg[c].dense;
+    gc_model *m = NULL;
+    mr_err e = {0};
+    MT_OK(gc_model_open(&m, &o, &e), &e);
+    /* 3 layers of q_a | kv_a, q_b, o; the dense layer's gate | up and down; the shared
+     * experts' gate | up and down in the 2 MoE layers */
+    MT_EQ_U64(gc_model_fp8_linears(m), cfg[c].dense == KN_FMT_F32 ? 0 : 3 * 3 + 2 + 2 * 2);
+    if (c == 0) dense_fp8 = gc_model_dense_bytes(m);
+    if (c == 1) dense_f32 = gc_model_dense_bytes(m);
+    if (cfg[c].map) MT_TRUE(gc_model_mapped_dense_bytes(m) > 0);
+    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
+    MT_OK(gc_model_step(m, &s, &e), &e);
+    MT_TRUE(isfinite(l[c][0]));
+    gc_model_close(m);
+  }
+  fprintf(stderr, "  dense bytes: fp8 %llu, f32 %llu\n", (unsigned long long)dense_fp8,
+          (unsigned long long)dense_f32);
+  MT_TRUE(dense_fp8 < dense_f32);
+  MT_TRUE(memcmp(l[0], l[1], sizeof l[0]) == 0); /* exact dequantization either way */
+  MT_TRUE(memcmp(l[0], l[2], sizeof l[0]) == 0); /* in place = packed */
+  MT_TRUE(memcmp(l[3], l[4], sizeof l[0]) == 0);
+  const double d = kn_rel_l2(l[3], l[0], 12 * V);
+  fprintf(stderr, "  fp8 dense, fast vs ref: rel L2 %.2e\n", d);
+  MT_LE(d, 5e-2); /* bf16 activations, as fast_path_is_close_to_reference */
+  rm_model();
+}
+
+/* --dense-format fp8 quantizes a bf16 checkpoint's dense linears at load (128x128 blocks,
+ * amax / 448), in place as packed alike (nothing can be served from the file), and the
+ * logits stay near the bf16 model's. */
+MT_TEST(dense_format_fp8_quantizes_a_bf16_checkpoint) {
+  make_model(NULL);
+  static float l[3][12 * 128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  for (int c = 0; c < 3; c++) {
+    gc_model_opts o;
+    gc_model_opts_init(&o);
+    o.model_dir = dir;
+    o.engine.isa = KN_ISA_REF;
+    o.engine.threads = 2;
+    o.max_seq = 16;
+    o.quiet = true;
+    o.map_weights = c == 2;
+    o.dense_format = c ? KN_FMT_FP8 : KN_FMT_COUNT;
+    gc_model *m = NULL;
+    mr_err e = {0};
+    MT_OK(gc_model_open(&m, &o, &e), &e);
+    /* q | k | v and o in 3 layers, 3 routers, lm_head */
+    MT_EQ_U64(gc_model_fp8_linears(m), c ? 3 * 2 + 3 + 1 : 0);
+    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
+    MT_OK(gc_model_step(m, &s, &e), &e);
+    gc_model_close(m);
+  }
+  MT_TRUE(memcmp(l[1], l[2], sizeof l[1]) == 0);
+  const double d = kn_rel_l2(l[1], l[0], 12 * V);
+  fprintf(stderr, "  --dense-format fp8 vs bf16: rel L2 %.2e\n", d);
+  MT_TRUE(d > 0);
+  MT_LE(d, 1e-1);
+  rm_model();
 }
 
 /* Writes a bf16 NaN over element k of tensor name in the test model's one file (the
