@@ -14,8 +14,9 @@
 # EXPERTS routed experts (default 64: DeepSeek-V3 has 256; a decode step reads the same 8
 # per token whatever the count, and 256 x 2 layers of fp8 (22.6 GB) does not fit twice in
 # this host's 24 GB), n_group 8, topk_group 4, vocab 4096 (the head is not a layer shape).
-# About 5.6 GB of fp8 experts and 2 GB of dense weights; the client keeps the dense ones in
-# bf16 (and kv_b_proj in fp32 for the absorbed MLA), the servers the experts in fp8-b128.
+# About 5.6 GB of fp8 experts and 1 GB of dense weights; the client keeps the dense ones in
+# fp8-b128 (bf16 with CONFIGS all-local-dense-bf16; kv_b_proj in fp32 for the absorbed MLA),
+# the servers the experts in fp8-b128.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD=${BUILD:-build}

@@ -8,7 +8,10 @@
 #   CONFIGS="all-local 2-servers" ...        a subset of the five configurations (only the
 #                                            server sets they use are started); also
 #                                            1-server-spin: 1-server with the client's
-#                                            --wait-spin-us $SPIN_US (default 100)
+#                                            --wait-spin-us $SPIN_US (default 100);
+#                                            all-local-dense-bf16: all-local with the dense
+#                                            weights in bf16 (an FP8 checkpoint's are kept
+#                                            as fp8-b128 by default)
 #   PIN_CLIENT=0,1 PIN_SERVER=2,3 ...        taskset CPU lists for the client and the servers
 #                                            (default: unpinned, the same cores for all)
 #
@@ -96,6 +99,7 @@ configs=()
 for c in $CONFIGS; do
   case $c in
     all-local) configs+=("all-local||0") ;;
+    all-local-dense-bf16) configs+=("all-local-dense-bf16||0|--dense-format bf16") ;;
     1-server) configs+=("1-server|$DIR/one.json|0") ;;
     1-server-K2) configs+=("1-server-K2|$DIR/one.json|2") ;;
     1-server-spin) configs+=("1-server-spin|$DIR/one.json|0|--wait-spin-us ${SPIN_US:-100}") ;;
