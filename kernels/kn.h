@@ -297,7 +297,7 @@ double kn_rel_l2(const float *y, const float *ref, size_t n);
  * Limits: n_out (N) 1..262144 (an lm_head of a 262144-word vocabulary), n_in (K) 1..65536
  * (the int8 accumulator bound of the VNNI kernels), T 0..65536 per call.
  *
- * Threads: a kn_linear is written by kn_linear_load_rows only and read-only otherwise;
+ * Threads: a kn_linear is written by kn_linear_load_rows(_fp8) only and read-only otherwise;
  * forwards on it (from any engines, each with its own scratch) may run concurrently, but
  * not with a load of it. */
 typedef struct kn_linear kn_linear;

@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 static size_t align_up(size_t n) { return (n + KN_PACK_ALIGN - 1) & ~(size_t)(KN_PACK_ALIGN - 1); }

@@ -144,6 +144,7 @@ struct gc_model {
                                    * first was (the model-open line) */
   char dense_packed_why[256];
   uint64_t n_dense_fp8;           /* dense linears kept in fp8-b128 (an FP8 checkpoint's codes) */
+  uint32_t fp8_slow_said;         /* fp8_fast said once why FP8 dense weights go to bf16 */
   mr_st *st_kept;                 /* the mapping they read: closed after the ranks */
   uint64_t *seen;                 /* [ceil(E / 64)] experts activated in a step */
   gc_model_stats st;
@@ -521,6 +522,19 @@ out:
   return rc;
 }
 
+/* Whether the engine computes fp8-b128 as fast as bf16 (AVX-512 with BF16), or both on the
+ * reference (then fp8 keeps the exact weights at no cost). Else an FP8 checkpoint's dense
+ * weights are dequantized into bf16, as on an AVX2-only host, and the first time says so. */
+static bool fp8_fast(gc_model *m) {
+  if (kn_engine_isa(m->eng, KN_FMT_FP8) != KN_ISA_REF || kn_engine_isa(m->eng, KN_FMT_BF16) == KN_ISA_REF)
+    return true;
+  if (!m->fp8_slow_said++)
+    mr_log(MR_LOG_INFO, "FP8 dense weights are dequantized into bf16: the %s kernels have no fp8 "
+           "path (it needs AVX-512 with BF16), the reference would be slower than bf16",
+           kn_isa_name(kn_engine_isa(m->eng, KN_FMT_BF16)));
+  return false;
+}
+
 /* One linear of the parts' row ranges stacked, over input columns [col0, col0 + n_cols) of
  * the tensors' n_in (a tensor-parallel slice; everything: 0, rows / 0, n_in). */
 static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, uint32_t n_in,
@@ -551,8 +565,8 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
   const bool f8_cols = n_cols == n_in || (n_cols % KN_FP8_BLOCK == 0 && col0 % KN_FP8_BLOCK == 0);
   kn_format fmt = dense_format_of(m, t[0]->dtype);
   if (m->dense_fmt == KN_FMT_COUNT && (mixed || mr_st_is_f8e4m3(t[0])))
-    fmt = !mixed && bk->ops->linear_load_fp8 ? (f8_cols ? KN_FMT_FP8 : KN_FMT_F32)
-                                             : any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
+    fmt = !mixed && bk->ops->linear_load_fp8 && fp8_fast(m) ? (f8_cols ? KN_FMT_FP8 : KN_FMT_F32)
+                                                            : any_f32 ? KN_FMT_F32 : KN_FMT_BF16;
   if (m->o.map_weights) {
     int rc = borrow_linear(ld, p, t, n_parts, n_in, n_cols, mixed, fmt, out, e);
     if (rc != MR_ENOTSUP) return rc;

@@ -322,7 +322,8 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
  * dequantization, so the logits are those of --dense-format f32 bit for bit; served in
  * place (--map-weights) they are the packed model's bit for bit, on the reference and the
  * fast path; the fast path stays near the reference. --dense-format bf16 still gives the
- * old dequantized copy. */
+ * old dequantized copy, and so does an engine with no fp8 kernel but a fast bf16 one
+ * (AVX2). */
 MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
   /* seed 6: with seed 5 one token's routing is a near-tie that the bf16 rounding of the
    * fast path's activations flips (bf16 dense weights flip it too), which then spreads
@@ -370,6 +371,29 @@ MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
   const double d = kn_rel_l2(l[3], l[0], 12 * V);
   fprintf(stderr, "  fp8 dense, fast vs ref: rel L2 %.2e\n", d);
   MT_LE(d, 5e-2); /* bf16 activations, as fast_path_is_close_to_reference */
+  /* an engine without an fp8 kernel but with a fast bf16 one (AVX2): the old bf16 copy */
+  gc_model_opts o;
+  gc_model_opts_init(&o);
+  o.model_dir = dir;
+  o.engine.isa = KN_ISA_AVX2;
+  o.engine.threads = 2;
+  o.max_seq = 16;
+  o.quiet = true;
+  gc_model *m = NULL;
+  mr_err e = {0};
+  MT_OK(gc_model_open(&m, &o, &e), &e);
+  if (kn_engine_isa(gc_model_engine(m), KN_FMT_BF16) == KN_ISA_AVX2) {
+    MT_EQ_U64(gc_model_fp8_linears(m), 0);
+    static float la[12 * 128];
+    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = la};
+    MT_OK(gc_model_step(m, &s, &e), &e);
+    const double d2 = kn_rel_l2(la, l[0], 12 * V);
+    fprintf(stderr, "  avx2 engine, dense in bf16, vs ref fp8: rel L2 %.2e\n", d2);
+    MT_LE(d2, 5e-2);
+  } else {
+    printf("  SKIP avx2 engine: this CPU has no AVX2\n");
+  }
+  gc_model_close(m);
   rm_model();
 }
 
