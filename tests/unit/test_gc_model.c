@@ -432,6 +432,85 @@ MT_TEST(dense_format_fp8_quantizes_a_bf16_checkpoint) {
   rm_model();
 }
 
+/* Rewrites the test model's one file with every kv_a_proj_with_mqa stored as bf16 (its
+ * F8 codes dequantized with their block scales, then rounded) and without its scales:
+ * an FP8 checkpoint whose q_a_proj and kv_a_proj_with_mqa (one linear) differ in dtype. */
+static void kv_a_to_bf16(void) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  mr_st *st = NULL;
+  mr_st_writer *w = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, path, &e), &e);
+  MT_OK(mr_st_writer_new(&w), &e);
+  int changed = 0;
+  for (size_t i = 0; i < mr_st_count(st); i++) {
+    const mr_st_tensor *t = mr_st_at(st, i);
+    const bool kv_a = strstr(t->name, "kv_a_proj_with_mqa.weight") != NULL;
+    if (kv_a && strstr(t->name, "_scale_inv")) continue;
+    if (kv_a && mr_st_is_f8e4m3(t)) {
+      char sn[200];
+      snprintf(sn, sizeof sn, "%s_scale_inv", t->name);
+      const mr_st_tensor *s = mr_st_find(st, sn);
+      MT_TRUE(s != NULL && s->dtype == MR_DTYPE_F32);
+      const uint64_t N = t->shape[0], K = t->shape[1], C = (K + 127) / 128;
+      uint16_t *b = malloc(N * K * 2);
+      for (uint64_t n = 0; n < N; n++)
+        for (uint64_t k = 0; k < K; k++)
+          b[n * K + k] = mr_f32_to_bf16(kn_fp8_e4m3_to_f32(((const uint8_t *)t->data)[n * K + k]) *
+                                        ((const float *)s->data)[(n / 128) * C + k / 128]);
+      MT_OK(mr_st_writer_add(w, t->name, MR_DTYPE_BF16, 2, t->shape, b), &e);
+      free(b);
+      changed++;
+    } else if (mr_st_is_f8e4m3(t)) {
+      MT_OK(mr_st_writer_add_f8e4m3(w, t->name, t->ndim, t->shape, t->data), &e);
+    } else {
+      MT_OK(mr_st_writer_add(w, t->name, t->dtype, t->ndim, t->shape, t->data), &e);
+    }
+  }
+  MT_EQ_INT(changed, 3);
+  MT_OK(mr_st_writer_write(w, path, &e), &e);
+  mr_st_writer_free(w);
+  mr_st_close(st);
+}
+
+/* FP8 parts stacked with bf16 ones in one linear (q_a_proj | kv_a_proj_with_mqa above) are
+ * kept together in bf16 (the widest float of the parts), packed under --map-weights too:
+ * the other linears stay fp8-b128; the logits are near --dense-format f32's (the same
+ * linear in f32) and bit-identical with and without --map-weights. */
+MT_TEST(fp8_beside_bf16_parts_are_widened) {
+  make_model("--arch deepseek-v3 --groups 4 --topk-groups 2 --dense-layers 1 "
+             "--shared-experts 1 --yarn 4 --dtype fp8 --seed 6");
+  kv_a_to_bf16();
+  static float l[3][12 * 128];
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  for (int c = 0; c < 3; c++) {
+    gc_model_opts o;
+    gc_model_opts_init(&o);
+    o.model_dir = dir;
+    o.engine.isa = KN_ISA_REF;
+    o.engine.threads = 2;
+    o.max_seq = 16;
+    o.quiet = true;
+    o.map_weights = c == 1;
+    o.dense_format = c == 2 ? KN_FMT_F32 : KN_FMT_COUNT;
+    gc_model *m = NULL;
+    mr_err e = {0};
+    MT_OK(gc_model_open(&m, &o, &e), &e);
+    MT_EQ_U64(gc_model_fp8_linears(m), c == 2 ? 0 : 3 * 3 + 2 + 2 * 2 - 3);
+    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
+    MT_OK(gc_model_step(m, &s, &e), &e);
+    gc_model_close(m);
+  }
+  MT_TRUE(memcmp(l[0], l[1], sizeof l[0]) == 0);
+  const double d = kn_rel_l2(l[0], l[2], 12 * V);
+  fprintf(stderr, "  q_a | kv_a in bf16 vs f32: rel L2 %.2e\n", d);
+  MT_TRUE(d > 0); /* q_a is rounded to bf16 */
+  MT_LE(d, 2e-2);
+  rm_model();
+}
+
 /* Writes a bf16 NaN over element k of tensor name in the test model's one file. */
 static void poke_nan(const char *name, uint64_t k) {
   char path[300];
