@@ -316,6 +316,29 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
   }
 }
 
+/* Opens the test model (2 threads, max_seq 16, quiet) on isa with map_weights and
+ * dense_format as given, and prefills the prompt's 12 tokens into logits; the caller
+ * closes it. */
+static gc_model *open_prefill(kn_isa isa, bool map, kn_format dense, float *logits) {
+  gc_model_opts o;
+  gc_model_opts_init(&o);
+  o.model_dir = dir;
+  o.engine.isa = isa;
+  o.engine.threads = 2;
+  o.max_seq = 16;
+  o.quiet = true;
+  o.map_weights = map;
+  o.dense_format = dense;
+  gc_model *m = NULL;
+  mr_err e = {0};
+  MT_OK(gc_model_open(&m, &o, &e), &e);
+  uint32_t seq[12] = {0}, pos[12];
+  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
+  gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = logits};
+  MT_OK(gc_model_step(m, &s, &e), &e);
+  return m;
+}
+
 /* DeepSeek-V3's FP8 layout (every decoder linear F8_E4M3 with 128x128 block scales): the
  * dense linears are kept as fp8-b128, their codes as stored (about half the bytes of the
  * bf16 copy they used to be dequantized into). On the reference kernels that is the exact
@@ -331,34 +354,19 @@ MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
   make_model("--arch deepseek-v3 --groups 4 --topk-groups 2 --dense-layers 1 "
              "--shared-experts 1 --yarn 4 --dtype fp8 --seed 6");
   static float l[5][12 * 128];
-  uint32_t seq[12] = {0}, pos[12];
-  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
   /* ref fp8, ref --dense-format f32, ref fp8 in place, fast fp8, fast fp8 in place */
   const struct { bool fast, map; kn_format dense; } cfg[5] = {
       {false, false, KN_FMT_COUNT}, {false, false, KN_FMT_F32}, {false, true, KN_FMT_COUNT},
       {true, false, KN_FMT_COUNT}, {true, true, KN_FMT_COUNT}};
   uint64_t dense_fp8 = 0, dense_f32 = 0;
   for (int c = 0; c < 5; c++) {
-    gc_model_opts o;
-    gc_model_opts_init(&o);
-    o.model_dir = dir;
-    o.engine.isa = cfg[c].fast ? KN_ISA_COUNT : KN_ISA_REF;
-    o.engine.threads = 2;
-    o.max_seq = 16;
-    o.quiet = true;
-    o.map_weights = cfg[c].map;
-    o.dense_format = cfg[c].dense;
-    gc_model *m = NULL;
-    mr_err e = {0};
-    MT_OK(gc_model_open(&m, &o, &e), &e);
+    gc_model *m = open_prefill(cfg[c].fast ? KN_ISA_COUNT : KN_ISA_REF, cfg[c].map, cfg[c].dense, l[c]);
     /* 3 layers of q_a | kv_a, q_b, o; the dense layer's gate | up and down; the shared
      * experts' gate | up and down in the 2 MoE layers */
     MT_EQ_U64(gc_model_fp8_linears(m), cfg[c].dense == KN_FMT_F32 ? 0 : 3 * 3 + 2 + 2 * 2);
     if (c == 0) dense_fp8 = gc_model_dense_bytes(m);
     if (c == 1) dense_f32 = gc_model_dense_bytes(m);
     if (cfg[c].map) MT_TRUE(gc_model_mapped_dense_bytes(m) > 0);
-    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
-    MT_OK(gc_model_step(m, &s, &e), &e);
     MT_TRUE(isfinite(l[c][0]));
     gc_model_close(m);
   }
@@ -372,21 +380,10 @@ MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
   fprintf(stderr, "  fp8 dense, fast vs ref: rel L2 %.2e\n", d);
   MT_LE(d, 5e-2); /* bf16 activations, as fast_path_is_close_to_reference */
   /* an engine without an fp8 kernel but with a fast bf16 one (AVX2): the old bf16 copy */
-  gc_model_opts o;
-  gc_model_opts_init(&o);
-  o.model_dir = dir;
-  o.engine.isa = KN_ISA_AVX2;
-  o.engine.threads = 2;
-  o.max_seq = 16;
-  o.quiet = true;
-  gc_model *m = NULL;
-  mr_err e = {0};
-  MT_OK(gc_model_open(&m, &o, &e), &e);
+  static float la[12 * 128];
+  gc_model *m = open_prefill(KN_ISA_AVX2, false, KN_FMT_COUNT, la);
   if (kn_engine_isa(gc_model_engine(m), KN_FMT_BF16) == KN_ISA_AVX2) {
     MT_EQ_U64(gc_model_fp8_linears(m), 0);
-    static float la[12 * 128];
-    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = la};
-    MT_OK(gc_model_step(m, &s, &e), &e);
     const double d2 = kn_rel_l2(la, l[0], 12 * V);
     fprintf(stderr, "  avx2 engine, dense in bf16, vs ref fp8: rel L2 %.2e\n", d2);
     MT_LE(d2, 5e-2);
@@ -403,25 +400,10 @@ MT_TEST(fp8_checkpoint_dense_weights_kept_as_fp8) {
 MT_TEST(dense_format_fp8_quantizes_a_bf16_checkpoint) {
   make_model(NULL);
   static float l[3][12 * 128];
-  uint32_t seq[12] = {0}, pos[12];
-  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
   for (int c = 0; c < 3; c++) {
-    gc_model_opts o;
-    gc_model_opts_init(&o);
-    o.model_dir = dir;
-    o.engine.isa = KN_ISA_REF;
-    o.engine.threads = 2;
-    o.max_seq = 16;
-    o.quiet = true;
-    o.map_weights = c == 2;
-    o.dense_format = c ? KN_FMT_FP8 : KN_FMT_COUNT;
-    gc_model *m = NULL;
-    mr_err e = {0};
-    MT_OK(gc_model_open(&m, &o, &e), &e);
+    gc_model *m = open_prefill(KN_ISA_REF, c == 2, c ? KN_FMT_FP8 : KN_FMT_COUNT, l[c]);
     /* q | k | v and o in 3 layers, 3 routers, lm_head */
     MT_EQ_U64(gc_model_fp8_linears(m), c ? 3 * 2 + 3 + 1 : 0);
-    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
-    MT_OK(gc_model_step(m, &s, &e), &e);
     gc_model_close(m);
   }
   MT_TRUE(memcmp(l[1], l[2], sizeof l[1]) == 0);
@@ -483,24 +465,9 @@ MT_TEST(fp8_beside_bf16_parts_are_widened) {
              "--shared-experts 1 --yarn 4 --dtype fp8 --seed 6");
   kv_a_to_bf16();
   static float l[3][12 * 128];
-  uint32_t seq[12] = {0}, pos[12];
-  for (uint32_t i = 0; i < 12; i++) pos[i] = i;
   for (int c = 0; c < 3; c++) {
-    gc_model_opts o;
-    gc_model_opts_init(&o);
-    o.model_dir = dir;
-    o.engine.isa = KN_ISA_REF;
-    o.engine.threads = 2;
-    o.max_seq = 16;
-    o.quiet = true;
-    o.map_weights = c == 1;
-    o.dense_format = c == 2 ? KN_FMT_F32 : KN_FMT_COUNT;
-    gc_model *m = NULL;
-    mr_err e = {0};
-    MT_OK(gc_model_open(&m, &o, &e), &e);
+    gc_model *m = open_prefill(KN_ISA_REF, c == 1, c == 2 ? KN_FMT_F32 : KN_FMT_COUNT, l[c]);
     MT_EQ_U64(gc_model_fp8_linears(m), c == 2 ? 0 : 3 * 3 + 2 + 2 * 2 - 3);
-    gc_step s = {.n_tokens = 12, .ids = prompt, .seq = seq, .pos = pos, .logits = l[c]};
-    MT_OK(gc_model_step(m, &s, &e), &e);
     gc_model_close(m);
   }
   MT_TRUE(memcmp(l[0], l[1], sizeof l[0]) == 0);
