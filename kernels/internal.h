@@ -255,6 +255,10 @@ typedef struct kn__pack_fns {
   uint32_t (*copy_fp8)(uint8_t *dst, const uint8_t *src, uint32_t n);
   /* The same without writing (FP8 codes served in place: kn_layer_borrow_expert_fp8). */
   uint32_t (*check_fp8)(const uint8_t *src, uint32_t n);
+  /* n e4m3fn codes times one block scale into fp32: dst[k] = e4m3(q[k]) * scale, the exact
+   * product rounded once (kn_fp8_dequant_b128, the loader's FP8 -> other formats); returns
+   * the index of the first NaN code, or n (dst is written for all n either way). */
+  uint32_t (*dequant_fp8)(float *dst, const uint8_t *q, uint32_t n, float scale);
   /* The quantizers read the source as it is stored (dt F32, F16 or BF16: no fp32 copy of
    * the row in between). amax: the largest |value| of n values, *bad the index of the
    * first that is not finite (the amax of those before it is returned then), or n. */

@@ -644,6 +644,16 @@ static uint32_t pack_copy_fp8(uint8_t *dst, const uint8_t *src, uint32_t n) {
   return pack_check_fp8(src, n);
 }
 
+static uint32_t pack_dequant_fp8(float *dst, const uint8_t *q, uint32_t n, float scale) {
+  const float *tbl = mr_f8e4m3_table();
+  uint32_t bad = n;
+  for (uint32_t k = 0; k < n; k++) {
+    dst[k] = tbl[q[k]] * scale;
+    if (bad == n && (q[k] & 0x7f) == 0x7f) bad = k;
+  }
+  return bad;
+}
+
 static void pack_from_f32(void *dst, mr_dtype dt, const float *src, uint32_t n) {
   mr_convert_from_f32(dst, dt, src, n);
 }
@@ -654,6 +664,7 @@ const kn__pack_fns kn__pack_scalar = {
     .check = pack_check,
     .copy_fp8 = pack_copy_fp8,
     .check_fp8 = pack_check_fp8,
+    .dequant_fp8 = pack_dequant_fp8,
     .amax = pack_amax,
     .quant_int8 = pack_quant_int8,
     .quant_int4 = pack_quant_int4,
@@ -797,6 +808,81 @@ int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, ui
     mr_f8e4m3_quantize_rows(buf, nr, K, q + (size_t)r0 * K, scale_inv + (size_t)(r0 / B) * nkb);
   }
   mr_free(buf);
+  return 0;
+}
+
+/* kn_fp8_dequant_b128 in items of whole rows; the first NaN code (row-major) is kept. */
+typedef struct dequant_job {
+  const kn__pack_fns *P;
+  const uint8_t *q;
+  const float *scale_inv;
+  uint32_t K, row0, n_rows, rows_per_item;
+  float *dst;
+  pthread_mutex_t lock; /* guards bad_* (taken only at a NaN code) */
+  bool bad;
+  uint32_t bad_row, bad_col;
+} dequant_job;
+
+static void dequant_item(void *arg, uint32_t item, uint32_t worker) {
+  (void)worker;
+  dequant_job *j = arg;
+  const uint32_t K = j->K, nkb = kn__ngroups(K, KN_FP8_BLOCK);
+  const uint32_t r0 = item * j->rows_per_item;
+  const uint32_t r1 = r0 + j->rows_per_item < j->n_rows ? r0 + j->rows_per_item : j->n_rows;
+  for (uint32_t r = r0; r < r1; r++) {
+    const uint32_t row = j->row0 + r;
+    const uint8_t *q = j->q + (size_t)row * K;
+    const float *sr = j->scale_inv + (size_t)(row / KN_FP8_BLOCK) * nkb;
+    float *d = j->dst + (size_t)r * K;
+    for (uint32_t c0 = 0; c0 < K; c0 += KN_FP8_BLOCK) {
+      const uint32_t n = K - c0 < KN_FP8_BLOCK ? K - c0 : KN_FP8_BLOCK;
+      const float scale = sr[c0 / KN_FP8_BLOCK];
+      uint32_t k = j->P->dequant_fp8(d + c0, q + c0, n, scale);
+      if (!(scale * KN_FP8_MAX < INFINITY)) /* a scale so large that a code overflows fp32 */
+        for (uint32_t i = 0; i < k; i++)
+          if (isinf(d[c0 + i])) k = i;
+      if (k == n) continue;
+      pthread_mutex_lock(&j->lock);
+      if (!j->bad || row < j->bad_row || (row == j->bad_row && c0 + k < j->bad_col)) {
+        j->bad = true;
+        j->bad_row = row;
+        j->bad_col = c0 + k;
+      }
+      pthread_mutex_unlock(&j->lock);
+      return; /* the rest of this item cannot hold an earlier one */
+    }
+  }
+}
+
+int kn_fp8_dequant_b128(kn_engine *eng, const uint8_t *q, const float *scale_inv, uint32_t N,
+                        uint32_t K, uint32_t row0, uint32_t n_rows, float *dst, mr_err *e) {
+  if (!q || !scale_inv || !dst || K == 0)
+    return mr_err_set(e, MR_EINVAL, "kn_fp8_dequant_b128: q, scale_inv, dst and K > 0 are required");
+  if (row0 > N || n_rows > N - row0)
+    return mr_err_set(e, MR_EINVAL, "kn_fp8_dequant_b128: rows %u..%u of a %u-row matrix", row0,
+                      row0 + n_rows, N);
+  if (n_rows == 0) return 0;
+  /* items of >= 64 KiB of codes: small enough to balance, large enough to amortize a claim */
+  const uint32_t per = K >= 65536u ? 1u : 65536u / K;
+  dequant_job j = {.P = kn__pack(), .q = q, .scale_inv = scale_inv, .K = K, .row0 = row0,
+                   .n_rows = n_rows, .rows_per_item = per, .dst = dst};
+  pthread_mutex_init(&j.lock, NULL);
+  const uint32_t items = (n_rows + per - 1) / per;
+  if (eng)
+    kn_engine_run(eng, items, dequant_item, &j);
+  else
+    for (uint32_t i = 0; i < items && !j.bad; i++) dequant_item(&j, i, 0);
+  pthread_mutex_destroy(&j.lock);
+  if (j.bad) {
+    const uint8_t c = q[(size_t)j.bad_row * K + j.bad_col];
+    if ((c & 0x7f) == 0x7f)
+      return mr_err_set(e, MR_EINVAL, "[%u, %u] is a NaN code (0x%02x): e4m3fn weights must be finite",
+                        j.bad_row, j.bad_col, c);
+    return mr_err_set(e, MR_EINVAL, "[%u, %u]: code 0x%02x times block scale %g overflows fp32: "
+                      "weights must be finite", j.bad_row, j.bad_col, c,
+                      (double)scale_inv[(size_t)(j.bad_row / KN_FP8_BLOCK) * kn__ngroups(K, KN_FP8_BLOCK) +
+                                        j.bad_col / KN_FP8_BLOCK]);
+  }
   return 0;
 }
 
@@ -1000,16 +1086,23 @@ static bool load_row(load_job *j, float *dst, kn__proj p, size_t elem_off, uint3
                      uint32_t col0) {
   if (j->src_fp8) {
     /* Dequantize: w = e4m3 * scale_inv of its block, one fp32 multiply (kn.h). */
-    const float *tbl = kn__fp8_table();
     const uint8_t *q = (const uint8_t *)j->src[p] + elem_off;
     const uint32_t Kf = p == KN__DOWN ? j->L->d.inter : j->L->d.hidden;
     const float *sr = j->bscale[p] + (size_t)(row / KN_FP8_BLOCK) * kn__ngroups(Kf, KN_FP8_BLOCK);
-    for (uint32_t k = 0; k < K; k++) dst[k] = tbl[q[k]] * sr[(col0 + k) / KN_FP8_BLOCK];
-    for (uint32_t k = 0; k < K; k++)
-      if (!isfinite(dst[k])) {
-        note_bad(j, p, row, col0 + k, dst[k]);
+    /* block by block (a slice of an int8 / int4 layer may start inside one) */
+    for (uint32_t k = 0; k < K;) {
+      const uint32_t c = col0 + k, n = K - k < KN_FP8_BLOCK - c % KN_FP8_BLOCK ? K - k : KN_FP8_BLOCK - c % KN_FP8_BLOCK;
+      const float scale = sr[c / KN_FP8_BLOCK];
+      uint32_t b = j->P->dequant_fp8(dst + k, q + k, n, scale);
+      if (!(scale * KN_FP8_MAX < INFINITY)) /* a code times this scale may overflow fp32 */
+        for (uint32_t i = 0; i < b; i++)
+          if (isinf(dst[k + i])) b = i;
+      if (b < n) {
+        note_bad(j, p, row, c + b, (q[k + b] & 0x7f) == 0x7f ? NAN : dst[k + b]);
         return false;
       }
+      k += n;
+    }
     return true;
   }
   const uint32_t k = j->P->to_f32(dst, (const char *)j->src[p] + elem_off * mr_dtype_size(j->dt), j->dt, K);

@@ -45,6 +45,8 @@
 extern "C" {
 #endif
 
+typedef struct kn_engine kn_engine; /* the workers and kernel table (kn_engine_new below) */
+
 typedef enum kn_format {
   KN_FMT_F32 = 0, /* as stored, fp32 */
   KN_FMT_F16,     /* as stored, fp16 */
@@ -81,6 +83,17 @@ uint8_t kn_fp8_e4m3_from_f32(float v);
  * MR_EINVAL (naming row and column) for a non-finite weight, MR_ENOMEM. */
 int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, uint8_t *q,
                          float *scale_inv, mr_err *e);
+/* Dequantizes rows [row0, row0 + n_rows) of an F8_E4M3 matrix q [N, K] (codes as stored,
+ * row 0 first) with its block scales scale_inv (as above) into dst [n_rows, K] fp32:
+ *     dst[r, k] = e4m3(q[row0 + r, k]) * scale_inv[(row0 + r) / 128, k / 128]
+ * bit for bit kn_fp8_e4m3_to_f32(code) * scale. On eng's workers (NULL: the calling thread
+ * alone), vectorized where the CPU has AVX2. The scales are not checked here
+ * (kn_fp8_check_scales). Errors: MR_EINVAL for a NULL q, scale_inv or dst, rows outside
+ * 0..N or K = 0, and for a NaN code (0x7f / 0xff), named by its [row, column] in the
+ * matrix (the first in row-major order; dst is partly written then). Like kn_engine_run,
+ * not from inside an item of eng. */
+int kn_fp8_dequant_b128(kn_engine *eng, const uint8_t *q, const float *scale_inv, uint32_t N,
+                        uint32_t K, uint32_t row0, uint32_t n_rows, float *dst, mr_err *e);
 /* Checks the ceil(N/128) x ceil(K/128) block scales of a matrix: each finite and > 0.
  * MR_EINVAL naming `what`, the block [r, c] and the value. */
 int kn_fp8_check_scales(const float *scale_inv, uint32_t N, uint32_t K, const char *what,
@@ -105,7 +118,6 @@ typedef struct kn_engine_opts {
   const char *numa;     /* "auto", a node count "2", or a node list "0,1"; NULL = auto */
   uint32_t force_split; /* >0: pretend to have this many NUMA nodes (tests on 1-node hosts) */
 } kn_engine_opts;
-typedef struct kn_engine kn_engine;
 /* Creates an engine (starts its worker threads). The caller frees it with kn_engine_free.
  * Errors name the option and the limit (e.g. a forced ISA the CPU lacks). */
 int kn_engine_new(kn_engine **out, const kn_engine_opts *opts, mr_err *e);

@@ -136,6 +136,46 @@ MT_TEST(fp8_copy_and_check_find_the_first_nan_code) {
     }
 }
 
+/* dequant_fp8 (the loader's FP8 -> fp32): every code, subnormal ones (exponent 0) and both
+ * zeros included, times scales of every size (the product rounding in the subnormal range
+ * too), bit for bit the scalar set, which is the code table times the scale; the first NaN
+ * code found as copy_fp8 finds it, and nothing written past n. */
+MT_TEST(fp8_dequant_is_the_table_times_the_scale_bit_for_bit) {
+  NEED_AVX2();
+  static uint8_t q[MAXN];
+  static float a[MAXN + 1], b[MAXN + 1];
+  const float *tbl = mr_f8e4m3_table();
+  rng_seed(14);
+  for (int round = 0; round < 40; round++)
+    for (size_t li = 0; li < N_LENS; li++) {
+      const uint32_t n = lens[li];
+      for (uint32_t k = 0; k < n; k++) {
+        /* round 0: the 256 codes in order (NaN codes turned finite), later random */
+        q[k] = round == 0 ? (uint8_t)k : (uint8_t)rng_u32();
+        if ((q[k] & 0x7f) == 0x7f) q[k] ^= 1;
+      }
+      if (round >= 10 && n) q[round % 3 == 0 ? 0 : round % 3 == 1 ? n / 2 : n - 1] = round & 1 ? 0xff : 0x7f;
+      const float scales[] = {1.0f, rand_finite(), ldexpf(1.0f, -140), ldexpf(1.5f, 100),
+                              fabsf(rand_weight()) + 1e-30f, 3.0e-3f};
+      for (size_t si = 0; si < sizeof scales / sizeof scales[0]; si++) {
+        const float sc = fabsf(scales[si]);
+        a[n] = b[n] = 12345.0f;
+        const uint32_t first = S->dequant_fp8(b, q, n, sc);
+        MT_EQ_INT(A->dequant_fp8(a, q, n, sc), first);
+        MT_EQ_INT(first, S->check_fp8(q, n));
+        for (uint32_t k = 0; k < n; k++) {
+          if ((q[k] & 0x7f) == 0x7f) continue; /* what a NaN code gives is unspecified */
+          const float want = tbl[q[k]] * sc;
+          MT_EQ_INT(memcmp(&b[k], &want, 4), 0);
+          if (memcmp(&a[k], &want, 4) != 0)
+            MT__FAIL("n %u code 0x%02x scale %a: avx2 %a, want %a", n, q[k], (double)sc, (double)a[k],
+                    (double)want);
+        }
+        MT_TRUE(a[n] == 12345.0f && b[n] == 12345.0f);
+      }
+    }
+}
+
 static void amax_int8_and_float_outputs_are_bit_identical_with(const kn__pack_fns *X) {
   static float x[MAXN];
   static int8_t qa[MAXN], qb[MAXN];

@@ -1022,6 +1022,68 @@ MT_TEST(fp8_quantize_and_load_round_trip) {
   free(qd);
 }
 
+/* kn_fp8_dequant_b128: any band of rows (starting inside a block row, K not a multiple of
+ * 128) gives the table's value times its block's scale bit for bit, on the engine's
+ * workers and on the calling thread alike; a NaN code is refused naming the first one in
+ * row-major order (two are planted in different items, the later one first in the
+ * matrix's second half), and so is a code whose product with a huge block scale overflows
+ * fp32; bad arguments are refused. */
+MT_TEST(fp8_dequant_bands_on_the_workers) {
+  const uint32_t N = 700, K = 333, C = 3; /* 6 block rows, the last partial; 3 block columns */
+  uint8_t *q = malloc((size_t)N * K);
+  float sc[6 * 3];
+  rng_seed(21);
+  for (size_t i = 0; i < (size_t)N * K; i++) {
+    q[i] = (uint8_t)rng_u32();
+    if ((q[i] & 0x7f) == 0x7f) q[i] = 0x01; /* the smallest subnormal instead */
+  }
+  for (int b = 0; b < 18; b++) sc[b] = ldexpf(1.0f + (float)b / 7.0f, b * 9 - 80);
+  kn_engine *eng = engine_make(0);
+  mr_err e = {0};
+  float *d = malloc(((size_t)N * K + 1) * 4);
+  const uint32_t bands[][2] = {{0, 700}, {1, 1}, {130, 300}, {699, 1}, {5, 0}};
+  for (int use_eng = 0; use_eng < 2; use_eng++)
+    for (size_t bi = 0; bi < sizeof bands / sizeof bands[0]; bi++) {
+      const uint32_t r0 = bands[bi][0], n = bands[bi][1];
+      memset(d, 0xff, ((size_t)N * K + 1) * 4);
+      MT_OK(kn_fp8_dequant_b128(use_eng ? eng : NULL, q, sc, N, K, r0, n, d, &e), ep(&e));
+      for (uint32_t r = 0; r < n; r++)
+        for (uint32_t k = 0; k < K; k++) {
+          const uint32_t row = r0 + r;
+          const float want = kn_fp8_e4m3_to_f32(q[(size_t)row * K + k]) * sc[(row / 128) * C + k / 128];
+          MT_EQ_INT(memcmp(&d[(size_t)r * K + k], &want, 4), 0);
+        }
+      MT_TRUE(isnan(d[(size_t)n * K])); /* nothing written past the band */
+    }
+  q[(size_t)650 * K + 3] = 0x7f;
+  q[(size_t)200 * K + 300] = 0xff;
+  for (int use_eng = 0; use_eng < 2; use_eng++) {
+    MT_EQ_INT(kn_fp8_dequant_b128(use_eng ? eng : NULL, q, sc, N, K, 0, N, d, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "[200, 300] is a NaN code (0xff)");
+    MT_EQ_INT(kn_fp8_dequant_b128(use_eng ? eng : NULL, q, sc, N, K, 201, 499, d, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "[650, 3] is a NaN code (0x7f)");
+    MT_OK(kn_fp8_dequant_b128(use_eng ? eng : NULL, q, sc, N, K, 201, 449, d, &e), ep(&e));
+  }
+  /* a block scale so large that a code overflows fp32: refused, named (block [1, 2]) */
+  sc[1 * C + 2] = 1e37f;
+  for (uint32_t r = 128; r < 256; r++) memset(q + (size_t)r * K + 256, 0x38, K - 256); /* 1.0 */
+  q[(size_t)140 * K + 300] = 0x7e; /* 448: 4.48e39 */
+  q[(size_t)150 * K + 257] = 0x66; /* 56 x 1e37 overflows too; row 151 stays finite */
+  MT_EQ_INT(kn_fp8_dequant_b128(eng, q, sc, N, K, 130, 60, d, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "[140, 300]: code 0x7e times block scale 1e+37 overflows fp32");
+  MT_EQ_INT(kn_fp8_dequant_b128(eng, q, sc, N, K, 150, 1, d, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "[150, 257]: code 0x66");
+  MT_OK(kn_fp8_dequant_b128(eng, q, sc, N, K, 151, 1, d, &e), ep(&e));
+  MT_TRUE(d[300] == 1e37f);
+  MT_EQ_INT(kn_fp8_dequant_b128(eng, q, sc, N, K, 600, 101, d, &e), MR_EINVAL);
+  MT_CONTAINS(e.msg, "rows 600..701 of a 700-row matrix");
+  MT_EQ_INT(kn_fp8_dequant_b128(eng, q, NULL, N, K, 0, 1, d, &e), MR_EINVAL);
+  MT_EQ_INT(kn_fp8_dequant_b128(eng, q, sc, N, 0, 0, 1, d, &e), MR_EINVAL);
+  kn_engine_free(eng);
+  free(d);
+  free(q);
+}
+
 /* Bad fp8 input: a zero, negative, NaN or inf block scale (named: expert, matrix, block),
  * a NaN code (named by row and column), non-finite source weights when quantizing. */
 MT_TEST(fp8_load_refuses_bad_scales_and_codes) {
@@ -1050,6 +1112,21 @@ MT_TEST(fp8_load_refuses_bad_scales_and_codes) {
   MT_CONTAINS(e.msg, "expert 3 down[5, 7] = nan");
   MT_FALSE(kn_layer_has_expert(L, 3));
   MT_EQ_INT(kn_layer_load_expert_fp8(L, 3, q, gs, NULL, gs, q, ds, &e), MR_EINVAL);
+  /* converted to another format (int8 here), a code whose product with a huge block scale
+   * overflows fp32 is refused as a non-finite weight, named */
+  {
+    kn_layer *L8 = NULL;
+    kn_layer_desc d8 = {.hidden = H, .inter = I, .num_experts = 1, .format = KN_FMT_INT8};
+    MT_OK(kn_layer_new(&L8, eng, &d8, &e), ep(&e));
+    uint8_t *qu = calloc((size_t)H * I, 1);
+    qu[9 * H + 129] = 0x7e; /* up [I, H]: [9, 129], block column 1 */
+    float big[2] = {1, 1e37f};
+    MT_EQ_INT(kn_layer_load_expert_fp8(L8, 0, q, gs, qu, big, q, ds, &e), MR_EINVAL);
+    MT_CONTAINS(e.msg, "expert 0 up[9, 129] = inf");
+    MT_OK(kn_layer_load_expert_fp8(L8, 0, q, gs, q, big, q, ds, &e), ep(&e)); /* zeros: finite */
+    free(qu);
+    kn_layer_free(L8);
+  }
   float *w = calloc((size_t)H * I, 4);
   w[H * 3 + 1] = INFINITY; /* gate [I, H]: [3, 1] */
   MT_EQ_INT(kn_layer_load_expert(L, 1, w, w, w, MR_DTYPE_F32, &e), MR_EINVAL);
