@@ -1110,6 +1110,7 @@ static const gc_bk_ops cuda_ops = {
     cu_add,
     cu_route,
     cu_experts,
+    false, /* host_memory: device buffers are GPU memory */
 };
 
 /* ---- the library's table --------------------------------------------------------------- */

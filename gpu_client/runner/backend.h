@@ -243,6 +243,11 @@ typedef struct gc_bk_ops {
    * non-negative id must be loaded in x (ids / w host [T, k]). */
   int (*experts)(gc_backend *b, const gc_bk_experts *x, uint32_t T, uint32_t k,
                  const int32_t *ids, const float *w, const float *in, float *out, mr_err *e);
+
+  /* -- properties --------------------------------------------------------------------- */
+  /* Device buffers (alloc) are host memory (cpu): the loader writes weights it converts
+   * (kv_b_proj's fp32 copy) straight into them instead of staging and uploading. */
+  bool host_memory;
 } gc_bk_ops;
 
 struct gc_backend {
@@ -259,7 +264,7 @@ int gc_bk_cpu_new(gc_backend **out, kn_engine *eng, uint32_t max_seq, mr_err *e)
  * The client binaries do not link CUDA: `--backend cuda` dlopens libmoerpc-cuda.so, so that
  * one build runs on hosts with and without a GPU. The library exports the symbols below
  * (GC_CUDA_ABI checks that both sides were built from the same header). */
-#define GC_CUDA_ABI 1u
+#define GC_CUDA_ABI 2u
 typedef struct gc_comm gc_comm;
 typedef struct gc_cuda_lib {
   uint32_t abi; /* GC_CUDA_ABI */

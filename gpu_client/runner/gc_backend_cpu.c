@@ -703,6 +703,7 @@ static const gc_bk_ops cpu_ops = {
     .add = cpu_add,
     .route = cpu_route,
     .experts = cpu_experts,
+    .host_memory = true,
 };
 
 /* Arena block for kernel scratch (grows and keeps the largest block). */

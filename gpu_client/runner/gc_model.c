@@ -349,54 +349,19 @@ static int fp8_scales(loader *ld, const char *name, uint32_t N, uint32_t K, floa
   return 0;
 }
 
-/* Dequantizes an F8_E4M3 [N, K] tensor with its block scales into a new fp32 host array:
- * w = e4m3(q) * scale_inv[n / 128, k / 128], exactly (docs/DESIGN.md section 17). */
+/* Dequantizes rows [row0, row0 + n) of an F8_E4M3 [N, K] tensor with its block scales into
+ * dst ([n, K] fp32): w = e4m3(q) * scale_inv[row / 128, k / 128], exactly (docs/DESIGN.md
+ * section 17), on the rank's engine workers. */
 static int fp8_dequant(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
-                       uint32_t K, float **out, mr_err *e) {
-  gc_model *m = ld->m;
-  *out = NULL;
-  float *sc, *w = NULL;
+                       uint32_t K, uint32_t row0, uint32_t n, float *dst, mr_err *e) {
+  float *sc;
   const mr_st_tensor *st;
   int rc = fp8_scales(ld, name, N, K, &sc, &st, e);
   if (rc) return rc;
-  const uint32_t C = (K + KN_FP8_BLOCK - 1) / KN_FP8_BLOCK;
-  w = mr_malloc((size_t)N * K * sizeof *w);
-  if (!w) {
-    rc = mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", name, N, K);
-    goto out;
-  }
-  const uint8_t *q = t->data;
-  for (uint32_t n = 0; n < N; n++)
-    for (uint32_t k = 0; k < K; k++) {
-      float v = kn_fp8_e4m3_to_f32(q[(size_t)n * K + k]);
-      if (isnan(v)) {
-        rc = mr_err_set(e, MR_EFORMAT, "model %s: %s[%u, %u] is a NaN code", m->model_dir, name,
-                        n, k);
-        goto out;
-      }
-      w[(size_t)n * K + k] = v * sc[(size_t)(n / KN_FP8_BLOCK) * C + k / KN_FP8_BLOCK];
-    }
-  load_count(ld, st);
-  *out = w;
-  w = NULL;
-out:
+  rc = kn_fp8_dequant_b128(ld->r->eng, t->data, sc, N, K, row0, n, dst, e);
   mr_free(sc);
-  mr_free(w);
-  return rc;
-}
-
-/* The data of weight t (name [N, K], found by get_weight): as stored, or dequantized to
- * fp32 when F8_E4M3; *owned is the copy to free, NULL when *data points into the file. */
-static int tensor_rows(loader *ld, const char *name, const mr_st_tensor *t, uint32_t N,
-                       uint32_t K, const void **data, mr_dtype *dt, float **owned, mr_err *e) {
-  *owned = NULL;
-  *data = t->data;
-  *dt = t->dtype;
-  if (!mr_st_is_f8e4m3(t)) return 0;
-  int rc = fp8_dequant(ld, name, t, N, K, owned, e);
-  if (rc) return rc;
-  *data = *owned;
-  *dt = MR_DTYPE_F32;
+  if (rc) return mr_err_prefix(e, rc, "model %s: %s", ld->m->model_dir, name);
+  load_count(ld, st);
   return 0;
 }
 
@@ -415,6 +380,52 @@ static void dense_packed(gc_model *m, const char *name, const char *why) {
 /* Frees the n fp32 block-scale arrays of an FP8 linear's parts. */
 static void free_scales(float **sc, uint32_t n) {
   for (uint32_t i = 0; i < n; i++) mr_free(sc[i]);
+}
+
+/* Rows of part p (tensor t [p->rows, n_in], columns [col0, col0 + n_cols)) into rows row0..
+ * of w through linear_load: as stored, or dequantized to fp32 when F8_E4M3 (FP8 weights kept
+ * in a float format: an engine without an fp8 kernel, --dense-format, a column slice that is
+ * not whole blocks, parts beside float ones). A band of about 2M elements at a time, so that
+ * the fp32 copy and a column slice's gather reuse one buffer of a few MB rather than taking
+ * new memory the size of the tensor (the VMs give new memory slowly). */
+static int load_float_part(loader *ld, const lin_part *p, const mr_st_tensor *t, uint32_t n_in,
+                           uint32_t col0, uint32_t n_cols, gc_bk_linear *w, uint32_t row0,
+                           mr_err *e) {
+  gc_backend *bk = ld->r->bk;
+  const bool f8 = mr_st_is_f8e4m3(t), gather = n_cols != n_in;
+  const mr_dtype dt = f8 ? MR_DTYPE_F32 : t->dtype;
+  const size_t es = mr_dtype_size(dt);
+  const uint32_t band = n_in >= (1u << 21) ? 1u : (1u << 21) / n_in;
+  const uint32_t nb = band < p->n ? band : p->n;
+  float *sc = NULL, *conv = NULL;
+  uint8_t *slice = NULL;
+  const mr_st_tensor *st = NULL;
+  int rc = f8 ? fp8_scales(ld, p->name, p->rows, n_in, &sc, &st, e) : 0;
+  if (rc) return rc;
+  if ((f8 && !(conv = mr_malloc((size_t)nb * n_in * sizeof *conv))) ||
+      (gather && !(slice = mr_malloc((size_t)nb * n_cols * es))))
+    rc = mr_err_set(e, MR_ENOMEM, "%u rows of %u floats: out of memory", nb, n_in);
+  for (uint32_t r = 0; r < p->n && !rc; r += nb) {
+    const uint32_t n = p->n - r < nb ? p->n - r : nb;
+    const uint8_t *src = (const uint8_t *)t->data + (size_t)(p->row0 + r) * n_in * es;
+    if (f8) {
+      if ((rc = kn_fp8_dequant_b128(ld->r->eng, t->data, sc, p->rows, n_in, p->row0 + r, n, conv, e)))
+        break; /* named by the caller (the part's tensor) */
+      src = (const uint8_t *)conv;
+    }
+    if (gather) { /* a column slice: gathered row by row */
+      for (uint32_t row = 0; row < n; row++)
+        memcpy(slice + (size_t)row * n_cols * es, src + ((size_t)row * n_in + col0) * es,
+               (size_t)n_cols * es);
+      src = slice;
+    }
+    rc = bk->ops->linear_load(bk, w, row0 + r, n, src, dt, e);
+  }
+  if (!rc && st) load_count(ld, st);
+  mr_free(sc);
+  mr_free(conv);
+  mr_free(slice);
+  return rc;
 }
 
 /* A linear served in place from the mapping (--map-weights, as the hot experts): where the
@@ -582,26 +593,7 @@ static int load_linear_parts(loader *ld, const lin_part *p, uint32_t n_parts, ui
       load_count(ld, t[i]);
       continue;
     }
-    const void *data;
-    mr_dtype dt;
-    float *owned;
-    uint8_t *slice = NULL;
-    rc = tensor_rows(ld, p[i].name, t[i], p[i].rows, n_in, &data, &dt, &owned, e);
-    if (!rc) {
-      const size_t es = mr_dtype_size(dt);
-      const uint8_t *src = (const uint8_t *)data + (size_t)p[i].row0 * n_in * es;
-      if (n_cols != n_in) { /* a column slice: gather it row by row */
-        slice = mr_malloc((size_t)p[i].n * n_cols * es);
-        if (!slice) rc = mr_err_set(e, MR_ENOMEM, "%s: out of memory", p[i].name);
-        for (uint32_t row = 0; slice && row < p[i].n; row++)
-          memcpy(slice + (size_t)row * n_cols * es, src + ((size_t)row * n_in + col0) * es,
-                 (size_t)n_cols * es);
-        src = slice;
-      }
-      if (!rc) rc = bk->ops->linear_load(bk, *out, row0, p[i].n, src, dt, e);
-    }
-    mr_free(slice);
-    mr_free(owned);
+    rc = load_float_part(ld, &p[i], t[i], n_in, col0, n_cols, *out, row0, e);
     if (rc) return mr_err_prefix(e, rc, "%s", p[i].name);
     row0 += p[i].n;
     load_count(ld, t[i]);
@@ -630,6 +622,42 @@ static int load_mlp(loader *ld, const char *g, const char *u, const char *d, uin
   if (rc) return rc;
   const lin_part dn[1] = {{d, m->H, 0, m->H}};
   return load_linear_parts(ld, dn, 1, I, off, n, down, e);
+}
+
+/* kv_b_proj [n_heads * (nope + v), kv_lora] as the fp32 device array the absorbed MLA reads:
+ * the rows of the rank's heads (from head h0), converted once, on the engine's workers when
+ * FP8, straight into the device buffer where that is host memory (cpu), else staged and
+ * uploaded. */
+static int load_kv_b(loader *ld, const char *name, uint32_t h0, float **out, mr_err *e) {
+  gc_model *m = ld->m;
+  gc_backend *bk = ld->r->bk;
+  const uint32_t N = m->nh * (m->nope + m->vd), K = m->kv_lora;
+  const uint32_t row0 = h0 * (m->nope + m->vd), rows = m->lnh * (m->nope + m->vd);
+  const size_t n = (size_t)rows * K;
+  const mr_st_tensor *t;
+  int rc = get_weight(ld, name, N, K, &t, e);
+  if (rc) return rc;
+  float *dev = bk->ops->alloc(bk, n * sizeof *dev);
+  float *host = bk->ops->host_memory ? dev : mr_malloc(n * sizeof *host);
+  if (!dev || !host) {
+    rc = mr_err_set(e, MR_ENOMEM, "%s: %u x %u floats: out of memory", name, rows, K);
+    goto out;
+  }
+  if (mr_st_is_f8e4m3(t))
+    rc = fp8_dequant(ld, name, t, N, K, row0, rows, host, e);
+  else
+    mr_convert_to_f32(host, (const uint8_t *)t->data + (size_t)row0 * K * mr_dtype_size(t->dtype),
+                      t->dtype, n);
+  if (!rc && host != dev) rc = bk->ops->upload(bk, dev, host, n, e);
+  if (rc) goto out;
+  load_count(ld, t);
+  m->dense_bytes += n * sizeof *dev;
+  *out = dev;
+  dev = NULL;
+out:
+  if (!bk->ops->host_memory) mr_free(host);
+  if (dev) bk->ops->free(bk, dev);
+  return rc;
 }
 
 /* MLA attention (DeepSeek-V3): q_a_proj | kv_a_proj_with_mqa (or q_proj | kv_a_...) as one
@@ -661,29 +689,7 @@ static int load_attention_mla(loader *ld, uint32_t l, model_layer *ly, mr_err *e
   }
   snprintf(nm, sizeof nm, "%s.%u.self_attn.kv_a_layernorm.weight", pre, l);
   if ((rc = load_vec(ld, nm, m->kv_lora, false, &ly->kv_a_norm, e))) return rc;
-  {
-    const mr_st_tensor *t;
-    const void *data;
-    mr_dtype dt;
-    float *owned;
-    const uint32_t N = m->nh * (m->nope + m->vd);
-    /* the rank's heads: rows [h0 * (nope + v), ...) */
-    const size_t n = (size_t)m->lnh * (m->nope + m->vd) * m->kv_lora;
-    const size_t skip = (size_t)h0 * (m->nope + m->vd) * m->kv_lora;
-    if ((rc = get_weight(ld, kvbn, N, m->kv_lora, &t, e))) return rc;
-    if ((rc = tensor_rows(ld, kvbn, t, N, m->kv_lora, &data, &dt, &owned, e))) return rc;
-    float *host = mr_malloc(n * sizeof *host);
-    if (!host) {
-      mr_free(owned);
-      return mr_err_set(e, MR_ENOMEM, "%s: out of memory", kvbn);
-    }
-    mr_convert_to_f32(host, (const uint8_t *)data + skip * mr_dtype_size(dt), dt, n);
-    mr_free(owned);
-    rc = dev_vec(m, ld->r, host, n, &ly->w_kv_b, e);
-    mr_free(host);
-    if (rc) return rc;
-    load_count(ld, t);
-  }
+  if ((rc = load_kv_b(ld, kvbn, h0, &ly->w_kv_b, e))) return rc;
   const lin_part op[1] = {{on, m->H, 0, m->H}};
   if ((rc = load_linear_parts(ld, op, 1, m->nh * m->vd, h0 * m->vd, m->lnh * m->vd, &ly->o, e)))
     return rc;

@@ -316,19 +316,22 @@ MT_TEST(map_weights_serves_experts_in_place_with_the_same_logits) {
   }
 }
 
-/* Opens the test model (2 threads, max_seq 16, quiet) on isa with map_weights and
- * dense_format as given, and prefills the prompt's 12 tokens into logits; the caller
- * closes it. */
+/* The test model's options: 2 threads, max_seq 16, quiet, on isa with map_weights and
+ * dense_format as given. open_prefill opens it so and prefills the prompt's 12 tokens
+ * into logits; the caller closes it. */
+static void prefill_opts(gc_model_opts *o, kn_isa isa, bool map, kn_format dense) {
+  gc_model_opts_init(o);
+  o->model_dir = dir;
+  o->engine.isa = isa;
+  o->engine.threads = 2;
+  o->max_seq = 16;
+  o->quiet = true;
+  o->map_weights = map;
+  o->dense_format = dense;
+}
 static gc_model *open_prefill(kn_isa isa, bool map, kn_format dense, float *logits) {
   gc_model_opts o;
-  gc_model_opts_init(&o);
-  o.model_dir = dir;
-  o.engine.isa = isa;
-  o.engine.threads = 2;
-  o.max_seq = 16;
-  o.quiet = true;
-  o.map_weights = map;
-  o.dense_format = dense;
+  prefill_opts(&o, isa, map, dense);
   gc_model *m = NULL;
   mr_err e = {0};
   MT_OK(gc_model_open(&m, &o, &e), &e);
@@ -514,6 +517,48 @@ MT_TEST(map_weights_refuses_a_nan_dense_weight) {
       if (map && w == 1) MT_CONTAINS(e.msg, "q_proj.weight | model.layers.2.self_attn.k_proj.weight | ");
       if (map && w == 1) MT_CONTAINS(e.msg, "(part 2, its row 1 of 32)");
     }
+    rm_model();
+  }
+}
+
+/* Writes e4m3 code c (a NaN: 0x7f / 0xff) at [row, col] of 2-D tensor name in the test
+ * model's one file. */
+static void poke_code(const char *name, uint64_t row, uint64_t col, uint8_t c) {
+  char path[300];
+  snprintf(path, sizeof path, "%s/model.safetensors", dir);
+  mr_st *st = NULL;
+  mr_err e = {0};
+  MT_OK(mr_st_open(&st, path, &e), &e);
+  const mr_st_tensor *t = mr_st_find(st, name);
+  MT_TRUE(t != NULL && mr_st_is_f8e4m3(t) && t->ndim == 2 && row < t->shape[0] && col < t->shape[1]);
+  const uint64_t K = t->shape[1];
+  mr_st_close(st);
+  st_poke(path, name, row * K + col, &c, 1);
+}
+
+/* A NaN code in an FP8 weight that the loader dequantizes (kv_b_proj, always fp32 for the
+ * absorbed MLA; o_proj under --dense-format bf16) fails the open, naming the tensor and the
+ * code's [row, column] (the first of two in row-major order); kept as fp8-b128
+ * (the default) the same o_proj is refused too. */
+MT_TEST(fp8_nan_code_in_a_dequantized_weight_is_named) {
+  static const struct { const char *name; kn_format dense; const char *want; } c[3] = {
+      {"model.layers.1.self_attn.kv_b_proj.weight", KN_FMT_COUNT, "[40, 5] is a NaN code (0xff)"},
+      {"model.layers.2.self_attn.o_proj.weight", KN_FMT_BF16, "[40, 5] is a NaN code (0xff)"},
+      {"model.layers.2.self_attn.o_proj.weight", KN_FMT_COUNT, "W[row 40, column 5] is a NaN code"}};
+  for (int i = 0; i < 3; i++) {
+    make_model("--arch deepseek-v3 --groups 4 --topk-groups 2 --dense-layers 1 "
+               "--shared-experts 1 --yarn 4 --dtype fp8 --seed 6");
+    poke_code(c[i].name, 60, 3, 0x7f);
+    poke_code(c[i].name, 40, 5, 0xff);
+    gc_model_opts o;
+    prefill_opts(&o, KN_ISA_REF, false, c[i].dense);
+    gc_model *m = (gc_model *)&m;
+    mr_err e = {0};
+    MT_EQ_INT(gc_model_open(&m, &o, &e), MR_EINVAL);
+    MT_TRUE(m == NULL);
+    fprintf(stderr, "  %s\n", e.msg);
+    MT_CONTAINS(e.msg, c[i].name);
+    MT_CONTAINS(e.msg, c[i].want);
     rm_model();
   }
 }
