@@ -6,6 +6,12 @@
 #   tests/bench/load_ab.sh OLD_BIN_DIR [NEW_BIN_DIR] [ROUNDS]   # NEW default build/bin, 5 rounds
 #   FORMATS="bf16 int8 int4" THREADS=2 MODEL=DIR tests/bench/load_ab.sh /tmp/old/build/bin
 #
+# FORMATS: bf16 (the stored format, fp8 for an FP8 checkpoint), int8, int4 (--quant) for
+# the server; client, client-map (--map-weights), client-bf16 (--dense-format bf16) for
+# moerpc-client's load of the whole model (dense layers and every expert local: `bench`,
+# its "model: loaded ... took S s"), e.g. on the DeepSeek-V3-shaped FP8 model:
+#   MODEL=build/bench/deepseek-v3-3l-fp8-e64 FORMATS="client client-map client-bf16" ...
+#
 # An old build: git worktree add /tmp/old REV && make -C /tmp/old build/bin/moerpc-server.
 # Each round: `cat` of the files (the plain read), then for each format and build an
 # untimed load and a timed one (the timed load then gets memory a process just gave back;
@@ -25,7 +31,8 @@ THREADS=${THREADS:-2}
 FORMATS=${FORMATS:-bf16 int8 int4}
 MODEL=${MODEL:-build/bench/qwen3-30b-a3b-l2}
 for b in "$OLD" "$NEW"; do
-  [ -x "$b/moerpc-server" ] || { echo "load_ab: no $b/moerpc-server" >&2; exit 2; }
+  [ -x "$b/moerpc-server" ] && [ -x "$b/moerpc-client" ] ||
+    { echo "load_ab: no $b/moerpc-server or moerpc-client" >&2; exit 2; }
 done
 [ -f "$MODEL/config.json" ] || { echo "load_ab: no model at $MODEL (tests/bench/load_speed.sh makes it)" >&2; exit 2; }
 DIR=$(mktemp -d)
@@ -38,6 +45,15 @@ now() { date +%s.%N; }
 
 load_s() { # bin_dir format: seconds of the load
   local extra=()
+  case $2 in
+    client*)
+      case $2 in client-map) extra=(--map-weights) ;; client-bf16) extra=(--dense-format bf16) ;; esac
+      "$1/moerpc-client" bench --model "$MODEL" --threads "$THREADS" --decode 1 --prompt-len 2 \
+          --repeats 1 "${extra[@]}" >"$DIR/client.log" 2>&1 ||
+        { echo "load_ab: client failed" >&2; tail -5 "$DIR/client.log" >&2; exit 1; }
+      sed -n 's/.*model: loaded .* took \([0-9.]*\) s.*/\1/p' "$DIR/client.log" | tail -1
+      return ;;
+  esac
   [ "$2" = bf16 ] || extra=(--quant "$2")
   "$1/moerpc-server" --model "$MODEL" --listen 127.0.0.1:0 --experts all --threads "$THREADS" \
       "${extra[@]}" >"$DIR/server.log" 2>&1 &
