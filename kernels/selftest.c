@@ -203,7 +203,7 @@ static int st_groups(kn_format f, uint32_t *g) {
     g[2] = 128;
     return 3;
   }
-  g[0] = 0;
+  g[0] = f == KN_FMT_FP8 ? KN_FP8_BLOCK : 0; /* what kn_layer_new gives each format */
   return 1;
 }
 

@@ -1,7 +1,8 @@
 /*
  * moe_avx2.c - the AVX2 entries of the kernel table (internal.h section C), compiled with
- * the AVX2 flags of the Makefile only (-mavx2 -mfma -mf16c). For CPUs without AVX-512, and
- * for the int8/int4 formats on AVX-512 CPUs without VNNI.
+ * the AVX2 flags of the Makefile only (-mavx2 -mfma -mf16c). For CPUs without AVX-512, for
+ * the int8/int4 formats on AVX-512 CPUs without VNNI, and for fp8-b128 on AVX-512 CPUs
+ * without BF16.
  *
  * Every format is computed in fp32 with FMA on fp32 activations, so the results match the
  * reference (fp32 math over the stored weights) up to summation order: the weights are
@@ -16,6 +17,10 @@
  *         lo = b & 0xf holds the even elements, hi = (b >> 4) & 0xf the odd ones;
  *         w = (u - 8) * s = u * s - 8 s is one vfmsub per 8 values. Activations as for
  *         bf16 but per block of 32 (16 even, 16 odd).
+ *   fp8   (fp8-b128) 16 e4m3 codes widened to their exact fp32 values in registers
+ *         (fp8_avx2.h, through fp16) and multiplied by their 128-block's scale: the weights of the
+ *         reference, one rounding each; fp32 activations in place. For CPUs without
+ *         AVX-512 BF16 (Zen 2 / 3, Skylake / Cascade Lake), where fp8 ran on the reference.
  *
  * Tiles: RW weight rows x C tokens, RW * C <= 8 ymm accumulators, reduced together by a
  * transposing tree (hsum8) into one vector with dot (c, r) in lane c * RW + r. n = 1:
@@ -29,17 +34,19 @@
 #include <immintrin.h>
 #include <string.h>
 
+#include "kernels/x86/fp8_avx2.h"
+
 #define AI static inline __attribute__((always_inline))
 #define UNROLL _Pragma("GCC unroll 8")
 
-typedef enum v256 { V_F32, V_F16, V_BF16, V_I8, V_I4, V_COUNT } v256;
+typedef enum v256 { V_F32, V_F16, V_BF16, V_I8, V_I4, V_FP8, V_COUNT } v256;
 
 /* Activations: fp32 in place, or fp32 in even/odd blocks (bf16: 16, int4: 32; int4 rows are
  * padded to 128 so that a row's last group, up to 128 wide, never reads past the token). */
 static const kn__x86_act_kind act_kind[V_COUNT] = {KN__ACT_NONE, KN__ACT_NONE, KN__ACT_F32EO,
-                                                    KN__ACT_NONE, KN__ACT_F32EO};
-static const uint32_t act_quantum[V_COUNT] = {8, 8, 16, 8, 128};
-static const uint32_t act_block[V_COUNT] = {8, 8, 16, 8, 32};
+                                                    KN__ACT_NONE, KN__ACT_F32EO, KN__ACT_NONE};
+static const uint32_t act_quantum[V_COUNT] = {8, 8, 16, 8, 128, 8};
+static const uint32_t act_block[V_COUNT] = {8, 8, 16, 8, 32, 8};
 
 static kn__x86_acts acts_layout(const v256 v, uint32_t K, uint32_t G, uint32_t n) {
   return kn__x86_acts_layout(act_kind[v], K, act_quantum[v], act_block[v], G, n);
@@ -94,8 +101,8 @@ AI __m256 silu_ps(__m256 g) {
 typedef struct kctx {
   uint32_t K;        /* elements per weight row */
   size_t rb;         /* bytes per weight row */
-  uint32_t G, ng;    /* INT4 */
-  uint32_t gshift;   /* INT4: log2(G) (the group of element k is k >> gshift) */
+  uint32_t G, ng;    /* INT4, FP8 (G = 128) */
+  uint32_t gshift;   /* INT4, FP8: log2(G) (the group of element k is k >> gshift) */
   const uint8_t *xb; /* token c at xb + c * xstride: fp32 in place, or prepared */
   size_t xstride;
 } kctx;
@@ -183,6 +190,36 @@ AI void step_bf16(const int C, const uint8_t *wr, const float *const *xp, uint32
   }
 }
 
+/* One step of 16 fp8 codes of row wr: their exact values (fp8_avx2.h) times the scale of
+ * their 128-block (sr: the row's scales), against C tokens in place; the tail (K % 16
+ * codes) is copied out zero-padded, and x masked. */
+AI void step_fp8(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
+                 const float *const *xp, uint32_t s, bool tail, uint32_t rem, __m256 *a, const int st) {
+  const size_t k = 16 * (size_t)s;
+  __m128i c16;
+  if (!tail) {
+    c16 = _mm_loadu_si128((const __m128i *)(wr + k));
+  } else {
+    uint8_t b[16] = {0};
+    memcpy(b, wr + k, rem);
+    c16 = _mm_loadu_si128((const __m128i *)b);
+  }
+  const __m256i h = kn__fp8x16_to_ph(c16);
+  const __m256 sc = _mm256_set1_ps(sr[k >> cx->gshift]);
+  const __m256 w0 = _mm256_mul_ps(kn__fp8_ph_lo(h), sc), w1 = _mm256_mul_ps(kn__fp8_ph_hi(h), sc);
+  UNROLL for (int c = 0; c < C; c++) {
+    __m256 x0, x1;
+    if (!tail) {
+      x0 = _mm256_loadu_ps(xp[c] + k);
+      x1 = _mm256_loadu_ps(xp[c] + k + 8);
+    } else {
+      x0 = _mm256_maskload_ps(xp[c] + k, lanes_lt(rem));
+      x1 = rem > 8 ? _mm256_maskload_ps(xp[c] + k + 8, lanes_lt(rem - 8)) : _mm256_setzero_ps();
+    }
+    a[c * st] = _mm256_fmadd_ps(w1, x1, _mm256_fmadd_ps(w0, x0, a[c * st]));
+  }
+}
+
 /* One step of 16 int4 bytes = 32 elements of one group (rows are whole steps). */
 AI void step_i4(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
                 const float *const *xp, uint32_t s, __m256 *a, const int st) {
@@ -226,6 +263,10 @@ AI __m256 tile(const v256 v, const int RW, const int C, const bool seq, const kc
 #define STEP(r, st_, tail, a, stride) step_bf16(C, w[r], xp, st_, tail, K % 16, a, stride)
     TILE_ORDER(seq, K / 16, K % 16 != 0, 32, STEP);
 #undef STEP
+  } else if (v == V_FP8) {
+#define STEP(r, st_, tail, a, stride) step_fp8(C, cx, w[r], s[r], xp, st_, tail, K % 16, a, stride)
+    TILE_ORDER(seq, K / 16, K % 16 != 0, 16, STEP);
+#undef STEP
   } else {
 #define STEP(r, st_, tail, a, stride) step_i4(C, cx, w[r], s[r], xp, st_, a, stride)
     TILE_ORDER(seq, (uint32_t)(cx->rb / 16), false, 16, STEP);
@@ -259,7 +300,7 @@ AI void gu_block(const v256 v, const int R, const int C, const kn__task *t, cons
     uint32_t row = i + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
     w[r] = (const uint8_t *)ws->gate + row * cx->rb;
     w[R + r] = (const uint8_t *)ws->up + row * cx->rb;
-    if (v == V_I4) {
+    if (v == V_I4 || v == V_FP8) {
       s[r] = ws->gate_scale + (size_t)row * cx->ng;
       s[R + r] = ws->up_scale + (size_t)row * cx->ng;
     }
@@ -285,7 +326,7 @@ AI void mat_block(const v256 v, const int RW, const int C, const bool seq, const
   UNROLL for (int r = 0; r < RW; r++) {
     uint32_t rr = row + ((uint32_t)r < Rv ? (uint32_t)r : Rv - 1);
     w[r] = base + rr * cx->rb;
-    if (v == V_I4) s[r] = scale + (size_t)rr * cx->ng;
+    if (v == V_I4 || v == V_FP8) s[r] = scale + (size_t)rr * cx->ng;
   }
   __m256 d = tile(v, RW, C, seq, cx, w, s, c0, Cv, !seq && c0 == 0 ? RW * cx->rb : 0);
   if (v == V_I8) d = _mm256_mul_ps(d, row_scales(RW, RW, scale + row, NULL, Rv));
@@ -304,9 +345,9 @@ static kctx ctx_make(const v256 v, const kn_layer *L, uint32_t K, const void *ac
   kctx cx;
   memset(&cx, 0, sizeof cx);
   cx.K = K;
-  cx.G = L->d.group;
+  cx.G = v == V_FP8 ? KN_FP8_BLOCK : L->d.group; /* fp8-b128's blocks, whatever d.group says */
   cx.rb = kn__row_bytes(L->d.format, K, cx.G);
-  if (v == V_I4) {
+  if (v == V_I4 || v == V_FP8) {
     cx.ng = kn__ngroups(K, cx.G);
     cx.gshift = cx.G == 32 ? 5 : cx.G == 64 ? 6 : 7;
   }
@@ -398,6 +439,7 @@ KN__X86_ENTRY(V_F16, f16)
 KN__X86_ENTRY(V_BF16, bf16)
 KN__X86_ENTRY(V_I8, i8)
 KN__X86_ENTRY(V_I4, i4)
+KN__X86_ENTRY(V_FP8, fp8)
 
 
 void kn__avx2_register(kn__kernel_table *t) {
@@ -406,4 +448,5 @@ void kn__avx2_register(kn__kernel_table *t) {
   t->k[KN_FMT_BF16][KN_ISA_AVX2] = KN__X86_KERNEL(bf16, true, "avx2_bf16_f32", KN__RND_F32);
   t->k[KN_FMT_INT8][KN_ISA_AVX2] = KN__X86_KERNEL(i8, false, "avx2_int8_f32", KN__RND_F32);
   t->k[KN_FMT_INT4][KN_ISA_AVX2] = KN__X86_KERNEL(i4, true, "avx2_int4_f32", KN__RND_F32);
+  t->k[KN_FMT_FP8][KN_ISA_AVX2] = KN__X86_KERNEL(fp8, false, "avx2_fp8_f32", KN__RND_F32);
 }

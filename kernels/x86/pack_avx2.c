@@ -24,6 +24,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "kernels/x86/fp8_avx2.h"
+
 /* ---- conversions -------------------------------------------------------------------- */
 
 static uint32_t to_f32_avx2(float *dst, const void *src, mr_dtype dt, uint32_t n) {
@@ -126,31 +128,16 @@ static uint32_t check_fp8_avx2(const uint8_t *src, uint32_t n) {
   return n;
 }
 
-/* e4m3fn -> fp32 times scale, 8 codes at a time, exactly as tbl[q] * scale: a normal code
- * (exponent field e > 0) is the fp32 with exponent e + 120 and the code's 3 mantissa bits
- * on top of its 23; a subnormal one (e = 0) is m * 2^-9, made from the integer m so that no
- * fp32 subnormal (and no DAZ or microcode assist) is involved. The product is then rounded
- * once, as the scalar path's. NaN codes (0x7f, 0xff) are only noted. */
+/* e4m3fn -> fp32 times scale, 8 codes at a time (fp8_avx2.h), then rounded once: exactly
+ * the table's value times the scale, as the scalar path. NaN codes are only looked for. */
 static uint32_t dequant_fp8_avx2(float *dst, const uint8_t *q, uint32_t n, float scale) {
-  const __m256i m7f = _mm256_set1_epi32(0x7f), bias = _mm256_set1_epi32(120 << 23);
-  const __m256i eight = _mm256_set1_epi32(8);
-  const __m256 sub = _mm256_set1_ps(0x1p-9f), s = _mm256_set1_ps(scale);
-  __m256i bad = _mm256_setzero_si256();
+  const __m256 s = _mm256_set1_ps(scale);
   uint32_t k = 0;
-  for (; k + 8 <= n; k += 8) {
-    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + k)));
-    const __m256i mag = _mm256_and_si256(c, m7f);
-    const __m256i sign = _mm256_slli_epi32(_mm256_andnot_si256(m7f, c), 24);
-    const __m256 nrm = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), bias));
-    const __m256 sbn = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), sub);
-    const __m256 v = _mm256_blendv_ps(nrm, sbn, _mm256_castsi256_ps(_mm256_cmpgt_epi32(eight, mag)));
-    _mm256_storeu_ps(dst + k, _mm256_mul_ps(_mm256_or_ps(v, _mm256_castsi256_ps(sign)), s));
-    bad = _mm256_or_si256(bad, _mm256_cmpeq_epi32(mag, m7f));
-  }
+  for (; k + 8 <= n; k += 8)
+    _mm256_storeu_ps(dst + k, _mm256_mul_ps(kn__fp8x8_to_ps(_mm_loadl_epi64((const __m128i *)(q + k))), s));
   const float *tbl = mr_f8e4m3_table();
-  for (uint32_t i = k; i < n; i++) dst[i] = tbl[q[i]] * scale;
-  if (_mm256_testz_si256(bad, bad) && check_fp8_avx2(q + k, n - k) == n - k) return n;
-  return check_fp8_avx2(q, n);
+  for (; k < n; k++) dst[k] = tbl[q[k]] * scale;
+  return check_fp8_avx2(q, n); /* the codes just read, still in L1 */
 }
 
 /* The copy, then the check of the source while its row is still in cache. */
