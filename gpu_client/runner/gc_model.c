@@ -533,15 +533,16 @@ out:
   return rc;
 }
 
-/* Whether the engine computes fp8-b128 as fast as bf16 (AVX-512 with BF16), or both on the
- * reference (then fp8 keeps the exact weights at no cost). Else an FP8 checkpoint's dense
- * weights are dequantized into bf16, as on an AVX2-only host, and the first time says so. */
+/* Whether the engine has a fast fp8-b128 kernel (AVX-512 with BF16, or AVX2's fp32 FMA),
+ * or computes bf16 on the reference too (then fp8 keeps the exact weights at no cost).
+ * Else (an fp8 kernel that failed its start-up self-test) an FP8 checkpoint's dense weights
+ * are dequantized into bf16, and the first time says so. */
 static bool fp8_fast(gc_model *m) {
   if (kn_engine_isa(m->eng, KN_FMT_FP8) != KN_ISA_REF || kn_engine_isa(m->eng, KN_FMT_BF16) == KN_ISA_REF)
     return true;
   if (!m->fp8_slow_said++)
-    mr_log(MR_LOG_INFO, "FP8 dense weights are dequantized into bf16: the %s kernels have no fp8 "
-           "path (it needs AVX-512 with BF16), the reference would be slower than bf16",
+    mr_log(MR_LOG_INFO, "FP8 dense weights are dequantized into bf16: this engine has no fast fp8 "
+           "kernel (bf16 runs on %s), the reference would be slower than bf16",
            kn_isa_name(kn_engine_isa(m->eng, KN_FMT_BF16)));
   return false;
 }
