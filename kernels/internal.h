@@ -257,7 +257,8 @@ typedef struct kn__pack_fns {
   uint32_t (*check_fp8)(const uint8_t *src, uint32_t n);
   /* n e4m3fn codes times one block scale into fp32: dst[k] = e4m3(q[k]) * scale, the exact
    * product rounded once (kn_fp8_dequant_b128, the loader's FP8 -> other formats); returns
-   * the index of the first NaN code, or n (dst is written for all n either way). */
+   * the index of the first NaN code, or n (dst is written for all n either way). Callers
+   * that need every weight finite add kn__fp8_first_inf. */
   uint32_t (*dequant_fp8)(float *dst, const uint8_t *q, uint32_t n, float scale);
   /* The quantizers read the source as it is stored (dt F32, F16 or BF16: no fp32 copy of
    * the row in between). amax: the largest |value| of n values, *bad the index of the
@@ -274,6 +275,14 @@ typedef struct kn__pack_fns {
   void (*from_f32)(void *dst, mr_dtype dt, const float *src, uint32_t n);
   const char *name; /* "scalar", "avx2", "avx512" */
 } kn__pack_fns;
+/* After dequant_fp8: bad (its result) lowered to the first of dst[0..bad) that overflowed
+ * to inf, which only a scale above FLT_MAX / 448 can make. */
+static inline uint32_t kn__fp8_first_inf(const float *dst, uint32_t bad, float scale) {
+  if (scale * KN_FP8_MAX < INFINITY) return bad;
+  for (uint32_t i = 0; i < bad; i++)
+    if (isinf(dst[i])) return i;
+  return bad;
+}
 extern const kn__pack_fns kn__pack_scalar;
 extern const kn__pack_fns kn__pack_avx2; /* only in builds with MR_HAVE_AVX2 (x86) */
 /* The AVX2 set with the quantizers of x86/pack_avx512.c (amax, quant_int8, quant_int4),

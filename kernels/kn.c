@@ -837,10 +837,7 @@ static void dequant_item(void *arg, uint32_t item, uint32_t worker) {
     for (uint32_t c0 = 0; c0 < K; c0 += KN_FP8_BLOCK) {
       const uint32_t n = K - c0 < KN_FP8_BLOCK ? K - c0 : KN_FP8_BLOCK;
       const float scale = sr[c0 / KN_FP8_BLOCK];
-      uint32_t k = j->P->dequant_fp8(d + c0, q + c0, n, scale);
-      if (!(scale * KN_FP8_MAX < INFINITY)) /* a scale so large that a code overflows fp32 */
-        for (uint32_t i = 0; i < k; i++)
-          if (isinf(d[c0 + i])) k = i;
+      const uint32_t k = kn__fp8_first_inf(d + c0, j->P->dequant_fp8(d + c0, q + c0, n, scale), scale);
       if (k == n) continue;
       pthread_mutex_lock(&j->lock);
       if (!j->bad || row < j->bad_row || (row == j->bad_row && c0 + k < j->bad_col)) {
@@ -1093,10 +1090,7 @@ static bool load_row(load_job *j, float *dst, kn__proj p, size_t elem_off, uint3
     for (uint32_t k = 0; k < K;) {
       const uint32_t c = col0 + k, n = K - k < KN_FP8_BLOCK - c % KN_FP8_BLOCK ? K - k : KN_FP8_BLOCK - c % KN_FP8_BLOCK;
       const float scale = sr[c / KN_FP8_BLOCK];
-      uint32_t b = j->P->dequant_fp8(dst + k, q + k, n, scale);
-      if (!(scale * KN_FP8_MAX < INFINITY)) /* a code times this scale may overflow fp32 */
-        for (uint32_t i = 0; i < b; i++)
-          if (isinf(dst[k + i])) b = i;
+      const uint32_t b = kn__fp8_first_inf(dst + k, j->P->dequant_fp8(dst + k, q + k, n, scale), scale);
       if (b < n) {
         note_bad(j, p, row, c + b, (q[k + b] & 0x7f) == 0x7f ? NAN : dst[k + b]);
         return false;

@@ -89,8 +89,9 @@ int kn_fp8_quantize_b128(const void *w, mr_dtype src, uint32_t N, uint32_t K, ui
  * bit for bit kn_fp8_e4m3_to_f32(code) * scale. On eng's workers (NULL: the calling thread
  * alone), vectorized where the CPU has AVX2. The scales are not checked here
  * (kn_fp8_check_scales). Errors: MR_EINVAL for a NULL q, scale_inv or dst, rows outside
- * 0..N or K = 0, and for a NaN code (0x7f / 0xff), named by its [row, column] in the
- * matrix (the first in row-major order; dst is partly written then). Like kn_engine_run,
+ * 0..N or K = 0, and for a NaN code (0x7f / 0xff) or a code whose product with a huge
+ * scale overflows fp32, named by its [row, column] in the matrix (the first in row-major
+ * order; dst is partly written then). Like kn_engine_run,
  * not from inside an item of eng. */
 int kn_fp8_dequant_b128(kn_engine *eng, const uint8_t *q, const float *scale_inv, uint32_t N,
                         uint32_t K, uint32_t row0, uint32_t n_rows, float *dst, mr_err *e);
