@@ -243,15 +243,18 @@ MT_TEST(engine_picks_the_fast_kernels) {
 /* ---- fast path vs reference, per format -------------------------------------------- */
 
 /* Shapes: aligned; H and I off every multiple (tails in each loop, int4 short last
- * groups); tiny (a row shorter than one SIMD block). */
-static const uint32_t shapes[3][2] = {{256, 192}, {200, 72}, {40, 24}};
+ * groups; 300 and 76 leave 12 of a last 16: a partial step past its first 8 lanes);
+ * tiny (a row shorter than one SIMD block). */
+static const uint32_t shapes[3][2] = {{256, 192}, {300, 76}, {40, 24}};
 
 static const kn__kernel *fp8_variant; /* NULL: the engine's own fp8 kernel */
 
 static void check_format(kn_format f, uint32_t G) {
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
-  const uint32_t Ts[5] = {1, 2, 7, 64, 300};
+  /* 16 tokens at top-4 of 9 experts: 5-9 per expert, the tiles between the sequential
+   * ones and fp8's converted rows (moe_avx2.c, FP8_PRE_MIN_TOKENS). */
+  const uint32_t Ts[6] = {1, 2, 7, 16, 64, 300};
   bool own[9] = {true, false, true, true, false, true, false, true, true}; /* 6 of 9 */
   double worst = 0.0;
   int cases = 0;
@@ -272,7 +275,7 @@ static void check_format(kn_format f, uint32_t G) {
         }
         kn_layer *L = layer_make(eng, &m, f, G, own);
         double tol = tolerance(eng, f), worst_here = 0.0;
-        for (int ti = 0; ti < 5; ti++) {
+        for (int ti = 0; ti < 6; ti++) {
           /* T = 300 only on the first shape (the reference is slow). */
           if (Ts[ti] == 300 && sh != 0) continue;
           uint32_t k = Ts[ti] == 1 ? 6 : 4;
