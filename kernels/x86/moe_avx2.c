@@ -29,7 +29,9 @@
  *
  * Tiles: RW weight rows x C tokens, RW * C <= 8 ymm accumulators, reduced together by a
  * transposing tree (hsum8) into one vector with dot (c, r) in lane c * RW + r. n = 1:
- * 8 rows (gate_up: 4 gate + 4 up); n >= 2: 4 rows x 2 tokens, rows outer, tokens inner.
+ * 8 rows (gate_up: 4 gate + 4 up); n >= 2: 4 rows x 2 tokens, rows outer, tokens inner;
+ * fp8 below FP8_PRE_MIN_TOKENS: 2 rows x 4 tokens, from it 4 rows x 2 tokens on the
+ * converted rows.
  *
  * Threads: as in moe_avx512.c: disjoint row ranges of one task may run concurrently; down
  * converts h into t->tmp, and fp8 prefill converts its weight rows there (gate_up and
@@ -124,9 +126,9 @@ typedef struct kctx {
 #define TILE_ORDER(SEQ, NFULL, HAS_TAIL, SB, STEP)                                               \
   do {                                                                                          \
     if (SEQ) {                                                                                  \
-      const int U_ = C == 1 ? 4 : 2;                                                            \
+      const int U_ = C == 1 ? 4 : C == 2 ? 2 : 1;                                               \
       UNROLL for (int r_ = 0; r_ < RW; r_++) {                                                  \
-        __m256 p_[4][2];                                                                        \
+        __m256 p_[4][4];                                                                        \
         UNROLL for (int u_ = 0; u_ < U_; u_++) UNROLL for (int c_ = 0; c_ < C; c_++) p_[u_][c_] = _mm256_setzero_ps(); \
         uint32_t s_ = 0;                                                                        \
         for (; s_ + U_ <= (NFULL); s_ += U_) UNROLL for (int u_ = 0; u_ < U_; u_++) STEP(r_, s_ + u_, false, p_[u_], 1); \
@@ -141,8 +143,7 @@ typedef struct kctx {
       for (uint32_t s_ = 0; s_ < (NFULL); s_++)                                                 \
         UNROLL for (int r_ = 0; r_ < RW; r_++) {                                                \
           if (pf && ((s_ * (SB)) & 63) == 0)                                                    \
-            for (uint32_t o_ = 0; o_ < ((SB) > 64 ? (SB) : 64); o_ += 64)                       \
-              _mm_prefetch((const char *)w[r_] + pf + (size_t)s_ * (SB) + o_, _MM_HINT_T1);     \
+            _mm_prefetch((const char *)w[r_] + pf + (size_t)s_ * (SB), _MM_HINT_T1);            \
           STEP(r_, s_, false, &acc[r_], RW);                                                    \
         }                                                                                       \
       if (HAS_TAIL) UNROLL for (int r_ = 0; r_ < RW; r_++) STEP(r_, (NFULL), true, &acc[r_], RW); \
@@ -212,7 +213,7 @@ AI void step_fp8(const int C, const uint8_t *wr, const float *sr, const float *c
    * ones when C = 1 (four chains in flight: the FMA latency, not its throughput, would
    * otherwise bound a one-token block). */
   const int J = C == 1 ? 4 : 2;
-  __m256 p[2][4];
+  __m256 p[4][4];
   UNROLL for (int c = 0; c < C; c++) UNROLL for (int j = 0; j < J; j++) p[c][j] = _mm256_setzero_ps();
   UNROLL for (uint32_t q = 0; q < 8; q++) {
     if (q >= nsub) break;
@@ -310,7 +311,7 @@ AI void step_i4(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
  */
 AI __m256 tile(const v256 v, const int RW, const int C, const bool seq, const kctx *cx,
                const uint8_t *const *w, const float *const *s, uint32_t c0, uint32_t Cv, size_t pf) {
-  const float *xp[2];
+  const float *xp[4];
   UNROLL for (int c = 0; c < C; c++)
     xp[c] = (const float *)(cx->xb + (size_t)(c0 + ((uint32_t)c < Cv ? (uint32_t)c : Cv - 1)) * cx->xstride);
   const uint32_t K = cx->K;
@@ -431,23 +432,36 @@ static kctx ctx_make(const v256 v, const kn_layer *L, uint32_t K, const void *ac
   return cx;
 }
 
-/* Up to this many tokens per expert: sequential tiles (see TILE_ORDER); gate_up in two
- * passes over gate then up. */
+/* Up to this many tokens per expert (fp8: below FP8_PRE_MIN_TOKENS): sequential tiles
+ * (see TILE_ORDER); gate_up in two passes over gate then up. */
 #define SEQ_MAX_TOKENS 4
-/* FP8 from this many tokens per expert: the tile's rows converted once into fp32 weights
- * in tmp (fp8_row_to_f32) and read from there by every token pair; below it (and in the
- * sequential tiles) each tile converts the codes in registers (step_fp8). Measured on
- * DeepSeek-V3 shapes (Zen 4, 2026-12-05): in registers 15 % faster at 6 tokens per expert,
- * even at 8; the converted rows 14 % faster at 12 and 31 % at 64. (Rows converted to bf16
- * pairs instead, half the cache traffic, were 10-15 % slower than fp32 at 32-64 tokens:
- * the shift and mask per 16 values cost more than the extra loads.) */
-#define FP8_PRE_MIN_TOKENS 8
+/* FP8 below this many tokens per expert runs the sequential tiles (rows outer), 2 rows by
+ * up to 4 tokens per pass, converting the codes in registers once per 4 tokens
+ * (step_fp8); from it, the tile's rows are converted once into fp32 weights in tmp
+ * (fp8_row_to_f32) and every token pair reads them from there. Measured on DeepSeek-V3
+ * shapes (Zen 4, 2026-12-05, n tokens per expert): the passes of 4 were 16-18 % faster at
+ * n = 6-8, 10-15 % at 12 and even at 16-24; the converted rows 14 % faster at 32 and 31 %
+ * at 64, and 20 % faster for a dense linear of K = 16384 in its 16-token tiles (5-10 %
+ * slower there at K = 7168). Rows converted to bf16 pairs instead (half the cache traffic)
+ * were 10-15 % slower than fp32 at 32-64: the shift and mask per 16 values cost more than
+ * the extra loads. */
+#define FP8_PRE_MIN_TOKENS 16
 
 /* All rows [r0, r1) of one matrix with sequential tiles. */
 AI void mat_rows_seq(const v256 v, const epi ep, const kctx *cx, uint32_t n, const uint8_t *base,
                      const float *scale, uint32_t r0, uint32_t r1, float *out, size_t out_stride) {
   if (n == 1) {
     for (uint32_t r = r0; r < r1; r += 8) mat_block(v, false, 8, 1, true, ep, cx, base, scale, r, r1, 0, 1, out, out_stride);
+    return;
+  }
+  if (v == V_FP8) { /* pairs of rows, up to 4 tokens per pass: the codes converted once per 4 */
+    for (uint32_t r = r0; r < r1; r += 2) {
+      uint32_t c0 = 0;
+      for (; c0 + 3 <= n; c0 += 4)
+        mat_block(v, false, 2, 4, true, ep, cx, base, scale, r, r1, c0, n - c0 < 4 ? n - c0 : 4, out, out_stride);
+      if (c0 + 2 == n) mat_block(v, false, 2, 2, true, ep, cx, base, scale, r, r1, c0, 2, out, out_stride);
+      if (c0 + 1 == n) mat_block(v, false, 2, 1, true, ep, cx, base, scale, r, r1, c0, 1, out, out_stride);
+    }
     return;
   }
   for (uint32_t r = r0; r < r1; r += 4) {
@@ -462,7 +476,7 @@ AI void gate_up_run(const v256 v, const kn__task *t, uint32_t i0, uint32_t i1) {
   const uint32_t n = t->n, H = L->d.hidden, Is = L->slice_len[t->slice];
   if (n == 0 || i0 >= i1) return;
   kctx cx = ctx_make(v, L, H, t->xq, t->x, H, n);
-  if (n <= SEQ_MAX_TOKENS) {
+  if (n <= SEQ_MAX_TOKENS || (v == V_FP8 && n < FP8_PRE_MIN_TOKENS)) {
     const kn__slice_w *ws = t->w;
     mat_rows_seq(v, EP_STORE, &cx, n, ws->gate, ws->gate_scale, i0, i1, t->h, Is);
     mat_rows_seq(v, EP_SILU_MUL, &cx, n, ws->up, ws->up_scale, i0, i1, t->h, Is);
@@ -508,7 +522,7 @@ AI void down_run(const v256 v, const kn__task *t, uint32_t j0, uint32_t j1) {
   }
   kctx cx = ctx_make(v, L, Is, acts, t->h, Is, n);
   const kn__slice_w *ws = t->w;
-  if (n <= SEQ_MAX_TOKENS) {
+  if (n <= SEQ_MAX_TOKENS || (v == V_FP8 && n < FP8_PRE_MIN_TOKENS)) {
     mat_rows_seq(v, EP_STORE, &cx, n, ws->down, ws->down_scale, j0, j1, t->y, H);
     return;
   }

@@ -252,8 +252,8 @@ static const kn__kernel *fp8_variant; /* NULL: the engine's own fp8 kernel */
 static void check_format(kn_format f, uint32_t G) {
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
-  /* 16 tokens at top-4 of 9 experts: 5-9 per expert, the tiles between the sequential
-   * ones and fp8's converted rows (moe_avx2.c, FP8_PRE_MIN_TOKENS). */
+  /* 16 tokens at top-4 of 9 experts: 5-9 per expert: past the sequential tiles of most
+   * formats; AVX2 fp8's passes of 4 tokens with a remainder of 1 to 3 (moe_avx2.c). */
   const uint32_t Ts[6] = {1, 2, 7, 16, 64, 300};
   bool own[9] = {true, false, true, true, false, true, false, true, true}; /* 6 of 9 */
   double worst = 0.0;
