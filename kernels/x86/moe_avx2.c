@@ -200,6 +200,14 @@ AI void step_bf16(const int C, const uint8_t *wr, const float *const *xp, uint32
   }
 }
 
+/* The 16 fp8 codes at p, or the first n < 16 of them zero-padded (a row's last group). */
+AI __m128i codes16(const uint8_t *p, uint32_t n) {
+  if (n >= 16) return _mm_loadu_si128((const __m128i *)p);
+  uint8_t b[16] = {0};
+  memcpy(b, p, n);
+  return _mm_loadu_si128((const __m128i *)b);
+}
+
 /* One 128-block b of fp8 row wr against C tokens in place: the codes widened to code / 256
  * (fp8_avx2.h: exact), two FMA chains per token summing the block without its scale, then
  * acc += (sum * 256) * sr[b] (the 256 exact; the scale once per block and token instead of
@@ -218,16 +226,8 @@ AI void step_fp8(const int C, const uint8_t *wr, const float *sr, const float *c
   UNROLL for (uint32_t q = 0; q < 8; q++) {
     if (q >= nsub) break;
     const size_t k = k0 + 16 * (size_t)q;
-    const uint32_t left = tail ? rem - 16 * q : 16; /* codes in this sub-step, <= 16 */
-    __m128i c16;
-    if (left >= 16) {
-      c16 = _mm_loadu_si128((const __m128i *)(wr + k));
-    } else {
-      uint8_t buf[16] = {0};
-      memcpy(buf, wr + k, left);
-      c16 = _mm_loadu_si128((const __m128i *)buf);
-    }
-    const __m256i h = kn__fp8x16_to_ph(c16);
+    const uint32_t left = tail ? rem - 16 * q : 16; /* codes in this group, <= 16 */
+    const __m256i h = kn__fp8x16_to_ph(codes16(wr + k, left));
     const __m256 w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
     const __m256 w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
     UNROLL for (int c = 0; c < C; c++) {
@@ -252,23 +252,15 @@ AI void step_fp8(const int C, const uint8_t *wr, const float *sr, const float *c
   }
 }
 
-/* Row wr of K fp8 codes (block scales sr) converted once into dst as the fp32 weights
- * step_fp8 multiplies (the code's exact value times its block's scale, one rounding), zero
- * beyond K up to the next multiple of 16: the prefill tiles then read the row for every
- * token pair as V_F32 instead of converting it again. */
+/* Row wr of K fp8 codes (block scales sr) converted once into dst as the reference's fp32
+ * weights (the code's exact value times its block's scale, one rounding), zero beyond K up
+ * to the next multiple of 16: the prefill tiles then read the row for every token pair as
+ * V_F32 instead of converting it again. */
 AI void fp8_row_to_f32(const kctx *cx, const uint8_t *wr, const float *sr, uint32_t K, float *dst) {
   const uint32_t nfull = K / 16, rem = K % 16;
   for (uint32_t s = 0; s < nfull + (rem != 0); s++) {
     const size_t k = 16 * (size_t)s;
-    __m128i c16;
-    if (s < nfull) {
-      c16 = _mm_loadu_si128((const __m128i *)(wr + k));
-    } else {
-      uint8_t b[16] = {0};
-      memcpy(b, wr + k, rem);
-      c16 = _mm_loadu_si128((const __m128i *)b);
-    }
-    const __m256i h = kn__fp8x16_to_ph(c16);
+    const __m256i h = kn__fp8x16_to_ph(codes16(wr + k, s < nfull ? 16 : rem));
     const __m256 sc = _mm256_set1_ps(sr[k >> cx->gshift]);
     _mm256_storeu_ps(dst + k, _mm256_mul_ps(kn__fp8_ph_lo(h), sc));
     _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(kn__fp8_ph_hi(h), sc));
