@@ -110,7 +110,7 @@ typedef struct kctx {
   uint32_t K;        /* elements per weight row */
   size_t rb;         /* bytes per weight row */
   uint32_t G, ng;    /* INT4, FP8 (G = 128) */
-  uint32_t gshift;   /* INT4, FP8: log2(G) (the group of element k is k >> gshift) */
+  uint32_t gshift;   /* INT4: log2(G) (the group of element k is k >> gshift) */
   const uint8_t *xb; /* token c at xb + c * xstride: fp32 in place, or prepared */
   size_t xstride;
   const float *pre;  /* FP8 prefill: the tile's rows as fp32 weights (row r at pre + r * prestride) */
@@ -256,12 +256,12 @@ AI void step_fp8(const int C, const uint8_t *wr, const float *sr, const float *c
  * weights (the code's exact value times its block's scale, one rounding), zero beyond K up
  * to the next multiple of 16: the prefill tiles then read the row for every token pair as
  * V_F32 instead of converting it again. */
-AI void fp8_row_to_f32(const kctx *cx, const uint8_t *wr, const float *sr, uint32_t K, float *dst) {
+AI void fp8_row_to_f32(const uint8_t *wr, const float *sr, uint32_t K, float *dst) {
   const uint32_t nfull = K / 16, rem = K % 16;
   for (uint32_t s = 0; s < nfull + (rem != 0); s++) {
     const size_t k = 16 * (size_t)s;
     const __m256i h = kn__fp8x16_to_ph(codes16(wr + k, s < nfull ? 16 : rem));
-    const __m256 sc = _mm256_set1_ps(sr[k >> cx->gshift]);
+    const __m256 sc = _mm256_set1_ps(sr[k / KN_FP8_BLOCK]);
     _mm256_storeu_ps(dst + k, _mm256_mul_ps(kn__fp8_ph_lo(h), sc));
     _mm256_storeu_ps(dst + k + 8, _mm256_mul_ps(kn__fp8_ph_hi(h), sc));
   }
@@ -410,10 +410,8 @@ static kctx ctx_make(const v256 v, const kn_layer *L, uint32_t K, const void *ac
   cx.K = K;
   cx.G = v == V_FP8 ? KN_FP8_BLOCK : L->d.group; /* fp8-b128's blocks, whatever d.group says */
   cx.rb = kn__row_bytes(L->d.format, K, cx.G);
-  if (v == V_I4 || v == V_FP8) {
-    cx.ng = kn__ngroups(K, cx.G);
-    cx.gshift = cx.G == 32 ? 5 : cx.G == 64 ? 6 : 7;
-  }
+  if (v == V_I4 || v == V_FP8) cx.ng = kn__ngroups(K, cx.G);
+  if (v == V_I4) cx.gshift = cx.G == 32 ? 5 : cx.G == 64 ? 6 : 7;
   if (act_kind[v] == KN__ACT_NONE) {
     cx.xb = (const uint8_t *)xf;
     cx.xstride = xf_stride * sizeof(float);
@@ -474,9 +472,10 @@ AI void gate_up_run(const v256 v, const kn__task *t, uint32_t i0, uint32_t i1) {
     mat_rows_seq(v, EP_SILU_MUL, &cx, n, ws->up, ws->up_scale, i0, i1, t->h, Is);
     return;
   }
-  if (v == V_FP8 && n >= FP8_PRE_MIN_TOKENS) {
-    /* Prefill: the tile's 2 gate and 2 up rows converted to fp32 weights once (into tmp,
-     * which gate_up does not otherwise use), then read by every token pair. */
+  if (v == V_FP8) {
+    /* Prefill (n >= FP8_PRE_MIN_TOKENS here): the tile's 2 gate and 2 up rows converted to
+     * fp32 weights once (into tmp, which gate_up does not otherwise use), then read by
+     * every token pair. */
     const kn__slice_w *ws = t->w;
     float *buf = t->tmp;
     cx.prestride = fp8_pre_stride(H);
@@ -484,9 +483,9 @@ AI void gate_up_run(const v256 v, const kn__task *t, uint32_t i0, uint32_t i1) {
     for (uint32_t i = i0; i < i1; i += 2) {
       for (uint32_t r = 0; r < 2; r++) {
         const uint32_t row = i + r < i1 ? i + r : i1 - 1;
-        fp8_row_to_f32(&cx, (const uint8_t *)ws->gate + row * cx.rb, ws->gate_scale + (size_t)row * cx.ng, H,
+        fp8_row_to_f32((const uint8_t *)ws->gate + row * cx.rb, ws->gate_scale + (size_t)row * cx.ng, H,
                        buf + r * cx.prestride);
-        fp8_row_to_f32(&cx, (const uint8_t *)ws->up + row * cx.rb, ws->up_scale + (size_t)row * cx.ng, H,
+        fp8_row_to_f32((const uint8_t *)ws->up + row * cx.rb, ws->up_scale + (size_t)row * cx.ng, H,
                        buf + (2 + r) * cx.prestride);
       }
       uint32_t c0 = 0;
@@ -518,13 +517,13 @@ AI void down_run(const v256 v, const kn__task *t, uint32_t j0, uint32_t j1) {
     mat_rows_seq(v, EP_STORE, &cx, n, ws->down, ws->down_scale, j0, j1, t->y, H);
     return;
   }
-  if (v == V_FP8 && n >= FP8_PRE_MIN_TOKENS) { /* prefill: 4 rows converted once into tmp (fp8 reads h in place) */
+  if (v == V_FP8) { /* prefill (n >= FP8_PRE_MIN_TOKENS here): 4 rows converted once into tmp */
     cx.prestride = fp8_pre_stride(Is);
     cx.pre = t->tmp;
     for (uint32_t j = j0; j < j1; j += 4) {
       for (uint32_t r = 0; r < 4; r++) {
         const uint32_t row = j + r < j1 ? j + r : j1 - 1;
-        fp8_row_to_f32(&cx, (const uint8_t *)ws->down + row * cx.rb, ws->down_scale + (size_t)row * cx.ng, Is,
+        fp8_row_to_f32((const uint8_t *)ws->down + row * cx.rb, ws->down_scale + (size_t)row * cx.ng, Is,
                        t->tmp + r * cx.prestride);
       }
       uint32_t c0 = 0;
