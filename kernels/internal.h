@@ -662,6 +662,9 @@ uint64_t kn__amx_cfg_audit_take(char *why, size_t n);
 uint64_t kn__amx_cfg_audit_loads(void);
 uint32_t kn__amx_min_tokens(kn_format f);
 void kn__amx_set_min_tokens(kn_format f, uint32_t n);
+/* The bytes of B (prepared activations) one pass over a task's rows takes (moe_amx.c,
+ * chunk_blocks); 0 restores the default. For the tests: the results do not depend on it. */
+void kn__amx_set_b_chunk(size_t bytes);
 /* The crossover of format f measured on this CPU (moe_amx.c, "the crossover, measured"):
  * *min_tokens the tokens per expert from which the tiles are faster, ratio[i] the tiles'
  * time over AVX-512's at the i-th count of KN_XO_NS_INIT. MR_ENOTSUP for a format without
@@ -683,6 +686,7 @@ uint64_t kn__amx_emu_cfg_audit_take(char *why, size_t n);
 uint64_t kn__amx_emu_cfg_audit_loads(void);
 uint32_t kn__amx_emu_min_tokens(kn_format f);
 void kn__amx_emu_set_min_tokens(kn_format f, uint32_t n);
+void kn__amx_emu_set_b_chunk(size_t bytes);
 int kn__amx_emu_crossover(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]);
 bool kn__amx_emu_usable(void);
 /* kn__avx512_register for a given feature set (the bf16 variant and int8/int4 depend on

@@ -188,33 +188,52 @@ static inline __m128i quant16(const float *x, uint32_t k, uint32_t K, __m512 inv
   return _mm512_cvtepi32_epi8(q);
 }
 
+/* In-place transpose of a 16x16 matrix of 32-bit lanes; defined with the epilogue below. */
+AI void transpose16(__m512 *r);
+
 /* Packs n rows of K fp32 values (row r at src + r * sstride) into the layout a. Each
  * 64-byte chunk of a token's converted row (32 bf16 or 64 int8 = 16 columns of 4 bytes)
- * is scattered down one column of its token block: 4-byte column p to row p. */
+ * goes down one column of its token block: 4-byte column p to row p. Per token block and
+ * 16 such rows, the 16 tokens' chunks are converted into registers, transposed 16 x 16
+ * (rows p0..p0+15, one lane per token) and stored as 16 whole 64-byte rows; tokens past n
+ * are zero columns, rows past P are not written (the layout has none). */
 static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *src, size_t sstride,
                       uint8_t *dst) {
-  memset(dst, 0, a->bytes);
-  float *xs = v != A_BF16 ? (float *)(dst + a->off_xs) : NULL;
-  const __m512i rows = _mm512_slli_epi32(iota16(), 6); /* p * 64 */
   const uint32_t K = a->K;
-  for (uint32_t r = 0; r < n; r++) {
-    const float *x = src + (size_t)r * sstride;
-    uint8_t *col = dst + (size_t)(r / 16) * a->tb_bytes + 4 * (r % 16);
-    if (v == A_BF16) {
-      for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += 32) {
-        __m512i w = (__m512i)_mm512_cvtne2ps_pbh(load16(x, k0 + 16, K), load16(x, k0, K));
-        _mm512_mask_i32scatter_epi32(col + (size_t)p0 * 64, mask16(a->P - p0), rows, w, 1);
+  float *xs = v != A_BF16 ? (float *)(dst + a->off_xs) : NULL;
+  if (xs) memset(xs, 0, (size_t)a->ntb * 16 * sizeof(float));
+  for (uint32_t tb = 0; tb < a->ntb; tb++) {
+    const uint32_t r0 = tb * 16, nv = n - r0 < 16 ? n - r0 : 16;
+    uint8_t *blk = dst + (size_t)tb * a->tb_bytes;
+    float inv[16];
+    if (v != A_BF16)
+      for (uint32_t c = 0; c < nv; c++) {
+        __m512 iv;
+        xs[r0 + c] = token_scale(src + (size_t)(r0 + c) * sstride, K, &iv);
+        inv[c] = _mm512_cvtss_f32(iv);
       }
-    } else {
-      __m512 inv;
-      xs[r] = token_scale(x, K, &inv);
-      for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += 64) {
-        __m512i w = _mm512_castsi128_si512(quant16(x, k0, K, inv));
-        w = _mm512_inserti32x4(w, quant16(x, k0 + 16, K, inv), 1);
-        w = _mm512_inserti32x4(w, quant16(x, k0 + 32, K, inv), 2);
-        w = _mm512_inserti32x4(w, quant16(x, k0 + 48, K, inv), 3);
-        _mm512_mask_i32scatter_epi32(col + (size_t)p0 * 64, mask16(a->P - p0), rows, w, 1);
+    for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += v == A_BF16 ? 32 : 64) {
+      __m512 w[16];
+      for (uint32_t c = 0; c < 16; c++) {
+        if (c >= nv) {
+          w[c] = _mm512_setzero_ps();
+          continue;
+        }
+        const float *x = src + (size_t)(r0 + c) * sstride;
+        if (v == A_BF16) {
+          w[c] = (__m512)_mm512_cvtne2ps_pbh(load16(x, k0 + 16, K), load16(x, k0, K));
+        } else {
+          const __m512 iv = _mm512_set1_ps(inv[c]);
+          __m512i q = _mm512_castsi128_si512(quant16(x, k0, K, iv));
+          q = _mm512_inserti32x4(q, quant16(x, k0 + 16, K, iv), 1);
+          q = _mm512_inserti32x4(q, quant16(x, k0 + 32, K, iv), 2);
+          q = _mm512_inserti32x4(q, quant16(x, k0 + 48, K, iv), 3);
+          w[c] = _mm512_castsi512_ps(q);
+        }
       }
+      transpose16(w);
+      const uint32_t rows = a->P - p0 < 16 ? a->P - p0 : 16;
+      for (uint32_t j = 0; j < rows; j++) _mm512_storeu_ps((float *)(blk + (size_t)(p0 + j) * 64), w[j]);
     }
   }
 }
@@ -457,6 +476,24 @@ AI __m512 row_scaled(const av v, const kctx *cx, uint32_t c, uint32_t m, const f
   return r;
 }
 
+/* Token blocks per pass over a task's rows: as many as keep the B operand of one pass
+ * (b_chunk bytes, default KN_AMX_B_CHUNK) in the core's L2 while every row block of the
+ * task meets it; even (the micro kernel takes blocks in pairs) and at least 2, or all of
+ * them in one pass. Without passes, from a few hundred tokens per expert on, each row
+ * block streamed all of B again from beyond L2 (BENCHMARKS, "AMX"). Each (row block,
+ * token pair) is computed whole either way, so the results do not depend on it. */
+#define KN_AMX_B_CHUNK ((size_t)1 << 20)
+static _Atomic size_t b_chunk = KN_AMX_B_CHUNK;
+
+void AMX_SYM(set_b_chunk)(size_t bytes) { atomic_store(&b_chunk, bytes ? bytes : KN_AMX_B_CHUNK); }
+
+static uint32_t chunk_blocks(const kctx *cx) {
+  size_t nb = atomic_load_explicit(&b_chunk, memory_order_relaxed) / cx->a.tb_bytes;
+  if (nb >= cx->a.ntb) return cx->a.ntb; /* one pass */
+  nb &= ~(size_t)1;
+  return nb < 2 ? 2u : (uint32_t)nb;
+}
+
 AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
   const kn_layer *L = t->L;
   const uint32_t n = t->n, H = L->d.hidden, Is = L->slice_len[t->slice];
@@ -464,31 +501,35 @@ AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
   const kn__slice_w *ws = t->w;
   kctx cx = ctx_make(v, L, H, n, (const uint8_t *)t->xq, (uint8_t *)t->tmp);
   tiles_config(&cx);
-  for (uint32_t i = i0; i < i1; i += 16) {
-    const uint32_t Mv = i1 - i < 16 ? i1 - i : 16;
-    size_t st[2];
-    const uint8_t *Ag = a_block(v, &cx, ws->gate, i, Mv, cx.scr[0], &st[0]);
-    const uint8_t *Au = a_block(v, &cx, ws->up, i, Mv, cx.scr[1], &st[1]);
-    const float *sc[2] = {NULL, NULL};
-    if (v == A_I4) {
-      sc[0] = ws->gate_scale + (size_t)i * cx.ng;
-      sc[1] = ws->up_scale + (size_t)i * cx.ng;
-    }
-    const uint32_t Mvs[2] = {Mv, Mv};
-    for (uint32_t tb = 0; tb < cx.a.ntb; tb += 2) {
-      const uint32_t nb = cx.a.ntb - tb < 2 ? 1 : 2;
-      micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
-      for (uint32_t ib = 0; ib < nb; ib++) {
-        const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
-        const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
-        __m512 hv[16];
-        UNROLL for (uint32_t m = 0; m < 16; m++) {
-          __m512 g = row_scaled(v, &cx, ib, m, v == A_I8 ? ws->gate_scale + i : NULL, Mv, xsv);
-          __m512 u = row_scaled(v, &cx, 2 + ib, m, v == A_I8 ? ws->up_scale + i : NULL, Mv, xsv);
-          hv[m] = _mm512_mul_ps(silu_ps(g), u);
+  const uint32_t cb = chunk_blocks(&cx);
+  for (uint32_t tc0 = 0; tc0 < cx.a.ntb; tc0 += cb) {
+    const uint32_t tc1 = cx.a.ntb - tc0 < cb ? cx.a.ntb : tc0 + cb;
+    for (uint32_t i = i0; i < i1; i += 16) {
+      const uint32_t Mv = i1 - i < 16 ? i1 - i : 16;
+      size_t st[2];
+      const uint8_t *Ag = a_block(v, &cx, ws->gate, i, Mv, cx.scr[0], &st[0]);
+      const uint8_t *Au = a_block(v, &cx, ws->up, i, Mv, cx.scr[1], &st[1]);
+      const float *sc[2] = {NULL, NULL};
+      if (v == A_I4) {
+        sc[0] = ws->gate_scale + (size_t)i * cx.ng;
+        sc[1] = ws->up_scale + (size_t)i * cx.ng;
+      }
+      const uint32_t Mvs[2] = {Mv, Mv};
+      for (uint32_t tb = tc0; tb < tc1; tb += 2) {
+        const uint32_t nb = tc1 - tb < 2 ? 1 : 2;
+        micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+        for (uint32_t ib = 0; ib < nb; ib++) {
+          const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
+          const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+          __m512 hv[16];
+          UNROLL for (uint32_t m = 0; m < 16; m++) {
+            __m512 g = row_scaled(v, &cx, ib, m, v == A_I8 ? ws->gate_scale + i : NULL, Mv, xsv);
+            __m512 u = row_scaled(v, &cx, 2 + ib, m, v == A_I8 ? ws->up_scale + i : NULL, Mv, xsv);
+            hv[m] = _mm512_mul_ps(silu_ps(g), u);
+          }
+          transpose16(hv);
+          for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->h + (size_t)(c0 + c) * Is + i, mask16(Mv), hv[c]);
         }
-        transpose16(hv);
-        for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->h + (size_t)(c0 + c) * Is + i, mask16(Mv), hv[c]);
       }
     }
   }
@@ -506,31 +547,35 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
   acts_pack(v, &a, n, t->h, Is, acts);
   kctx cx = ctx_make(v, L, Is, n, acts, acts + kn__x86_align64(a.bytes));
   tiles_config(&cx);
-  for (uint32_t j = j0; j < j1; j += 32) {
-    const uint32_t M0 = j1 - j < 16 ? j1 - j : 16, M1 = j1 - j <= 16 ? 0 : (j1 - j - 16 < 16 ? j1 - j - 16 : 16);
-    size_t st[2] = {0, 0};
-    const uint8_t *A0 = a_block(v, &cx, ws->down, j, M0, cx.scr[0], &st[0]);
-    const uint8_t *A1 = M1 ? a_block(v, &cx, ws->down, j + 16, M1, cx.scr[1], &st[1]) : NULL;
-    const float *sc[2] = {NULL, NULL};
-    if (v == A_I4) {
-      sc[0] = ws->down_scale + (size_t)j * cx.ng;
-      sc[1] = ws->down_scale + (size_t)(M1 ? j + 16 : j) * cx.ng;
-    }
-    const uint32_t Mvs[2] = {M0, M1};
-    for (uint32_t tb = 0; tb < cx.a.ntb; tb += 2) {
-      const uint32_t nb = cx.a.ntb - tb < 2 ? 1 : 2;
-      micro(v, &cx, A0, A1, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
-      for (uint32_t ia = 0; ia < (A1 ? 2u : 1u); ia++)
-        for (uint32_t ib = 0; ib < nb; ib++) {
-          const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
-          const uint32_t row = j + 16 * ia, Mv = Mvs[ia];
-          const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
-          __m512 yv[16];
-          UNROLL for (uint32_t m = 0; m < 16; m++)
-            yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : NULL, Mv, xsv);
-          transpose16(yv);
-          for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->y + (size_t)(c0 + c) * H + row, mask16(Mv), yv[c]);
-        }
+  const uint32_t cb = chunk_blocks(&cx);
+  for (uint32_t tc0 = 0; tc0 < cx.a.ntb; tc0 += cb) {
+    const uint32_t tc1 = cx.a.ntb - tc0 < cb ? cx.a.ntb : tc0 + cb;
+    for (uint32_t j = j0; j < j1; j += 32) {
+      const uint32_t M0 = j1 - j < 16 ? j1 - j : 16, M1 = j1 - j <= 16 ? 0 : (j1 - j - 16 < 16 ? j1 - j - 16 : 16);
+      size_t st[2] = {0, 0};
+      const uint8_t *A0 = a_block(v, &cx, ws->down, j, M0, cx.scr[0], &st[0]);
+      const uint8_t *A1 = M1 ? a_block(v, &cx, ws->down, j + 16, M1, cx.scr[1], &st[1]) : NULL;
+      const float *sc[2] = {NULL, NULL};
+      if (v == A_I4) {
+        sc[0] = ws->down_scale + (size_t)j * cx.ng;
+        sc[1] = ws->down_scale + (size_t)(M1 ? j + 16 : j) * cx.ng;
+      }
+      const uint32_t Mvs[2] = {M0, M1};
+      for (uint32_t tb = tc0; tb < tc1; tb += 2) {
+        const uint32_t nb = tc1 - tb < 2 ? 1 : 2;
+        micro(v, &cx, A0, A1, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+        for (uint32_t ia = 0; ia < (A1 ? 2u : 1u); ia++)
+          for (uint32_t ib = 0; ib < nb; ib++) {
+            const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
+            const uint32_t row = j + 16 * ia, Mv = Mvs[ia];
+            const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+            __m512 yv[16];
+            UNROLL for (uint32_t m = 0; m < 16; m++)
+              yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : NULL, Mv, xsv);
+            transpose16(yv);
+            for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->y + (size_t)(c0 + c) * H + row, mask16(Mv), yv[c]);
+          }
+      }
     }
   }
   KN_AMX_RELEASE();

@@ -130,14 +130,16 @@ typedef struct impl {
   uint32_t (*min_tokens)(kn_format f);
   void (*set_min_tokens)(kn_format f, uint32_t n);
   int (*crossover)(kn_format f, uint32_t *min_tokens, double ratio[KN_XO_NS]);
+  void (*set_b_chunk)(size_t bytes);
 } impl;
 
 #if MR_HAVE_AMX
 static impl impls[2] = {
     {"emulated", kn__amx_emu_kernels, kn__amx_emu_entries, kn__amx_emu_cfg_audit, kn__amx_emu_cfg_audit_take,
-     kn__amx_emu_cfg_audit_loads, kn__amx_emu_min_tokens, kn__amx_emu_set_min_tokens, kn__amx_emu_crossover},
+     kn__amx_emu_cfg_audit_loads, kn__amx_emu_min_tokens, kn__amx_emu_set_min_tokens, kn__amx_emu_crossover,
+     kn__amx_emu_set_b_chunk},
     {"real", kn__amx_kernels, kn__amx_entries, kn__amx_cfg_audit, kn__amx_cfg_audit_take, kn__amx_cfg_audit_loads,
-     kn__amx_min_tokens, kn__amx_set_min_tokens, kn__amx_crossover},
+     kn__amx_min_tokens, kn__amx_set_min_tokens, kn__amx_crossover, kn__amx_set_b_chunk},
 };
 #endif
 
@@ -340,6 +342,49 @@ static void forced_matches_ref(int which) {
 }
 MT_TEST(emulated_tiles_match_ref_every_format_and_edge) { forced_matches_ref(0); }
 MT_TEST(real_tiles_match_ref_every_format_and_edge) { forced_matches_ref(1); }
+
+/* ---- passes over token chunks: the same bits as one pass ---------------------------- */
+
+/* gate_up and down of the tiles with the B operand in passes of 2 token blocks (the
+ * smallest chunk) against one pass over all blocks (the default chunk holds them): every
+ * (row block, token pair) is computed whole either way, so h and y must be the same bits.
+ * n = 47 and 80 give 3 and 5 blocks: a pass ending on a single block, then pairs. */
+static void chunks_bit_identical(int which) {
+  const impl *im = impl_or_skip(which);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  const uint32_t ns[2] = {47, 80};
+  for (int fi = 0; fi < 5; fi++) {
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    for (int sh = 0; sh < 4; sh++) {
+      const uint32_t H = shapes[sh][0], I = shapes[sh][1];
+      kn_layer *L = layer_make(eng, H, I, 1, fmts[fi].f, fmts[fi].G, 300 + sh);
+      for (int ni = 0; ni < 2; ni++) {
+        const uint32_t n = ns[ni];
+        rng_seed(3000 + ni + 10 * sh);
+        tbuf one = tbuf_make(L, &fk, n), two = tbuf_make(L, &fk, n);
+        memcpy(two.x, one.x, (size_t)n * H * 4);
+        im->set_b_chunk(0); /* the default: one pass at these sizes */
+        run_task(L, &fk, n, &one, NULL);
+        im->set_b_chunk(1); /* passes of 2 token blocks */
+        run_task(L, &fk, n, &two, NULL);
+        im->set_b_chunk(0);
+        MT_TRUE(memcmp(one.h, two.h, (size_t)(n + 2) * I * 4) == 0);
+        MT_TRUE(memcmp(one.y, two.y, (size_t)(n + 2) * H * 4) == 0);
+        canaries_intact(&two, n, I, H);
+        tbuf_free(&one);
+        tbuf_free(&two);
+      }
+      kn_layer_free(L);
+    }
+  }
+  printf("  %s: passes of 2 token blocks give the bits of one pass (5 formats, 4 shapes, n = 47, 80)\n",
+         im->what);
+  kn_engine_free(eng);
+  audit_clean(im);
+}
+MT_TEST(emulated_token_chunks_bit_identical) { chunks_bit_identical(0); }
+MT_TEST(real_token_chunks_bit_identical) { chunks_bit_identical(1); }
 
 
 /* ---- row ranges from two threads: the bits of one call, only their own rows -------- */
