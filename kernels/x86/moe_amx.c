@@ -32,9 +32,9 @@
  *   bf16 (K step 32 elements):                               int8: the same with s8 quads,
  *                                                            K step 64 (colsb 64, 16 rows
  *           A = tile 4/5: 16 weight rows x 32 bf16          of 16 quads); int4: nibbles
- *               (row m = w[row0+m][k0 .. k0+31],             unpacked to s8 rows in tmp,
- *                colsb 64, stride = row bytes)               K step min(G, 64) so that no
- *           B = tile 6/7: 16 pair-rows x 16 tokens          step straddles a group.
+ *               (row m = w[row0+m][k0 .. k0+31],             requantized to s8 rows on
+ *                colsb 64, stride = row bytes)               one scale per row in tmp,
+ *           B = tile 6/7: 16 pair-rows x 16 tokens          then as int8.
  *               (row k = (x[t][k0+2k], x[t][k0+2k+1])
  *                for t = 16 tokens, colsb 64)
  *           C = tiles 0-3: 16 rows x 16 tokens fp32 (int32 for int8 / int4)
@@ -53,11 +53,11 @@
  *
  * Edges: a row block of fewer than 16 rows, or K not a multiple of the K step, is copied
  * (zero-padded) into the worker's tmp before its tiles are loaded; int4 rows always are
- * (unpacked to s8). Token tails are the zero columns of B (results computed, not stored).
- * int8 sums stay in int32 over the whole K (|acc| <= 127 * 127 * 65536 < 2^31); int4
- * sums one group in int32 (G <= 128), then C is stored, converted and multiplied by the
- * (row, group) scale into an fp32 accumulator in tmp. No new packed layout: weights are
- * read in the canonical one (the edge copies are the only repacking).
+ * (requantized to s8, requant_int4). Token tails are the zero columns of B (results
+ * computed, not stored). int8 and int4 sums stay in int32 over the whole K (|acc| <= 127 *
+ * 127 * 65536 < 2^31), converted once and multiplied by the row's and the token's scales.
+ * No new packed layout: weights are read in the canonical one (the edge copies and the
+ * int4 requantization are the only repacking).
  *
  * ---- dispatch, crossover ------------------------------------------------------------
  *
@@ -138,13 +138,13 @@ typedef struct amx_acts {
   size_t bytes;
 } amx_acts;
 
-static uint32_t k_step(const av v, uint32_t G) { return v == A_BF16 ? 32 : v == A_I8 ? 64 : (G < 64 ? G : 64); }
+static uint32_t k_step(const av v) { return v == A_BF16 ? 32 : 64; }
 
-static amx_acts acts_layout(const av v, uint32_t K, uint32_t G, uint32_t n) {
+static amx_acts acts_layout(const av v, uint32_t K, uint32_t n) {
   amx_acts a;
   memset(&a, 0, sizeof a);
   a.K = K;
-  a.KS = k_step(v, G);
+  a.KS = k_step(v);
   a.esz = v == A_BF16 ? 2 : 1;
   a.nkb = (K + a.KS - 1) / a.KS;
   a.ntb = (n + 15) / 16;
@@ -282,11 +282,12 @@ typedef struct kctx {
   uint8_t *scr[2];   /* two A row blocks of 16 x Kpb bytes */
   int32_t *stage;    /* 4 tiles of 16 x 16 int32 */
   float *res;        /* 4 tiles of 16 x 16 fp32 results */
+  float rs[2][16];   /* int4: the scale of each row of the two A blocks once requantized */
 } kctx;
 
 /* Bytes of tmp the tiles need after the (down) activations. */
-static size_t tile_tmp_bytes(const av v, uint32_t K, uint32_t G) {
-  uint32_t KS = k_step(v, G), esz = v == A_BF16 ? 2 : 1;
+static size_t tile_tmp_bytes(const av v, uint32_t K) {
+  uint32_t KS = k_step(v), esz = v == A_BF16 ? 2 : 1;
   size_t Kpb = (size_t)((K + KS - 1) / KS) * KS * esz;
   return 2 * 16 * Kpb + 2 * 4 * 1024;
 }
@@ -295,7 +296,7 @@ static kctx ctx_make(const av v, const kn_layer *L, uint32_t K, uint32_t n, cons
   kctx cx;
   memset(&cx, 0, sizeof cx);
   cx.G = L->d.group;
-  cx.a = acts_layout(v, K, cx.G, n);
+  cx.a = acts_layout(v, K, n);
   cx.xb = acts;
   cx.xs = v != A_BF16 ? (const float *)(acts + cx.a.off_xs) : NULL;
   cx.ng = v == A_I4 ? kn__ngroups(K, cx.G) : 0;
@@ -310,11 +311,63 @@ static kctx ctx_make(const av v, const kn_layer *L, uint32_t K, uint32_t n, cons
   return cx;
 }
 
+/* The 16 requantized codes of one group (see requant_int4), as a 128-bit table. */
+static inline __m128i requant_tab(float f) {
+  const __m512 qv = _mm512_set_ps(-1, -2, -3, -4, -5, -6, -7, -8, 7, 6, 5, 4, 3, 2, 1, 0);
+  return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(qv, _mm512_set1_ps(f)))); /* MXCSR: RNE */
+}
+
+#define KN_AMX_RQ_SEG 64u /* groups whose tables requant_int4 builds at a time */
+
+/* int4 on the tiles: one int4 row (nibbles at s, group scales gs) becomes Kpb s8 values
+ * in d (zero past the row) on ONE scale per row, srow = max_g gs[g] * 8 / 127, which is
+ * returned: q8 = round_even(q4 * (gs[g] / srow)), so |q8| <= 127 for every nibble (-8
+ * included). A row then sums in int32 through TDPBSSD like int8, where summing one group
+ * at a time flushed the four result tiles through memory after every K step (G = 64).
+ * The cost is a second rounding of each weight, by at most srow / 2 (BENCHMARKS, "AMX":
+ * the layer's error stays within the int8 tolerance). */
+static float requant_int4(const kctx *cx, const uint8_t *s, const float *gs, uint8_t *d) {
+  const size_t Kpb = cx->Kpb, have = cx->rb < Kpb / 2 ? cx->rb : Kpb / 2; /* nibble bytes to read */
+  const uint32_t ng = cx->ng, hshift = (uint32_t)__builtin_ctz(cx->G / 32); /* 32-element halves per group: 1, 2, 4 */
+  __m512 mx = _mm512_setzero_ps();
+  for (uint32_t g = 0; g < ng; g += 16) mx = _mm512_max_ps(mx, _mm512_maskz_loadu_ps(mask16(ng - g), gs + g));
+  const float srow = _mm512_reduce_max_ps(mx) * (8.0f / 127.0f), inv = srow > 0.0f ? 1.0f / srow : 0.0f;
+  /* A group's table: byte c = round_even(q(c) * gs[g] / srow), q(c) the signed value of
+   * nibble c (0..7, then -8..-1); one byte shuffle then requantizes the 16 codes of a
+   * 128-bit lane, which lie in one group (G >= 32, groups start at multiples of 32). The
+   * tables of KN_AMX_RQ_SEG groups are built first, independent of each other. Past the
+   * last group (the zero padding up to the K step: code 0) a zero table gives 0 as well. */
+  _Alignas(16) uint8_t tab[KN_AMX_RQ_SEG + 1][16];
+  memset(tab[KN_AMX_RQ_SEG], 0, 16);
+  const __m512i m4 = _mm512_set1_epi16(0xf);
+  const size_t halves = Kpb / 32, seg = (size_t)KN_AMX_RQ_SEG << hshift; /* both even */
+  for (size_t h0 = 0; h0 < halves; h0 += seg) {
+    const uint32_t g0 = (uint32_t)(h0 >> hshift), gn = g0 < ng ? (ng - g0 < KN_AMX_RQ_SEG ? ng - g0 : KN_AMX_RQ_SEG) : 0;
+    for (uint32_t i = 0; i < gn; i++) _mm_store_si128((__m128i *)tab[i], requant_tab(gs[g0 + i] * inv));
+    const size_t h1 = halves - h0 < seg ? halves : h0 + seg;
+    for (size_t h = h0; h < h1; h += 2) {
+      const uint32_t ta = (uint32_t)(h >> hshift) - g0, tb = (uint32_t)((h + 1) >> hshift) - g0;
+      const __m512i t = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)tab[ta < gn ? ta : KN_AMX_RQ_SEG]))),
+          _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i *)tab[tb < gn ? tb : KN_AMX_RQ_SEG])), 1);
+      /* 32 bytes = 64 codes: byte b -> its low nibble (element 2b), then its high one */
+      const size_t b0 = h * 16;
+      const __mmask32 lm = b0 < have ? mask32((uint32_t)(have - b0)) : 0;
+      __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(lm, s + b0));
+      __m512i codes = _mm512_or_si512(_mm512_and_si512(w, m4),
+                                      _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(w, 4), m4), 8));
+      _mm512_mask_storeu_epi8(d + 2 * b0, mask64((uint32_t)(Kpb - 2 * b0)), _mm512_shuffle_epi8(t, codes));
+    }
+  }
+  return srow;
+}
+
 /* The 16-row A block of rows [row, row + Mv) of a matrix at base: in place (stride rb)
- * when it is whole and K a multiple of the K step; else copied (int4: unpacked to s8)
- * into scr with zero padding (stride Kpb). */
-static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, uint32_t row, uint32_t Mv,
-                              uint8_t *scr, size_t *stride) {
+ * when it is whole and K a multiple of the K step; else copied into scr with zero padding
+ * (stride Kpb). int4 rows (scales sc: [rows][ng]) are always copied, requantized to s8 on
+ * one scale per row, rs[r] (requant_int4; rs[r] = 0 for the zero rows past Mv). */
+static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, const float *sc, uint32_t row,
+                              uint32_t Mv, uint8_t *scr, float rs[16], size_t *stride) {
   if (cx->direct && Mv == 16) {
     *stride = cx->rb;
     return base + (size_t)row * cx->rb;
@@ -325,6 +378,7 @@ static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, u
     uint8_t *d = scr + r * Kpb;
     if (r >= Mv) {
       memset(d, 0, Kpb);
+      if (v == A_I4) rs[r] = 0.0f;
       continue;
     }
     const uint8_t *s = base + (size_t)(row + r) * cx->rb;
@@ -333,16 +387,7 @@ static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, u
       memset(d + cx->rb, 0, Kpb - cx->rb);
       continue;
     }
-    /* int4: Kpb elements = Kpb / 2 bytes (<= the row's ng * G / 2); byte b -> s8 of its
-     * low nibble (element 2b), then its high nibble (element 2b + 1). */
-    const __m512i m4 = _mm512_set1_epi16(0xf), e8 = _mm512_set1_epi16(8), lo8 = _mm512_set1_epi16(0xff);
-    for (size_t b0 = 0; b0 < Kpb / 2; b0 += 32) {
-      __m512i w = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(mask32((uint32_t)(Kpb / 2 - b0)), s + b0));
-      __m512i lo = _mm512_sub_epi16(_mm512_xor_si512(_mm512_and_si512(w, m4), e8), e8);
-      __m512i hi = _mm512_sub_epi16(_mm512_xor_si512(_mm512_srli_epi16(w, 4), e8), e8);
-      __m512i o = _mm512_or_si512(_mm512_and_si512(lo, lo8), _mm512_slli_epi16(hi, 8));
-      _mm512_mask_storeu_epi8(d + 2 * b0, mask64((uint32_t)(Kpb - 2 * b0)), o);
-    }
+    rs[r] = requant_int4(cx, s, sc + (size_t)(row + r) * cx->ng, d);
   }
   return scr;
 }
@@ -410,25 +455,21 @@ static void tiles_config(const kctx *cx) {
   } while (0)
 
 /* res[2 * ia + ib] (16 rows x 16 tokens) = A_ia . B_ib over the whole K, for ia < na
- * (A1 = NULL: one; astride[ia] = A_ia's row stride), ib < nb. B is token block tb's [P x 16] matrix, B_1 the next one.
- * int4: sc[ia] = the scales of the A block's first row (row m at sc[ia] + m * ng; rows
- * >= Mv[ia] are zero in A and use row 0's scales), summed per group into res. */
+ * (A1 = NULL: one; astride[ia] = A_ia's row stride), ib < nb. B is token block tb's
+ * [P x 16] matrix, B_1 the next one. int8 / int4 sums stay in int32 (|acc| <= 127 * 127 *
+ * K) and are converted to fp32 once, at the end. */
 static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *A1, const size_t astride[2],
-                  const uint8_t *B, uint32_t nb, const float *const sc[2], const uint32_t Mv[2]) {
+                  const uint8_t *B, uint32_t nb) {
   const bool two_a = A1 != NULL, two_b = nb > 1;
   const uint32_t nkb = cx->a.nkb, KSb = cx->KSb;
   const size_t btile = (size_t)KSb * 16; /* KSb / 4 rows of 64 bytes */
-  const uint32_t gsteps = v == A_I4 ? cx->G / cx->a.KS : nkb;
-  if (v == A_I4) memset(cx->res, 0, 4 * 1024);
+  KN_AMX_ZERO(0);
+  if (two_b) KN_AMX_ZERO(1);
+  if (two_a) {
+    KN_AMX_ZERO(2);
+    if (two_b) KN_AMX_ZERO(3);
+  }
   for (uint32_t kb = 0; kb < nkb; kb++) {
-    if (kb % gsteps == 0) {
-      KN_AMX_ZERO(0);
-      if (two_b) KN_AMX_ZERO(1);
-      if (two_a) {
-        KN_AMX_ZERO(2);
-        if (two_b) KN_AMX_ZERO(3);
-      }
-    }
     KN_AMX_LOAD(4, A0 + (size_t)kb * KSb, astride[0]);
     if (two_a) KN_AMX_LOAD(5, A1 + (size_t)kb * KSb, astride[1]);
     KN_AMX_LOAD(6, B + kb * btile, 64);
@@ -439,40 +480,28 @@ static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *
       DOT(v, 2, 5, 6);
       if (two_b) DOT(v, 3, 5, 7);
     }
-    if (kb % gsteps != gsteps - 1 && kb != nkb - 1) continue;
-    /* flush: bf16 results straight into res; int8 / int4 through stage */
-    void *dst = v == A_BF16 ? (void *)cx->res : (void *)cx->stage;
-    KN_AMX_STORE(0, (uint8_t *)dst + 0 * 1024, 64);
-    if (two_b) KN_AMX_STORE(1, (uint8_t *)dst + 1 * 1024, 64);
-    if (two_a) {
-      KN_AMX_STORE(2, (uint8_t *)dst + 2 * 1024, 64);
-      if (two_b) KN_AMX_STORE(3, (uint8_t *)dst + 3 * 1024, 64);
-    }
-    if (v == A_BF16) continue;
-    const uint32_t g = kb / gsteps;
-    for (uint32_t c = 0; c < 4; c++) {
-      const uint32_t ia = c / 2, ib = c % 2;
-      if ((ia && !two_a) || (ib && !two_b)) continue;
-      for (uint32_t m = 0; m < 16; m++) {
-        __m512 s = _mm512_cvtepi32_ps(_mm512_loadu_si512(cx->stage + c * 256 + m * 16));
-        float *o = cx->res + c * 256 + m * 16;
-        if (v == A_I8) {
-          _mm512_storeu_ps(o, s);
-        } else {
-          float gs = sc[ia][(size_t)(m < Mv[ia] ? m : 0) * cx->ng + g];
-          _mm512_storeu_ps(o, _mm512_fmadd_ps(s, _mm512_set1_ps(gs), _mm512_loadu_ps(o)));
-        }
-      }
-    }
+  }
+  /* bf16 results straight into res; int8 / int4 through stage */
+  void *dst = v == A_BF16 ? (void *)cx->res : (void *)cx->stage;
+  KN_AMX_STORE(0, (uint8_t *)dst + 0 * 1024, 64);
+  if (two_b) KN_AMX_STORE(1, (uint8_t *)dst + 1 * 1024, 64);
+  if (two_a) {
+    KN_AMX_STORE(2, (uint8_t *)dst + 2 * 1024, 64);
+    if (two_b) KN_AMX_STORE(3, (uint8_t *)dst + 3 * 1024, 64);
+  }
+  if (v == A_BF16) return;
+  for (uint32_t c = 0; c < 4; c++) {
+    if ((c / 2 && !two_a) || (c % 2 && !two_b)) continue;
+    for (uint32_t m = 0; m < 16; m++)
+      _mm512_storeu_ps(cx->res + c * 256 + m * 16, _mm512_cvtepi32_ps(_mm512_loadu_si512(cx->stage + c * 256 + m * 16)));
   }
 }
 
-/* Row m's multiplier of the result tile: int8 the weight row's scale, else 1 (bf16, and
- * int4 whose group scales are in res already). */
+/* Row m's multiplier of the result tile: int8 / int4 the weight row's scale (wscale: the
+ * layer's for int8, the requantized block's for int4) times the token's, bf16 1. */
 AI __m512 row_scaled(const av v, const kctx *cx, uint32_t c, uint32_t m, const float *wscale, uint32_t Mv, __m512 xsv) {
   __m512 r = _mm512_loadu_ps(cx->res + c * 256 + m * 16);
-  if (v == A_I8) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
-  if (v == A_I4) r = _mm512_mul_ps(r, xsv);
+  if (v != A_BF16) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
   return r;
 }
 
@@ -507,24 +536,19 @@ AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
     for (uint32_t i = i0; i < i1; i += 16) {
       const uint32_t Mv = i1 - i < 16 ? i1 - i : 16;
       size_t st[2];
-      const uint8_t *Ag = a_block(v, &cx, ws->gate, i, Mv, cx.scr[0], &st[0]);
-      const uint8_t *Au = a_block(v, &cx, ws->up, i, Mv, cx.scr[1], &st[1]);
-      const float *sc[2] = {NULL, NULL};
-      if (v == A_I4) {
-        sc[0] = ws->gate_scale + (size_t)i * cx.ng;
-        sc[1] = ws->up_scale + (size_t)i * cx.ng;
-      }
-      const uint32_t Mvs[2] = {Mv, Mv};
+      const uint8_t *Ag = a_block(v, &cx, ws->gate, ws->gate_scale, i, Mv, cx.scr[0], cx.rs[0], &st[0]);
+      const uint8_t *Au = a_block(v, &cx, ws->up, ws->up_scale, i, Mv, cx.scr[1], cx.rs[1], &st[1]);
+      const float *gsc = v == A_I4 ? cx.rs[0] : ws->gate_scale + i, *usc = v == A_I4 ? cx.rs[1] : ws->up_scale + i;
       for (uint32_t tb = tc0; tb < tc1; tb += 2) {
         const uint32_t nb = tc1 - tb < 2 ? 1 : 2;
-        micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+        micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb);
         for (uint32_t ib = 0; ib < nb; ib++) {
           const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
           const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
           __m512 hv[16];
           UNROLL for (uint32_t m = 0; m < 16; m++) {
-            __m512 g = row_scaled(v, &cx, ib, m, v == A_I8 ? ws->gate_scale + i : NULL, Mv, xsv);
-            __m512 u = row_scaled(v, &cx, 2 + ib, m, v == A_I8 ? ws->up_scale + i : NULL, Mv, xsv);
+            __m512 g = row_scaled(v, &cx, ib, m, gsc, Mv, xsv);
+            __m512 u = row_scaled(v, &cx, 2 + ib, m, usc, Mv, xsv);
             hv[m] = _mm512_mul_ps(silu_ps(g), u);
           }
           transpose16(hv);
@@ -542,7 +566,7 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
   if (n == 0 || j0 >= j1) return;
   const kn__slice_w *ws = t->w;
   /* h packed by every down call into its own tmp (as moe_avx512.c), the tiles' scratch after it */
-  const amx_acts a = acts_layout(v, Is, L->d.group, n);
+  const amx_acts a = acts_layout(v, Is, n);
   uint8_t *acts = (uint8_t *)t->tmp;
   acts_pack(v, &a, n, t->h, Is, acts);
   kctx cx = ctx_make(v, L, Is, n, acts, acts + kn__x86_align64(a.bytes));
@@ -553,17 +577,13 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
     for (uint32_t j = j0; j < j1; j += 32) {
       const uint32_t M0 = j1 - j < 16 ? j1 - j : 16, M1 = j1 - j <= 16 ? 0 : (j1 - j - 16 < 16 ? j1 - j - 16 : 16);
       size_t st[2] = {0, 0};
-      const uint8_t *A0 = a_block(v, &cx, ws->down, j, M0, cx.scr[0], &st[0]);
-      const uint8_t *A1 = M1 ? a_block(v, &cx, ws->down, j + 16, M1, cx.scr[1], &st[1]) : NULL;
-      const float *sc[2] = {NULL, NULL};
-      if (v == A_I4) {
-        sc[0] = ws->down_scale + (size_t)j * cx.ng;
-        sc[1] = ws->down_scale + (size_t)(M1 ? j + 16 : j) * cx.ng;
-      }
+      const uint8_t *A0 = a_block(v, &cx, ws->down, ws->down_scale, j, M0, cx.scr[0], cx.rs[0], &st[0]);
+      const uint8_t *A1 =
+          M1 ? a_block(v, &cx, ws->down, ws->down_scale, j + 16, M1, cx.scr[1], cx.rs[1], &st[1]) : NULL;
       const uint32_t Mvs[2] = {M0, M1};
       for (uint32_t tb = tc0; tb < tc1; tb += 2) {
         const uint32_t nb = tc1 - tb < 2 ? 1 : 2;
-        micro(v, &cx, A0, A1, st, cx.xb + tb * cx.a.tb_bytes, nb, sc, Mvs);
+        micro(v, &cx, A0, A1, st, cx.xb + tb * cx.a.tb_bytes, nb);
         for (uint32_t ia = 0; ia < (A1 ? 2u : 1u); ia++)
           for (uint32_t ib = 0; ib < nb; ib++) {
             const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
@@ -571,7 +591,7 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
             const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
             __m512 yv[16];
             UNROLL for (uint32_t m = 0; m < 16; m++)
-              yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : NULL, Mv, xsv);
+              yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I4 ? cx.rs[ia] : ws->down_scale + row, Mv, xsv);
             transpose16(yv);
             for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->y + (size_t)(c0 + c) * H + row, mask16(Mv), yv[c]);
           }
@@ -588,12 +608,12 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
 static kn__kernel fallback[A_COUNT]; /* the AVX-512 kernels, set before any entry is used */
 
 static size_t amx_prep_bytes(const av v, const kn_layer *L, uint32_t n) {
-  return acts_layout(v, L->d.hidden, L->d.group, n).bytes;
+  return acts_layout(v, L->d.hidden, n).bytes;
 }
 static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t n) {
-  const uint32_t H = L->d.hidden, Is = L->slice_len[s], G = L->d.group;
-  size_t gu = tile_tmp_bytes(v, H, G);
-  size_t dn = kn__x86_align64(acts_layout(v, Is, G, n).bytes) + tile_tmp_bytes(v, Is, G);
+  const uint32_t H = L->d.hidden, Is = L->slice_len[s];
+  size_t gu = tile_tmp_bytes(v, H);
+  size_t dn = kn__x86_align64(acts_layout(v, Is, n).bytes) + tile_tmp_bytes(v, Is);
   return kn__x86_floats_for(gu > dn ? gu : dn);
 }
 
@@ -611,7 +631,7 @@ static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t
       if (fallback[V].prep) fallback[V].prep(L, n, x, xq);                                          \
       return;                                                                                       \
     }                                                                                               \
-    amx_acts a = acts_layout(V, L->d.hidden, L->d.group, n);                                        \
+    amx_acts a = acts_layout(V, L->d.hidden, n);                                                    \
     acts_pack(V, &a, n, x, L->d.hidden, xq);                                                        \
   }                                                                                                 \
   static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) {                                   \

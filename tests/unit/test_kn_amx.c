@@ -386,6 +386,50 @@ static void chunks_bit_identical(int which) {
 MT_TEST(emulated_token_chunks_bit_identical) { chunks_bit_identical(0); }
 MT_TEST(real_token_chunks_bit_identical) { chunks_bit_identical(1); }
 
+/* ---- int4 requantized for the tiles: every code, -8 included ----------------------- */
+
+/* The int4 packer writes codes -7..7, but the format has -8 (nibble 8), which kn_ref
+ * decodes; the tiles requantize each row to s8 on one scale (requant_int4) and must keep
+ * such a code in range (|q8| <= 127) rather than wrap. Nibbles of the packed weights are
+ * set to 8 in places (low and high, in the row's largest group too), then the tiles run
+ * against the reference on the same bytes. */
+static void int4_every_code(int which) {
+  const impl *im = impl_or_skip(which);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  for (uint32_t G = 32; G <= 128; G *= 2) {
+    kn__kernel dk, fk;
+    im->kernels(KN_FMT_INT4, &dk, &fk);
+    const uint32_t H = 256, I = 72, n = 33;
+    kn_layer *L = layer_make(eng, H, I, 1, KN_FMT_INT4, G, 500 + G);
+    kn__slice_w *w = &L->w[0][0];
+    uint8_t *mats[3] = {w->gate, w->up, w->down};
+    const size_t bytes[3] = {(size_t)I * kn__row_bytes(KN_FMT_INT4, H, G),
+                             (size_t)I * kn__row_bytes(KN_FMT_INT4, H, G),
+                             (size_t)H * kn__row_bytes(KN_FMT_INT4, I, G)};
+    for (int m = 0; m < 3; m++)
+      for (size_t b = 0; b < bytes[m]; b += 5) mats[m][b] = (uint8_t)(b % 2 ? (mats[m][b] & 0x0f) | 0x80 : (mats[m][b] & 0xf0) | 0x08);
+    rng_seed(77 + G);
+    tbuf r = tbuf_make(L, &fk, n), a = tbuf_make(L, &fk, n);
+    memcpy(a.x, r.x, (size_t)n * H * 4);
+    run_task(L, ref_kernel(KN_FMT_INT4), n, &r, NULL);
+    run_task(L, &fk, n, &a, NULL); /* gate_up on its own */
+    const double eh = kn_rel_l2(a.h + I, r.h + I, (size_t)n * I);
+    run_task(L, &fk, n, &a, r.h + I); /* down from the reference h */
+    const double ey = kn_rel_l2(a.y + H, r.y + H, (size_t)n * H);
+    printf("  %s int4 g%u with code -8: rel L2 gate_up %.3g, down %.3g (tol %.0e)\n", im->what, G, eh, ey, TOL_Q8X);
+    MT_LE(eh, TOL_Q8X);
+    MT_LE(ey, TOL_Q8X);
+    canaries_intact(&a, n, I, H);
+    tbuf_free(&r);
+    tbuf_free(&a);
+    kn_layer_free(L);
+  }
+  kn_engine_free(eng);
+  audit_clean(im);
+}
+MT_TEST(emulated_int4_every_code) { int4_every_code(0); }
+MT_TEST(real_int4_every_code) { int4_every_code(1); }
+
 
 /* ---- row ranges from two threads: the bits of one call, only their own rows -------- */
 
