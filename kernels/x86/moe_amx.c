@@ -159,7 +159,6 @@ static amx_acts acts_layout(const av v, uint32_t K, uint32_t n) {
   return a;
 }
 
-static inline __m512i iota16(void) { return _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
 static inline __mmask16 mask16(uint32_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 static inline __mmask32 mask32(uint32_t n) { return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1); }
 static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
@@ -188,8 +187,31 @@ static inline __m128i quant16(const float *x, uint32_t k, uint32_t K, __m512 inv
   return _mm512_cvtepi32_epi8(q);
 }
 
-/* In-place transpose of a 16x16 matrix of 32-bit lanes; defined with the epilogue below. */
-AI void transpose16(__m512 *r);
+/* In-place transpose of a 16x16 matrix of 32-bit lanes (r[i] lane j <-> r[j] lane i). */
+AI void transpose16(__m512 *r) {
+  __m512i t[16], u[16];
+  UNROLL for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
+    t[2 * i + 1] = _mm512_unpackhi_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
+  }
+  /* per 128-bit lane of u[4i + j]: rows 4i..4i+3 of column 4 * lane + j */
+  UNROLL for (int i = 0; i < 4; i++) {
+    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  UNROLL for (int j = 0; j < 4; j++) {
+    __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+    r[0 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0)));
+    r[8 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1)));
+    r[4 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0)));
+    r[12 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+}
 
 /* Packs n rows of K fp32 values (row r at src + r * sstride) into the layout a. Each
  * 64-byte chunk of a token's converted row (32 bf16 or 64 int8 = 16 columns of 4 bytes)
@@ -241,32 +263,6 @@ static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *sr
 /* ---- vector helpers of the epilogue -------------------------------------------------- */
 
 #include "kernels/x86/avx512_math.h" /* exp_ps, silu_ps: the AVX-512 kernels' own */
-
-/* In-place transpose of a 16x16 matrix of 32-bit lanes (r[i] lane j <-> r[j] lane i). */
-AI void transpose16(__m512 *r) {
-  __m512i t[16], u[16];
-  UNROLL for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
-    t[2 * i + 1] = _mm512_unpackhi_epi32(_mm512_castps_si512(r[2 * i]), _mm512_castps_si512(r[2 * i + 1]));
-  }
-  /* per 128-bit lane of u[4i + j]: rows 4i..4i+3 of column 4 * lane + j */
-  UNROLL for (int i = 0; i < 4; i++) {
-    u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  UNROLL for (int j = 0; j < 4; j++) {
-    __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
-    __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
-    __m512i w0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
-    __m512i w1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
-    r[0 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0)));
-    r[8 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1)));
-    r[4 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0)));
-    r[12 + j] = _mm512_castsi512_ps(_mm512_shuffle_i32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-}
 
 /* ---- the weight side (A operand) ----------------------------------------------------- */
 
@@ -538,7 +534,8 @@ AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
       size_t st[2];
       const uint8_t *Ag = a_block(v, &cx, ws->gate, ws->gate_scale, i, Mv, cx.scr[0], cx.rs[0], &st[0]);
       const uint8_t *Au = a_block(v, &cx, ws->up, ws->up_scale, i, Mv, cx.scr[1], cx.rs[1], &st[1]);
-      const float *gsc = v == A_I4 ? cx.rs[0] : ws->gate_scale + i, *usc = v == A_I4 ? cx.rs[1] : ws->up_scale + i;
+      /* the rows' weight scales (int8: the layer's; int4: the requantized block's; bf16: none) */
+      const float *gsc = v == A_I8 ? ws->gate_scale + i : cx.rs[0], *usc = v == A_I8 ? ws->up_scale + i : cx.rs[1];
       for (uint32_t tb = tc0; tb < tc1; tb += 2) {
         const uint32_t nb = tc1 - tb < 2 ? 1 : 2;
         micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb);
@@ -591,7 +588,7 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
             const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
             __m512 yv[16];
             UNROLL for (uint32_t m = 0; m < 16; m++)
-              yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I4 ? cx.rs[ia] : ws->down_scale + row, Mv, xsv);
+              yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : cx.rs[ia], Mv, xsv);
             transpose16(yv);
             for (uint32_t c = 0; c < Nv; c++) _mm512_mask_storeu_ps(t->y + (size_t)(c0 + c) * H + row, mask16(Mv), yv[c]);
           }
