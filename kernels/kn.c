@@ -1739,33 +1739,59 @@ static kn__task fwd_task(const fwd_job *j, uint32_t s, uint32_t u, float *tmp) {
                     .tmp = tmp};
 }
 
+/* Four floats, unaligned: the combine's vectors (two SSE registers per 8 on plain x86-64,
+ * NEON elsewhere). A multiply and an add per element, never fused: kn.c is built for the
+ * baseline ISA, which has no FMA, so the bits are those of kn_ref's scalar loop. */
+typedef float kn__v4 __attribute__((vector_size(16), aligned(4), may_alias));
+
+/* o[c] += w * y[c] for c < n. */
+static void axpy(float *restrict o, const float *restrict y, float w, uint32_t n) {
+  uint32_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    *(kn__v4 *)(o + c) += w * *(const kn__v4 *)(y + c);
+    *(kn__v4 *)(o + c + 4) += w * *(const kn__v4 *)(y + c + 4);
+  }
+  for (; c < n; c++) o[c] += w * y[c];
+}
+
+/* o[c] += w * (ys[0][c] + ys[1][c] + .. + ys[ns - 1][c]), the slices added in order. */
+static void axpy_sum(float *restrict o, const float *const *ys, uint32_t ns, float w, uint32_t n) {
+  uint32_t c = 0;
+  for (; c + 4 <= n; c += 4) {
+    kn__v4 acc = *(const kn__v4 *)(ys[0] + c);
+    for (uint32_t q = 1; q < ns; q++) acc += *(const kn__v4 *)(ys[q] + c);
+    *(kn__v4 *)(o + c) += w * acc;
+  }
+  for (; c < n; c++) {
+    float acc = ys[0][c];
+    for (uint32_t q = 1; q < ns; q++) acc += ys[q][c];
+    o[c] += w * acc;
+  }
+}
+
 /* out[t, c0..c1) = sum over the non-empty slots of t, in slot order, of w * (sum over the
  * slices, in slice order, of y_s): the fp32 reduction across nodes, in the same order of
  * additions as kn_ref_moe_forward, so that the result depends neither on the thread count
- * nor on which worker computed what. */
+ * nor on which worker computed what. Vectors change no bit: each lane is one column's own
+ * sequence of the same operations. */
 static void fwd_combine(const fwd_job *j, uint32_t t, uint32_t c0, uint32_t c1) {
   const kn_moe_args *a = j->a;
-  const uint32_t H = j->H, k = a->top_k, S = j->L->n_slices;
-  float *o = a->out + (size_t)t * H;
-  for (uint32_t c = c0; c < c1; c++) o[c] = 0.0f;
+  const uint32_t H = j->H, k = a->top_k, S = j->L->n_slices, n = c1 - c0;
+  float *o = a->out + (size_t)t * H + c0;
+  memset(o, 0, (size_t)n * sizeof(float));
   for (uint32_t slot = 0; slot < k; slot++) {
     const size_t pi = (size_t)t * k + slot;
     if (a->ids[pi] < 0) continue;
     const float w = a->weights[pi];
-    const size_t off = (size_t)j->pos[pi] * H;
+    const size_t off = (size_t)j->pos[pi] * H + c0;
     const float *ys[KN_MAX_NODES];
     uint32_t ns = 0;
     for (uint32_t s = 0; s < S; s++)
       if (j->y[s]) ys[ns++] = j->y[s] + off;
-    if (ns == 1) {
-      for (uint32_t c = c0; c < c1; c++) o[c] += w * ys[0][c];
-    } else {
-      for (uint32_t c = c0; c < c1; c++) {
-        float acc = ys[0][c];
-        for (uint32_t q = 1; q < ns; q++) acc += ys[q][c];
-        o[c] += w * acc;
-      }
-    }
+    if (ns == 1)
+      axpy(o, ys[0], w, n);
+    else
+      axpy_sum(o, ys, ns, w, n);
   }
 }
 
