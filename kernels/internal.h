@@ -327,12 +327,22 @@ typedef struct kn__task {
   uint32_t slice;         /* s (also the group of the workers that compute it) */
   const kn__slice_w *w;   /* packed weights of (expert, s) */
   uint32_t n;             /* tokens routed to the expert in this call */
-  const float *x;         /* [n, H] fp32 inputs, row r = token tok[r] of the request */
+  const float *x;         /* [n, H] fp32 inputs, row r = token tok[r] of the request; NULL
+                           * where the kernel's prep_rows prepared xq from the caller's rows */
   const void *xq;         /* prepared inputs from kn__kernel.prep (NULL when it has none) */
   float *h;               /* [n, I_s] fp32 intermediate, written by gate_up */
   float *y;               /* [n, H] fp32 slice output, written by down */
   float *tmp;             /* kernel scratch: kn__kernel.tmp_floats(L, s, n) floats */
 } kn__task;
+
+/* An expert's input rows where the caller keeps them (kn_moe_args.x): row r of the n is
+ * token tok[r], at base + tok[r] * stride bytes, of dtype dt (f32, f16 or bf16). */
+typedef struct kn__rows {
+  const char *base;
+  size_t stride;
+  const uint32_t *tok; /* NULL: row r is token r */
+  mr_dtype dt;
+} kn__rows;
 
 /* What a kernel multiplies the weights with: its activation rounding. This, not the
  * kernel's name, decides how far it may be from the REF kernels on the same stored
@@ -368,6 +378,13 @@ typedef struct kn__kernel {
    * prep_bytes(L, n) bytes at xq. */
   void (*prep)(const kn_layer *L, uint32_t n, const float *x, void *xq);
   size_t (*prep_bytes)(const kn_layer *L, uint32_t n);
+  /* Optional (NULL: none; used only beside prep): prep reading the caller's rows in place,
+   * in their own dtype, for the n where takes_rows(L, n) is true. It writes the bytes prep
+   * would write from those rows converted to fp32, and the task then has no fp32 rows (x
+   * NULL): kn_moe_forward skips the gathered fp32 copy of the inputs, which at thousands
+   * of tokens cost more than the packing itself. */
+  bool (*takes_rows)(const kn_layer *L, uint32_t n);
+  void (*prep_rows)(const kn_layer *L, uint32_t n, const kn__rows *x, void *xq);
   /* fp32 scratch floats one task needs in tmp (for decoded rows and the like). */
   size_t (*tmp_floats)(const kn_layer *L, uint32_t slice, uint32_t n);
   const char *name; /* e.g. "ref_bf16_f32": weight type then input type (STYLE.md 2) */

@@ -1691,6 +1691,8 @@ int kn__moe_validate(const kn_layer *L, const kn_moe_args *a, mr_err *e) {
  * read-only during the run, except the work lists and the rows each item owns. Sorted
  * position p (0 .. pairs-1) is a non-empty (token, slot) pair in expert order: the pairs
  * of expert x are start[x] .. start[x+1]-1, in token order. */
+#define KN__NO_XG SIZE_MAX
+
 typedef struct fwd_job {
   const kn_layer *L;
   const kn__kernel *kern;
@@ -1700,7 +1702,8 @@ typedef struct fwd_job {
   const uint32_t *start;      /* [E + 1] */
   const uint32_t *tok;        /* [pairs]: token of sorted pair p */
   const uint32_t *pos;        /* [T * k]: sorted position of pair (t, slot); -1 slots unused */
-  float *xg;                  /* [pairs, H]: fp32 input of sorted pair p */
+  float *xg;                  /* fp32 inputs of the experts whose kernel reads them */
+  const size_t *xg_off;       /* [n_used]: their rows in xg (floats); KN__NO_XG: read in place */
   unsigned char *xq;          /* prepared inputs (kern->prep), expert used[u] at xq_off[u] */
   const size_t *xq_off;       /* [w_in's items] */
   float *h[KN_MAX_NODES];     /* [pairs, I_s]: intermediate of slice s */
@@ -1732,7 +1735,7 @@ static kn__task fwd_task(const fwd_job *j, uint32_t s, uint32_t u, float *tmp) {
                     .slice = s,
                     .w = &j->L->w[x][s],
                     .n = j->start[x + 1] - p0,
-                    .x = j->xg + (size_t)p0 * H,
+                    .x = j->xg_off[u] == KN__NO_XG ? NULL : j->xg + j->xg_off[u],
                     .xq = j->xq ? j->xq + j->xq_off[u] : NULL,
                     .h = j->h[s] + (size_t)p0 * j->L->slice_len[s],
                     .y = j->y[s] + (size_t)p0 * H,
@@ -1805,13 +1808,20 @@ static void fwd_fn(void *arg, const kn__pool_ctx *c) {
   float *tmp = j->tmp + (size_t)c->worker * j->tmp_stride;
   uint32_t s, it;
 
-  /* 1. Gather (and convert) the input rows of each used expert; prepare them. */
+  /* 1. Prepare the input rows of each used expert: from where the caller keeps them, or
+   * gathered (and converted) to fp32 first where the kernel reads fp32. */
   while (kn__work_claim(&j->w_in, c, &s, &it)) {
     const uint32_t x = j->used[it], p0 = j->start[x], n = j->start[x + 1] - p0;
+    if (j->xg_off[it] == KN__NO_XG) {
+      const kn__rows rows = {.base = a->x, .stride = (size_t)H * esz, .tok = j->tok + p0, .dt = a->x_dtype};
+      j->kern->prep_rows(L, n, &rows, j->xq + j->xq_off[it]);
+      continue;
+    }
+    float *xg = j->xg + j->xg_off[it];
     for (uint32_t r = 0; r < n; r++)
-      mr_convert_to_f32(j->xg + (size_t)(p0 + r) * H,
-                        (const char *)a->x + (size_t)j->tok[p0 + r] * H * esz, a->x_dtype, H);
-    if (j->kern->prep) j->kern->prep(L, n, j->xg + (size_t)p0 * H, j->xq + j->xq_off[it]);
+      mr_convert_to_f32(xg + (size_t)r * H, (const char *)a->x + (size_t)j->tok[p0 + r] * H * esz,
+                        a->x_dtype, H);
+    if (j->kern->prep) j->kern->prep(L, n, xg, j->xq + j->xq_off[it]);
   }
   kn__pool_barrier(c);
 
@@ -1894,9 +1904,22 @@ int kn_moe_forward(kn_engine *eng, const kn_layer *L, const kn_moe_args *a, mr_a
   j.tok = tok;
   j.pos = pos;
 
-  /* Buffers: inputs, prepared inputs, h and y per slice, kernel scratch per worker.
-   * In all: pairs * (H + I + S * H) floats + prep bytes + nw * tmp floats. */
-  ARENA_ALLOC(j.xg, (size_t)pairs * H);
+  /* Buffers: fp32 inputs where the kernel reads them, prepared inputs, h and y per slice,
+   * kernel scratch per worker. In all: at most pairs * (H + I + S * H) floats + prep
+   * bytes + nw * tmp floats. */
+  size_t *xg_off, xg_rows = 0;
+  ARENA_ALLOC(xg_off, n_used);
+  for (uint32_t u = 0; u < n_used; u++) {
+    const uint32_t n = start[used[u] + 1] - start[used[u]];
+    if (j.kern->prep && j.kern->prep_rows && j.kern->takes_rows(L, n)) {
+      xg_off[u] = KN__NO_XG;
+    } else {
+      xg_off[u] = xg_rows * H;
+      xg_rows += n;
+    }
+  }
+  j.xg_off = xg_off;
+  if (xg_rows) ARENA_ALLOC(j.xg, xg_rows * H);
   if (j.kern->prep) {
     size_t *xq_off, total = 0;
     ARENA_ALLOC(xq_off, n_used);

@@ -162,17 +162,24 @@ static amx_acts acts_layout(const av v, uint32_t K, uint32_t n) {
 static inline __mmask16 mask16(uint32_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 static inline __mmask32 mask32(uint32_t n) { return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1); }
 static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
-static inline __m512 load16(const float *x, uint32_t k, uint32_t K) {
-  return k < K ? _mm512_maskz_loadu_ps(mask16(K - k), x + k) : _mm512_setzero_ps();
+/* 16 values of a row of dtype dt from column k on, as fp32 (zeros past K). bf16 and f16
+ * widen exactly, so every dtype packs to the bytes its fp32 copy would. */
+AI __m512 load16(const void *x, mr_dtype dt, uint32_t k, uint32_t K) {
+  if (k >= K) return _mm512_setzero_ps();
+  const __mmask16 m = mask16(K - k);
+  if (dt == MR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+  if (dt == MR_DTYPE_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* Per-token int8 quantization as in moe_avx512.c: scale amax / 127 (NaN if any value is
  * NaN, so that the token's outputs are NaN), q = round_even(x * 127 / amax) in +-127. */
-static float token_scale(const float *x, uint32_t K, __m512 *inv) {
+AI float token_scale(const void *x, mr_dtype dt, uint32_t K, __m512 *inv) {
   __m512 m = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (uint32_t k = 0; k < K; k += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(mask16(K - k), x + k);
+    __m512 v = load16(x, dt, k, K);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     m = _mm512_max_ps(m, _mm512_abs_ps(v));
   }
@@ -181,8 +188,8 @@ static float token_scale(const float *x, uint32_t K, __m512 *inv) {
   *inv = _mm512_set1_ps(scale > 0.0f && isfinite(scale) ? 127.0f / amax : 0.0f);
   return isfinite(amax) ? scale : NAN;
 }
-static inline __m128i quant16(const float *x, uint32_t k, uint32_t K, __m512 inv) {
-  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, k, K), inv)); /* MXCSR: RNE */
+AI __m128i quant16(const void *x, mr_dtype dt, uint32_t k, uint32_t K, __m512 inv) {
+  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, dt, k, K), inv)); /* MXCSR: RNE */
   q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
   return _mm512_cvtepi32_epi8(q);
 }
@@ -213,25 +220,28 @@ AI void transpose16(__m512 *r) {
   }
 }
 
-/* Packs n rows of K fp32 values (row r at src + r * sstride) into the layout a. Each
+/* Packs n rows of K values (src: where they are, of which dtype) into the layout a. Each
  * 64-byte chunk of a token's converted row (32 bf16 or 64 int8 = 16 columns of 4 bytes)
  * goes down one column of its token block: 4-byte column p to row p. Per token block and
  * 16 such rows, the 16 tokens' chunks are converted into registers, transposed 16 x 16
  * (rows p0..p0+15, one lane per token) and stored as 16 whole 64-byte rows; tokens past n
  * are zero columns, rows past P are not written (the layout has none). */
-static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *src, size_t sstride,
-                      uint8_t *dst) {
+AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *src, const mr_dtype dt,
+                     uint8_t *dst) {
   const uint32_t K = a->K;
   float *xs = v != A_BF16 ? (float *)(dst + a->off_xs) : NULL;
   if (xs) memset(xs, 0, (size_t)a->ntb * 16 * sizeof(float));
   for (uint32_t tb = 0; tb < a->ntb; tb++) {
     const uint32_t r0 = tb * 16, nv = n - r0 < 16 ? n - r0 : 16;
     uint8_t *blk = dst + (size_t)tb * a->tb_bytes;
+    const char *row[16];
     float inv[16];
+    for (uint32_t c = 0; c < nv; c++)
+      row[c] = src->base + (size_t)(src->tok ? src->tok[r0 + c] : r0 + c) * src->stride;
     if (v != A_BF16)
       for (uint32_t c = 0; c < nv; c++) {
         __m512 iv;
-        xs[r0 + c] = token_scale(src + (size_t)(r0 + c) * sstride, K, &iv);
+        xs[r0 + c] = token_scale(row[c], dt, K, &iv);
         inv[c] = _mm512_cvtss_f32(iv);
       }
     for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += v == A_BF16 ? 32 : 64) {
@@ -241,15 +251,15 @@ static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *sr
           w[c] = _mm512_setzero_ps();
           continue;
         }
-        const float *x = src + (size_t)(r0 + c) * sstride;
+        const char *x = row[c];
         if (v == A_BF16) {
-          w[c] = (__m512)_mm512_cvtne2ps_pbh(load16(x, k0 + 16, K), load16(x, k0, K));
+          w[c] = (__m512)_mm512_cvtne2ps_pbh(load16(x, dt, k0 + 16, K), load16(x, dt, k0, K));
         } else {
           const __m512 iv = _mm512_set1_ps(inv[c]);
-          __m512i q = _mm512_castsi128_si512(quant16(x, k0, K, iv));
-          q = _mm512_inserti32x4(q, quant16(x, k0 + 16, K, iv), 1);
-          q = _mm512_inserti32x4(q, quant16(x, k0 + 32, K, iv), 2);
-          q = _mm512_inserti32x4(q, quant16(x, k0 + 48, K, iv), 3);
+          __m512i q = _mm512_castsi128_si512(quant16(x, dt, k0, K, iv));
+          q = _mm512_inserti32x4(q, quant16(x, dt, k0 + 16, K, iv), 1);
+          q = _mm512_inserti32x4(q, quant16(x, dt, k0 + 32, K, iv), 2);
+          q = _mm512_inserti32x4(q, quant16(x, dt, k0 + 48, K, iv), 3);
           w[c] = _mm512_castsi512_ps(q);
         }
       }
@@ -258,6 +268,19 @@ static void acts_pack(const av v, const amx_acts *a, uint32_t n, const float *sr
       for (uint32_t j = 0; j < rows; j++) _mm512_storeu_ps((float *)(blk + (size_t)(p0 + j) * 64), w[j]);
     }
   }
+}
+/* One copy of the loop per dtype, so that the conversion is not a branch per load. */
+static void acts_pack(const av v, const amx_acts *a, uint32_t n, const kn__rows *src, uint8_t *dst) {
+  switch (src->dt) {
+    case MR_DTYPE_BF16: acts_pack_dt(v, a, n, src, MR_DTYPE_BF16, dst); break;
+    case MR_DTYPE_F16: acts_pack_dt(v, a, n, src, MR_DTYPE_F16, dst); break;
+    default: acts_pack_dt(v, a, n, src, MR_DTYPE_F32, dst); break;
+  }
+}
+/* n fp32 rows of K at x, one after another every stride floats. */
+static void acts_pack_f32(const av v, const amx_acts *a, uint32_t n, const float *x, size_t stride, uint8_t *dst) {
+  const kn__rows r = {.base = (const char *)x, .stride = stride * sizeof(float), .dt = MR_DTYPE_F32};
+  acts_pack(v, a, n, &r, dst);
 }
 
 /* ---- vector helpers of the epilogue -------------------------------------------------- */
@@ -565,7 +588,7 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
   /* h packed by every down call into its own tmp (as moe_avx512.c), the tiles' scratch after it */
   const amx_acts a = acts_layout(v, Is, n);
   uint8_t *acts = (uint8_t *)t->tmp;
-  acts_pack(v, &a, n, t->h, Is, acts);
+  acts_pack_f32(v, &a, n, t->h, Is, acts);
   kctx cx = ctx_make(v, L, Is, n, acts, acts + kn__x86_align64(a.bytes));
   tiles_config(&cx);
   const uint32_t cb = chunk_blocks(&cx);
@@ -629,7 +652,19 @@ static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t
       return;                                                                                       \
     }                                                                                               \
     amx_acts a = acts_layout(V, L->d.hidden, n);                                                    \
-    acts_pack(V, &a, n, x, L->d.hidden, xq);                                                        \
+    acts_pack_f32(V, &a, n, x, L->d.hidden, xq);                                                    \
+  }                                                                                                 \
+  static bool takes_rows_##id(const kn_layer *L, uint32_t n) {                                     \
+    if (SMALL(FORCED, V, n)) return fallback[V].takes_rows && fallback[V].takes_rows(L, n);         \
+    return true;                                                                                    \
+  }                                                                                                 \
+  static void prep_rows_##id(const kn_layer *L, uint32_t n, const kn__rows *x, void *xq) {         \
+    if (SMALL(FORCED, V, n)) {                                                                      \
+      fallback[V].prep_rows(L, n, x, xq);                                                           \
+      return;                                                                                       \
+    }                                                                                               \
+    amx_acts a = acts_layout(V, L->d.hidden, n);                                                    \
+    acts_pack(V, &a, n, x, xq);                                                                     \
   }                                                                                                 \
   static size_t prep_bytes_##id(const kn_layer *L, uint32_t n) {                                   \
     if (SMALL(FORCED, V, n)) return fallback[V].prep_bytes ? fallback[V].prep_bytes(L, n) : 0;               \
@@ -650,6 +685,7 @@ AMX_ENTRY(A_I4, i4_all, 1)
 #define AMX_KERNEL(id, label, rnd)                                                             \
   (kn__kernel) {                                                                               \
     .gate_up = gate_up_##id, .down = down_##id, .prep = prep_##id, .prep_bytes = prep_bytes_##id, \
+    .takes_rows = takes_rows_##id, .prep_rows = prep_rows_##id,                                \
     .tmp_floats = tmp_##id, .name = label, .rounding = rnd, .audit_on = AMX_SYM(cfg_audit),   \
     .audit_take = AMX_SYM(cfg_audit_take)                                                      \
   }

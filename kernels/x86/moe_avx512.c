@@ -182,12 +182,24 @@ static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : ((
 
 /* ---- activation preparation -------------------------------------------------------- */
 
-/* amax of n fp32 values, NaN if any is NaN (so that a NaN input gives a NaN output). */
-static float amax_nan(const float *x, uint32_t n) {
+/* 16 values of a row of dtype dt (f32, f16 or bf16) from k on, as fp32, zero from n on:
+ * the widening of f16 and bf16 is exact, so a row converts to the bytes its fp32 copy
+ * would. dt is a constant wherever this is inlined. */
+AI __m512 ld16(const void *x, mr_dtype dt, uint32_t k, uint32_t n) {
+  if (k >= n) return _mm512_setzero_ps();
+  const __mmask16 m = mask16(n - k);
+  if (dt == MR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+  if (dt == MR_DTYPE_F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* amax of n values, NaN if any is NaN (so that a NaN input gives a NaN output). */
+AI float amax_nan(const void *x, mr_dtype dt, uint32_t n) {
   __m512 m = _mm512_setzero_ps();
   __mmask16 nan = 0;
   for (uint32_t k = 0; k < n; k += 16) {
-    __m512 v = _mm512_maskz_loadu_ps(mask16(n - k), x + k);
+    __m512 v = ld16(x, dt, k, n);
     nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     m = _mm512_max_ps(m, _mm512_abs_ps(v));
   }
@@ -195,37 +207,35 @@ static float amax_nan(const float *x, uint32_t n) {
 }
 
 /* 16 int32 quantized values of x[k..k+16) (zero beyond n): round(x / scale), |q| <= 127. */
-static inline __m512i quant16(const float *x, uint32_t k, uint32_t n, __m512 inv) {
-  __m512 v = k < n ? _mm512_maskz_loadu_ps(mask16(n - k), x + k) : _mm512_setzero_ps();
-  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(v, inv)); /* MXCSR: round to nearest even */
+AI __m512i quant16(const void *x, mr_dtype dt, uint32_t k, uint32_t n, __m512 inv) {
+  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(ld16(x, dt, k, n), inv)); /* MXCSR: round to nearest even */
   return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
 }
 
 /* The scale of a token (amax / 127) and 1 / scale for quantizing (0 for an all-zero or
  * non-finite row: its values quantize to 0 and the NaN/inf scale makes its outputs NaN). */
-static inline float quant_scale(const float *x, uint32_t K, __m512 *inv) {
-  float amax = amax_nan(x, K);
+AI float quant_scale(const void *x, mr_dtype dt, uint32_t K, __m512 *inv) {
+  float amax = amax_nan(x, dt, K);
   float scale = amax / 127.0f;
   *inv = _mm512_set1_ps(scale > 0.0f && isfinite(scale) ? 127.0f / amax : 0.0f);
   return isfinite(amax) ? scale : NAN;
 }
 
-/* Converts n rows of K fp32 values (row r at src + r * src_stride floats) into the
+/* Converts n rows of K values (src: where they are, of which dtype, dt the same) into the
  * activation buffer `dst` of layout a (common_x86.h), in the element order of kind. */
-static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const float *src,
-                         size_t src_stride, uint8_t *dst) {
+AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn__rows *src, const mr_dtype dt,
+                        uint8_t *dst) {
   const uint32_t K = a->K, Kp = a->Kp;
   MR_ASSERT(a->kind != KN__ACT_F32EO || a->block == 32);
   MR_ASSERT(a->kind != KN__ACT_QI4 || a->block == 128);
   MR_ASSERT(a->kind != KN__ACT_BF16P || a->Kp % 64 == 0);
   for (uint32_t r = 0; r < n; r++) {
-    const float *x = src + (size_t)r * src_stride;
+    const void *x = src->base + (size_t)(src->tok ? src->tok[r] : r) * src->stride;
     uint8_t *row = dst + (size_t)r * a->stride;
     switch (a->kind) {
       case KN__ACT_BF16:
         for (uint32_t k = 0; k < Kp; k += 32) {
-          __m512 lo = k < K ? _mm512_maskz_loadu_ps(mask16(K - k), x + k) : _mm512_setzero_ps();
-          __m512 hi = k + 16 < K ? _mm512_maskz_loadu_ps(mask16(K - k - 16), x + k + 16) : _mm512_setzero_ps();
+          __m512 lo = ld16(x, dt, k, K), hi = ld16(x, dt, k + 16, K);
           _mm512_storeu_si512(row + 2 * (size_t)k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
         break;
@@ -246,7 +256,7 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
           __m512 v[4];
           for (int q = 0; q < 4; q++) {
             uint32_t kk = k + 16 * (uint32_t)q;
-            v[q] = kk < K ? _mm512_maskz_loadu_ps(mask16(K - kk), x + kk) : _mm512_setzero_ps();
+            v[q] = ld16(x, dt, kk, K);
           }
           __m512i n0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), n1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
           _mm512_storeu_si512(row + 2 * (size_t)k, _mm512_permutex2var_epi16(n0, ia, n1));
@@ -259,8 +269,7 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
         float *o = (float *)row;
         for (uint32_t k = 0; k < Kp; k += 32) {
-          __m512 lo = k < K ? _mm512_maskz_loadu_ps(mask16(K - k), x + k) : _mm512_setzero_ps();
-          __m512 hi = k + 16 < K ? _mm512_maskz_loadu_ps(mask16(K - k - 16), x + k + 16) : _mm512_setzero_ps();
+          __m512 lo = ld16(x, dt, k, K), hi = ld16(x, dt, k + 16, K);
           _mm512_storeu_ps(o + k, _mm512_permutex2var_ps(lo, ev, hi));
           _mm512_storeu_ps(o + k + 16, _mm512_permutex2var_ps(lo, od, hi));
         }
@@ -268,10 +277,10 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
       }
       case KN__ACT_QI8: {
         __m512 inv;
-        float scale = quant_scale(x, K, &inv);
+        float scale = quant_scale(x, dt, K, &inv);
         __m512i sum = _mm512_setzero_si512();
         for (uint32_t k = 0; k < Kp; k += 16) {
-          __m512i q = quant16(x, k, K, inv);
+          __m512i q = quant16(x, dt, k, K, inv);
           sum = _mm512_add_epi32(sum, q);
           _mm_storeu_si128((__m128i *)(row + k), _mm512_cvtepi32_epi8(q));
         }
@@ -286,12 +295,12 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
         const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
         __m512 inv;
-        float scale = quant_scale(x, K, &inv);
+        float scale = quant_scale(x, dt, K, &inv);
         float *x8 = (float *)(dst + a->off_x8) + (size_t)r * a->ng16;
         memset(x8, 0, a->ng16 * sizeof(float));
         for (uint32_t k = 0; k < Kp; k += 128) {
           __m512i q[8], gsum = _mm512_setzero_si512();
-          for (int i = 0; i < 8; i++) q[i] = quant16(x, k + 16 * (uint32_t)i, K, inv);
+          for (int i = 0; i < 8; i++) q[i] = quant16(x, dt, k + 16 * (uint32_t)i, K, inv);
           for (int i = 0; i < 4; i++) {
             __m512i e = _mm512_permutex2var_epi32(q[2 * i], ev, q[2 * i + 1]);
             __m512i o = _mm512_permutex2var_epi32(q[2 * i], od, q[2 * i + 1]);
@@ -316,6 +325,20 @@ static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const fl
         MR_ASSERT(!"acts_convert: nothing to convert");
     }
   }
+}
+/* One copy of the loop per dtype, so that the conversion is not a branch per load. */
+static void acts_convert_rows(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn__rows *src, uint8_t *dst) {
+  switch (src->dt) {
+    case MR_DTYPE_BF16: acts_convert_dt(a, G, n, src, MR_DTYPE_BF16, dst); break;
+    case MR_DTYPE_F16: acts_convert_dt(a, G, n, src, MR_DTYPE_F16, dst); break;
+    default: acts_convert_dt(a, G, n, src, MR_DTYPE_F32, dst); break;
+  }
+}
+/* n fp32 rows of K, row r at src + r * src_stride floats. */
+static void acts_convert(const kn__x86_acts *a, uint32_t G, uint32_t n, const float *src, size_t src_stride,
+                         uint8_t *dst) {
+  const kn__rows r = {.base = (const char *)src, .stride = src_stride * sizeof(float), .dt = MR_DTYPE_F32};
+  acts_convert_dt(a, G, n, &r, MR_DTYPE_F32, dst);
 }
 
 /* ---- the register tile ------------------------------------------------------------- */
@@ -873,6 +896,19 @@ static void prep_of(const v512 v, const kn_layer *L, uint32_t n, const float *x,
   kn__x86_acts a = acts_layout(v, L->d.hidden, L->d.group, n);
   acts_convert(&a, L->d.group, n, x, L->d.hidden, xq);
 }
+static void prep_rows_of(const v512 v, const kn_layer *L, uint32_t n, const kn__rows *x, void *xq) {
+  kn__x86_acts a = acts_layout(v, L->d.hidden, L->d.group, n);
+  acts_convert_rows(&a, L->d.group, n, x, xq);
+}
+static bool takes_rows_all(const kn_layer *L, uint32_t n) {
+  (void)L;
+  (void)n;
+  return true;
+}
+/* The kernels with a prep also read the caller's rows in place (kn__kernel.prep_rows). */
+#define ROWS_ENTRY(V, id) \
+  static void prep_rows_##id(const kn_layer *L, uint32_t n, const kn__rows *x, void *xq) { prep_rows_of(V, L, n, x, xq); }
+#define WITH_ROWS(k, id) ((k).takes_rows = takes_rows_all, (k).prep_rows = prep_rows_##id)
 
 
 KN__X86_ENTRY(V_F32, f32)
@@ -883,27 +919,43 @@ KN__X86_ENTRY(V_I8, i8)
 KN__X86_ENTRY(V_I4, i4)
 KN__X86_ENTRY(V_FP8L, fp8l)
 KN__X86_ENTRY(V_FP8S, fp8s)
+ROWS_ENTRY(V_BF16DP, bf16dp)
+ROWS_ENTRY(V_BF16F32, bf16f32)
+ROWS_ENTRY(V_I8, i8)
+ROWS_ENTRY(V_I4, i4)
+ROWS_ENTRY(V_FP8L, fp8l)
+ROWS_ENTRY(V_FP8S, fp8s)
 
 
 void kn__avx512_register_cpu(kn__kernel_table *t, const kn__cpu *cpu) {
   t->k[KN_FMT_F32][KN_ISA_AVX512] = KN__X86_KERNEL(f32, false, "avx512_f32_f32", KN__RND_F32);
   t->k[KN_FMT_F16][KN_ISA_AVX512] = KN__X86_KERNEL(f16, false, "avx512_f16_f32", KN__RND_F32);
-  if (cpu->avx512_bf16)
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16dp, true, "avx512_bf16_bf16", KN__RND_BF16);
-  else
-    t->k[KN_FMT_BF16][KN_ISA_AVX512] = KN__X86_KERNEL(bf16f32, true, "avx512_bf16_f32", KN__RND_F32);
+  kn__kernel *k = &t->k[KN_FMT_BF16][KN_ISA_AVX512];
+  if (cpu->avx512_bf16) {
+    *k = KN__X86_KERNEL(bf16dp, true, "avx512_bf16_bf16", KN__RND_BF16);
+    WITH_ROWS(*k, bf16dp);
+  } else {
+    *k = KN__X86_KERNEL(bf16f32, true, "avx512_bf16_f32", KN__RND_F32);
+    WITH_ROWS(*k, bf16f32);
+  }
   /* Without VNNI the int8/int4 formats stay on the next ISA down (AVX2 fp32 FMA). */
   if (cpu->avx512_vnni) {
     t->k[KN_FMT_INT8][KN_ISA_AVX512] = KN__X86_KERNEL(i8, true, "avx512_int8_int8", KN__RND_Q8);
     t->k[KN_FMT_INT4][KN_ISA_AVX512] = KN__X86_KERNEL(i4, true, "avx512_int4_int8", KN__RND_Q8);
+    WITH_ROWS(t->k[KN_FMT_INT8][KN_ISA_AVX512], i8);
+    WITH_ROWS(t->k[KN_FMT_INT4][KN_ISA_AVX512], i4);
   }
   /* FP8 needs vdpbf16ps; the LUT conversion also VBMI (else the shift conversion). Without
    * BF16 it stays on the REF kernel. */
   pthread_once(&fp8_luts_once, fp8_luts_init);
-  if (cpu->avx512_bf16 && cpu->avx512_vbmi)
-    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8l, true, "avx512_fp8lut_bf16", KN__RND_BF16);
-  else if (cpu->avx512_bf16)
-    t->k[KN_FMT_FP8][KN_ISA_AVX512] = KN__X86_KERNEL(fp8s, true, "avx512_fp8shift_bf16", KN__RND_BF16);
+  k = &t->k[KN_FMT_FP8][KN_ISA_AVX512];
+  if (cpu->avx512_bf16 && cpu->avx512_vbmi) {
+    *k = KN__X86_KERNEL(fp8l, true, "avx512_fp8lut_bf16", KN__RND_BF16);
+    WITH_ROWS(*k, fp8l);
+  } else if (cpu->avx512_bf16) {
+    *k = KN__X86_KERNEL(fp8s, true, "avx512_fp8shift_bf16", KN__RND_BF16);
+    WITH_ROWS(*k, fp8s);
+  }
 }
 
 void kn__avx512_register(kn__kernel_table *t) { kn__avx512_register_cpu(t, kn__cpu_get()); }

@@ -431,6 +431,89 @@ MT_TEST(emulated_int4_every_code) { int4_every_code(0); }
 MT_TEST(real_int4_every_code) { int4_every_code(1); }
 
 
+/* ---- activations packed from the caller's rows: the bytes of the fp32 copy -------- */
+
+/* prep_rows (the caller's rows in place, gathered by token, in f32, bf16 or f16) writes
+ * the bytes prep writes from the same rows widened to fp32 and gathered: every format, K
+ * with and without a whole K step, n with partial token blocks, tokens repeated and out of
+ * order, rows with a NaN, zeros, huge values and subnormals of each dtype; the tiles
+ * forced, and dispatched (below the crossover the AVX-512 kernel packs its own layout
+ * from the rows, equally the bytes of its fp32 prep). */
+static void rows_pack_like_f32(int which) {
+  const impl *im = impl_or_skip(which);
+  kn_engine *eng = engine_make(KN_ISA_REF, 1);
+  const uint32_t Ks[3] = {256, 200, 40}, ns[5] = {1, 16, 17, 33, 47}, T = 61;
+  const mr_dtype dts[3] = {MR_DTYPE_F32, MR_DTYPE_BF16, MR_DTYPE_F16};
+  uint32_t cases = 0;
+  for (int fi = 0; fi < 5; fi += 2) { /* bf16, int8, int4 g64: the group does not reach prep */
+    kn__kernel dk, fk;
+    im->kernels(fmts[fi].f, &dk, &fk);
+    MT_TRUE(fk.prep_rows != NULL && fk.takes_rows != NULL && dk.takes_rows != NULL);
+    for (int ki = 0; ki < 3; ki++) {
+      const uint32_t H = Ks[ki];
+      kn_layer *L = layer_make(eng, H, 72, 1, fmts[fi].f, fmts[fi].G, 900 + ki);
+      for (int di = 0; di < 3; di++) {
+        const mr_dtype dt = dts[di];
+        const size_t esz = mr_dtype_size(dt);
+        float *src = malloc((size_t)T * H * 4), *wide = malloc((size_t)T * H * 4);
+        char *xs = malloc((size_t)T * H * esz);
+        rng_seed(4000 + 10 * ki + di);
+        for (size_t i = 0; i < (size_t)T * H; i++) src[i] = rng_normal();
+        for (uint32_t c = 0; c < H; c++) {
+          src[(size_t)3 * H + c] = 0.0f;                                     /* a zero row */
+          src[(size_t)5 * H + c] = (c % 7 ? 1e-40f : -6e-8f) * (float)(c % 5); /* subnormal */
+          src[(size_t)8 * H + c] = rng_normal() * (c % 3 ? 1e4f : 6e4f);       /* large */
+        }
+        src[(size_t)11 * H + H / 2] = NAN;
+        mr_convert_from_f32(xs, dt, src, (size_t)T * H);
+        mr_convert_to_f32(wide, xs, dt, (size_t)T * H);
+        for (int ni = 0; ni < 5; ni++) {
+          const uint32_t n = ns[ni];
+          uint32_t tok[47];
+          for (uint32_t r = 0; r < n; r++) tok[r] = r < 12 ? 11 - r : (r * 37 + 5) % T; /* 3, 5, 8, 11 in */
+          if (n > 2) tok[n - 1] = tok[0];
+          float *xf = malloc((size_t)n * H * 4);
+          for (uint32_t r = 0; r < n; r++) memcpy(xf + (size_t)r * H, wide + (size_t)tok[r] * H, (size_t)H * 4);
+          const size_t pb = fk.prep_bytes(L, n);
+          uint8_t *q1 = mr_malloc_aligned(pb + 64, 64), *q2 = mr_malloc_aligned(pb + 64, 64);
+          memset(q1, 0x5a, pb);
+          memset(q2, 0xa5, pb);
+          fk.prep(L, n, xf, q1);
+          const kn__rows rows = {.base = xs, .stride = (size_t)H * esz, .tok = tok, .dt = dt};
+          fk.prep_rows(L, n, &rows, q2);
+          MT_EQ_INT(memcmp(q1, q2, pb), 0);
+          MT_TRUE(fk.takes_rows(L, n));
+          /* dispatched: below the crossover the AVX-512 kernel's own rows path */
+          MT_TRUE(dk.takes_rows(L, n));
+          const size_t db = dk.prep_bytes(L, n);
+          uint8_t *d1 = mr_malloc_aligned(db + 64, 64), *d2 = mr_malloc_aligned(db + 64, 64);
+          memset(d1, 0x5a, db); /* the same fill: the AVX-512 layouts have padding prep skips */
+          memset(d2, 0x5a, db);
+          dk.prep(L, n, xf, d1);
+          dk.prep_rows(L, n, &rows, d2);
+          MT_EQ_INT(memcmp(d1, d2, db), 0);
+          if (n < im->min_tokens(fmts[fi].f)) MT_TRUE(db != pb || memcmp(d1, q1, pb) != 0);
+          mr_free_aligned(d1);
+          mr_free_aligned(d2);
+          mr_free_aligned(q1);
+          mr_free_aligned(q2);
+          free(xf);
+          cases++;
+        }
+        free(src);
+        free(wide);
+        free(xs);
+      }
+      kn_layer_free(L);
+    }
+  }
+  printf("  %s: rows packed in place (f32, bf16, f16) give the bytes of their fp32 copy (%u cases)\n",
+         im->what, cases);
+  kn_engine_free(eng);
+}
+MT_TEST(emulated_rows_pack_like_f32) { rows_pack_like_f32(0); }
+MT_TEST(real_rows_pack_like_f32) { rows_pack_like_f32(1); }
+
 /* ---- row ranges from two threads: the bits of one call, only their own rows -------- */
 
 typedef struct range_job {
@@ -687,6 +770,28 @@ static void layer_matches_ref(int which) {
         double err = kn_rel_l2(out, ref, (size_t)T * 256);
         MT_LE(err, fmts[fi].tol);
         if (err > worst) worst = err;
+        /* x in bf16 and f16, read in place by the tiles' prep (and converted for the
+         * experts below the crossover): the bits of the same values given in fp32 */
+        for (int di = 0; di < 2; di++) {
+          const mr_dtype dt = di ? MR_DTYPE_F16 : MR_DTYPE_BF16;
+          uint16_t *x16 = malloc((size_t)T * 256 * 2);
+          float *o16 = malloc((size_t)T * 256 * 4);
+          mr_convert_from_f32(x16, dt, x, (size_t)T * 256);
+          mr_convert_to_f32(x, x16, dt, (size_t)T * 256);
+          a.x = x;
+          a.x_dtype = MR_DTYPE_F32;
+          a.out = out;
+          MT_OK(kn_moe_forward(eng, L, &a, NULL, &e), ep(&e));
+          a.x = x16;
+          a.x_dtype = dt;
+          a.out = o16;
+          MT_OK(kn_moe_forward(eng, L, &a, NULL, &e), ep(&e));
+          MT_EQ_INT(memcmp(out, o16, (size_t)T * 256 * 4), 0);
+          a.x = x;
+          a.x_dtype = MR_DTYPE_F32;
+          free(x16);
+          free(o16);
+        }
         free(ids);
         free(w);
         free(x);
