@@ -129,6 +129,10 @@ static const char *const av_name[A_COUNT] = {AMX_LABEL "_bf16_bf16", AMX_LABEL "
 
 /* ---- prepared activations (B operand) ---------------------------------------------- */
 
+/* exp_ps, silu_ps (the epilogue) and the rows' loads and int8 quantization: the AVX-512
+ * kernels' own. */
+#include "kernels/x86/avx512_math.h"
+
 typedef struct amx_acts {
   uint32_t K, KS, esz; /* elements, elements per K step, bytes per element */
   uint32_t nkb, ntb;   /* K steps, token blocks of 16 */
@@ -162,36 +166,9 @@ static amx_acts acts_layout(const av v, uint32_t K, uint32_t n) {
 static inline __mmask16 mask16(uint32_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
 static inline __mmask32 mask32(uint32_t n) { return n >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << n) - 1); }
 static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << n) - 1); }
-/* 16 values of a row of dtype dt from column k on, as fp32 (zeros past K). bf16 and f16
- * widen exactly, so every dtype packs to the bytes its fp32 copy would. */
-AI __m512 load16(const void *x, mr_dtype dt, uint32_t k, uint32_t K) {
-  if (k >= K) return _mm512_setzero_ps();
-  const __mmask16 m = mask16(K - k);
-  if (dt == MR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-  if (dt == MR_DTYPE_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* Per-token int8 quantization as in moe_avx512.c: scale amax / 127 (NaN if any value is
- * NaN, so that the token's outputs are NaN), q = round_even(x * 127 / amax) in +-127. */
-AI float token_scale(const void *x, mr_dtype dt, uint32_t K, __m512 *inv) {
-  __m512 m = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  for (uint32_t k = 0; k < K; k += 16) {
-    __m512 v = load16(x, dt, k, K);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, _mm512_abs_ps(v));
-  }
-  float amax = nan ? NAN : _mm512_reduce_max_ps(m);
-  float scale = amax / 127.0f;
-  *inv = _mm512_set1_ps(scale > 0.0f && isfinite(scale) ? 127.0f / amax : 0.0f);
-  return isfinite(amax) ? scale : NAN;
-}
+/* An int8 row chunk: 16 values of x from k on, quantized (kn__quant16), as bytes. */
 AI __m128i quant16(const void *x, mr_dtype dt, uint32_t k, uint32_t K, __m512 inv) {
-  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, dt, k, K), inv)); /* MXCSR: RNE */
-  q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-  return _mm512_cvtepi32_epi8(q);
+  return _mm512_cvtepi32_epi8(kn__quant16(x, dt, k, K, inv));
 }
 
 /* In-place transpose of a 16x16 matrix of 32-bit lanes (r[i] lane j <-> r[j] lane i). */
@@ -241,7 +218,7 @@ AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *
     if (v != A_BF16)
       for (uint32_t c = 0; c < nv; c++) {
         __m512 iv;
-        xs[r0 + c] = token_scale(row[c], dt, K, &iv);
+        xs[r0 + c] = kn__quant_scale(row[c], dt, K, &iv);
         inv[c] = _mm512_cvtss_f32(iv);
       }
     for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += v == A_BF16 ? 32 : 64) {
@@ -253,7 +230,7 @@ AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *
         }
         const char *x = row[c];
         if (v == A_BF16) {
-          w[c] = (__m512)_mm512_cvtne2ps_pbh(load16(x, dt, k0 + 16, K), load16(x, dt, k0, K));
+          w[c] = (__m512)_mm512_cvtne2ps_pbh(kn__ld16(x, dt, k0 + 16, K), kn__ld16(x, dt, k0, K));
         } else {
           const __m512 iv = _mm512_set1_ps(inv[c]);
           __m512i q = _mm512_castsi128_si512(quant16(x, dt, k0, K, iv));
@@ -282,10 +259,6 @@ static void acts_pack_f32(const av v, const amx_acts *a, uint32_t n, const float
   const kn__rows r = {.base = (const char *)x, .stride = stride * sizeof(float), .dt = MR_DTYPE_F32};
   acts_pack(v, a, n, &r, dst);
 }
-
-/* ---- vector helpers of the epilogue -------------------------------------------------- */
-
-#include "kernels/x86/avx512_math.h" /* exp_ps, silu_ps: the AVX-512 kernels' own */
 
 /* ---- the weight side (A operand) ----------------------------------------------------- */
 

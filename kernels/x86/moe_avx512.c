@@ -182,45 +182,6 @@ static inline __mmask64 mask64(uint32_t n) { return n >= 64 ? ~(__mmask64)0 : ((
 
 /* ---- activation preparation -------------------------------------------------------- */
 
-/* 16 values of a row of dtype dt (f32, f16 or bf16) from k on, as fp32, zero from n on:
- * the widening of f16 and bf16 is exact, so a row converts to the bytes its fp32 copy
- * would. dt is a constant wherever this is inlined. */
-AI __m512 ld16(const void *x, mr_dtype dt, uint32_t k, uint32_t n) {
-  if (k >= n) return _mm512_setzero_ps();
-  const __mmask16 m = mask16(n - k);
-  if (dt == MR_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
-  const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-  if (dt == MR_DTYPE_F16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-/* amax of n values, NaN if any is NaN (so that a NaN input gives a NaN output). */
-AI float amax_nan(const void *x, mr_dtype dt, uint32_t n) {
-  __m512 m = _mm512_setzero_ps();
-  __mmask16 nan = 0;
-  for (uint32_t k = 0; k < n; k += 16) {
-    __m512 v = ld16(x, dt, k, n);
-    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    m = _mm512_max_ps(m, _mm512_abs_ps(v));
-  }
-  return nan ? NAN : _mm512_reduce_max_ps(m);
-}
-
-/* 16 int32 quantized values of x[k..k+16) (zero beyond n): round(x / scale), |q| <= 127. */
-AI __m512i quant16(const void *x, mr_dtype dt, uint32_t k, uint32_t n, __m512 inv) {
-  __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(ld16(x, dt, k, n), inv)); /* MXCSR: round to nearest even */
-  return _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-}
-
-/* The scale of a token (amax / 127) and 1 / scale for quantizing (0 for an all-zero or
- * non-finite row: its values quantize to 0 and the NaN/inf scale makes its outputs NaN). */
-AI float quant_scale(const void *x, mr_dtype dt, uint32_t K, __m512 *inv) {
-  float amax = amax_nan(x, dt, K);
-  float scale = amax / 127.0f;
-  *inv = _mm512_set1_ps(scale > 0.0f && isfinite(scale) ? 127.0f / amax : 0.0f);
-  return isfinite(amax) ? scale : NAN;
-}
-
 /* Converts n rows of K values (src: where they are, of which dtype, dt the same) into the
  * activation buffer `dst` of layout a (common_x86.h), in the element order of kind. */
 AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn__rows *src, const mr_dtype dt,
@@ -235,7 +196,7 @@ AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn_
     switch (a->kind) {
       case KN__ACT_BF16:
         for (uint32_t k = 0; k < Kp; k += 32) {
-          __m512 lo = ld16(x, dt, k, K), hi = ld16(x, dt, k + 16, K);
+          __m512 lo = kn__ld16(x, dt, k, K), hi = kn__ld16(x, dt, k + 16, K);
           _mm512_storeu_si512(row + 2 * (size_t)k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
         break;
@@ -256,7 +217,7 @@ AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn_
           __m512 v[4];
           for (int q = 0; q < 4; q++) {
             uint32_t kk = k + 16 * (uint32_t)q;
-            v[q] = ld16(x, dt, kk, K);
+            v[q] = kn__ld16(x, dt, kk, K);
           }
           __m512i n0 = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]), n1 = (__m512i)_mm512_cvtne2ps_pbh(v[3], v[2]);
           _mm512_storeu_si512(row + 2 * (size_t)k, _mm512_permutex2var_epi16(n0, ia, n1));
@@ -269,7 +230,7 @@ AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn_
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
         float *o = (float *)row;
         for (uint32_t k = 0; k < Kp; k += 32) {
-          __m512 lo = ld16(x, dt, k, K), hi = ld16(x, dt, k + 16, K);
+          __m512 lo = kn__ld16(x, dt, k, K), hi = kn__ld16(x, dt, k + 16, K);
           _mm512_storeu_ps(o + k, _mm512_permutex2var_ps(lo, ev, hi));
           _mm512_storeu_ps(o + k + 16, _mm512_permutex2var_ps(lo, od, hi));
         }
@@ -277,10 +238,10 @@ AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn_
       }
       case KN__ACT_QI8: {
         __m512 inv;
-        float scale = quant_scale(x, dt, K, &inv);
+        float scale = kn__quant_scale(x, dt, K, &inv);
         __m512i sum = _mm512_setzero_si512();
         for (uint32_t k = 0; k < Kp; k += 16) {
-          __m512i q = quant16(x, dt, k, K, inv);
+          __m512i q = kn__quant16(x, dt, k, K, inv);
           sum = _mm512_add_epi32(sum, q);
           _mm_storeu_si128((__m128i *)(row + k), _mm512_cvtepi32_epi8(q));
         }
@@ -295,12 +256,12 @@ AI void acts_convert_dt(const kn__x86_acts *a, uint32_t G, uint32_t n, const kn_
         const __m512i ev = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
         const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
         __m512 inv;
-        float scale = quant_scale(x, dt, K, &inv);
+        float scale = kn__quant_scale(x, dt, K, &inv);
         float *x8 = (float *)(dst + a->off_x8) + (size_t)r * a->ng16;
         memset(x8, 0, a->ng16 * sizeof(float));
         for (uint32_t k = 0; k < Kp; k += 128) {
           __m512i q[8], gsum = _mm512_setzero_si512();
-          for (int i = 0; i < 8; i++) q[i] = quant16(x, dt, k + 16 * (uint32_t)i, K, inv);
+          for (int i = 0; i < 8; i++) q[i] = kn__quant16(x, dt, k + 16 * (uint32_t)i, K, inv);
           for (int i = 0; i < 4; i++) {
             __m512i e = _mm512_permutex2var_epi32(q[2 * i], ev, q[2 * i + 1]);
             __m512i o = _mm512_permutex2var_epi32(q[2 * i], od, q[2 * i + 1]);

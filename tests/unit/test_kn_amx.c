@@ -31,6 +31,7 @@
  */
 #define _GNU_SOURCE /* REG_RIP and the other ucontext register names (amx_trap.h) */
 #include "kernels/internal.h"
+#include "tests/unit/kn_rows.h"
 #include "tests/unit/kn_test.h"
 #include "tests/unit/mt.h"
 
@@ -453,56 +454,24 @@ static void rows_pack_like_f32(int which) {
       const uint32_t H = Ks[ki];
       kn_layer *L = layer_make(eng, H, 72, 1, fmts[fi].f, fmts[fi].G, 900 + ki);
       for (int di = 0; di < 3; di++) {
-        const mr_dtype dt = dts[di];
-        const size_t esz = mr_dtype_size(dt);
-        float *src = malloc((size_t)T * H * 4), *wide = malloc((size_t)T * H * 4);
-        char *xs = malloc((size_t)T * H * esz);
-        rng_seed(4000 + 10 * ki + di);
-        for (size_t i = 0; i < (size_t)T * H; i++) src[i] = rng_normal();
-        for (uint32_t c = 0; c < H; c++) {
-          src[(size_t)3 * H + c] = 0.0f;                                     /* a zero row */
-          src[(size_t)5 * H + c] = (c % 7 ? 1e-40f : -6e-8f) * (float)(c % 5); /* subnormal */
-          src[(size_t)8 * H + c] = rng_normal() * (c % 3 ? 1e4f : 6e4f);       /* large */
-        }
-        src[(size_t)11 * H + H / 2] = NAN;
-        mr_convert_from_f32(xs, dt, src, (size_t)T * H);
-        mr_convert_to_f32(wide, xs, dt, (size_t)T * H);
+        rows_case c = rows_case_make(T, H, dts[di], 4000 + 10 * ki + di);
         for (int ni = 0; ni < 5; ni++) {
           const uint32_t n = ns[ni];
           uint32_t tok[47];
-          for (uint32_t r = 0; r < n; r++) tok[r] = r < 12 ? 11 - r : (r * 37 + 5) % T; /* 3, 5, 8, 11 in */
-          if (n > 2) tok[n - 1] = tok[0];
-          float *xf = malloc((size_t)n * H * 4);
-          for (uint32_t r = 0; r < n; r++) memcpy(xf + (size_t)r * H, wide + (size_t)tok[r] * H, (size_t)H * 4);
-          const size_t pb = fk.prep_bytes(L, n);
-          uint8_t *q1 = mr_malloc_aligned(pb + 64, 64), *q2 = mr_malloc_aligned(pb + 64, 64);
-          memset(q1, 0x5a, pb);
-          memset(q2, 0xa5, pb);
-          fk.prep(L, n, xf, q1);
-          const kn__rows rows = {.base = xs, .stride = (size_t)H * esz, .tok = tok, .dt = dt};
-          fk.prep_rows(L, n, &rows, q2);
-          MT_EQ_INT(memcmp(q1, q2, pb), 0);
+          rows_tokens(tok, n, T);
+          /* the tiles forced, and dispatched: below the crossover the AVX-512 kernel's */
           MT_TRUE(fk.takes_rows(L, n));
-          /* dispatched: below the crossover the AVX-512 kernel's own rows path */
           MT_TRUE(dk.takes_rows(L, n));
-          const size_t db = dk.prep_bytes(L, n);
-          uint8_t *d1 = mr_malloc_aligned(db + 64, 64), *d2 = mr_malloc_aligned(db + 64, 64);
-          memset(d1, 0x5a, db); /* the same fill: the AVX-512 layouts have padding prep skips */
-          memset(d2, 0x5a, db);
-          dk.prep(L, n, xf, d1);
-          dk.prep_rows(L, n, &rows, d2);
-          MT_EQ_INT(memcmp(d1, d2, db), 0);
-          if (n < im->min_tokens(fmts[fi].f)) MT_TRUE(db != pb || memcmp(d1, q1, pb) != 0);
-          mr_free_aligned(d1);
-          mr_free_aligned(d2);
-          mr_free_aligned(q1);
-          mr_free_aligned(q2);
-          free(xf);
+          uint8_t *tiles = malloc(fk.prep_bytes(L, n)), *disp = malloc(dk.prep_bytes(L, n));
+          MT_EQ_INT(rows_prep_diff(&fk, L, n, &c, tok, tiles), 0);
+          MT_EQ_INT(rows_prep_diff(&dk, L, n, &c, tok, disp), 0);
+          if (n < im->min_tokens(fmts[fi].f))
+            MT_TRUE(dk.prep_bytes(L, n) != fk.prep_bytes(L, n) || memcmp(tiles, disp, fk.prep_bytes(L, n)) != 0);
+          free(tiles);
+          free(disp);
           cases++;
         }
-        free(src);
-        free(wide);
-        free(xs);
+        rows_case_free(&c);
       }
       kn_layer_free(L);
     }

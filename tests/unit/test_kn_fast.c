@@ -44,6 +44,7 @@
  * token, zero inputs give zero outputs, and the int8 accumulator bound at K = 65536.
  */
 #include "kernels/internal.h"
+#include "tests/unit/kn_rows.h"
 #include "tests/unit/kn_test.h"
 #include "tests/unit/mt.h"
 
@@ -409,7 +410,7 @@ MT_TEST(avx512_rows_pack_like_f32) {
 #if MR_HAVE_AVX512
   if (kn_isa_detect() < KN_ISA_AVX512) MT_SKIP("no AVX-512 on this CPU");
   kn_engine *eng = engine_make(KN_ISA_REF, 1);
-  const uint32_t Ks[3] = {256, 200, 40}, ns[4] = {1, 3, 8, 17}, T = 23;
+  const uint32_t Ks[3] = {256, 200, 40}, ns[4] = {1, 3, 8, 17}, T = 23; /* T >= 12: kn_rows.h */
   const mr_dtype dts[3] = {MR_DTYPE_F32, MR_DTYPE_BF16, MR_DTYPE_F16};
   const struct { kn_format f; uint32_t G; } fmts[6] = {
       {KN_FMT_BF16, 0}, {KN_FMT_INT8, 0}, {KN_FMT_INT4, 32}, {KN_FMT_INT4, 64}, {KN_FMT_INT4, 128}, {KN_FMT_FP8, 0}};
@@ -432,44 +433,15 @@ MT_TEST(avx512_rows_pack_like_f32) {
         model m = model_make(H, 128, 1, 0.05f, 60 + ki);
         kn_layer *L = layer_make(eng, &m, fmts[fi].f, fmts[fi].G, NULL);
         for (int di = 0; di < 3; di++) {
-          const mr_dtype dt = dts[di];
-          const size_t esz = mr_dtype_size(dt);
-          float *src = malloc((size_t)T * H * 4), *wide = malloc((size_t)T * H * 4);
-          char *xs = malloc((size_t)T * H * esz);
-          rng_seed(70 + 10 * ki + di);
-          for (size_t i = 0; i < (size_t)T * H; i++) src[i] = rng_normal();
-          for (uint32_t j = 0; j < H; j++) {
-            src[(size_t)2 * H + j] = 0.0f;
-            src[(size_t)4 * H + j] = (j % 7 ? 1e-40f : -6e-8f) * (float)(j % 5);
-            src[(size_t)6 * H + j] = rng_normal() * (j % 3 ? 1e4f : 6e4f);
-          }
-          src[(size_t)9 * H + H / 3] = NAN;
-          mr_convert_from_f32(xs, dt, src, (size_t)T * H);
-          mr_convert_to_f32(wide, xs, dt, (size_t)T * H);
+          rows_case rc = rows_case_make(T, H, dts[di], 70 + 10 * ki + di);
           for (int ni = 0; ni < 4; ni++) {
-            const uint32_t n = ns[ni];
             uint32_t tok[17];
-            for (uint32_t r = 0; r < n; r++) tok[r] = r < 10 ? 9 - r : (r * 7 + 3) % T;
-            if (n > 2) tok[n - 1] = tok[0];
-            float *xf = malloc((size_t)n * H * 4);
-            for (uint32_t r = 0; r < n; r++) memcpy(xf + (size_t)r * H, wide + (size_t)tok[r] * H, (size_t)H * 4);
-            const size_t pb = k->prep_bytes(L, n);
-            uint8_t *q1 = mr_malloc_aligned(pb + 64, 64), *q2 = mr_malloc_aligned(pb + 64, 64);
-            memset(q1, 0x5a, pb); /* the same fill: layouts have padding prep skips */
-            memset(q2, 0x5a, pb);
-            k->prep(L, n, xf, q1);
-            const kn__rows rows = {.base = xs, .stride = (size_t)H * esz, .tok = tok, .dt = dt};
-            MT_TRUE(k->takes_rows(L, n));
-            k->prep_rows(L, n, &rows, q2);
-            MT_EQ_INT(memcmp(q1, q2, pb), 0);
-            mr_free_aligned(q1);
-            mr_free_aligned(q2);
-            free(xf);
+            rows_tokens(tok, ns[ni], T);
+            MT_TRUE(k->takes_rows(L, ns[ni]));
+            MT_EQ_INT(rows_prep_diff(k, L, ns[ni], &rc, tok, NULL), 0);
             cases++;
           }
-          free(src);
-          free(wide);
-          free(xs);
+          rows_case_free(&rc);
         }
         kn_layer_free(L);
         model_free(&m);
