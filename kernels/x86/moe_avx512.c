@@ -446,10 +446,15 @@ AI void step_i4(const int C, const kctx *cx, const uint8_t *wr, const float *sr,
  *     the bf16 of (code & 0x7f) in two 128-entry tables (it ignores index bit 7), the sign
  *     is or-ed into the high byte, and vpunpck{l,h}bw interleave low/high bytes into words:
  *     per 128-bit lane, elements 0-7 then 8-15, hence the KN__ACT_BF16P order of x.
- *   shift (AVX512BW only): 32 codes zero-extended to words; a normal e.m is bf16
- *     ((e + 120) << 7 | m << 4), i.e. (code & 0x7f) << 4 plus 120 << 7; the 16 codes with
- *     e = 0 (+-m * 2^-9) are replaced from an 8-entry word table (vpermw under a mask),
- *     then the sign goes to bit 15. Natural order. */
+ *   shift (AVX512BW only): 32 codes zero-extended to words and moved to the high byte
+ *     (s eeee mmm 0..0); an arithmetic shift right by 4 copies s down to bit 11 and puts
+ *     e.m at bits 10..4, a mask keeps bits 15 and 10..4, and + 120 << 7 gives the bf16 of
+ *     a normal e.m with its sign ((e + 120) << 7 | m << 4): 5 instructions per 32 codes.
+ *     The 16 codes with e = 0 (+-m * 2^-9) are rare in real weights, so one test per 128
+ *     codes sends a block that has any to fp8_shift32_sub (out of line), which replaces
+ *     them from an 8-entry word table (vpermw under a mask) and puts the sign back.
+ *     Natural order. Was the table lookup on every vector: 15-30% slower at 1-4 tokens
+ *     per expert (docs/BENCHMARKS.md). */
 AI void fp8_lut64(const kctx *cx, __m512i w, __m512i *a, __m512i *b) {
   __m512i hi = _mm512_permutex2var_epi8(cx->lut[0], w, cx->lut[1]);
   __m512i lo = _mm512_permutex2var_epi8(cx->lut[2], w, cx->lut[3]);
@@ -457,11 +462,15 @@ AI void fp8_lut64(const kctx *cx, __m512i w, __m512i *a, __m512i *b) {
   *a = _mm512_unpacklo_epi8(lo, hi);
   *b = _mm512_unpackhi_epi8(lo, hi);
 }
-AI __m512i fp8_shift32(const kctx *cx, __m256i w8) {
-  __m512i w = _mm512_cvtepu8_epi16(w8);
-  __m512i v = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7f)), 4),
-                               _mm512_set1_epi16(120 << 7));
-  __mmask32 sub = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
+AI __m512i fp8_shift32(__m256i w8) {
+  const __m512i hi = _mm512_slli_epi16(_mm512_cvtepu8_epi16(w8), 8); /* s eeee mmm 0..0 */
+  return _mm512_add_epi16(_mm512_and_si512(_mm512_srai_epi16(hi, 4), _mm512_set1_epi16((short)0x87f0)),
+                          _mm512_set1_epi16(120 << 7));
+}
+/* The e = 0 codes of the 32 of w8 replaced in v (fp8_shift32's) from the table. */
+static __attribute__((noinline)) __m512i fp8_shift32_sub(const kctx *cx, __m256i w8, __m512i v) {
+  const __m512i w = _mm512_cvtepu8_epi16(w8);
+  const __mmask32 sub = _mm512_testn_epi16_mask(w, _mm512_set1_epi16(0x78));
   v = _mm512_mask_permutexvar_epi16(v, sub, w, cx->lut[0]);
   return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
 }
@@ -478,11 +487,17 @@ AI void fp8_block(const v512 v, const kctx *cx, const uint8_t *wr, uint32_t s, b
     fp8_lut64(cx, w0, &wb[0], &wb[1]);
     fp8_lut64(cx, w1, &wb[2], &wb[3]);
   } else {
+    __m256i w8[4];
     UNROLL for (int q = 0; q < 4; q++) {
       __mmask32 m = (__mmask32)((q < 2 ? tm0 : tm1) >> (32 * (q & 1)));
-      __m256i w8 = tail ? _mm256_maskz_loadu_epi8(m, wr + k + 32 * q) : _mm256_loadu_si256((const __m256i *)(wr + k + 32 * q));
-      wb[q] = fp8_shift32(cx, w8);
+      w8[q] = tail ? _mm256_maskz_loadu_epi8(m, wr + k + 32 * q) : _mm256_loadu_si256((const __m256i *)(wr + k + 32 * q));
+      wb[q] = fp8_shift32(w8[q]);
     }
+    const __m256i e = _mm256_set1_epi8(0x78);
+    const __mmask32 z = _mm256_testn_epi8_mask(w8[0], e) | _mm256_testn_epi8_mask(w8[1], e) |
+                        _mm256_testn_epi8_mask(w8[2], e) | _mm256_testn_epi8_mask(w8[3], e);
+    if (__builtin_expect(z != 0, 0))
+      UNROLL for (int q = 0; q < 4; q++) wb[q] = fp8_shift32_sub(cx, w8[q], wb[q]);
   }
 }
 
