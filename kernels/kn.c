@@ -1687,12 +1687,13 @@ int kn__moe_validate(const kn_layer *L, const kn_moe_args *a, mr_err *e) {
     }                                                                                        \
   } while (0)
 
+/* fwd_job.xg_off of an expert whose kernel packs the caller's rows in place (prep_rows). */
+#define KN__NO_XG SIZE_MAX
+
 /* One kn_moe_forward on the engine's workers. Filled by the caller before kn__pool_run and
  * read-only during the run, except the work lists and the rows each item owns. Sorted
  * position p (0 .. pairs-1) is a non-empty (token, slot) pair in expert order: the pairs
  * of expert x are start[x] .. start[x+1]-1, in token order. */
-#define KN__NO_XG SIZE_MAX
-
 typedef struct fwd_job {
   const kn_layer *L;
   const kn__kernel *kern;

@@ -62,10 +62,12 @@
  * ---- dispatch, crossover ------------------------------------------------------------
  *
  * Below the format's crossover (min_tok: measured defaults, or MOERPC_AMX_MIN_TOKENS, which
- * may ask kn.c to measure it through kn__amx_crossover) every entry (prep, prep_bytes, tmp_floats,
- * gate_up, down) forwards to the AVX-512 kernel of the same format (kn__avx512_kernel),
- * unchanged; from it on, the tiles. prep_bytes / tmp_floats answer for the n they are
- * given, so a task's buffers always match the path its n takes.
+ * may ask kn.c to measure it through kn__amx_crossover) every entry (prep, prep_rows,
+ * takes_rows, prep_bytes, tmp_floats, gate_up, down) forwards to the AVX-512 kernel of the
+ * same format (kn__avx512_kernel), unchanged; from it on, the tiles. prep_bytes /
+ * tmp_floats answer for the n they are given, so a task's buffers always match the path
+ * its n takes. prep_rows packs x from the caller's rows (f32 / f16 / bf16, by token), prep
+ * from fp32 rows: the same bytes.
  *
  * ---- the start-up gate --------------------------------------------------------------
  *
