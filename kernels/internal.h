@@ -411,6 +411,7 @@ typedef struct kn__cpu {
   bool os_avx, os_avx512, os_amx;       /* XCR0 enables the register state */
   bool amx_perm;                        /* arch_prctl(ARCH_REQ_XCOMP_PERM) succeeded */
   kn_isa best;
+  bool intel;                           /* vendor GenuineIntel (per-vendor tuning) */
   char model[49];                       /* cpuid brand string, trimmed ("unknown CPU") */
 } kn__cpu;
 /* Detects once (thread-safe) and returns the process-wide result. */

@@ -124,6 +124,8 @@ static void cpu_detect(void) {
   cpu_model(c);
 #if KN__X86 && !defined(MR_FUZZ_NO_ISA)
   unsigned a, b, cx, d;
+  if (__get_cpuid(0, &a, &b, &cx, &d)) /* vendor string in ebx, edx, ecx */
+    c->intel = b == 0x756e6547u && d == 0x49656e69u && cx == 0x6c65746eu;
   if (!__get_cpuid(1, &a, &b, &cx, &d)) return;
   bool osxsave = (cx >> 27) & 1;
   bool avx = (cx >> 28) & 1;

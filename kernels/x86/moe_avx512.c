@@ -323,7 +323,33 @@ typedef struct kctx {
   const uint8_t *pre;   /* FP8 prefill: the tile's rows converted to bf16 (row r at
                          * pre + r * prestride), read instead of the codes; NULL = decode */
   size_t prestride;
+  size_t seq_pf;        /* seq tiles: prefetch distance in weight bytes, 0 = none */
 } kctx;
+
+/* One row of a seq tile (TILE_ORDER below): its C dot products are split over U partial
+ * accumulators each (consecutive steps), so that U * C multiply chains are in flight, not
+ * C. With spf_ != 0, each round of U steps first prefetches its bytes spf_ further on in
+ * the weight stream (the rows of a seq tile, and of consecutive tiles, are contiguous). */
+#define TILE_SEQ_ROW(T, ZERO, ADD, NFULL, HAS_TAIL, SB, STEP, r_)                                \
+  do {                                                                                          \
+    const int U_ = C == 1 ? 4 : 2;                                                              \
+    T p_[4][4];                                                                                 \
+    UNROLL for (int u_ = 0; u_ < U_; u_++) UNROLL for (int c_ = 0; c_ < C; c_++) p_[u_][c_] = ZERO; \
+    uint32_t s_ = 0;                                                                            \
+    for (; s_ + U_ <= (NFULL); s_ += U_) {                                                      \
+      if (spf_) {                                                                               \
+        for (size_t o_ = 0; o_ < (size_t)U_ * (SB); o_ += 64)                                   \
+          _mm_prefetch((const char *)w[r_] + (size_t)s_ * (SB) + spf_ + o_, _MM_HINT_T0);       \
+      }                                                                                         \
+      UNROLL for (int u_ = 0; u_ < U_; u_++) STEP(r_, s_ + u_, false, p_[u_], 1);              \
+    }                                                                                           \
+    for (; s_ < (NFULL); s_++) STEP(r_, s_, false, p_[0], 1);                                  \
+    if (HAS_TAIL) STEP(r_, (NFULL), true, p_[0], 1);                                            \
+    UNROLL for (int c_ = 0; c_ < C; c_++) {                                                     \
+      UNROLL for (int u_ = 1; u_ < U_; u_++) p_[0][c_] = ADD(p_[0][c_], p_[u_][c_]);            \
+      acc[c_ * RW + r_] = p_[0][c_];                                                            \
+    }                                                                                           \
+  } while (0)
 
 /* The loop orders of a tile over its RW rows and the K steps of each row:
  *   seq = false: steps outer, rows inner. Each step loads one block of every row and of
@@ -339,25 +365,22 @@ typedef struct kctx {
  * (the tile's acc[c * RW + r], or a row's partial accumulators); the last step of a row
  * may be partial (tail). T, ZERO, ADD: the accumulator type and its zero and add; SB: the
  * weight bytes of one step. With seq = false and pf != 0, each step also prefetches the
- * bytes pf further on in each row (the next tile's rows). Uses the enclosing tile()'s
- * RW, C, w[], acc[] and pf. */
+ * bytes pf further on in each row (the next tile's rows); with seq = true and
+ * cx->seq_pf != 0, the bytes seq_pf further on in the one stream (seq_pf_bytes). Uses the
+ * enclosing tile()'s v, cx, RW, C, w[], acc[] and pf. */
 #define TILE_ORDER(T, ZERO, ADD, SEQ, NFULL, HAS_TAIL, SB, STEP)                                   \
   do {                                                                                          \
     if (SEQ) {                                                                                  \
-      /* One row at a time: its C dot products are split over U partial accumulators each   \
-       * (consecutive steps), so that U * C multiply chains are in flight, not C. */         \
-      const int U_ = C == 1 ? 4 : 2;                                                            \
-      UNROLL for (int r_ = 0; r_ < RW; r_++) {                                                  \
-        T p_[4][4];                                                                             \
-        UNROLL for (int u_ = 0; u_ < U_; u_++) UNROLL for (int c_ = 0; c_ < C; c_++) p_[u_][c_] = ZERO; \
-        uint32_t s_ = 0;                                                                        \
-        for (; s_ + U_ <= (NFULL); s_ += U_) UNROLL for (int u_ = 0; u_ < U_; u_++) STEP(r_, s_ + u_, false, p_[u_], 1); \
-        for (; s_ < (NFULL); s_++) STEP(r_, s_, false, p_[0], 1);                              \
-        if (HAS_TAIL) STEP(r_, (NFULL), true, p_[0], 1);                                        \
-        UNROLL for (int c_ = 0; c_ < C; c_++) {                                                 \
-          UNROLL for (int u_ = 1; u_ < U_; u_++) p_[0][c_] = ADD(p_[0][c_], p_[u_][c_]);        \
-          acc[c_ * RW + r_] = p_[0][c_];                                                        \
-        }                                                                                       \
+      /* One row at a time. The rows of the formats with a long step (fp8, int4) are a loop  \
+       * at run time: unrolled, a tile's 16 copies of the row's code (20 KiB for fp8) did not \
+       * fit the instruction caches, each running only K / (U * step) rounds (fp8 1 token:  \
+       * -12 % as a loop). The others stay unrolled (bf16 as a loop: +10 %). */              \
+      const size_t spf_ = cx->seq_pf;                                                           \
+      if (IS_FP8(v) || v == V_I4) {                                                             \
+        _Pragma("GCC unroll 1") for (int r_ = 0; r_ < RW; r_++)                                 \
+            TILE_SEQ_ROW(T, ZERO, ADD, NFULL, HAS_TAIL, SB, STEP, r_);                          \
+      } else {                                                                                  \
+        UNROLL for (int r_ = 0; r_ < RW; r_++) TILE_SEQ_ROW(T, ZERO, ADD, NFULL, HAS_TAIL, SB, STEP, r_); \
       }                                                                                         \
     } else {                                                                                    \
       for (uint32_t s_ = 0; s_ < (NFULL); s_++)                                                 \
@@ -713,6 +736,19 @@ static void fp8_luts_init(void) {
   }
 }
 
+/* How far ahead (bytes of the weight stream) the seq tiles prefetch, 0 = not at all. On
+ * the Emerald Rapids Xeon (one core, a qwen3 expert streamed from DRAM, 1 token, medians
+ * of 5 interleaved runs, docs/BENCHMARKS.md) the hardware prefetchers alone kept fp8 at
+ * ~9 GB/s of weights against ~15 for bf16: the longer a line takes to compute, the fewer
+ * of the next lines they have asked for by then. With the rows as a loop (TILE_ORDER):
+ * fp8 at 2 KiB -32 % (1 KiB -26 %), int4 at 1 KiB -17 %, int8 at 1 KiB -5 %; bf16 / f16 /
+ * f32 (already at the rate of a plain read): 1 KiB no gain, 2 KiB +8 %. Not measured on
+ * AMD, so off there (the decode tiles were tuned on Zen 4 without it). */
+static size_t seq_pf_bytes(const v512 v) {
+  if (!kn__cpu_get()->intel) return 0;
+  return IS_FP8(v) ? 2048 : v == V_I8 || v == V_I4 ? 1024 : 0;
+}
+
 /* The call-level set-up: where the activations are, in which layout. */
 static kctx ctx_make(const v512 v, const kn_layer *L, uint32_t K, const void *acts,
                      const float *xf, size_t xf_stride, uint32_t n) {
@@ -722,6 +758,7 @@ static kctx ctx_make(const v512 v, const kn_layer *L, uint32_t K, const void *ac
   cx.K = K;
   cx.G = L->d.group;
   cx.rb = kn__row_bytes(f, K, cx.G);
+  cx.seq_pf = seq_pf_bytes(v);
   if (v == V_F32 || v == V_F16) {
     cx.xb = (const uint8_t *)xf;
     cx.xstride = xf_stride * sizeof(float);
