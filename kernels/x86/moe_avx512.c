@@ -375,7 +375,8 @@ typedef struct kctx {
        * at run time: unrolled, a tile's 16 copies of the row's code (20 KiB for fp8) did not \
        * fit the instruction caches, each running only K / (U * step) rounds (fp8 1 token:  \
        * -12 % as a loop). The others stay unrolled (bf16 as a loop: +10 %). */              \
-      const size_t spf_ = cx->seq_pf;                                                           \
+      /* bf16 / f16 / f32 prefetch nothing, and get none of its code (bf16: +2 % with it) */  \
+      const size_t spf_ = IS_FP8(v) || v == V_I8 || v == V_I4 ? cx->seq_pf : 0;                 \
       if (IS_FP8(v) || v == V_I4) {                                                             \
         _Pragma("GCC unroll 1") for (int r_ = 0; r_ < RW; r_++)                                 \
             TILE_SEQ_ROW(T, ZERO, ADD, NFULL, HAS_TAIL, SB, STEP, r_);                          \
@@ -744,7 +745,7 @@ static void fp8_luts_init(void) {
  * fp8 at 2 KiB -32 % (1 KiB -26 %), int4 at 1 KiB -17 %, int8 at 1 KiB -5 %; bf16 / f16 /
  * f32 (already at the rate of a plain read): 1 KiB no gain, 2 KiB +8 %. Not measured on
  * AMD, so off there (the decode tiles were tuned on Zen 4 without it). */
-static size_t seq_pf_bytes(const v512 v) {
+static size_t seq_pf_bytes(const v512 v) { /* TILE_ORDER compiles it in for fp8 / int8 / int4 only */
   if (!kn__cpu_get()->intel) return 0;
   return IS_FP8(v) ? 2048 : v == V_I8 || v == V_I4 ? 1024 : 0;
 }
