@@ -224,7 +224,7 @@ static kn__selftest_report verified_rep;
 
 /* MOERPC_AMX_MIN_TOKENS (kernels/README.md): unset or "": each AMX format's default
  * crossover (moe_amx.c); "measure": each measured on this CPU at start-up; "N": every AMX
- * format from N tokens per expert; "bf16=N,int8=M,int4=K" (any of them, in any order):
+ * format from N tokens per expert; "bf16=N,int8=M,int4=K,fp8-b128=F" (any of them, in any order):
  * those formats, the others at their defaults. want[f] = 0: the default, AMX_MEASURE:
  * measure. N in 1..4096. */
 #define KN_AMX_MIN_TOKENS_ENV_MAX 4096u
@@ -234,17 +234,17 @@ static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
   const char *env = getenv("MOERPC_AMX_MIN_TOKENS");
   if (!env || !*env) return 0;
   if (strcmp(env, "measure") == 0) {
-    want[KN_FMT_BF16] = want[KN_FMT_INT8] = want[KN_FMT_INT4] = AMX_MEASURE;
+    want[KN_FMT_BF16] = want[KN_FMT_INT8] = want[KN_FMT_INT4] = want[KN_FMT_FP8] = AMX_MEASURE;
     return 0;
   }
-  static const kn_format amx_fmts[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  static const kn_format amx_fmts[4] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_FP8};
   const bool all = env[0] >= '0' && env[0] <= '9';
   bool ok = true;
   for (const char *p = env; ok;) {
     kn_format f = KN_FMT_COUNT;
     if (!all) { /* NAME=N */
       const char *eq = strchr(p, '=');
-      for (int i = 0; i < 3 && eq; i++) {
+      for (int i = 0; i < 4 && eq; i++) {
         const char *name = kn_format_name(amx_fmts[i]);
         if ((size_t)(eq - p) == strlen(name) && strncmp(p, name, strlen(name)) == 0) f = amx_fmts[i];
       }
@@ -260,7 +260,7 @@ static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
     ok = end != p && !errno && *p != '-' && v >= 1 && v <= KN_AMX_MIN_TOKENS_ENV_MAX &&
          (*end == '\0' || (*end == ',' && !all && end[1] != '\0'));
     if (!ok) break;
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
       if (all || amx_fmts[i] == f) want[amx_fmts[i]] = (uint32_t)v;
     if (*end == '\0') break;
     p = end + 1;
@@ -268,8 +268,9 @@ static int amx_min_env(uint32_t want[KN_FMT_COUNT], mr_err *e) {
   if (ok) return 0;
   memset(want, 0, KN_FMT_COUNT * sizeof want[0]);
   return mr_err_set(e, MR_EINVAL,
-                    "MOERPC_AMX_MIN_TOKENS = \"%s\": must be measure, a count N, or bf16=N,int8=N,int4=N "
-                    "(any of them), each N in 1..%u tokens per expert", env, KN_AMX_MIN_TOKENS_ENV_MAX);
+                    "MOERPC_AMX_MIN_TOKENS = \"%s\": must be measure, a count N, or "
+                    "bf16=N,int8=N,int4=N,fp8-b128=N (any of them), each N in 1..%u tokens per expert",
+                    env, KN_AMX_MIN_TOKENS_ENV_MAX);
 }
 
 #if !defined(MR_FUZZ_NO_ISA) && MR_HAVE_AMX
@@ -281,9 +282,9 @@ static void amx_crossover_choose(const kn__kernel_table *t) {
   uint32_t want[KN_FMT_COUNT];
   mr_err e;
   if (amx_min_env(want, &e)) return; /* kn_engine_new refuses the engine, naming it */
-  static const kn_format fmts[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  static const kn_format fmts[4] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_FP8};
   static const uint32_t ns[KN_XO_NS] = KN_XO_NS_INIT;
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 4; i++) {
     const kn_format f = fmts[i];
     if (!t->k[f][KN_ISA_AMX].gate_up) continue; /* no AMX entry, or refused by the self-test */
     if (want[f] == 0) {

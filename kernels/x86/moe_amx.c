@@ -1,6 +1,7 @@
 /*
- * moe_amx.c - the AMX entries of the kernel table (internal.h section C): bf16 x bf16
- * (TDPBF16PS), int8 x int8 and int4 x int8 (TDPBSSD), for many tokens per expert.
+ * moe_amx.c - the AMX entries of the kernel table (internal.h section C): bf16 x bf16 and
+ * fp8-b128 x bf16 (TDPBF16PS), int8 x int8 and int4 x int8 (TDPBSSD), for many tokens per
+ * expert.
  * Compiled twice (Makefile):
  *   - with -mamx-tile -mamx-bf16 -mamx-int8 and the AVX-512 flags into libkn, as
  *     kn__amx_register (listed in registrations[] of kn.c): the real instructions;
@@ -53,11 +54,12 @@
  *
  * Edges: a row block of fewer than 16 rows, or K not a multiple of the K step, is copied
  * (zero-padded) into the worker's tmp before its tiles are loaded; int4 rows always are
- * (requantized to s8, requant_int4). Token tails are the zero columns of B (results
+ * (requantized to s8, requant_int4), and fp8 rows (converted to bf16 weights with their
+ * block scales, fp8_row_bf16: then the bf16 tiles, activations and epilogue). Token tails are the zero columns of B (results
  * computed, not stored). int8 and int4 sums stay in int32 over the whole K (|acc| <= 127 *
  * 127 * 65536 < 2^31), converted once and multiplied by the row's and the token's scales.
- * No new packed layout: weights are read in the canonical one (the edge copies and the
- * int4 requantization are the only repacking).
+ * No new packed layout: weights are read in the canonical one (the edge copies, the int4
+ * requantization and the fp8 conversion are the only repacking).
  *
  * ---- dispatch, crossover ------------------------------------------------------------
  *
@@ -111,23 +113,27 @@
 
 /* Tokens per expert from which the tiles are used (below: AVX-512), per format. Defaults:
  * the crossovers kn__amx_crossover ("the crossover" below) measured on an Emerald Rapids
- * Xeon (2026-12-04: bf16 8, int8 8, int4 16). Fixed, not measured at every start, so that
- * a restarted process computes the same bits (which kernel serves a count decides the last
- * bits, and a measurement on a busy host moves by a step); MOERPC_AMX_MIN_TOKENS sets them
+ * Xeon (2026-12-04: bf16 8, int8 8, int4 16; 2026-12-06: fp8-b128 8). Fixed, not measured
+ * at every start, so that a restarted process computes the same bits (which kernel serves a
+ * count decides the last bits, and a measurement on a busy host moves by a step); MOERPC_AMX_MIN_TOKENS sets them
  * or asks for the measurement. Written only while the process table is built, before any
  * engine runs a kernel. KN_AMX_MIN_TOKENS: the value a format without a default would get. */
 #define KN_AMX_MIN_TOKENS 16u
 #define KN_AMX_MIN_TOKENS_BF16 8u
 #define KN_AMX_MIN_TOKENS_INT8 8u
 #define KN_AMX_MIN_TOKENS_INT4 16u
+#define KN_AMX_MIN_TOKENS_FP8 8u
 #define KN_AMX_MIN_TOKENS_MAX 4096u
 
-typedef enum av { A_BF16, A_I8, A_I4, A_COUNT } av;
-static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+typedef enum av { A_BF16, A_I8, A_I4, A_FP8, A_COUNT } av;
+static const kn_format av_format[A_COUNT] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_FP8};
 static _Atomic uint32_t min_tok[A_COUNT] = {KN_AMX_MIN_TOKENS_BF16, KN_AMX_MIN_TOKENS_INT8,
-                                             KN_AMX_MIN_TOKENS_INT4};
+                                             KN_AMX_MIN_TOKENS_INT4, KN_AMX_MIN_TOKENS_FP8};
 static const char *const av_name[A_COUNT] = {AMX_LABEL "_bf16_bf16", AMX_LABEL "_int8_int8",
-                                             AMX_LABEL "_int4_int8"};
+                                             AMX_LABEL "_int4_int8", AMX_LABEL "_fp8_bf16"};
+/* The variants on bf16 tiles (TDPBF16PS, bf16 activations): bf16, and fp8 once its rows
+ * are converted (fp8_row_bf16). */
+#define BF_TILES(v) ((v) == A_BF16 || (v) == A_FP8)
 
 /* ---- prepared activations (B operand) ---------------------------------------------- */
 
@@ -144,20 +150,20 @@ typedef struct amx_acts {
   size_t bytes;
 } amx_acts;
 
-static uint32_t k_step(const av v) { return v == A_BF16 ? 32 : 64; }
+static uint32_t k_step(const av v) { return BF_TILES(v) ? 32 : 64; }
 
 static amx_acts acts_layout(const av v, uint32_t K, uint32_t n) {
   amx_acts a;
   memset(&a, 0, sizeof a);
   a.K = K;
   a.KS = k_step(v);
-  a.esz = v == A_BF16 ? 2 : 1;
+  a.esz = BF_TILES(v) ? 2 : 1;
   a.nkb = (K + a.KS - 1) / a.KS;
   a.ntb = (n + 15) / 16;
   a.P = a.nkb * a.KS * a.esz / 4;
   a.tb_bytes = (size_t)a.P * 64;
   size_t at = a.tb_bytes * a.ntb;
-  if (v != A_BF16) {
+  if (!BF_TILES(v)) {
     a.off_xs = at;
     at = kn__x86_align64(at + (size_t)a.ntb * 16 * sizeof(float));
   }
@@ -208,7 +214,7 @@ AI void transpose16(__m512 *r) {
 AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *src, const mr_dtype dt,
                      uint8_t *dst) {
   const uint32_t K = a->K;
-  float *xs = v != A_BF16 ? (float *)(dst + a->off_xs) : NULL;
+  float *xs = !BF_TILES(v) ? (float *)(dst + a->off_xs) : NULL;
   if (xs) memset(xs, 0, (size_t)a->ntb * 16 * sizeof(float));
   for (uint32_t tb = 0; tb < a->ntb; tb++) {
     const uint32_t r0 = tb * 16, nv = n - r0 < 16 ? n - r0 : 16;
@@ -217,13 +223,13 @@ AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *
     float inv[16];
     for (uint32_t c = 0; c < nv; c++)
       row[c] = src->base + (size_t)(src->tok ? src->tok[r0 + c] : r0 + c) * src->stride;
-    if (v != A_BF16)
+    if (!BF_TILES(v))
       for (uint32_t c = 0; c < nv; c++) {
         __m512 iv;
         xs[r0 + c] = kn__quant_scale(row[c], dt, K, &iv);
         inv[c] = _mm512_cvtss_f32(iv);
       }
-    for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += v == A_BF16 ? 32 : 64) {
+    for (uint32_t p0 = 0, k0 = 0; p0 < a->P; p0 += 16, k0 += BF_TILES(v) ? 32 : 64) {
       __m512 w[16];
       for (uint32_t c = 0; c < 16; c++) {
         if (c >= nv) {
@@ -231,7 +237,7 @@ AI void acts_pack_dt(const av v, const amx_acts *a, uint32_t n, const kn__rows *
           continue;
         }
         const char *x = row[c];
-        if (v == A_BF16) {
+        if (BF_TILES(v)) {
           w[c] = (__m512)_mm512_cvtne2ps_pbh(kn__ld16(x, dt, k0 + 16, K), kn__ld16(x, dt, k0, K));
         } else {
           const __m512 iv = _mm512_set1_ps(inv[c]);
@@ -281,7 +287,7 @@ typedef struct kctx {
 
 /* Bytes of tmp the tiles need after the (down) activations. */
 static size_t tile_tmp_bytes(const av v, uint32_t K) {
-  uint32_t KS = k_step(v), esz = v == A_BF16 ? 2 : 1;
+  uint32_t KS = k_step(v), esz = BF_TILES(v) ? 2 : 1;
   size_t Kpb = (size_t)((K + KS - 1) / KS) * KS * esz;
   return 2 * 16 * Kpb + 2 * 4 * 1024;
 }
@@ -292,12 +298,12 @@ static kctx ctx_make(const av v, const kn_layer *L, uint32_t K, uint32_t n, cons
   cx.G = L->d.group;
   cx.a = acts_layout(v, K, n);
   cx.xb = acts;
-  cx.xs = v != A_BF16 ? (const float *)(acts + cx.a.off_xs) : NULL;
-  cx.ng = v == A_I4 ? kn__ngroups(K, cx.G) : 0;
+  cx.xs = !BF_TILES(v) ? (const float *)(acts + cx.a.off_xs) : NULL;
+  cx.ng = v == A_I4 ? kn__ngroups(K, cx.G) : v == A_FP8 ? kn__ngroups(K, KN_FP8_BLOCK) : 0;
   cx.rb = kn__row_bytes(L->d.format, K, cx.G);
   cx.KSb = cx.a.KS * cx.a.esz;
   cx.Kpb = (size_t)cx.a.nkb * cx.KSb;
-  cx.direct = v != A_I4 && K % cx.a.KS == 0;
+  cx.direct = (v == A_BF16 || v == A_I8) && K % cx.a.KS == 0;
   cx.scr[0] = tmp;
   cx.scr[1] = tmp + 16 * cx.Kpb;
   cx.stage = (int32_t *)(tmp + 32 * cx.Kpb);
@@ -356,10 +362,38 @@ static float requant_int4(const kctx *cx, const uint8_t *s, const float *gs, uin
   return srow;
 }
 
+/* fp8 on the tiles: one row of K e4m3 codes (block scales gs, one per 128 columns) becomes
+ * Kpb / 2 bf16 weights in d, each bf16(code value * its block's scale), zero past K. The
+ * scale cannot stay outside the dot product as in the AVX-512 kernel (a tile sums the whole
+ * K, and the scale changes every 128 columns), so it goes into the weight: one bf16
+ * rounding of each weight (relative 2^-9 at most), which the bf16 tolerance covers
+ * (tests/unit/test_kn_amx.c). 32 codes at a time: widened to fp16 bits whose value is
+ * code / 256 exactly, subnormals included ((c & 0x7f) << 7, sign to bit 15: the AVX2
+ * kernel's conversion, fp8_avx2.h), to fp32 (vcvtph2ps), times scale * 256 (exact), and
+ * rounded to bf16 (vcvtne2ps2bf16, nearest even). */
+static void fp8_row_bf16(const kctx *cx, const uint8_t *s, const float *gs, uint8_t *d) {
+  const size_t K = cx->rb, n = cx->Kpb / 2; /* codes in the row, bf16 weights to write */
+  const __m512i m7f = _mm512_set1_epi16(0x7f);
+  for (size_t k = 0; k < n; k += 32) {
+    const uint32_t g = (uint32_t)(k / KN_FP8_BLOCK) < cx->ng ? (uint32_t)(k / KN_FP8_BLOCK) : cx->ng - 1;
+    const __m512 sv = _mm512_set1_ps(gs[g] * 256.0f);
+    const __m256i c8 = _mm256_maskz_loadu_epi8(k < K ? mask32((uint32_t)(K - k)) : 0, s + k);
+    const __m512i w = _mm512_cvtepu8_epi16(c8);
+    /* (w & 0x7f) << 7 | (w & 0x80) << 8: (w << 7) & 0x3f80, then bit 7 of w to bit 15 */
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_slli_epi16(_mm512_and_si512(w, m7f), 7),
+                                                _mm512_slli_epi16(w, 8), _mm512_set1_epi16((short)0x8000), 0xF8);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sv);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sv);
+    _mm512_storeu_si512(d + 2 * k, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
 /* The 16-row A block of rows [row, row + Mv) of a matrix at base: in place (stride rb)
  * when it is whole and K a multiple of the K step; else copied into scr with zero padding
  * (stride Kpb). int4 rows (scales sc: [rows][ng]) are always copied, requantized to s8 on
- * one scale per row, rs[r] (requant_int4; rs[r] = 0 for the zero rows past Mv). */
+ * one scale per row, rs[r] (requant_int4; rs[r] = 0 for the zero rows past Mv); fp8 rows
+ * (block scales sc: [rows][ng]) are always converted to bf16 with their scales
+ * (fp8_row_bf16). */
 static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, const float *sc, uint32_t row,
                               uint32_t Mv, uint8_t *scr, float rs[16], size_t *stride) {
   if (cx->direct && Mv == 16) {
@@ -376,6 +410,10 @@ static const uint8_t *a_block(const av v, const kctx *cx, const uint8_t *base, c
       continue;
     }
     const uint8_t *s = base + (size_t)(row + r) * cx->rb;
+    if (v == A_FP8) {
+      fp8_row_bf16(cx, s, sc + (size_t)(row + r) * cx->ng, d);
+      continue;
+    }
     if (v != A_I4) {
       memcpy(d, s, cx->rb);
       memset(d + cx->rb, 0, Kpb - cx->rb);
@@ -442,7 +480,7 @@ static void tiles_config(const kctx *cx) {
 
 #define DOT(v, c, a, b)                 \
   do {                                  \
-    if ((v) == A_BF16)                  \
+    if (BF_TILES(v))                    \
       KN_AMX_DPBF16PS(c, a, b);         \
     else                                \
       KN_AMX_DPBSSD(c, a, b);           \
@@ -476,14 +514,14 @@ static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *
     }
   }
   /* bf16 results straight into res; int8 / int4 through stage */
-  void *dst = v == A_BF16 ? (void *)cx->res : (void *)cx->stage;
+  void *dst = BF_TILES(v) ? (void *)cx->res : (void *)cx->stage;
   KN_AMX_STORE(0, (uint8_t *)dst + 0 * 1024, 64);
   if (two_b) KN_AMX_STORE(1, (uint8_t *)dst + 1 * 1024, 64);
   if (two_a) {
     KN_AMX_STORE(2, (uint8_t *)dst + 2 * 1024, 64);
     if (two_b) KN_AMX_STORE(3, (uint8_t *)dst + 3 * 1024, 64);
   }
-  if (v == A_BF16) return;
+  if (BF_TILES(v)) return;
   for (uint32_t c = 0; c < 4; c++) {
     if ((c / 2 && !two_a) || (c % 2 && !two_b)) continue;
     for (uint32_t m = 0; m < 16; m++)
@@ -495,7 +533,7 @@ static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *
  * layer's for int8, the requantized block's for int4) times the token's, bf16 1. */
 AI __m512 row_scaled(const av v, const kctx *cx, uint32_t c, uint32_t m, const float *wscale, uint32_t Mv, __m512 xsv) {
   __m512 r = _mm512_loadu_ps(cx->res + c * 256 + m * 16);
-  if (v != A_BF16) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
+  if (!BF_TILES(v)) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
   return r;
 }
 
@@ -539,7 +577,7 @@ AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
         micro(v, &cx, Ag, Au, st, cx.xb + tb * cx.a.tb_bytes, nb);
         for (uint32_t ib = 0; ib < nb; ib++) {
           const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
-          const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+          const __m512 xsv = !BF_TILES(v) ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
           __m512 hv[16];
           UNROLL for (uint32_t m = 0; m < 16; m++) {
             __m512 g = row_scaled(v, &cx, ib, m, gsc, Mv, xsv);
@@ -583,7 +621,7 @@ AI void amx_down(const av v, const kn__task *t, uint32_t j0, uint32_t j1) {
           for (uint32_t ib = 0; ib < nb; ib++) {
             const uint32_t c0 = (tb + ib) * 16, Nv = n - c0 < 16 ? n - c0 : 16;
             const uint32_t row = j + 16 * ia, Mv = Mvs[ia];
-            const __m512 xsv = v != A_BF16 ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
+            const __m512 xsv = !BF_TILES(v) ? _mm512_loadu_ps(cx.xs + c0) : _mm512_set1_ps(1.0f);
             __m512 yv[16];
             UNROLL for (uint32_t m = 0; m < 16; m++)
               yv[m] = row_scaled(v, &cx, 2 * ia + ib, m, v == A_I8 ? ws->down_scale + row : cx.rs[ia], Mv, xsv);
@@ -653,9 +691,11 @@ static size_t amx_tmp_floats(const av v, const kn_layer *L, uint32_t s, uint32_t
 AMX_ENTRY(A_BF16, bf16, 0)
 AMX_ENTRY(A_I8, i8, 0)
 AMX_ENTRY(A_I4, i4, 0)
+AMX_ENTRY(A_FP8, fp8, 0)
 AMX_ENTRY(A_BF16, bf16_all, 1)
 AMX_ENTRY(A_I8, i8_all, 1)
 AMX_ENTRY(A_I4, i4_all, 1)
+AMX_ENTRY(A_FP8, fp8_all, 1)
 
 #define AMX_KERNEL(id, label, rnd)                                                             \
   (kn__kernel) {                                                                               \
@@ -674,6 +714,10 @@ static void kernels_of(av v, kn__kernel *dispatched, kn__kernel *forced) {
     case A_I8:
       *dispatched = AMX_KERNEL(i8, av_name[v], KN__RND_Q8);
       *forced = AMX_KERNEL(i8_all, av_name[v], KN__RND_Q8);
+      break;
+    case A_FP8:
+      *dispatched = AMX_KERNEL(fp8, av_name[v], KN__RND_BF16);
+      *forced = AMX_KERNEL(fp8_all, av_name[v], KN__RND_BF16);
       break;
     default:
       *dispatched = AMX_KERNEL(i4, av_name[v], KN__RND_Q8);

@@ -195,8 +195,12 @@ typedef struct fmt_case {
   uint32_t G;
   double tol;
 } fmt_case;
-static const fmt_case fmts[5] = {{KN_FMT_BF16, 0, TOL_BF16X}, {KN_FMT_INT8, 0, TOL_Q8X}, {KN_FMT_INT4, 32, TOL_Q8X},
-                                 {KN_FMT_INT4, 64, TOL_Q8X},  {KN_FMT_INT4, 128, TOL_Q8X}};
+/* fp8-b128 holds the bf16 tolerance: its rows become bf16 weights with their block scales
+ * (one more rounding of each weight than the AVX-512 kernel's exact conversion). */
+#define N_FMTS 6
+static const fmt_case fmts[N_FMTS] = {{KN_FMT_BF16, 0, TOL_BF16X}, {KN_FMT_INT8, 0, TOL_Q8X},
+                                      {KN_FMT_INT4, 32, TOL_Q8X},  {KN_FMT_INT4, 64, TOL_Q8X},
+                                      {KN_FMT_INT4, 128, TOL_Q8X}, {KN_FMT_FP8, 0, TOL_BF16X}};
 
 /* H x I shapes: aligned to every step; H % 64 = 8 and I % 16 = 8 (bf16 K tail, int8 K
  * tail, partial row blocks); tiny (one partial K step, one partial row block); H % 64 = 32
@@ -297,7 +301,7 @@ static void forced_matches_ref(int which) {
   const impl *im = impl_or_skip(which);
   kn_engine *eng = engine_make(KN_ISA_REF, 1);
   const uint32_t ns[8] = {1, 3, 15, 16, 17, 32, 33, 47};
-  for (int fi = 0; fi < 5; fi++) {
+  for (int fi = 0; fi < N_FMTS; fi++) {
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     MT_TRUE(fk.gate_up != NULL);
@@ -354,7 +358,7 @@ static void chunks_bit_identical(int which) {
   const impl *im = impl_or_skip(which);
   kn_engine *eng = engine_make(KN_ISA_REF, 1);
   const uint32_t ns[2] = {47, 80};
-  for (int fi = 0; fi < 5; fi++) {
+  for (int fi = 0; fi < N_FMTS; fi++) {
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     for (int sh = 0; sh < 4; sh++) {
@@ -379,7 +383,7 @@ static void chunks_bit_identical(int which) {
       kn_layer_free(L);
     }
   }
-  printf("  %s: passes of 2 token blocks give the bits of one pass (5 formats, 4 shapes, n = 47, 80)\n",
+  printf("  %s: passes of 2 token blocks give the bits of one pass (6 formats, 4 shapes, n = 47, 80)\n",
          im->what);
   kn_engine_free(eng);
   audit_clean(im);
@@ -446,7 +450,9 @@ static void rows_pack_like_f32(int which) {
   const uint32_t Ks[3] = {256, 200, 40}, ns[5] = {1, 16, 17, 33, 47}, T = 61;
   const mr_dtype dts[3] = {MR_DTYPE_F32, MR_DTYPE_BF16, MR_DTYPE_F16};
   uint32_t cases = 0;
-  for (int fi = 0; fi < 5; fi += 2) { /* bf16, int8, int4 g64: the group does not reach prep */
+  static const int fis[4] = {0, 1, 3, 5}; /* bf16, int8, int4 g64, fp8: the group does not reach prep */
+  for (int ii = 0; ii < 4; ii++) {
+    const int fi = fis[ii];
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     MT_TRUE(fk.prep_rows != NULL && fk.takes_rows != NULL && dk.takes_rows != NULL);
@@ -517,7 +523,7 @@ static uint32_t make_cuts(uint32_t total, uint32_t *cuts) {
 static void ranges_compose(int which) {
   const impl *im = impl_or_skip(which);
   kn_engine *eng = engine_make(KN_ISA_REF, 1);
-  for (int fi = 0; fi < 5; fi++) {
+  for (int fi = 0; fi < N_FMTS; fi++) {
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     kn_layer *L = layer_make(eng, 200, 136, 1, fmts[fi].f, fmts[fi].G, 300 + fi);
@@ -570,7 +576,8 @@ static void dispatch_by_tokens(int which) {
   im->set_min_tokens(KN_FMT_BF16, 16);
   im->set_min_tokens(KN_FMT_INT8, 4);
   im->set_min_tokens(KN_FMT_INT4, 9);
-  for (int fi = 0; fi < 5; fi++) {
+  im->set_min_tokens(KN_FMT_FP8, 4);
+  for (int fi = 0; fi < N_FMTS; fi++) {
     const uint32_t min = im->min_tokens(fmts[fi].f);
     MT_TRUE(min == 16 || min == 4 || min == 9);
     kn__kernel dk, fk;
@@ -597,7 +604,7 @@ static void dispatch_by_tokens(int which) {
     }
     kn_layer_free(L);
   }
-  printf("  %s: below the crossover (bf16 16, int8 4, int4 9 tokens) the AVX-512 kernel's bits, from it on "
+  printf("  %s: below the crossover (bf16 16, int8 4, int4 9, fp8 4 tokens) the AVX-512 kernel's bits, from it on "
          "the tiles' bits\n", im->what);
   im->set_min_tokens(KN_FMT_INT8, 0); /* clamped to 1 */
   MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 1);
@@ -623,9 +630,9 @@ static const impl *native_or_skip(void) {
 
 MT_TEST(real_crossover_is_measured_per_format) {
   const impl *im = native_or_skip();
-  static const kn_format f3[3] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4};
+  static const kn_format f3[4] = {KN_FMT_BF16, KN_FMT_INT8, KN_FMT_INT4, KN_FMT_FP8};
   static const uint32_t ns[KN_XO_NS] = KN_XO_NS_INIT;
-  for (int i = 0; i < 3; i++) {
+  for (int i = 0; i < 4; i++) {
     uint32_t m = 0;
     double r[KN_XO_NS];
     const uint64_t t0 = mr_now_ns();
@@ -662,7 +669,7 @@ MT_TEST(amx_min_tokens_environment) {
     MT_CONTAINS(e.msg, "MOERPC_AMX_MIN_TOKENS");
     MT_CONTAINS(e.msg, "1..4096");
   }
-  static const char *const good[] = {"measure", "", "8", "bf16=16", "int8=2,bf16=32,int4=4"};
+  static const char *const good[] = {"measure", "", "8", "bf16=16", "int8=2,bf16=32,int4=4", "fp8-b128=12,int4=4"};
   for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
     setenv("MOERPC_AMX_MIN_TOKENS", good[i], 1);
     MT_EQ_INT(kn_engine_new(&eng, &o, &e), 0);
@@ -684,6 +691,7 @@ MT_TEST(amx_min_tokens_default_is_fixed) {
   MT_EQ_INT(im->min_tokens(KN_FMT_BF16), 8);
   MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 8);
   MT_EQ_INT(im->min_tokens(KN_FMT_INT4), 16);
+  MT_EQ_INT(im->min_tokens(KN_FMT_FP8), 8);
   kn_engine_free(eng);
 }
 
@@ -691,7 +699,7 @@ MT_TEST(amx_min_tokens_default_is_fixed) {
  * nothing is measured). */
 MT_TEST(amx_min_tokens_environment_sets_the_crossover) {
   const impl *im = native_or_skip();
-  setenv("MOERPC_AMX_MIN_TOKENS", "int8=2,bf16=32,int4=5", 1);
+  setenv("MOERPC_AMX_MIN_TOKENS", "int8=2,bf16=32,int4=5,fp8-b128=12", 1);
   mr_err e;
   kn_engine *eng = NULL;
   kn_engine_opts o = {.isa = KN_ISA_AMX, .threads = 1};
@@ -699,6 +707,7 @@ MT_TEST(amx_min_tokens_environment_sets_the_crossover) {
   MT_EQ_INT(im->min_tokens(KN_FMT_BF16), 32);
   MT_EQ_INT(im->min_tokens(KN_FMT_INT8), 2);
   MT_EQ_INT(im->min_tokens(KN_FMT_INT4), 5);
+  MT_EQ_INT(im->min_tokens(KN_FMT_FP8), 12);
   kn_engine_free(eng);
   unsetenv("MOERPC_AMX_MIN_TOKENS");
 }
@@ -708,7 +717,7 @@ MT_TEST(amx_min_tokens_environment_sets_the_crossover) {
 static void layer_matches_ref(int which) {
   const impl *im = impl_or_skip(which);
   const uint32_t Ts[4] = {1, 7, 64, 300};
-  for (int fi = 0; fi < 5; fi++) {
+  for (int fi = 0; fi < N_FMTS; fi++) {
     kn__kernel dk, fk;
     im->kernels(fmts[fi].f, &dk, &fk);
     double worst = 0.0;
@@ -796,16 +805,16 @@ static void selftest_gate(int which) {
     int refused = kn__selftest_table(&t, KN_ISA_AMX, pass == 0 ? 1.0 : 1e-12, &rep);
     printf("  %s self-test, tolerance x%g: %u tested, %d refused, %.1f ms, %u child process(es)\n", im->what,
            pass == 0 ? 1.0 : 1e-12, rep.tested, refused, rep.ms, rep.children);
-    MT_EQ_INT(rep.tested, 3);
+    MT_EQ_INT(rep.tested, 4);
     for (int f = 0; f < KN_FMT_COUNT; f++) {
       const kn__selftest_entry *en = &rep.e[f][KN_ISA_AMX];
-      bool amx = f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4;
+      bool amx = f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4 || f == KN_FMT_FP8;
       MT_EQ_INT(en->tested, amx);
       if (!amx) continue;
       if (pass == 0) {
         if (!en->passed) printf("  %s refused: %s\n", en->name, en->why);
         MT_TRUE(en->passed);
-        MT_TRUE(en->worst > 0.0 && en->worst < (f == KN_FMT_BF16 ? TOL_BF16X : TOL_Q8X));
+        MT_TRUE(en->worst > 0.0 && en->worst < (f == KN_FMT_BF16 || f == KN_FMT_FP8 ? TOL_BF16X : TOL_Q8X));
         MT_TRUE(t.k[f][KN_ISA_AMX].gate_up != NULL);
         printf("  %s %s: passed, worst rel L2 %.3g\n", im->what, en->name, en->worst);
       } else {
@@ -813,7 +822,7 @@ static void selftest_gate(int which) {
         MT_TRUE(t.k[f][KN_ISA_AMX].gate_up == NULL);
       }
     }
-    MT_EQ_INT(refused, pass == 0 ? 0 : 3);
+    MT_EQ_INT(refused, pass == 0 ? 0 : 4);
   }
 }
 MT_TEST(emulated_selftest_gate) { selftest_gate(0); }
@@ -827,7 +836,7 @@ MT_TEST(engine_registers_amx_only_with_amx) {
   kn_engine *eng = engine_make(KN_ISA_COUNT, 1);
   bool amx = kn__cpu_get()->best == KN_ISA_AMX && kn__amx_usable();
   for (int f = 0; f < KN_FMT_COUNT; f++) {
-    bool want = amx && (f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4);
+    bool want = amx && (f == KN_FMT_BF16 || f == KN_FMT_INT8 || f == KN_FMT_INT4 || f == KN_FMT_FP8);
     MT_EQ_INT(kn_engine_isa(eng, (kn_format)f) == KN_ISA_AMX, want);
     printf("  %-4s -> %s\n", kn_format_name((kn_format)f), eng->kern[f]->name);
   }
@@ -848,6 +857,7 @@ static void peak_loop(int which) {
   MT_EQ_U64(peak(KN_FMT_BF16, 3), 3ull * 4 * 2 * 16 * 16 * 32);
   MT_EQ_U64(peak(KN_FMT_INT8, 2), 2ull * 4 * 2 * 16 * 16 * 64);
   MT_EQ_U64(peak(KN_FMT_INT4, 1), 1ull * 4 * 2 * 16 * 16 * 64);
+  MT_EQ_U64(peak(KN_FMT_FP8, 2), 2ull * 4 * 2 * 16 * 16 * 32); /* on the bf16 tiles */
   MT_EQ_U64(peak(KN_FMT_BF16, 0), 0);
 #else
   (void)which;

@@ -69,7 +69,14 @@ static int test_isas(kn_isa *out) {
 #else
   printf("  SKIP isa avx512: not in this build (HAVE_AVX512=0)\n");
 #endif
-  printf("  SKIP isa amx: no AMX kernels exist (CPU best %s)\n", kn_isa_name(best));
+#if MR_HAVE_AMX
+  if (best >= KN_ISA_AMX)
+    out[n++] = KN_ISA_AMX;
+  else
+    printf("  SKIP isa amx: not on this CPU (best %s)\n", kn_isa_name(best));
+#else
+  printf("  SKIP isa amx: not in this build (HAVE_AMX=0)\n");
+#endif
   (void)best;
   return n;
 }
@@ -77,6 +84,9 @@ static int test_isas(kn_isa *out) {
 /* The ISA format f must run on in an engine forced to isa (AVX-512 without VNNI leaves
  * int8/int4 on AVX2), and the tolerance of the kernel the engine picked. */
 static kn_isa expected_isa(kn_isa isa, kn_format f) {
+  /* AMX: bf16, int8, int4 and fp8 on the tiles (dispatched: AVX-512 below the crossover),
+   * f32 / f16 on AVX-512 */
+  if (isa == KN_ISA_AMX) return f == KN_FMT_F32 || f == KN_FMT_F16 ? KN_ISA_AVX512 : KN_ISA_AMX;
   if (isa == KN_ISA_AVX512 && (f == KN_FMT_INT8 || f == KN_FMT_INT4) && !kn__cpu_get()->avx512_vnni)
     return KN_ISA_AVX2;
   /* fp8: the AVX-512 kernel needs AVX512-BF16; without it the AVX2 one */
