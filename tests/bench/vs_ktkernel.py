@@ -7,11 +7,14 @@ Times one MoE layer call on the same shape, token counts and thread count in bot
              --threads N --layers L --repeats R --json    (median "us" of its JSON line)
   kt-kernel  KTMoEWrapper(method=M) of the PyPI wheel, weights quantized online from the
              same kind of bf16 tensors (load_weights_from_tensors) or read from a bf16
-             safetensors file (BF16), one forward_task per call submitted to its CPUInfer
+             safetensors file (BF16), or from an FP8 one in DeepSeek-V3's layout (FP8:
+             e4m3 codes and a weight_scale_inv per 128 x 128 block, quantized here from the
+             same bf16 tensors), one forward_task per call submitted to its CPUInfer
              and waited for (submit + sync), timed around those two calls from Python
 
   format pairs: bf16 <-> BF16 (both bf16 weights), int8 <-> AMXINT8 (both one scale per
-  row), int4 <-> AMXINT4 (ours: group-wise scales, group 128 here; kt: one scale per row).
+  row), int4 <-> AMXINT4 (ours: group-wise scales, group 128 here; kt: one scale per row),
+  fp8 <-> FP8 (both fp8-b128: e4m3 codes, one scale per 128 x 128 block).
 
 Both sides cycle through L layers with fresh uniform top-k routing per call (k distinct
 experts per token), so that the weights a call reads are not in the LLC from the previous
@@ -47,7 +50,19 @@ SHAPES = {  # hidden, moe_intermediate_size, experts, top-k (as moerpc-bench-ker
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "deepseek-v3": (7168, 2048, 256, 8),
 }
-KT_METHOD = {"bf16": "BF16", "int8": "AMXINT8", "int4": "AMXINT4"}
+KT_METHOD = {"bf16": "BF16", "int8": "AMXINT8", "int4": "AMXINT4", "fp8": "FP8"}
+
+
+def fp8_b128(w):
+    """bf16 [rows, cols] -> (e4m3 codes, fp32 scale_inv [rows/128, cols/128]): per 128 x 128
+    block scale = amax / 448 (1 where the block is zero), codes = round(w / scale)."""
+    import torch
+    R, C = w.shape
+    b = w.float().reshape(R // 128, 128, C // 128, 128)
+    amax = b.abs().amax(dim=(1, 3))
+    sc = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    q = (b / sc[:, None, :, None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.reshape(R, C).contiguous(), sc.contiguous()
 
 
 def parse_args(argv):
@@ -155,30 +170,33 @@ class KtCase:
         down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
         self.layers = []
         t0 = time.time()
-        if method == "BF16":
+        from_file = method in ("BF16", "FP8")
+        if from_file:
             from safetensors.torch import save_file
-            path = os.path.join(workdir, "bf16")
+            path = os.path.join(workdir, method.lower())
             os.makedirs(path, exist_ok=True)
             for layer in range(a.layers):
                 t = {}
                 for e in range(E):
                     base = f"model.layers.{layer}.mlp.experts.{e}."
-                    t[base + "gate_proj.weight"] = gate[e].contiguous()
-                    t[base + "up_proj.weight"] = up[e].contiguous()
-                    t[base + "down_proj.weight"] = down[e].contiguous()
+                    for name, m in (("gate_proj", gate[e]), ("up_proj", up[e]), ("down_proj", down[e])):
+                        if method == "BF16":
+                            t[base + name + ".weight"] = m.contiguous()
+                        else:
+                            t[base + name + ".weight"], t[base + name + ".weight_scale_inv"] = fp8_b128(m)
                 save_file(t, os.path.join(path, f"layer{layer}.safetensors"))
                 del t
         # kt-kernel's int8/int4 buffers need max_len to be a multiple of M_STEP = 32 (it
         # refuses "max_m and k must be multiple of M_STEP and K_STEP" otherwise).
         chunk = max(32, -(-max(a.tokens) // 32) * 32)
         for layer in range(a.layers):
-            wpath = path if method == "BF16" else os.path.join(workdir, f"{method}-{layer}")
+            wpath = path if from_file else os.path.join(workdir, f"{method}-{layer}")
             os.makedirs(wpath, exist_ok=True)
             w = KTMoEWrapper(layer_idx=layer, num_experts=E, num_experts_per_tok=k, hidden_size=H,
                              moe_intermediate_size=I, gpu_experts_mask=None,
                              cpuinfer_threads=a.threads, threadpool_count=1, weight_path=wpath,
                              chunked_prefill_size=chunk, method=method)
-            if method == "BF16":
+            if from_file:
                 w.load_weights(torch.arange(E, dtype=torch.int64))
             else:
                 w.load_weights_from_tensors(gate, up, down, torch.arange(E, dtype=torch.int64))
@@ -221,7 +239,8 @@ def ours_us(a, fmt, T):
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-    rows = [x for x in rows if x.get("tokens") == T and x.get("format") == fmt]
+    name = "fp8-b128" if fmt == "fp8" else fmt  # the bench names the format in full
+    rows = [x for x in rows if x.get("tokens") == T and x.get("format") == name]
     if not rows:
         raise RuntimeError(f"{' '.join(cmd)}: no JSON line for tokens {T} format {fmt}")
     return rows[0]["us"], rows[0]
