@@ -224,8 +224,8 @@ static kn__selftest_report verified_rep;
 
 /* MOERPC_AMX_MIN_TOKENS (kernels/README.md): unset or "": each AMX format's default
  * crossover (moe_amx.c); "measure": each measured on this CPU at start-up; "N": every AMX
- * format from N tokens per expert; "bf16=N,int8=M,int4=K,fp8-b128=F" (any of them, in any order):
- * those formats, the others at their defaults. want[f] = 0: the default, AMX_MEASURE:
+ * format from N tokens per expert; "bf16=N,int8=M,int4=K,fp8-b128=F" (any of them, in any
+ * order): those formats, the others at their defaults. want[f] = 0: the default, AMX_MEASURE:
  * measure. N in 1..4096. */
 #define KN_AMX_MIN_TOKENS_ENV_MAX 4096u
 #define AMX_MEASURE UINT32_MAX

@@ -55,9 +55,10 @@
  * Edges: a row block of fewer than 16 rows, or K not a multiple of the K step, is copied
  * (zero-padded) into the worker's tmp before its tiles are loaded; int4 rows always are
  * (requantized to s8, requant_int4), and fp8 rows (converted to bf16 weights with their
- * block scales, fp8_row_bf16: then the bf16 tiles, activations and epilogue). Token tails are the zero columns of B (results
- * computed, not stored). int8 and int4 sums stay in int32 over the whole K (|acc| <= 127 *
- * 127 * 65536 < 2^31), converted once and multiplied by the row's and the token's scales.
+ * block scales, fp8_row_bf16: then the bf16 tiles, activations and epilogue). Token tails
+ * are the zero columns of B (results computed, not stored). int8 and int4 sums stay in
+ * int32 over the whole K (|acc| <= 127 * 127 * 65536 < 2^31), converted once and
+ * multiplied by the row's and the token's scales.
  * No new packed layout: weights are read in the canonical one (the edge copies, the int4
  * requantization and the fp8 conversion are the only repacking).
  *
@@ -115,9 +116,10 @@
  * the crossovers kn__amx_crossover ("the crossover" below) measured on an Emerald Rapids
  * Xeon (2026-12-04: bf16 8, int8 8, int4 16; 2026-12-06: fp8-b128 8). Fixed, not measured
  * at every start, so that a restarted process computes the same bits (which kernel serves a
- * count decides the last bits, and a measurement on a busy host moves by a step); MOERPC_AMX_MIN_TOKENS sets them
- * or asks for the measurement. Written only while the process table is built, before any
- * engine runs a kernel. KN_AMX_MIN_TOKENS: the value a format without a default would get. */
+ * count decides the last bits, and a measurement on a busy host moves by a step);
+ * MOERPC_AMX_MIN_TOKENS sets them or asks for the measurement. Written only while the
+ * process table is built, before any engine runs a kernel. KN_AMX_MIN_TOKENS: the value a
+ * format without a default would get. */
 #define KN_AMX_MIN_TOKENS 16u
 #define KN_AMX_MIN_TOKENS_BF16 8u
 #define KN_AMX_MIN_TOKENS_INT8 8u
@@ -530,7 +532,8 @@ static void micro(const av v, const kctx *cx, const uint8_t *A0, const uint8_t *
 }
 
 /* Row m's multiplier of the result tile: int8 / int4 the weight row's scale (wscale: the
- * layer's for int8, the requantized block's for int4) times the token's, bf16 1. */
+ * layer's for int8, the requantized block's for int4) times the token's; bf16 1, and fp8 1
+ * (its scales are in the converted weights). */
 AI __m512 row_scaled(const av v, const kctx *cx, uint32_t c, uint32_t m, const float *wscale, uint32_t Mv, __m512 xsv) {
   __m512 r = _mm512_loadu_ps(cx->res + c * 256 + m * 16);
   if (!BF_TILES(v)) r = _mm512_mul_ps(r, _mm512_mul_ps(_mm512_set1_ps(m < Mv ? wscale[m] : 0.0f), xsv));
@@ -570,7 +573,8 @@ AI void amx_gate_up(const av v, const kn__task *t, uint32_t i0, uint32_t i1) {
       size_t st[2];
       const uint8_t *Ag = a_block(v, &cx, ws->gate, ws->gate_scale, i, Mv, cx.scr[0], cx.rs[0], &st[0]);
       const uint8_t *Au = a_block(v, &cx, ws->up, ws->up_scale, i, Mv, cx.scr[1], cx.rs[1], &st[1]);
-      /* the rows' weight scales (int8: the layer's; int4: the requantized block's; bf16: none) */
+      /* the rows' weight scales (int8: the layer's; int4: the requantized block's; bf16 and
+       * fp8: none, fp8's are in its converted weights) */
       const float *gsc = v == A_I8 ? ws->gate_scale + i : cx.rs[0], *usc = v == A_I8 ? ws->up_scale + i : cx.rs[1];
       for (uint32_t tb = tc0; tb < tc1; tb += 2) {
         const uint32_t nb = tc1 - tb < 2 ? 1 : 2;

@@ -745,7 +745,7 @@ static void fp8_luts_init(void) {
  * fp8 at 2 KiB -32 % (1 KiB -26 %), int4 at 1 KiB -17 %, int8 at 1 KiB -5 %; bf16 / f16 /
  * f32 (already at the rate of a plain read): 1 KiB no gain, 2 KiB +8 %. Not measured on
  * AMD, so off there (the decode tiles were tuned on Zen 4 without it). */
-static size_t seq_pf_bytes(const v512 v) { /* TILE_ORDER compiles it in for fp8 / int8 / int4 only */
+static size_t seq_pf_bytes(const v512 v) { /* TILE_ORDER reads it for fp8 / int8 / int4 only */
   if (!kn__cpu_get()->intel) return 0;
   return IS_FP8(v) ? 2048 : v == V_I8 || v == V_I4 ? 1024 : 0;
 }
