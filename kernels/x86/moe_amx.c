@@ -372,13 +372,19 @@ static float requant_int4(const kctx *cx, const uint8_t *s, const float *gs, uin
  * (tests/unit/test_kn_amx.c). 32 codes at a time: widened to fp16 bits whose value is
  * code / 256 exactly, subnormals included ((c & 0x7f) << 7, sign to bit 15: the AVX2
  * kernel's conversion, fp8_avx2.h), to fp32 (vcvtph2ps), times scale * 256 (exact), and
- * rounded to bf16 (vcvtne2ps2bf16, nearest even). */
+ * rounded to bf16 (vcvtne2ps2bf16, nearest even). The codes are this call's first touch of
+ * the weights, one stream through a block's rows (contiguous), so each line is prefetched
+ * KN_AMX_FP8_PF bytes ahead: without it the loads waited on DRAM for most of the
+ * conversion's time (DeepSeek-V3 shapes, 2 threads: T = 2048 2.40-2.70 s -> 1.56 s, T = 256
+ * 504-533 -> 268-292 ms; 1 KiB ahead slower, 4 KiB no better; docs/BENCHMARKS.md). */
+#define KN_AMX_FP8_PF 2048u
 static void fp8_row_bf16(const kctx *cx, const uint8_t *s, const float *gs, uint8_t *d) {
   const size_t K = cx->rb, n = cx->Kpb / 2; /* codes in the row, bf16 weights to write */
   const __m512i m7f = _mm512_set1_epi16(0x7f);
   for (size_t k = 0; k < n; k += 32) {
     const uint32_t g = (uint32_t)(k / KN_FP8_BLOCK) < cx->ng ? (uint32_t)(k / KN_FP8_BLOCK) : cx->ng - 1;
     const __m512 sv = _mm512_set1_ps(gs[g] * 256.0f);
+    if ((k & 63) == 0) _mm_prefetch((const char *)s + k + KN_AMX_FP8_PF, _MM_HINT_T0);
     const __m256i c8 = _mm256_maskz_loadu_epi8(k < K ? mask32((uint32_t)(K - k)) : 0, s + k);
     const __m512i w = _mm512_cvtepu8_epi16(c8);
     /* (w & 0x7f) << 7 | (w & 0x80) << 8: (w << 7) & 0x3f80, then bit 7 of w to bit 15 */
