@@ -254,6 +254,8 @@ static const uint32_t shapes[N_SHAPES][2] = {{256, 192}, {300, 76}, {40, 24}, {1
 static const kn__kernel *fp8_variant; /* NULL: the engine's own fp8 kernel */
 
 static void check_format(kn_format f, uint32_t G) {
+  const char *san = getenv("SANITIZER");
+  const bool sanitized = san && san[0];
   kn_isa isas[4];
   int n_isa = fast_isas_or_skip(isas);
   /* 16 tokens at top-4 of 9 experts: 5-9 per expert: past the sequential tiles of most
@@ -281,8 +283,10 @@ static void check_format(kn_format f, uint32_t G) {
         double tol = tolerance(eng, f), worst_here = 0.0;
         for (int ti = 0; ti < 6; ti++) {
           /* T = 300 only on the first shape, up to 16 on the long rows (the reference is
-           * slow). */
+           * slow); under a sanitizer, the long rows at T = 1 and 16 without a split only
+           * (all of them took 42 s of CI's ASan pass). */
           if ((Ts[ti] == 300 && sh != 0) || (Ts[ti] > 16 && sh == 3)) continue;
+          if (sanitized && sh == 3 && (split > 1 || (Ts[ti] != 1 && Ts[ti] != 16))) continue;
           uint32_t k = Ts[ti] == 1 ? 6 : 4;
           req r = req_make(Ts[ti], k, &m, own, 77 * (uint64_t)ti + sh);
           double err = fast_vs_ref(eng, L, &r);
