@@ -951,7 +951,10 @@ static const char BENCH_USAGE[] =
     "time in attention, local experts (or the dense MLP), submitting and waiting on RPC,\n"
     "the overlap ratio (RPC time hidden / RPC time, RPC time from the requests queued to\n"
     "the last reply) and decode_bw_ratio = (weight bytes one decode\n"
-    "step reads / step time) / (a plain read of the same bytes, same run).\n\n";
+    "step reads / step time) / (a plain read of the same bytes, same run). Also each\n"
+    "run's median and p90 step (step_ms_p50, step_ms_p90) and, with servers, the decode\n"
+    "replies' mean server compute, server arrival-to-reply and submit-to-reply times\n"
+    "(server_compute_us, server_us, server_rtt_us).\n\n";
 static const char BENCH_HELP[] =
     "bench:\n"
     "  --batch B                sequences, 1..4096 (default 1)\n"
@@ -1031,6 +1034,10 @@ static double median(double *v, uint32_t n) {
 typedef struct bench_run {
   double prefill_tok_s, decode_tok_s, step_ms, overlap, bw_ratio, read_gbs, weight_gbs;
   double bytes_per_step;
+  double step_p50_ms, step_p90_ms; /* of this run's decode steps, one by one */
+  /* The decode's replies, mean per reply over every server (0 without servers): the
+   * server's compute_us and server_us (arrival to reply encoded), and submit to reply. */
+  double srv_compute_us, srv_us, srv_rtt_us;
   uint64_t rpc_us, wait_us;
 } bench_run;
 
@@ -1045,9 +1052,11 @@ typedef struct bench_state {
   float *logits;          /* [B, V] */
   bench_run *runs;        /* [repeats] */
   gc_layer_stats *lsum;   /* [L] sums over every decode step of every run */
+  double *step_ms;        /* [N] this run's decode steps, one by one */
   uint64_t rng;
   /* medians of the runs, and the plain read of the same bytes */
-  double ptok, dtok, over, bytes, weight_gbs, read_gbs, ratio;
+  double ptok, dtok, over, bytes, weight_gbs, read_gbs, ratio, step_p50, step_p90;
+  double srv_compute_us, srv_us, srv_rtt_us;
 } bench_state;
 
 static int bench_alloc(bench_state *b) {
@@ -1059,7 +1068,9 @@ static int bench_alloc(bench_state *b) {
   b->logits = malloc((size_t)b->B * b->V * sizeof *b->logits);
   b->runs = calloc(b->repeats, sizeof *b->runs);
   b->lsum = calloc(b->L, sizeof *b->lsum);
-  return b->ids && b->seq && b->pos && b->want && b->logits && b->runs && b->lsum ? 0 : MR_ENOMEM;
+  b->step_ms = calloc(b->N ? b->N : 1, sizeof *b->step_ms);
+  return b->ids && b->seq && b->pos && b->want && b->logits && b->runs && b->lsum && b->step_ms
+             ? 0 : MR_ENOMEM;
 }
 
 static void bench_free(bench_state *b) {
@@ -1070,6 +1081,7 @@ static void bench_free(bench_state *b) {
   free(b->logits);
   free(b->runs);
   free(b->lsum);
+  free(b->step_ms);
 }
 
 /* B fresh sequences of P random tokens (a fixed LCG from --seed: every run and every
@@ -1102,6 +1114,11 @@ static int bench_one(bench_state *b, bench_run *r, mr_err *e) {
   if (rc) return rc;
   const double pf_s = (double)(mr_now_ns() - t0) / 1e9;
   gc_model_stats_get(b->m, &ms, true); /* the decode's statistics alone from here */
+  gc_cluster *cl = gc_model_cluster(b->m);
+  gc_cluster_info ci = {0};
+  if (cl) gc_cluster_info_get(cl, &ci);
+  gc_server_counters ct;
+  for (uint32_t i = 0; i < ci.n_servers; i++) (void)gc_server_counters_get(cl, i, true, &ct, NULL);
   t0 = mr_now_ns();
   for (uint32_t step = 0; step < b->N; step++) {
     for (uint32_t q = 0; q < b->B; q++) {
@@ -1110,9 +1127,28 @@ static int bench_one(bench_state *b, bench_run *r, mr_err *e) {
       b->pos[q] = b->P + step;
     }
     s = (gc_step){.n_tokens = b->B, .ids = b->ids, .seq = b->seq, .pos = b->pos, .logits = b->logits};
+    const uint64_t t_step = mr_now_ns();
     if ((rc = gc_model_step(b->m, &s, e))) return rc;
+    b->step_ms[step] = (double)(mr_now_ns() - t_step) / 1e6;
   }
   const double dc_s = (double)(mr_now_ns() - t0) / 1e9;
+  double n_rep = 0, sum_c = 0, sum_s = 0, sum_r = 0;
+  for (uint32_t i = 0; i < ci.n_servers; i++) {
+    if (gc_server_counters_get(cl, i, false, &ct, NULL) || !ct.replies) continue;
+    n_rep += (double)ct.replies;
+    sum_c += ct.mean_compute_us * (double)ct.replies;
+    sum_s += ct.mean_server_us * (double)ct.replies;
+    sum_r += ct.mean_rtt_us * (double)ct.replies;
+  }
+  if (n_rep > 0) {
+    r->srv_compute_us = sum_c / n_rep;
+    r->srv_us = sum_s / n_rep;
+    r->srv_rtt_us = sum_r / n_rep;
+  }
+  if (b->N) { /* the typical step, whatever the host did to a few of them */
+    r->step_p50_ms = median(b->step_ms, b->N); /* sorts */
+    r->step_p90_ms = b->step_ms[(size_t)(0.9 * (b->N - 1) + 0.5)];
+  }
   gc_model_stats_get(b->m, &ms, false);
   r->prefill_tok_s = BP / pf_s;
   r->decode_tok_s = (double)b->B * b->N / dc_s;
@@ -1139,7 +1175,7 @@ static int bench_one(bench_state *b, bench_run *r, mr_err *e) {
 /* Medians over the runs, and a plain read of the same bytes per step on the same threads
  * right after them (the decode's bandwidth ratio is against that, same run). */
 static void bench_summarize(bench_state *b) {
-  double bps[64], pf[64], dc[64], ov[64], wg[64];
+  double bps[64], pf[64], dc[64], ov[64], wg[64], p50[64], p90[64], sc[64], ss[64], sr[64];
   const uint32_t R = b->repeats < 64 ? b->repeats : 64;
   for (uint32_t i = 0; i < R; i++) {
     bps[i] = b->runs[i].bytes_per_step;
@@ -1147,7 +1183,17 @@ static void bench_summarize(bench_state *b) {
     dc[i] = b->runs[i].decode_tok_s;
     ov[i] = b->runs[i].overlap;
     wg[i] = b->runs[i].weight_gbs;
+    p50[i] = b->runs[i].step_p50_ms;
+    p90[i] = b->runs[i].step_p90_ms;
+    sc[i] = b->runs[i].srv_compute_us;
+    ss[i] = b->runs[i].srv_us;
+    sr[i] = b->runs[i].srv_rtt_us;
   }
+  b->srv_compute_us = median(sc, R);
+  b->srv_us = median(ss, R);
+  b->srv_rtt_us = median(sr, R);
+  b->step_p50 = median(p50, R);
+  b->step_p90 = median(p90, R);
   b->bytes = median(bps, R);
   b->read_gbs = plain_read_gbs(gc_model_engine(b->m), (uint64_t)b->bytes);
   b->weight_gbs = median(wg, R);
@@ -1174,11 +1220,14 @@ static void bench_print(const bench_state *b, const gc__mcli *c) {
            "\"threads\": %u, \"servers\": %u, \"local_experts\": %d, \"max_deferred\": %u, "
            "\"batch\": %u, \"prompt_len\": %u, \"decode\": %u, \"repeats\": %u, "
            "\"prefill_tok_s\": %.2f, \"decode_tok_s\": %.3f, \"step_ms\": %.3f, "
+           "\"step_ms_p50\": %.3f, \"step_ms_p90\": %.3f, "
            "\"overlap\": %.3f, \"bytes_per_step\": %.0f, \"weight_gbs\": %.2f, "
-           "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f}\n",
+           "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f, \"server_compute_us\": %.1f, "
+           "\"server_us\": %.1f, \"server_rtt_us\": %.1f}\n",
            c->mo.model_dir, cfg->arch_name, cpu, c->mo.engine.threads, n_servers, c->mo.local_experts,
-           c->mo.max_deferred, b->B, b->P, b->N, b->repeats, b->ptok, b->dtok, 1e3 * b->B / b->dtok, b->over,
-           b->bytes, b->weight_gbs, b->read_gbs, b->ratio);
+           c->mo.max_deferred, b->B, b->P, b->N, b->repeats, b->ptok, b->dtok, 1e3 * b->B / b->dtok,
+           b->step_p50, b->step_p90, b->over, b->bytes, b->weight_gbs, b->read_gbs, b->ratio,
+           b->srv_compute_us, b->srv_us, b->srv_rtt_us);
     for (uint32_t l = 0; l < b->L; l++)
       printf("{\"bench\": \"model-layer\", \"layer\": %u, \"moe\": %s, \"attn_us\": %.1f, "
              "\"local_us\": %.1f, \"rpc_submit_us\": %.1f, \"rpc_wait_us\": %.1f, "
@@ -1188,10 +1237,14 @@ static void bench_print(const bench_state *b, const gc__mcli *c) {
     return;
   }
   printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c->mo.model_dir, n_servers, cpu);
-  printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step), "
-         "overlap %.2f, decode_bw_ratio %.2f (%.2f GB/s of weights vs %.2f GB/s plain read, "
-         "%.1f MB/step); medians of %u\n", b->ptok, b->B, b->P, b->dtok, b->B, 1e3 * b->B / b->dtok,
-         b->over, b->ratio, b->weight_gbs, b->read_gbs, b->bytes / 1e6, b->repeats);
+  printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step; "
+         "steps one by one: p50 %.2f ms, p90 %.2f ms), overlap %.2f, decode_bw_ratio %.2f (%.2f "
+         "GB/s of weights vs %.2f GB/s plain read, %.1f MB/step); medians of %u\n", b->ptok, b->B,
+         b->P, b->dtok, b->B, 1e3 * b->B / b->dtok, b->step_p50, b->step_p90, b->over, b->ratio,
+         b->weight_gbs, b->read_gbs, b->bytes / 1e6, b->repeats);
+  if (n_servers)
+    printf("decode replies, mean: server compute %.1f us, server arrival to reply %.1f us, submit "
+           "to reply %.1f us\n", b->srv_compute_us, b->srv_us, b->srv_rtt_us);
   printf("layer   attn_us  local_us  submit_us  rpc_wait_us  rpc_us  (per decode step)\n");
   for (uint32_t l = 0; l < b->L; l++)
     printf("%5u %9.1f %9.1f %10.1f %12.1f %7.1f%s\n", l, b->lsum[l].attn_us / d, b->lsum[l].local_us / d,
