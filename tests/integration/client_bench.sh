@@ -21,8 +21,10 @@ bad() { echo "FAIL client_bench.$1: $2"; failed=$((failed + 1)); }
 # shellcheck source=deploy/local-cluster.sh
 . deploy/local-cluster.sh
 lc_start "$tmp/c" "$tmp/model" 1 --threads 1 >/dev/null 2>&1 || { bad setup "the server did not start"; exit 1; }
+# The first JSON line; none when the bench exits non-zero (a sanitizer's report included).
 bench() { "$BIN/moerpc-client" bench --model "$tmp/model" --threads 1 --prompt-len 8 --decode 24 \
-            --repeats 2 --json --quiet --log warn "$@" 2>>"$tmp/err.log" | head -n 1; }
+            --repeats 2 --json --quiet --log warn "$@" >"$tmp/out.jsonl" 2>>"$tmp/err.log" &&
+            head -n 1 "$tmp/out.jsonl"; }
 
 check() { # name json-line want-server(0|1)
   python3 - "$2" "$3" <<'PY'
@@ -45,12 +47,12 @@ PY
 }
 
 line=$(bench)
-if [ -z "$line" ]; then bad all_local_steps "no JSON line: $(tail -n 2 "$tmp/err.log")"
+if [ -z "$line" ]; then bad all_local_steps_and_no_server_time "no JSON line: $(tail -n 2 "$tmp/err.log")"
 elif why=$(check all_local "$line" 0); then ok all_local_steps_and_no_server_time
 else bad all_local_steps_and_no_server_time "$why: $line"; fi
 
 line=$(bench --cluster "$tmp/c/cluster.json" --local-experts 0)
-if [ -z "$line" ]; then bad one_server_replies "no JSON line: $(tail -n 2 "$tmp/err.log")"
+if [ -z "$line" ]; then bad one_server_steps_and_reply_times_in_order "no JSON line: $(tail -n 2 "$tmp/err.log")"
 elif why=$(check one_server "$line" 1); then ok one_server_steps_and_reply_times_in_order
 else bad one_server_steps_and_reply_times_in_order "$why: $line"; fi
 [ "$failed" -eq 0 ]
