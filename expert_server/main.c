@@ -103,6 +103,15 @@ static void usage(FILE *f) {
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
           "  --help                   this text\n"
           "\n"
+          "Environment (kernels/README.md): MOERPC_ISA=ref|avx2|avx512|amx picks the kernels'\n"
+          "instruction set (one this CPU lacks is refused; default: the best it has whose\n"
+          "kernels pass the start-up self-test);\n"
+          "MOERPC_SPIN_US=N, 0..100000, how long idle engine threads spin before sleeping\n"
+          "(default 50): a server on cores of its own can spin through the client's time\n"
+          "between calls and skip the threads' wake-ups; one sharing the client's cores\n"
+          "would take them from the client (docs/BENCHMARKS.md, \"Where a same-core layer's\n"
+          "0.5 ms goes\"); MOERPC_AMX_MIN_TOKENS, MOERPC_SELFTEST=on|off.\n"
+          "\n"
           "Exit status: 0 after a clean drain, 1 on a runtime failure or a second signal during\n"
           "the drain, 2 on a usage error, 3 after a drain that left accepted requests unanswered.\n",
           ES_MAX_MAX_TOKENS, ES_DEFAULT_MAX_TOKENS, ES_DEFAULT_GROUP, ES_MAX_GRPC_THREADS,
