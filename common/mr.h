@@ -10,7 +10,8 @@
  *   - safetensors reader (mmap) and writer, HF config.json reader,
  *   - cluster file (JSON) reader,
  *   - model fingerprint,
- *   - Prometheus text exposition and a /metrics HTTP responder.
+ *   - Prometheus text exposition and a /metrics HTTP responder,
+ *   - the host's latency settings (cpuidle halt polling, THP, NUMA balancing) and CPU name.
  *
  * Threads: every function is safe to call from any thread on distinct objects; a reader
  * object (mr_st, mr_model_config, mr_cluster) is immutable after open and may be shared
@@ -749,6 +750,42 @@ void mr_hist_observe(mr_hist *h, uint64_t v);
 /* Writes name_bucket{labels...,le="..."} for every bound and +Inf, name_sum, name_count
  * (after the caller's mr_prom_family(name, MR_PROM_HISTOGRAM, ...)). */
 void mr_prom_hist(mr_buf *p, const char *name, const char *const *labels, const mr_hist *h);
+
+/* ---------------------------------------------------------------------------------------
+ * The host (host.c): the kernel settings that change what a wake-up, a weight read or a
+ * page costs moerpc, read from sysfs and procfs, and one advice line for each that costs
+ * it (docs/deploy.md, "Host tuning"). Nothing here changes a setting: the operator owns
+ * the host. Also the CPU's model name, which every benchmark record carries.
+ */
+/* The haltpoll governor's poll limit below which idle vCPUs halt too soon for moerpc's
+ * round trips (the upstream default, 200 us). */
+#define MR_HOST_HALT_POLL_NS 200000
+#define MR_HOST_ADVICE_MAX 3 /* advice lines mr_host_advice can write */
+#define MR_HOST_LINE 512     /* bytes per advice line, with its NUL */
+typedef struct mr_host {
+  char cpu[128];            /* /proc/cpuinfo "model name", "unknown" if absent */
+  char idle_driver[32];     /* cpuidle driver ("haltpoll", "intel_idle", ...), "" unknown */
+  char idle_governor[32];   /* cpuidle governor ("haltpoll", "menu", ...), "" unknown */
+  int64_t halt_poll_ns;     /* /sys/module/haltpoll/parameters/guest_halt_poll_ns, -1 absent */
+  char thp[16];             /* transparent huge pages: "always", "madvise", "never", "" */
+  int numa_balancing;       /* /proc/sys/kernel/numa_balancing (0, 1, 2, 3), -1 unknown */
+  uint32_t numa_nodes;      /* online NUMA nodes, 0 unknown */
+} mr_host;
+/* Reads the host's settings under root (NULL or "" = "/"; tests give a directory holding
+ * sys/... and proc/... files). A file that is absent or unreadable leaves its field unknown;
+ * never fails. */
+void mr_host_read(mr_host *h, const char *root);
+/* Writes one line into lines[i] for each setting of h that costs moerpc (a haltpoll guest
+ * that halts before polling, transparent huge pages off, NUMA balancing on a multi-node
+ * host) and returns how many (0..MR_HOST_ADVICE_MAX). Each line names the file, its value,
+ * what it costs and what to write instead. Pure. */
+uint32_t mr_host_advice(const mr_host *h, char lines[][MR_HOST_LINE]);
+/* mr_host_read(h, "/"), then each advice line logged as a WARN ("host: ..."); the first call
+ * in a process logs, later ones only read. h may be NULL. */
+void mr_host_check(mr_host *h);
+/* The CPU's model name from /proc/cpuinfo ("unknown" when absent), without quotes or
+ * backslashes (it goes into JSON records as it is). */
+void mr_host_cpu_model(char *buf, size_t len);
 
 /*
  * The HTTP server (common/http_server.c, on libmicrohttpd): one epoll thread serves every

@@ -14,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "expert_server/es.h"
@@ -101,6 +102,12 @@ static void usage(FILE *f) {
           "                           token in FILE); /healthz and /readyz stay open. Without it\n"
           "                           a non-loopback --metrics-listen is logged at WARN\n"
           "  --log-level L            error|warn|info|debug (default info, or env MOERPC_LOG)\n"
+          "  --check-host[=DIR]       print the host settings that change moerpc's latency\n"
+          "                           (cpuidle halt polling on a VM, transparent huge pages,\n"
+          "                           NUMA balancing) and what to change, then exit: 0 when\n"
+          "                           nothing, 1 otherwise (docs/deploy.md, \"Host tuning\");\n"
+          "                           DIR: read DIR/sys and DIR/proc (an image). The server\n"
+          "                           logs the same advice as WARN lines at start\n"
           "  --help                   this text\n"
           "\n"
           "Environment (kernels/README.md): MOERPC_ISA=ref|avx2|avx512|amx picks the kernels'\n"
@@ -225,8 +232,31 @@ enum {
   OPT_GROUP, OPT_NUMA, OPT_GRPC_THREADS, OPT_DRAIN, OPT_LOG_LEVEL, OPT_TLS_CERT, OPT_TLS_KEY,
   OPT_TLS_CLIENT_CA, OPT_AUTH_TOKEN_FILE, OPT_INSECURE, OPT_HELP, OPT_MAX_INFLIGHT, OPT_MAX_EXPERT_MEMORY,
   OPT_MAX_STREAMS, OPT_STALL, OPT_METRICS_LISTEN, OPT_METRICS_TOKEN, OPT_UNLOAD_GRACE,
-  OPT_WEIGHT_CACHE, OPT_VERIFY_CACHE, OPT_MAP_WEIGHTS
+  OPT_WEIGHT_CACHE, OPT_VERIFY_CACHE, OPT_MAP_WEIGHTS, OPT_CHECK_HOST
 };
+
+/* --check-host[=DIR]: the host's settings and the advice they get (common/host.c), on
+ * stdout; exit 0 when there is nothing to change, 1 otherwise. DIR: read DIR/sys and
+ * DIR/proc (a chroot or an image) instead of the running host's. */
+static int check_host(const char *root) {
+  struct stat st;
+  if (root && (stat(root, &st) != 0 || !S_ISDIR(st.st_mode)))
+    return usage_error("--check-host=%s: not a directory", root);
+  mr_host h;
+  mr_host_read(&h, root);
+  char lines[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
+  uint32_t n = mr_host_advice(&h, lines);
+  printf("host: cpu %s; cpuidle driver %s, governor %s", h.cpu,
+         h.idle_driver[0] ? h.idle_driver : "unknown", h.idle_governor[0] ? h.idle_governor : "unknown");
+  if (h.halt_poll_ns >= 0) printf(" (guest_halt_poll_ns %lld)", (long long)h.halt_poll_ns);
+  printf("; transparent huge pages %s; NUMA balancing ", h.thp[0] ? h.thp : "unknown");
+  if (h.numa_balancing >= 0) printf("%d", h.numa_balancing);
+  else printf("unknown");
+  if (h.numa_nodes) printf(" on %u node%s", h.numa_nodes, h.numa_nodes == 1 ? "" : "s");
+  printf(": %s\n", n ? "to change:" : "nothing to change");
+  for (uint32_t i = 0; i < n; i++) printf("%s\n", lines[i]);
+  return n ? 1 : 0;
+}
 
 int main(int argc, char **argv) {
   static const struct option longopts[] = {
@@ -258,6 +288,7 @@ int main(int argc, char **argv) {
       {"auth-token-file", required_argument, NULL, OPT_AUTH_TOKEN_FILE},
       {"insecure", no_argument, NULL, OPT_INSECURE},
       {"help", no_argument, NULL, OPT_HELP},
+      {"check-host", optional_argument, NULL, OPT_CHECK_HOST},
       {NULL, 0, NULL, 0},
   };
   es_server_opts o;
@@ -348,6 +379,7 @@ int main(int argc, char **argv) {
     case OPT_MAP_WEIGHTS: o.map_weights = true; break;
     case OPT_INSECURE: o.insecure = true; break;
     case OPT_HELP: usage(stdout); return 0;
+    case OPT_CHECK_HOST: return check_host(optarg);
     case ':': return usage_error("%s needs a value", argv[optind - 1]);
     default: return usage_error("unknown option \"%s\"", argv[optind - 1]);
     }
@@ -362,6 +394,7 @@ int main(int argc, char **argv) {
   if (group_set && !(o.quant_set && o.quant == KN_FMT_INT4))
     return usage_error("--group applies to --quant int4 only");
 
+  mr_host_check(NULL); /* a WARN line per host setting that costs the round trips */
   mr_err e;
   mr_err_clear(&e);
   es_server *s = NULL;

@@ -83,6 +83,32 @@ static void expect_clean_log(void) {
   MT_EQ_STR(line, "");
 }
 
+/* The server logged one "host: " WARN line for each piece of advice this host's settings
+ * get (common/host.c), and no other: on a KVM guest whose idle CPUs halt at once, the
+ * halt-poll line (the project's VMs), on a host tuned as docs/deploy.md says, none. */
+static void expect_host_lines(void) {
+  mr_host h;
+  mr_host_read(&h, NULL);
+  char want[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
+  uint32_t n = mr_host_advice(&h, want);
+  char cmd[600];
+  snprintf(cmd, sizeof cmd, "grep -c -F -- ' WARN  server: host: ' '%s'", srv.log);
+  FILE *p = popen(cmd, "r");
+  MT_TRUE(p != NULL);
+  char count[32] = "";
+  if (!fgets(count, sizeof count, p)) count[0] = '\0';
+  pclose(p);
+  fprintf(stderr, "  host: cpuidle governor \"%s\", guest_halt_poll_ns %lld, thp \"%s\": %u advice line%s\n",
+          h.idle_governor, (long long)h.halt_poll_ns, h.thp, n, n == 1 ? "" : "s");
+  MT_EQ_INT(atoi(count), (int)n);
+  for (uint32_t i = 0; i < n; i++) {
+    char line[MR_HOST_LINE + 128];
+    want[i][80] = '\0'; /* the start of it names the setting */
+    log_line(want[i], line, sizeof line);
+    MT_TRUE(line[0] != '\0');
+  }
+}
+
 static void fill(float *x, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; i++) {
     seed = seed * 6364136223846793005ull + 1442695040888963407ull;
@@ -423,6 +449,7 @@ MT_TEST(the_engine_caller_is_pinned_to_worker_0s_core) {
   MT_EQ_STR(grpc, all); /* restored after each inline run */
   stop(SIGTERM, 0, 20000);
   expect_clean_log();
+  expect_host_lines();
   finish();
 
   start("--layers 2 --experts 8 --topk 4 --hidden 64 --inter 32 --vocab 64 --heads 2 "
