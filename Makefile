@@ -175,7 +175,7 @@ TEST_LIBS = -L$(BUILD)/lib -l:libmoerpc-test.so -Wl,-rpath,'$$ORIGIN/../lib'
 
 BINS = $(BUILD)/bin/moerpc-server $(BUILD)/bin/moerpc-client $(BUILD)/bin/moerpc-mkmodel \
        $(BUILD)/bin/moerpc-bench-kernels $(BUILD)/bin/moerpc-bench-finite $(BUILD)/bin/moerpc-relay \
-       $(BUILD)/bin/moerpc-place
+       $(BUILD)/bin/moerpc-place $(BUILD)/bin/moerpc-bench-wake
 
 BINS += $(BUILD)/bin/moerpc-bench-place
 UNIT_SRC   = $(wildcard tests/unit/test_*.c)
@@ -299,6 +299,9 @@ $(BUILD)/bin/moerpc-relay: $(BUILD)/obj/deploy/netns/moerpc-relay.o $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-kernels: $(BUILD)/obj/tests/bench/bench_kernels.o $(LIB_KN) $(LIB_MR)
+	@mkdir -p $(dir $@)
+	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
+$(BUILD)/bin/moerpc-bench-wake: $(BUILD)/obj/tests/bench/bench_wake.o $(LIB_MR)
 	@mkdir -p $(dir $@)
 	$(call say,LINK,$@)$(Q)$(CC) -o $@ $^ $(LDFLAGS) $(EXT_LIBS)
 $(BUILD)/bin/moerpc-bench-finite: $(BUILD)/obj/tests/bench/bench_finite.o $(LIB_ES) $(LIB_GC) $(LIB_KN) $(LIB_PR) $(LIB_MR)

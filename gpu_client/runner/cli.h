@@ -107,7 +107,4 @@ int gc__cli_close_model(const gc__mcli *c, gc_model *m);
 /* GET /routing (moerpc-stats JSON of the routing window) and GET /placement on h. */
 int gc__cli_model_routes(mr_http_server *h, gc_model *m, mr_err *e);
 
-/* The CPU's model name from /proc/cpuinfo ("unknown" if it cannot be read). */
-void gc__cpu_model(char *buf, size_t len);
-
 #endif /* GC_CLI_H */

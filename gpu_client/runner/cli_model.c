@@ -1004,24 +1004,6 @@ static double plain_read_gbs(kn_engine *eng, uint64_t bytes) {
   return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
 }
 
-void gc__cpu_model(char *buf, size_t len) {
-  snprintf(buf, len, "unknown");
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  if (!f) return;
-  char line[512];
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) != 0) continue;
-    const char *v = strchr(line, ':');
-    if (!v) break;
-    v++;
-    while (*v == ' ' || *v == '\t') v++;
-    size_t n = strcspn(v, "\n\"\\");
-    snprintf(buf, len, "%.*s", (int)n, v);
-    break;
-  }
-  fclose(f);
-}
-
 static int cmp_double(const void *a, const void *b) {
   double x = *(const double *)a, y = *(const double *)b;
   return x < y ? -1 : x > y;
@@ -1212,8 +1194,8 @@ static void bench_print(const bench_state *b, const gc__mcli *c) {
     gc_cluster_info_get(cl, &ci);
     n_servers = ci.n_servers;
   }
-  char cpu[128];
-  gc__cpu_model(cpu, sizeof cpu);
+  mr_host host;
+  mr_host_read(&host, NULL);
   const double d = (double)b->repeats * b->N; /* decode steps the layer sums cover */
   if (c->json) {
     printf("{\"bench\": \"model\", \"model\": \"%s\", \"arch\": \"%s\", \"cpu\": \"%s\", "
@@ -1223,11 +1205,13 @@ static void bench_print(const bench_state *b, const gc__mcli *c) {
            "\"step_ms_p50\": %.3f, \"step_ms_p90\": %.3f, "
            "\"overlap\": %.3f, \"bytes_per_step\": %.0f, \"weight_gbs\": %.2f, "
            "\"read_gbs\": %.2f, \"decode_bw_ratio\": %.3f, \"server_compute_us\": %.1f, "
-           "\"server_us\": %.1f, \"server_rtt_us\": %.1f}\n",
-           c->mo.model_dir, cfg->arch_name, cpu, c->mo.engine.threads, n_servers, c->mo.local_experts,
+           "\"server_us\": %.1f, \"server_rtt_us\": %.1f, \"cpuidle\": \"%s\", "
+           "\"guest_halt_poll_ns\": %lld, \"thp\": \"%s\"}\n",
+           c->mo.model_dir, cfg->arch_name, host.cpu, c->mo.engine.threads, n_servers, c->mo.local_experts,
            c->mo.max_deferred, b->B, b->P, b->N, b->repeats, b->ptok, b->dtok, 1e3 * b->B / b->dtok,
            b->step_p50, b->step_p90, b->over, b->bytes, b->weight_gbs, b->read_gbs, b->ratio,
-           b->srv_compute_us, b->srv_us, b->srv_rtt_us);
+           b->srv_compute_us, b->srv_us, b->srv_rtt_us, host.idle_governor,
+           (long long)host.halt_poll_ns, host.thp);
     for (uint32_t l = 0; l < b->L; l++)
       printf("{\"bench\": \"model-layer\", \"layer\": %u, \"moe\": %s, \"attn_us\": %.1f, "
              "\"local_us\": %.1f, \"rpc_submit_us\": %.1f, \"rpc_wait_us\": %.1f, "
@@ -1236,7 +1220,7 @@ static void bench_print(const bench_state *b, const gc__mcli *c) {
              b->lsum[l].rpc_us / d, b->lsum[l].deferred_slots / d);
     return;
   }
-  printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c->mo.model_dir, n_servers, cpu);
+  printf("%s: %s, %u servers, cpu %s\n", cfg->arch_name, c->mo.model_dir, n_servers, host.cpu);
   printf("prefill %.1f tok/s (%u x %u tokens), decode %.2f tok/s (batch %u, %.2f ms/step; "
          "steps one by one: p50 %.2f ms, p90 %.2f ms), overlap %.2f, decode_bw_ratio %.2f (%.2f "
          "GB/s of weights vs %.2f GB/s plain read, %.1f MB/step); medians of %u\n", b->ptok, b->B,

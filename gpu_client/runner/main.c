@@ -777,6 +777,7 @@ typedef struct bench_ctx {
   const char *server;
   bool json;
   int peer_cpu; /* -1: the TCP peer is not pinned */
+  mr_host host; /* what the JSON lines record of the host (CPU, idle polling) */
 } bench_ctx;
 
 static int bench_opt(void *ctx, int opt, const char *arg) {
@@ -1187,11 +1188,13 @@ static void bench_report(const bench_ctx *b, const bench_target *t, uint32_t T, 
            "\"ratio_minus_compute_held_p50\":%.3f,\"client_submit_p50_us\":%.1f,"
            "\"client_wake_p50_us\":%.1f,\"server_own_p50_us\":%.1f,\"transport_p50_us\":%.1f,"
            "\"transport_over_tcp_p50\":%.3f,\"peer_cpu\":%d,\"server\":\"%s\","
-           "\"dtype\":\"%s\",\"top_k\":%u,\"iters\":%u}\n",
+           "\"dtype\":\"%s\",\"top_k\":%u,\"iters\":%u,\"cpu\":\"%s\",\"cpuidle\":\"%s\","
+           "\"guest_halt_poll_ns\":%lld}\n",
            T, sm->req_bytes, sm->reply_bytes, gp50, gp99, gmean, tp50, tp99, ratio, cp50, np50,
            tp50 > 0 ? np50 / tp50 : 0, hp50, sm->hold_us, hp50 > 0 ? np50 / hp50 : 0, sp50, wp50, op50, xp50,
            tp50 > 0 ? xp50 / tp50 : 0, b->peer_cpu,
-           t->info.name, mr_dtype_name(b->dt), t->k, n);
+           t->info.name, mr_dtype_name(b->dt), t->k, n, b->host.cpu, b->host.idle_governor,
+           (long long)b->host.halt_poll_ns);
   fflush(stdout);
 }
 
@@ -1212,6 +1215,7 @@ static int cmd_bench_rpc(int argc, char **argv) {
   int pr = parse_command(argc, argv, lo, BENCH_HELP, &o, bench_opt, &b);
   if (pr >= 0) return pr;
   o.no_local = true; /* one server, one RPC: local experts would only add noise */
+  mr_host_read(&b.host, NULL);
 
   /* The peer is forked before gRPC starts any thread. */
   tcp_peer tp = {0};

@@ -32,23 +32,6 @@
 
 static char cpu[128] = "unknown";
 
-static void cpu_name(void) {
-  FILE *f = fopen("/proc/cpuinfo", "r");
-  char line[256];
-  if (!f) return;
-  while (fgets(line, sizeof line, f)) {
-    if (strncmp(line, "model name", 10) != 0) continue;
-    const char *p = strchr(line, ':');
-    if (!p) break;
-    p++;
-    while (*p == ' ') p++;
-    snprintf(cpu, sizeof cpu, "%s", p);
-    cpu[strcspn(cpu, "\n\"\\")] = '\0';
-    break;
-  }
-  fclose(f);
-}
-
 static int cmp_u64(const void *a, const void *b) {
   uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
   return x < y ? -1 : x > y;
@@ -229,7 +212,7 @@ int main(int argc, char **argv) {
     }
   }
   if (repeats < 1) repeats = 1;
-  cpu_name();
+  mr_host_cpu_model(cpu, sizeof cpu);
   static const struct { uint32_t H, I; const char *shape; } shapes[] = {
       {2048, 768, "qwen3-30b-a3b"}, {7168, 2048, "deepseek-v3"}};
   static const struct { const char *name; mr_dtype dt; enum check_kind kind; } checks[] = {

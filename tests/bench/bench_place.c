@@ -114,21 +114,8 @@ int main(int argc, char **argv) {
   pb.gpu_bytes = gpu;
   pb.seed = 42;
   pb.tolerance = 0.02;
-  char cpu[256] = "unknown";
-  FILE *ci = fopen("/proc/cpuinfo", "r");
-  if (ci) {
-    char line[512];
-    while (fgets(line, sizeof line, ci))
-      if (strncmp(line, "model name", 10) == 0) {
-        char *c = strchr(line, ':');
-        if (c) {
-          snprintf(cpu, sizeof cpu, "%s", c + 2);
-          cpu[strcspn(cpu, "\n\"\\")] = '\0';
-        }
-        break;
-      }
-    fclose(ci);
-  }
+  char cpu[128];
+  mr_host_cpu_model(cpu, sizeof cpu);
   struct { const char *name; pl_strategy st; uint32_t R; bool current; } cases[] = {
       {"balanced", PL_STRATEGY_BALANCED, 1, false},
       {"balanced-r2", PL_STRATEGY_BALANCED, 2, false},

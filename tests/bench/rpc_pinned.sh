@@ -81,5 +81,9 @@ for T, v in sorted(rows.items()):
                       "transport_p50_us": m("transport_p50_us"),
                       "transport_over_tcp": round(m("transport_p50_us") / tcp, 3),
                       "transport_over_tcp_held": round(m("transport_p50_us") / held, 3),
-                      "cpu": sys.argv[2]}))
+                      "cpu": sys.argv[2],
+                      # the host's idle polling decides what every wake-up costs on a VM
+                      # (docs/deploy.md, "Host tuning"): the rounds' own record of it
+                      "cpuidle": v[-1].get("cpuidle", ""),
+                      "guest_halt_poll_ns": v[-1].get("guest_halt_poll_ns", -1)}))
 PY

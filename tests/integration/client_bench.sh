@@ -2,7 +2,9 @@
 # client_bench.sh - `moerpc-client bench --json` all-local and against one real server: the
 # per-step figures (step_ms_p50 <= step_ms_p90, both near the mean step) and, with a server,
 # the server's side of the decode's replies (compute <= arrival-to-reply <= submit-to-reply);
-# all-local reports no server time. tests/bench/model_bench.sh builds its tables from these.
+# all-local reports no server time; both records state the host's cpuidle governor,
+# guest_halt_poll_ns and THP mode as sysfs has them (docs/deploy.md "Host tuning").
+# tests/bench/model_bench.sh builds its tables from these.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${MOERPC_BIN:-$PWD/build/bin}
@@ -41,6 +43,21 @@ if srv:
     if rtt > 1000 * mean: why.append("round trip %.1f us longer than a step (%.3f ms)" % (rtt, mean))
 elif (c, s, rtt) != (0, 0, 0):
     why.append("all-local reports server time: %.1f %.1f %.1f" % (c, s, rtt))
+# The host's idle settings as the record states them, against sysfs read here.
+def sysfs(path, default):
+    try:
+        v = open(path).read().strip()
+        return v if v else default
+    except OSError:
+        return default
+gov = sysfs("/sys/devices/system/cpu/cpuidle/current_governor", None) or \
+      sysfs("/sys/devices/system/cpu/cpuidle/current_governor_ro", "")
+hp = sysfs("/sys/module/haltpoll/parameters/guest_halt_poll_ns", "-1")
+thp = sysfs("/sys/kernel/mm/transparent_hugepage/enabled", "")
+thp = thp[thp.find("[") + 1:thp.find("]")] if "[" in thp else thp
+if (r.get("cpuidle"), str(r.get("guest_halt_poll_ns")), r.get("thp")) != (gov, hp, thp):
+    why.append("host record cpuidle %r guest_halt_poll_ns %r thp %r, sysfs says %r %r %r" % (
+        r.get("cpuidle"), r.get("guest_halt_poll_ns"), r.get("thp"), gov, hp, thp))
 print("; ".join(why))
 sys.exit(1 if why else 0)
 PY
