@@ -48,6 +48,40 @@ else
   else bad systemd_check_catches_a_bad_key "no warning for Restartt=: $out"; fi
 fi
 
+# --- host tuning (tmpfiles.d) -------------------------------------------------------------
+# deploy/systemd/moerpc-host-tuning.conf applied to a made-up root as systemd-tmpfiles applies
+# it at boot: the values land in the files that exist, a file that does not exist (no haltpoll
+# module) is skipped without an error, and the server's own host check (--check-host=DIR) has
+# two things to say before (and a summary line) and nothing after.
+if ! command -v systemd-tmpfiles >/dev/null; then
+  skip host_tuning "systemd-tmpfiles not installed (apt: systemd)"
+else
+  hr=$tmp/hostroot
+  mkdir -p "$hr/sys/module/haltpoll/parameters" "$hr/proc/sys/kernel" \
+           "$hr/sys/devices/system/cpu/cpuidle" "$hr/sys/devices/system/node"
+  echo 0 >"$hr/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+  echo haltpoll >"$hr/sys/devices/system/cpu/cpuidle/current_governor"
+  echo 1 >"$hr/proc/sys/kernel/numa_balancing"
+  echo 0-1 >"$hr/sys/devices/system/node/online"
+  before=$("$BIN/moerpc-server" --check-host="$hr" 2>&1); brc=$?
+  out=$(systemd-tmpfiles --create --root="$hr" "$PWD/deploy/systemd/moerpc-host-tuning.conf" 2>&1); rc=$?
+  after=$("$BIN/moerpc-server" --check-host="$hr" 2>&1); arc=$?
+  hp=$(cat "$hr/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+  nb=$(cat "$hr/proc/sys/kernel/numa_balancing")
+  if [ $rc -ne 0 ] || [ -n "$out" ]; then bad host_tuning "systemd-tmpfiles rc=$rc: $out"
+  elif [ "$hp" != 200000 ] || [ "$nb" != 0 ]; then bad host_tuning "wrote guest_halt_poll_ns=$hp numa_balancing=$nb"
+  elif [ $brc -ne 1 ] || [ "$(grep -c '^host: ' <<<"$before")" != 3 ] || [ $arc -ne 0 ] ||
+       [[ $after != *"nothing to change"* ]]; then
+    bad host_tuning "--check-host before (rc $brc): [$before] after (rc $arc): [$after]"
+  else
+    rm "$hr/sys/module/haltpoll/parameters/guest_halt_poll_ns"
+    out=$(systemd-tmpfiles --create --root="$hr" "$PWD/deploy/systemd/moerpc-host-tuning.conf" 2>&1); rc=$?
+    if [ $rc -eq 0 ] && [ -z "$out" ] && [ ! -e "$hr/sys/module/haltpoll/parameters/guest_halt_poll_ns" ]; then
+      ok host_tuning
+    else bad host_tuning "without the haltpoll module: rc=$rc: $out"; fi
+  fi
+fi
+
 # --- Kubernetes -------------------------------------------------------------------------
 kv=$VENV/bin/kubernetes-validate
 model=$tmp/model
