@@ -155,6 +155,22 @@ uint32_t mr_host_advice(const mr_host *h, char lines[][MR_HOST_LINE]) {
   return n;
 }
 
+uint32_t mr_host_report(mr_buf *out, const mr_host *h) {
+  char lines[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
+  uint32_t n = mr_host_advice(h, lines);
+  mr_buf_printf(out, "host: cpu %s; cpuidle driver %s, governor %s", h->cpu,
+                h->idle_driver[0] ? h->idle_driver : "unknown",
+                h->idle_governor[0] ? h->idle_governor : "unknown");
+  if (h->halt_poll_ns >= 0) mr_buf_printf(out, " (guest_halt_poll_ns %lld)", (long long)h->halt_poll_ns);
+  mr_buf_printf(out, "; transparent huge pages %s; NUMA balancing ", h->thp[0] ? h->thp : "unknown");
+  if (h->numa_balancing >= 0) mr_buf_printf(out, "%d", h->numa_balancing);
+  else mr_buf_printf(out, "unknown");
+  if (h->numa_nodes) mr_buf_printf(out, " on %u node%s", h->numa_nodes, h->numa_nodes == 1 ? "" : "s");
+  mr_buf_printf(out, ": %s\n", n ? "to change:" : "nothing to change");
+  for (uint32_t i = 0; i < n; i++) mr_buf_printf(out, "%s\n", lines[i]);
+  return n;
+}
+
 void mr_host_check(mr_host *h) {
   static int logged; /* __atomic: the first caller logs */
   mr_host own;

@@ -780,6 +780,10 @@ void mr_host_read(mr_host *h, const char *root);
  * host) and returns how many (0..MR_HOST_ADVICE_MAX). Each line names the file, its value,
  * what it costs and what to write instead. Pure. */
 uint32_t mr_host_advice(const mr_host *h, char lines[][MR_HOST_LINE]);
+/* Appends one summary line ("host: cpu ...; cpuidle ...: nothing to change", or "...: to
+ * change:") and then each advice line, each ending in a newline; returns the number of
+ * advice lines. For `moerpc-server --check-host` and `moerpc-client check-host`. */
+uint32_t mr_host_report(mr_buf *out, const mr_host *h);
 /* mr_host_read(h, "/"), then each advice line logged as a WARN ("host: ..."); the first call
  * in a process logs, later ones only read. h may be NULL. */
 void mr_host_check(mr_host *h);

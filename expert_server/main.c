@@ -244,17 +244,16 @@ static int check_host(const char *root) {
     return usage_error("--check-host=%s: not a directory", root);
   mr_host h;
   mr_host_read(&h, root);
-  char lines[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
-  uint32_t n = mr_host_advice(&h, lines);
-  printf("host: cpu %s; cpuidle driver %s, governor %s", h.cpu,
-         h.idle_driver[0] ? h.idle_driver : "unknown", h.idle_governor[0] ? h.idle_governor : "unknown");
-  if (h.halt_poll_ns >= 0) printf(" (guest_halt_poll_ns %lld)", (long long)h.halt_poll_ns);
-  printf("; transparent huge pages %s; NUMA balancing ", h.thp[0] ? h.thp : "unknown");
-  if (h.numa_balancing >= 0) printf("%d", h.numa_balancing);
-  else printf("unknown");
-  if (h.numa_nodes) printf(" on %u node%s", h.numa_nodes, h.numa_nodes == 1 ? "" : "s");
-  printf(": %s\n", n ? "to change:" : "nothing to change");
-  for (uint32_t i = 0; i < n; i++) printf("%s\n", lines[i]);
+  mr_buf out;
+  mr_buf_init(&out);
+  uint32_t n = mr_host_report(&out, &h);
+  if (out.oom) {
+    mr_buf_close(&out);
+    fprintf(stderr, PROG ": --check-host: out of memory\n");
+    return 1;
+  }
+  fputs(out.buf, stdout);
+  mr_buf_close(&out);
   return n ? 1 : 0;
 }
 

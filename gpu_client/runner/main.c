@@ -5,6 +5,7 @@
  *   moerpc-client verify    --cluster FILE [...]     every MoE layer vs a local reference
  *   moerpc-client bench-rpc --cluster FILE [...]     per-request round trip vs raw TCP
  *   moerpc-client stats     --cluster FILE [--reset] Stats of every server
+ *   moerpc-client check-host [DIR]                   host settings that cost latency
  *
  * Every subcommand takes --help. Exit status: 0 success, 1 failure (an error, a check that
  * failed), 2 usage error. Lifecycle lines go to stderr through mr_log; results to stdout.
@@ -22,6 +23,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1276,6 +1278,50 @@ out:
   return status;
 }
 
+/* ---- check-host ----------------------------------------------------------------------------- */
+
+static const char CHECK_HOST_HELP[] =
+    "usage: moerpc-client check-host [DIR]\n"
+    "\n"
+    "Prints the host settings that change moerpc's latency (a KVM guest's cpuidle halt\n"
+    "polling, transparent huge pages, NUMA balancing on a multi-node host) and what to\n"
+    "write instead, as moerpc-server --check-host does; the client logs the same advice\n"
+    "at WARN when it opens a cluster (docs/deploy.md, \"Host tuning\"). DIR: read DIR/sys\n"
+    "and DIR/proc (an image) instead of this host's.\n"
+    "\n"
+    "Exit status: 0 when there is nothing to change, 1 otherwise, 2 on a usage error.\n";
+
+static int cmd_check_host(int argc, char **argv) {
+  const char *root = NULL;
+  for (int i = 1; i < argc; i++) {
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      fputs(CHECK_HOST_HELP, stdout);
+      return 0;
+    }
+    if (argv[i][0] == '-' || root) {
+      fprintf(stderr, PROG " check-host: unexpected argument \"%s\"\n(see " PROG
+              " check-host --help)\n", argv[i]);
+      return 2;
+    }
+    root = argv[i];
+  }
+  struct stat st;
+  if (root && (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))) {
+    fprintf(stderr, PROG " check-host: %s: not a directory\n", root);
+    return 2;
+  }
+  mr_host h;
+  mr_host_read(&h, root);
+  mr_buf out;
+  mr_buf_init(&out);
+  uint32_t n = mr_host_report(&out, &h);
+  int rc = out.oom ? 1 : n ? 1 : 0;
+  if (out.oom) fprintf(stderr, PROG " check-host: out of memory\n");
+  else fputs(out.buf, stdout);
+  mr_buf_close(&out);
+  return rc;
+}
+
 /* ---- main ----------------------------------------------------------------------------------- */
 
 /* The subcommands, in the order `--help` lists them. run gets argv from the command's name
@@ -1293,6 +1339,7 @@ static const mr_cli_command commands[] = {
     {"tokenize", gc__cli_tokenize, "the model's tokenizer: text -> ids"},
     {"detokenize", gc__cli_detokenize, "the model's tokenizer: ids -> text"},
     {"chat-template", gc__cli_chat_template, "the prompt the model's chat template renders for messages"},
+    {"check-host", cmd_check_host, "the host settings that change moerpc's latency, and what to change"},
 };
 
 int main(int argc, char **argv) {

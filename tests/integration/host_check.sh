@@ -5,6 +5,7 @@
 #     it prints no advice line, 1 with one "host: " line per piece of advice otherwise; a
 #     DIR that is not a directory is a usage error (exit 2); a made-up tree of a bare-metal
 #     host gets nothing, one of a KVM guest that halts at once gets the halt-poll line;
+#   - `moerpc-client check-host [DIR]`: the same report and exit codes as the server's;
 #   - `moerpc-bench-wake`: one JSON line per gap with ordered percentiles and the host's
 #     record; bad flags exit 2 naming the flag.
 set -uo pipefail
@@ -43,6 +44,20 @@ out=$("$BIN/moerpc-server" --check-host="$tmp/kvm" 2>&1); rc=$?
 if [ $rc -eq 1 ] && [ "$(wc -l <<<"$out")" -eq 2 ] &&
    grep -q '^host: the idle CPUs of this KVM guest halt without polling first (/sys/module/haltpoll/parameters/guest_halt_poll_ns = 0, below 200000)' <<<"$out"
 then ok kvm_guest_tree; else bad kvm_guest_tree "rc $rc: $out"; fi
+
+# the client's check-host: the same report as the server's, the same exit codes
+for tree in bare kvm; do
+  s=$("$BIN/moerpc-server" --check-host="$tmp/$tree" 2>&1); src=$?
+  c=$("$BIN/moerpc-client" check-host "$tmp/$tree" 2>&1); crc=$?
+  if [ "$s" = "$c" ] && [ $src -eq $crc ]; then ok "client_check_host_$tree"
+  else bad "client_check_host_$tree" "server rc $src [$s] client rc $crc [$c]"; fi
+done
+"$BIN/moerpc-client" check-host "$tmp/none" >"$tmp/o" 2>&1; rc1=$?
+"$BIN/moerpc-client" check-host --frob >>"$tmp/o" 2>&1; rc2=$?
+"$BIN/moerpc-client" check-host --help >"$tmp/h" 2>&1; rc3=$?
+if [ $rc1 -eq 2 ] && [ $rc2 -eq 2 ] && [ $rc3 -eq 0 ] && grep -q "not a directory" "$tmp/o" &&
+   grep -q 'unexpected argument "--frob"' "$tmp/o" && grep -q '^usage: moerpc-client check-host' "$tmp/h"
+then ok client_check_host_usage; else bad client_check_host_usage "rc $rc1 $rc2 $rc3: $(cat "$tmp/o")"; fi
 
 "$BIN/moerpc-bench-wake" --iters 20 --gaps 0,100 >"$tmp/wake.jsonl" 2>"$tmp/wake.err"; rc=$?
 if why=$(python3 - "$tmp/wake.jsonl" "$rc" <<'PY'

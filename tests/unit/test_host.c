@@ -199,6 +199,28 @@ MT_TEST(malformed_files_are_unknown_not_advice) {
   MT_EQ_STR(h.cpu, "Odd ");
 }
 
+MT_TEST(report_is_a_summary_line_then_the_advice) {
+  tree();
+  kvm_guest("0\n");
+  mr_host h;
+  mr_host_read(&h, root);
+  mr_buf b;
+  mr_buf_init(&b);
+  MT_EQ_U64(mr_host_report(&b, &h), 1);
+  MT_FALSE(b.oom);
+  MT_CONTAINS(b.buf, "host: cpu Intel(R) Xeon(R) Processor; cpuidle driver haltpoll, governor haltpoll "
+                     "(guest_halt_poll_ns 0); transparent huge pages madvise; NUMA balancing 0 on 1 "
+                     "node: to change:\nhost: the idle CPUs of this KVM guest");
+  MT_EQ_INT(b.buf[b.len - 1], '\n');
+  mr_buf_close(&b);
+  mr_host_read(&h, tree()); /* nothing known */
+  mr_buf_init(&b);
+  MT_EQ_U64(mr_host_report(&b, &h), 0);
+  MT_EQ_STR(b.buf, "host: cpu unknown; cpuidle driver unknown, governor unknown; transparent huge "
+                   "pages unknown; NUMA balancing unknown: nothing to change\n");
+  mr_buf_close(&b);
+}
+
 MT_TEST(real_host_reads_and_advice_agrees) {
   mr_host h;
   mr_host_check(&h); /* logs what it finds, once */
