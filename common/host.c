@@ -23,12 +23,25 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+/* root/rel opened for reading, or NULL: absent, unreadable, or not a regular file (a FIFO
+ * or device in a --check-host=DIR tree must not block us; sysfs and procfs files are
+ * regular). */
+static FILE *open_file(const char *root, const char *rel) {
+  char path[512];
+  snprintf(path, sizeof path, "%s/%s", root, rel);
+  int fd;
+  mr_err e;
+  if (mr_file_open_regular(path, &fd, NULL, &e) != 0) return NULL;
+  FILE *f = fdopen(fd, "r");
+  if (!f) close(fd);
+  return f;
+}
 
 /* The first line of root/rel into buf (newline dropped); false when absent or empty. */
 static bool read_line(const char *root, const char *rel, char *buf, size_t len) {
-  char path[512];
-  snprintf(path, sizeof path, "%s/%s", root, rel);
-  FILE *f = fopen(path, "r");
+  FILE *f = open_file(root, rel);
   if (!f) return false;
   bool ok = fgets(buf, (int)len, f) != NULL;
   fclose(f);
@@ -81,9 +94,7 @@ static uint32_t count_list(const char *s) {
 
 static void cpu_model(const char *root, char *buf, size_t len) {
   snprintf(buf, len, "unknown");
-  char path[512];
-  snprintf(path, sizeof path, "%s/proc/cpuinfo", root);
-  FILE *f = fopen(path, "r");
+  FILE *f = open_file(root, "proc/cpuinfo");
   if (!f) return;
   char line[512];
   while (fgets(line, sizeof line, f)) {

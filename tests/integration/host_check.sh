@@ -45,6 +45,15 @@ if [ $rc -eq 1 ] && [ "$(wc -l <<<"$out")" -eq 2 ] &&
    grep -q '^host: the idle CPUs of this KVM guest halt without polling first (/sys/module/haltpoll/parameters/guest_halt_poll_ns = 0, below 200000)' <<<"$out"
 then ok kvm_guest_tree; else bad kvm_guest_tree "rc $rc: $out"; fi
 
+# a FIFO or a device where a settings file should be is skipped, not read (it would block)
+cp -r "$tmp/bare" "$tmp/fifo"
+rm "$tmp/fifo/proc/cpuinfo" "$tmp/fifo/sys/kernel/mm/transparent_hugepage/enabled"
+mkfifo "$tmp/fifo/proc/cpuinfo"
+ln -s /dev/zero "$tmp/fifo/sys/kernel/mm/transparent_hugepage/enabled"
+out=$(timeout 10 "$BIN/moerpc-server" --check-host="$tmp/fifo" 2>&1); rc=$?
+if [ $rc -eq 0 ] && [[ $out == "host: cpu unknown;"*"transparent huge pages unknown;"* ]]; then ok fifo_and_device_skipped
+else bad fifo_and_device_skipped "rc $rc: $out"; fi
+
 # the client's check-host: the same report as the server's, the same exit codes
 for tree in bare kvm; do
   s=$("$BIN/moerpc-server" --check-host="$tmp/$tree" 2>&1); src=$?
