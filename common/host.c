@@ -182,6 +182,26 @@ uint32_t mr_host_report(mr_buf *out, const mr_host *h) {
   return n;
 }
 
+void mr_host_render(mr_buf *p) {
+  mr_host h;
+  mr_host_read(&h, NULL);
+  char lines[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
+  uint32_t n = mr_host_advice(&h, lines);
+  mr_prom_family(p, "moerpc_host_advice", MR_PROM_GAUGE,
+                 "Host settings that cost moerpc latency, read at this scrape (moerpc-server "
+                 "--check-host names them; docs/deploy.md, Host tuning).");
+  mr_prom_u64(p, "moerpc_host_advice", NULL, n);
+  char hp[24], nb[8];
+  snprintf(hp, sizeof hp, "%lld", (long long)h.halt_poll_ns);
+  snprintf(nb, sizeof nb, "%d", h.numa_balancing);
+  mr_prom_family(p, "moerpc_host_info", MR_PROM_GAUGE,
+                 "Always 1; the labels are the host settings read at this scrape (-1 or empty: "
+                 "not there).");
+  const char *l[] = {"cpuidle_governor", h.idle_governor, "guest_halt_poll_ns", hp, "thp", h.thp,
+                     "numa_balancing", nb, NULL};
+  mr_prom_u64(p, "moerpc_host_info", l, 1);
+}
+
 void mr_host_check(mr_host *h) {
   static int logged; /* __atomic: the first caller logs */
   mr_host own;

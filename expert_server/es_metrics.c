@@ -61,6 +61,8 @@ static void es__metrics_render(void *ud, mr_buf *p) {
                       "model_fingerprint", s->fingerprint, NULL};
   mr_prom_u64(p, "moerpc_build_info", bl, 1);
 
+  mr_host_render(p); /* moerpc_host_advice, moerpc_host_info */
+
   mr_prom_family(p, "moerpc_server_state", MR_PROM_GAUGE,
                  "1 for the state the server is in (loading, serving, draining), 0 for the others.");
   static const char *const states[] = {"loading", "serving", "draining"};

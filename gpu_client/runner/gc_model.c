@@ -2256,6 +2256,7 @@ out:
 
 static void metrics_render_cluster(gc_model *m, mr_buf *p);
 void gc_model_metrics_render(gc_model *m, mr_buf *p) {
+  mr_host_render(p); /* moerpc_host_advice, moerpc_host_info */
   mr_prom_family(p, "moerpc_client_steps_total", MR_PROM_COUNTER, "Forward steps (gc_model_step).");
   mr_prom_u64(p, "moerpc_client_steps_total", NULL, __atomic_load_n(&m->mx_steps, __ATOMIC_RELAXED));
   mr_prom_family(p, "moerpc_client_step_tokens_total", MR_PROM_COUNTER,

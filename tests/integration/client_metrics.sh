@@ -42,7 +42,8 @@ if [ -z "$why" ]; then
   awk -v a="${s1:-0}" -v b="${s2:-0}" 'BEGIN{exit !(b > a && a > 0)}' || why="steps did not grow between scrapes: ${s1:-none} -> ${s2:-none}"
 fi
 for fam in 'moerpc_client_server_requests_total{server="s0"}' 'moerpc_client_server_failovers_total{server="s1"}' \
-           'moerpc_client_server_down{server="s0"} 0' 'moerpc_client_step_seconds_bucket'; do
+           'moerpc_client_server_down{server="s0"} 0' 'moerpc_client_step_seconds_bucket' \
+           'moerpc_host_advice ' 'moerpc_host_info{cpuidle_governor='; do
   [ -z "$why" ] && ! grep -qF "$fam" "$tmp/m2.txt" && why="no $fam in the scrape"
 done
 if [ -z "$why" ]; then echo "ok   client_metrics.$c"; passed=1; else echo "FAIL client_metrics.$c: $why"; failed=1; exit 1; fi

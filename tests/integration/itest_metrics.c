@@ -8,6 +8,7 @@
  *     /metrics is up with state loading and the progress gauges; then readiness SERVING;
  *     on SIGTERM with work queued, readiness NOT_SERVING and liveness still SERVING during
  *     the drain, state draining, exit 0;
+ *   - the host's families (moerpc_host_advice, moerpc_host_info) agree with common/host.c;
  *   - a scrape while requests run passes `promtool check metrics` (skipped, with a
  *     message, when promtool is not installed);
  *   - after N requests: requests_total = N, computed = N, every histogram cumulative with
@@ -353,6 +354,16 @@ MT_TEST(counters_and_histograms_count_exactly_and_bad_http_is_refused) {
   MT_TRUE(metric(b, "process_start_time_seconds") > 1.6e9);
   MT_CONTAINS(b, "moerpc_build_info{version=\"");
   MT_CONTAINS(b, "weight_format=\"bf16\"");
+  /* The host as this scrape read it: the advice count the server's --check-host gives here,
+   * and the settings as labels. */
+  mr_host h;
+  mr_host_read(&h, NULL);
+  char adv[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
+  MT_EQ_INT((int)metric(b, "moerpc_host_advice"), (int)mr_host_advice(&h, adv));
+  char info[160];
+  snprintf(info, sizeof info, "moerpc_host_info{cpuidle_governor=\"%s\",guest_halt_poll_ns=\"%lld\",thp=\"%s\",",
+           h.idle_governor, (long long)h.halt_poll_ns, h.thp);
+  MT_CONTAINS(b, info);
 
   /* One bad request (layer out of range): INVALID_ARGUMENT, counted. */
   itu_call c;
