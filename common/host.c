@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* root/rel opened for reading, or NULL: absent, unreadable, or not a regular file (a FIFO
@@ -182,6 +183,17 @@ uint32_t mr_host_report(mr_buf *out, const mr_host *h) {
   return n;
 }
 
+int mr_host_report_at(mr_buf *out, const char *root, uint32_t *n_advice, mr_err *e) {
+  struct stat st;
+  if (root && (stat(root, &st) != 0 || !S_ISDIR(st.st_mode)))
+    return mr_err_set(e, MR_EINVAL, "%s: not a directory", root);
+  mr_host h;
+  mr_host_read(&h, root);
+  *n_advice = mr_host_report(out, &h);
+  if (out->oom) return mr_err_set(e, MR_ENOMEM, "out of memory");
+  return 0;
+}
+
 void mr_host_render(mr_buf *p) {
   mr_host h;
   mr_host_read(&h, NULL);
@@ -202,13 +214,12 @@ void mr_host_render(mr_buf *p) {
   mr_prom_u64(p, "moerpc_host_info", l, 1);
 }
 
-void mr_host_check(mr_host *h) {
-  static int logged; /* __atomic: the first caller logs */
-  mr_host own;
-  if (!h) h = &own;
-  mr_host_read(h, "/");
+void mr_host_check(void) {
+  static int logged; /* __atomic: the first caller reads and logs, later ones return */
   if (__atomic_exchange_n(&logged, 1, __ATOMIC_RELAXED)) return;
+  mr_host h;
+  mr_host_read(&h, NULL);
   char lines[MR_HOST_ADVICE_MAX][MR_HOST_LINE];
-  uint32_t n = mr_host_advice(h, lines);
+  uint32_t n = mr_host_advice(&h, lines);
   for (uint32_t i = 0; i < n; i++) mr_log(MR_LOG_WARN, "%s", lines[i]);
 }

@@ -784,14 +784,18 @@ uint32_t mr_host_advice(const mr_host *h, char lines[][MR_HOST_LINE]);
  * change:") and then each advice line, each ending in a newline; returns the number of
  * advice lines. For `moerpc-server --check-host` and `moerpc-client check-host`. */
 uint32_t mr_host_report(mr_buf *out, const mr_host *h);
+/* mr_host_read under root (NULL: this host), then mr_host_report into out; *n_advice gets
+ * the number of advice lines. MR_EINVAL ("ROOT: not a directory") when root is not a
+ * directory, MR_ENOMEM when out ran out of memory. The two commands' whole work. */
+int mr_host_report_at(mr_buf *out, const char *root, uint32_t *n_advice, mr_err *e);
 /* The Prometheus families of the host, read at each call (a scrape sees a host tuned or
  * re-tuned since start): moerpc_host_advice (gauge: the settings mr_host_advice names) and
  * moerpc_host_info{cpuidle_governor, guest_halt_poll_ns, thp, numa_balancing} 1. For the
  * server's and the client's /metrics; a few small sysfs reads, safe on any thread. */
 void mr_host_render(mr_buf *p);
-/* mr_host_read(h, "/"), then each advice line logged as a WARN ("host: ..."); the first call
- * in a process logs, later ones only read. h may be NULL. */
-void mr_host_check(mr_host *h);
+/* This host's advice lines logged as WARN ("host: ..."), once per process: the first call
+ * reads and logs, later ones return at once. */
+void mr_host_check(void);
 /* The CPU's model name from /proc/cpuinfo ("unknown" when absent), without quotes or
  * backslashes (it goes into JSON records as it is). */
 void mr_host_cpu_model(char *buf, size_t len);

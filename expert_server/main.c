@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "expert_server/es.h"
@@ -239,22 +238,16 @@ enum {
  * stdout; exit 0 when there is nothing to change, 1 otherwise. DIR: read DIR/sys and
  * DIR/proc (a chroot or an image) instead of the running host's. */
 static int check_host(const char *root) {
-  struct stat st;
-  if (root && (stat(root, &st) != 0 || !S_ISDIR(st.st_mode)))
-    return usage_error("--check-host=%s: not a directory", root);
-  mr_host h;
-  mr_host_read(&h, root);
   mr_buf out;
   mr_buf_init(&out);
-  uint32_t n = mr_host_report(&out, &h);
-  if (out.oom) {
-    mr_buf_close(&out);
-    fprintf(stderr, PROG ": --check-host: out of memory\n");
-    return 1;
-  }
-  fputs(out.buf, stdout);
+  uint32_t n = 0;
+  mr_err e;
+  int rc = mr_host_report_at(&out, root, &n, &e);
+  if (rc == 0) fputs(out.buf, stdout);
   mr_buf_close(&out);
-  return n ? 1 : 0;
+  if (rc == MR_EINVAL) return usage_error("--check-host=%s", e.msg);
+  if (rc) fprintf(stderr, PROG ": --check-host: %s\n", e.msg);
+  return rc || n ? 1 : 0;
 }
 
 int main(int argc, char **argv) {
@@ -393,7 +386,7 @@ int main(int argc, char **argv) {
   if (group_set && !(o.quant_set && o.quant == KN_FMT_INT4))
     return usage_error("--group applies to --quant int4 only");
 
-  mr_host_check(NULL); /* a WARN line per host setting that costs the round trips */
+  mr_host_check(); /* a WARN line per host setting that costs the round trips */
   mr_err e;
   mr_err_clear(&e);
   es_server *s = NULL;

@@ -551,7 +551,7 @@ int gc_cluster_open_parsed(gc_cluster **out, const mr_cluster_file *file,
   mr_log(MR_LOG_INFO, "cluster open: %u server%s, model %s, H=%u E=%u L=%u, %s, %llu local "
          "pairs, deadline %u ms", c->n_servers, c->n_servers == 1 ? "" : "s", c->fingerprint,
          c->H, c->E, c->L, c->weight_format, (unsigned long long)c->local_pairs, c->deadline_ms);
-  mr_host_check(NULL); /* once per process: host settings that cost every round trip */
+  mr_host_check(); /* once per process: host settings that cost every round trip */
   *out = c;
   c = NULL;
 out_close:

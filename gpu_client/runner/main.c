@@ -23,7 +23,6 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1305,21 +1304,15 @@ static int cmd_check_host(int argc, char **argv) {
     }
     root = argv[i];
   }
-  struct stat st;
-  if (root && (stat(root, &st) != 0 || !S_ISDIR(st.st_mode))) {
-    fprintf(stderr, PROG " check-host: %s: not a directory\n", root);
-    return 2;
-  }
-  mr_host h;
-  mr_host_read(&h, root);
   mr_buf out;
   mr_buf_init(&out);
-  uint32_t n = mr_host_report(&out, &h);
-  int rc = out.oom ? 1 : n ? 1 : 0;
-  if (out.oom) fprintf(stderr, PROG " check-host: out of memory\n");
-  else fputs(out.buf, stdout);
+  uint32_t n = 0;
+  mr_err e;
+  int rc = mr_host_report_at(&out, root, &n, &e);
+  if (rc == 0) fputs(out.buf, stdout);
+  else fprintf(stderr, PROG " check-host: %s\n", e.msg);
   mr_buf_close(&out);
-  return rc;
+  return rc == MR_EINVAL ? 2 : rc || n ? 1 : 0;
 }
 
 /* ---- main ----------------------------------------------------------------------------------- */
