@@ -66,6 +66,7 @@ static const abi_entry abi_table[] = {
     ABI_SIZE(gc_call_timing),
     {"GC_WAIT_ACCUMULATE", GC_WAIT_ACCUMULATE},
     {"GC_REQ_PART", GC_REQ_PART},
+    {"GC_REQ_FOLLOWED", GC_REQ_FOLLOWED},
 };
 
 long gc_abi_layout(const char *name) {

@@ -154,10 +154,15 @@ out_nomem:
                     pl->n_tokens);
 }
 
-/* Encodes and queues requests [from, to) of p (counted in n_reqs already). */
-static void reqs_send(gc_pending *p, uint32_t from, uint32_t to) {
+/* Encodes and queues requests [from, to) of p (counted in n_reqs already). followed: the
+ * caller submits another call right after (GC_REQ_FOLLOWED). A request is "followed" when
+ * the next one goes to the same stream (the chunks of a part over max_tokens are queued one
+ * after another) or the caller's next call may: its send then completes on its own instead
+ * of pairing with its reply (gc_stream.c), which would hold the next one back. */
+static void reqs_send(gc_pending *p, uint32_t from, uint32_t to, bool followed) {
   for (uint32_t i = from; i < to; i++) {
     gc__req *r = p->reqs[i];
+    r->followed = followed || (i + 1 < to && p->reqs[i + 1]->s == r->s);
     mr_err err;
     int erc = req_encode(p, r, &err);
     if (erc) gc__req_complete(r, erc, &err, 0);
@@ -283,7 +288,7 @@ int gc_layer_submit(gc_cluster *c, const gc_layer_req *q, gc_pending **pending, 
     gc__gather_rows(x_local, q->x, pt->rows, pt->n_tokens, row_bytes);
   }
 
-  reqs_send(p, 0, n);
+  reqs_send(p, 0, n, (q->flags & GC_REQ_FOLLOWED) != 0);
   p->t_sent_ns = mr_now_ns(); /* every request is with the transport */
   /* The servers work on their parts while this thread computes the local one. */
   for (uint32_t i = 0; i < np; i++) {
@@ -522,7 +527,7 @@ static int failover_round(gc_cluster *c, gc_pending *p, mr_err *e) {
     mr_log(MR_LOG_DEBUG, "layer %u request %llu of " GC__SRV_FMT ": resent as %u request%s",
            p->layer, (unsigned long long)r->id, GC__SRV_ARGS(r->s->srv), n - from,
            n - from == 1 ? "" : "s");
-    reqs_send(p, from, n);
+    reqs_send(p, from, n, false);
   }
   return 0;
 }

@@ -125,6 +125,7 @@ int gc_moe_submit(gc_moe *m, const gc_layer_req *q, bool last, mr_err *e) {
   gc_layer_req now = *q, def = *q;
   now.ids = m->ids_now;
   def.ids = m->ids_def;
+  if (n_def) now.flags |= GC_REQ_FOLLOWED; /* def follows at once, to the same servers */
   rc = gc_layer_submit(m->c, &now, &m->now, e);
   if (rc) return rc;
   if (n_def == 0) return 0;

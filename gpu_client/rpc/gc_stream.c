@@ -14,9 +14,23 @@
  *   t_recv    RECV_MESSAGE (with RECV_INITIAL_METADATA the first time, without which gRPC
  *             never completes a client receive), re-armed after each reply while requests
  *             are outstanding; when none is, the next enqueue arms it, after its send
- *             (cl->recv_idle), so that gRPC's flow-control update for the last reply rides
+ *             (!cl->recv_armed), so that gRPC's flow-control update for the last reply rides
  *             in the request's write rather than in a write (and a server wake-up) of its
  *             own: one write and one read per round trip on each side instead of two
+ *   t_sendrecv  SEND_MESSAGE and RECV_MESSAGE in one batch ("paired"): a request enqueued
+ *             on an idle stream (nothing outstanding, no send in flight, no RECV armed) and
+ *             not followed by another for the same stream (gc__req.followed). It stands for
+ *             t_send and t_recv and completes once, with the reply. A SEND of its own
+ *             completes as soon as it is written, on the caller's thread: gRPC then wakes
+ *             the I/O thread through its eventfd to collect that completion, the I/O
+ *             thread preempts the caller on its core and blocks on the locks the caller
+ *             still holds (the pollset's, then s->lock), and the two swap the core six
+ *             times before the caller sleeps, 15-25 us of one core per round trip while
+ *             the reply is on its way (measured with perf sched on a 2-vCPU Xeon VM,
+ *             docs/BENCHMARKS.md). Paired, the send has no completion of its own: one
+ *             wake-up of the I/O thread per round trip, for the reply. The price: gRPC
+ *             allows one SEND_MESSAGE in flight, so a request queued behind a paired one
+ *             waits for its reply; hence only unfollowed requests pair
  *   t_status  RECV_STATUS_ON_CLIENT, started at open: it completes when the call ends for
  *             any reason, which is how a dead server is noticed at once
  *
@@ -103,7 +117,9 @@ static void arm_recv_locked(gc__call *cl, bool with_initial_md) {
   }
   ops[n].op = GRPC_OP_RECV_MESSAGE;
   ops[n++].data.recv_message.recv_message = &cl->recv_bb;
+  MR_ASSERT(!cl->recv_armed); /* gRPC allows one RECV_MESSAGE in flight */
   start_batch_locked(cl, ops, n, &cl->t_recv);
+  cl->recv_armed = true;
 }
 
 /* Opens a new call on s (s->cur must be NULL). Called with s->lock held, from a caller
@@ -119,6 +135,7 @@ static int stream_open_locked(gc__stream *s, mr_err *e) {
   cl->t_start = (gc__tag){cl, GC__OP_START};
   cl->t_send = (gc__tag){cl, GC__OP_SEND};
   cl->t_recv = (gc__tag){cl, GC__OP_RECV};
+  cl->t_sendrecv = (gc__tag){cl, GC__OP_SENDRECV};
   cl->t_status = (gc__tag){cl, GC__OP_STATUS};
   cl->t_close = (gc__tag){cl, GC__OP_CLOSE};
   grpc_metadata_array_init(&cl->md_initial);
@@ -194,6 +211,30 @@ static void stream_kick_locked(gc__stream *s) {
   }
 }
 
+/* Sends r, the only request queued on an idle stream, in one batch with the RECV of its reply
+ * (t_sendrecv, above). The RECV is armed in the same batch as the SEND, so the flow-control
+ * update gRPC owes for the last reply rides in this request's write, as in the unpaired
+ * order (send, then arm). */
+static void stream_send_paired_locked(gc__stream *s, gc__req *r) {
+  gc__call *cl = s->cur;
+  MR_ASSERT(cl && !cl->recv_armed && !s->send_busy && s->q_head == r && !r->q_next);
+  s->q_head = s->q_tail = NULL;
+  r->state = GC__REQ_SENT;
+  cl->send_bb = r->bb;
+  r->bb = NULL;
+  grpc_op ops[2];
+  memset(ops, 0, sizeof ops);
+  ops[0].op = GRPC_OP_SEND_MESSAGE;
+  ops[0].data.send_message.send_message = cl->send_bb;
+  ops[1].op = GRPC_OP_RECV_MESSAGE;
+  ops[1].data.recv_message.recv_message = &cl->recv_bb;
+  start_batch_locked(cl, ops, 2, &cl->t_sendrecv);
+  s->send_busy = true;
+  cl->recv_armed = true;
+  cl->paired = r;
+  s->ctr.paired++;
+}
+
 /* ---- the outstanding list ---------------------------------------------------------------- */
 
 static void outstanding_unlink_locked(gc__stream *s, gc__req *r) {
@@ -265,12 +306,14 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
   s->ctr.requests++;
   s->ctr.bytes_sent += r->bb_bytes;
   s->ctr.last_req_bytes = r->bb_bytes;
-  stream_kick_locked(s);
-  if (s->cur->recv_idle) {
+  gc__call *cl = s->cur;
+  if (!cl->recv_armed && !s->send_busy && s->q_head == r && !r->o_next && !r->followed) {
+    stream_send_paired_locked(s, r); /* the only one outstanding, nothing behind it */
+  } else {
+    stream_kick_locked(s);
     /* After the send: the flow-control update gRPC owes for the last reply then goes out
      * in the same write as this request instead of in one of its own. */
-    s->cur->recv_idle = false;
-    arm_recv_locked(s->cur, false);
+    if (!cl->recv_armed) arm_recv_locked(cl, false);
   }
   pthread_mutex_unlock(&s->lock);
 }
@@ -285,6 +328,20 @@ bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_s
   }
   if (r->state == GC__REQ_QUEUED) bb = queue_remove_locked(s, r);
   outstanding_unlink_locked(s, r);
+  if (s->cur && s->cur->paired == r) {
+    /* Its SEND is paired with its reply's RECV: nothing more can be sent on this call
+     * before that reply, which may never come (a stalled server). End the call instead:
+     * the server drops the work nobody waits for, and the next request opens a new
+     * stream. (What queued behind it fails with this reason.) */
+    s->cur->paired = NULL;
+    if (!s->break_rc) {
+      s->break_rc = MR_ECANCELED;
+      snprintf(s->break_msg, sizeof s->break_msg, "stream reset: request %llu, whose send "
+               "was paired with its reply, was given up", (unsigned long long)r->id);
+    }
+    grpc_call_cancel_with_status(s->cur->call, GRPC_STATUS_CANCELLED,
+                                 "request given up by the client", NULL);
+  }
   if (timed_out) {
     s->ctr.timeouts++;
     s->ctr.errors++;
@@ -453,21 +510,22 @@ out_free:
 static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
   grpc_byte_buffer *bb = cl->recv_bb;
   cl->recv_bb = NULL;
+  /* Before the reply wakes its waiter: a request that waiter enqueues next then finds no
+   * RECV in flight, and may pair with its own reply. */
+  pthread_mutex_lock(&s->lock);
+  cl->recv_armed = false;
+  pthread_mutex_unlock(&s->lock);
   if (ok && bb) {
     on_reply(s, cl, bb);
     grpc_byte_buffer_destroy(bb);
     pthread_mutex_lock(&s->lock);
-    if (!cl->finished && (s->o_head || s->cur != cl)) {
-      arm_recv_locked(cl, false); /* the stream goes on until its status says otherwise */
-      cl->ops_pending--;
-      pthread_mutex_unlock(&s->lock);
-      return;
-    }
     if (!cl->finished) {
-      /* Nothing outstanding: arming now would make gRPC write a WINDOW_UPDATE on its own
-       * (one more write here and one more wake-up of the server per round trip). The next
-       * enqueue arms it; the call's end still completes t_status meanwhile. */
-      cl->recv_idle = true;
+      /* The stream goes on until its status says otherwise: re-armed while requests are
+       * outstanding (unless an enqueue armed it meanwhile). With nothing outstanding,
+       * arming now would make gRPC write a WINDOW_UPDATE on its own (one more write here
+       * and one more wake-up of the server per round trip): the next enqueue arms it, or
+       * pairs it with its send; the call's end still completes t_status meanwhile. */
+      if (!cl->recv_armed && (s->o_head || s->cur != cl)) arm_recv_locked(cl, false);
       cl->ops_pending--;
       pthread_mutex_unlock(&s->lock);
       return;
@@ -479,6 +537,22 @@ static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
   if (bb) grpc_byte_buffer_destroy(bb);
   /* End of stream or failure: the status batch reports why. */
   call_batch_done(s, cl);
+}
+
+/* A paired send and receive (t_sendrecv) completed: the send's part (what queued behind it
+ * goes now), then the reply's, which also settles the batch. */
+static void on_sendrecv(gc__stream *s, gc__call *cl, bool ok) {
+  pthread_mutex_lock(&s->lock);
+  grpc_byte_buffer *bb = cl->send_bb;
+  cl->send_bb = NULL;
+  cl->paired = NULL;
+  if (s->cur == cl) {
+    s->send_busy = false;
+    if (ok) stream_kick_locked(s);
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (bb) grpc_byte_buffer_destroy(bb);
+  on_recv(s, cl, ok);
 }
 
 /* The call ended: fail everything outstanding on the stream at once. */
@@ -579,6 +653,7 @@ static void *io_main(void *arg) {
     case GC__OP_SEND:
     case GC__OP_CLOSE: on_send(s, cl, ev.success != 0); break;
     case GC__OP_RECV: on_recv(s, cl, ev.success != 0); break;
+    case GC__OP_SENDRECV: on_sendrecv(s, cl, ev.success != 0); break;
     case GC__OP_STATUS: on_status(s, cl); break;
     }
   }

@@ -189,7 +189,8 @@ typedef struct gc__call gc__call;
 typedef struct gc__stream gc__stream;
 
 /* Completion-queue tags: each live gc__call has one per kind of batch. */
-enum gc__op { GC__OP_START, GC__OP_SEND, GC__OP_RECV, GC__OP_STATUS, GC__OP_CLOSE };
+enum gc__op { GC__OP_START, GC__OP_SEND, GC__OP_RECV, GC__OP_SENDRECV, GC__OP_STATUS,
+              GC__OP_CLOSE };
 typedef struct gc__tag {
   gc__call *call;
   enum gc__op op;
@@ -202,11 +203,16 @@ struct gc__call {
   grpc_call *call;
   int ops_pending;   /* batches started and not completed (under s->lock) */
   bool finished;     /* status received */
-  bool recv_idle;    /* no RECV armed: nothing was outstanding (under s->lock) */
-  gc__tag t_start, t_send, t_recv, t_status, t_close;
+  bool recv_armed;   /* a RECV_MESSAGE is in flight (t_recv or t_sendrecv); cleared when
+                      * it completes, before its reply is handed on (under s->lock) */
+  gc__tag t_start, t_send, t_recv, t_sendrecv, t_status, t_close;
   grpc_metadata_array md_initial, md_trailing;
   grpc_byte_buffer *recv_bb;     /* RECV_MESSAGE target (I/O thread) */
   grpc_byte_buffer *send_bb;     /* the SEND_MESSAGE in flight, destroyed when it completes */
+  gc__req *paired;               /* the request whose SEND is paired with its reply's RECV
+                                  * (t_sendrecv) while that batch is in flight and the
+                                  * request outstanding; compared, never dereferenced
+                                  * (under s->lock) */
   grpc_status_code status;
   grpc_slice details;
   const char *error_string;
@@ -245,6 +251,9 @@ struct gc__req {
   int32_t fo_from;          /* resent from this server index after a failover, else -1 */
   uint64_t t_done_ns;       /* when it completed (under p->lock) */
   mr_err err;
+  bool followed;            /* another request for the same stream is queued right after
+                             * it (the next chunk, or the caller's GC_REQ_FOLLOWED): its send
+                             * must not wait for its reply (gc_stream.c, "paired") */
   gc__req *q_next;          /* send queue (FIFO) */
   gc__req *o_prev, *o_next; /* outstanding list */
 };

@@ -188,9 +188,15 @@ typedef struct gc_layer_req {
                               * out of ids (e.g. GPU experts masked to -1), counted, never
                               * routed; ids outside 0..num_experts-1 are ignored */
   uint32_t flags;            /* GC_REQ_PART: another part (a deferred one) of a call of this
-                              * layer already submitted: counted, but ends no step */
+                              * layer already submitted: counted, but ends no step.
+                              * GC_REQ_FOLLOWED: this thread submits another call right
+                              * after this one (gc_moe's deferred part): its requests are
+                              * sent on their own rather than paired with their replies
+                              * (docs/DESIGN.md section 6), so that the next call's requests
+                              * to the same servers leave at once, not after these replies */
 } gc_layer_req;
 #define GC_REQ_PART 1u
+#define GC_REQ_FOLLOWED 2u
 
 /*
  * Starts one layer call: validates req (ids -1 or < num_experts, each owned by a server or
@@ -337,6 +343,9 @@ int gc_cluster_find_server(const gc_cluster *c, const char *name);
 /* Client-side counters of one server since open (or the last reset). */
 typedef struct gc_server_counters {
   uint64_t requests;         /* ForwardRequests queued */
+  uint64_t paired;           /* of those, sent in one batch with their reply's receive
+                              * (docs/DESIGN.md section 6: the rest were followed by another
+                              * for this server, or found one outstanding) */
   uint64_t replies;          /* OK replies */
   uint64_t errors;           /* error replies + timeouts + stream failures */
   uint64_t timeouts;         /* requests given up at the deadline */

@@ -2289,6 +2289,8 @@ static void metrics_render_cluster(gc_model *m, mr_buf *p) {
   } ctr[] = {
       {"moerpc_client_server_requests_total", "ForwardRequests queued to the server.",
        offsetof(gc_server_counters, requests)},
+      {"moerpc_client_server_paired_total", "Of those, sent in one batch with the receive of their reply.",
+       offsetof(gc_server_counters, paired)},
       {"moerpc_client_server_replies_total", "OK replies from the server.", offsetof(gc_server_counters, replies)},
       {"moerpc_client_server_errors_total", "Error replies, timeouts and stream failures.",
        offsetof(gc_server_counters, errors)},

@@ -46,4 +46,12 @@ for fam in 'moerpc_client_server_requests_total{server="s0"}' 'moerpc_client_ser
            'moerpc_host_advice ' 'moerpc_host_info{cpuidle_governor='; do
   [ -z "$why" ] && ! grep -qF "$fam" "$tmp/m2.txt" && why="no $fam in the scrape"
 done
+if [ -z "$why" ]; then
+  # One layer call at a time (no deferral): after each stream's first request, every request
+  # finds its stream idle and is sent in one batch with its reply's receive.
+  rq=$(awk '$1=="moerpc_client_server_requests_total{server=\"s0\"}"{print $2}' "$tmp/m2.txt")
+  pr=$(awk '$1=="moerpc_client_server_paired_total{server=\"s0\"}"{print $2}' "$tmp/m2.txt")
+  awk -v r="${rq:-0}" -v p="${pr:-0}" 'BEGIN{exit !(p > 0 && p < r)}' ||
+    why="paired sends: ${pr:-none} of ${rq:-none} requests to s0, want some but not all"
+fi
 if [ -z "$why" ]; then echo "ok   client_metrics.$c"; passed=1; else echo "FAIL client_metrics.$c: $why"; failed=1; exit 1; fi

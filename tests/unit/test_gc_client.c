@@ -517,6 +517,9 @@ MT_TEST(two_servers_sum_every_dtype) {
   gc_server_counters ct;
   MT_OK(gc_server_counters_get(c, 0, false, &ct, e), e);
   MT_EQ_INT(ct.requests, 4);
+  /* One call at a time: every request but the stream's first (whose RECV is armed at open)
+   * found the stream idle and went in one batch with its reply's receive. */
+  MT_EQ_INT(ct.paired, 3);
   MT_EQ_INT(ct.replies, 4);
   MT_EQ_INT(ct.errors, 0);
   MT_EQ_INT(ct.last_compute_us, 7);
@@ -547,14 +550,20 @@ MT_TEST(part_over_max_tokens_is_split) {
   mr_err err, *e = &err;
   MT_OK(open_two(&f0, &f1, 5000, &c, e), e);
   static float out[TMAX * H];
+  /* A first call leaves f0's stream idle (its next request could pair with its reply). */
+  make_call(1, 2);
+  ids[0] = 1, ids[1] = -1, ids[2] = -1;
+  MT_OK(forward(c, 0, 1, MR_DTYPE_F32, out, e), e);
   make_call(40, 3);
   MT_OK(forward(c, 0, 40, MR_DTYPE_BF16, out, e), e);
   check_result(40, MR_DTYPE_BF16, out);
   MT_EQ_INT(atomic_load(&f0.max_seen_t), 5);
   gc_server_counters ct;
   MT_OK(gc_server_counters_get(c, 0, false, &ct, e), e);
-  MT_TRUE(ct.requests >= 6); /* at least 26 of 40 tokens touch experts 0-3 */
+  MT_TRUE(ct.requests >= 7); /* at least 26 of 40 tokens touch experts 0-3, + the first */
   MT_EQ_INT(ct.requests, atomic_load(&f0.n_forward));
+  /* The chunks go out one after another: none waits for the reply of the one before. */
+  MT_EQ_INT(ct.paired, 0);
   gc_cluster_close(c);
   fs_stop(&f0);
   fs_stop(&f1);
@@ -1108,6 +1117,80 @@ MT_TEST(replica_stream_reset_mid_call_fails_over) {
   fs_stop(&f1);
   grpc_shutdown();
 }
+
+/* Two calls in flight on one stream, the second submitted right after the first, to a server
+ * that answers the first only when the second arrives (FS_HOLD). With GC_REQ_FOLLOWED on
+ * the first (as gc_moe sets it for a call whose deferred part follows), its send is not
+ * paired with its reply, the second leaves at once, and both are answered. Without it, the
+ * first pairs (its stream is idle), the second waits for the first's reply, which waits
+ * for the second: the first times out, and giving it up resets the stream (the second
+ * fails with that reason); the next call opens a new stream and is served. */
+static int submit_copy(gc_cluster *c, uint32_t layer, uint32_t T, uint32_t flags, int slot,
+                       gc_pending **p, mr_err *e) {
+  static float xin[2][TMAX * H], win[2][TMAX * K];
+  static int32_t idin[2][TMAX * K];
+  memcpy(xin[slot], xs, sizeof xin[slot]);
+  memcpy(idin[slot], ids, sizeof idin[slot]);
+  memcpy(win[slot], ws, sizeof win[slot]);
+  gc_layer_req q = {.layer = layer, .n_tokens = T, .top_k = K, .ids = idin[slot],
+                    .weights = win[slot], .x = xin[slot], .dtype = MR_DTYPE_F32,
+                    .flags = flags};
+  return gc_layer_submit(c, &q, p, e);
+}
+
+static void held_pair(bool followed) {
+  grpc_init();
+  fake_server f0, f1;
+  fs_opts o0 = fs_defaults(0, 7);
+  o0.mode = FS_HOLD;
+  o0.mode_skip = 1; /* the first call is answered at once: the stream is idle after it */
+  o0.mode_count = 1;
+  fs_start(&f0, o0);
+  fs_start(&f1, fs_defaults(0, 0));
+  gc_cluster *c;
+  mr_err err, *e = &err;
+  MT_OK(open_two(&f0, &f1, 400, &c, e), e);
+  static float out[TMAX * H], out2[TMAX * H];
+  make_call(4, 61);
+  for (uint32_t i = 0; i < 4 * K; i++) ids[i] = ids[i] == 0 ? 1 : ids[i]; /* f0 only */
+  MT_OK(forward(c, 0, 4, MR_DTYPE_F32, out, e), e);
+  check_result(4, MR_DTYPE_F32, out);
+  gc_pending *p1, *p2;
+  MT_OK(submit_copy(c, 0, 4, followed ? GC_REQ_FOLLOWED : 0, 0, &p1, e), e);
+  /* Unfollowed, the second's deadline comes 150 ms after the first's: its failure is then
+   * the stream's reset, not a deadline of its own. */
+  if (!followed) usleep(150 * 1000);
+  MT_OK(submit_copy(c, 1, 4, GC_REQ_PART, 1, &p2, e), e);
+  gc_server_counters ct;
+  if (followed) {
+    MT_OK(gc_layer_wait(c, p1, out, e), e);
+    MT_OK(gc_layer_wait(c, p2, out2, e), e);
+    check_result(4, MR_DTYPE_F32, out);
+    check_result(4, MR_DTYPE_F32, out2);
+    MT_OK(gc_server_counters_get(c, 0, false, &ct, e), e);
+    MT_EQ_INT(ct.paired, 0);
+    MT_EQ_INT(ct.stream_breaks, 0);
+  } else {
+    MT_EQ_INT(gc_layer_wait(c, p1, out, e), MR_ETIMEDOUT);
+    MT_CONTAINS(e->msg, "no reply within 400 ms");
+    MT_NE_INT(gc_layer_wait(c, p2, out2, e), 0);
+    MT_CONTAINS(e->msg, "whose send was paired with its reply, was given up");
+    MT_OK(gc_server_counters_get(c, 0, false, &ct, e), e);
+    MT_EQ_INT(ct.paired, 1);
+    MT_EQ_INT(ct.stream_breaks, 1);
+    make_call(4, 62);
+    MT_OK(forward(c, 0, 4, MR_DTYPE_F32, out, e), e);
+    check_result(4, MR_DTYPE_F32, out);
+    MT_EQ_INT(atomic_load(&f0.n_streams), 2);
+  }
+  gc_cluster_close(c);
+  fs_stop(&f0);
+  fs_stop(&f1);
+  grpc_shutdown();
+}
+
+MT_TEST(a_followed_call_does_not_wait_for_the_reply_before_it) { held_pair(true); }
+MT_TEST(a_paired_request_given_up_resets_its_stream) { held_pair(false); }
 
 MT_TEST(replica_stall_fails_over_after_failover_ms_late_reply_ignored) {
   grpc_init();

@@ -469,12 +469,15 @@ class MoeRpcWrapper:
                              "opened, so it was left to the GPU)")
 
     def _fill(self, req, ids, st: _Stage, T: int, x_ptr: int, code: int,
-              part: bool = False) -> None:
+              part: bool = False, followed: bool = False) -> None:
         vp, u32 = ctypes.c_void_p, ctypes.c_uint32
         lib = self._ctx.lib
         if lib.layout("gc_layer_req.caller_ids", strict=False) >= 0:  # routing statistics
             req.set("caller_ids", vp, None if part else st.ids_gpu.data_ptr())
-            req.set("flags", u32, lib.layout("GC_REQ_PART") if part else 0)
+            flags = lib.layout("GC_REQ_PART") if part else 0
+            if followed:  # the deferred part is submitted right after (a newer library)
+                flags |= max(lib.layout("GC_REQ_FOLLOWED", strict=False), 0)
+            req.set("flags", u32, flags)
         req.set("layer", u32, self.layer_idx)
         req.set("n_tokens", u32, T)
         req.set("top_k", u32, self.num_experts_per_tok)
@@ -499,7 +502,7 @@ class MoeRpcWrapper:
         self._check_servable(st.ids_now)
         if has_def:
             self._check_servable(st.ids_def)
-        self._fill(st.req_now, st.ids_now, st, T, x_ptr, code)
+        self._fill(st.req_now, st.ids_now, st, T, x_ptr, code, followed=has_def)
         try:
             self._pending = ctx.submit(st.req_now)
             if has_def:
