@@ -24,13 +24,14 @@
  *             completes as soon as it is written, on the caller's thread: gRPC then wakes
  *             the I/O thread through its eventfd to collect that completion, the I/O
  *             thread preempts the caller on its core and blocks on the locks the caller
- *             still holds (the pollset's, then s->lock), and the two swap the core six
- *             times before the caller sleeps, 15-25 us of one core per round trip while
- *             the reply is on its way (measured with perf sched on a 2-vCPU Xeon VM,
- *             docs/BENCHMARKS.md). Paired, the send has no completion of its own: one
+ *             still holds (the pollset's, then s->lock), and the two swap the core about
+ *             seven times before the caller sleeps, while the reply is on its way (a perf
+ *             trace on a 2-vCPU Xeon VM, docs/BENCHMARKS.md "Paired sends"; 2.6 switches
+ *             per round trip paired). Paired, the send has no completion of its own: one
  *             wake-up of the I/O thread per round trip, for the reply. The price: gRPC
  *             allows one SEND_MESSAGE in flight, so a request queued behind a paired one
- *             waits for its reply; hence only unfollowed requests pair
+ *             waits for its reply; hence only unfollowed requests pair, and a paired
+ *             request given up moves the stream to a new call (stream_retire_paired_locked)
  *   t_status  RECV_STATUS_ON_CLIENT, started at open: it completes when the call ends for
  *             any reason, which is how a dead server is noticed at once
  *
@@ -318,6 +319,35 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
   pthread_mutex_unlock(&s->lock);
 }
 
+/* r, whose SEND is paired with its reply's RECV on the live call, was given up (unlinked
+ * already). Nothing more can be sent on that call before r's reply, which may never come
+ * (a stalled server), and what is queued behind r would wait for it. So the call is
+ * cancelled (the server drops the work nobody waits for) and left to end on its own as an
+ * old call, and the stream goes on in a new one, where the queued requests (never sent:
+ * the paired send held them) go out at once. Nothing outstanding fails. While closing, the
+ * call is only cancelled: its status fails what is left, as for any call then. */
+static void stream_retire_paired_locked(gc__stream *s, gc__req *r) {
+  gc__call *cl = s->cur;
+  cl->paired = NULL;
+  grpc_call_cancel_with_status(cl->call, GRPC_STATUS_CANCELLED, "request given up by the client",
+                               NULL);
+  if (s->closing) return;
+  for (gc__req *q = s->o_head; q; q = q->o_next) MR_ASSERT(q->state == GC__REQ_QUEUED);
+  mr_log(MR_LOG_DEBUG, GC__SRV_FMT ": request %llu given up while its send was paired with its "
+         "reply: its call cancelled, the stream goes on in a new one", GC__SRV_ARGS(s->srv),
+         (unsigned long long)r->id);
+  s->cur = NULL;
+  s->send_busy = false;
+  mr_err err;
+  if (stream_open_locked(s, &err) == 0) {
+    stream_kick_locked(s);
+  } else {
+    /* The next enqueue tries again; until then the queued requests wait (their deadlines
+     * still bound them). */
+    mr_log_ratelimited(MR_LOG_WARN, 5, "%s", err.msg);
+  }
+}
+
 bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_state *state) {
   grpc_byte_buffer *bb = NULL;
   pthread_mutex_lock(&s->lock);
@@ -328,20 +358,7 @@ bool gc__stream_forget(gc__stream *s, gc__req *r, bool timed_out, enum gc__req_s
   }
   if (r->state == GC__REQ_QUEUED) bb = queue_remove_locked(s, r);
   outstanding_unlink_locked(s, r);
-  if (s->cur && s->cur->paired == r) {
-    /* Its SEND is paired with its reply's RECV: nothing more can be sent on this call
-     * before that reply, which may never come (a stalled server). End the call instead:
-     * the server drops the work nobody waits for, and the next request opens a new
-     * stream. (What queued behind it fails with this reason.) */
-    s->cur->paired = NULL;
-    if (!s->break_rc) {
-      s->break_rc = MR_ECANCELED;
-      snprintf(s->break_msg, sizeof s->break_msg, "stream reset: request %llu, whose send "
-               "was paired with its reply, was given up", (unsigned long long)r->id);
-    }
-    grpc_call_cancel_with_status(s->cur->call, GRPC_STATUS_CANCELLED,
-                                 "request given up by the client", NULL);
-  }
+  if (s->cur && s->cur->paired == r) stream_retire_paired_locked(s, r);
   if (timed_out) {
     s->ctr.timeouts++;
     s->ctr.errors++;
