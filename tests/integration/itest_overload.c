@@ -846,6 +846,9 @@ MT_TEST(sigterm_under_load_answers_every_accepted_request_and_health_says_not_se
    * loaded host or under a sanitizer) was never accepted: the stream then ends
    * UNAVAILABLE, which tells the client to send the rest elsewhere. */
   if (ok + unavailable == NDRAIN) {
+    /* Seen once in CI (ASan, 2026-12-06): every reply came, then status UNAVAILABLE; not
+     * reproduced in 26 runs here. The server's drain lines tell which path ended it. */
+    if (c.status != GRPC_STATUS_OK) dump_log();
     MT_EQ_INT(c.status, GRPC_STATUS_OK);
   } else {
     fprintf(stderr, "  %d requests were not read before the drain ended the stream\n",
