@@ -185,41 +185,18 @@ static int stream_open_locked(gc__stream *s, mr_err *e) {
   return 0;
 }
 
-/* Starts the next send on the live call if none is in flight: the head of the send queue,
- * or the half-close once the queue is empty and close asked for it. */
-static void stream_kick_locked(gc__stream *s) {
+/* Starts the SEND of the send queue's head on the live call (no send in flight): alone
+ * (t_send), or paired with the RECV of its reply (t_sendrecv, above: the head is then the
+ * only request outstanding and no RECV is armed). Armed in the same batch, the RECV lets
+ * the flow-control update gRPC owes for the last reply ride in this request's write, as in
+ * the unpaired order (send, then arm). */
+static void stream_send_head_locked(gc__stream *s, bool paired) {
   gc__call *cl = s->cur;
-  if (!cl || s->send_busy) return;
-  grpc_op op;
-  memset(&op, 0, sizeof op);
   gc__req *r = s->q_head;
-  if (r) {
-    s->q_head = r->q_next;
-    if (!s->q_head) s->q_tail = NULL;
-    r->q_next = NULL;
-    r->state = GC__REQ_SENT;
-    cl->send_bb = r->bb;
-    r->bb = NULL;
-    op.op = GRPC_OP_SEND_MESSAGE;
-    op.data.send_message.send_message = cl->send_bb;
-    start_batch_locked(cl, &op, 1, &cl->t_send);
-    s->send_busy = true;
-  } else if (s->closing && !s->half_closed) {
-    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    start_batch_locked(cl, &op, 1, &cl->t_close);
-    s->send_busy = true;
-    s->half_closed = true;
-  }
-}
-
-/* Sends r, the only request queued on an idle stream, in one batch with the RECV of its reply
- * (t_sendrecv, above). The RECV is armed in the same batch as the SEND, so the flow-control
- * update gRPC owes for the last reply rides in this request's write, as in the unpaired
- * order (send, then arm). */
-static void stream_send_paired_locked(gc__stream *s, gc__req *r) {
-  gc__call *cl = s->cur;
-  MR_ASSERT(cl && !cl->recv_armed && !s->send_busy && s->q_head == r && !r->q_next);
-  s->q_head = s->q_tail = NULL;
+  MR_ASSERT(cl && r && !s->send_busy && (!paired || (!cl->recv_armed && !r->q_next)));
+  s->q_head = r->q_next;
+  if (!s->q_head) s->q_tail = NULL;
+  r->q_next = NULL;
   r->state = GC__REQ_SENT;
   cl->send_bb = r->bb;
   r->bb = NULL;
@@ -227,13 +204,34 @@ static void stream_send_paired_locked(gc__stream *s, gc__req *r) {
   memset(ops, 0, sizeof ops);
   ops[0].op = GRPC_OP_SEND_MESSAGE;
   ops[0].data.send_message.send_message = cl->send_bb;
-  ops[1].op = GRPC_OP_RECV_MESSAGE;
-  ops[1].data.recv_message.recv_message = &cl->recv_bb;
-  start_batch_locked(cl, ops, 2, &cl->t_sendrecv);
+  if (paired) {
+    ops[1].op = GRPC_OP_RECV_MESSAGE;
+    ops[1].data.recv_message.recv_message = &cl->recv_bb;
+    start_batch_locked(cl, ops, 2, &cl->t_sendrecv);
+    cl->recv_armed = true;
+    cl->paired = r;
+    s->ctr.paired++;
+  } else {
+    start_batch_locked(cl, ops, 1, &cl->t_send);
+  }
   s->send_busy = true;
-  cl->recv_armed = true;
-  cl->paired = r;
-  s->ctr.paired++;
+}
+
+/* Starts the next send on the live call if none is in flight: the head of the send queue,
+ * or the half-close once the queue is empty and close asked for it. */
+static void stream_kick_locked(gc__stream *s) {
+  gc__call *cl = s->cur;
+  if (!cl || s->send_busy) return;
+  if (s->q_head) {
+    stream_send_head_locked(s, false);
+  } else if (s->closing && !s->half_closed) {
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    start_batch_locked(cl, &op, 1, &cl->t_close);
+    s->send_busy = true;
+    s->half_closed = true;
+  }
 }
 
 /* ---- the outstanding list ---------------------------------------------------------------- */
@@ -309,7 +307,7 @@ void gc__stream_enqueue(gc__stream *s, gc__req *r) {
   s->ctr.last_req_bytes = r->bb_bytes;
   gc__call *cl = s->cur;
   if (!cl->recv_armed && !s->send_busy && s->q_head == r && !r->o_next && !r->followed) {
-    stream_send_paired_locked(s, r); /* the only one outstanding, nothing behind it */
+    stream_send_head_locked(s, true); /* the only one outstanding, nothing behind it */
   } else {
     stream_kick_locked(s);
     /* After the send: the flow-control update gRPC owes for the last reply then goes out
@@ -380,10 +378,13 @@ static void call_batch_done(gc__stream *s, gc__call *cl) {
   if (free_it) call_free(cl);
 }
 
-static void on_send(gc__stream *s, gc__call *cl, bool ok) {
+/* A send's part of a completed batch (t_send, t_close, t_sendrecv): its buffer released,
+ * and the next send started. */
+static void send_settle(gc__stream *s, gc__call *cl, bool ok) {
   pthread_mutex_lock(&s->lock);
   grpc_byte_buffer *bb = cl->send_bb;
   cl->send_bb = NULL;
+  cl->paired = NULL;
   if (s->cur == cl) {
     s->send_busy = false;
     /* A failed send means the call is ending; its status will fail what is outstanding. */
@@ -391,6 +392,10 @@ static void on_send(gc__stream *s, gc__call *cl, bool ok) {
   }
   pthread_mutex_unlock(&s->lock);
   if (bb) grpc_byte_buffer_destroy(bb);
+}
+
+static void on_send(gc__stream *s, gc__call *cl, bool ok) {
+  send_settle(s, cl, ok);
   call_batch_done(s, cl);
 }
 
@@ -559,16 +564,7 @@ static void on_recv(gc__stream *s, gc__call *cl, bool ok) {
 /* A paired send and receive (t_sendrecv) completed: the send's part (what queued behind it
  * goes now), then the reply's, which also settles the batch. */
 static void on_sendrecv(gc__stream *s, gc__call *cl, bool ok) {
-  pthread_mutex_lock(&s->lock);
-  grpc_byte_buffer *bb = cl->send_bb;
-  cl->send_bb = NULL;
-  cl->paired = NULL;
-  if (s->cur == cl) {
-    s->send_busy = false;
-    if (ok) stream_kick_locked(s);
-  }
-  pthread_mutex_unlock(&s->lock);
-  if (bb) grpc_byte_buffer_destroy(bb);
+  send_settle(s, cl, ok);
   on_recv(s, cl, ok);
 }
 
