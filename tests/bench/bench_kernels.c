@@ -29,7 +29,8 @@
  *   - tflops: 2 * 3 * H * I * T * top_k / time (int8/int4: int ops);
  *   - peak_tflops: the register-only peak of the best dot instruction for the format, measured
  *     once per run on the same number of threads: vdpbf16ps (bf16), vpdpbusd (int8,
- *     int4), vfmadd231ps (f32, f16, and bf16/int8/int4 without BF16/VNNI); peak_kind
+ *     int4), vpmaddubsw (int8, int4 without VNNI: the AVX2 kernels), vfmadd231ps (f32, f16,
+ *     and bf16 without BF16); peak_kind
  *     names it; peak_ratio = tflops / peak_tflops;
  *   - amx_peak_tflops (AMX CPUs only, null elsewhere): the tile peak of the format (bf16
  *     tiles for bf16 / fp8, int8 tiles for int8 / int4), operands resident in tiles, a 2 x 2
@@ -519,11 +520,25 @@ __attribute__((target("avx2,fma"))) static void peak_fma256(uint32_t iters) {
   sink += (uint64_t)out[0];
 }
 
-typedef enum peak_kind { PK_DPBF16, PK_DPBUSD, PK_FMA512, PK_FMA256, PK_SCALAR, PK_COUNT } peak_kind;
+/* The int8 pair of the AVX2 kernels without VNNI (moe_avx2.c): vpmaddubsw, 16 int16 sums
+ * of 2 u8 x s8 products each (32 multiply-adds, 64 ops), the instruction that bounds them
+ * as vpdpbusd bounds the AVX-512 ones (their vpmaddwd and vpaddd after it go uncounted, so
+ * this is an upper bound). */
+__attribute__((target("avx2"))) static void peak_maddubs256(uint32_t iters) {
+  volatile int seed = 1;
+  __m256i b = _mm256_set1_epi8((char)seed), c = _mm256_set1_epi8((char)seed);
+  ACC16_DECL(__m256i, _mm256_setzero_si256());
+  LOOP16("vpmaddubsw", "x")
+  short out[16];
+  _mm256_storeu_si256((__m256i *)out, SUM16(_mm256_add_epi16));
+  sink += (uint64_t)out[0];
+}
+
+typedef enum peak_kind { PK_DPBF16, PK_DPBUSD, PK_FMA512, PK_FMA256, PK_MADDUBS256, PK_SCALAR, PK_COUNT } peak_kind;
 static const char *const peak_names[PK_COUNT] = {"avx512_bf16_vdpbf16ps", "avx512_vnni_vpdpbusd",
-                                                 "avx512_fma_f32", "avx2_fma_f32", "none"};
+                                                 "avx512_fma_f32", "avx2_fma_f32", "avx2_vpmaddubsw", "none"};
 /* Operations per instruction (per iteration: 16 instructions). */
-static const double peak_ops[PK_COUNT] = {64, 128, 32, 16, 0};
+static const double peak_ops[PK_COUNT] = {64, 128, 32, 16, 64, 0};
 
 typedef struct peak_job {
   peak_kind k;
@@ -538,6 +553,7 @@ static void peak_fn(int id, int n, void *arg) {
     case PK_DPBUSD: peak_dpbusd(j->iters); break;
     case PK_FMA512: peak_fma512(j->iters); break;
     case PK_FMA256: peak_fma256(j->iters); break;
+    case PK_MADDUBS256: peak_maddubs256(j->iters); break;
     default: break;
   }
 }
@@ -548,6 +564,8 @@ static peak_kind peak_for(kn_format f) {
   bool z = c->best >= KN_ISA_AVX512;
   if ((f == KN_FMT_BF16 || f == KN_FMT_FP8) && z && c->avx512_bf16) return PK_DPBF16;
   if ((f == KN_FMT_INT8 || f == KN_FMT_INT4) && z && c->avx512_vnni) return PK_DPBUSD;
+  /* without VNNI the int8 / int4 kernels are the AVX2 ones, on vpmaddubsw */
+  if ((f == KN_FMT_INT8 || f == KN_FMT_INT4) && c->best >= KN_ISA_AVX2) return PK_MADDUBS256;
   if (z) return PK_FMA512;
   if (c->best >= KN_ISA_AVX2) return PK_FMA256;
   return PK_SCALAR;
